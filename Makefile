@@ -1,0 +1,30 @@
+# Two commands for a newcomer: `make demo` (train the embedded default) and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install test test-fast demo clean
+
+install: $(STAMP)
+
+# torch==2.13.0 first: an unpinned torch would pull a multi-GB CUDA build; the package's range
+# (which 2.13.0 satisfies) then installs nothing more. Re-runs only when pyproject.toml changes.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow and not integration"
+
+demo: install
+	$(VENV)/bin/grpo train
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info src/*.egg-info

@@ -1,0 +1,27 @@
+"""One typed config tree (``grpo.config.schema``), loaded from YAML with ``key=value`` overrides."""
+
+from grpo.config.loader import (
+    ConfigError,
+    config_to_dict,
+    dump_config,
+    iter_config_keys,
+    load_config,
+    parse_override,
+)
+from grpo.config.schema import (
+    DataConfig,
+    LogConfig,
+    LossConfig,
+    ModelConfig,
+    OptimConfig,
+    RewardConfig,
+    RolloutConfig,
+    RunConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "ConfigError", "config_to_dict", "dump_config", "iter_config_keys", "load_config", "parse_override",
+    "DataConfig", "LogConfig", "LossConfig", "ModelConfig", "OptimConfig", "RewardConfig", "RolloutConfig",
+    "RunConfig", "TrainConfig",
+]

@@ -1,0 +1,182 @@
+"""The one typed config tree: every setting of a run, its default, its allowed values and why.
+
+Leaf names follow TRL's ``GRPOConfig`` where the concept is the same. Each field carries a ``help``
+string (the README's key table is generated from it) and, where it matters, ``choices`` or a range
+(``ge``/``gt``/``le``). Cross-field rules live in ``RunConfig.check`` and say why a combination is
+invalid. No logic beyond checks: loading and overrides are in ``grpo.config.loader``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def opt(default: Any, help: str, *, choices: tuple | None = None, ge=None, gt=None, le=None) -> Any:
+    """A dataclass field with its documentation and constraints in ``metadata``."""
+    meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = opt("assets/tiny-math", "Policy: a local HF checkpoint folder or a hub id.")
+    ref_name_or_path: str | None = opt(
+        None, "Reference model for the KL term; null = the policy's initial weights. Must share the tokenizer.")
+    lora_r: int = opt(0, "LoRA rank; 0 = full fine-tuning.", ge=0)
+    lora_alpha: float = opt(32.0, "LoRA scaling alpha.", gt=0)
+    lora_dropout: float = opt(0.05, "LoRA dropout.", ge=0, le=1)
+    lora_target_modules: str | list[str] = opt(
+        "all-linear", "Modules LoRA adapts: 'all-linear' or a list such as [q_proj, v_proj].")
+    gradient_checkpointing: bool = opt(False, "Recompute activations in backward to save memory.")
+    bf16: bool = opt(False, "Train in bfloat16 (GPU); fp32 otherwise.")
+    attn_implementation: str | None = opt(None, "Passed to from_pretrained (e.g. sdpa, flash_attention_2, eager).")
+    ref_torch_dtype: str | None = opt(
+        None, "dtype of the reference model (float32, bfloat16, float16); null = as the policy.",
+        choices=(None, "float32", "bfloat16", "float16"))
+    trust_remote_code: bool = opt(False, "Allow model code from the checkpoint folder.")
+
+
+@dataclass
+class DataConfig:
+    train: str = opt("synthetic:seed=1,n=5000",
+                     "Training prompts: a .jsonl/.json/.parquet file, a folder, a hub id, or synthetic:seed=S,n=N.")
+    eval: str | None = opt(None, "Held-out set for eval_steps and the before/after report; null = none.")
+    split: str = opt("train", "Split to read when data.train is a folder or hub id.")
+    eval_split: str = opt("test", "Split to read when data.eval is a folder or hub id.")
+    format: str = opt("gsm8k", "gsm8k: answer after '####'; prompts: any question/answer columns.",
+                      choices=("gsm8k", "prompts"))
+    question_column: str = opt("question", "Column with the question text or chat messages (format prompts).")
+    answer_column: str | None = opt("answer", "Column with the gold answer (format prompts); null = none.")
+    tag_style: str = opt("think", "Answer tags: think (<think>/<answer>) or reasoning (<reasoning>/<answer>).",
+                         choices=("think", "reasoning"))
+    system_prompt: str | None = opt(None, "System prompt; null = the tag style's default.")
+    max_prompt_length: int = opt(512, "Prompts longer than this many tokens are an error.", ge=1)
+    train_limit: int | None = opt(None, "Use only the first N training examples.", ge=1)
+    eval_limit: int | None = opt(None, "Evaluate only the first N held-out examples.", ge=1)
+    shuffle: bool = opt(True, "Shuffle training prompts each epoch (seeded by train.seed).")
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = opt("hf", "Generation engine.", choices=("hf",))
+    num_generations: int = opt(8, "G: completions sampled per prompt (the group).", ge=2)
+    max_completion_length: int = opt(256, "Maximum new tokens per completion.", ge=1)
+    temperature: float = opt(1.0, "Sampling temperature; log-probs are computed at the same temperature.", gt=0)
+    top_p: float = opt(1.0, "Nucleus sampling threshold.", gt=0, le=1)
+    top_k: int | None = opt(None, "Top-k sampling; null or 0 = off.", ge=0)
+    generation_batch_size: int | None = opt(
+        None, "Completions generated per generate() call; null = all of a step's at once.", ge=1)
+
+
+@dataclass
+class LossConfig:
+    beta: float = opt(0.04, "KL coefficient (k3 estimator against the reference); 0 = no reference model.", ge=0)
+    epsilon: float = opt(0.2, "Lower clip: ratio >= 1 - epsilon.", gt=0, le=1)
+    epsilon_high: float | None = opt(None, "Upper clip: ratio <= 1 + epsilon_high (DAPO); null = epsilon.", gt=0)
+    loss_type: str = opt("grpo", "Aggregation: grpo (per-sequence mean), bnpo, dr_grpo, dapo.",
+                         choices=("grpo", "bnpo", "dr_grpo", "dapo"))
+    scale_rewards: str = opt("group", "Advantage scaling: group std, batch std, or none (Dr. GRPO).",
+                             choices=("group", "batch", "none"))
+    num_iterations: int = opt(1, "Optimisation passes per rollout batch (mu); > 1 computes old log-probs.", ge=1)
+    advantage_eps: float = opt(1e-4, "Added to the std when scaling advantages.", gt=0)
+
+
+@dataclass
+class OptimConfig:
+    learning_rate: float = opt(1e-6, "Peak AdamW learning rate (full fine-tuning).", gt=0)
+    lora_learning_rate: float | None = opt(None, "Learning rate for LoRA parameters; null = learning_rate.", gt=0)
+    weight_decay: float = opt(0.0, "AdamW weight decay.", ge=0)
+    adam_beta1: float = opt(0.9, "AdamW beta1.", ge=0, le=1)
+    adam_beta2: float = opt(0.99, "AdamW beta2.", ge=0, le=1)
+    warmup_ratio: float = opt(0.0, "Share of max_steps with linear warm-up.", ge=0, le=1)
+    lr_scheduler_type: str = opt("cosine", "Decay after warm-up.", choices=("constant", "linear", "cosine"))
+    max_grad_norm: float | None = opt(1.0, "Clip the global gradient norm; null = no clipping.", gt=0)
+
+
+@dataclass
+class TrainConfig:
+    mode: str = opt("colocated", "colocated: one command does everything; decoupled: sampler and trainer processes.",
+                    choices=("colocated", "decoupled"))
+    prompts_per_step: int = opt(8, "P: prompts per optimisation step (over all ranks); P*G completions.", ge=1)
+    micro_batch_size: int = opt(16, "Completions per forward/backward; gradients accumulate over a step.", ge=1)
+    max_steps: int = opt(100, "Optimisation steps to run.", ge=1)
+    output_dir: str = opt("runs/demo", "Run folder: config, metrics, samples, plots, checkpoints.")
+    seed: int = opt(42, "Seed for data order, sampling and initialisation.", ge=0)
+    save_steps: int = opt(50, "Checkpoint every N steps (and at the end).", ge=1)
+    save_total_limit: int | None = opt(2, "Keep only the newest N checkpoints; null = all.", ge=1)
+    eval_steps: int | None = opt(None, "Evaluate data.eval every N steps (and at start and end); null = start/end only.", ge=1)
+    early_stop_accuracy: float | None = opt(None, "Stop when eval/accuracy reaches this value.", ge=0, le=1)
+    resume: bool = opt(False, "Continue from the newest checkpoint in output_dir.")
+    overwrite: bool = opt(False, "Allow writing into an output_dir that holds another run.")
+    device: str = opt("auto", "auto (cuda if available), cpu, or cuda[:N].")
+    deepspeed: str | None = opt(None, "DeepSpeed JSON config (decoupled trainer ranks).")
+    max_staleness: int = opt(0, "Decoupled: how many policy versions a rollout may lag; 0 = on-policy.", ge=0)
+    sync_steps: int = opt(1, "Decoupled: publish weights every N steps.", ge=1)
+
+
+@dataclass
+class LogConfig:
+    logging_steps: int = opt(1, "Write sample completions every N steps (metrics every step).", ge=1)
+    num_samples: int = opt(4, "Completions written to samples.jsonl per logged step.", ge=0)
+    report_to: list[str] = opt(["tensorboard"], "Trackers: tensorboard, wandb (optional extra), or [] for none.")
+    wandb_project: str = opt("grpo", "W&B project when report_to has wandb.")
+    progress_bar: bool = opt(True, "Show a rich progress bar.")
+
+
+@dataclass
+class RewardConfig:
+    name: str = opt("answer_correct", "A built-in reward, 'model', 'remote', or a dotted path pkg.module:function.")
+    weight: float = opt(1.0, "Weight in the total reward.")
+    params: dict = opt({}, "Keyword arguments for the reward (e.g. path, url, timeout).")
+
+
+def default_rewards() -> list[RewardConfig]:
+    # The seeds' reward: answer correct +1 / wrong -1, format ok +1.25 / bad -1.
+    return [RewardConfig("answer_correct", 1.0), RewardConfig("format_think_answer", 1.0)]
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    rewards: list[RewardConfig] = field(default_factory=default_rewards, metadata={
+        "help": "Reward functions and weights, e.g. [{name: answer_correct, weight: 1.0}]."})
+
+    def check(self) -> list[tuple[str, str]]:
+        """Cross-field rules: returns ``(key, why)`` for each violated one (empty when valid)."""
+        problems = []
+        completions = self.train.prompts_per_step * self.rollout.num_generations
+        if completions % self.train.micro_batch_size != 0:
+            problems.append(("train.micro_batch_size", (
+                f"{self.train.micro_batch_size} does not divide the step's {completions} completions "
+                f"(train.prompts_per_step {self.train.prompts_per_step} x rollout.num_generations "
+                f"{self.rollout.num_generations}); gradient accumulation needs equal micro-batches")))
+        if self.model.ref_name_or_path is not None and self.loss.beta == 0:
+            problems.append(("model.ref_name_or_path", (
+                "is set but loss.beta is 0: the reference only serves the KL term and would be loaded for "
+                "nothing; set loss.beta > 0 or model.ref_name_or_path: null")))
+        if self.loss.epsilon_high is not None and self.loss.epsilon_high < self.loss.epsilon:
+            problems.append(("loss.epsilon_high", (
+                f"{self.loss.epsilon_high} < loss.epsilon {self.loss.epsilon}: the asymmetric clip (DAPO) only "
+                "raises the upper bound")))
+        if self.optim.lora_learning_rate is not None and self.model.lora_r == 0:
+            problems.append(("optim.lora_learning_rate", "is set but model.lora_r is 0 (full fine-tuning has no LoRA parameters)"))
+        if not self.rewards:
+            problems.append(("rewards", "is empty: GRPO needs at least one reward function"))
+        for i, r in enumerate(self.rewards):
+            if not r.name:
+                problems.append((f"rewards[{i}].name", "is empty"))
+        for tracker in self.log.report_to:
+            if tracker not in ("tensorboard", "wandb"):
+                problems.append(("log.report_to", f"unknown tracker {tracker!r}; allowed: tensorboard, wandb"))
+        if self.train.early_stop_accuracy is not None and self.data.eval is None:
+            problems.append(("train.early_stop_accuracy", "needs data.eval (a held-out set to measure accuracy on)"))
+        return problems

@@ -1,0 +1,108 @@
+"""Build small Qwen2-architecture models and their tokenizers in-process, with no hub access.
+
+Used by the tests (random tiny models) and by the script that builds the shipped default model.
+The tokenizer is byte-level BPE like Qwen's, with digits split one per token (so arithmetic is
+learnable by a tiny model), Qwen's special tokens and a Qwen-style chat template.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+# The Qwen2.5 chat format: <|im_start|>role\ncontent<|im_end|>\n ..., generation prompt "<|im_start|>assistant\n".
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TAG_TOKENS = ["<think>", "</think>", "<answer>", "</answer>", "<reasoning>", "</reasoning>"]
+
+DEFAULT_CORPUS = [
+    "Tom has 12 apples and buys 7 more. How many apples does he have now?",
+    "<think>\n12 + 7 = 19\n</think>\n<answer>\n19\n</answer>",
+    "A train travels 60 miles per hour for 3 hours. How far does it go? 60 * 3 = 180",
+    "Respond in the following format: think step by step, then give the final number.",
+    "Sara spent $1,080 on 4 chairs. What did each chair cost? 1080 / 4 = 270 dollars",
+    "The quick brown fox jumps over the lazy dog. Hello world, what is the answer?",
+]
+
+
+def build_tokenizer(corpus: Iterable[str] = DEFAULT_CORPUS, vocab_size: int = 512):
+    """Train a byte-level BPE tokenizer on ``corpus`` and wrap it as a HF fast tokenizer.
+
+    Returns a ``PreTrainedTokenizerFast`` with ``eos_token = "<|im_end|>"`` (the end of an assistant
+    turn, as Qwen2.5-Instruct), ``pad_token = "<|endoftext|>"``, left padding (for batched generation)
+    and the Qwen chat template. Deterministic for a given corpus and vocab size.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    # Digits one per token before byte-level splitting: "1080" -> 1 0 8 0.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS + TAG_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(corpus), trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+    wrapped.chat_template = QWEN_CHAT_TEMPLATE
+    return wrapped
+
+
+def build_qwen2(
+    tokenizer,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 512,
+    tie_word_embeddings: bool = True,
+    seed: int = 0,
+):
+    """A randomly initialised ``Qwen2ForCausalLM`` sized for ``tokenizer`` (same code path as Qwen2.5).
+
+    ``seed`` makes the initial weights reproducible without touching the global RNG's later use.
+    """
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    rng_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    finally:
+        torch.random.set_rng_state(rng_state)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model

@@ -1,0 +1,26 @@
+"""Shared fixtures: an in-process tiny tokenizer and Qwen2 model (no hub access), data paths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+GSM8K_DIR = (REPO_ROOT / ".." / "shared" / "data" / "gsm8k").resolve()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    """Byte-level BPE with single-digit tokens, Qwen chat template, eos <|im_end|>, pad <|endoftext|>."""
+    from grpo.tiny_model import build_tokenizer
+
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def gsm8k_dir() -> Path:
+    """The real GSM8K files (never copied into the repo); skip when the shared folder is absent."""
+    if not (GSM8K_DIR / "test.jsonl").exists():
+        pytest.skip(f"real GSM8K files not found at {GSM8K_DIR} (shared/data/gsm8k beside the project)")
+    return GSM8K_DIR
