@@ -1,0 +1,60 @@
+"""From an Example to the prompt text the policy sees: system prompt + history, through the chat template.
+
+The system prompt is a setting of the run (default: the one of the answer tag style, so that the
+format the prompt asks for is the format the reward checks); the history comes from the data.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grpo.data.records import Example
+from grpo.tags import get_tag_style
+
+
+def default_system_prompt(tag_style: str = "think") -> str:
+    """The system prompt asking for the answer format of the named tag style ("think" | "reasoning")."""
+    return get_tag_style(tag_style).system_prompt
+
+
+def resolve_system_prompt(system_prompt: str | None, tag_style: str = "think") -> str:
+    """The config's `data.system_prompt` if set, else the tag style's default (config null = default)."""
+    return default_system_prompt(tag_style) if system_prompt is None else system_prompt
+
+
+def build_prompt_messages(example: Example, system_prompt: str | None) -> list[dict[str, str]]:
+    """The chat to render: ``[{"role": "system", ...}] + example.messages``.
+
+    system_prompt: the system turn's text; None leaves the system turn out (for models whose chat
+    template has no system role). This is not the config's null: resolve that first with
+    `resolve_system_prompt`. (Qwen2.5's template adds its own default system turn when there is none.)
+    The example's messages are copied, never shared.
+    """
+    history = [dict(message) for message in example.messages]
+    if system_prompt is None:
+        return history
+    return [{"role": "system", "content": system_prompt}, *history]
+
+
+def render_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    """Render messages with the tokenizer's chat template, ending with the assistant's generation prompt.
+
+    tokenizer: a `transformers` tokenizer with a `chat_template`. Raises ValueError naming the
+    tokenizer (its `name_or_path`) if it has none: base models often ship without one, and
+    a silent plain-text fallback would train on prompts the model never sees at inference.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise ValueError(
+            f"tokenizer {name!r} has no chat template; use an instruct/chat model's tokenizer "
+            "or set tokenizer.chat_template to a Jinja template"
+        )
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if not isinstance(text, str):
+        raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, expected str")
+    return text
+
+
+def render_example(tokenizer: Any, example: Example, system_prompt: str | None) -> str:
+    """Shortcut for ``render_prompt(tokenizer, build_prompt_messages(example, system_prompt))``."""
+    return render_prompt(tokenizer, build_prompt_messages(example, system_prompt))

@@ -1,0 +1,105 @@
+"""Data source strings (the config's `data.train` / `data.eval`) -> a list of Examples.
+
+Forms, looked up by the prefix before the first ":" in `SOURCE_KINDS`:
+- ``synthetic:seed=123,n=500[,difficulty=mixed][,steps=2][,max_digits=2]``: generated problems
+  (`grpo.data.synthetic`). Use different seeds for train and eval: the split is not mixed in.
+- ``prompts:path=chat.jsonl[,question_column=src][,answer_column=answer][,answer_format=gsm8k]
+  [,tgt_column=tgt]``: any prompt file (`grpo.data.prompt_datasets.load_prompts`).
+- anything else: GSM8K from a file, a folder (the split's file inside) or a hub id such as
+  "openai/gsm8k" (`grpo.data.gsm8k.load_gsm8k`).
+Values cannot contain "," (the separator); paths with commas must use the plain GSM8K form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from grpo.data.gsm8k import load_gsm8k
+from grpo.data.locations import check_limit
+from grpo.data.prompt_datasets import load_prompts
+from grpo.data.records import DataError, Example
+from grpo.data.synthetic import generate_problems
+
+
+@dataclass(frozen=True)
+class SourceKind:
+    """One prefixed source form: its option keys and the loader given the parsed options."""
+
+    keys: dict[str, type]  # every allowed key -> the type its text is converted to
+    required: tuple[str, ...]
+    load: Callable[[dict[str, Any], str, int | None], list[Example]]
+
+
+def _load_synthetic(options: dict[str, Any], split: str, limit: int | None) -> list[Example]:
+    # The split is ignored on purpose (see module docstring); `limit` can cut generation short
+    # because problem i does not depend on the problems after it.
+    n = options.pop("n")
+    return generate_problems(min(n, limit) if limit is not None else n, **options)
+
+
+def _load_prompt_file(options: dict[str, Any], split: str, limit: int | None) -> list[Example]:
+    path = options.pop("path")
+    return load_prompts(path, split=split, limit=limit, **options)
+
+
+SOURCE_KINDS: dict[str, SourceKind] = {
+    "synthetic": SourceKind(
+        keys={"seed": int, "n": int, "difficulty": str, "steps": int, "max_digits": int},
+        required=("seed", "n"),
+        load=_load_synthetic,
+    ),
+    "prompts": SourceKind(
+        keys={"path": str, "question_column": str, "answer_column": str, "answer_format": str, "tgt_column": str},
+        required=("path",),
+        load=_load_prompt_file,
+    ),
+}
+
+
+def load_dataset_source(spec: str, split: str = "train", limit: int | None = None) -> list[Example]:
+    """Load the Examples a data source string names (forms in the module docstring).
+
+    split: the split read from a folder or hub id ("train", "test"); limit: keep the first
+    `limit` examples. Raises DataError for a malformed spec (unknown or missing keys, listing
+    the allowed ones) and for bad data (naming file and line).
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise DataError(f"data source must be a non-empty string, got {spec!r}")
+    check_limit(limit)
+    kind_name, separator, option_text = spec.partition(":")
+    kind = SOURCE_KINDS.get(kind_name) if separator else None
+    if kind is None:
+        return load_gsm8k(spec, split=split, limit=limit)
+    options = parse_options(spec, option_text, kind)
+    return kind.load(options, split, limit)
+
+
+def parse_options(spec: str, option_text: str, kind: SourceKind) -> dict[str, Any]:
+    """Parse "key=value,key=value" for one source kind, converting values to the kind's types."""
+    types = kind.keys
+    allowed = sorted(types)
+    options: dict[str, Any] = {}
+    for item in option_text.split(","):
+        key, equals, value = (part.strip() for part in item.partition("="))
+        if not equals or not key or not value:
+            raise DataError(f"data source {spec!r}: expected key=value, got {item!r}; allowed keys: {allowed}")
+        if key not in types:
+            raise DataError(f"data source {spec!r}: unknown key {key!r}; allowed keys: {allowed}")
+        if key in options:
+            raise DataError(f"data source {spec!r}: key {key!r} given twice")
+        options[key] = _convert(spec, key, value, types[key])
+    missing = [key for key in kind.required if key not in options]
+    if missing:
+        raise DataError(f"data source {spec!r}: missing key(s) {missing}; allowed keys: {allowed}")
+    return options
+
+
+def _convert(spec: str, key: str, value: str, kind: type) -> Any:
+    if kind is int:
+        try:
+            return int(value)
+        except ValueError:
+            raise DataError(f"data source {spec!r}: {key} must be an integer, got {value!r}") from None
+    return value

@@ -1,0 +1,46 @@
+"""Rewards for GRPO: a registry of TRL-signature reward functions and the scoring step.
+
+A reward function is ``fn(prompts, completions, **columns) -> list[float | None]`` (see ``base.py``),
+so TRL reward functions run unchanged. Modules:
+
+- ``answers``:  completion text, ``extract_answer``, ``is_well_formatted``, ``answers_equal``
+- ``builtin``:  ``answer_correct``, ``format_think_answer`` and the Unsloth GSM8K five
+- ``model``:    a local sequence-classification reward model (``"model"``, params ``path``)
+- ``remote``:   an HTTP reward endpoint (``"remote"``, params ``url``)
+- ``registry``: names -> factories, and user functions by ``"package.module:function"``
+- ``guard``:    ``RewardFunction``, which turns a failing sample into an abstention, logged once
+- ``scoring``:  ``RewardSpec``, ``build_reward_functions``, ``score`` -> ``RewardScores``
+"""
+
+from grpo.rewards.answers import answers_equal, completion_text, extract_answer, is_well_formatted
+from grpo.rewards.base import RewardCallable, RewardFactory
+from grpo.rewards.guard import RewardFunction
+from grpo.rewards.registry import (
+    REWARD_REGISTRY,
+    get_reward_function,
+    list_rewards,
+    load_dotted,
+    register_reward,
+)
+from grpo.rewards.remote import RemoteRewardError
+from grpo.rewards.scoring import RewardScores, RewardSpec, build_reward_functions, score
+
+__all__ = [
+    "REWARD_REGISTRY",
+    "RemoteRewardError",
+    "RewardCallable",
+    "RewardFactory",
+    "RewardFunction",
+    "RewardScores",
+    "RewardSpec",
+    "answers_equal",
+    "build_reward_functions",
+    "completion_text",
+    "extract_answer",
+    "get_reward_function",
+    "is_well_formatted",
+    "list_rewards",
+    "load_dotted",
+    "register_reward",
+    "score",
+]

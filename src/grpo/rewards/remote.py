@@ -1,0 +1,157 @@
+"""Reward computed by an HTTP endpoint (a sandbox, a judge model, a verifier service).
+
+Wire format, version 1. One POST per batch, JSON body:
+
+    {"version": 1,
+     "prompts": [...],            # N strings, or N message lists
+     "completions": [...],        # N strings, or N message lists
+     "columns": {"answer": [...], ...}}   # the per-sample dataset columns, each a list of N
+
+Keyword arguments that are not per-sample lists (e.g. TRL's ``trainer_state``) are not sent.
+The endpoint answers 200 with ``{"rewards": [float or null, ...]}`` (N entries; null = abstain).
+
+Failures: connection errors and 5xx answers are retried ``retries`` times with exponential backoff
+(``backoff_s``, ``2*backoff_s``, ...); a read timeout, a 4xx, malformed JSON or a wrong number of
+rewards are not (retrying cannot fix them) and raise ``RemoteRewardError`` naming the reward, the URL,
+the status and an excerpt of the body.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlparse
+
+import requests
+
+from grpo.rewards.base import RewardCallable, named
+from grpo.tags import TagStyle
+
+WIRE_VERSION = 1
+BODY_EXCERPT_CHARS = 300
+
+
+class RemoteRewardError(RuntimeError):
+    """A remote reward endpoint could not give a valid answer."""
+
+
+def _default_name(url: str) -> str:
+    netloc = urlparse(url).netloc or url
+    return "remote_" + re.sub(r"[^A-Za-z0-9_.-]+", "_", netloc)
+
+
+def _jsonable(value: Any) -> Any:
+    """``json.dumps`` fallback for numpy arrays / scalars and torch tensors (all have ``tolist``)."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def build_payload(prompts: Sequence[Any], completions: Sequence[Any], columns: dict[str, Any]) -> dict[str, Any]:
+    """The request body (see module docstring); only per-sample columns (sequences of length N) are kept."""
+    n = len(completions)
+    per_sample = {
+        key: list(value)
+        for key, value in columns.items()
+        if hasattr(value, "__len__") and not isinstance(value, (str, bytes, dict)) and len(value) == n
+    }
+    return {"version": WIRE_VERSION, "prompts": list(prompts), "completions": list(completions), "columns": per_sample}
+
+
+def parse_rewards(body: Any, n: int) -> list[float | None]:
+    """Validate a response body: ``{"rewards": [...]}`` with n numbers or nulls. Raises ValueError."""
+    if not isinstance(body, dict) or not isinstance(body.get("rewards"), list):
+        raise ValueError('expected a JSON object {"rewards": [...]}')
+    rewards = body["rewards"]
+    if len(rewards) != n:
+        raise ValueError(f"got {len(rewards)} rewards for {n} completions")
+    for i, value in enumerate(rewards):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"reward at index {i} is {value!r}, expected a number or null")
+    return [None if v is None else float(v) for v in rewards]
+
+
+def make_remote_reward(
+    tag_style: TagStyle | str | None = None,
+    *,
+    url: str,
+    timeout_s: float = 30.0,
+    retries: int = 3,
+    backoff_s: float = 0.5,
+    token: str | None = None,
+    token_env: str | None = None,
+    name: str | None = None,
+) -> RewardCallable:
+    """Return a reward function that POSTs each batch to ``url`` (see module docstring).
+
+    Args:
+        tag_style: unused (accepted so every registry factory has the same call shape).
+        url: the endpoint, e.g. "http://judge:8000/score".
+        timeout_s: per-request timeout in seconds, for connecting and for reading the answer.
+        retries: extra attempts after a connection error or a 5xx answer (0: try once).
+        backoff_s: sleep before the first retry; doubled before each later one.
+        token: bearer token sent as ``Authorization: Bearer <token>``.
+        token_env: name of an environment variable holding the token (keeps secrets out of configs);
+            read once, here.
+        name: the reward's name in logs; default ``remote_<host>_<port>``.
+    """
+    if urlparse(url).scheme not in ("http", "https"):
+        raise ValueError(f"remote reward url must start with http:// or https://, got {url!r}")
+    if timeout_s <= 0 or retries < 0 or backoff_s < 0:
+        raise ValueError(
+            f"remote reward needs timeout_s > 0, retries >= 0, backoff_s >= 0; got "
+            f"timeout_s={timeout_s}, retries={retries}, backoff_s={backoff_s}"
+        )
+    if token is not None and token_env is not None:
+        raise ValueError("remote reward: give token or token_env, not both")
+    if token_env is not None:
+        token = os.environ.get(token_env)
+        if not token:
+            raise ValueError(f"remote reward: environment variable {token_env!r} (token_env) is not set")
+    reward_name = name or _default_name(url)
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    session = requests.Session()
+
+    def fail(message: str, response: requests.Response | None = None) -> RemoteRewardError:
+        detail = ""
+        if response is not None:
+            detail = f" (HTTP {response.status_code}; body: {response.text[:BODY_EXCERPT_CHARS]!r})"
+        return RemoteRewardError(f"remote reward {reward_name!r} at {url}: {message}{detail}")
+
+    def remote_reward(prompts: Sequence[Any], completions: Sequence[Any], **columns: Any) -> list[float | None]:
+        try:
+            data = json.dumps(build_payload(prompts, completions, columns), default=_jsonable)
+        except TypeError as error:
+            raise fail(f"cannot encode the batch as JSON: {error}") from error
+        for attempt in range(retries + 1):
+            if attempt:
+                time.sleep(backoff_s * 2 ** (attempt - 1))
+            last_try = attempt == retries
+            try:
+                response = session.post(url, data=data, headers=headers, timeout=timeout_s)
+            except requests.ConnectionError as error:  # includes ConnectTimeout: the server never saw it
+                if last_try:
+                    raise fail(f"connection failed after {retries + 1} attempts: {error}") from error
+                continue
+            except requests.Timeout as error:  # a read timeout: the server is slow, not gone
+                raise fail(f"no answer within timeout_s={timeout_s} s") from error
+            if response.status_code >= 500 and not last_try:
+                continue
+            if response.status_code != 200:
+                attempts = f" after {retries + 1} attempts" if response.status_code >= 500 else ""
+                raise fail(f"request failed{attempts}", response)
+            try:
+                return parse_rewards(response.json(), len(completions))
+            except ValueError as error:  # includes invalid JSON (requests' JSONDecodeError)
+                raise fail(f"bad answer: {error}", response) from error
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    remote_reward.per_sample_fallback = False  # type: ignore[attr-defined]  # see guard.py
+    return named(remote_reward, reward_name)
+
