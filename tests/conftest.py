@@ -24,3 +24,14 @@ def gsm8k_dir() -> Path:
     if not (GSM8K_DIR / "test.jsonl").exists():
         pytest.skip(f"real GSM8K files not found at {GSM8K_DIR} (shared/data/gsm8k beside the project)")
     return GSM8K_DIR
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """A tiny random Qwen2 + tokenizer saved in HF format (loaded back with from_pretrained by the code under test)."""
+    from grpo.tiny_model import build_qwen2
+
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    build_qwen2(tiny_tokenizer, hidden_size=64, num_layers=2, seed=0).save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    return path

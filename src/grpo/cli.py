@@ -18,9 +18,83 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from grpo.config import load_config
+    from grpo.trainer import train
+
+    overrides = list(args.overrides)
+    if args.resume:
+        overrides.append("train.resume=true")
+    if args.overwrite:
+        overrides.append("train.overwrite=true")
+    cfg = load_config(args.config or _default_recipe(), overrides)
+    result = train(cfg)
+    _print_summary(result)
+    return 0
+
+
+def _default_recipe() -> str | None:
+    # `grpo train` with no recipe runs the embedded default when it is present.
+    from pathlib import Path
+
+    recipe = Path("configs/demo-cpu.yaml")
+    return str(recipe) if recipe.is_file() else None
+
+
+def _print_summary(result) -> None:
+    print(f"run folder: {result.output_dir}  (last step {result.last_step})")
+    if result.eval_before and result.eval_after:
+        b, a = result.eval_before, result.eval_after
+        print(f"held-out accuracy: {b['accuracy']:.1%} -> {a['accuracy']:.1%} "
+              f"({(a['accuracy'] - b['accuracy']) * 100:+.1f} points); "
+              f"format rate {b['format_rate']:.1%} -> {a['format_rate']:.1%}")
+    print(f"plots: {result.output_dir / 'plots'}   final model: {result.output_dir / 'final'}")
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from grpo.plots import plot_run
+
+    for path in plot_run(args.run_dir):
+        print(path)
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from grpo.evaluate import run_eval_command
+
+    run_eval_command(args.model, data=args.data, split=args.split, limit=args.limit, samples=args.samples,
+                     temperature=args.temperature, output=args.output, batch_size=args.batch_size,
+                     max_new_tokens=args.max_new_tokens, device=args.device, seed=args.seed,
+                     base_model=args.base_model, dtype=args.dtype, records_output=args.save_completions,
+                     progress=not args.no_progress)
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from grpo.chat import run_chat
+
+    run_chat(args.model, prompt=args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+             device=args.device, system_prompt=args.system_prompt, base_model=args.base_model, dtype=args.dtype,
+             seed=args.seed)
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from grpo.export import export_model
+
+    print(export_model(args.checkpoint, args.out_dir, dtype=args.dtype, overwrite=args.overwrite,
+                       base_model=args.base_model))
+    return 0
+
+
 def _cmd_keys(args: argparse.Namespace) -> int:
     from grpo.config import iter_config_keys
 
+    if args.markdown:
+        from grpo.config.docs import config_keys_markdown
+
+        print(config_keys_markdown())
+        return 0
     for key, type_name, default, help_text in iter_config_keys():
         print(f"{key:36} {type_name:22} default={default!r}\n    {help_text}")
     return 0
@@ -36,7 +110,58 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("overrides", nargs="*", help="section.key=value (value parsed as YAML)")
     config.set_defaults(func=_cmd_config)
 
+    train = sub.add_parser("train", help="train with GRPO (colocated: sampling and learning in this process)")
+    train.add_argument("config", nargs="?", help="YAML recipe (default: configs/demo-cpu.yaml)")
+    train.add_argument("overrides", nargs="*", help="section.key=value (value parsed as YAML)")
+    train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
+    train.add_argument("--overwrite", action="store_true", help="replace a previous run in output_dir")
+    train.set_defaults(func=_cmd_train)
+
+    plot = sub.add_parser("plot", help="write plots/*.png of a run's metrics")
+    plot.add_argument("run_dir")
+    plot.set_defaults(func=_cmd_plot)
+
+    dtypes = ("float32", "bfloat16", "float16")
+    ev = sub.add_parser("eval", help="greedy answer accuracy and format rate (pass@k with --samples k)")
+    ev.add_argument("model", help="model folder, checkpoint, or run folder (uses final/ or the newest checkpoint)")
+    ev.add_argument("--data", help="file, folder, hub id or synthetic:seed=S,n=N (default: the run's data.eval)")
+    ev.add_argument("--split", help="split of a folder/hub id (default: the run's data.eval_split or test)")
+    ev.add_argument("--limit", type=int, help="evaluate only the first N examples")
+    ev.add_argument("--samples", type=int, default=1, help="k samples per problem for pass@k")
+    ev.add_argument("--temperature", type=float, default=1.0, help="sampling temperature for --samples")
+    ev.add_argument("--output", help="write a JSON report here")
+    ev.add_argument("--save-completions", help="write per-example completions (JSON lines) here")
+    ev.add_argument("--batch-size", type=int, default=32)
+    ev.add_argument("--max-new-tokens", type=int, default=256)
+    ev.add_argument("--device", default="auto")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--base-model", help="base model of a LoRA checkpoint (default: from adapter_config.json)")
+    ev.add_argument("--dtype", choices=dtypes)
+    ev.add_argument("--no-progress", action="store_true")
+    ev.set_defaults(func=_cmd_eval)
+
+    chat = sub.add_parser("chat", help="talk to a model with the training system prompt")
+    chat.add_argument("model", help="model folder, checkpoint, or run folder")
+    chat.add_argument("--prompt", help="answer this once and exit (otherwise interactive)")
+    chat.add_argument("--max-new-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    chat.add_argument("--system-prompt", help="override the run's system prompt")
+    chat.add_argument("--device", default="auto")
+    chat.add_argument("--base-model")
+    chat.add_argument("--dtype", choices=dtypes)
+    chat.add_argument("--seed", type=int)
+    chat.set_defaults(func=_cmd_chat)
+
+    export = sub.add_parser("export", help="write a checkpoint as a plain HF model (LoRA merged into its base)")
+    export.add_argument("checkpoint")
+    export.add_argument("out_dir")
+    export.add_argument("--dtype", choices=dtypes)
+    export.add_argument("--overwrite", action="store_true")
+    export.add_argument("--base-model")
+    export.set_defaults(func=_cmd_export)
+
     keys = sub.add_parser("keys", help="list every config key with its type, default and meaning")
+    keys.add_argument("--markdown", action="store_true", help="print the README's markdown table")
     keys.set_defaults(func=_cmd_keys)
     return parser
 
@@ -50,6 +175,7 @@ def _split_config_and_overrides(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from grpo.config import ConfigError
+    from grpo.data import DataError
 
     args = build_parser().parse_args(argv)
     _split_config_and_overrides(args)
@@ -57,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ConfigError as err:
         print(f"grpo: configuration error: {err}", file=sys.stderr)
+        return 2
+    except DataError as err:
+        print(f"grpo: data error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("grpo: interrupted", file=sys.stderr)

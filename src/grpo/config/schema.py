@@ -27,7 +27,8 @@ class ModelConfig:
         None, "Reference model for the KL term; null = the policy's initial weights. Must share the tokenizer.")
     lora_r: int = opt(0, "LoRA rank; 0 = full fine-tuning.", ge=0)
     lora_alpha: float = opt(32.0, "LoRA scaling alpha.", gt=0)
-    lora_dropout: float = opt(0.05, "LoRA dropout.", ge=0, le=1)
+    lora_dropout: float = opt(0.0, "LoRA dropout; 0 keeps training log-probs equal to the sampler's (ratio 1 on the first pass).",
+                              ge=0, le=1)
     lora_target_modules: str | list[str] = opt(
         "all-linear", "Modules LoRA adapts: 'all-linear' or a list such as [q_proj, v_proj].")
     gradient_checkpointing: bool = opt(False, "Recompute activations in backward to save memory.")
@@ -41,15 +42,13 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train: str = opt("synthetic:seed=1,n=5000",
-                     "Training prompts: a .jsonl/.json/.parquet file, a folder, a hub id, or synthetic:seed=S,n=N.")
+    train: str = opt("synthetic:seed=1,n=5000", (
+        "Training prompts: a GSM8K .jsonl/.json/.parquet file, a folder, a hub id (openai/gsm8k), "
+        "synthetic:seed=S,n=N[,difficulty=D], or prompts:path=P[,question_column=C][,answer_column=A] "
+        "for any prompt file (plain or chat-message questions, src/tgt multi-turn)."))
     eval: str | None = opt(None, "Held-out set for eval_steps and the before/after report; null = none.")
     split: str = opt("train", "Split to read when data.train is a folder or hub id.")
     eval_split: str = opt("test", "Split to read when data.eval is a folder or hub id.")
-    format: str = opt("gsm8k", "gsm8k: answer after '####'; prompts: any question/answer columns.",
-                      choices=("gsm8k", "prompts"))
-    question_column: str = opt("question", "Column with the question text or chat messages (format prompts).")
-    answer_column: str | None = opt("answer", "Column with the gold answer (format prompts); null = none.")
     tag_style: str = opt("think", "Answer tags: think (<think>/<answer>) or reasoning (<reasoning>/<answer>).",
                          choices=("think", "reasoning"))
     system_prompt: str | None = opt(None, "System prompt; null = the tag style's default.")

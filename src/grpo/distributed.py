@@ -1,0 +1,82 @@
+"""Everything about ranks in one place: init, reductions, main-process printing, clean shutdown.
+
+Single-process runs need no launcher; under ``torchrun`` (WORLD_SIZE > 1) a process group is
+created with gloo on CPU and NCCL on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(device_kind: str = "cpu") -> DistInfo:
+    """Join the process group torchrun describes in the environment (no-op for one process)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return DistInfo()
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device_kind == "cuda" else "gloo")
+    return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                    local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def all_reduce_mean(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Mean of a tensor over ranks (identity for one process). Returns a new tensor."""
+    out = values.detach().clone()
+    if info.enabled:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        out /= info.world_size
+    return out
+
+
+def all_reduce_sum(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    out = values.detach().clone()
+    if info.enabled:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
+
+
+def broadcast_object(obj, info: DistInfo, src: int = 0):
+    """Rank ``src``'s Python object on every rank (used only for small local values such as a
+    resume decision; never for bytes from outside the process group)."""
+    if not info.enabled:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]
+
+
+def barrier(info: DistInfo) -> None:
+    if info.enabled:
+        dist.barrier()
+
+
+def shutdown(info: DistInfo) -> None:
+    """Barrier then destroy: without the barrier a fast rank 0 may tear the group down under rank 1."""
+    if info.enabled and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def print0(info: DistInfo, *args, **kwargs) -> None:
+    if info.is_main:
+        print(*args, **kwargs, flush=True)

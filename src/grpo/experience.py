@@ -1,0 +1,110 @@
+"""One step's experience: prompts -> group of completions -> rewards -> advantages -> old/ref log-probs.
+
+This is the sampler's half of GRPO (the same function serves the colocated loop and, later, the
+sampler process). No optimisation and no logging here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from grpo.algorithm import group_advantages
+from grpo.data import DataError, Example, build_prompt_messages, render_prompt
+from grpo.logprobs import completion_logprobs
+from grpo.models import reference_context
+from grpo.records import RolloutBatch
+from grpo.rewards import answers_equal, extract_answer, is_well_formatted, score
+from grpo.rollout import RolloutEngine, SamplingParams
+
+
+@dataclass(frozen=True)
+class ExperienceSettings:
+    """The inputs of a rollout step that come from the config (kept explicit, not the whole tree)."""
+
+    sampling: SamplingParams
+    system_prompt: str | None
+    tag_style: str
+    max_prompt_length: int
+    scale_rewards: str
+    advantage_eps: float
+    need_old_logprobs: bool  # num_iterations > 1
+    need_ref_logprobs: bool  # beta > 0
+    logprob_batch_size: int
+
+
+def render_prompts(tokenizer, examples: Sequence[Example], system_prompt: str | None,
+                   max_prompt_length: int) -> list[str]:
+    """Chat-template each example; a prompt over ``max_prompt_length`` tokens is an error naming it."""
+    prompts = []
+    for example in examples:
+        text = render_prompt(tokenizer, build_prompt_messages(example, system_prompt))
+        length = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if length > max_prompt_length:
+            raise DataError(f"{example.source}: prompt is {length} tokens, over data.max_prompt_length "
+                            f"{max_prompt_length}; raise it or drop the example")
+        prompts.append(text)
+    return prompts
+
+
+def correctness(completions: Sequence[str], examples: Sequence[Example], group_size: int,
+                tag_style: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """([N] bool answer correct, [N] bool well formatted) for logging accuracy and format rate."""
+    golds = [e.answer for e in examples for _ in range(group_size)]
+    correct = [gold is not None and answers_equal(extract_answer(c, tag_style), gold)
+               for c, gold in zip(completions, golds)]
+    formatted = [is_well_formatted(c, tag_style) for c in completions]
+    return torch.tensor(correct), torch.tensor(formatted)
+
+
+def make_experience(
+    engine: RolloutEngine,
+    policy: torch.nn.Module,
+    reference: torch.nn.Module | None,
+    tokenizer,
+    examples: Sequence[Example],
+    reward_fns: Sequence,
+    reward_weights: Sequence[float],
+    settings: ExperienceSettings,
+    seed: int,
+) -> RolloutBatch:
+    """Sample ``G`` completions per example with the current policy and turn them into a ``RolloutBatch``."""
+    G = settings.sampling.n
+    prompts = render_prompts(tokenizer, examples, settings.system_prompt, settings.max_prompt_length)
+    generation = engine.generate(prompts, settings.sampling, seed=seed)
+
+    # Rewards see chat-format prompts and completions, as TRL passes them for conversational data,
+    # so TRL reward functions (which read completion[0]["content"]) run unchanged.
+    chat_prompts = [build_prompt_messages(e, settings.system_prompt) for e in examples for _ in range(G)]
+    chat_completions = [[{"role": "assistant", "content": text}] for text in generation.completions]
+    columns: dict[str, list] = {}
+    for e in examples:
+        for key, value in e.columns().items():
+            columns.setdefault(key, []).extend([value] * G)
+    scores = score(reward_fns, reward_weights, chat_prompts, chat_completions, columns)
+    advantages = group_advantages(scores.total, G, scale=settings.scale_rewards, eps=settings.advantage_eps)
+
+    def logprobs_of(model: torch.nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            return completion_logprobs(model, generation.prompt_ids, generation.prompt_mask,
+                                       generation.completion_ids, generation.completion_mask,
+                                       settings.sampling.temperature, settings.logprob_batch_size)
+
+    old_logprobs = logprobs_of(policy) if settings.need_old_logprobs else None
+    ref_logprobs = None
+    if settings.need_ref_logprobs:
+        with reference_context(policy, reference) as ref_model:
+            ref_logprobs = logprobs_of(ref_model)
+    return RolloutBatch(
+        generation=generation,
+        rewards=scores.total,
+        reward_parts=scores.per_function,
+        reward_names=scores.names,
+        advantages=advantages,
+        old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs,
+        prompts=prompts,
+        columns=columns,
+    )

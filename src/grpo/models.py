@@ -1,0 +1,128 @@
+"""Load the policy, its tokenizer and the reference model; wrap LoRA. Checks that fail early and say why."""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import torch
+
+from grpo.config import ConfigError, ModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> cuda when available, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"train.device: {name!r} requested but CUDA is not available on this machine")
+    return torch.device(name)
+
+
+def _looks_local(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or Path(name).exists() or name.count("/") != 1
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+    """The policy's tokenizer, left padding (for batched generation), a pad token, and a chat template."""
+    from transformers import AutoTokenizer
+
+    if _looks_local(name_or_path) and not Path(name_or_path).expanduser().exists():
+        raise ConfigError(f"model.name_or_path: {name_or_path!r} does not exist (a local folder or a hub id org/name)")
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"model.name_or_path: the tokenizer of {name_or_path!r} has no chat template; "
+                          "GRPO prompts are chat messages (use an -Instruct model or add a template)")
+    return tokenizer
+
+
+def _load_causal_lm(name_or_path: str, dtype: torch.dtype, cfg: ModelConfig, key: str):
+    from transformers import AutoModelForCausalLM
+
+    if _looks_local(name_or_path) and not Path(name_or_path).expanduser().exists():
+        raise ConfigError(f"{key}: {name_or_path!r} does not exist (a local folder or a hub id org/name)")
+    kwargs = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+
+
+def policy_dtype(cfg: ModelConfig) -> torch.dtype:
+    return torch.bfloat16 if cfg.bf16 else torch.float32
+
+
+def load_policy(cfg: ModelConfig, device: torch.device):
+    """The trainable policy on ``device``: full model, or a peft LoRA wrapper when ``lora_r > 0``."""
+    model = _load_causal_lm(cfg.name_or_path, policy_dtype(cfg), cfg, "model.name_or_path").to(device)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if cfg.lora_r > 0:
+        from peft import LoraConfig, get_peft_model
+
+        if cfg.gradient_checkpointing:
+            model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need grads
+        lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                          target_modules=cfg.lora_target_modules, task_type="CAUSAL_LM")
+        model = get_peft_model(model, lora)
+    model.train()
+    return model
+
+
+def load_reference(cfg: ModelConfig, policy: torch.nn.Module, tokenizer, device: torch.device):
+    """The frozen reference, or None when it is the LoRA policy with its adapter disabled.
+
+    ``ref_name_or_path`` null: the policy's initial weights (a frozen copy, made before any update);
+    otherwise another checkpoint that must share the tokenizer (a larger teacher), checked here.
+    """
+    dtype = DTYPES[cfg.ref_torch_dtype] if cfg.ref_torch_dtype else policy_dtype(cfg)
+    if cfg.ref_name_or_path is None:
+        if cfg.lora_r > 0:
+            return None  # same weights with the adapter off: no second copy in memory
+        reference = copy.deepcopy(policy).to(dtype)
+    else:
+        reference = _load_causal_lm(cfg.ref_name_or_path, dtype, cfg, "model.ref_name_or_path").to(device)
+        check_same_vocabulary(cfg, tokenizer, reference)
+    reference.eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+def check_same_vocabulary(cfg: ModelConfig, tokenizer, reference: torch.nn.Module) -> None:
+    """A teacher of another tokenizer family would score other tokens: refuse it with the numbers."""
+    from transformers import AutoTokenizer
+
+    ref_tok = AutoTokenizer.from_pretrained(cfg.ref_name_or_path, trust_remote_code=cfg.trust_remote_code)
+    if ref_tok.get_vocab() != tokenizer.get_vocab():
+        raise ConfigError(
+            f"model.ref_name_or_path: {cfg.ref_name_or_path!r} has a different tokenizer from the policy "
+            f"{cfg.name_or_path!r} ({len(ref_tok)} vs {len(tokenizer)} tokens); the reference must share it")
+    rows = reference.get_input_embeddings().weight.shape[0]
+    if rows < len(tokenizer):
+        raise ConfigError(f"model.ref_name_or_path: its embedding has {rows} rows, fewer than the tokenizer's "
+                          f"{len(tokenizer)} tokens")
+
+
+@contextmanager
+def reference_context(policy: torch.nn.Module, reference: torch.nn.Module | None):
+    """Yield the module that computes reference log-probs: the reference, or the LoRA policy with the
+    adapter disabled (peft's ``disable_adapter``)."""
+    if reference is not None:
+        with nullcontext():
+            yield reference
+        return
+    from grpo.rollout.hf import unwrap_model
+
+    base = unwrap_model(policy)
+    with base.disable_adapter():
+        yield base
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]

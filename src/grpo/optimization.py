@@ -1,0 +1,124 @@
+"""The learner's half of a step: AdamW + warm-up/decay schedule, and the clipped-surrogate update
+over a rollout batch in micro-batches with gradient accumulation."""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from grpo.algorithm import policy_loss
+from grpo.config import OptimConfig
+from grpo.distributed import DistInfo, all_reduce_sum
+from grpo.logprobs import completion_logprobs
+from grpo.records import RolloutBatch
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lora: bool) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; no weight decay on biases and norms (as HF Trainer)."""
+    lr = (cfg.lora_learning_rate or cfg.learning_rate) if lora else cfg.learning_rate
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
+
+
+def lr_multiplier(update: int, total_updates: int, warmup_updates: int, kind: str) -> float:
+    """Learning-rate factor for optimizer update ``update`` (0-based): linear warm-up to 1, then
+    constant, linear to 0, or cosine to 0 at ``total_updates``."""
+    if update < warmup_updates:
+        return (update + 1) / warmup_updates
+    if kind == "constant":
+        return 1.0
+    progress = (update - warmup_updates) / max(1, total_updates - warmup_updates)
+    if kind == "linear":
+        return max(0.0, 1.0 - progress)
+    if kind == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+    raise ValueError(f"unknown lr_scheduler_type {kind!r}; known: ['constant', 'cosine', 'linear']")
+
+
+def build_scheduler(optimizer, cfg: OptimConfig, total_updates: int) -> torch.optim.lr_scheduler.LambdaLR:
+    warmup = int(round(cfg.warmup_ratio * total_updates))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda update: lr_multiplier(update, total_updates, warmup, cfg.lr_scheduler_type))
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    epsilon: float
+    epsilon_high: float | None
+    beta: float
+    loss_type: str
+    max_completion_length: int
+    temperature: float
+    num_iterations: int
+    micro_batch_size: int
+    max_grad_norm: float | None
+
+
+def _micro_batch_weight(loss_type: str, rows: int, tokens: torch.Tensor, total_rows: int,
+                        total_tokens: torch.Tensor) -> torch.Tensor | float:
+    # Scale each micro-batch's loss so that the accumulated gradient equals the whole batch's:
+    # sequence-mean losses weigh by rows, token-mean (bnpo) by tokens; dapo gets the global count instead.
+    if loss_type in ("grpo", "dr_grpo"):
+        return rows / total_rows
+    if loss_type == "bnpo":
+        return tokens / total_tokens.clamp(min=1)
+    return 1.0
+
+
+def train_on_batch(model: torch.nn.Module, batch: RolloutBatch, optimizer, scheduler, s: LossSettings,
+                   dist_info: DistInfo) -> dict[str, float]:
+    """``num_iterations`` optimizer updates on one rollout batch. Returns the step's training stats.
+
+    A non-finite gradient norm skips that update (gradients dropped, ``skipped_updates`` counted)
+    so one bad batch cannot poison the weights.
+    """
+    gen = batch.generation
+    N = gen.completion_ids.shape[0]
+    mask = gen.completion_mask.float()  # [N, Lc]
+    # dapo: the token count over all ranks; DDP averages gradients, so scale it back by the world size.
+    global_tokens = all_reduce_sum(mask.sum(), dist_info) / dist_info.world_size
+    params = [p for p in model.parameters() if p.requires_grad]
+    totals = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio_mean": 0.0}
+    grad_norms, skipped = [], 0
+    starts = list(range(0, N, s.micro_batch_size))
+    totals["learning_rate"] = optimizer.param_groups[0]["lr"]  # the rate this step's first update uses
+    for _ in range(s.num_iterations):
+        optimizer.zero_grad(set_to_none=True)
+        for index, start in enumerate(starts):
+            rows = slice(start, start + s.micro_batch_size)
+            last = index == len(starts) - 1
+            sync = nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+            with sync:
+                logprobs = completion_logprobs(model, gen.prompt_ids[rows], gen.prompt_mask[rows],
+                                               gen.completion_ids[rows], gen.completion_mask[rows],
+                                               s.temperature)  # [b, Lc]
+                old = batch.old_logprobs[rows] if batch.old_logprobs is not None else logprobs.detach()
+                ref = batch.ref_logprobs[rows] if batch.ref_logprobs is not None else None
+                loss, stats = policy_loss(
+                    logprobs, old, ref, batch.advantages[rows], mask[rows], epsilon=s.epsilon,
+                    epsilon_high=s.epsilon_high, beta=s.beta, loss_type=s.loss_type,
+                    max_completion_length=s.max_completion_length, normalizer=global_tokens)
+                weight = _micro_batch_weight(s.loss_type, logprobs.shape[0], mask[rows].sum(), N, mask.sum())
+                (loss * weight).backward()
+            share = float(weight) if s.loss_type != "dapo" else float(mask[rows].sum() / mask.sum().clamp(min=1))
+            totals["loss"] += float(loss.detach() * weight) / s.num_iterations
+            for key in ("kl", "clip_fraction", "ratio_mean"):
+                totals[key] += float(stats[key]) * share / s.num_iterations
+        norm = torch.nn.utils.clip_grad_norm_(params, s.max_grad_norm if s.max_grad_norm else float("inf"))
+        if torch.isfinite(norm):
+            optimizer.step()
+            grad_norms.append(float(norm))
+        else:
+            skipped += 1
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+    totals["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+    totals["skipped_updates"] = float(skipped)
+    return totals

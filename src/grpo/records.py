@@ -1,0 +1,56 @@
+"""Typed records passed between the stages of a step. Shapes and units here; no logic.
+
+Rows are completions; the ``G`` completions of one prompt are contiguous (rows ``i*G .. i*G+G-1``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+
+@dataclass
+class Generation:
+    """What a rollout engine returns for a batch of prompts, ``N = P * G`` rows.
+
+    prompt_ids:      [N, Lp] long, left-padded with the pad id.
+    prompt_mask:     [N, Lp] long, 1 for real prompt tokens.
+    completion_ids:  [N, Lc] long, right-padded with the pad id (Lc <= max_completion_length).
+    completion_mask: [N, Lc] long, 1 for tokens up to and including the first EOS, 0 after it.
+    truncated:       [N] bool, True when no EOS was produced within max_completion_length.
+    completions:     N decoded completion texts (special tokens removed).
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+    completion_mask: Tensor
+    truncated: Tensor
+    completions: list[str]
+
+
+@dataclass
+class RolloutBatch:
+    """One step's training data: a ``Generation`` scored and ready for the loss.
+
+    rewards:         [N] float32 total (weighted) reward per completion.
+    reward_parts:    [N, F] float32 per reward function (NaN where a function abstained).
+    reward_names:    F names, in the column order of ``reward_parts``.
+    advantages:      [N] float32 group-relative advantages.
+    old_logprobs:    [N, Lc] float32 log-probs under the sampling policy, or None when
+                     num_iterations == 1 (the detached current log-probs are then the old ones).
+    ref_logprobs:    [N, Lc] float32 reference log-probs, or None when beta == 0.
+    prompts:         P prompt texts (rendered with the chat template), one per group.
+    columns:         dataset columns per completion row (e.g. ``answer``), as reward functions get them.
+    """
+
+    generation: Generation
+    rewards: Tensor
+    reward_parts: Tensor
+    reward_names: list[str]
+    advantages: Tensor
+    old_logprobs: Tensor | None
+    ref_logprobs: Tensor | None
+    prompts: list[str]
+    columns: dict[str, list] = field(default_factory=dict)

@@ -1,0 +1,21 @@
+"""User reward functions loaded by dotted path in the integration tests (as a user's would be)."""
+
+import json
+import os
+
+
+def letters(prompts, completions, **kwargs):
+    """Share of lower-case ASCII letters in the completion: it varies within every group of a random
+    tiny model's samples (so there is signal) and the model can learn to raise it, which makes
+    'the reward rises' checkable in a few CPU steps."""
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [sum("a" <= ch <= "z" for ch in t) / max(len(t), 1) for t in texts]
+
+
+def record_prompts(prompts, completions, **kwargs):
+    """Reward 0; appends (rank, question) per completion to $GRPO_TEST_PROMPT_LOG.<rank>."""
+    rank = os.environ.get("RANK", "0")
+    with open(f"{os.environ['GRPO_TEST_PROMPT_LOG']}.{rank}", "a") as f:
+        for question in kwargs["question"]:
+            f.write(json.dumps({"rank": int(rank), "question": question}) + "\n")
+    return [0.0] * len(completions)
