@@ -152,3 +152,14 @@ def test_fuzz_config_tree_never_crashes_with_anything_but_config_error(tmp_path_
         load_config(path)
     except ConfigError:
         pass
+
+
+def test_every_shipped_recipe_loads():
+    from pathlib import Path
+
+    recipes = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    assert len(recipes) >= 4
+    for recipe in recipes:
+        text = recipe.read_text()
+        assert text.startswith("#") and "grpo train" in text.split("\n\n")[0], f"{recipe.name}: launch command header"
+        load_config(recipe)

@@ -61,7 +61,10 @@ def load_policy(cfg: ModelConfig, device: torch.device):
     """The trainable policy on ``device``: full model, or a peft LoRA wrapper when ``lora_r > 0``."""
     model = _load_causal_lm(cfg.name_or_path, policy_dtype(cfg), cfg, "model.name_or_path").to(device)
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     if cfg.lora_r > 0:
         from peft import LoraConfig, get_peft_model
