@@ -26,8 +26,6 @@ def _lookup(registry: dict, kind: str, name: str):
         raise ValueError(f"unknown {kind} {name!r}; known: {sorted(registry)}") from None
 
 
-# ---------------------------------------------------------------- advantages
-
 
 def _scale_group(centred: Tensor, grouped: Tensor, eps: float) -> Tensor:
     # Bessel-corrected std per group, as TRL; a group of one has no spread (std := 0).
@@ -86,8 +84,6 @@ def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps
     return scale_fn(centred, grouped, eps).reshape(-1)  # [N]
 
 
-# ---------------------------------------------------------------- log-probs and KL
-
 
 def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
     """Log-probability of each next token.
@@ -109,7 +105,8 @@ def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) 
     temporaries are kept for backward, which is what any log-softmax needs.
     """
     if logits.dim() != 3 or input_ids.shape != logits.shape[:2]:
-        raise ValueError(f"logits [B, T, V] and input_ids [B, T] disagree: {tuple(logits.shape)} vs {tuple(input_ids.shape)}")
+        raise ValueError(f"logits [B, T, V] and input_ids [B, T] disagree: {tuple(logits.shape)} vs "
+                         f"{tuple(input_ids.shape)}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     targets = input_ids[:, 1:]  # [B, T-1]
@@ -135,8 +132,6 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     delta = ref_logprobs - logprobs
     return torch.exp(delta) - delta - 1
 
-
-# ---------------------------------------------------------------- loss aggregation
 
 
 # Each aggregation: (per_token [N, L], mask [N, L], normalizer, max_len) -> scalar.
@@ -187,8 +182,6 @@ def aggregate_loss(
     agg = _lookup(LOSS_AGGREGATIONS, "loss_type", loss_type)
     return agg(per_token, mask.to(per_token.dtype), normalizer, max_completion_length)
 
-
-# ---------------------------------------------------------------- the clipped surrogate
 
 
 def policy_loss(
@@ -245,7 +238,8 @@ def policy_loss(
             objective = objective - beta * kl
     else:
         kl = torch.zeros_like(logprobs)
-    loss = aggregate_loss(-objective, mask, loss_type, normalizer=normalizer, max_completion_length=max_completion_length)
+    loss = aggregate_loss(-objective, mask, loss_type, normalizer=normalizer,
+                          max_completion_length=max_completion_length)
 
     with torch.no_grad():
         n_tokens = mask.sum().clamp(min=1)

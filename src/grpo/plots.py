@@ -44,7 +44,8 @@ def _draw_reward(ax: Axes, records: list[dict]) -> bool:
     """reward/mean with a ±reward/std band, and each reward function's ``reward/<name>``."""
     drawn = _line(ax, records, "reward/mean", linewidth=2, color="black")
     band = [(r["step"], mean, std) for r in records
-            if (mean := _number(r.get("reward/mean"))) is not None and (std := _number(r.get("reward/std"))) is not None]
+            if (mean := _number(r.get("reward/mean"))) is not None
+            and (std := _number(r.get("reward/std"))) is not None]
     if band:
         steps, means, stds = zip(*band)
         ax.fill_between(steps, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)],

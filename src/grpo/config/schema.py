@@ -27,8 +27,9 @@ class ModelConfig:
         None, "Reference model for the KL term; null = the policy's initial weights. Must share the tokenizer.")
     lora_r: int = opt(0, "LoRA rank; 0 = full fine-tuning.", ge=0)
     lora_alpha: float = opt(32.0, "LoRA scaling alpha.", gt=0)
-    lora_dropout: float = opt(0.0, "LoRA dropout; 0 keeps training log-probs equal to the sampler's (ratio 1 on the first pass).",
-                              ge=0, le=1)
+    lora_dropout: float = opt(
+        0.0, "LoRA dropout; 0 keeps training log-probs equal to the sampler's (ratio 1 on the first pass).",
+        ge=0, le=1)
     lora_target_modules: str | list[str] = opt(
         "all-linear", "Modules LoRA adapts: 'all-linear' or a list such as [q_proj, v_proj].")
     gradient_checkpointing: bool = opt(False, "Recompute activations in backward to save memory.")
@@ -106,7 +107,8 @@ class TrainConfig:
     seed: int = opt(42, "Seed for data order, sampling and initialisation.", ge=0)
     save_steps: int = opt(50, "Checkpoint every N steps (and at the end).", ge=1)
     save_total_limit: int | None = opt(2, "Keep only the newest N checkpoints; null = all.", ge=1)
-    eval_steps: int | None = opt(None, "Evaluate data.eval every N steps (and at start and end); null = start/end only.", ge=1)
+    eval_steps: int | None = opt(
+        None, "Evaluate data.eval every N steps (and at start and end); null = start/end only.", ge=1)
     early_stop_accuracy: float | None = opt(None, "Stop when eval/accuracy reaches this value.", ge=0, le=1)
     resume: bool = opt(False, "Continue from the newest checkpoint in output_dir.")
     overwrite: bool = opt(False, "Allow writing into an output_dir that holds another run.")
@@ -167,7 +169,8 @@ class RunConfig:
                 f"{self.loss.epsilon_high} < loss.epsilon {self.loss.epsilon}: the asymmetric clip (DAPO) only "
                 "raises the upper bound")))
         if self.optim.lora_learning_rate is not None and self.model.lora_r == 0:
-            problems.append(("optim.lora_learning_rate", "is set but model.lora_r is 0 (full fine-tuning has no LoRA parameters)"))
+            problems.append(("optim.lora_learning_rate",
+                             "is set but model.lora_r is 0 (full fine-tuning has no LoRA parameters)"))
         if not self.rewards:
             problems.append(("rewards", "is empty: GRPO needs at least one reward function"))
         for i, r in enumerate(self.rewards):

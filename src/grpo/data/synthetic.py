@@ -32,6 +32,21 @@ DIFFICULTIES: dict[str, Difficulty] = {
     "hard": Difficulty(steps=3, max_digits=3),
 }
 MIXED = "mixed"  # each problem draws one of DIFFICULTIES
+# Named mixes: each problem draws one level of the tuple uniformly (a level listed twice is drawn
+# twice as often). "mixed" lists the named levels in sorted-name order, the order it has always drawn
+# from, so its problems do not change. "demo" is the embedded default model's task (see
+# scripts/build_tiny_math_model.py): two-digit numbers in one- to three-step chains plus one-step
+# problems with three-digit numbers, weighted towards the chains a 2.5M-parameter model can finish.
+MIXES: dict[str, tuple[Difficulty, ...]] = {
+    MIXED: tuple(DIFFICULTIES[name] for name in sorted(DIFFICULTIES)),
+    "demo": (
+        Difficulty(steps=1, max_digits=2),
+        Difficulty(steps=1, max_digits=3),
+        Difficulty(steps=2, max_digits=2),
+        Difficulty(steps=2, max_digits=2),
+        Difficulty(steps=3, max_digits=2),
+    ),
+}
 MAX_STEPS = 5
 MAX_DIGITS = 4
 
@@ -68,8 +83,9 @@ def generate_problems(
 ) -> list[Example]:
     """Generate `n` word problems, deterministically from `seed`.
 
-    difficulty: "easy" (1 step, 1 digit), "medium" (2 steps, 2 digits), "hard" (3 steps,
-                3 digits) or "mixed" (each problem picks one of those at random).
+    difficulty: a level, "easy" (1 step, 1 digit), "medium" (2 steps, 2 digits), "hard" (3 steps,
+                3 digits), or a mix of `MIXES`, whose problems each draw a level at random: "mixed"
+                (easy, medium, hard) or "demo" (see `MIXES`).
     steps, max_digits: override the level's values (1..MAX_STEPS, 1..MAX_DIGITS).
     Returns Examples with one user turn, gold `answer == answer_raw == str(result)` and the
     worked solution (one line per step) in `solution`; `source` is "synthetic(seed=S):i" (1-based).
@@ -78,15 +94,14 @@ def generate_problems(
         raise ValueError(f"n must be a positive integer, got {n!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an integer, got {seed!r}")
-    if difficulty != MIXED and difficulty not in DIFFICULTIES:
-        raise ValueError(f"unknown difficulty {difficulty!r}; known: {[*DIFFICULTIES, MIXED]}")
+    if difficulty not in MIXES and difficulty not in DIFFICULTIES:
+        raise ValueError(f"unknown difficulty {difficulty!r}; known: {[*DIFFICULTIES, *MIXES]}")
     _check_range("steps", steps, MAX_STEPS)
     _check_range("max_digits", max_digits, MAX_DIGITS)
     rng = random.Random(seed)
     examples = []
     for index in range(n):
-        name = rng.choice(sorted(DIFFICULTIES)) if difficulty == MIXED else difficulty
-        level = DIFFICULTIES[name]
+        level = rng.choice(MIXES[difficulty]) if difficulty in MIXES else DIFFICULTIES[difficulty]
         examples.append(
             generate_problem(
                 rng,
