@@ -101,6 +101,7 @@ def _cmd_keys(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand (each sets ``func``, the function that runs it)."""
     parser = argparse.ArgumentParser(prog="grpo", description="GRPO fine-tuning for causal language models.")
     parser.add_argument("--version", action="version", version=f"grpo {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -174,6 +175,7 @@ def _split_config_and_overrides(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; returns the exit status (0 ok, 2 configuration/input error, 130 Ctrl-C)."""
     from grpo.config import ConfigError
     from grpo.data import DataError
 

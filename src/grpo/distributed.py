@@ -49,6 +49,7 @@ def all_reduce_mean(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
 
 
 def all_reduce_sum(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Sum of a tensor over ranks (identity for one process). Returns a new tensor."""
     out = values.detach().clone()
     if info.enabled:
         dist.all_reduce(out, op=dist.ReduceOp.SUM)
@@ -66,6 +67,7 @@ def broadcast_object(obj, info: DistInfo, src: int = 0):
 
 
 def barrier(info: DistInfo) -> None:
+    """Wait for every rank (no-op for one process)."""
     if info.enabled:
         dist.barrier()
 
@@ -78,5 +80,6 @@ def shutdown(info: DistInfo) -> None:
 
 
 def print0(info: DistInfo, *args, **kwargs) -> None:
+    """``print`` on rank 0 only."""
     if info.is_main:
         print(*args, **kwargs, flush=True)

@@ -63,6 +63,7 @@ class ModelSource:
                                      self.tag_style)
 
     def describe(self) -> str:
+        """One line saying what will be loaded, for logs and reports."""
         what = f"LoRA adapter {self.model_dir} on {self.base_model}" if self.is_adapter else str(self.model_dir)
         return what + (f" (run {self.run_dir})" if self.run_dir is not None else "")
 

@@ -54,6 +54,7 @@ def _load_causal_lm(name_or_path: str, dtype: torch.dtype, cfg: ModelConfig, key
 
 
 def policy_dtype(cfg: ModelConfig) -> torch.dtype:
+    """bfloat16 when ``model.bf16``, else float32."""
     return torch.bfloat16 if cfg.bf16 else torch.float32
 
 
@@ -125,7 +126,3 @@ def reference_context(policy: torch.nn.Module, reference: torch.nn.Module | None
     base = unwrap_model(policy)
     with base.disable_adapter():
         yield base
-
-
-def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]

@@ -43,6 +43,7 @@ def lr_multiplier(update: int, total_updates: int, warmup_updates: int, kind: st
 
 
 def build_scheduler(optimizer, cfg: OptimConfig, total_updates: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Warm-up then decay over ``total_updates`` optimizer updates (see ``lr_multiplier``)."""
     warmup = int(round(cfg.warmup_ratio * total_updates))
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda update: lr_multiplier(update, total_updates, warmup, cfg.lr_scheduler_type))

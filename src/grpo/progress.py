@@ -24,6 +24,7 @@ class StepProgress:
         return self
 
     def update(self, step: int, metrics: dict) -> None:
+        """Advance to ``step`` and show its reward, accuracy, KL (and eval accuracy if present)."""
         if not self._progress:
             return
         stats = (f"reward {metrics.get('reward/mean', float('nan')):+.3f}  "

@@ -12,6 +12,8 @@ import torch
 
 
 class PromptSampler:
+    """Dataset indices per step and rank (see the module docstring); state is only the seed."""
+
     def __init__(self, num_examples: int, prompts_per_step: int, seed: int, shuffle: bool = True):
         if num_examples < 1:
             raise ValueError("the training set is empty")

@@ -44,6 +44,7 @@ def step_seed(seed: int, step: int, rank: int) -> int:
 
 
 def experience_settings(cfg: RunConfig) -> ExperienceSettings:
+    """The rollout-side settings from the config tree."""
     r = cfg.rollout
     return ExperienceSettings(
         sampling=SamplingParams(n=r.num_generations, max_tokens=r.max_completion_length,
@@ -55,6 +56,7 @@ def experience_settings(cfg: RunConfig) -> ExperienceSettings:
 
 
 def loss_settings(cfg: RunConfig) -> LossSettings:
+    """The update-side settings from the config tree."""
     return LossSettings(
         epsilon=cfg.loss.epsilon, epsilon_high=cfg.loss.epsilon_high, beta=cfg.loss.beta,
         loss_type=cfg.loss.loss_type, max_completion_length=cfg.rollout.max_completion_length,

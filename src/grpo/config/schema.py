@@ -135,6 +135,7 @@ class RewardConfig:
 
 
 def default_rewards() -> list[RewardConfig]:
+    """The default reward list (a fresh list per config)."""
     # The seeds' reward: answer correct +1 / wrong -1, format ok +1.25 / bad -1.
     return [RewardConfig("answer_correct", 1.0), RewardConfig("format_think_answer", 1.0)]
 

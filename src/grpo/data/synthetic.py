@@ -95,7 +95,9 @@ def generate_problems(
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an integer, got {seed!r}")
     if difficulty not in MIXES and difficulty not in DIFFICULTIES:
-        raise ValueError(f"unknown difficulty {difficulty!r}; known: {[*DIFFICULTIES, *MIXES]}")
+        other_mixes = [name for name in MIXES if name != MIXED]
+        raise ValueError(f"unknown difficulty {difficulty!r}; known: {[*DIFFICULTIES, MIXED]} "
+                         f"and the mixes {other_mixes}")
     _check_range("steps", steps, MAX_STEPS)
     _check_range("max_digits", max_digits, MAX_DIGITS)
     rng = random.Random(seed)

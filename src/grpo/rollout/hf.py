@@ -63,6 +63,8 @@ class HFEngine:
             raise ValueError(f"tokenizer of {tokenizer.name_or_path!r} has no pad token; set one (e.g. the EOS)")
 
     def generate(self, prompts: Sequence[str], params: SamplingParams, seed: int | None = None) -> Generation:
+        """``params.n`` completions per rendered prompt, rows grouped per prompt (see ``Generation``).
+        ``seed`` seeds torch's RNG first, so the same seed gives the same completions."""
         model = unwrap_model(self.model)
         pad_id = self.tokenizer.pad_token_id
         eos_ids = eos_token_ids(model, self.tokenizer)
