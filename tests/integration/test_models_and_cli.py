@@ -139,3 +139,15 @@ def test_ctrl_c_writes_a_checkpoint_and_exits_130(tiny_model_dir, tmp_path):
     assert len(checkpoints) == 1, "Ctrl-C saved the last finished step"
     logged = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert int(checkpoints[0].name.split("-")[1]) == max(logged)
+
+
+def test_eval_steps_and_early_stop(tiny_model_dir, tmp_path, test_rewards_on_path):
+    out = tmp_path / "run"
+    # Any accuracy reaches a target of 0: the run stops after the first periodic evaluation.
+    result = train(load_config(None, overrides(tiny_model_dir, out, **{
+        "data.eval": "synthetic:seed=123,n=4", "train.eval_steps": 1, "train.early_stop_accuracy": 0.0,
+        "train.max_steps": 5, "train.save_steps": 10})))
+    assert result.last_step == 1
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval/accuracy" in r][:2] == [0, 1]
+    assert (out / "checkpoints" / "step-1").exists() and (out / "final").exists()
