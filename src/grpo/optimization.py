@@ -4,7 +4,6 @@ over a rollout batch in micro-batches with gradient accumulation."""
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +11,7 @@ import torch
 from grpo.algorithm import policy_loss
 from grpo.config import OptimConfig
 from grpo.distributed import DistInfo, all_reduce_sum
+from grpo.learners import Learner
 from grpo.logprobs import completion_logprobs
 from grpo.records import RolloutBatch
 
@@ -73,31 +73,24 @@ def _micro_batch_weight(loss_type: str, rows: int, tokens: torch.Tensor, total_r
     return 1.0
 
 
-def train_on_batch(model: torch.nn.Module, batch: RolloutBatch, optimizer, scheduler, s: LossSettings,
-                   dist_info: DistInfo) -> dict[str, float]:
+def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_info: DistInfo) -> dict[str, float]:
     """``num_iterations`` optimizer updates on one rollout batch. Returns the step's training stats.
 
-    A non-finite gradient norm skips that update (gradients dropped, ``skipped_updates`` counted)
-    so one bad batch cannot poison the weights.
+    A skipped update (non-finite gradient norm, see the learner) is counted in ``skipped_updates``.
     """
     gen = batch.generation
     N = gen.completion_ids.shape[0]
     mask = gen.completion_mask.float()  # [N, Lc]
     # dapo: the token count over all ranks; DDP averages gradients, so scale it back by the world size.
     global_tokens = all_reduce_sum(mask.sum(), dist_info) / dist_info.world_size
-    params = [p for p in model.parameters() if p.requires_grad]
-    totals = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio_mean": 0.0}
+    totals = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio_mean": 0.0, "learning_rate": learner.lr}
     grad_norms, skipped = [], 0
     starts = list(range(0, N, s.micro_batch_size))
-    totals["learning_rate"] = optimizer.param_groups[0]["lr"]  # the rate this step's first update uses
     for _ in range(s.num_iterations):
-        optimizer.zero_grad(set_to_none=True)
         for index, start in enumerate(starts):
             rows = slice(start, start + s.micro_batch_size)
-            last = index == len(starts) - 1
-            sync = nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
-            with sync:
-                logprobs = completion_logprobs(model, gen.prompt_ids[rows], gen.prompt_mask[rows],
+            with learner.accumulating(last=index == len(starts) - 1):
+                logprobs = completion_logprobs(learner.module, gen.prompt_ids[rows], gen.prompt_mask[rows],
                                                gen.completion_ids[rows], gen.completion_mask[rows],
                                                s.temperature)  # [b, Lc]
                 old = batch.old_logprobs[rows] if batch.old_logprobs is not None else logprobs.detach()
@@ -107,19 +100,16 @@ def train_on_batch(model: torch.nn.Module, batch: RolloutBatch, optimizer, sched
                     epsilon_high=s.epsilon_high, beta=s.beta, loss_type=s.loss_type,
                     max_completion_length=s.max_completion_length, normalizer=global_tokens)
                 weight = _micro_batch_weight(s.loss_type, logprobs.shape[0], mask[rows].sum(), N, mask.sum())
-                (loss * weight).backward()
+                learner.backward(loss * weight)
             share = float(weight) if s.loss_type != "dapo" else float(mask[rows].sum() / mask.sum().clamp(min=1))
             totals["loss"] += float(loss.detach() * weight) / s.num_iterations
             for key in ("kl", "clip_fraction", "ratio_mean"):
                 totals[key] += float(stats[key]) * share / s.num_iterations
-        norm = torch.nn.utils.clip_grad_norm_(params, s.max_grad_norm if s.max_grad_norm else float("inf"))
-        if torch.isfinite(norm):
-            optimizer.step()
-            grad_norms.append(float(norm))
-        else:
+        norm = learner.finish_update()
+        if norm is None:
             skipped += 1
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
+        else:
+            grad_norms.append(norm)
     totals["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     totals["skipped_updates"] = float(skipped)
     return totals

@@ -18,6 +18,7 @@ from grpo.data import load_dataset_source, resolve_system_prompt
 from grpo.distributed import DistInfo, all_reduce_mean, barrier, init_distributed, print0, shutdown
 from grpo.experience import ExperienceSettings, correctness, make_experience
 from grpo.models import load_policy, load_reference, load_tokenizer, resolve_device
+from grpo.learners import build_learner
 from grpo.optimization import LossSettings, build_optimizer, build_scheduler, train_on_batch
 from grpo.prompt_sampler import PromptSampler
 from grpo.records import RolloutBatch
@@ -115,9 +116,8 @@ def train(cfg: RunConfig) -> TrainResult:
                 state = load_checkpoint(checkpoint, policy, optimizer, scheduler)
                 start_step, eval_before = state["step"], state.get("eval_before")
                 print0(info, f"resumed from {checkpoint} (step {start_step})")
-        model = policy
-        if info.enabled:
-            model = torch.nn.parallel.DistributedDataParallel(policy)
+        learner = build_learner(policy, optimizer, scheduler, ddp=info.enabled, deepspeed_config_dict=None,
+                                max_grad_norm=cfg.optim.max_grad_norm)
         engine = HFEngine(policy, tokenizer, cfg.rollout.generation_batch_size)
         exp_settings, train_settings = experience_settings(cfg), loss_settings(cfg)
         logger = MetricsLogger(out, cfg.log.report_to, _config_dict(cfg), enabled=info.is_main,
@@ -146,7 +146,7 @@ def train(cfg: RunConfig) -> TrainResult:
                     batch = make_experience(engine, policy, reference, tokenizer, examples, reward_fns, weights,
                                             exp_settings, seed=step_seed(cfg.train.seed, step, info.rank))
                     t1 = time.perf_counter()
-                    train_stats = train_on_batch(model, batch, optimizer, scheduler, train_settings, info)
+                    train_stats = train_on_batch(learner, batch, train_settings, info)
                     t2 = time.perf_counter()
                     metrics = _step_metrics(cfg, batch, examples, train_stats, (t0, t1, t2), info)
                     metrics["epoch"] = sampler.epoch_of(step)

@@ -1,0 +1,85 @@
+"""The update over a rollout batch: micro-batching must not change the gradient; the LR schedule."""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+from grpo.distributed import DistInfo
+from grpo.optimization import LossSettings, lr_multiplier, train_on_batch
+from grpo.records import Generation, RolloutBatch
+from grpo.tiny_model import build_qwen2
+
+
+class RecordingLearner:
+    """Runs backward like the torch learner but records the accumulated gradient instead of stepping."""
+
+    def __init__(self, module):
+        self.module = module
+        self.grads = []
+
+    def accumulating(self, last):
+        return nullcontext()
+
+    def backward(self, loss):
+        loss.backward()
+
+    def finish_update(self):
+        self.grads.append({n: p.grad.clone() for n, p in self.module.named_parameters() if p.grad is not None})
+        self.module.zero_grad(set_to_none=True)
+        return 0.0
+
+    @property
+    def lr(self):
+        return 0.0
+
+
+def random_batch(vocab: int, N: int = 6, Lp: int = 5, Lc: int = 7, seed: int = 0) -> RolloutBatch:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, Lc + 1, (N,), generator=gen)
+    completion_mask = (torch.arange(Lc)[None] < lengths[:, None]).long()
+    prompt_mask = torch.ones(N, Lp, dtype=torch.long)
+    prompt_mask[0, :2] = 0  # a left-padded prompt
+    logp = -torch.rand(N, Lc, generator=gen)
+    return RolloutBatch(
+        generation=Generation(
+            prompt_ids=torch.randint(3, vocab, (N, Lp), generator=gen), prompt_mask=prompt_mask,
+            completion_ids=torch.randint(3, vocab, (N, Lc), generator=gen), completion_mask=completion_mask,
+            truncated=torch.zeros(N, dtype=torch.bool), completions=[""] * N),
+        rewards=torch.randn(N, generator=gen), reward_parts=torch.randn(N, 1, generator=gen), reward_names=["r"],
+        advantages=torch.randn(N, generator=gen), old_logprobs=logp - 0.1, ref_logprobs=logp + 0.2,
+        prompts=[""] * (N // 2))
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_micro_batches_accumulate_to_the_whole_batch_gradient(tiny_tokenizer, loss_type):
+    model = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=1, seed=0)
+    batch = random_batch(len(tiny_tokenizer))
+    grads = {}
+    for micro in (6, 2, 1):
+        learner = RecordingLearner(model)
+        settings = LossSettings(epsilon=0.2, epsilon_high=None, beta=0.04, loss_type=loss_type,
+                                max_completion_length=7, temperature=0.9, num_iterations=1,
+                                micro_batch_size=micro, max_grad_norm=None)
+        stats = train_on_batch(learner, batch, settings, DistInfo())
+        grads[micro] = (learner.grads[0], stats["loss"])
+    whole, whole_loss = grads[6]
+    for micro in (2, 1):
+        part, part_loss = grads[micro]
+        assert abs(part_loss - whole_loss) < 1e-5
+        for name, g in whole.items():
+            assert torch.allclose(part[name], g, atol=1e-6, rtol=1e-4), (micro, name)
+
+
+def test_lr_schedule_shapes():
+    # 10 updates, 2 of warm-up: 0.5, 1.0, then cosine from 1 down towards 0.
+    factors = [lr_multiplier(u, 10, 2, "cosine") for u in range(10)]
+    assert factors[:2] == [0.5, 1.0]
+    assert factors[2] == 1.0 and all(a >= b for a, b in zip(factors[2:], factors[3:]))
+    assert math.isclose(lr_multiplier(6, 10, 2, "cosine"), 0.5)  # half-way through the decay
+    assert lr_multiplier(6, 10, 2, "linear") == 0.5 and lr_multiplier(9, 10, 2, "constant") == 1.0
+    with pytest.raises(ValueError, match="known"):
+        lr_multiplier(3, 10, 2, "step")
