@@ -65,6 +65,7 @@ def save_checkpoint(
     scheduler: Any,
     trainer_state: dict,
     save_total_limit: int | None,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write ``output_dir/checkpoints/step-{step}/`` atomically, then prune the oldest beyond the limit.
 
@@ -76,6 +77,7 @@ def save_checkpoint(
         trainer_state: JSON-compatible loop state (data position, metrics, consumed batch ids, ...);
             saved with ``"step": step`` added. Non-finite floats become ``null``.
         save_total_limit: keep at most this many checkpoints (the new one always survives); ``None`` keeps all.
+        state_dict: the weights to write instead of ``model.state_dict()`` (e.g. gathered from ZeRO-3 shards).
     Returns the checkpoint folder.
     """
     if save_total_limit is not None and save_total_limit < 1:
@@ -91,7 +93,7 @@ def save_checkpoint(
     checkpoints = Path(output_dir) / CHECKPOINTS_DIR
 
     def write(folder: Path) -> None:
-        _save_model(model, folder)
+        _save_model(model, folder, state_dict)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
         if optimizer is not None:
@@ -107,10 +109,12 @@ def save_checkpoint(
     return path
 
 
-def save_final(output_dir: str | os.PathLike, model: torch.nn.Module, tokenizer: Any) -> Path:
-    """Write ``output_dir/final/`` (HF format; for a PeftModel the adapter and ``adapter_config.json``)."""
+def save_final(output_dir: str | os.PathLike, model: torch.nn.Module, tokenizer: Any,
+               state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write ``output_dir/final/`` (HF format; for a PeftModel the adapter and ``adapter_config.json``);
+    ``state_dict`` replaces the model's own weights (e.g. gathered from ZeRO-3 shards)."""
     def write(folder: Path) -> None:
-        _save_model(model, folder)
+        _save_model(model, folder, state_dict)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
 
@@ -128,15 +132,16 @@ def _is_peft(model: torch.nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
-def _save_model(model: torch.nn.Module, folder: Path) -> None:
+def _save_model(model: torch.nn.Module, folder: Path, state_dict: dict | None = None) -> None:
     model = _unwrap(model)
+    extra = {} if state_dict is None else {"state_dict": state_dict}
     if _is_peft(model):
-        model.save_pretrained(folder, safe_serialization=True)  # the adapter only
+        model.save_pretrained(folder, safe_serialization=True, **extra)  # the adapter only
         expected = folder / ADAPTER_FILE
     else:
         # transformers 5 always writes safetensors (its safe_serialization argument is gone), and
         # leaves out tied weights such as lm_head.weight when embeddings are tied.
-        model.save_pretrained(folder)
+        model.save_pretrained(folder, **extra)
         expected = folder / (MODEL_INDEX_FILE if (folder / MODEL_INDEX_FILE).exists() else MODEL_FILE)
     if not expected.is_file():
         raise CheckpointError(f"save_pretrained did not write {expected}; cannot make a loadable checkpoint")

@@ -7,7 +7,7 @@ sampler process). No optimisation and no logging here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -15,7 +15,7 @@ from grpo.algorithm import group_advantages
 from grpo.data import DataError, Example, build_prompt_messages, render_prompt
 from grpo.logprobs import completion_logprobs
 from grpo.models import reference_context
-from grpo.records import RolloutBatch
+from grpo.records import Generation, RolloutBatch
 from grpo.rewards import answers_equal, extract_answer, is_well_formatted, score
 from grpo.rollout import RolloutEngine, SamplingParams
 
@@ -31,7 +31,6 @@ class ExperienceSettings:
     scale_rewards: str
     advantage_eps: float
     need_old_logprobs: bool  # num_iterations > 1
-    need_ref_logprobs: bool  # beta > 0
     logprob_batch_size: int
 
 
@@ -49,20 +48,40 @@ def render_prompts(tokenizer, examples: Sequence[Example], system_prompt: str | 
     return prompts
 
 
-def correctness(completions: Sequence[str], examples: Sequence[Example], group_size: int,
+def correctness(completions: Sequence[str], golds: Sequence[str | None],
                 tag_style: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """([N] bool answer correct, [N] bool well formatted) for logging accuracy and format rate."""
-    golds = [e.answer for e in examples for _ in range(group_size)]
+    """([N] bool answer correct, [N] bool well formatted) for logging accuracy and format rate;
+    ``golds`` has one gold answer (or None) per completion."""
     correct = [gold is not None and answers_equal(extract_answer(c, tag_style), gold)
                for c, gold in zip(completions, golds)]
     formatted = [is_well_formatted(c, tag_style) for c in completions]
     return torch.tensor(correct), torch.tensor(formatted)
 
 
+RefLogprobs = Callable[[Generation], torch.Tensor]  # [N, Lc] reference log-probs of a generation
+
+
+def local_reference(policy: torch.nn.Module, reference: torch.nn.Module | None, temperature: float,
+                    batch_size: int) -> RefLogprobs:
+    """Reference log-probs from a model in this process (or the LoRA policy with its adapter off)."""
+    def ref_logprobs(generation: Generation) -> torch.Tensor:
+        with reference_context(policy, reference) as ref_model:
+            return generation_logprobs(ref_model, generation, temperature, batch_size)
+    return ref_logprobs
+
+
+def generation_logprobs(model: torch.nn.Module, generation: Generation, temperature: float,
+                        batch_size: int) -> torch.Tensor:
+    """[N, Lc] log-probs of a generation's completion tokens under ``model``, without gradients."""
+    with torch.no_grad():
+        return completion_logprobs(model, generation.prompt_ids, generation.prompt_mask,
+                                   generation.completion_ids, generation.completion_mask, temperature, batch_size)
+
+
 def make_experience(
     engine: RolloutEngine,
     policy: torch.nn.Module,
-    reference: torch.nn.Module | None,
+    ref_logprobs_fn: RefLogprobs | None,
     tokenizer,
     examples: Sequence[Example],
     reward_fns: Sequence,
@@ -70,7 +89,9 @@ def make_experience(
     settings: ExperienceSettings,
     seed: int,
 ) -> RolloutBatch:
-    """Sample ``G`` completions per example with the current policy and turn them into a ``RolloutBatch``."""
+    """Sample ``G`` completions per example with the current policy and turn them into a ``RolloutBatch``.
+
+    ``ref_logprobs_fn`` is None when beta == 0 (no reference needed)."""
     G = settings.sampling.n
     prompts = render_prompts(tokenizer, examples, settings.system_prompt, settings.max_prompt_length)
     generation = engine.generate(prompts, settings.sampling, seed=seed)
@@ -86,17 +107,11 @@ def make_experience(
     scores = score(reward_fns, reward_weights, chat_prompts, chat_completions, columns)
     advantages = group_advantages(scores.total, G, scale=settings.scale_rewards, eps=settings.advantage_eps)
 
-    def logprobs_of(model: torch.nn.Module) -> torch.Tensor:
-        with torch.no_grad():
-            return completion_logprobs(model, generation.prompt_ids, generation.prompt_mask,
-                                       generation.completion_ids, generation.completion_mask,
-                                       settings.sampling.temperature, settings.logprob_batch_size)
-
-    old_logprobs = logprobs_of(policy) if settings.need_old_logprobs else None
-    ref_logprobs = None
-    if settings.need_ref_logprobs:
-        with reference_context(policy, reference) as ref_model:
-            ref_logprobs = logprobs_of(ref_model)
+    old_logprobs = None
+    if settings.need_old_logprobs:
+        old_logprobs = generation_logprobs(policy, generation, settings.sampling.temperature,
+                                           settings.logprob_batch_size)
+    ref_logprobs = ref_logprobs_fn(generation) if ref_logprobs_fn is not None else None
     return RolloutBatch(
         generation=generation,
         rewards=scores.total,

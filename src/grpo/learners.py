@@ -127,3 +127,16 @@ def build_learner(model: torch.nn.Module, optimizer, scheduler, *, ddp: bool, de
         return DeepSpeedLearner(engine)
     module = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
     return TorchLearner(module, optimizer, scheduler, max_grad_norm)
+
+
+def zero3_full_state_dict(learner: Learner) -> dict[str, torch.Tensor] | None:
+    """The full weights under ZeRO-3, where each rank holds only a shard (a collective: every rank
+    must call it); None otherwise (the module's own parameters are complete)."""
+    engine = getattr(learner, "engine", None)
+    if engine is None or engine.zero_optimization_stage() != 3:
+        return None
+    import deepspeed
+
+    module = engine.module
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+        return {name: tensor.detach().cpu().clone() for name, tensor in module.state_dict().items()}

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
+from grpo.distributed import DistInfo, all_reduce_mean
+from grpo.experience import correctness
 from grpo.records import RolloutBatch
 
 
@@ -36,17 +39,44 @@ def rollout_metrics(batch: RolloutBatch, correct: torch.Tensor, formatted: torch
     return metrics
 
 
-def sample_records(batch: RolloutBatch, examples, num_samples: int, tag_style: str) -> list[dict]:
+def step_metrics(batch: RolloutBatch, train_stats: dict, group_size: int, tag_style: str, started: float,
+                 rollout_s: float, train_s: float, info: DistInfo) -> dict[str, float]:
+    """Everything a step logs, averaged over ranks (each rank holds the same number of completions).
+
+    ``started`` is the step's ``time.perf_counter()`` start; ``rollout_s``/``train_s`` its two phases.
+    """
+    correct, formatted = correctness(batch.generation.completions, batch.columns.get("answer", []), tag_style)
+    local = rollout_metrics(batch, correct, formatted, group_size)
+    local.update({k: train_stats[k] for k in ("loss", "kl", "clip_fraction", "ratio_mean")})
+    keys = sorted(local)
+    averaged = all_reduce_mean(torch.tensor([local[k] for k in keys], dtype=torch.float64), info)
+    metrics = dict(zip(keys, averaged.tolist()))
+    # reward/std over all ranks from the averaged first and second moments
+    metrics["reward/std"] = max(metrics.pop("reward/mean_sq") - metrics["reward/mean"] ** 2, 0.0) ** 0.5
+    step_s = time.perf_counter() - started
+    completion_tokens = float(batch.generation.completion_mask.sum()) * info.world_size
+    metrics.update({
+        "learning_rate": train_stats["learning_rate"], "grad_norm": train_stats["grad_norm"],
+        "skipped_updates": train_stats["skipped_updates"],
+        "time/rollout_s": rollout_s, "time/train_s": train_s, "time/step_s": step_s,
+        "tokens_per_s": completion_tokens / step_s,
+    })
+    return metrics
+
+
+def sample_records(batch: RolloutBatch, num_samples: int) -> list[dict]:
     """The first ``num_samples`` completions with their prompt, gold answer and rewards."""
-    G = batch.generation.completion_ids.shape[0] // len(examples)
+    def column(name: str, row: int):
+        values = batch.columns.get(name)
+        return values[row] if values is not None else None
+
     records = []
     for row in range(min(num_samples, len(batch.generation.completions))):
-        example = examples[row // G]
         records.append({
-            "source": example.source,
-            "prompt": example.question,
+            "source": column("source", row),
+            "prompt": column("question", row),
             "completion": batch.generation.completions[row],
-            "answer": example.answer,
+            "answer": column("answer", row),
             "reward": float(batch.rewards[row]),
             "rewards": {name: _finite_or_none(batch.reward_parts[row, f])
                         for f, name in enumerate(batch.reward_names)},

@@ -1,0 +1,158 @@
+"""Setup shared by the roles that train or sample (colocated trainer, decoupled trainer, sampler):
+the process/device, data, config-derived settings, the learner, checkpoints, and evaluation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from grpo.config import RunConfig
+from grpo.data import load_dataset_source, resolve_system_prompt
+from grpo.distributed import DistInfo, barrier, init_distributed
+from grpo.experience import ExperienceSettings
+from grpo.learners import Learner, build_learner, deepspeed_config, zero3_full_state_dict
+from grpo.models import resolve_device
+from grpo.optimization import LossSettings, build_optimizer, build_scheduler
+from grpo.rollout import SamplingParams
+from grpo.rollout.hf import unwrap_model
+
+
+def start_process(cfg: RunConfig) -> tuple[DistInfo, torch.device]:
+    """Join the process group (if launched with N ranks) and pick this rank's device."""
+    device = resolve_device(cfg.train.device)
+    info = init_distributed(device.type)
+    if device.type == "cuda" and info.enabled:
+        device = torch.device("cuda", info.local_rank)
+        torch.cuda.set_device(device)
+    return info, device
+
+
+def load_data(cfg: RunConfig) -> tuple[list, list]:
+    """(training examples, held-out examples or [])."""
+    train_set = load_dataset_source(cfg.data.train, split=cfg.data.split, limit=cfg.data.train_limit)
+    eval_set = (load_dataset_source(cfg.data.eval, split=cfg.data.eval_split, limit=cfg.data.eval_limit)
+                if cfg.data.eval else [])
+    return train_set, eval_set
+
+
+def experience_settings(cfg: RunConfig, need_old_logprobs: bool | None = None) -> ExperienceSettings:
+    """The rollout-side settings from the config tree (old log-probs when num_iterations > 1, unless told)."""
+    r = cfg.rollout
+    return ExperienceSettings(
+        sampling=SamplingParams(n=r.num_generations, max_tokens=r.max_completion_length,
+                                temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
+        system_prompt=resolve_system_prompt(cfg.data.system_prompt, cfg.data.tag_style),
+        tag_style=cfg.data.tag_style, max_prompt_length=cfg.data.max_prompt_length,
+        scale_rewards=cfg.loss.scale_rewards, advantage_eps=cfg.loss.advantage_eps,
+        need_old_logprobs=cfg.loss.num_iterations > 1 if need_old_logprobs is None else need_old_logprobs,
+        logprob_batch_size=cfg.train.micro_batch_size)
+
+
+def loss_settings(cfg: RunConfig) -> LossSettings:
+    """The update-side settings from the config tree."""
+    return LossSettings(
+        epsilon=cfg.loss.epsilon, epsilon_high=cfg.loss.epsilon_high, beta=cfg.loss.beta,
+        loss_type=cfg.loss.loss_type, max_completion_length=cfg.rollout.max_completion_length,
+        temperature=cfg.rollout.temperature, num_iterations=cfg.loss.num_iterations,
+        micro_batch_size=cfg.train.micro_batch_size, max_grad_norm=cfg.optim.max_grad_norm)
+
+
+@dataclass
+class Trainable:
+    """The policy and what updates it. ``optimizer``/``scheduler`` are None under DeepSpeed (the engine owns them)."""
+
+    policy: torch.nn.Module
+    learner: Learner
+    optimizer: torch.optim.Optimizer | None
+    scheduler: object | None
+    deepspeed: bool
+
+
+def build_trainable(cfg: RunConfig, policy: torch.nn.Module, info: DistInfo) -> Trainable:
+    """Optimizer, schedule and learner (DeepSpeed when ``train.deepspeed`` names a config, else torch/DDP)."""
+    optimizer = build_optimizer(policy, cfg.optim, lora=cfg.model.lora_r > 0)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps * cfg.loss.num_iterations)
+    ds_config = None
+    if cfg.train.deepspeed:
+        completions_per_rank = cfg.train.prompts_per_step * cfg.rollout.num_generations // info.world_size
+        ds_config = deepspeed_config(
+            cfg.train.deepspeed, micro_batch_size=cfg.train.micro_batch_size,
+            accumulation_steps=max(1, completions_per_rank // cfg.train.micro_batch_size),
+            world_size=info.world_size, max_grad_norm=cfg.optim.max_grad_norm, bf16=cfg.model.bf16)
+    learner = build_learner(policy, optimizer, scheduler, ddp=info.enabled, deepspeed_config_dict=ds_config,
+                            max_grad_norm=cfg.optim.max_grad_norm)
+    if ds_config is not None:
+        return Trainable(policy, learner, None, None, deepspeed=True)
+    return Trainable(policy, learner, optimizer, scheduler, deepspeed=False)
+
+
+def _deepspeed_dir(out: Path, step: int) -> Path:
+    return out / "checkpoints" / f"deepspeed-step-{step}"
+
+
+def save_run_checkpoint(out: Path, step: int, trainable: Trainable, tokenizer, state: dict, cfg: RunConfig,
+                        info: DistInfo) -> None:
+    """A checkpoint of ``step`` on every rank's behalf. Under DeepSpeed every rank first writes its
+    engine state (partitioned optimizer) to ``deepspeed-step-N/``; rank 0 then writes the HF-format
+    checkpoint, whose appearance (atomic rename) marks the whole checkpoint complete."""
+    from grpo.checkpoint import save_checkpoint
+
+    if trainable.deepspeed:
+        trainable.learner.engine.save_checkpoint(str(_deepspeed_dir(out, step)))
+        state = {**state, "deepspeed_dir": _deepspeed_dir(out, step).name}
+    gathered = zero3_full_state_dict(trainable.learner)  # a collective under ZeRO-3
+    if info.is_main:
+        save_checkpoint(out, step, trainable.policy, tokenizer, trainable.optimizer, trainable.scheduler, state,
+                        cfg.train.save_total_limit, state_dict=gathered)
+        if trainable.deepspeed:
+            _prune_deepspeed_dirs(out, keep=cfg.train.save_total_limit)
+    barrier(info)
+
+
+def _prune_deepspeed_dirs(out: Path, keep: int | None) -> None:
+    # Engine states whose HF checkpoint was pruned are unreachable: drop them too.
+    import shutil
+
+    live = {p.name.removeprefix("step-") for p in (out / "checkpoints").glob("step-*")}
+    for engine_dir in (out / "checkpoints").glob("deepspeed-step-*"):
+        if keep is not None and engine_dir.name.removeprefix("deepspeed-step-") not in live:
+            shutil.rmtree(engine_dir, ignore_errors=True)
+
+
+def load_run_checkpoint(checkpoint: Path, trainable: Trainable) -> dict:
+    """Restore weights, optimizer, schedule and RNG from ``checkpoint``; returns its trainer state.
+    Under DeepSpeed the engine restores weights and its partitioned optimizer itself."""
+    import json
+
+    from grpo.checkpoint import load_checkpoint
+
+    if trainable.deepspeed:
+        state = json.loads((checkpoint / "trainer_state.json").read_text())
+        trainable.learner.engine.load_checkpoint(str(checkpoint.parent / state["deepspeed_dir"]))
+        return state
+    return load_checkpoint(checkpoint, trainable.policy, trainable.optimizer, trainable.scheduler)
+
+
+def run_eval(cfg: RunConfig, model, tokenizer, examples, info: DistInfo) -> dict | None:
+    """Greedy held-out accuracy on rank 0 (others wait); None without a held-out set."""
+    if not examples:
+        return None
+    from grpo.evaluate import evaluate
+
+    result = None
+    if info.is_main:
+        result = evaluate(unwrap_model(model), tokenizer, examples, tag_style=cfg.data.tag_style,
+                          system_prompt=resolve_system_prompt(cfg.data.system_prompt, cfg.data.tag_style),
+                          batch_size=max(cfg.train.micro_batch_size, 16),
+                          max_new_tokens=cfg.rollout.max_completion_length, progress=False)
+    barrier(info)
+    return result
+
+
+def eval_metrics(result: dict | None) -> dict[str, float]:
+    """``eval/accuracy`` and ``eval/format_rate`` of an evaluation result (empty for None)."""
+    if not result:
+        return {}
+    return {"eval/accuracy": result["accuracy"], "eval/format_rate": result["format_rate"]}
