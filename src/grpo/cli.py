@@ -27,9 +27,37 @@ def _cmd_train(args: argparse.Namespace) -> int:
         overrides.append("train.resume=true")
     if args.overwrite:
         overrides.append("train.overwrite=true")
-    cfg = load_config(args.config or _default_recipe(), overrides)
+    config_path = args.config or _default_recipe()
+    cfg = load_config(config_path, overrides)
+    if cfg.train.mode == "decoupled":
+        from grpo.decoupled.launcher import run_decoupled
+
+        return run_decoupled(cfg, config_path, overrides)
     result = train(cfg)
     _print_summary(result)
+    return 0
+
+
+def _cmd_role(args: argparse.Namespace) -> int:
+    from grpo.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    if args.command == "sampler":
+        from grpo.decoupled.sampler import main as role_main
+    elif args.command == "trainer":
+        from grpo.decoupled.trainer import main as role_main
+    else:
+        return _ref_server(cfg)
+    return role_main(cfg)
+
+
+def _ref_server(cfg) -> int:
+    from grpo.ref_server import run_ref_server
+
+    run_ref_server(cfg.model.ref_name_or_path or cfg.model.name_or_path, host="127.0.0.1",
+                   port=cfg.decoupled.ref_server_port, temperature=cfg.rollout.temperature,
+                   token_env=cfg.decoupled.token_env, device=cfg.decoupled.ref_server_device,
+                   dtype=cfg.model.ref_torch_dtype, micro_batch_size=cfg.train.micro_batch_size)
     return 0
 
 
@@ -117,6 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
     train.add_argument("--overwrite", action="store_true", help="replace a previous run in output_dir")
     train.set_defaults(func=_cmd_train)
+
+    for role, text in (("sampler", "decoupled mode: sample rollout batches and send them to the trainer"),
+                       ("trainer", "decoupled mode: train on the samplers' batches (one per rank under torchrun)"),
+                       ("ref-server", "serve reference log-probs over HTTP (binds 127.0.0.1)")):
+        role_parser = sub.add_parser(role, help=text)
+        role_parser.add_argument("config", nargs="?", help="YAML recipe")
+        role_parser.add_argument("overrides", nargs="*", help="section.key=value")
+        role_parser.set_defaults(func=_cmd_role)
 
     plot = sub.add_parser("plot", help="write plots/*.png of a run's metrics")
     plot.add_argument("run_dir")

@@ -139,4 +139,10 @@ def zero3_full_state_dict(learner: Learner) -> dict[str, torch.Tensor] | None:
 
     module = engine.module
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-        return {name: tensor.detach().cpu().clone() for name, tensor in module.state_dict().items()}
+        gathered, seen = {}, set()
+        for name, tensor in module.state_dict().items():
+            if tensor.data_ptr() in seen:  # a tied weight (lm_head = embeddings): written once, as HF does
+                continue
+            seen.add(tensor.data_ptr())
+            gathered[name] = tensor.detach().cpu().clone()
+        return gathered

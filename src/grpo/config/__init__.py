@@ -10,6 +10,7 @@ from grpo.config.loader import (
 )
 from grpo.config.schema import (
     DataConfig,
+    DecoupledConfig,
     LogConfig,
     LossConfig,
     ModelConfig,
@@ -22,6 +23,6 @@ from grpo.config.schema import (
 
 __all__ = [
     "ConfigError", "config_to_dict", "dump_config", "iter_config_keys", "load_config", "parse_override",
-    "DataConfig", "LogConfig", "LossConfig", "ModelConfig", "OptimConfig", "RewardConfig", "RolloutConfig",
-    "RunConfig", "TrainConfig",
+    "DataConfig", "DecoupledConfig", "LogConfig", "LossConfig", "ModelConfig", "OptimConfig", "RewardConfig",
+    "RolloutConfig", "RunConfig", "TrainConfig",
 ]

@@ -119,6 +119,28 @@ class TrainConfig:
 
 
 @dataclass
+class DecoupledConfig:
+    address: str = opt("tcp://127.0.0.1:5555", "ZeroMQ address the trainer's rank 0 binds and samplers connect to.")
+    trainer_ranks: int = opt(1, "Trainer processes (data-parallel ranks) the launcher starts with torchrun.", ge=1)
+    num_samplers: int = opt(1, "Sampler processes the launcher starts (each its own data shard and seed).", ge=1)
+    sampler_index: int = opt(0, "This sampler's index (set by the launcher for each sampler process).", ge=0)
+    sampler_device: str = opt("auto", "Device of the samplers (auto, cpu, cuda:N).")
+    ref_server: bool = opt(
+        False, "Start a reference log-prob server; samplers query it instead of loading the reference.")
+    ref_server_url: str | None = opt(
+        None, "URL of a running reference server (set by the launcher when it starts one).")
+    ref_server_port: int = opt(
+        8431, "Port of the reference server the launcher starts (binds 127.0.0.1).", ge=1, le=65535)
+    ref_server_device: str = opt("auto", "Device of the reference server.")
+    token_env: str | None = opt(None, "Environment variable holding the shared token for ZeroMQ and the ref server.")
+    queue_size: int = opt(4, "Rollout batches the trainer holds before samplers are told to wait (backpressure).", ge=1)
+    peer_timeout_s: float = opt(600.0, "Give up (with a clear error) after waiting this long for a peer.", gt=0)
+    max_message_mb: int = opt(1024, "Largest accepted message (MiB); larger ones are rejected.", ge=1)
+    weights_keep: int = opt(3, "Published weight versions kept on disk.", ge=1)
+    restart_samplers: bool = opt(True, "The launcher restarts a sampler that dies.")
+
+
+@dataclass
 class LogConfig:
     logging_steps: int = opt(1, "Write sample completions every N steps (metrics every step).", ge=1)
     num_samples: int = opt(4, "Completions written to samples.jsonl per logged step.", ge=0)
@@ -149,6 +171,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    decoupled: DecoupledConfig = field(default_factory=DecoupledConfig)
     rewards: list[RewardConfig] = field(default_factory=default_rewards, metadata={
         "help": "Reward functions and weights, e.g. [{name: answer_correct, weight: 1.0}]."})
 
@@ -180,6 +203,14 @@ class RunConfig:
         for tracker in self.log.report_to:
             if tracker not in ("tensorboard", "wandb"):
                 problems.append(("log.report_to", f"unknown tracker {tracker!r}; allowed: tensorboard, wandb"))
+        if self.train.mode == "decoupled" and self.train.max_staleness < self.train.sync_steps - 1:
+            problems.append(("train.max_staleness", (
+                f"{self.train.max_staleness} < train.sync_steps - 1 = {self.train.sync_steps - 1}: weights are "
+                "published only every sync_steps, so rollouts are that stale by construction")))
+        if (self.train.prompts_per_step % self.decoupled.trainer_ranks) != 0:
+            problems.append(("decoupled.trainer_ranks", (
+                f"{self.decoupled.trainer_ranks} does not divide train.prompts_per_step "
+                f"{self.train.prompts_per_step}: each rank trains whole prompt groups")))
         if self.train.early_stop_accuracy is not None and self.data.eval is None:
             problems.append(("train.early_stop_accuracy", "needs data.eval (a held-out set to measure accuracy on)"))
         return problems

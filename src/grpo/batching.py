@@ -1,0 +1,73 @@
+"""Join and split rollout batches along completion rows (a sampler makes one chunk per trainer rank;
+each trainer rank trains its own chunk). Groups are never split: rows move in whole prompts."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from grpo.records import Generation, RolloutBatch
+
+
+def _pad(tensors: list[Tensor], width: int, value, left: bool) -> Tensor:
+    padded = [torch.nn.functional.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]), value=value)
+              for t in tensors]
+    return torch.cat(padded)
+
+
+def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
+    """Stack batches row-wise: prompts re-padded on the left, completions (and their log-probs) on the
+    right, to the widest. Padding is masked, so every row's values are unchanged."""
+    gens = [b.generation for b in batches]
+    lp = max(g.prompt_ids.shape[1] for g in gens)
+    lc = max(g.completion_ids.shape[1] for g in gens)
+
+    def optional(name: str) -> Tensor | None:
+        values = [getattr(b, name) for b in batches]
+        if any(v is None for v in values):
+            return None
+        return _pad(values, lc, 0.0, left=False)
+
+    columns: dict[str, list] = {}
+    for b in batches:
+        for key, values in b.columns.items():
+            columns.setdefault(key, []).extend(values)
+    return RolloutBatch(
+        generation=Generation(
+            prompt_ids=_pad([g.prompt_ids for g in gens], lp, pad_id, left=True),
+            prompt_mask=_pad([g.prompt_mask for g in gens], lp, 0, left=True),
+            completion_ids=_pad([g.completion_ids for g in gens], lc, pad_id, left=False),
+            completion_mask=_pad([g.completion_mask for g in gens], lc, 0, left=False),
+            truncated=torch.cat([g.truncated for g in gens]),
+            completions=[c for g in gens for c in g.completions]),
+        rewards=torch.cat([b.rewards for b in batches]),
+        reward_parts=torch.cat([b.reward_parts for b in batches]),
+        reward_names=batches[0].reward_names,
+        advantages=torch.cat([b.advantages for b in batches]),
+        old_logprobs=optional("old_logprobs"),
+        ref_logprobs=optional("ref_logprobs"),
+        prompts=[p for b in batches for p in b.prompts],
+        columns=columns,
+    )
+
+
+def rank_slice(batch: RolloutBatch, rank: int, world_size: int) -> RolloutBatch:
+    """Rows ``[rank*N/W, (rank+1)*N/W)`` with the matching prompts; N/W must be whole groups."""
+    N, P = batch.rewards.shape[0], len(batch.prompts)
+    if P % world_size:
+        raise ValueError(f"{P} prompts cannot be split over {world_size} ranks without splitting a group")
+    rows = slice(rank * N // world_size, (rank + 1) * N // world_size)
+    prompts = slice(rank * P // world_size, (rank + 1) * P // world_size)
+    g = batch.generation
+
+    def cut(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t[rows]
+
+    return RolloutBatch(
+        generation=Generation(prompt_ids=g.prompt_ids[rows], prompt_mask=g.prompt_mask[rows],
+                              completion_ids=g.completion_ids[rows], completion_mask=g.completion_mask[rows],
+                              truncated=g.truncated[rows], completions=g.completions[rows]),
+        rewards=batch.rewards[rows], reward_parts=batch.reward_parts[rows], reward_names=batch.reward_names,
+        advantages=batch.advantages[rows], old_logprobs=cut(batch.old_logprobs), ref_logprobs=cut(batch.ref_logprobs),
+        prompts=batch.prompts[prompts], columns={k: v[rows] for k, v in batch.columns.items()},
+    )

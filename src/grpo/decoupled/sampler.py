@@ -1,0 +1,109 @@
+"""The sampler role: newest weights -> G completions per prompt -> rewards -> advantages -> old and
+reference log-probs -> one rollout batch to the trainer, again and again.
+
+Sampler ``k`` of ``K`` makes batches ``j = 0, 1, ...`` for global step indices ``j*K + k + 1``, with
+the colocated trainer's prompts and seeds for that step (one chunk per trainer rank), so one sampler
+with ``max_staleness = 0`` reproduces colocated training. Batch ids are ``sampler-k:j``: a restarted
+sampler regenerates from the count the trainer says it trained, and an id trained before is only
+acknowledged, never trained twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from grpo.batching import concat_batches
+from grpo.config import RunConfig
+from grpo.decoupled.common import max_message_bytes, shared_token
+from grpo.experience import local_reference, make_experience
+from grpo.models import load_policy, load_reference, load_tokenizer, resolve_device
+from grpo.prompt_sampler import PromptSampler
+from grpo.rewards import build_reward_functions
+from grpo.rollout import HFEngine
+from grpo.run_setup import experience_settings, load_data
+from grpo.trainer import step_seed
+from grpo.transport import PeerClosed, RolloutSender
+from grpo.weight_store import WeightStore, apply_to_model
+
+logger = logging.getLogger(__name__)
+
+
+def reference_logprobs_fn(cfg: RunConfig, policy, tokenizer, device, token: str):
+    """Reference log-probs from the configured server, else from a reference loaded here; None if beta == 0."""
+    if cfg.loss.beta == 0:
+        return None
+    if cfg.decoupled.ref_server_url:
+        from grpo.ref_server import RefServerClient
+
+        client = RefServerClient(cfg.decoupled.ref_server_url, token=token or None,
+                                 timeout_s=cfg.decoupled.peer_timeout_s)
+        client.wait_ready(timeout_s=cfg.decoupled.peer_timeout_s)
+        return lambda g: client.logprobs(g.prompt_ids, g.prompt_mask, g.completion_ids, g.completion_mask)
+    reference = load_reference(cfg.model, policy, tokenizer, device)
+    return local_reference(policy, reference, cfg.rollout.temperature, cfg.train.micro_batch_size)
+
+
+def run_sampler(cfg: RunConfig) -> int:
+    """Produce batches until the trainer says bye (exit 0) or stays silent past the peer timeout."""
+    d = cfg.decoupled
+    k, K, W = d.sampler_index, d.num_samplers, d.trainer_ranks
+    sampler_id = f"sampler-{k}"
+    token = shared_token(cfg)
+    device = resolve_device(d.sampler_device)
+    tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
+    train_set, _ = load_data(cfg)
+    prompts = PromptSampler(len(train_set), cfg.train.prompts_per_step, cfg.train.seed, cfg.data.shuffle)
+    policy = load_policy(cfg.model, device).eval()
+    policy.requires_grad_(False)
+    ref_logprobs = reference_logprobs_fn(cfg, policy, tokenizer, device, token)
+    reward_fns = build_reward_functions(cfg.rewards, cfg.data.tag_style)
+    weights = [r.weight for r in cfg.rewards]
+    engine = HFEngine(policy, tokenizer, cfg.rollout.generation_batch_size)
+    settings = experience_settings(cfg, need_old_logprobs=True)  # the trainer's ratio needs the sampler's policy
+    store = WeightStore(cfg.train.output_dir)
+    sender = RolloutSender(d.address, sampler_id, token=token, max_message_bytes=max_message_bytes(cfg),
+                           max_inflight=cfg.train.max_staleness + 1, timeout_s=d.peer_timeout_s)
+    welcome = sender.connect(incarnation=int(time.time()))
+    loaded_version = 0  # the initial weights (model.name_or_path) are version 0
+    j = int(welcome.get("trained_count", 0))
+    logger.info("%s connected to %s: policy version %s, resuming at batch %d", sampler_id, d.address,
+                welcome.get("policy_version"), j)
+    try:
+        while True:
+            # Run at most max_staleness batches ahead of the trainer, then take the newest weights.
+            while sender.inflight > cfg.train.max_staleness:
+                sender.poll(timeout_s=1.0)
+            newest = max(welcome.get("policy_version", 0), (sender.latest_weights or (0, ""))[0])
+            if newest > loaded_version:
+                version = store.wait_for_version(newest, timeout_s=d.peer_timeout_s)
+                apply_to_model(policy, store.load(version))  # checksums verified before anything is loaded
+                loaded_version = version
+            step_index = j * K + k + 1
+            started = time.perf_counter()
+            chunks = []
+            for rank in range(W):
+                examples = [train_set[i] for i in prompts.rank_indices(step_index, rank, W)]
+                chunks.append(make_experience(engine, policy, ref_logprobs, tokenizer, examples, reward_fns, weights,
+                                              settings, seed=step_seed(cfg.train.seed, step_index, rank)))
+            batch = concat_batches(chunks, tokenizer.pad_token_id)
+            seconds = time.perf_counter() - started
+            tokens = float(batch.generation.completion_mask.sum())
+            sender.send_batch(batch, {"batch_id": f"{sampler_id}:{j}", "policy_version": loaded_version,
+                                      "step_index": step_index, "sampler_seconds": seconds,
+                                      "sampler_tokens_per_s": tokens / max(seconds, 1e-9)})
+            j += 1
+    except PeerClosed:
+        logger.info("%s: the trainer finished; exiting", sampler_id)
+        return 0
+    finally:
+        sender.close(bye=False)
+
+
+def main(cfg: RunConfig) -> int:
+    """Entry point of ``grpo sampler``."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    torch.manual_seed(cfg.train.seed + cfg.decoupled.sampler_index)
+    return run_sampler(cfg)

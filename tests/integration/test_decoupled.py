@@ -1,0 +1,179 @@
+"""Decoupled mode end to end with real processes: sampler(s), trainer ranks (DDP / DeepSpeed), ref server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+TESTS_DIR = Path(__file__).resolve().parent
+REPO = TESTS_DIR.parents[1]
+SMOKE = str(REPO / "configs" / "smoke-cpu.yaml")
+REWARDS = "[{name: 'rewards_for_tests:letters'}, {name: answer_correct}]"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env() -> dict:
+    return dict(os.environ, PYTHONPATH=str(TESTS_DIR), OMP_NUM_THREADS="1")
+
+
+def overrides(model_dir: Path, out: Path, **extra) -> list[str]:
+    values = {
+        "model.name_or_path": model_dir, "data.train": "synthetic:seed=1,n=64", "data.eval": None,
+        "rollout.num_generations": 4, "rollout.max_completion_length": 10, "train.prompts_per_step": 4,
+        "train.micro_batch_size": 8, "train.max_steps": 3, "train.save_steps": 10, "train.output_dir": out,
+        "train.seed": 0, "optim.learning_rate": 1e-3, "log.report_to": "[]", "log.progress_bar": False,
+        "rewards": REWARDS, "decoupled.address": f"tcp://127.0.0.1:{free_port()}",
+        "decoupled.peer_timeout_s": 120,
+    }
+    values.update(extra)
+    return [f"{k}={'null' if v is None else v}" for k, v in values.items()]
+
+
+def grpo(*args: str) -> list[str]:
+    return [sys.executable, "-m", "grpo", *args]
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def train_rows(out: Path) -> list[dict]:
+    return [r for r in metrics(out) if "loss" in r]
+
+
+def wait_for_steps(out: Path, n: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (out / "metrics.jsonl").exists() and len(train_rows(out)) >= n:
+            return
+        assert proc.poll() is None, f"process exited early with {proc.returncode}"
+        time.sleep(0.2)
+    raise AssertionError(f"fewer than {n} steps after {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    from grpo.tiny_model import build_qwen2
+
+    path = tmp_path_factory.mktemp("teacher")
+    build_qwen2(tiny_tokenizer, hidden_size=96, num_layers=3, seed=5).save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    return path
+
+
+def test_first_step_equals_colocated(tiny_model_dir, teacher_dir, tmp_path):
+    # Same seeds, max_staleness 0, 2 trainer ranks, a teacher reference (so the KL term is not 0):
+    # colocated (torchrun) and decoupled (sampler + 2 trainer ranks + ref server) give the same first step.
+    common = {"model.ref_name_or_path": teacher_dir, "loss.beta": 0.1, "train.max_steps": 2}
+    colocated = tmp_path / "colocated"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), "-m", "grpo", "train", SMOKE, *overrides(tiny_model_dir, colocated, **common)]
+    result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    decoupled = tmp_path / "decoupled"
+    cmd = grpo("train", SMOKE, *overrides(tiny_model_dir, decoupled, **common, **{
+        "train.mode": "decoupled", "decoupled.trainer_ranks": 2, "decoupled.ref_server": True,
+        "decoupled.ref_server_port": free_port()}))
+    result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    a, b = train_rows(colocated)[0], train_rows(decoupled)[0]
+    assert a["kl"] > 1e-4  # the teacher differs from the policy: a real KL term
+    for key in ("loss", "kl", "reward/mean", "reward/std", "accuracy", "completion_length/mean"):
+        assert abs(a[key] - b[key]) < 1e-5, (key, a[key], b[key])
+    assert [r["step"] for r in train_rows(decoupled)] == [1, 2]
+    assert (decoupled / "weights").is_dir() and (decoupled / "final" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_zero_trainer_ranks(tiny_model_dir, tmp_path, stage):
+    pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed (make install installs it)")
+    out = tmp_path / f"zero{stage}"
+    cmd = grpo("train", SMOKE, *overrides(tiny_model_dir, out, **{
+        "train.mode": "decoupled", "decoupled.trainer_ranks": 2, "train.max_steps": 2, "train.save_steps": 1,
+        "train.deepspeed": REPO / "configs" / f"ds_zero{stage}.json"}))
+    result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [r["step"] for r in train_rows(out)] == [1, 2]
+    assert (out / "checkpoints" / "deepspeed-step-2").is_dir()
+    import torch
+    from safetensors.torch import load_file
+
+    initial = load_file(tiny_model_dir / "model.safetensors")
+    final = load_file(out / "final" / "model.safetensors")  # gathered from the shards under ZeRO-3
+    assert set(initial) == set(final)
+    assert any(not torch.equal(initial[k], final[k]) for k in initial), "training changed the weights"
+    published = load_file(out / "weights" / "v2" / "model.safetensors")
+    assert all(torch.equal(published[k], final[k]) for k in published)
+
+
+def test_sampler_killed_and_restarted(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    args = overrides(tiny_model_dir, out, **{"train.max_steps": 8, "train.mode": "decoupled"})
+    trainer = subprocess.Popen(grpo("trainer", SMOKE, *args), env=env(), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    sampler = subprocess.Popen(grpo("sampler", SMOKE, *args), env=env(), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    try:
+        wait_for_steps(out, 2, trainer)
+        sampler.send_signal(signal.SIGKILL)  # mid-batch: it samples continuously
+        sampler.wait()
+        sampler = subprocess.Popen(grpo("sampler", SMOKE, *args), env=env(), stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
+        _, err = trainer.communicate(timeout=300)
+        assert trainer.returncode == 0, err[-3000:]
+    finally:
+        for proc in (trainer, sampler):
+            if proc.poll() is None:
+                proc.kill()
+    rows = train_rows(out)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    ids = [r["batch_id"] for r in rows]
+    assert len(set(ids)) == len(ids), f"a batch was trained twice: {ids}"
+
+
+def test_trainer_killed_and_resumed(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    args = overrides(tiny_model_dir, out, **{"train.max_steps": 8, "train.save_steps": 1, "train.mode": "decoupled"})
+    trainer = subprocess.Popen(grpo("trainer", SMOKE, *args), env=env(), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    sampler = subprocess.Popen(grpo("sampler", SMOKE, *args), env=env(), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_steps(out, 3, trainer)
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+        from grpo.checkpoint import latest_checkpoint
+
+        checkpoint = latest_checkpoint(out)
+        state = json.loads((checkpoint / "trainer_state.json").read_text())
+        trained_before = set(state["trained_batch_ids"])
+        trainer = subprocess.Popen(grpo("trainer", SMOKE, *args, "train.resume=true"), env=env(),
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        _, err = trainer.communicate(timeout=300)
+        assert trainer.returncode == 0, err[-3000:]
+        sampler.wait(timeout=120)  # the trainer's bye ends the sampler cleanly
+        assert sampler.returncode == 0
+    finally:
+        for proc in (trainer, sampler):
+            if proc.poll() is None:
+                proc.kill()
+    rows = train_rows(out)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    ids = [r["batch_id"] for r in rows]
+    assert len(set(ids)) == len(ids), f"a batch was trained twice: {ids}"
+    resumed_ids = {r["batch_id"] for r in rows if r["step"] > state["step"]}
+    assert not resumed_ids & trained_before
