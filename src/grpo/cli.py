@@ -225,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as err:
         print(f"grpo: data error: {err}", file=sys.stderr)
         return 2
+    except TimeoutError as err:  # a peer (trainer, sampler, server) stayed silent past its timeout
+        print(f"grpo: timed out: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("grpo: interrupted", file=sys.stderr)
         return 130
