@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-fast demo clean
+.PHONY: install test test-fast demo clean docs
 
 install: $(STAMP)
 
@@ -28,3 +28,7 @@ demo: install
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info src/*.egg-info
+
+# Regenerate the README's config-key table from the config tree (a test checks it is current).
+docs: install
+	$(PY) -c "from pathlib import Path; from grpo.config.docs import replace_section; p = Path('README.md'); p.write_text(replace_section(p.read_text()))"

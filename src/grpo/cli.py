@@ -214,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; returns the exit status (0 ok, 2 configuration/input error, 130 Ctrl-C)."""
     from grpo.config import ConfigError
     from grpo.data import DataError
+    from grpo.errors import RewardError, TrainingAborted
 
     args = build_parser().parse_args(argv)
     _split_config_and_overrides(args)
@@ -225,8 +226,18 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as err:
         print(f"grpo: data error: {err}", file=sys.stderr)
         return 2
+    except RewardError as err:
+        print(f"grpo: reward error: {err}", file=sys.stderr)
+        return 2
+    except TrainingAborted as err:
+        print(f"grpo: training aborted: {err}", file=sys.stderr)
+        return 1
     except TimeoutError as err:  # a peer (trainer, sampler, server) stayed silent past its timeout
         print(f"grpo: timed out: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:  # e.g. disk full while writing a checkpoint: earlier checkpoints are intact
+        print(f"grpo: {err.strerror or err} ({err.filename or 'file system'}); files written before are "
+              "intact (checkpoints are written to a temporary folder and renamed)", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("grpo: interrupted", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""The run folder's guard: never write into another run's folder by accident."""
+"""The run folder's guard: never write into another run's folder by accident, and write nothing
+into it before the run is known to start (a typo must not damage a run being resumed)."""
 
 from __future__ import annotations
 
@@ -8,26 +9,32 @@ from pathlib import Path
 from grpo.config import ConfigError, RunConfig, dump_config
 
 MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
+RUN_FILES = MARKERS + ("samples.jsonl", "plots", "tensorboard", "final", "eval", "weights")
 
 
-def prepare_output_dir(cfg: RunConfig, is_main: bool) -> Path:
-    """Create ``train.output_dir``; refuse one that holds a run unless resuming or overwriting.
-
-    On resume the folder (and its checkpoints and metrics) is kept; with ``overwrite`` the old
-    run's files are removed first. The resolved config is written as ``config.yaml``.
-    """
+def check_output_dir(cfg: RunConfig) -> Path:
+    """Refuse a ``train.output_dir`` that holds a run unless resuming or overwriting. Writes nothing."""
     out = Path(cfg.train.output_dir)
-    if not is_main:  # rank 0 alone decides (it may already have written config.yaml); others follow it
-        return out
     has_run = out.is_dir() and any((out / m).exists() for m in MARKERS)
     if has_run and not (cfg.train.resume or cfg.train.overwrite):
         raise ConfigError(f"train.output_dir: {out} already holds a run (config.yaml/metrics/checkpoints); "
                           "pass --resume to continue it, --overwrite to replace it, or choose another folder")
     if cfg.train.resume and not has_run:
         raise ConfigError(f"train.resume: {out} holds no run to resume")
-    if has_run and cfg.train.overwrite and not cfg.train.resume:
-        for marker in MARKERS + ("samples.jsonl", "plots", "tensorboard", "final", "eval", "weights"):
-            target = out / marker
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"train.output_dir: {out} exists and is not a folder")
+    return out
+
+
+def claim_output_dir(cfg: RunConfig, is_main: bool) -> Path:
+    """Make the folder the run's, once setup succeeded: with ``overwrite`` (and no resume) the old run's
+    files go first; the resolved config is written as ``config.yaml``. Rank 0 only writes."""
+    out = Path(cfg.train.output_dir)
+    if not is_main:
+        return out
+    if cfg.train.overwrite and not cfg.train.resume:
+        for name in RUN_FILES:
+            target = out / name
             if target.is_dir():
                 shutil.rmtree(target)
             elif target.exists():

@@ -10,6 +10,7 @@ import torch
 
 from grpo.config import RunConfig
 from grpo.data import load_dataset_source, resolve_system_prompt
+from grpo.errors import TrainingAborted
 from grpo.distributed import DistInfo, barrier, init_distributed
 from grpo.experience import ExperienceSettings
 from grpo.learners import Learner, build_learner, deepspeed_config, zero3_full_state_dict
@@ -35,6 +36,19 @@ def load_data(cfg: RunConfig) -> tuple[list, list]:
     eval_set = (load_dataset_source(cfg.data.eval, split=cfg.data.eval_split, limit=cfg.data.eval_limit)
                 if cfg.data.eval else [])
     return train_set, eval_set
+
+
+def build_rewards(cfg: RunConfig) -> tuple[list, list[float]]:
+    """The configured reward functions and their weights; a reward that cannot be built (unknown
+    name, a dotted path that does not import, bad params) is a configuration error naming it."""
+    from grpo.config import ConfigError
+    from grpo.rewards import build_reward_functions
+
+    try:
+        functions = build_reward_functions(cfg.rewards, cfg.data.tag_style)
+    except (ValueError, ImportError) as err:
+        raise ConfigError(f"rewards: {err}") from None
+    return functions, [r.weight for r in cfg.rewards]
 
 
 def experience_settings(cfg: RunConfig, need_old_logprobs: bool | None = None) -> ExperienceSettings:
@@ -86,6 +100,24 @@ def build_trainable(cfg: RunConfig, policy: torch.nn.Module, info: DistInfo) -> 
     if ds_config is not None:
         return Trainable(policy, learner, None, None, deepspeed=True)
     return Trainable(policy, learner, optimizer, scheduler, deepspeed=False)
+
+
+class SkipGuard:
+    """Counts steps whose updates were all skipped (non-finite gradients); too many in a row aborts
+    the run, leaving the last good checkpoint as it is, instead of training on garbage for hours."""
+
+    def __init__(self, max_consecutive: int, updates_per_step: int):
+        self.max_consecutive, self.updates_per_step = max_consecutive, updates_per_step
+        self.consecutive = 0
+
+    def record(self, step: int, train_stats: dict) -> None:
+        all_skipped = train_stats["skipped_updates"] >= self.updates_per_step
+        self.consecutive = self.consecutive + 1 if all_skipped else 0
+        if self.consecutive >= self.max_consecutive:
+            raise TrainingAborted(
+                f"step {step}: the gradients were non-finite (NaN/inf) in {self.consecutive} consecutive steps "
+                f"(optim.max_skipped_steps {self.max_consecutive}); those updates were skipped and the last "
+                "checkpoint is intact. Lower the learning rate or check the rewards and data.")
 
 
 def _deepspeed_dir(out: Path, step: int) -> Path:

@@ -19,11 +19,10 @@ from grpo.experience import local_reference, make_experience
 from grpo.models import load_policy, load_reference, load_tokenizer
 from grpo.optimization import train_on_batch
 from grpo.prompt_sampler import PromptSampler
-from grpo.rewards import build_reward_functions
 from grpo.rollout import HFEngine
-from grpo.run_dir import prepare_output_dir
-from grpo.run_setup import (build_trainable, eval_metrics, experience_settings, load_data, load_run_checkpoint,
-                            loss_settings, run_eval, save_run_checkpoint, start_process)
+from grpo.run_dir import check_output_dir, claim_output_dir
+from grpo.run_setup import (SkipGuard, build_rewards, build_trainable, eval_metrics, experience_settings, load_data,
+                            load_run_checkpoint, loss_settings, run_eval, save_run_checkpoint, start_process)
 from grpo.step_metrics import sample_records, step_metrics
 
 
@@ -51,8 +50,7 @@ def train(cfg: RunConfig) -> TrainResult:
 
     info, device = start_process(cfg)
     try:
-        out = prepare_output_dir(cfg, info.is_main)
-        barrier(info)
+        out = check_output_dir(cfg) if info.is_main else None
         torch.manual_seed(cfg.train.seed)
         tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
         train_set, eval_set = load_data(cfg)
@@ -62,9 +60,10 @@ def train(cfg: RunConfig) -> TrainResult:
         reference = load_reference(cfg.model, policy, tokenizer, device) if cfg.loss.beta > 0 else None
         ref_logprobs = (local_reference(policy, reference, cfg.rollout.temperature, cfg.train.micro_batch_size)
                         if cfg.loss.beta > 0 else None)
-        reward_fns = build_reward_functions(cfg.rewards, cfg.data.tag_style)
-        weights = [r.weight for r in cfg.rewards]
+        reward_fns, weights = build_rewards(cfg)
         trainable = build_trainable(cfg, policy, info)
+        out = claim_output_dir(cfg, info.is_main)  # setup succeeded: only now is anything written
+        barrier(info)
 
         start_step, eval_before = 0, None
         checkpoint = latest_checkpoint(out) if cfg.train.resume else None
@@ -81,7 +80,7 @@ def train(cfg: RunConfig) -> TrainResult:
         if start_step == 0 and eval_set:
             eval_before = run_eval(cfg, policy, tokenizer, eval_set, info)
             logger.log(0, eval_metrics(eval_before))
-        step = start_step
+        step, skips = start_step, SkipGuard(cfg.optim.max_skipped_steps, cfg.loss.num_iterations)
         progress = StepProgress(cfg.train.max_steps, start_step, enabled=info.is_main and cfg.log.progress_bar)
 
         def checkpoint_now(at_step: int) -> None:
@@ -98,6 +97,7 @@ def train(cfg: RunConfig) -> TrainResult:
                                             exp_settings, seed=step_seed(cfg.train.seed, step, info.rank))
                     rollout_done = time.perf_counter()
                     train_stats = train_on_batch(trainable.learner, batch, train_settings, info)
+                    skips.record(step, train_stats)
                     metrics = step_metrics(batch, train_stats, cfg.rollout.num_generations, cfg.data.tag_style,
                                            started, rollout_done - started, time.perf_counter() - rollout_done, info)
                     metrics["epoch"] = sampler.epoch_of(step)

@@ -94,6 +94,8 @@ class OptimConfig:
     warmup_ratio: float = opt(0.0, "Share of max_steps with linear warm-up.", ge=0, le=1)
     lr_scheduler_type: str = opt("cosine", "Decay after warm-up.", choices=("constant", "linear", "cosine"))
     max_grad_norm: float | None = opt(1.0, "Clip the global gradient norm; null = no clipping.", gt=0)
+    max_skipped_steps: int = opt(
+        3, "Abort after this many consecutive steps whose updates were skipped for NaN/inf gradients.", ge=1)
 
 
 @dataclass

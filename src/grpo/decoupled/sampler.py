@@ -21,9 +21,8 @@ from grpo.decoupled.common import max_message_bytes, shared_token
 from grpo.experience import local_reference, make_experience
 from grpo.models import load_policy, load_reference, load_tokenizer, resolve_device
 from grpo.prompt_sampler import PromptSampler
-from grpo.rewards import build_reward_functions
 from grpo.rollout import HFEngine
-from grpo.run_setup import experience_settings, load_data
+from grpo.run_setup import build_rewards, experience_settings, load_data
 from grpo.trainer import step_seed
 from grpo.transport import PeerClosed, RolloutSender
 from grpo.weight_store import WeightStore, apply_to_model
@@ -59,8 +58,7 @@ def run_sampler(cfg: RunConfig) -> int:
     policy = load_policy(cfg.model, device).eval()
     policy.requires_grad_(False)
     ref_logprobs = reference_logprobs_fn(cfg, policy, tokenizer, device, token)
-    reward_fns = build_reward_functions(cfg.rewards, cfg.data.tag_style)
-    weights = [r.weight for r in cfg.rewards]
+    reward_fns, weights = build_rewards(cfg)
     engine = HFEngine(policy, tokenizer, cfg.rollout.generation_batch_size)
     settings = experience_settings(cfg, need_old_logprobs=True)  # the trainer's ratio needs the sampler's policy
     store = WeightStore(cfg.train.output_dir)

@@ -20,8 +20,8 @@ from grpo.decoupled.common import max_message_bytes, shared_token
 from grpo.distributed import DistInfo, barrier, print0, shutdown
 from grpo.models import load_policy, load_tokenizer
 from grpo.optimization import train_on_batch
-from grpo.run_dir import prepare_output_dir
-from grpo.run_setup import (build_trainable, load_run_checkpoint, loss_settings, save_run_checkpoint,
+from grpo.run_dir import check_output_dir, claim_output_dir
+from grpo.run_setup import (SkipGuard, build_trainable, load_run_checkpoint, loss_settings, save_run_checkpoint,
                             start_process)
 from grpo.step_metrics import sample_records, step_metrics
 from grpo.transport import IncomingBatch, PeerTimeout
@@ -110,11 +110,13 @@ def run_trainer(cfg: RunConfig) -> int:
         if info.world_size != cfg.decoupled.trainer_ranks:
             raise ValueError(f"decoupled.trainer_ranks is {cfg.decoupled.trainer_ranks} but {info.world_size} "
                              "ranks were launched; samplers cut batches by trainer_ranks")
-        out = prepare_output_dir(cfg, info.is_main)
-        barrier(info)
+        if info.is_main:
+            check_output_dir(cfg)
         torch.manual_seed(cfg.train.seed)
         tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
         trainable = build_trainable(cfg, load_policy(cfg.model, device), info)
+        out = claim_output_dir(cfg, info.is_main)  # setup succeeded: only now is anything written
+        barrier(info)
         start_step, trained, dropped_ids = 0, {}, {}
         checkpoint = latest_checkpoint(out) if cfg.train.resume else None
         if checkpoint is not None:
@@ -143,7 +145,7 @@ def run_trainer(cfg: RunConfig) -> int:
                      "dropped_batch_ids": receiver.dropped_ids if receiver else {}}
             save_run_checkpoint(out, at_step, trainable, tokenizer, state, cfg, info)
 
-        step = start_step
+        step, skips = start_step, SkipGuard(cfg.optim.max_skipped_steps, cfg.loss.num_iterations)
         try:
             for step in range(start_step + 1, cfg.train.max_steps + 1):
                 started = time.perf_counter()
@@ -152,6 +154,7 @@ def run_trainer(cfg: RunConfig) -> int:
                 mine = rank_slice(batch, info.rank, info.world_size)
                 received = time.perf_counter()
                 train_stats = train_on_batch(trainable.learner, mine, settings, info)
+                skips.record(step, train_stats)
                 trained_at = time.perf_counter()
                 metrics = step_metrics(mine, train_stats, cfg.rollout.num_generations, cfg.data.tag_style,
                                        received, 0.0, trained_at - received, info)

@@ -13,7 +13,7 @@ so TRL reward functions run unchanged. Modules:
 """
 
 from grpo.rewards.answers import answers_equal, completion_text, extract_answer, is_well_formatted
-from grpo.rewards.base import RewardCallable, RewardFactory
+from grpo.rewards.base import RewardCallable, RewardError, RewardFactory
 from grpo.rewards.guard import RewardFunction
 from grpo.rewards.registry import (
     REWARD_REGISTRY,
@@ -29,6 +29,7 @@ __all__ = [
     "REWARD_REGISTRY",
     "RemoteRewardError",
     "RewardCallable",
+    "RewardError",
     "RewardFactory",
     "RewardFunction",
     "RewardScores",

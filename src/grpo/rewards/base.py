@@ -15,6 +15,8 @@ style and parameters; the registry (``registry.py``) maps names to factories.
 
 from __future__ import annotations
 
+from grpo.errors import RewardError  # noqa: F401  (re-exported: reward code raises it)
+
 from collections.abc import Callable
 from typing import Any
 

@@ -12,7 +12,7 @@ change results either. So:
   the log;
 - a NaN or infinite value becomes None, with one warning per function (``num_nonfinite`` counts them);
 - a result of the wrong length, or a value that is not a number or None, is a bug in the reward and
-  raises ValueError naming the function: no per-sample fallback could make it right.
+  raises RewardError naming the function: no per-sample fallback could make it right.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from grpo.rewards.base import RewardCallable
+from grpo.rewards.base import RewardCallable, RewardError
 
 logger = logging.getLogger(__name__)
 
@@ -120,22 +120,22 @@ class RewardFunction:
         try:
             length = len(raw)
         except TypeError:
-            raise ValueError(
+            raise RewardError(
                 f"reward {self.name!r} returned {type(raw).__name__}, expected a list of {n} floats or None"
             ) from None
         if length != n:
-            raise ValueError(f"reward {self.name!r} returned {length} values for {n} completions")
+            raise RewardError(f"reward {self.name!r} returned {length} values for {n} completions")
         rewards: list[float | None] = []
         for i, value in enumerate(raw):
             if value is None:
                 rewards.append(None)
                 continue
             if isinstance(value, (str, bytes)):
-                raise ValueError(f"reward {self.name!r} returned {value!r} at index {i}; expected a float or None")
+                raise RewardError(f"reward {self.name!r} returned {value!r} at index {i}; expected a float or None")
             try:
                 reward = float(value)
             except (TypeError, ValueError):
-                raise ValueError(
+                raise RewardError(
                     f"reward {self.name!r} returned {value!r} at index {i}; expected a float or None"
                 ) from None
             if not math.isfinite(reward):
