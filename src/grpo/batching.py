@@ -48,6 +48,7 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         ref_logprobs=optional("ref_logprobs"),
         prompts=[p for b in batches for p in b.prompts],
         columns=columns,
+        timings={k: sum(b.timings.get(k, 0.0) for b in batches) for k in batches[0].timings},
     )
 
 
@@ -70,4 +71,5 @@ def rank_slice(batch: RolloutBatch, rank: int, world_size: int) -> RolloutBatch:
         rewards=batch.rewards[rows], reward_parts=batch.reward_parts[rows], reward_names=batch.reward_names,
         advantages=batch.advantages[rows], old_logprobs=cut(batch.old_logprobs), ref_logprobs=cut(batch.ref_logprobs),
         prompts=batch.prompts[prompts], columns={k: v[rows] for k, v in batch.columns.items()},
+        timings=dict(batch.timings),
     )

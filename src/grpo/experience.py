@@ -6,6 +6,7 @@ sampler process). No optimisation and no logging here.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -93,8 +94,10 @@ def make_experience(
 
     ``ref_logprobs_fn`` is None when beta == 0 (no reference needed)."""
     G = settings.sampling.n
+    started = time.perf_counter()
     prompts = render_prompts(tokenizer, examples, settings.system_prompt, settings.max_prompt_length)
     generation = engine.generate(prompts, settings.sampling, seed=seed)
+    generated = time.perf_counter()
 
     # Rewards see chat-format prompts and completions, as TRL passes them for conversational data,
     # so TRL reward functions (which read completion[0]["content"]) run unchanged.
@@ -106,6 +109,7 @@ def make_experience(
             columns.setdefault(key, []).extend([value] * G)
     scores = score(reward_fns, reward_weights, chat_prompts, chat_completions, columns)
     advantages = group_advantages(scores.total, G, scale=settings.scale_rewards, eps=settings.advantage_eps)
+    scored = time.perf_counter()
 
     old_logprobs = None
     if settings.need_old_logprobs:
@@ -122,4 +126,6 @@ def make_experience(
         ref_logprobs=ref_logprobs,
         prompts=prompts,
         columns=columns,
+        timings={"generate_s": generated - started, "rewards_s": scored - generated,
+                 "logprobs_s": time.perf_counter() - scored},
     )

@@ -43,6 +43,7 @@ class RolloutBatch:
     ref_logprobs:    [N, Lc] float32 reference log-probs, or None when beta == 0.
     prompts:         P prompt texts (rendered with the chat template), one per group.
     columns:         dataset columns per completion row (e.g. ``answer``), as reward functions get them.
+    timings:         seconds spent in each phase that made it (generate_s, rewards_s, logprobs_s).
     """
 
     generation: Generation
@@ -54,3 +55,4 @@ class RolloutBatch:
     ref_logprobs: Tensor | None
     prompts: list[str]
     columns: dict[str, list] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)

@@ -60,6 +60,7 @@ def step_metrics(batch: RolloutBatch, train_stats: dict, group_size: int, tag_st
         "skipped_updates": train_stats["skipped_updates"],
         "time/rollout_s": rollout_s, "time/train_s": train_s, "time/step_s": step_s,
         "tokens_per_s": completion_tokens / step_s,
+        **{f"time/{name}": seconds for name, seconds in batch.timings.items()},
     })
     return metrics
 
