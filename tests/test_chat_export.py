@@ -104,19 +104,19 @@ def test_chat_prompt_uses_run_system_prompt(saved_tiny, tmp_path, monkeypatch, c
     import shutil
 
     from grpo import chat
-    from grpo.rollout import HFEngine
+    from grpo.rollout import LeanEngine
 
     run = tmp_path / "run"
     shutil.copytree(saved_tiny, run / "final")
     write_run_config(run, "data.system_prompt=You are CHAT-TEST-BOT.")
     rendered = []
-    original = HFEngine.generate
+    original = LeanEngine.generate
 
     def recording_generate(self, prompts, params, seed=None):
         rendered.extend(prompts)
         return original(self, prompts, params, seed)
 
-    monkeypatch.setattr(HFEngine, "generate", recording_generate)
+    monkeypatch.setattr(LeanEngine, "generate", recording_generate)
     conversation = chat.run_chat(run, prompt="What is 2 + 3?", max_new_tokens=6, device="cpu")
     assert len(rendered) == 1
     assert rendered[0].startswith("<|im_start|>system\nYou are CHAT-TEST-BOT.<|im_end|>\n")
@@ -128,16 +128,16 @@ def test_chat_prompt_uses_run_system_prompt(saved_tiny, tmp_path, monkeypatch, c
 
 def test_chat_loop_keeps_history(saved_tiny, monkeypatch, capsys):
     from grpo import chat
-    from grpo.rollout import HFEngine
+    from grpo.rollout import LeanEngine
 
     rendered = []
-    original = HFEngine.generate
+    original = LeanEngine.generate
 
     def recording_generate(self, prompts, params, seed=None):
         rendered.extend(prompts)
         return original(self, prompts, params, seed)
 
-    monkeypatch.setattr(HFEngine, "generate", recording_generate)
+    monkeypatch.setattr(LeanEngine, "generate", recording_generate)
     lines = iter(["first question", "", "second question", "exit", "never read"])
     conversation = chat.run_chat(saved_tiny, max_new_tokens=4, device="cpu", input_fn=lambda _: next(lines))
     assert [m["role"] for m in conversation] == ["system", "user", "assistant", "user", "assistant"]

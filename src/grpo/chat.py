@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from grpo.data import render_prompt
-from grpo.rollout import HFEngine, RolloutEngine, SamplingParams
+from grpo.rollout import LeanEngine, RolloutEngine, SamplingParams
 
 EXIT_WORDS = ("exit", "quit")
 RESET_WORD = "/reset"
@@ -59,7 +59,7 @@ def run_chat(
     source = resolve_model_source(model_path, base_model=base_model)
     system_prompt = source.system_prompt if system_prompt is None else system_prompt
     model, tokenizer = load_model_for_inference(source, device, dtype)
-    engine = HFEngine(model, tokenizer)
+    engine = LeanEngine(model, tokenizer)
     if seed is not None:
         torch.manual_seed(seed)
     system = [{"role": "system", "content": system_prompt}]

@@ -22,7 +22,7 @@ import torch
 from grpo.data import Example, load_dataset_source, render_example, resolve_system_prompt
 from grpo.records import Generation
 from grpo.rewards import answers_equal, extract_answer, is_well_formatted
-from grpo.rollout import HFEngine, RolloutEngine, SamplingParams
+from grpo.rollout import LeanEngine, RolloutEngine, SamplingParams
 from grpo.tags import get_tag_style
 
 
@@ -107,7 +107,7 @@ def evaluate(
         seed: seed of the sampled completions (the caller's RNG state is restored afterwards).
         progress: show a rich progress bar.
         return_records: add ``records``, one JSON-ready dict per example (completion, prediction, ...).
-        engine: the rollout engine; default ``HFEngine(model, tokenizer, batch_size)``.
+        engine: the rollout engine; default ``LeanEngine(model, tokenizer, batch_size)`` (greedy output equals generate()).
 
     Returns:
         ``n``; ``accuracy`` and ``format_rate`` of the greedy completions; ``truncated_rate`` (greedy
@@ -129,7 +129,7 @@ def evaluate(
     get_tag_style(tag_style)  # an unknown style fails here, listing the known ones
     system_prompt = resolve_system_prompt(system_prompt, tag_style)
     if engine is None:
-        engine = HFEngine(model, tokenizer, batch_size=batch_size)
+        engine = LeanEngine(model, tokenizer, batch_size=batch_size)
     prompts = [render_example(tokenizer, e, system_prompt) for e in examples]
     golds = [e.answer for e in examples]
 

@@ -19,10 +19,11 @@ from grpo.experience import local_reference, make_experience
 from grpo.models import load_policy, load_reference, load_tokenizer
 from grpo.optimization import train_on_batch
 from grpo.prompt_sampler import PromptSampler
-from grpo.rollout import HFEngine
+from grpo.rollout import make_engine
 from grpo.run_dir import check_output_dir, claim_output_dir
-from grpo.run_setup import (SkipGuard, build_rewards, build_trainable, eval_metrics, experience_settings, load_data,
-                            load_run_checkpoint, loss_settings, run_eval, save_run_checkpoint, start_process)
+from grpo.run_setup import (DeferredInterrupt, SkipGuard, build_rewards, build_trainable, eval_metrics,
+                            experience_settings, load_data, loss_settings, resume_checkpoint, run_eval,
+                            save_run_checkpoint, start_process)
 from grpo.step_metrics import sample_records, step_metrics
 
 
@@ -42,7 +43,7 @@ def step_seed(seed: int, step: int, rank: int) -> int:
 
 def train(cfg: RunConfig) -> TrainResult:
     """Run GRPO as configured; returns where the run went and its before/after evaluation."""
-    from grpo.checkpoint import latest_checkpoint, save_final
+    from grpo.checkpoint import save_final
     from grpo.learners import zero3_full_state_dict
     from grpo.plots import plot_run
     from grpo.progress import StepProgress
@@ -66,15 +67,17 @@ def train(cfg: RunConfig) -> TrainResult:
         barrier(info)
 
         start_step, eval_before = 0, None
-        checkpoint = latest_checkpoint(out) if cfg.train.resume else None
-        if checkpoint is not None:
-            state = load_run_checkpoint(checkpoint, trainable)
+        resumed = resume_checkpoint(out, trainable, info) if cfg.train.resume else None
+        if resumed is not None:
+            checkpoint, state = resumed
             start_step, eval_before = state["step"], state.get("eval_before")
             print0(info, f"resumed from {checkpoint} (step {start_step})")
-        engine = HFEngine(policy, tokenizer, cfg.rollout.generation_batch_size)
+        engine = make_engine(cfg.rollout.engine, policy, tokenizer, cfg.rollout.generation_batch_size)
         exp_settings, train_settings = experience_settings(cfg), loss_settings(cfg)
+        # A resume that found no checkpoint starts over, and so do its metrics (resume_step 0 would keep the
+        # killed run's step-0 evaluation and log it a second time).
         logger = MetricsLogger(out, cfg.log.report_to, config_to_dict(cfg), enabled=info.is_main,
-                               resume_step=start_step if cfg.train.resume else None,
+                               resume_step=start_step if resumed is not None else None,
                                wandb_project=cfg.log.wandb_project)
 
         if start_step == 0 and eval_set:
@@ -83,10 +86,18 @@ def train(cfg: RunConfig) -> TrainResult:
         step, skips = start_step, SkipGuard(cfg.optim.max_skipped_steps, cfg.loss.num_iterations)
         progress = StepProgress(cfg.train.max_steps, start_step, enabled=info.is_main and cfg.log.progress_bar)
 
+        # The weights are those of step `done` except while a step's update runs (`updating`); `saved` is
+        # the newest checkpoint's step.
+        done = saved = start_step
+        updating = False
+        interrupt = DeferredInterrupt()
+
         def checkpoint_now(at_step: int) -> None:
+            nonlocal saved
             state = {"step": at_step, "prompts_consumed": at_step * cfg.train.prompts_per_step,
                      "eval_before": eval_before}
             save_run_checkpoint(out, at_step, trainable, tokenizer, state, cfg, info)
+            saved = at_step
 
         try:
             with progress:
@@ -96,19 +107,25 @@ def train(cfg: RunConfig) -> TrainResult:
                     batch = make_experience(engine, policy, ref_logprobs, tokenizer, examples, reward_fns, weights,
                                             exp_settings, seed=step_seed(cfg.train.seed, step, info.rank))
                     rollout_done = time.perf_counter()
-                    train_stats = train_on_batch(trainable.learner, batch, train_settings, info)
+                    # From the update to the step's checkpoint, Ctrl-C waits for the step to end (see
+                    # DeferredInterrupt): the weights then match the step that is logged and saved.
+                    with interrupt.holding():
+                        updating = True
+                        train_stats = train_on_batch(trainable.learner, batch, train_settings, info)
+                        metrics = step_metrics(batch, train_stats, cfg.rollout.num_generations, cfg.data.tag_style,
+                                               started, rollout_done - started, time.perf_counter() - rollout_done,
+                                               info)
+                        metrics["epoch"] = sampler.epoch_of(step)
+                        if cfg.train.eval_steps and step % cfg.train.eval_steps == 0 and step < cfg.train.max_steps:
+                            metrics.update(eval_metrics(run_eval(cfg, policy, tokenizer, eval_set, info)))
+                        logger.log(step, metrics)
+                        if cfg.log.num_samples and step % cfg.log.logging_steps == 0:
+                            logger.log_samples(step, sample_records(batch, cfg.log.num_samples))
+                        updating, done = False, step
+                        progress.update(step, metrics)
+                        if step % cfg.train.save_steps == 0 or step == cfg.train.max_steps:
+                            checkpoint_now(step)
                     skips.record(step, train_stats)
-                    metrics = step_metrics(batch, train_stats, cfg.rollout.num_generations, cfg.data.tag_style,
-                                           started, rollout_done - started, time.perf_counter() - rollout_done, info)
-                    metrics["epoch"] = sampler.epoch_of(step)
-                    if cfg.train.eval_steps and step % cfg.train.eval_steps == 0 and step < cfg.train.max_steps:
-                        metrics.update(eval_metrics(run_eval(cfg, policy, tokenizer, eval_set, info)))
-                    logger.log(step, metrics)
-                    if cfg.log.num_samples and step % cfg.log.logging_steps == 0:
-                        logger.log_samples(step, sample_records(batch, cfg.log.num_samples))
-                    progress.update(step, metrics)
-                    if step % cfg.train.save_steps == 0 or step == cfg.train.max_steps:
-                        checkpoint_now(step)
                     target = cfg.train.early_stop_accuracy
                     if target is not None and metrics.get("eval/accuracy", -1.0) >= target:
                         print0(info, f"eval/accuracy {metrics['eval/accuracy']:.3f} reached {target}: stopping")
@@ -116,10 +133,14 @@ def train(cfg: RunConfig) -> TrainResult:
                             checkpoint_now(step)
                         break
         except KeyboardInterrupt:
-            last_done = step - 1 if step > start_step else start_step
-            print0(info, f"\ninterrupted: saving a checkpoint of step {last_done}")
-            if last_done > start_step:
-                checkpoint_now(last_done)
+            # The step in flight when the interrupt came is lost, never saved under another step's number
+            # (its batch would then be trained twice after resuming).
+            if updating or interrupt.forced:
+                print0(info, f"\ninterrupted during the update of step {done + 1}: nothing saved; --resume "
+                             f"continues from step {saved}")
+            elif done > saved:
+                print0(info, f"\ninterrupted: saving a checkpoint of step {done}")
+                checkpoint_now(done)
             logger.close()
             raise
 

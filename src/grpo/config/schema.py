@@ -61,7 +61,8 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = opt("hf", "Generation engine.", choices=("hf",))
+    engine: str = opt("hf", "Generation engine: hf (lean KV-cache sampling loop over the HF model) or "
+                      "hf-generate (model.generate; same distribution, slower).", choices=("hf", "hf-generate"))
     num_generations: int = opt(8, "G: completions sampled per prompt (the group).", ge=2)
     max_completion_length: int = opt(256, "Maximum new tokens per completion.", ge=1)
     temperature: float = opt(1.0, "Sampling temperature; log-probs are computed at the same temperature.", gt=0)

@@ -21,7 +21,7 @@ from grpo.decoupled.common import max_message_bytes, shared_token
 from grpo.experience import local_reference, make_experience
 from grpo.models import load_policy, load_reference, load_tokenizer, resolve_device
 from grpo.prompt_sampler import PromptSampler
-from grpo.rollout import HFEngine
+from grpo.rollout import make_engine
 from grpo.run_setup import build_rewards, experience_settings, load_data
 from grpo.trainer import step_seed
 from grpo.transport import PeerClosed, RolloutSender
@@ -59,7 +59,7 @@ def run_sampler(cfg: RunConfig) -> int:
     policy.requires_grad_(False)
     ref_logprobs = reference_logprobs_fn(cfg, policy, tokenizer, device, token)
     reward_fns, weights = build_rewards(cfg)
-    engine = HFEngine(policy, tokenizer, cfg.rollout.generation_batch_size)
+    engine = make_engine(cfg.rollout.engine, policy, tokenizer, cfg.rollout.generation_batch_size)
     settings = experience_settings(cfg, need_old_logprobs=True)  # the trainer's ratio needs the sampler's policy
     store = WeightStore(cfg.train.output_dir)
     sender = RolloutSender(d.address, sampler_id, token=token, max_message_bytes=max_message_bytes(cfg),

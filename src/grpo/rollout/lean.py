@@ -1,0 +1,113 @@
+"""A lean sampling loop over a Hugging Face model's KV cache (the default ``hf`` engine).
+
+Why not ``model.generate``: for the small models GRPO is often run with, its per-token Python
+machinery (logits processors, stopping criteria, cache bookkeeping) costs as much as the model. This
+loop does only what GRPO sampling needs, and samples from exactly the same distribution:
+logits / temperature, then top-k, then top-p (the order ``generate`` applies them), then a
+multinomial draw. Two savings ``generate`` does not make: each prompt is prefilled once and its KV
+cache repeated for the G samples, and finished rows leave the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from grpo.records import Generation
+from grpo.rollout.base import SamplingParams, completion_mask_from_ids
+from grpo.rollout.hf import eos_token_ids, eval_mode, left_pad, unwrap_model
+
+
+def filter_logits(logits: Tensor, temperature: float, top_k: int | None, top_p: float) -> Tensor:
+    """[B, V] logits -> [B, V] logits of the sampling distribution (-inf where excluded)."""
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]  # [B, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+class LeanEngine:
+    """``RolloutEngine`` with the lean loop; same constructor and output as ``HFEngine``."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int | None = None):
+        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        if tokenizer.pad_token_id is None:
+            raise ValueError(f"tokenizer of {tokenizer.name_or_path!r} has no pad token; set one (e.g. the EOS)")
+
+    def generate(self, prompts: Sequence[str], params: SamplingParams, seed: int | None = None) -> Generation:
+        """``params.n`` completions per rendered prompt, rows grouped per prompt. ``seed`` fixes the draws."""
+        model = unwrap_model(self.model)
+        pad_id = self.tokenizer.pad_token_id
+        eos_ids = eos_token_ids(model, self.tokenizer)
+        encoded = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        generator = torch.Generator(device=next(model.parameters()).device)
+        if seed is None and not (params.greedy or params.temperature == 0):
+            seed = int(torch.randint(0, 2**62, (1,)).item())  # from the caller's stream, as generate() would
+        generator.manual_seed(seed or 0)
+        per_call = max(1, (self.batch_size or len(prompts) * params.n) // params.n)
+        chunks = []
+        with eval_mode(model), torch.no_grad():
+            for start in range(0, len(encoded), per_call):
+                chunks.append(self._sample(model, encoded[start:start + per_call], params, eos_ids, pad_id,
+                                           generator))
+        width = max(c.shape[1] for c in chunks)
+        completion_ids = torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1]), value=pad_id)
+                                    for c in chunks])
+        completion_mask, truncated = completion_mask_from_ids(completion_ids, eos_ids)
+        completion_ids = completion_ids.masked_fill(completion_mask == 0, pad_id)
+        prompt_ids, prompt_mask = left_pad(encoded, pad_id)
+        return Generation(
+            prompt_ids=prompt_ids.repeat_interleave(params.n, dim=0),
+            prompt_mask=prompt_mask.repeat_interleave(params.n, dim=0),
+            completion_ids=completion_ids, completion_mask=completion_mask, truncated=truncated,
+            completions=self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True))
+
+    @staticmethod
+    def _sample(model, encoded: list[list[int]], params: SamplingParams, eos_ids: list[int], pad_id: int,
+                generator: torch.Generator) -> Tensor:
+        device = next(model.parameters()).device
+        ids, mask = left_pad(encoded, pad_id)
+        ids, mask = ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        n = params.n
+        cache.batch_repeat_interleave(n)  # one prefill per prompt, its cache shared by the G samples
+        mask = mask.repeat_interleave(n, dim=0)  # [B, Lp] with B = prompts * n
+        next_pos = positions[:, -1:].repeat_interleave(n, dim=0) + 1  # [B, 1]
+        logits = out.logits[:, -1].repeat_interleave(n, dim=0)  # [B, V]
+        B = mask.shape[0]
+        result = torch.full((B, params.max_tokens), pad_id, dtype=torch.long, device=device)
+        active = torch.arange(B, device=device)  # rows still generating
+        eos = torch.tensor(eos_ids, device=device)
+        greedy = params.greedy or params.temperature == 0
+        for t in range(params.max_tokens):
+            if greedy:
+                tokens = logits.argmax(-1)
+            else:
+                probs = filter_logits(logits, params.temperature, params.top_k, params.top_p).softmax(-1)
+                tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [b]
+            result[active, t] = tokens
+            done = torch.isin(tokens, eos)
+            if done.all() or t == params.max_tokens - 1:
+                break
+            if done.any():  # finished rows leave the batch (their cache rows too)
+                keep = (~done).nonzero().squeeze(-1)
+                cache.batch_select_indices(keep)
+                active, tokens, mask, next_pos = active[keep], tokens[keep], mask[keep], next_pos[keep]
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos,
+                        past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1]
+            next_pos = next_pos + 1
+        return result[:, : t + 1].cpu()
