@@ -1,88 +1,47 @@
-"""Policy weights published through the filesystem, from the trainer (rank 0) to sampler processes.
-
-Layout, under a run's ``output_dir``::
-
-    weights/LATEST                  the newest published version number (text, replaced atomically)
-    weights/v{N}/model.safetensors  full model weights, or only the LoRA adapter tensors
-    weights/v{N}/adapter_config.json  the LoRA config (kind "lora" only)
-    weights/v{N}/manifest.json      written last: {format, version, kind, files: {name: {sha256, bytes}}, created}
-
-A version folder is written into a hidden sibling (``.tmp-v{N}-{pid}``), every file and the folder
-fsynced, then renamed into place, so a reader never sees a half-written ``v{N}``; a folder without
-``manifest.json`` is not a version. ``load`` checks every file's size and SHA-256 against the manifest
-before parsing it, so a torn or corrupt file raises ``WeightStoreError`` instead of giving partial
-weights. Only safetensors and JSON are read: nothing from another process is unpickled.
-
-Versions are plain ints (a folder name is never taken from a message or a file), published in
-increasing order by one writer. After a publish only the newest ``keep`` versions remain, so a sampler
-still reading the previous one is not pulled from under it (with ``keep >= 2``). Publishing version N
-also removes any version > N: those belong to an abandoned run (a trainer resumed from an earlier
-checkpoint re-publishes from there), and a sampler must not mistake them for newer weights.
-"""
+"""``WeightStore``: versioned weights under a run's ``weights/`` folder, published atomically by one writer
+and loaded, verified, by any number of readers (the layout is described in ``grpo.weight_store``)."""
 
 from __future__ import annotations
 
-import enum
-import hashlib
 import json
 import os
-import re
 import shutil
 import time
-from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import safetensors.torch
 import torch
 from safetensors import SafetensorError
 
-WEIGHTS_DIR = "weights"
-LATEST_FILE = "LATEST"
-MANIFEST_FILE = "manifest.json"
-MODEL_FILE = "model.safetensors"
-ADAPTER_CONFIG_FILE = "adapter_config.json"
-MANIFEST_FORMAT = "grpo-weights/1"
-KINDS = ("full", "lora")
-
-_VERSION_DIR = re.compile(r"^v(\d+)$")
-_TEMP_DIR = re.compile(r"^\.(?P<kind>tmp|old)-(?P<name>v\d+)-\d+$")  # ".tmp-v{N}-{pid}", ".old-v{N}-{pid}"
-_HASH_CHUNK = 1 << 20
-
-Kind = Literal["full", "lora"]
-
-
-class WeightStoreError(RuntimeError):
-    """A published version is missing, torn, corrupt, or does not fit the model it is loaded into."""
-
-
-@dataclass(frozen=True)
-class LoadedWeights:
-    """One published version, verified and parsed.
-
-    version:        the version number.
-    kind:           "full" (every weight of the causal LM, tied duplicates left out) or "lora"
-                    (the adapter tensors only, keys as ``peft.get_peft_model_state_dict`` names them).
-    state_dict:     name -> CPU tensor, dtypes as published.
-    adapter_config: the LoRA config as a dict (kind "lora"), else None.
-    """
-
-    version: int
-    kind: Kind
-    state_dict: dict[str, torch.Tensor]
-    adapter_config: dict[str, Any] | None
-
-
-def _check_version(version: Any) -> int:
-    """A version is a non-negative int (not a bool, not a string): folder names come only from it."""
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise ValueError(f"a weights version must be a non-negative int, got {version!r}")
-    return version
+from grpo.weight_store.files import (
+    _fsync_dir,
+    _fsync_file,
+    _json_safe,
+    _read_json,
+    _sha256,
+    _stat,
+    _verify_file,
+)
+from grpo.weight_store.layout import (
+    _TEMP_DIR,
+    _VERSION_DIR,
+    ADAPTER_CONFIG_FILE,
+    KINDS,
+    LATEST_FILE,
+    MANIFEST_FILE,
+    MANIFEST_FORMAT,
+    MODEL_FILE,
+    WEIGHTS_DIR,
+    Kind,
+    LoadedWeights,
+    WeightStoreError,
+    _check_version,
+)
 
 
 class WeightStore:
-    """Versioned weights under ``root/weights/`` (``root`` is the run's output_dir); see the module docstring.
+    """Versioned weights under ``root/weights/`` (``root`` is the run's output_dir); see ``grpo.weight_store``.
 
     One process publishes (the trainer's rank 0); any number of processes load.
     """
@@ -299,133 +258,6 @@ class WeightStore:
         return manifest
 
 
-# ---------------------------------------------------------------- models <-> state dicts
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-
-
-def _is_peft(model: torch.nn.Module) -> bool:
-    from peft import PeftModel  # imported here: peft takes seconds to import
-
-    return isinstance(model, PeftModel)
-
-
-def state_dict_for_publish(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], Kind, dict[str, Any] | None]:
-    """``(state_dict, kind, adapter_config)`` to pass to ``WeightStore.publish``.
-
-    A DDP wrapper is unwrapped. A peft model gives its adapter tensors (``get_peft_model_state_dict``)
-    and its active LoRA config as a JSON-compatible dict; any other model gives its full state dict
-    with tied duplicates (e.g. ``lm_head.weight`` tied to the embeddings) left out, the first name of
-    each group kept. Tensors are detached, contiguous and on the CPU; CPU tensors may share memory with
-    the model's parameters, so publish them before the next optimizer step.
-    """
-    model = _unwrap(model)
-    if _is_peft(model):
-        from peft import get_peft_model_state_dict
-
-        state = get_peft_model_state_dict(model)
-        adapter_config: dict[str, Any] | None = _json_safe(model.peft_config[model.active_adapter].to_dict())
-        kind: Kind = "lora"
-    else:
-        state = model.state_dict()
-        seen: set[tuple] = set()
-        deduplicated = {}
-        for name, tensor in state.items():
-            key = _storage_key(tensor)
-            if key is not None and key in seen:
-                continue  # a tied alias of a tensor already kept
-            if key is not None:
-                seen.add(key)
-            deduplicated[name] = tensor
-        state, adapter_config, kind = deduplicated, None, "full"
-    return {name: t.detach().to("cpu").contiguous() for name, t in state.items()}, kind, adapter_config
-
-
-def apply_to_model(model: torch.nn.Module, loaded: LoadedWeights) -> None:
-    """Load ``loaded`` into ``model`` in place (values copied into the existing parameters: their
-    device and dtype stay).
-
-    "full": strict (every weight present, no extra key; a tied alias such as ``lm_head.weight`` may be
-    absent when the tensor it is tied to is present) into a causal LM that is not a peft model.
-    "lora": the adapter tensors into a peft model with the same adapter keys and the same r / alpha.
-    Raises WeightStoreError saying what does not match.
-    """
-    model = _unwrap(model)
-    where = f"weights version {loaded.version} ({loaded.kind})"
-    if loaded.kind == "lora":
-        if not _is_peft(model):
-            raise WeightStoreError(f"{where} holds a LoRA adapter, but the model is not a peft model")
-        _apply_adapter(model, loaded, where)
-    elif loaded.kind == "full":
-        if _is_peft(model):
-            raise WeightStoreError(f"{where} holds full model weights, but the model is a peft model")
-        _apply_full(model, loaded, where)
-    else:
-        raise WeightStoreError(f"{where}: unknown kind {loaded.kind!r}; expected one of {KINDS}")
-
-
-def _apply_full(model: torch.nn.Module, loaded: LoadedWeights, where: str) -> None:
-    own = model.state_dict()
-    state = loaded.state_dict
-    aliases = _tied_aliases(own)
-    unexpected = sorted(set(state) - set(own))
-    missing = sorted(k for k in set(own) - set(state) if not aliases.get(k, set()) & set(state))
-    if missing or unexpected:
-        raise WeightStoreError(f"{where} does not match the model ({len(missing)} missing, e.g. {missing[:3]}; "
-                               f"{len(unexpected)} unexpected, e.g. {unexpected[:3]})")
-    wrong_shape = [k for k in state if tuple(state[k].shape) != tuple(own[k].shape)]
-    if wrong_shape:
-        k = wrong_shape[0]
-        raise WeightStoreError(f"{where} does not fit the model: {len(wrong_shape)} shape mismatches, e.g. {k} "
-                               f"{tuple(state[k].shape)} vs {tuple(own[k].shape)}")
-    with torch.no_grad():
-        model.load_state_dict(state, strict=False)  # strictness checked above, tied aliases allowed
-
-
-def _apply_adapter(model: torch.nn.Module, loaded: LoadedWeights, where: str) -> None:
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict
-
-    own_config = model.peft_config[model.active_adapter].to_dict()
-    published = loaded.adapter_config or {}
-    for key in ("r", "lora_alpha", "use_rslora"):  # a different scaling would load silently otherwise
-        if key in published and published[key] != own_config.get(key):
-            raise WeightStoreError(f"{where}: adapter {key}={published[key]!r} but the model's is "
-                                   f"{own_config.get(key)!r}")
-    own = get_peft_model_state_dict(model)
-    missing, unexpected = sorted(set(own) - set(loaded.state_dict)), sorted(set(loaded.state_dict) - set(own))
-    if missing or unexpected:
-        raise WeightStoreError(f"{where}: adapter does not match the model (missing {missing[:3]}, unexpected "
-                               f"{unexpected[:3]}); was it published with another LoRA config?")
-    wrong_shape = [k for k in own if tuple(own[k].shape) != tuple(loaded.state_dict[k].shape)]
-    if wrong_shape:
-        k = wrong_shape[0]
-        raise WeightStoreError(f"{where}: adapter does not fit the model, e.g. {k} "
-                               f"{tuple(loaded.state_dict[k].shape)} vs {tuple(own[k].shape)}")
-    with torch.no_grad():
-        set_peft_model_state_dict(model, loaded.state_dict)
-
-
-# ---------------------------------------------------------------- helpers
-
-
-def _storage_key(tensor: torch.Tensor) -> tuple | None:
-    """Identity of a tensor's memory (None for empty tensors, which cannot alias anything)."""
-    if tensor.numel() == 0:
-        return None
-    return (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
-
-
-def _tied_aliases(own: dict[str, torch.Tensor]) -> dict[str, set[str]]:
-    """For each state-dict key, the other keys naming the same tensor (tied embeddings)."""
-    groups: dict[tuple, list[str]] = defaultdict(list)
-    for key, tensor in own.items():
-        if (storage := _storage_key(tensor)) is not None:
-            groups[storage].append(key)
-    return {key: set(group) - {key} for group in groups.values() for key in group}
-
-
 def _tensors_for_saving(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Contiguous, detached CPU tensors; refuses non-tensors and tensors that share memory (safetensors
     stores each tensor once, so an alias must be dropped by the caller, who knows which name is canonical)."""
@@ -444,68 +276,3 @@ def _tensors_for_saving(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.
             owners[storage] = name
         tensors[name] = tensor.detach().to("cpu").contiguous()
     return tensors
-
-
-def _json_safe(value: Any) -> Any:
-    """A peft config dict as JSON: sets -> sorted lists, enums -> their values, tuples -> lists."""
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (set, frozenset)):
-        return sorted(_json_safe(v) for v in value)
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    if isinstance(value, enum.Enum):
-        return _json_safe(value.value)
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    raise TypeError(f"adapter_config holds a {type(value).__name__} ({value!r}), which JSON cannot store")
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise WeightStoreError(f"{path} cannot be read ({err}); the version is torn or corrupt") from err
-
-
-def _stat(path: Path) -> tuple[int, int, int]:
-    try:
-        st = path.stat()
-    except OSError as err:
-        raise WeightStoreError(f"{path} is missing ({err}); the version is torn or was pruned") from err
-    return st.st_ino, st.st_size, st.st_mtime_ns
-
-
-def _verify_file(path: Path, entry: dict[str, Any], stat: tuple[int, int, int]) -> None:
-    size = stat[1]
-    if size != entry["bytes"]:
-        raise WeightStoreError(f"{path} has {size} bytes but the manifest says {entry['bytes']}; the file is torn")
-    try:
-        digest = _sha256(path)
-    except OSError as err:
-        raise WeightStoreError(f"{path} cannot be read ({err})") from err
-    if digest != entry["sha256"]:
-        raise WeightStoreError(f"{path} does not match its SHA-256 in the manifest; the file is corrupt")
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a folder's entries (new files, a rename) durable; only possible on POSIX."""
-    if os.name == "posix":
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

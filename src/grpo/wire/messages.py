@@ -1,30 +1,10 @@
-"""The wire format between samplers and the trainer: pure functions, no sockets, never pickle.
-
-A message is three frames::
-
-    [token, header, payload]
-
-token    the shared secret as UTF-8 bytes (empty when none is configured); compared in constant time.
-header   a UTF-8 JSON object ``{"v": PROTOCOL_VERSION, "kind": KIND, ...fields}``; the fields each
-         kind requires, and their types, are listed in ``KINDS``.
-payload  ``safetensors`` bytes of the message's tensors, or empty. Only ``batch`` carries tensors.
-
-``decode`` checks, in this order and before parsing anything it has not size-checked: the frame
-count, the total size, the token, the header size, the JSON, the version, the kind, the fields, the
-payload, and the tensor dtypes. Every rejection is a ``WireError`` whose message says what was wrong;
-no other exception escapes ``decode`` (a fuzz test holds it to that).
-
-``batch_to_message`` / ``message_to_batch`` map a ``RolloutBatch`` to a ``batch`` message and back,
-exactly (``torch.equal`` on every tensor, dtypes kept). ``pack_bytes`` / ``unpack_bytes`` turn a
-message's frames into one length-prefixed blob (e.g. for a ``torch.distributed`` broadcast between
-trainer ranks) and back.
-"""
+"""Messages of the wire format (described in ``grpo.wire``): the kinds and their header fields, ``encode``,
+and ``decode``, which checks untrusted frames before parsing them and raises only ``WireError``."""
 
 from __future__ import annotations
 
 import hmac
 import json
-import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,8 +12,6 @@ from typing import Any
 import safetensors.torch
 import torch
 from torch import Tensor
-
-from grpo.records import Generation, RolloutBatch
 
 PROTOCOL_VERSION = 1
 
@@ -259,166 +237,3 @@ def decode(frames: Sequence[Any], *, token: str = "", max_bytes: int,
         except WireError as exc:
             raise WireError(str(exc), header) from None
     return Message(spec.name, header, tensors)
-
-
-# ---------------------------------------------------------------------------------------------------
-# RolloutBatch <-> batch message
-# ---------------------------------------------------------------------------------------------------
-
-# name -> (what the dtype must be, accepted dtypes, dims); dims name N (rows), Lp, Lc, F (reward functions)
-_INTEGER = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
-_FLOAT = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
-BATCH_TENSORS: dict[str, tuple[str, frozenset, tuple[str, ...]]] = {
-    "prompt_ids": ("integer", _INTEGER, ("N", "Lp")),
-    "prompt_mask": ("integer or bool", _INTEGER | {torch.bool}, ("N", "Lp")),
-    "completion_ids": ("integer", _INTEGER, ("N", "Lc")),
-    "completion_mask": ("integer or bool", _INTEGER | {torch.bool}, ("N", "Lc")),
-    "truncated": ("bool", frozenset({torch.bool}), ("N",)),
-    "rewards": ("floating", _FLOAT, ("N",)),
-    "reward_parts": ("floating", _FLOAT, ("N", "F")),
-    "advantages": ("floating", _FLOAT, ("N",)),
-    "old_logprobs": ("floating", _FLOAT, ("N", "Lc")),
-    "ref_logprobs": ("floating", _FLOAT, ("N", "Lc")),
-}
-OPTIONAL_BATCH_TENSORS = ("old_logprobs", "ref_logprobs")
-META_FIELDS = {"batch_id": "str", "sampler_id": "str", "policy_version": "int"}
-
-
-def _check_batch(tensors: Mapping[str, Tensor], completions: list, prompts: list, reward_names: list,
-                 columns: Mapping[str, Any]) -> None:
-    """Names, dtypes and consistent shapes of a batch's tensors and texts; WireError says what differs."""
-    missing = [n for n in BATCH_TENSORS if n not in tensors and n not in OPTIONAL_BATCH_TENSORS]
-    if missing:
-        raise WireError(f"batch is missing tensors {missing}")
-    unknown = sorted(set(tensors) - set(BATCH_TENSORS))
-    if unknown:
-        raise WireError(f"batch has unknown tensors {[u[:64] for u in unknown[:8]]}; known: {list(BATCH_TENSORS)}")
-    dims: dict[str, int] = {"F": len(reward_names)}
-    for name, (dtype_name, dtypes, dim_names) in BATCH_TENSORS.items():
-        if name not in tensors:
-            continue
-        tensor = tensors[name]
-        if not isinstance(tensor, Tensor):
-            raise WireError(f"batch field {name} must be a tensor, got {type(tensor).__name__}")
-        if tensor.dtype not in dtypes:
-            raise WireError(f"batch tensor {name} must be {dtype_name}, got {tensor.dtype}")
-        if tensor.dim() != len(dim_names):
-            raise WireError(f"batch tensor {name} must be [{', '.join(dim_names)}], got shape {list(tensor.shape)}")
-        for dim_name, size in zip(dim_names, tensor.shape):
-            expected = dims.setdefault(dim_name, size)
-            if size != expected:
-                raise WireError(f"batch tensor {name} has shape {list(tensor.shape)}: {dim_name} is {size} here "
-                                f"but {expected} elsewhere (reward_names gives F)")
-    n = dims["N"]
-    if len(completions) != n:
-        raise WireError(f"batch has {len(completions)} completion texts for N={n} rows")
-    if n % max(len(prompts), 1) != 0 or (n > 0) != (len(prompts) > 0):
-        raise WireError(f"batch has {len(prompts)} prompts for N={n} rows (one prompt per group of G rows)")
-    for key, values in columns.items():
-        if not isinstance(key, str):
-            raise WireError(f"batch column names must be strings, got {key!r}")
-        if not isinstance(values, list) or len(values) != n:
-            size = len(values) if isinstance(values, list) else type(values).__name__
-            raise WireError(f"batch column {key[:64]!r} must be a list of N={n} values, got {size}")
-
-
-def batch_to_message(batch: RolloutBatch, meta: Mapping[str, Any]) -> tuple[dict, dict[str, Tensor]]:
-    """The ``batch`` header and tensors of a rollout batch.
-
-    ``meta`` must hold ``batch_id`` (str), ``sampler_id`` (str) and ``policy_version`` (int: the weights
-    the batch was sampled with); any other keys (JSON values) travel in ``header["meta"]``.
-    """
-    for name, type_name in META_FIELDS.items():
-        if name not in meta or not FIELD_TYPES[type_name](meta[name]):
-            raise WireError(f"batch meta needs {name!r} ({type_name}), got {meta.get(name)!r}")
-    if not all(isinstance(key, str) for key in meta):
-        raise WireError(f"batch meta keys must be strings, got {sorted(map(repr, meta))}")
-    gen = batch.generation
-    tensors = {
-        "prompt_ids": gen.prompt_ids, "prompt_mask": gen.prompt_mask,
-        "completion_ids": gen.completion_ids, "completion_mask": gen.completion_mask, "truncated": gen.truncated,
-        "rewards": batch.rewards, "reward_parts": batch.reward_parts, "advantages": batch.advantages,
-    }
-    if batch.old_logprobs is not None:
-        tensors["old_logprobs"] = batch.old_logprobs
-    if batch.ref_logprobs is not None:
-        tensors["ref_logprobs"] = batch.ref_logprobs
-    header = {
-        **{name: meta[name] for name in META_FIELDS},
-        "meta": {k: v for k, v in meta.items() if k not in META_FIELDS},
-        "completions": list(gen.completions), "prompts": list(batch.prompts),
-        "reward_names": list(batch.reward_names), "columns": {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in batch.columns.items()},
-    }
-    _check_fields(KINDS["batch"], header)
-    _check_batch(tensors, header["completions"], header["prompts"], header["reward_names"], header["columns"])
-    return header, tensors
-
-
-def message_to_batch(message: Message) -> tuple[RolloutBatch, dict]:
-    """The rollout batch of a decoded ``batch`` message and its meta (batch_id, sampler_id,
-    policy_version and the sender's other keys). Raises WireError when shapes or texts disagree."""
-    if message.kind != "batch":
-        raise WireError(f"expected a batch message, got {message.kind}")
-    header, tensors = message.header, message.tensors
-    try:
-        _check_batch(tensors, header["completions"], header["prompts"], header["reward_names"], header["columns"])
-    except WireError as exc:
-        raise WireError(str(exc), header) from None
-    batch = RolloutBatch(
-        generation=Generation(
-            prompt_ids=tensors["prompt_ids"], prompt_mask=tensors["prompt_mask"],
-            completion_ids=tensors["completion_ids"], completion_mask=tensors["completion_mask"],
-            truncated=tensors["truncated"], completions=list(header["completions"])),
-        rewards=tensors["rewards"], reward_parts=tensors["reward_parts"], reward_names=list(header["reward_names"]),
-        advantages=tensors["advantages"], old_logprobs=tensors.get("old_logprobs"),
-        ref_logprobs=tensors.get("ref_logprobs"), prompts=list(header["prompts"]), columns=dict(header["columns"]))
-    meta = {**header["meta"], **{name: header[name] for name in META_FIELDS}}
-    return batch, meta
-
-
-# ---------------------------------------------------------------------------------------------------
-# One blob per message
-# ---------------------------------------------------------------------------------------------------
-
-PACK_MAGIC = b"GRPW"
-PACK_FORMAT = 1
-MAX_PACKED_FRAMES = 16
-_PACK_PREFIX = struct.Struct("<4sBI")  # magic, format, frame count
-_PACK_LENGTH = struct.Struct("<Q")
-
-
-def pack_bytes(frames: Sequence[bytes]) -> bytes:
-    """One blob: ``b"GRPW"``, format byte, u32 frame count, a u64 length per frame (little-endian), the frames."""
-    if len(frames) > MAX_PACKED_FRAMES:
-        raise WireError(f"cannot pack {len(frames)} frames (at most {MAX_PACKED_FRAMES})")
-    parts = [_PACK_PREFIX.pack(PACK_MAGIC, PACK_FORMAT, len(frames))]
-    parts += [_PACK_LENGTH.pack(_frame_len(f)) for f in frames]
-    parts += [_frame_bytes(f, i) for i, f in enumerate(frames)]
-    return b"".join(parts)
-
-
-def unpack_bytes(data: bytes | bytearray | memoryview) -> list[bytes]:
-    """The frames of a ``pack_bytes`` blob. Raises WireError unless the lengths account for every byte."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise WireError(f"packed message must be bytes, got {type(data).__name__}")
-    data = bytes(data)
-    if len(data) < _PACK_PREFIX.size:
-        raise WireError(f"packed message of {len(data)} bytes is shorter than its {_PACK_PREFIX.size}-byte prefix")
-    magic, fmt, count = _PACK_PREFIX.unpack_from(data, 0)
-    if magic != PACK_MAGIC:
-        raise WireError(f"packed message starts with {magic!r}, not {PACK_MAGIC!r}")
-    if fmt != PACK_FORMAT:
-        raise WireError(f"packed message format {fmt} is not {PACK_FORMAT}")
-    if count > MAX_PACKED_FRAMES:
-        raise WireError(f"packed message claims {count} frames (at most {MAX_PACKED_FRAMES})")
-    offset = _PACK_PREFIX.size + count * _PACK_LENGTH.size
-    if len(data) < offset:
-        raise WireError(f"packed message of {len(data)} bytes is too short for {count} frame lengths")
-    lengths = [_PACK_LENGTH.unpack_from(data, _PACK_PREFIX.size + i * _PACK_LENGTH.size)[0] for i in range(count)]
-    if offset + sum(lengths) != len(data):
-        raise WireError(f"packed frame lengths add up to {sum(lengths)} bytes but {len(data) - offset} follow")
-    frames = []
-    for length in lengths:
-        frames.append(data[offset:offset + length])
-        offset += length
-    return frames
