@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-fast demo clean docs
+.PHONY: install test test-fast demo clean docs bench
 
 install: $(STAMP)
 
@@ -32,3 +32,8 @@ clean:
 # Regenerate the README's config-key table from the config tree (a test checks it is current).
 docs: install
 	$(PY) -c "from pathlib import Path; from grpo.config.docs import replace_section; p = Path('README.md'); p.write_text(replace_section(p.read_text()))"
+
+# grpo vs TRL's GRPOTrainer on this machine (TRL is the optional `bench` extra). BENCH_ARGS=--quick for ~10 min.
+bench: install
+	$(PY) -m pip install --quiet -e ".[bench]"
+	$(PY) benchmarks/vs_trl.py $(BENCH_ARGS)

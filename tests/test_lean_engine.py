@@ -76,3 +76,27 @@ def test_same_seed_same_samples(model, tiny_tokenizer):
     a = LeanEngine(model, tiny_tokenizer).generate(prompts, SamplingParams(n=4, max_tokens=12), seed=7)
     b = LeanEngine(model, tiny_tokenizer).generate(prompts, SamplingParams(n=4, max_tokens=12), seed=7)
     assert torch.equal(a.completion_ids, b.completion_ids)
+
+
+def test_lora_policy_samples_with_the_adapter_folded_in(model, tiny_tokenizer):
+    # A LoRA policy with non-zero adapters: the folded-weight sampling equals generate() on the peft
+    # model (greedy, token for token), and the base weights are untouched afterwards.
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5, generator=torch.Generator().manual_seed(0))
+    base_before = {k: v.clone() for k, v in peft_model.get_base_model().state_dict().items() if "lora" not in k}
+    prompts = [chat(tiny_tokenizer, "Hi"), chat(tiny_tokenizer, "Tom has 12 apples and buys 7 more apples.")]
+    params = SamplingParams(n=1, max_tokens=16, greedy=True)
+    lean = LeanEngine(peft_model, tiny_tokenizer).generate(prompts, params)
+    ref = HFEngine(peft_model, tiny_tokenizer).generate(prompts, params)
+    plain = LeanEngine(model, tiny_tokenizer).generate(prompts, params)
+    assert torch.equal(lean.completion_ids, ref.completion_ids[:, : lean.completion_ids.shape[1]])
+    assert not torch.equal(lean.completion_ids, plain.completion_ids[:, : lean.completion_ids.shape[1]])
+    after = peft_model.get_base_model().state_dict()
+    assert all(torch.equal(v, after[k]) for k, v in base_before.items())

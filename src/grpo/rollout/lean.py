@@ -4,12 +4,15 @@ Why not ``model.generate``: for the small models GRPO is often run with, its per
 machinery (logits processors, stopping criteria, cache bookkeeping) costs as much as the model. This
 loop does only what GRPO sampling needs, and samples from exactly the same distribution:
 logits / temperature, then top-k, then top-p (the order ``generate`` applies them), then a
-multinomial draw. Two savings ``generate`` does not make: each prompt is prefilled once and its KV
-cache repeated for the G samples, and finished rows leave the batch.
+multinomial draw. Three savings ``generate`` does not make: each prompt is prefilled once and its KV
+cache repeated for the G samples, finished rows leave the batch, and a LoRA policy samples with its
+adapter folded into the weights it adapts (W + BA computed once per call instead of two extra
+matmuls per layer per token; the base weights themselves are never modified).
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Sequence
 
 import torch
@@ -18,6 +21,27 @@ from torch import Tensor
 from grpo.records import Generation
 from grpo.rollout.base import SamplingParams, completion_mask_from_ids
 from grpo.rollout.hf import eos_token_ids, eval_mode, left_pad, unwrap_model
+
+
+def folded_lora_weights(model: torch.nn.Module) -> dict[str, Tensor] | None:
+    """For a peft LoRA model: ``{parameter name: W + delta}`` for every adapted base weight (active
+    adapters folded in, as peft's own merge computes them), to be used through ``functional_call``
+    with the adapter layers disabled; None for any other model."""
+    try:
+        from peft import PeftModel
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return None
+    if not isinstance(model, PeftModel):
+        return None
+    folded = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and not module.merged and hasattr(module.base_layer, "weight"):
+            adapters = [a for a in module.active_adapters if a in module.lora_A]
+            if adapters:
+                delta = sum(module.get_delta_weight(a) for a in adapters)
+                folded[f"{name}.base_layer.weight"] = module.base_layer.weight + delta
+    return folded or None
 
 
 def filter_logits(logits: Tensor, temperature: float, top_k: int | None, top_p: float) -> Tensor:
@@ -57,9 +81,15 @@ class LeanEngine:
         per_call = max(1, (self.batch_size or len(prompts) * params.n) // params.n)
         chunks = []
         with eval_mode(model), torch.no_grad():
-            for start in range(0, len(encoded), per_call):
-                chunks.append(self._sample(model, encoded[start:start + per_call], params, eos_ids, pad_id,
-                                           generator))
+            folded = folded_lora_weights(model)
+            forward = model
+            if folded is not None:  # the adapter layers off, their base weights replaced by W + delta
+                def forward(**kwargs):
+                    return torch.func.functional_call(model, folded, args=(), kwargs=kwargs)
+            with model.disable_adapter() if folded is not None else nullcontext():
+                for start in range(0, len(encoded), per_call):
+                    chunks.append(self._sample(forward, model, encoded[start:start + per_call], params, eos_ids,
+                                               pad_id, generator))
         width = max(c.shape[1] for c in chunks)
         completion_ids = torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1]), value=pad_id)
                                     for c in chunks])
@@ -73,13 +103,13 @@ class LeanEngine:
             completions=self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True))
 
     @staticmethod
-    def _sample(model, encoded: list[list[int]], params: SamplingParams, eos_ids: list[int], pad_id: int,
+    def _sample(forward, model, encoded: list[list[int]], params: SamplingParams, eos_ids: list[int], pad_id: int,
                 generator: torch.Generator) -> Tensor:
         device = next(model.parameters()).device
         ids, mask = left_pad(encoded, pad_id)
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        out = forward(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         cache = out.past_key_values
         n = params.n
         cache.batch_repeat_interleave(n)  # one prefill per prompt, its cache shared by the G samples
@@ -106,8 +136,8 @@ class LeanEngine:
                 cache.batch_select_indices(keep)
                 active, tokens, mask, next_pos = active[keep], tokens[keep], mask[keep], next_pos[keep]
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-            out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos,
-                        past_key_values=cache, use_cache=True)
+            out = forward(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos,
+                          past_key_values=cache, use_cache=True)
             logits = out.logits[:, -1]
             next_pos = next_pos + 1
         return result[:, : t + 1].cpu()
