@@ -225,6 +225,11 @@ def _prune(checkpoints: Path, keep: Path, limit: int) -> None:
         shutil.rmtree(path)
 
 
+def complete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Every complete ``checkpoints/step-N`` folder of a run, oldest first (a resume falls back along it)."""
+    return [path for _, path in _complete_checkpoints(Path(output_dir) / CHECKPOINTS_DIR)]
+
+
 def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
     """The complete ``checkpoints/step-N`` folder with the largest N, or ``None`` when there is none."""
     found = _complete_checkpoints(Path(output_dir) / CHECKPOINTS_DIR)

@@ -1,6 +1,7 @@
 """The ``grpo`` command line: one subcommand per job, each a thin call into its module.
 
-Exit status: 0 on success, 2 on a configuration or input error (message on stderr), 130 on Ctrl-C.
+Exit status: 0 on success, 2 on a configuration or input error (message on stderr; a checkpoint that cannot be
+loaded counts as input), 1 when training cannot go on (aborted, a peer timed out, the disk failed), 130 on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if cfg.train.mode == "decoupled":
         from grpo.decoupled.launcher import run_decoupled
 
+        _check_listen_address(cfg)
+
         return run_decoupled(cfg, config_path, overrides)
     result = train(cfg)
     _print_summary(result)
@@ -42,6 +45,8 @@ def _cmd_role(args: argparse.Namespace) -> int:
     from grpo.config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    if args.command == "trainer":
+        _check_listen_address(cfg)
     if args.command == "sampler":
         from grpo.decoupled.sampler import main as role_main
     elif args.command == "trainer":
@@ -49,6 +54,20 @@ def _cmd_role(args: argparse.Namespace) -> int:
     else:
         return _ref_server(cfg)
     return role_main(cfg)
+
+
+def _check_listen_address(cfg) -> None:
+    """Refuse a trainer address beyond this machine without a token before anything starts. The receiver
+    refuses it too, but only after the models are loaded and the run folder claimed, with a traceback."""
+    from grpo.config import ConfigError
+    from grpo.decoupled.common import shared_token
+    from grpo.transport import check_bind_address
+
+    token = shared_token(cfg)  # a ConfigError of its own when decoupled.token_env names an unset variable
+    try:
+        check_bind_address(cfg.decoupled.address, token)
+    except ValueError as err:
+        raise ConfigError(f"decoupled.address: {err}; see decoupled.token_env") from None
 
 
 def _ref_server(cfg) -> int:
@@ -242,6 +261,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("grpo: interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as err:
+        # A checkpoint that cannot be loaded (torn, corrupt, not this model's) names its file: report it
+        # like other bad input instead of a traceback. grpo.checkpoint (torch) is looked up, not imported:
+        # if it was never imported, it raised nothing.
+        checkpoint = sys.modules.get("grpo.checkpoint")
+        if checkpoint is None or not isinstance(err, checkpoint.CheckpointError):
+            raise
+        print(f"grpo: checkpoint error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

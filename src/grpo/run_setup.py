@@ -3,6 +3,12 @@ the process/device, data, config-derived settings, the learner, checkpoints, and
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +54,12 @@ def build_rewards(cfg: RunConfig) -> tuple[list, list[float]]:
         functions = build_reward_functions(cfg.rewards, cfg.data.tag_style)
     except (ValueError, ImportError) as err:
         raise ConfigError(f"rewards: {err}") from None
+    except SyntaxError as err:
+        # A user's reward module with a syntax error is not an ImportError: without this it left the
+        # command with a traceback (exit 1) instead of a configuration error naming the reward.
+        names = ", ".join(repr(r.name) for r in cfg.rewards if ":" in r.name)
+        raise ConfigError(f"rewards: reward {names} does not import: {err.filename}:{err.lineno}: "
+                          f"SyntaxError: {err.msg}") from None
     return functions, [r.weight for r in cfg.rewards]
 
 
@@ -165,6 +177,76 @@ def load_run_checkpoint(checkpoint: Path, trainable: Trainable) -> dict:
         trainable.learner.engine.load_checkpoint(str(checkpoint.parent / state["deepspeed_dir"]))
         return state
     return load_checkpoint(checkpoint, trainable.policy, trainable.optimizer, trainable.scheduler)
+
+
+def resume_checkpoint(out: Path, trainable: Trainable, info: DistInfo) -> tuple[Path, dict] | None:
+    """Restore the newest checkpoint of ``out`` that loads; returns it and its trainer state, or None
+    when the folder holds no checkpoint.
+
+    A checkpoint is written to a temporary folder and renamed, so a crash cannot tear one; a torn or
+    corrupt file therefore means the disk or someone damaged it. The newest checkpoint that loads is
+    used instead, with a warning naming the bad file: a run restarted unattended (a job scheduler, the
+    decoupled launcher) then goes on losing only the steps after it, which it trains again exactly as
+    before (prompts and sampling seeds are functions of the step), and the bad folder is replaced when
+    the run saves that step again. When no checkpoint loads (e.g. the model no longer fits them) the
+    newest one's error is raised: starting from scratch would silently discard the run.
+    """
+    from grpo.checkpoint import CheckpointError, complete_checkpoints
+
+    candidates = complete_checkpoints(out)[::-1]  # newest first
+    first_error = None
+    for checkpoint in candidates:
+        try:
+            return checkpoint, load_run_checkpoint(checkpoint, trainable)
+        except CheckpointError as err:
+            first_error = first_error or err
+            if info.is_main:  # every rank reads the same files and reaches the same checkpoint
+                print(f"grpo: warning: cannot resume from {checkpoint}: {err}; trying the checkpoint before it",
+                      file=sys.stderr, flush=True)
+    if first_error is not None:
+        raise CheckpointError(f"no checkpoint in {out / 'checkpoints'} can be loaded; the newest: {first_error}")
+    return None
+
+
+class DeferredInterrupt:
+    """Hold Ctrl-C (SIGINT) while the block runs, then raise ``KeyboardInterrupt`` at its end.
+
+    The training loop wraps each step's update, logging and checkpoint in one: an interrupt there would
+    leave weights that belong to no step (half the ``num_iterations`` updates done, or the update done
+    but not logged), and a checkpoint of them under the previous step's number would train the step's
+    batch twice after resuming. A second Ctrl-C stops at once and sets ``forced``: the caller must then
+    save nothing (the last checkpoint stays the newest). Outside the main thread (where signal handlers
+    cannot be installed, and where SIGINT is never delivered) it does nothing.
+    """
+
+    def __init__(self) -> None:
+        self.received = False
+        self.forced = False
+
+    @contextmanager
+    def holding(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def hold(signum, frame) -> None:
+            if self.received:
+                self.forced = True
+                raise KeyboardInterrupt
+            self.received = True
+            # os.write, not print: a handler that prints while the interrupted code is printing to the same
+            # buffered stream fails with "reentrant call".
+            os.write(2, b"\ngrpo: Ctrl-C: finishing this step and saving it (Ctrl-C again to stop at once, "
+                        b"without saving it)\n")
+
+        previous = signal.signal(signal.SIGINT, hold)
+        try:
+            yield
+        finally:
+            # None: the previous handler was not installed from Python; Python's own is the closest.
+            signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
+        if self.received:
+            raise KeyboardInterrupt
 
 
 def run_eval(cfg: RunConfig, model, tokenizer, examples, info: DistInfo) -> dict | None:

@@ -1,0 +1,25 @@
+"""User reward functions that misbehave, loaded by dotted path as a user's would be."""
+
+import math
+
+
+def _texts(completions):
+    return [c[0]["content"] if isinstance(c, list) else c for c in completions]
+
+
+def raises_on_odd_length(prompts, completions, **kwargs):
+    """1.0 for a completion of even length; raises for an odd one (a flaky reward: some samples fail)."""
+    texts = _texts(completions)
+    if any(len(t) % 2 for t in texts):
+        raise ValueError("this reward cannot score odd-length completions")
+    return [1.0] * len(texts)
+
+
+def one_too_many(prompts, completions, **kwargs):
+    """A bug: one value more than there are completions."""
+    return [0.0] * (len(completions) + 1)
+
+
+def nan_for_all(prompts, completions, **kwargs):
+    """NaN for every completion (e.g. a judge that divided by zero)."""
+    return [math.nan] * len(completions)
