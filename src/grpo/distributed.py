@@ -56,16 +56,6 @@ def all_reduce_sum(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return out
 
 
-def broadcast_object(obj, info: DistInfo, src: int = 0):
-    """Rank ``src``'s Python object on every rank (used only for small local values such as a
-    resume decision; never for bytes from outside the process group)."""
-    if not info.enabled:
-        return obj
-    holder = [obj]
-    dist.broadcast_object_list(holder, src=src)
-    return holder[0]
-
-
 def barrier(info: DistInfo) -> None:
     """Wait for every rank (no-op for one process)."""
     if info.enabled:

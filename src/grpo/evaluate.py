@@ -107,7 +107,8 @@ def evaluate(
         seed: seed of the sampled completions (the caller's RNG state is restored afterwards).
         progress: show a rich progress bar.
         return_records: add ``records``, one JSON-ready dict per example (completion, prediction, ...).
-        engine: the rollout engine; default ``LeanEngine(model, tokenizer, batch_size)`` (greedy output equals generate()).
+        engine: the rollout engine; default ``LeanEngine(model, tokenizer, batch_size)``
+            (its greedy output equals generate()'s).
 
     Returns:
         ``n``; ``accuracy`` and ``format_rate`` of the greedy completions; ``truncated_rate`` (greedy

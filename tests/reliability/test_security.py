@@ -71,10 +71,9 @@ def unsafe_loads(tree: ast.AST) -> list[tuple[int, str]]:
     return found
 
 
-# torch.distributed's object collectives pickle. The one use is a helper that broadcasts a small value rank
-# 0 computed itself (never bytes received from outside the process group); batches between ranks go as
-# wire-format bytes (decoupled/trainer.share_batch). Listed here so that a new use is a deliberate decision.
-ALLOWED = {("distributed.py", "broadcast_object_list")}
+# torch.distributed's object collectives pickle; none is used (batches between ranks go as wire-format bytes,
+# decoupled/trainer.share_batch). A new use must be added here deliberately.
+ALLOWED: set[tuple[str, str]] = set()
 
 
 def test_no_unpickling_anywhere_in_the_package():

@@ -21,8 +21,8 @@ from grpo.distributed import DistInfo, barrier, print0, shutdown
 from grpo.models import load_policy, load_tokenizer
 from grpo.optimization import train_on_batch
 from grpo.run_dir import check_output_dir, claim_output_dir
-from grpo.run_setup import (SkipGuard, build_trainable, load_run_checkpoint, loss_settings, save_run_checkpoint,
-                            start_process)
+from grpo.run_setup import (DeferredInterrupt, SkipGuard, build_trainable, loss_settings, resume_checkpoint,
+                            save_run_checkpoint, start_process)
 from grpo.step_metrics import sample_records, step_metrics
 from grpo.transport import IncomingBatch, PeerTimeout
 from grpo.wire import batch_to_message, decode, encode, message_to_batch, pack_bytes, unpack_bytes
@@ -80,10 +80,10 @@ def next_fresh_batch(receiver, step: int, cfg: RunConfig, counters: dict) -> tup
         if incoming is None:
             if now - started > cfg.decoupled.peer_timeout_s:
                 raise PeerTimeout(f"no rollout batch from any sampler for {now - started:.0f} s "
-                                  f"(decoupled.peer_timeout_s); samplers: {list(receiver.peers)}")
+                                  f"(decoupled.peer_timeout_s); samplers: {list(receiver.peers())}")
             if now - last_status > 30:
                 logger.warning("step %d: waiting for rollouts for %.0f s (samplers: %s)", step, now - started,
-                               list(receiver.peers) or "none connected")
+                               list(receiver.peers()) or "none connected")
                 last_status = now
             continue
         staleness = (step - 1) - incoming.policy_version
@@ -97,7 +97,7 @@ def next_fresh_batch(receiver, step: int, cfg: RunConfig, counters: dict) -> tup
 
 def run_trainer(cfg: RunConfig) -> int:
     """Train ``train.max_steps`` steps on batches from the samplers; returns the exit status."""
-    from grpo.checkpoint import latest_checkpoint, save_final
+    from grpo.checkpoint import save_final
     from grpo.learners import zero3_full_state_dict
     from grpo.plots import plot_run
     from grpo.tracking import MetricsLogger
@@ -118,9 +118,9 @@ def run_trainer(cfg: RunConfig) -> int:
         out = claim_output_dir(cfg, info.is_main)  # setup succeeded: only now is anything written
         barrier(info)
         start_step, trained, dropped_ids = 0, {}, {}
-        checkpoint = latest_checkpoint(out) if cfg.train.resume else None
-        if checkpoint is not None:
-            state = load_run_checkpoint(checkpoint, trainable)
+        resumed = resume_checkpoint(out, trainable, info) if cfg.train.resume else None
+        if resumed is not None:
+            checkpoint, state = resumed
             start_step, trained = state["step"], state.get("trained_batch_ids", {})
             dropped_ids = state.get("dropped_batch_ids", {})
             print0(info, f"resumed from {checkpoint} (step {start_step}, {len(trained)} batches trained)")
@@ -135,15 +135,23 @@ def run_trainer(cfg: RunConfig) -> int:
             if start_step > 0:
                 receiver.announce_weights(version, path)
         logger_ = MetricsLogger(out, cfg.log.report_to, config_to_dict(cfg), enabled=info.is_main,
-                                resume_step=start_step if cfg.train.resume else None,
+                                resume_step=start_step if resumed is not None else None,
                                 wandb_project=cfg.log.wandb_project)
         settings = loss_settings(cfg)
         counters = {"dropped": 0}
 
+        # As in the colocated loop: the weights are those of step `done` except while a step's update runs
+        # (`updating`), and Ctrl-C waits from the update to the step's checkpoint (DeferredInterrupt).
+        done = saved = start_step
+        updating = False
+        interrupt = DeferredInterrupt()
+
         def checkpoint_now(at_step: int) -> None:
+            nonlocal saved
             state = {"step": at_step, "trained_batch_ids": receiver.trained_ids if receiver else {},
                      "dropped_batch_ids": receiver.dropped_ids if receiver else {}}
             save_run_checkpoint(out, at_step, trainable, tokenizer, state, cfg, info)
+            saved = at_step
 
         step, skips = start_step, SkipGuard(cfg.optim.max_skipped_steps, cfg.loss.num_iterations)
         try:
@@ -153,39 +161,45 @@ def run_trainer(cfg: RunConfig) -> int:
                 batch, meta = share_batch(incoming, info, device, max_message_bytes(cfg))
                 mine = rank_slice(batch, info.rank, info.world_size)
                 received = time.perf_counter()
-                train_stats = train_on_batch(trainable.learner, mine, settings, info)
-                skips.record(step, train_stats)
-                trained_at = time.perf_counter()
-                metrics = step_metrics(mine, train_stats, cfg.rollout.num_generations, cfg.data.tag_style,
-                                       received, 0.0, trained_at - received, info)
-                if step % cfg.train.sync_steps == 0:
-                    version = step
-                    path = publish_weights(store, trainable, version, cfg.decoupled.weights_keep, info)
+                with interrupt.holding():
+                    updating = True
+                    train_stats = train_on_batch(trainable.learner, mine, settings, info)
+                    trained_at = time.perf_counter()
+                    metrics = step_metrics(mine, train_stats, cfg.rollout.num_generations, cfg.data.tag_style,
+                                           received, 0.0, trained_at - received, info)
+                    if step % cfg.train.sync_steps == 0:
+                        version = step
+                        path = publish_weights(store, trainable, version, cfg.decoupled.weights_keep, info)
+                        if receiver:
+                            receiver.announce_weights(version, path)
                     if receiver:
-                        receiver.announce_weights(version, path)
-                if receiver:
-                    receiver.ack(meta["batch_id"], policy_version=version)
-                    queue = receiver.stats
-                    metrics.update({
-                        "batch_id": meta["batch_id"], "sampler_id": meta["sampler_id"],
-                        "staleness/mean": float((step - 1) - meta["policy_version"]),
-                        "queue/depth": float(queue.get("queue_depth", 0)),
-                        "rollouts/dropped": float(counters["dropped"]),
-                        "time/wait_for_rollout_s": waited, "time/weight_sync_s": time.perf_counter() - trained_at,
-                        "time/step_s": time.perf_counter() - started,
-                        "sampler/seconds_per_batch": float(meta.get("sampler_seconds", float("nan"))),
-                        "sampler/tokens_per_s": float(meta.get("sampler_tokens_per_s", float("nan"))),
-                    })
-                logger_.log(step, metrics)
-                if cfg.log.num_samples and step % cfg.log.logging_steps == 0:
-                    logger_.log_samples(step, sample_records(mine, cfg.log.num_samples))
-                print0(info, f"step {step}: reward {metrics['reward/mean']:+.3f} loss {metrics['loss']:+.4f} "
-                             f"kl {metrics['kl']:.4f} batch {meta['batch_id']}")
-                if step % cfg.train.save_steps == 0 or step == cfg.train.max_steps:
-                    checkpoint_now(step)
+                        receiver.ack(meta["batch_id"], policy_version=version)
+                        queue = receiver.stats
+                        metrics.update({
+                            "batch_id": meta["batch_id"], "sampler_id": meta["sampler_id"],
+                            "staleness/mean": float((step - 1) - meta["policy_version"]),
+                            "queue/depth": float(queue.get("queue_depth", 0)),
+                            "rollouts/dropped": float(counters["dropped"]),
+                            "time/wait_for_rollout_s": waited, "time/weight_sync_s": time.perf_counter() - trained_at,
+                            "time/step_s": time.perf_counter() - started,
+                            "sampler/seconds_per_batch": float(meta.get("sampler_seconds", float("nan"))),
+                            "sampler/tokens_per_s": float(meta.get("sampler_tokens_per_s", float("nan"))),
+                        })
+                    logger_.log(step, metrics)
+                    if cfg.log.num_samples and step % cfg.log.logging_steps == 0:
+                        logger_.log_samples(step, sample_records(mine, cfg.log.num_samples))
+                    print0(info, f"step {step}: reward {metrics['reward/mean']:+.3f} loss {metrics['loss']:+.4f} "
+                                 f"kl {metrics['kl']:.4f} batch {meta['batch_id']}")
+                    updating, done = False, step
+                    if step % cfg.train.save_steps == 0 or step == cfg.train.max_steps:
+                        checkpoint_now(step)
+                skips.record(step, train_stats)
         except KeyboardInterrupt:
-            if step - 1 > start_step:
-                checkpoint_now(step - 1)
+            if updating or interrupt.forced:
+                print0(info, f"interrupted during the update of step {done + 1}: nothing saved; --resume continues "
+                             f"from step {saved}")
+            elif done > saved:
+                checkpoint_now(done)
             raise
         logger_.close()
         final_weights = zero3_full_state_dict(trainable.learner)

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from grpo.records import Generation
-from grpo.rollout.base import SamplingParams, completion_mask_from_ids
+from grpo.rollout.base import SamplingParams
 from grpo.rollout.hf import left_pad
 from grpo.weight_store.layout import LoadedWeights, WeightStoreError
 

@@ -94,7 +94,8 @@ def batch_to_message(batch: RolloutBatch, meta: Mapping[str, Any]) -> tuple[dict
         **{name: meta[name] for name in META_FIELDS},
         "meta": {k: v for k, v in meta.items() if k not in META_FIELDS},
         "completions": list(gen.completions), "prompts": list(batch.prompts),
-        "reward_names": list(batch.reward_names), "columns": {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in batch.columns.items()},
+        "reward_names": list(batch.reward_names),
+        "columns": {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in batch.columns.items()},
     }
     _check_fields(KINDS["batch"], header)
     _check_batch(tensors, header["completions"], header["prompts"], header["reward_names"], header["columns"])
