@@ -84,3 +84,12 @@ def test_prompt_sampler_partitions_prompts_across_ranks_and_epochs():
     with pytest.raises(ValueError, match="not divisible"):
         sampler.rank_indices(1, 0, 3)
     assert PromptSampler(10, 4, seed=3).step_indices(2) == sampler.step_indices(2)  # stateless
+
+
+def test_tiny_tokenizer_keeps_answer_tags_when_decoding(tiny_tokenizer):
+    # Completions are decoded with skip_special_tokens=True before rewards read them: the tags must
+    # survive (they are single added tokens, not special ones), while <|im_end|> is dropped.
+    text = "<think>\n1 + 2 = 3\n</think>\n<answer>\n3\n</answer>"
+    ids = tiny_tokenizer(text + "<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert tiny_tokenizer.decode(ids, skip_special_tokens=True) == text
+    assert tiny_tokenizer.convert_ids_to_tokens(ids)[0] == "<think>"

@@ -38,7 +38,7 @@ def build_tokenizer(corpus: Iterable[str] = DEFAULT_CORPUS, vocab_size: int = 51
     turn, as Qwen2.5-Instruct), ``pad_token = "<|endoftext|>"``, left padding (for batched generation)
     and the Qwen chat template. Deterministic for a given corpus and vocab size.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -49,11 +49,14 @@ def build_tokenizer(corpus: Iterable[str] = DEFAULT_CORPUS, vocab_size: int = 51
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS + TAG_TOKENS,
+        special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(list(corpus), trainer=trainer)
+    # The answer tags are single tokens but NOT special: decode(skip_special_tokens=True), which turns
+    # completions into the text rewards read, must keep them.
+    tok.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in TAG_TOKENS])
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
