@@ -146,9 +146,10 @@ def run_trainer(cfg: RunConfig) -> int:
         updating = False
         interrupt = DeferredInterrupt()
 
-        def checkpoint_now(at_step: int) -> None:
+        def checkpoint_now(at_step: int, just_trained: dict[str, str] | None = None) -> None:
             nonlocal saved
-            state = {"step": at_step, "trained_batch_ids": receiver.trained_ids if receiver else {},
+            trained_ids = {**(receiver.trained_ids if receiver else {}), **(just_trained or {})}
+            state = {"step": at_step, "trained_batch_ids": trained_ids,
                      "dropped_batch_ids": receiver.dropped_ids if receiver else {}}
             save_run_checkpoint(out, at_step, trainable, tokenizer, state, cfg, info)
             saved = at_step
@@ -172,8 +173,13 @@ def run_trainer(cfg: RunConfig) -> int:
                         path = publish_weights(store, trainable, version, cfg.decoupled.weights_keep, info)
                         if receiver:
                             receiver.announce_weights(version, path)
-                    if receiver:
+                    # A step that is checkpointed acknowledges its batch only once the checkpoint (which lists it
+                    # as trained) is on disk: a kill in between makes the sampler resend it and the restarted
+                    # trainer only acknowledge it. With save_steps 1 no acknowledged batch is ever lost.
+                    checkpointed = step % cfg.train.save_steps == 0 or step == cfg.train.max_steps
+                    if receiver and not checkpointed:
                         receiver.ack(meta["batch_id"], policy_version=version)
+                    if receiver:
                         queue = receiver.stats
                         metrics.update({
                             "batch_id": meta["batch_id"], "sampler_id": meta["sampler_id"],
@@ -191,8 +197,10 @@ def run_trainer(cfg: RunConfig) -> int:
                     print0(info, f"step {step}: reward {metrics['reward/mean']:+.3f} loss {metrics['loss']:+.4f} "
                                  f"kl {metrics['kl']:.4f} batch {meta['batch_id']}")
                     updating, done = False, step
-                    if step % cfg.train.save_steps == 0 or step == cfg.train.max_steps:
-                        checkpoint_now(step)
+                    if checkpointed:
+                        checkpoint_now(step, just_trained={meta["batch_id"]: meta["sampler_id"]})
+                        if receiver:
+                            receiver.ack(meta["batch_id"], policy_version=version)
                 skips.record(step, train_stats)
         except KeyboardInterrupt:
             if updating or interrupt.forced:
