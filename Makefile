@@ -24,6 +24,7 @@ test-fast: install
 	$(PY) -m pytest -q -m "not slow and not integration"
 
 demo: install
+	@test -f assets/tiny-math/config.json || { echo "make demo: the embedded default model (assets/tiny-math) is not built yet (scripts/build_tiny_math_model.py; work in progress)"; exit 2; }
 	$(VENV)/bin/grpo train
 
 clean:
