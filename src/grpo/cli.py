@@ -134,6 +134,14 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_memory(args: argparse.Namespace) -> int:
+    from grpo.memory import run_memory_command
+
+    return run_memory_command(args.config, args.overrides, gpus=args.gpus, gpu_gb=args.gpu_gb,
+                              json_output=args.json, mixed_precision=args.mixed_precision,
+                              vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization)
+
+
 def _cmd_keys(args: argparse.Namespace) -> int:
     from grpo.config import iter_config_keys
 
@@ -215,6 +223,18 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--overwrite", action="store_true")
     export.add_argument("--base-model")
     export.set_defaults(func=_cmd_export)
+
+    mem = sub.add_parser("memory", help="estimate peak GPU memory per device (model states, activations, logits, "
+                                        "reference, KV cache) and whether it fits")
+    mem.add_argument("config", nargs="?", help="YAML recipe (default: built-in defaults)")
+    mem.add_argument("overrides", nargs="*", help="section.key=value (value parsed as YAML)")
+    mem.add_argument("--gpus", type=int, help="devices the run is spread over (default: decoupled.trainer_ranks, else 1)")
+    mem.add_argument("--gpu-gb", type=float, help="memory of one device in GiB (e.g. 80); enables the fits verdict")
+    mem.add_argument("--json", action="store_true", help="print {per_device_gb, total_gb, fits, ...} as JSON")
+    mem.add_argument("--mixed-precision", action="store_true", default=None,
+                     help="AdamW with fp32 master weights and m, v (the seeds' tables; DeepSpeed bf16 does this)")
+    mem.add_argument("--vllm-gpu-memory-utilization", type=float, help="share of --gpu-gb a colocated vLLM reserves")
+    mem.set_defaults(func=_cmd_memory)
 
     keys = sub.add_parser("keys", help="list every config key with its type, default and meaning")
     keys.add_argument("--markdown", action="store_true", help="print the README's markdown table")

@@ -1,0 +1,350 @@
+"""Peak memory per device of a run's config: model states, activations, logits, reference, KV cache.
+
+A step has three phases whose transients never overlap: the rollout (sampling with a KV cache, then
+no-grad reference/old log-probs), the update (forward and backward of each micro-batch, gradients
+accumulating), and the optimizer step. The peak is the largest phase plus the CUDA allowance. The
+reported components are those of the update phase; ``peak_phase`` says when another phase is larger.
+
+Model states (bytes per parameter; ZeRO divides optimizer (stage 1), + gradients (2), + weights (3)
+over the GPUs, as in the ZeRO paper):
+
+- full fine-tuning, mixed precision (DeepSpeed with bf16, and what the seeds' tables assume):
+  2 weights + 2 gradients + 12 AdamW (fp32 master, m, v) = 16 B; Qwen2.5-3B (3.09B params): 46.0 GB;
+- full fine-tuning, ``model.bf16`` without DeepSpeed (grpo's torch path): the model is loaded in
+  bf16 and torch AdamW keeps m and v in the parameters' dtype: 2 + 2 + 4 = 8 B, no master copy;
+- fp32: 4 + 4 + 8 = 16 B;
+- LoRA: the frozen base in the compute dtype, adapters (r x (in + out) per adapted linear) in fp32
+  with fp32 gradients and AdamW m, v: 16 B per adapter parameter.
+
+GB here are GiB (2^30 bytes), as torch.cuda and nvidia-smi count them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from grpo.config import ConfigError, RunConfig
+from grpo.memory.formulas import (
+    LORA_BYTES,
+    activation_bytes,
+    forward_transient_bytes,
+    kv_cache_bytes,
+    logits_bytes,
+    sampling_bytes,
+)
+from grpo.memory.shapes import ModelShape, load_model_config, lora_params, lora_targets
+
+GIB = 1024**3
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+VLLM_DEFAULT_UTILIZATION = 0.5  # grpo.rollout.vllm_engine.VLLMEngine's default gpu_memory_utilization
+COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "reference", "kv_cache", "overhead")
+
+
+@dataclass(frozen=True)
+class CudaAllowance:
+    """What a CUDA device holds beyond tensors (set ``device="cpu"`` in ``estimate_memory`` for none)."""
+
+    context_gb: float = 0.5  # CUDA context + cuBLAS workspaces (torch 2.x with lazy module loading)
+    nccl_gb: float = 0.5  # NCCL communicators and buffers, with more than one GPU
+    fragmentation: float = 0.05  # the caching allocator reserves more than is live; GRPO's lengths vary
+
+
+@dataclass
+class MemoryEstimate:
+    """Estimated peak memory of one device (GiB).
+
+    per_device_gb: the update phase's parts (weights, gradients, optimizer, activations, logits,
+        reference, kv_cache) and overhead; they sum to ``total_gb`` unless ``peak_phase`` is another.
+    total_gb: the largest phase plus overhead. fits: total_gb <= gpu_gb, None when gpu_gb is unknown.
+    phases_gb: each phase's tensors (rollout, update, optimizer_step), without overhead.
+    how: one line per component saying how it was counted. assumptions: the numbers it rests on.
+    """
+
+    per_device_gb: dict[str, float]
+    total_gb: float
+    fits: bool | None
+    notes: list[str] = field(default_factory=list)
+    assumptions: dict[str, object] = field(default_factory=dict)
+    phases_gb: dict[str, float] = field(default_factory=dict)
+    peak_phase: str = "update"
+    how: dict[str, str] = field(default_factory=dict)
+    gpus: int = 1
+    gpu_gb: float | None = None
+
+    def to_json(self) -> dict:
+        """The ``grpo memory --json`` object."""
+        return {"per_device_gb": self.per_device_gb, "total_gb": self.total_gb, "fits": self.fits,
+                "gpus": self.gpus, "gpu_gb": self.gpu_gb, "peak_phase": self.peak_phase,
+                "phases_gb": self.phases_gb, "notes": self.notes, "assumptions": self.assumptions}
+
+
+@dataclass(frozen=True)
+class DeepSpeedSettings:
+    stage: int
+    offload_optimizer: bool
+    offload_params: bool
+
+
+def read_deepspeed(path: str) -> DeepSpeedSettings:
+    """ZeRO stage and offloading of a DeepSpeed JSON (``train.deepspeed``, relative to the working dir)."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"train.deepspeed: {path} not found")
+    try:
+        zero = json.loads(file.read_text()).get("zero_optimization", {})
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"train.deepspeed: {path}:{err.lineno}: invalid JSON: {err.msg}") from None
+
+    def offloaded(key: str) -> bool:
+        return str((zero.get(key) or {}).get("device", "none")).lower() in ("cpu", "nvme")
+
+    stage = int(zero.get("stage", 0))
+    return DeepSpeedSettings(stage, offloaded("offload_optimizer"), stage == 3 and offloaded("offload_param"))
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def _gb(n: float) -> float:
+    return round(n / GIB, 3)
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes per device of the policy's weights, gradients and AdamW states, and how each was counted."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    state_bytes: int  # bytes of one AdamW moment per trained parameter
+    trained_params: int
+    how: dict[str, str]
+
+
+def model_states(shape: ModelShape, *, p: int, lora_r: int, targets: tuple[str, ...] | None, mixed_precision: bool,
+                 gpus: int, deepspeed: DeepSpeedSettings | None) -> ModelStates:
+    """Weights (the base in ``p`` bytes, LoRA adapters in fp32), gradients of the trained parameters,
+    AdamW m and v (fp32 under mixed precision or for fp32 parameters, else in the parameters' dtype)
+    plus an fp32 master copy under mixed precision; ZeRO stage s divides the first s of optimizer,
+    gradients, weights over ``gpus``; plain DDP (several GPUs, no DeepSpeed) adds its gradient buckets."""
+    n_params = shape.num_params()
+    lora = targets is not None
+    n_train = lora_params(shape, lora_r, targets) if lora else n_params
+    train_bytes = LORA_BYTES if lora else p
+    stage = deepspeed.stage if deepspeed else 0
+    how = {}
+    weights = n_params * p + (n_train * LORA_BYTES if lora else 0)
+    how["weights"] = f"{_count(n_params)} params x {p} B" + (f" + {_count(n_train)} LoRA params x 4 B" if lora else "")
+    if stage == 3 and gpus > 1:
+        weights = weights / gpus + shape.largest_module_params() * p
+        how["weights"] += f" / {gpus} (ZeRO-3) + the largest module gathered"
+    if deepspeed and deepspeed.offload_params:
+        weights = shape.largest_module_params() * p
+        how["weights"] = "offloaded to CPU (ZeRO-3 offload_param); the largest module gathered"
+    gradients = n_train * train_bytes
+    how["gradients"] = f"{_count(n_train)} trained params x {train_bytes} B"
+    if deepspeed is None and gpus > 1:
+        gradients *= 2
+        how["gradients"] += " x 2 (DDP's gradient buckets are a second copy)"
+    if stage >= 2:
+        gradients /= gpus
+        how["gradients"] += f" / {gpus} (ZeRO-{stage})"
+    master = mixed_precision and train_bytes != 4
+    state_bytes = 4 if (mixed_precision or train_bytes == 4) else train_bytes
+    per_param = (4 if master else 0) + 2 * state_bytes
+    optimizer = n_train * per_param
+    how["optimizer"] = f"AdamW {'fp32 master + ' if master else ''}m + v: {per_param} B x {_count(n_train)}"
+    if stage >= 1:
+        optimizer /= gpus
+        how["optimizer"] += f" / {gpus} (ZeRO-{stage})"
+    if deepspeed and deepspeed.offload_optimizer:
+        optimizer = 0
+        how["optimizer"] = "offloaded to CPU (offload_optimizer)"
+    return ModelStates(weights, gradients, optimizer, state_bytes, n_train, how)
+
+
+def reference_bytes(cfg: RunConfig, *, n_params: int, p: int, ref_model_config: dict | None) -> tuple[int, str]:
+    """(bytes, how) of the reference model wherever the KL term needs one: none when beta is 0 or for
+    LoRA without ``ref_name_or_path`` (the adapter disabled), else the initial policy or the named
+    model, in ``ref_torch_dtype`` (default: the policy's dtype)."""
+    if cfg.loss.beta == 0:
+        return 0, "none (loss.beta = 0)"
+    if cfg.model.ref_name_or_path is None and cfg.model.lora_r > 0:
+        return 0, "none: the LoRA policy with its adapter disabled"
+    ref_bytes = DTYPE_BYTES[cfg.model.ref_torch_dtype] if cfg.model.ref_torch_dtype else p
+    ref_params = n_params
+    if cfg.model.ref_name_or_path is not None:
+        if ref_model_config is None:
+            ref_model_config, _ = load_model_config(cfg.model.ref_name_or_path, "model.ref_name_or_path")
+        ref_params = ModelShape.from_config(ref_model_config, cfg.model.ref_name_or_path).num_params()
+    return ref_params * ref_bytes, f"{_count(ref_params)} params x {ref_bytes} B"
+
+
+def rollout_transient_bytes(shape: ModelShape, cfg: RunConfig, *, rows: int, p: int) -> int:
+    """The rollout's largest transient: sampling ``rows`` completions with the HF engines (KV cache of
+    prompt + completion, sampling temporaries, the prefill's layer) or a no-grad log-prob micro-batch
+    (its logits in ``p``, one fp32 row in logsumexp, one layer's intermediates)."""
+    prompt_len, completion_len = cfg.data.max_prompt_length, cfg.rollout.max_completion_length
+    generation = 0
+    if cfg.rollout.engine != "vllm":  # vLLM samples inside its own reservation
+        prompts = max(1, rows // cfg.rollout.num_generations)
+        generation = (kv_cache_bytes(shape, sequences=rows, seq_len=prompt_len + completion_len, p=p)
+                      + sampling_bytes(rows=rows, vocab_size=shape.vocab_size)
+                      + forward_transient_bytes(shape, tokens=prompts * prompt_len, p=p))
+    logprobs = 0
+    if cfg.loss.beta > 0 or cfg.loss.num_iterations > 1:  # reference or old log-probs
+        b, positions = cfg.train.micro_batch_size, completion_len + 1
+        logprobs = ((p * b + 2 * 4) * positions * shape.vocab_size
+                    + forward_transient_bytes(shape, tokens=b * (prompt_len + completion_len), p=p))
+    return max(generation, logprobs)
+
+
+def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | None = None,
+                    model_config: dict | None = None, vllm_gpu_memory_utilization: float | None = None,
+                    ref_model_config: dict | None = None, mixed_precision: bool | None = None,
+                    device: str = "cuda", allowance: CudaAllowance = CudaAllowance()) -> MemoryEstimate:
+    """Estimate the peak memory per device of training ``cfg``.
+
+    gpus: devices the run is spread over (default: decoupled.trainer_ranks in decoupled mode, else 1).
+    gpu_gb: memory of one device (GiB) for ``fits``. model_config / ref_model_config: config.json dicts
+        (default: read from model.name_or_path / model.ref_name_or_path, see ``load_model_config``).
+    mixed_precision: AdamW with fp32 master weights and fp32 m, v (None: as grpo runs the config, i.e.
+        only under DeepSpeed with bf16). vllm_gpu_memory_utilization: share of gpu_gb a colocated vLLM
+        reserves (used when rollout.engine is vllm). device: "cuda", or "cpu" for no CUDA allowance and
+        torch's per-tensor (not foreach) AdamW on CPU.
+    Raises ConfigError when a model's config cannot be found or an argument is out of range.
+    """
+    if gpus is not None and gpus < 1:
+        raise ConfigError(f"--gpus: {gpus} must be >= 1")
+    if gpu_gb is not None and gpu_gb <= 0:
+        raise ConfigError(f"--gpu-gb: {gpu_gb} must be > 0")
+    if vllm_gpu_memory_utilization is not None and not 0 < vllm_gpu_memory_utilization <= 1:
+        raise ConfigError(f"--vllm-gpu-memory-utilization: {vllm_gpu_memory_utilization} must be in (0, 1]")
+    source = "the given config"
+    if model_config is None:
+        model_config, source = load_model_config(cfg.model.name_or_path, "model.name_or_path")
+    shape = ModelShape.from_config(model_config, cfg.model.name_or_path)
+    notes = [f"model shape from {source}"]
+    decoupled = cfg.train.mode == "decoupled"
+    gpus = gpus or (cfg.decoupled.trainer_ranks if decoupled else 1)
+    ds = read_deepspeed(cfg.train.deepspeed) if cfg.train.deepspeed else None
+    p = 2 if cfg.model.bf16 else 4
+    lora = cfg.model.lora_r > 0
+    targets = lora_targets(cfg.model.lora_target_modules) if lora else None
+    if mixed_precision is None:
+        mixed_precision = ds is not None and p != 4
+    states = model_states(shape, p=p, lora_r=cfg.model.lora_r, targets=targets, mixed_precision=mixed_precision,
+                          gpus=gpus, deepspeed=ds)
+    how = dict(states.how)
+
+    # The update: one micro-batch's activations and logits at the peak of its backward.
+    b, completion_len = cfg.train.micro_batch_size, cfg.rollout.max_completion_length
+    seq_len = cfg.data.max_prompt_length + completion_len
+    attention = cfg.model.attn_implementation or "sdpa"
+    if attention not in ("sdpa", "eager", "flash_attention_2"):
+        notes.append(f"attention {attention!r} is sized as sdpa")
+        attention = "sdpa"
+    logits = logits_bytes(micro_batch=b, positions=completion_len + 1, vocab_size=shape.vocab_size, p=p)
+    how["logits"] = f"(4 + {p}) B x {b} x {completion_len + 1} x {shape.vocab_size}: fp32 log-softmax rows + grad"
+    activations = activation_bytes(shape, micro_batch=b, seq_len=seq_len, p=p, lora_targets=targets,
+                                   lora_r=cfg.model.lora_r, attention=attention,
+                                   gradient_checkpointing=cfg.model.gradient_checkpointing, logits=logits)
+    how["activations"] = f"{b} x {seq_len} tokens, {shape.num_layers} layers, " + (
+        "checkpointed: layer inputs + final norm or one layer recomputed" if cfg.model.gradient_checkpointing
+        else "every layer's saved tensors")
+
+    reference, how["reference"] = reference_bytes(cfg, n_params=shape.num_params(), p=p,
+                                                  ref_model_config=ref_model_config)
+    sampler_reference = reference
+    if decoupled:
+        reference, how["reference"] = 0, "on the samplers / reference server (decoupled mode)"
+
+    # A colocated vLLM reserves utilization x GPU memory (its weights, activations and KV cache), held
+    # through every phase unless it sleeps during the update (sleep mode frees it, CUDA only).
+    sequences = max(1, cfg.train.prompts_per_step // gpus) * cfg.rollout.num_generations
+    vllm_reservation = 0.0
+    how["kv_cache"] = "none held during the update (the HF engine's cache lives only while sampling)"
+    if cfg.rollout.engine == "vllm" and not decoupled:
+        utilization = (vllm_gpu_memory_utilization or getattr(cfg.rollout, "vllm_gpu_memory_utilization", None)
+                       or VLLM_DEFAULT_UTILIZATION)
+        if gpu_gb:
+            vllm_reservation = utilization * gpu_gb * GIB
+            how["kv_cache"] = f"vLLM reservation: {utilization} x {gpu_gb} GB"
+        else:
+            vllm_reservation = shape.num_params() * 2 + kv_cache_bytes(shape, sequences=sequences, seq_len=seq_len,
+                                                                       p=2)
+            how["kv_cache"] = f"vLLM: bf16 weights + KV of {sequences} x {seq_len} tokens (a lower bound)"
+            notes.append("vLLM sized from its weights and the step's sequences; pass --gpu-gb (and "
+                         "--vllm-gpu-memory-utilization) for the reservation it actually takes")
+    vllm_sleeps = bool(getattr(cfg.rollout, "vllm_enable_sleep_mode", False))
+    kv_cache = 0.0 if vllm_sleeps else vllm_reservation
+    if vllm_reservation and vllm_sleeps:
+        how["kv_cache"] = f"none: vLLM sleeps during the update ({_gb(vllm_reservation):.2f} GB while sampling)"
+
+    # Phases: their transients never overlap, so the peak is the largest.
+    persistent = states.weights + states.optimizer + reference + kv_cache
+    phases = {"update": persistent + states.gradients + activations + logits}
+    # grpo's torch AdamW is foreach on CUDA (a sqrt(v) of every tensor at once) and per tensor on CPU;
+    # DeepSpeed's Adam, and the fused AdamW a forced --mixed-precision run is taken to use, need none.
+    step_temporaries = 0
+    if ds is None and not mixed_precision:
+        largest_tensor = (max(shape.embedding_params(), shape.intermediate_size * shape.hidden_size) if not lora
+                          else max(cfg.model.lora_r * max(shape.linear_shapes()[t]) for t in targets))
+        step_temporaries = (states.trained_params if device == "cuda" else largest_tensor) * states.state_bytes
+    phases["optimizer_step"] = persistent + states.gradients + step_temporaries
+    generation_rows = min(cfg.rollout.generation_batch_size or sequences, sequences)
+    if not decoupled:
+        kept_gradients = states.gradients if ds else 0  # torch frees gradients after each update
+        awake = vllm_reservation if vllm_sleeps else 0  # a sleeping vLLM wakes up to sample
+        phases["rollout"] = (persistent + kept_gradients + awake
+                             + rollout_transient_bytes(shape, cfg, rows=generation_rows, p=p))
+        if cfg.rollout.engine != "vllm":
+            kv = kv_cache_bytes(shape, sequences=generation_rows, seq_len=seq_len, p=p)
+            notes.append(f"HF generation KV cache: {generation_rows} x {seq_len} tokens = {kv / GIB:.2f} GB while "
+                         "sampling (in the rollout phase)")
+    peak_phase = max(phases, key=phases.get)
+    tensors = phases[peak_phase]
+
+    overhead = 0.0
+    how["overhead"] = "none (CPU)"
+    if device == "cuda":
+        overhead = (allowance.context_gb + (allowance.nccl_gb if gpus > 1 else 0)) * GIB \
+            + allowance.fragmentation * tensors
+        how["overhead"] = (f"CUDA context {allowance.context_gb} GB" + (f" + NCCL {allowance.nccl_gb} GB" if gpus > 1
+                                                                        else "")
+                           + f" + {allowance.fragmentation:.0%} allocator fragmentation")
+    parts = {"weights": states.weights, "gradients": states.gradients, "optimizer": states.optimizer,
+             "activations": activations, "logits": logits, "reference": reference, "kv_cache": kv_cache,
+             "overhead": overhead}
+    total_gb = _gb(tensors + overhead)
+
+    if peak_phase != "update":
+        notes.append(f"the peak is the {peak_phase.replace('_', ' ')} phase ({_gb(tensors):.2f} GB of tensors), "
+                     f"not the update ({_gb(phases['update']):.2f} GB): the components above are the update's")
+    if not lora and p == 2 and not mixed_precision:
+        mixed = states.trained_params * 14 + shape.num_params() * 2
+        notes.append(f"bf16 AdamW without fp32 master weights (grpo without DeepSpeed): m and v are bf16; the seeds' "
+                     f"mixed-precision AdamW needs {mixed / GIB:.1f} GB of model states (--mixed-precision). "
+                     "bf16 weights also lose updates smaller than ~2^-8 of a weight")
+    if decoupled:
+        sampler = (shape.num_params() * p + (states.trained_params * LORA_BYTES if lora else 0) + sampler_reference
+                   + rollout_transient_bytes(shape, cfg, rows=generation_rows, p=p))
+        notes.append(f"decoupled mode: these are the trainer ranks' devices; each sampler device needs about "
+                     f"{sampler / GIB:.2f} GB of tensors (weights, reference, KV cache)")
+    if ds and ds.stage in (1, 2):
+        notes.append("DeepSpeed's reduce/all-gather buckets (reduce_bucket_size) are not counted")
+    assumptions = {
+        "model": cfg.model.name_or_path, "params": shape.num_params(), "trained_params": states.trained_params,
+        "dtype": "bf16" if p == 2 else "fp32", "mode": f"LoRA r={cfg.model.lora_r} {list(targets)}" if lora else "full",
+        "mixed_precision_adamw": mixed_precision, "zero_stage": ds.stage if ds else 0, "gpus": gpus,
+        "micro_batch_size": b, "prompt_tokens": cfg.data.max_prompt_length, "completion_tokens": completion_len,
+        "attention": attention, "gradient_checkpointing": cfg.model.gradient_checkpointing, "device": device,
+        "allowance": asdict(allowance) if device == "cuda" else None, "gb": "GiB (2^30 bytes)",
+    }
+    return MemoryEstimate(per_device_gb={k: _gb(parts[k]) for k in COMPONENTS}, total_gb=total_gb,
+                          fits=None if gpu_gb is None else total_gb <= gpu_gb, notes=notes, assumptions=assumptions,
+                          phases_gb={k: _gb(v) for k, v in phases.items()}, peak_phase=peak_phase, how=how,
+                          gpus=gpus, gpu_gb=gpu_gb)

@@ -1,0 +1,150 @@
+"""A decoder-only model's shape (from its ``config.json``) and the parameter counts that follow from it.
+
+The shape is read from a local checkpoint folder, from the Hugging Face cache (offline), or from a
+small built-in table of Qwen2.5 architectures (numbers from their public ``config.json`` files), so
+that ``grpo memory`` works without the weights and without network access.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from grpo.config import ConfigError
+
+# The linear layers of one Llama/Qwen2-style decoder layer; ``all-linear`` LoRA targets all of them.
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _qwen25(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int,
+            tied: bool) -> dict:
+    return {"model_type": "qwen2", "hidden_size": hidden, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "intermediate_size": intermediate,
+            "vocab_size": vocab, "tie_word_embeddings": tied}
+
+
+# Public config.json values of Qwen2.5 (base and -Instruct share them). 7B has its own vocabulary
+# size (152064) and untied embeddings; the smaller ones tie the LM head to the embeddings.
+_QWEN25 = {
+    "0.5B": _qwen25(896, 24, 14, 2, 4864, 151936, True),    # 0.49B parameters
+    "1.5B": _qwen25(1536, 28, 12, 2, 8960, 151936, True),   # 1.54B
+    "3B": _qwen25(2048, 36, 16, 2, 11008, 151936, True),    # 3.09B
+    "7B": _qwen25(3584, 28, 28, 4, 18944, 152064, False),   # 7.62B
+}
+BUILTIN_CONFIGS: dict[str, dict] = {
+    f"Qwen/Qwen2.5-{size}{suffix}": config for size, config in _QWEN25.items() for suffix in ("", "-Instruct")
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What memory depends on: sizes of one Llama/Qwen2-style decoder (GQA attention, gated MLP, RMSNorm)."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # Qwen2 has biases on q/k/v
+    mlp_bias: bool = False
+
+    @classmethod
+    def from_config(cls, config: dict, source: str) -> ModelShape:
+        """Read a ``config.json`` dict; a missing size is an error naming ``source``."""
+        config = config.get("text_config", config)  # multimodal wrappers keep the decoder here
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                               "vocab_size") if not isinstance(config.get(k), int)]
+        if missing:
+            raise ConfigError(f"{source}: config.json lacks {', '.join(missing)}; grpo memory needs a "
+                              "decoder-only transformer config (Llama/Qwen2 style)")
+        heads = config["num_attention_heads"]
+        return cls(
+            hidden_size=config["hidden_size"], num_layers=config["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            intermediate_size=config["intermediate_size"], vocab_size=config["vocab_size"],
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
+            mlp_bias=bool(config.get("mlp_bias", False)))
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of each linear layer of one decoder layer."""
+        h, q, kv, i = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
+            self.intermediate_size
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer (linears, their biases, two RMSNorm weights)."""
+        shapes = self.linear_shapes()
+        weights = sum(a * b for a, b in shapes.values())
+        bias = sum(shapes[n][1] for n in ("q_proj", "k_proj", "v_proj")) if self.attention_bias else 0
+        if self.mlp_bias:
+            bias += sum(shapes[n][1] for n in ("gate_proj", "up_proj", "down_proj"))
+        return weights + bias + 2 * self.hidden_size
+
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def num_params(self) -> int:
+        """All parameters: embeddings, layers, final norm, and the LM head unless tied."""
+        head = 0 if self.tie_word_embeddings else self.embedding_params()
+        return self.embedding_params() + self.num_layers * self.layer_params() + self.hidden_size + head
+
+    def largest_module_params(self) -> int:
+        """The most parameters one module holds at once (what ZeRO-3 gathers to compute it)."""
+        return max(self.embedding_params(), self.layer_params())
+
+
+def lora_targets(target_modules: str | list[str]) -> tuple[str, ...]:
+    """``model.lora_target_modules`` as linear names: ``all-linear`` = all seven (peft leaves out the LM head)."""
+    if target_modules == "all-linear":
+        return LINEAR_NAMES
+    names = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+    unknown = [n for n in names if n not in LINEAR_NAMES]
+    if unknown:
+        raise ConfigError(f"model.lora_target_modules: grpo memory knows the linears {list(LINEAR_NAMES)} "
+                          f"(or 'all-linear'); cannot size {unknown}")
+    return tuple(n for n in LINEAR_NAMES if n in names)
+
+
+def lora_params(shape: ModelShape, r: int, targets: tuple[str, ...]) -> int:
+    """Adapter parameters: r x (in + out) per targeted linear (A is r x in, B is out x r), every layer."""
+    shapes = shape.linear_shapes()
+    return shape.num_layers * sum(r * (shapes[n][0] + shapes[n][1]) for n in targets)
+
+
+def _looks_local(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or name.count("/") != 1
+
+
+def load_model_config(name_or_path: str, key: str) -> tuple[dict, str]:
+    """(config.json dict, where it came from) for a local folder, a cached hub id, or a built-in architecture.
+
+    Raises ConfigError naming ``key`` when none has it (no network is used).
+    """
+    folder = Path(name_or_path).expanduser()
+    if (folder / "config.json").is_file():
+        return json.loads((folder / "config.json").read_text()), f"{folder / 'config.json'}"
+    if folder.exists() or _looks_local(name_or_path):
+        raise ConfigError(f"{key}: {name_or_path!r} has no config.json (a local checkpoint folder or a hub id "
+                          "org/name is expected)")
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name_or_path, "config.json")
+    except ImportError:  # huggingface_hub comes with transformers; without it only the table is consulted
+        cached = None
+    except ValueError:  # not a valid repo id (HFValidationError): then not in the cache either
+        cached = None
+    if isinstance(cached, str) and Path(cached).is_file():
+        return json.loads(Path(cached).read_text()), f"{cached} (Hugging Face cache)"
+    if name_or_path in BUILTIN_CONFIGS:
+        return BUILTIN_CONFIGS[name_or_path], "built-in table"
+    raise ConfigError(f"{key}: no config.json for {name_or_path!r}: not a local folder, not in the Hugging Face "
+                      f"cache, and not a built-in architecture ({', '.join(sorted(BUILTIN_CONFIGS))}); point it "
+                      "at a local checkpoint folder")

@@ -1,0 +1,250 @@
+"""``grpo memory``: the seeds' Qwen2.5-3B figures, ZeRO, checkpointing, reference, fits, JSON, config.json
+folders, and the activation formulas against what autograd really keeps on tiny CPU models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from grpo.config import ConfigError, load_config
+from grpo.memory import BUILTIN_CONFIGS, ModelShape, estimate_memory, format_table, run_memory_command
+from grpo.memory.formulas import activation_bytes, logits_bytes
+from grpo.memory.shapes import lora_params, lora_targets
+
+QWEN3B = "Qwen/Qwen2.5-3B-Instruct"
+# The seeds' setting: one GPU, bf16, gradient checkpointing, micro-batch 4 of 256 + 512 tokens.
+SEED = [f"model.name_or_path={QWEN3B}", "model.bf16=true", "model.gradient_checkpointing=true",
+        "train.micro_batch_size=4", "data.max_prompt_length=256", "rollout.max_completion_length=512"]
+GIB = 1024**3
+
+
+def estimate(*overrides: str, **kwargs):
+    return estimate_memory(load_config(None, [*SEED, *overrides]), **kwargs)
+
+
+@pytest.mark.parametrize("name, params", [
+    # Published parameter counts of Qwen2.5 (tied embeddings counted once for 0.5B-3B).
+    ("Qwen/Qwen2.5-0.5B-Instruct", 494_032_768), ("Qwen/Qwen2.5-1.5B-Instruct", 1_543_714_304),
+    ("Qwen/Qwen2.5-3B-Instruct", 3_085_938_688), ("Qwen/Qwen2.5-7B-Instruct", 7_615_616_512)])
+def test_builtin_table_gives_the_published_parameter_counts(name, params):
+    assert ModelShape.from_config(BUILTIN_CONFIGS[name], name).num_params() == params
+
+
+def test_qwen3b_full_bf16_adamw_reproduces_the_seeds_48_to_60_gb():
+    est = estimate("loss.beta=0", mixed_precision=True)
+    gb = est.per_device_gb
+    # 2 weights + 2 gradients + 12 AdamW (fp32 master, m, v) = 16 B x 3.086B params = 46.0 GiB before activations.
+    assert gb["weights"] + gb["gradients"] + gb["optimizer"] == pytest.approx(3_085_938_688 * 16 / GIB, abs=0.01)
+    assert 48 <= est.total_gb <= 60
+    # With the KL reference (a bf16 copy of the policy) it still lands in the seeds' range.
+    assert 48 <= estimate(mixed_precision=True).total_gb <= 60
+
+
+def test_deepspeed_bf16_is_mixed_precision_and_grpo_torch_bf16_is_not(tmp_path):
+    zero2 = tmp_path / "zero2.json"
+    zero2.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    ds = estimate("loss.beta=0", f"train.deepspeed={zero2}")
+    assert ds.per_device_gb["optimizer"] == pytest.approx(3_085_938_688 * 12 / GIB, abs=0.01)
+    assert 48 <= ds.total_gb <= 60
+    # grpo's torch path loads bf16 weights and torch AdamW keeps m, v in their dtype: 4 B, no master.
+    torch_path = estimate("loss.beta=0")
+    assert torch_path.per_device_gb["optimizer"] == pytest.approx(3_085_938_688 * 4 / GIB, abs=0.01)
+    assert any("without fp32 master weights" in note for note in torch_path.notes)
+
+
+def test_qwen3b_lora_r16_reproduces_the_seeds_8_to_12_gb():
+    est = estimate("model.lora_r=16")
+    adapter = lora_params(ModelShape.from_config(BUILTIN_CONFIGS[QWEN3B], QWEN3B), 16, lora_targets("all-linear"))
+    # r x (in + out) for q, k, v, o, gate, up, down over 36 layers.
+    assert adapter == 36 * 16 * ((2048 + 2048) + 2 * (2048 + 256) + (2048 + 2048) + 3 * (2048 + 11008))
+    assert est.per_device_gb["weights"] == pytest.approx((3_085_938_688 * 2 + adapter * 4) / GIB, abs=0.001)
+    assert est.per_device_gb["optimizer"] == pytest.approx(adapter * 8 / GIB, abs=0.001)
+    assert est.per_device_gb["reference"] == 0  # the adapter disabled is the reference
+    assert 8 <= est.total_gb <= 12
+
+
+def test_zero3_over_4_gpus_divides_weights_gradients_and_optimizer(tmp_path):
+    configs = {}
+    for stage in (0, 3):
+        path = tmp_path / f"zero{stage}.json"
+        path.write_text(json.dumps({"zero_optimization": {"stage": stage}}))
+        configs[stage] = estimate(f"train.deepspeed={path}", gpus=4).per_device_gb
+    shape = ModelShape.from_config(BUILTIN_CONFIGS[QWEN3B], QWEN3B)
+    gathered = shape.largest_module_params() * 2 / GIB  # the module being computed is gathered in full
+    assert configs[3]["gradients"] == pytest.approx(configs[0]["gradients"] / 4, abs=0.001)
+    assert configs[3]["optimizer"] == pytest.approx(configs[0]["optimizer"] / 4, abs=0.001)
+    assert configs[3]["weights"] == pytest.approx(configs[0]["weights"] / 4 + gathered, abs=0.001)
+    assert configs[3]["activations"] == configs[0]["activations"]
+
+
+def test_gradient_checkpointing_lowers_activations():
+    on = estimate().per_device_gb["activations"]
+    off = estimate("model.gradient_checkpointing=false").per_device_gb["activations"]
+    assert on < off / 10
+
+
+def test_reference_follows_beta_lora_dtype_and_ref_path():
+    params = 3_085_938_688
+    assert estimate("model.lora_r=16").per_device_gb["reference"] == 0
+    assert estimate("loss.beta=0").per_device_gb["reference"] == 0
+    assert estimate().per_device_gb["reference"] == pytest.approx(params * 2 / GIB, abs=0.001)
+    assert estimate("model.ref_torch_dtype=float32").per_device_gb["reference"] == pytest.approx(
+        params * 4 / GIB, abs=0.001)
+    teacher = estimate("model.lora_r=16", "model.ref_name_or_path=Qwen/Qwen2.5-7B-Instruct")
+    assert teacher.per_device_gb["reference"] == pytest.approx(7_615_616_512 * 2 / GIB, abs=0.001)
+    decoupled = estimate("train.mode=decoupled", "decoupled.trainer_ranks=2", "train.prompts_per_step=8")
+    assert decoupled.per_device_gb["reference"] == 0 and decoupled.gpus == 2
+    assert any("sampler" in note for note in decoupled.notes)
+
+
+def test_fits_needs_gpu_gb_and_compares_the_total():
+    assert estimate().fits is None
+    est = estimate(gpu_gb=80, mixed_precision=True)
+    assert est.fits is True and est.total_gb <= 80
+    assert estimate(gpu_gb=24, mixed_precision=True).fits is False
+    with pytest.raises(ConfigError, match="--gpu-gb"):
+        estimate(gpu_gb=0)
+
+
+def test_components_sum_to_the_total_when_the_update_is_the_peak():
+    est = estimate("model.lora_r=16")
+    assert est.peak_phase == "update"
+    assert sum(est.per_device_gb.values()) == pytest.approx(est.total_gb, abs=0.01)
+    table = format_table(est)
+    for name in ("weights", "gradients", "optimizer", "activations", "logits", "reference", "kv_cache", "total"):
+        assert name in table
+
+
+def test_colocated_vllm_reservation_counts_in_every_phase():
+    cfg = load_config(None, SEED + ["model.lora_r=16"])
+    cfg.rollout.engine = "vllm"  # set directly: the config's engine choices may not list vllm yet
+    est = estimate_memory(cfg, gpu_gb=80, vllm_gpu_memory_utilization=0.3)
+    assert est.per_device_gb["kv_cache"] == pytest.approx(0.3 * 80, abs=0.001)
+    hf = estimate_memory(load_config(None, SEED + ["model.lora_r=16"]), gpu_gb=80)
+    assert est.phases_gb["update"] == pytest.approx(hf.phases_gb["update"] + 24, abs=0.01)
+    assert est.phases_gb["rollout"] > 24  # held while sampling too
+
+
+def test_json_output_shape(capsys):
+    assert run_memory_command(None, SEED, gpus=None, gpu_gb=80, json_output=True) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["per_device_gb"]) == {"weights", "gradients", "optimizer", "activations", "logits", "reference",
+                                         "kv_cache", "overhead"}
+    assert isinstance(out["total_gb"], float) and out["fits"] is True
+
+
+def test_local_config_json_folder_is_read(tiny_tokenizer, tmp_path):
+    from grpo.tiny_model import build_qwen2
+
+    model = build_qwen2(tiny_tokenizer, hidden_size=64, num_layers=2, seed=0)
+    model.save_pretrained(tmp_path / "model")
+    cfg = load_config(None, [f"model.name_or_path={tmp_path / 'model'}", "train.micro_batch_size=8"])
+    est = estimate_memory(cfg, device="cpu")
+    params = sum(p.numel() for p in model.parameters())  # tied LM head counted once, as the estimate
+    assert est.assumptions["params"] == params
+    assert est.per_device_gb["weights"] == round(params * 4 / GIB, 3)
+    assert est.per_device_gb["overhead"] == 0
+    assert "config.json" in est.notes[0]
+
+
+def test_unknown_model_and_lora_targets_are_configuration_errors(tmp_path):
+    with pytest.raises(ConfigError, match="model.name_or_path"):
+        estimate_memory(load_config(None, ["model.name_or_path=someone/unknown-model"]))
+    with pytest.raises(ConfigError, match="model.name_or_path"):
+        estimate_memory(load_config(None, [f"model.name_or_path={tmp_path / 'missing'}"]))
+    with pytest.raises(ConfigError, match="lora_target_modules"):
+        estimate("model.lora_r=8", "model.lora_target_modules=[c_attn]")
+
+
+# ---------------------------------------------------------------- formulas against autograd on tiny models
+
+
+def _tiny(tokenizer, dtype, lora: bool, targets, gradient_checkpointing: bool = False):
+    from grpo.tiny_model import build_qwen2
+
+    model = build_qwen2(tokenizer, hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=352,
+                        seed=0).to(dtype)
+    shape = ModelShape.from_config(model.config.to_dict(), "tiny")
+    if gradient_checkpointing:  # as grpo.models.load_policy
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        if gradient_checkpointing:
+            model.enable_input_require_grads()
+        model = get_peft_model(model, LoraConfig(r=8, target_modules=targets, task_type="CAUSAL_LM"))
+    model.train()
+    return model, shape
+
+
+def _batch(vocab: int, b: int = 4, prompt: int = 48, completion: int = 32):
+    g = torch.Generator().manual_seed(0)
+    prompt_mask = torch.ones(b, prompt, dtype=torch.long)
+    prompt_mask[1::2, :10] = 0  # left padding: the padding mask real batches have
+    return (torch.randint(0, vocab, (b, prompt), generator=g), prompt_mask,
+            torch.randint(0, vocab, (b, completion), generator=g), torch.ones(b, completion, dtype=torch.long))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lora, targets", [(False, "all-linear"), (True, "all-linear"), (True, ["q_proj", "v_proj"]),
+                                           (True, ["o_proj", "down_proj"])])
+def test_saved_activations_match_autograd(tiny_tokenizer, dtype, lora, targets):
+    # Every tensor autograd keeps for backward (storages counted once, parameters left out) against the
+    # tensor-by-tensor count; what the formula leaves out is small (RoPE cos/sin, rsqrt, logsumexp, ids).
+    model, shape = _tiny(tiny_tokenizer, dtype, lora, targets)
+    prompt_ids, prompt_mask, completion_ids, completion_mask = _batch(shape.vocab_size)
+    ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
+    kept = sum(n for ptr, n in saved.items() if ptr not in params)
+    p = 2 if dtype == torch.bfloat16 else 4
+    expected = activation_bytes(shape, micro_batch=4, seq_len=80, p=p, lora_targets=lora_targets(targets) if lora
+                                else None, lora_r=8, attention="sdpa", gradient_checkpointing=False,
+                                logits=10**12)  # huge logits: the saved tensors alone, no backward temporaries
+    assert expected == pytest.approx(kept, rel=0.01)
+
+
+@pytest.mark.parametrize("gc", [False, True])
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_peak_matches_the_profiler(tiny_tokenizer, dtype, lora, gc):
+    # Live CPU tensor bytes (the profiler's allocation events) over a micro-batch's forward and backward
+    # through grpo's own log-prob path, after a first one so that gradients already exist.
+    from torch.profiler import ProfilerActivity, profile
+
+    from grpo.logprobs import completion_logprobs
+
+    model, shape = _tiny(tiny_tokenizer, dtype, lora, "all-linear", gradient_checkpointing=gc)
+    prompt_ids, prompt_mask, completion_ids, completion_mask = _batch(shape.vocab_size)
+
+    def step():
+        logprobs = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 1.0)
+        (-(logprobs * completion_mask).sum()).backward()
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, change in events:
+        live += change
+        peak = max(peak, live)
+    p = 2 if dtype == torch.bfloat16 else 4
+    logits = logits_bytes(micro_batch=4, positions=33, vocab_size=shape.vocab_size, p=p)
+    expected = logits + activation_bytes(shape, micro_batch=4, seq_len=80, p=p,
+                                         lora_targets=lora_targets("all-linear") if lora else None, lora_r=8,
+                                         attention="sdpa", gradient_checkpointing=gc, logits=logits)
+    print(f"estimated {expected} measured {peak} ({(expected - peak) / peak:+.3f})")
+    assert expected == pytest.approx(peak, rel=0.08)
