@@ -1,5 +1,8 @@
 """Build the embedded default model, ``assets/tiny-math``: a 2.5M-parameter Qwen2 taught synthetic math by SFT.
 
+STATUS (issue 4, work in progress): the targets below are not reached yet; the last full build measured
+greedy 2.8%, format 100%, pass@8 10.2% on the held-out 500 (targets 15-45% / >80% / >=70%).
+
     .venv/bin/python scripts/build_tiny_math_model.py                  # the shipped build (about 13 min, 2 CPU cores)
     .venv/bin/python scripts/build_tiny_math_model.py --quick --out /tmp/tiny-math   # about 2 min, for the test
 
@@ -35,6 +38,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import random
 import re
 import sys
@@ -43,12 +47,16 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+# Before torch loads OpenMP: with busy-waiting threads, 2 threads on a 2-core machine that is also
+# running anything else slowed an SFT step ~10x (18 s instead of 1.8 s); yielding threads do not.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from grpo.data import Example, generate_problems, load_dataset_source, render_example, resolve_system_prompt
-from grpo.data.synthetic import MIXES, solution_chain
-from grpo.evaluate import evaluate
-from grpo.tiny_model import TAG_TOKENS, build_qwen2, build_tokenizer
+import torch  # noqa: E402
+
+from grpo.data import Example, generate_problems, load_dataset_source, render_example, resolve_system_prompt  # noqa: E402
+from grpo.data.synthetic import MIXES, solution_chain  # noqa: E402
+from grpo.evaluate import evaluate  # noqa: E402
+from grpo.tiny_model import TAG_TOKENS, build_qwen2, build_tokenizer  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TAG_STYLE = "think"
@@ -78,6 +86,7 @@ class BuildSettings:
     # SFT
     batch_size: int = 32  # word problems per step
     bare_per_step: int = 128  # bare arithmetic chains per step
+    bare_style: str = "chain"  # "chain" or "expression" (see bare_chain_text)
     learning_rate: float = 2e-3
     warmup_steps: int = 30
     weight_decay: float = 0.0
@@ -142,13 +151,24 @@ def problem_rows(tokenizer, examples: list[Example], rng: random.Random, setting
     return rows, sum(planted)
 
 
-def bare_chain_text(rng: random.Random, mix: str) -> tuple[str, list[tuple[int, int]]]:
-    """A chain of bare equations ("28 + 28 = 56\n56 / 7 = 8\n") drawn like the mix's problems, and the
-    character spans that are determined by what came before (each result, each copied left operand)."""
+def bare_chain_text(rng: random.Random, mix: str, style: str = "chain") -> tuple[str, list[tuple[int, int]]]:
+    """A chain of bare equations drawn like the mix's problems, and the character spans that are
+    determined by what came before.
+
+    style "chain": "28 + 28 = 56\n56 / 7 = 8\n"; determined: each result, each copied left operand.
+    style "expression": "28 + 28 / 7\n28 + 28 = 56\n56 / 7 = 8\n"; the flat expression first, then the
+    chain, all of which is determined (operands and operators copied from the expression, results
+    computed): it practises finding the next number in earlier text and copying it, as a word problem needs.
+    """
     level = rng.choice(MIXES[mix])
     steps = rng.randint(1, level.steps)
+    chain = solution_chain(rng, steps, level.max_digits)
     text, spans = "", []
-    for index, step in enumerate(solution_chain(rng, steps, level.max_digits)):
+    if style == "expression":
+        text = " ".join([str(chain[0].left)] + [f"{step.op} {step.right}" for step in chain]) + "\n"
+        body = "".join(f"{step.left} {step.op} {step.right} = {step.result}\n" for step in chain)
+        return text + body, [(len(text), len(text) + len(body))]
+    for index, step in enumerate(chain):
         if index > 0:  # the left operand is the previous result, copied
             spans.append((len(text), len(text) + len(str(step.left))))
         text += f"{step.left} {step.op} {step.right} ="
@@ -165,7 +185,7 @@ def bare_rows(tokenizer, rng: random.Random, settings: BuildSettings):
     for _ in range(0, settings.bare_per_step, BARE_CHAINS_PER_ROW):
         text, spans = "", []
         for _ in range(BARE_CHAINS_PER_ROW):
-            chain, chain_spans = bare_chain_text(rng, settings.mix)
+            chain, chain_spans = bare_chain_text(rng, settings.mix, settings.bare_style)
             spans += [(len(text) + s, len(text) + e) for s, e in chain_spans]
             text += chain
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -189,20 +209,42 @@ def right_pad(rows: list[tuple[list[int], list[int]]], pad_id: int):
     return ids, mask, target
 
 
-def mean_token_loss(model, rows: list[tuple[list[int], list[int]]], pad_id: int, chunks: int) -> torch.Tensor:
-    """Cross-entropy averaged over all labelled tokens of ``rows``, computed in ``chunks`` forward passes
-    over rows sorted by length (less padding than one pass; the same loss)."""
+def mean_token_loss(model, rows: list[tuple[list[int], list[int]]], pad_id: int, chunks: int,
+                    prefix: list[int] | None = None) -> torch.Tensor:
+    """Cross-entropy averaged over all labelled tokens of ``rows``, in ``chunks`` forward passes over
+    rows sorted by length (less padding than one pass; the same loss).
+
+    prefix: ids every row starts with and that carry no label (the system turn of every prompt). It
+    is run once per chunk and its keys/values are shared by the chunk's rows (gradients flow through
+    them), which spares about a third of a word-problem batch's compute; the logits are those of the
+    full sequences (checked to 1e-6).
+    """
     rows = sorted(rows, key=lambda row: len(row[0]))
     size = math.ceil(len(rows) / chunks)
+    skip = len(prefix) if prefix else 0
+    if prefix:
+        assert all(ids[:skip] == prefix and all(t == -100 for t in labels[:skip + 1]) for ids, labels in rows)
     total_tokens = sum(sum(t != -100 for t in labels[1:]) for _, labels in rows)  # labels shift by one
     loss = torch.zeros(())
     for start in range(0, len(rows), size):
         ids, mask, labels = right_pad(rows[start:start + size], pad_id)
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]  # [b, L-1, V]
+        cache = None
+        if prefix:
+            cache = model(input_ids=torch.tensor([prefix]), use_cache=True).past_key_values
+            cache.batch_repeat_interleave(ids.shape[0])
+        logits = model(input_ids=ids[:, skip:], attention_mask=mask, past_key_values=cache,
+                       use_cache=cache is not None).logits[:, :-1]  # [b, L-skip-1, V]
         loss = loss + torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                        labels[:, 1:].reshape(-1), ignore_index=-100,
+                                                        labels[:, skip + 1:].reshape(-1), ignore_index=-100,
                                                         reduction="sum")
     return loss / max(total_tokens, 1)
+
+
+def shared_prompt_prefix(tokenizer, system_prompt: str) -> list[int]:
+    """Ids of what every rendered prompt starts with: the system turn and the user turn's opening."""
+    probe = Example(messages=[{"role": "user", "content": "\x00"}], answer=None, answer_raw=None, source="probe")
+    text = render_example(tokenizer, probe, system_prompt)
+    return tokenizer(text[:text.index("\x00")], add_special_tokens=False)["input_ids"]
 
 
 def tokenizer_corpus(settings: BuildSettings) -> list[str]:
@@ -261,6 +303,7 @@ def sft(model, tokenizer, settings: BuildSettings, log_every: int = 50) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, betas=(0.9, 0.99),
                                   weight_decay=settings.weight_decay)
     budget_s = None if settings.steps is not None else settings.minutes * 60.0
+    prefix = shared_prompt_prefix(tokenizer, settings.system_prompt)
     model.train()
     start, step, planted_total, multi_total = time.perf_counter(), 0, 0, 0
     history = []
@@ -276,8 +319,8 @@ def sft(model, tokenizer, settings: BuildSettings, log_every: int = 50) -> dict:
         multi_total += sum(1 for e in examples if "\n" in e.solution)
         rows, planted = problem_rows(tokenizer, examples, rng, settings)
         planted_total += planted
-        problem_loss = mean_token_loss(model, rows, tokenizer.pad_token_id, chunks=4)
-        bare_loss = mean_token_loss(model, bare_rows(tokenizer, rng, settings), tokenizer.pad_token_id, chunks=2)
+        problem_loss = mean_token_loss(model, rows, tokenizer.pad_token_id, chunks=2, prefix=prefix)
+        bare_loss = mean_token_loss(model, bare_rows(tokenizer, rng, settings), tokenizer.pad_token_id, chunks=4)
         optimizer.zero_grad(set_to_none=True)
         (problem_loss + bare_loss).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
@@ -336,6 +379,8 @@ def held_out_report(model, tokenizer, settings: BuildSettings) -> dict:
         "mean_sample_accuracy": round(result["mean_sample_accuracy"], 4),
         "sample_format_rate": round(result["sample_format_rate"], 4),
         "truncated_rate": round(result["truncated_rate"], 4),
+        # greedy decoding is deterministic: the test re-runs these 100 to tie the report to the weights
+        "first_100_accuracy": round(sum(r["correct"] for r in records[:100]) / min(100, len(records)), 4),
         "temperature": settings.eval_temperature,
         "by_steps": breakdown(records, examples, k),
         "eval_seconds": round(time.perf_counter() - t0, 1),
