@@ -33,6 +33,7 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError
 
+from grpo.durable import fsync_dir
 from grpo.tracking import json_safe
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -162,13 +163,13 @@ def _write_dir_atomically(final: Path, write: Callable[[Path], None]) -> Path:
         for file in sorted(p for p in tmp.rglob("*") if p.is_file()):
             with open(file, "rb") as f:
                 os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         _replace_dir(tmp, final)
     except BaseException:
         # Also on KeyboardInterrupt; ignore_errors so a failing cleanup cannot hide the real error.
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync_dir(parent)
+    fsync_dir(parent)
     return final
 
 
@@ -186,16 +187,6 @@ def _replace_dir(src: Path, dst: Path) -> None:
         os.replace(old, dst)  # put the previous version back before reporting the failure
         raise
     shutil.rmtree(old)
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a folder's entries (new files, a rename) durable; only possible on POSIX."""
-    if os.name == "posix":
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _remove_stale_temps(parent: Path) -> None:

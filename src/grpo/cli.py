@@ -228,7 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         "reference, KV cache) and whether it fits")
     mem.add_argument("config", nargs="?", help="YAML recipe (default: built-in defaults)")
     mem.add_argument("overrides", nargs="*", help="section.key=value (value parsed as YAML)")
-    mem.add_argument("--gpus", type=int, help="devices the run is spread over (default: decoupled.trainer_ranks, else 1)")
+    mem.add_argument("--gpus", type=int,
+                     help="devices the run is spread over (default: decoupled.trainer_ranks, else 1)")
     mem.add_argument("--gpu-gb", type=float, help="memory of one device in GiB (e.g. 80); enables the fits verdict")
     mem.add_argument("--json", action="store_true", help="print {per_device_gb, total_gb, fits, ...} as JSON")
     mem.add_argument("--mixed-precision", action="store_true", default=None,

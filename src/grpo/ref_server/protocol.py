@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import safetensors.torch
+from safetensors.torch import load as load_safetensors_bytes  # parses, never unpickles
 import torch
 from safetensors import SafetensorError
 from torch import Tensor
@@ -87,7 +88,7 @@ def decode_request(body: bytes, vocab_size: int) -> RefRequest:
                                f"the body has {len(body)})")
     temperature = _temperature_from(metadata)
     try:
-        tensors = safetensors.torch.load(body)
+        tensors = load_safetensors_bytes(body)
     except (SafetensorError, ValueError, RuntimeError, TypeError) as err:  # offsets, sizes, buffer errors
         raise RefProtocolError(f"the body is not valid safetensors: {err}") from err
     for name in REQUEST_KEYS:
@@ -169,6 +170,6 @@ def decode_response(body: bytes, shape: tuple[int, int]) -> Tensor:
     if entry.get("shape") != list(shape):
         raise RefProtocolError(f"{RESPONSE_KEY}: shape {_short(entry.get('shape'))} but the request was {list(shape)}")
     try:
-        return safetensors.torch.load(body)[RESPONSE_KEY]
+        return load_safetensors_bytes(body)[RESPONSE_KEY]
     except (SafetensorError, ValueError, RuntimeError, TypeError) as err:
         raise RefProtocolError(f"the response is not valid safetensors: {err}") from err

@@ -6,10 +6,11 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
+from grpo.durable import fsync_dir as _fsync_dir  # noqa: F401  (shared with grpo.checkpoint)
+from grpo.durable import fsync_file as _fsync_file  # noqa: F401
 from grpo.weight_store.layout import WeightStoreError
 
 _HASH_CHUNK = 1 << 20
@@ -63,18 +64,3 @@ def _sha256(path: Path) -> str:
         while chunk := f.read(_HASH_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a folder's entries (new files, a rename) durable; only possible on POSIX."""
-    if os.name == "posix":
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

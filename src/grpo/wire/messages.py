@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import safetensors.torch
+from safetensors.torch import load as load_safetensors_bytes  # parses, never unpickles
 import torch
 from torch import Tensor
 
@@ -227,7 +228,7 @@ def decode(frames: Sequence[Any], *, token: str = "", max_bytes: int,
         if not spec.carries_tensors:
             raise WireError(f"{spec.name} messages carry no tensors, got a {len(payload)}-byte payload", header)
         try:
-            tensors = safetensors.torch.load(payload)
+            tensors = load_safetensors_bytes(payload)
         # safetensors raises SafetensorError for most bad input but KeyError for an unknown dtype name
         # and other errors for other corruptions; whatever it raises, untrusted bytes are rejected.
         except Exception as exc:
