@@ -62,8 +62,9 @@ def test_kill_9_twice_at_random_points_then_resume_equals_uninterrupted(tiny_mod
     # is at most the step in flight behind what was logged.
     newest = latest_checkpoint(out)
     assert (int(newest.name.removeprefix("step-")) if newest else 0) >= first - 1
-    second = kill_at_random_point(out, [*args, "--resume"], rng, after_steps=first + rng.randint(2, 4))
-    assert second < STEPS
+    # On a fast or idle machine the second kill may land after the last step was logged (during the final
+    # save): that is a kill point too, and the resume below must still finish the run identically.
+    kill_at_random_point(out, [*args, "--resume"], rng, after_steps=first + rng.randint(2, 4))
     with rewards_on_path():
         assert main(["train", *map(str, args), "--resume"]) == 0
 
