@@ -80,7 +80,13 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
     """
     gen = batch.generation
     N = gen.completion_ids.shape[0]
-    mask = gen.completion_mask.float()  # [N, Lc]
+    # The rollout's per-row tensors may sit on the CPU (decoupled batches always do): the loss needs
+    # them beside the log-probs, on the policy's device.
+    device = next(learner.module.parameters()).device
+    mask = gen.completion_mask.float().to(device)  # [N, Lc]
+    advantages = batch.advantages.to(device)  # [N]
+    old_all = batch.old_logprobs.to(device) if batch.old_logprobs is not None else None  # [N, Lc]
+    ref_all = batch.ref_logprobs.to(device) if batch.ref_logprobs is not None else None  # [N, Lc]
     # dapo: the token count over all ranks; DDP averages gradients, so scale it back by the world size.
     global_tokens = all_reduce_sum(mask.sum(), dist_info) / dist_info.world_size
     totals = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio_mean": 0.0, "learning_rate": learner.lr}
@@ -93,10 +99,10 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
                 logprobs = completion_logprobs(learner.module, gen.prompt_ids[rows], gen.prompt_mask[rows],
                                                gen.completion_ids[rows], gen.completion_mask[rows],
                                                s.temperature)  # [b, Lc]
-                old = batch.old_logprobs[rows] if batch.old_logprobs is not None else logprobs.detach()
-                ref = batch.ref_logprobs[rows] if batch.ref_logprobs is not None else None
+                old = old_all[rows] if old_all is not None else logprobs.detach()
+                ref = ref_all[rows] if ref_all is not None else None
                 loss, stats = policy_loss(
-                    logprobs, old, ref, batch.advantages[rows], mask[rows], epsilon=s.epsilon,
+                    logprobs, old, ref, advantages[rows], mask[rows], epsilon=s.epsilon,
                     epsilon_high=s.epsilon_high, beta=s.beta, loss_type=s.loss_type,
                     max_completion_length=s.max_completion_length, normalizer=global_tokens)
                 weight = _micro_batch_weight(s.loss_type, logprobs.shape[0], mask[rows].sum(), N, mask.sum())

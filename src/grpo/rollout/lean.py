@@ -40,7 +40,8 @@ def folded_lora_weights(model: torch.nn.Module) -> dict[str, Tensor] | None:
             adapters = [a for a in module.active_adapters if a in module.lora_A]
             if adapters:
                 delta = sum(module.get_delta_weight(a) for a in adapters)
-                folded[f"{name}.base_layer.weight"] = module.base_layer.weight + delta
+                weight = module.base_layer.weight  # a bf16 base stays bf16 (fp32 adapters would promote it)
+                folded[f"{name}.base_layer.weight"] = weight + delta.to(weight.dtype)
     return folded or None
 
 

@@ -1,0 +1,160 @@
+"""Check ``grpo memory`` against ``torch.cuda.max_memory_allocated`` of real GRPO steps on a GPU.
+
+The CUDA counterpart of ``memory_check.py`` (same prompts, tokenizer and step shape: 2 prompts x G=4,
+micro-batch 4, ``loss.num_iterations`` 2, beta 0.04 with a reference copy), on a model with the body
+of Qwen2.5-0.5B (hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864; random weights, the 8192-token
+test vocabulary) and longer completions. Cases: full fine-tuning fp32 and bf16, LoRA r=16 over a bf16
+base, and full fp32 with gradient checkpointing. Each case runs ``grpo.trainer.train`` in a fresh
+process; measured = peak allocated bytes minus the bytes allocated right after the policy was loaded
+(the policy's weights), estimated = the estimate's tensors at its peak phase (without the CUDA
+context/fragmentation allowance, which ``max_memory_allocated`` does not see) minus the same weights.
+
+    python benchmarks/memory_check_gpu.py      # about 2 minutes on one GPU; writes results/memory_check_gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memory_check import QUESTIONS, longest_prompt, overrides, write_prompts  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+MIB = 1024**2
+COMPLETION_TOKENS = 128
+QWEN05_BODY = dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864)
+
+
+def build_model(workdir: Path) -> Path:
+    from grpo.data import generate_problems
+    from grpo.tiny_model import build_qwen2, build_tokenizer
+
+    corpus = [e.question for e in generate_problems(3000, seed=7)] + [e.solution or "" for e in
+                                                                      generate_problems(3000, seed=8)]
+    tokenizer = build_tokenizer(corpus + QUESTIONS, vocab_size=8192)
+    missing = 8192 - len(tokenizer)
+    if missing > 0:
+        tokenizer.add_tokens([f"<extra_{i}>" for i in range(missing)])
+    path = workdir / "qwen05-body"
+    build_qwen2(tokenizer, seed=0, max_position_embeddings=2048, **QWEN05_BODY).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def case_overrides(model: Path, prompts: Path, out: Path, prompt_len: int, lora_r: int, gc: bool, bf16: bool):
+    values = overrides(model, prompts, out, prompt_len, lora_r, gc)
+    values = [v for v in values if not v.startswith(("train.device=", "rollout.max_completion_length="))]
+    return values + ["train.device=cuda", f"model.bf16={bf16}", f"rollout.max_completion_length={COMPLETION_TOKENS}"]
+
+
+def child(case_file: str) -> None:
+    import torch
+
+    import grpo.trainer
+    from grpo.config import load_config
+
+    case = json.loads(Path(case_file).read_text())
+    cfg = load_config(None, case["overrides"])
+    after_load: dict[str, int] = {}
+    load_policy = grpo.trainer.load_policy
+
+    def load_policy_and_measure(*args, **kwargs):
+        policy = load_policy(*args, **kwargs)
+        torch.cuda.synchronize()
+        after_load["allocated"] = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        return policy
+
+    grpo.trainer.load_policy = load_policy_and_measure
+    started = time.perf_counter()
+    grpo.trainer.train(cfg)
+    torch.cuda.synchronize()
+    Path(case["result"]).write_text(json.dumps({
+        "baseline": after_load["allocated"], "peak": torch.cuda.max_memory_allocated(),
+        "reserved_peak": torch.cuda.max_memory_reserved(), "seconds": time.perf_counter() - started,
+        "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}))
+
+
+def run_case(case: dict, workdir: Path) -> dict:
+    case_file = workdir / f"{case['name'].replace('/', '_')}.json"
+    case = dict(case, result=str(case_file.with_suffix(".out.json")))
+    case_file.write_text(json.dumps(case))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "MPLBACKEND": "Agg"}
+    proc = subprocess.run([sys.executable, __file__, "--child", str(case_file)], env=env, capture_output=True,
+                          text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{case['name']} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(Path(case["result"]).read_text())
+
+
+def compare(case: dict, measured: dict) -> dict:
+    from grpo.config import load_config
+    from grpo.memory import estimate_memory
+
+    cfg = load_config(None, case["overrides"])
+    model_config = json.loads((Path(cfg.model.name_or_path) / "config.json").read_text())
+    est = estimate_memory(cfg, model_config=model_config, device="cuda")
+    gb = est.per_device_gb
+    tensors_mib = (est.total_gb - gb["overhead"]) * 1024
+    weights_mib = gb["weights"] * 1024  # allocated before the baseline was taken
+    est_mib = tensors_mib - weights_mib
+    measured_mib = (measured["peak"] - measured["baseline"]) / MIB
+    states_mib = (gb["gradients"] + gb["optimizer"] + gb["reference"]) * 1024
+    est_act = (gb["activations"] + gb["logits"]) * 1024
+    measured_act = measured_mib - states_mib
+    return {"name": case["name"], "estimated_mib": est_mib, "measured_mib": measured_mib,
+            "error": (est_mib - measured_mib) / measured_mib, "estimated_activations_mib": est_act,
+            "measured_activations_mib": measured_act, "activation_error": (est_act - measured_act) / measured_act,
+            "peak_phase": est.peak_phase, "components_mib": {k: v * 1024 for k, v in gb.items()},
+            "reserved_peak_mib": measured["reserved_peak"] / MIB, "seconds": measured["seconds"],
+            "gpu": measured["gpu"], "torch": measured["torch"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child)
+        return
+    workdir = Path(tempfile.mkdtemp(prefix="grpo-memory-check-gpu-"))
+    model = build_model(workdir)
+    prompts = write_prompts(workdir)
+    prompt_len = longest_prompt(model, prompts)
+    cases = []
+    for lora_r, gc, bf16 in ((0, False, False), (0, False, True), (16, False, True), (0, True, False)):
+        name = f"{'lora16' if lora_r else 'full'}/{'bf16' if bf16 else 'fp32'}{'/gc' if gc else ''}"
+        cases.append({"name": name, "overrides": case_overrides(model, prompts, workdir / name.replace("/", "_"),
+                                                                prompt_len, lora_r, gc, bf16)})
+    print(f"Qwen2.5-0.5B body, vocab 8192; prompt {prompt_len} + completion {COMPLETION_TOKENS} tokens, "
+          f"micro-batch 4; MiB allocated above the loaded policy", flush=True)
+    rows = []
+    for case in cases:
+        row = compare(case, run_case(case, workdir))
+        rows.append(row)
+        print(f"{row['name']:16} measured {row['measured_mib']:8.1f}  estimated {row['estimated_mib']:8.1f} "
+              f"({row['error']:+6.1%})   activations+logits {row['measured_activations_mib']:7.1f} vs "
+              f"{row['estimated_activations_mib']:7.1f} ({row['activation_error']:+6.1%})  [{row['seconds']:.0f}s]",
+              flush=True)
+    report = {"model": "Qwen2.5-0.5B body (random), vocab 8192", "prompt_tokens": prompt_len,
+              "completion_tokens": COMPLETION_TOKENS, "micro_batch": 4, "cases": rows,
+              "max_abs_error": max(abs(r["error"]) for r in rows),
+              "max_abs_activation_error": max(abs(r["activation_error"]) for r in rows)}
+    out = Path(os.environ.get("OUT", RESULTS))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "memory_check_gpu.json").write_text(json.dumps(report, indent=2))
+    print(f"\nlargest error: whole peak {report['max_abs_error']:.1%}, activations + logits "
+          f"{report['max_abs_activation_error']:.1%}")
+
+
+if __name__ == "__main__":
+    main()
