@@ -220,6 +220,50 @@ def test_trainer_restart_acks_trained_batch_without_returning_it():
             assert s.welcome["trainer_id"] == second.trainer_id and s.welcome["trained_count"] == 1
 
 
+def test_provisional_ack_frees_the_slot_and_a_restarted_trainer_trains_the_batch_again():
+    # Trained between checkpoints (save_steps > 1): the ack is provisional, so the sampler may send
+    # the next batch but keeps this one. The trainer dies before its checkpoint; the restarted one
+    # (whose checkpoint does not list the batch) gets it again and trains it: nothing acknowledged is lost.
+    first = RolloutReceiver(ANY_PORT, queue_size=4)
+    address = first.address
+    with sender(address, max_inflight=1) as s:
+        s.connect()
+        lost = s.send_batch(make_batch(), {"policy_version": 0})
+        first.ack(first.next_batch(timeout_s=WAIT).batch_id, durable=False)
+        wait_until(lambda: s.inflight == 0, "the provisional ack to free the slot")
+        assert s.acked == [] and s.unacked_ids == []
+        with pytest.raises(PeerTimeout):
+            s.drain(timeout_s=0.3)  # a provisional ack is not the end of the batch
+        nxt = s.send_batch(make_batch(value=1.0), {"policy_version": 0})  # did not wait: the slot was free
+        first.close()  # crashed before the checkpoint listing `lost`
+
+        with RolloutReceiver(address, trained_ids={}) as second:
+            got = [second.next_batch(timeout_s=WAIT).batch_id for _ in range(2)]
+            assert sorted(got) == sorted([lost, nxt])
+            for batch_id in got:
+                second.ack(batch_id, durable=False)
+            assert second.confirm_durable() == 2  # the checkpoint is on disk
+            s.drain(timeout_s=WAIT)
+            assert sorted(s.acked) == sorted([lost, nxt]) and second.stats["trained"] == 2
+
+
+def test_resend_of_a_provisionally_acked_batch_gets_a_provisional_ack_again(receiver):
+    with sender(receiver.address, max_inflight=2) as s:
+        s.connect()
+        batch_id = s.send_batch(make_batch(), {"policy_version": 0})
+        receiver.ack(receiver.next_batch(timeout_s=WAIT).batch_id, durable=False)
+        wait_until(lambda: s.inflight == 0, "the provisional ack")
+        s._unacked.update(s._trained_not_durable)  # as after a reconnect to the same trainer
+        s._trained_not_durable.clear()
+        s.resend_unacked()
+        wait_until(lambda: receiver.stats["duplicates"] == 1, "the duplicate")
+        wait_until(lambda: s.inflight == 0, "the repeated provisional ack")
+        assert s.acked == []  # not durable yet: still kept
+        receiver.confirm_durable()
+        s.drain(timeout_s=WAIT)
+        assert s.acked == [batch_id]
+
+
 def test_stale_batch_dropped_and_resend_is_dropped_again(receiver):
     receiver.set_policy_version(5)
     with sender(receiver.address) as s:

@@ -145,17 +145,23 @@ def test_sampler_killed_and_restarted(tiny_model_dir, tmp_path):
     assert len(set(ids)) == len(ids), f"a batch was trained twice: {ids}"
 
 
-def test_trainer_killed_and_resumed(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("save_steps", [1, 3])
+def test_trainer_killed_and_resumed(tiny_model_dir, tmp_path, save_steps):
+    # save_steps 3: the kill lands after step 5, two steps past the checkpoint; those steps' batches were
+    # acknowledged provisionally, so the sampler still holds them, resends them, and they are trained
+    # again after the resume: no acknowledged batch is lost and none is trained twice in the final run.
     out = tmp_path / "run"
-    args = overrides(tiny_model_dir, out, **{"train.max_steps": 8, "train.save_steps": 1, "train.mode": "decoupled"})
+    args = overrides(tiny_model_dir, out, **{"train.max_steps": 8, "train.save_steps": save_steps,
+                                             "train.mode": "decoupled"})
     trainer = subprocess.Popen(grpo("trainer", SMOKE, *args), env=env(), stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     sampler = subprocess.Popen(grpo("sampler", SMOKE, *args), env=env(), stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True)
     try:
-        wait_for_steps(out, 3, trainer)
+        wait_for_steps(out, 3 if save_steps == 1 else 5, trainer)
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()
+        before_kill = {r["batch_id"] for r in train_rows(out)}
         from grpo.checkpoint import latest_checkpoint
 
         checkpoint = latest_checkpoint(out)
@@ -177,3 +183,4 @@ def test_trainer_killed_and_resumed(tiny_model_dir, tmp_path):
     assert len(set(ids)) == len(ids), f"a batch was trained twice: {ids}"
     resumed_ids = {r["batch_id"] for r in rows if r["step"] > state["step"]}
     assert not resumed_ids & trained_before
+    assert before_kill <= set(ids), "a batch trained (and acknowledged) before the kill was lost"

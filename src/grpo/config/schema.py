@@ -135,6 +135,9 @@ class DecoupledConfig:
     ref_server_port: int = opt(
         8431, "Port of the reference server the launcher starts (binds 127.0.0.1).", ge=1, le=65535)
     ref_server_device: str = opt("auto", "Device of the reference server.")
+    ref_server_retry_s: float = opt(
+        60.0, "A sampler keeps retrying an unreachable reference server this long (a restart) before it exits.",
+        ge=0)
     token_env: str | None = opt(None, "Environment variable holding the shared token for ZeroMQ and the ref server.")
     queue_size: int = opt(4, "Rollout batches the trainer holds before samplers are told to wait (backpressure).", ge=1)
     peer_timeout_s: float = opt(600.0, "Give up (with a clear error) after waiting this long for a peer.", gt=0)

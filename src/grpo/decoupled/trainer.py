@@ -1,7 +1,8 @@
 """The trainer role: receive rollout batches (rank 0), give each rank its slice, update, publish weights.
 
 Rank 0 owns the ZeroMQ receiver and the weight store; it hands every batch to the other ranks as
-wire-format bytes over the process group (never pickle). A batch is acknowledged after it was trained;
+wire-format bytes over the process group (never pickle). A batch is acknowledged after it was trained,
+provisionally until a checkpoint lists it (the sampler keeps it until then, to resend after a crash);
 the trained batch ids go into every checkpoint, so a restarted trainer only acknowledges a batch it
 trained before. A batch more than ``train.max_staleness`` versions behind is dropped and counted.
 """
@@ -153,6 +154,8 @@ def run_trainer(cfg: RunConfig) -> int:
                      "dropped_batch_ids": receiver.dropped_ids if receiver else {}}
             save_run_checkpoint(out, at_step, trainable, tokenizer, state, cfg, info)
             saved = at_step
+            if receiver:  # the checkpoint lists every batch trained so far: their acks are now final
+                receiver.confirm_durable()
 
         step, skips = start_step, SkipGuard(cfg.optim.max_skipped_steps, cfg.loss.num_iterations)
         try:
@@ -173,12 +176,13 @@ def run_trainer(cfg: RunConfig) -> int:
                         path = publish_weights(store, trainable, version, cfg.decoupled.weights_keep, info)
                         if receiver:
                             receiver.announce_weights(version, path)
-                    # A step that is checkpointed acknowledges its batch only once the checkpoint (which lists it
-                    # as trained) is on disk: a kill in between makes the sampler resend it and the restarted
-                    # trainer only acknowledge it. With save_steps 1 no acknowledged batch is ever lost.
+                    # An acknowledgement is final (durable) only once a checkpoint that lists the batch as
+                    # trained is on disk. Until then the sampler gets a provisional ack (its slot is freed)
+                    # and keeps the batch: a kill before the next checkpoint makes it resend the batch and
+                    # the restarted trainer train it again. No acknowledged batch is lost, whatever save_steps.
                     checkpointed = step % cfg.train.save_steps == 0 or step == cfg.train.max_steps
                     if receiver and not checkpointed:
-                        receiver.ack(meta["batch_id"], policy_version=version)
+                        receiver.ack(meta["batch_id"], policy_version=version, durable=False)
                     if receiver:
                         queue = receiver.stats
                         metrics.update({

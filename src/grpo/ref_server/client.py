@@ -32,20 +32,25 @@ class RefServerError(RuntimeError):
         self.status = status
 
 
+MAX_BACKOFF_S = 5.0  # longest pause between two attempts
+
+
 class RefServerClient:
     """Client of a reference log-prob server.
 
     Connection errors and 5xx answers are retried ``retries`` times with exponential backoff
-    (``backoff_s``, ``2*backoff_s``, ...); a read timeout or a 4xx is not (retrying cannot fix it) and
+    (``backoff_s``, ``2*backoff_s``, ... at most ``MAX_BACKOFF_S``), or, with ``retry_s``, for as
+    long as that many seconds (a server restarting after a crash comes back); a read timeout or a 4xx is not (retrying cannot fix it) and
     raises ``RefServerError`` with the status and an excerpt of the body. With ``temperature`` set the
     server refuses to answer at another temperature (so a mismatch cannot silently skew the KL).
     """
 
     def __init__(self, url: str, token: str | None = None, timeout_s: float = 60.0, retries: int = 3,
-                 backoff_s: float = 0.5, temperature: float | None = None) -> None:
+                 backoff_s: float = 0.5, temperature: float | None = None, retry_s: float | None = None) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self.retries = retries
+        self.retry_s = retry_s
         self.backoff_s = backoff_s
         self.temperature = temperature
         self._session = requests.Session()
@@ -105,27 +110,35 @@ class RefServerClient:
 
     def _request(self, method: str, path: str, *, retries: int | None = None, timeout_s: float | None = None,
                  **kwargs) -> requests.Response:
+        by_time = retries is None and self.retry_s is not None
         retries = self.retries if retries is None else retries
+        deadline = time.monotonic() + (self.retry_s or 0.0)
         url = self.url + path
-        for attempt in range(retries + 1):
+        attempt = 0
+        while True:
+            last = time.monotonic() >= deadline if by_time else attempt == retries
             try:
                 response = self._session.request(method, url, timeout=timeout_s or self.timeout_s, **kwargs)
             except requests.ConnectionError as err:  # includes ConnectTimeout; not ReadTimeout
-                if attempt == retries:
-                    raise RefServerError(f"{method} {url}: cannot connect after {retries + 1} attempts: {err}") from err
-                logger.warning("ref server %s: %s; retrying (%d/%d)", url, err, attempt + 1, retries)
+                if last:
+                    raise RefServerError(f"{method} {url}: cannot connect after {attempt + 1} attempts"
+                                         f"{f' over {self.retry_s:g} s' if by_time else ''}: {err}") from err
+                logger.warning("ref server %s: %s; retrying (attempt %d)", url, err, attempt + 1)
             except requests.Timeout as err:  # the server took the request: running it again would not be faster
                 raise RefServerError(f"{method} {url}: no answer within {timeout_s or self.timeout_s:g} s") from err
             else:
                 if response.status_code < 400:
                     return response
-                if response.status_code < 500 or attempt == retries:
+                if response.status_code < 500 or last:
                     raise RefServerError(f"{method} {url}: status {response.status_code}: "
                                          f"{response.text[:BODY_EXCERPT_CHARS]!r}", status=response.status_code)
-                logger.warning("ref server %s: status %d; retrying (%d/%d)", url, response.status_code, attempt + 1,
-                               retries)
-            time.sleep(self.backoff_s * 2**attempt)
-        raise AssertionError("unreachable")
+                logger.warning("ref server %s: status %d; retrying (attempt %d)", url, response.status_code,
+                               attempt + 1)
+            pause = min(self.backoff_s * 2**attempt, MAX_BACKOFF_S)
+            if by_time:
+                pause = max(0.0, min(pause, deadline - time.monotonic()))
+            time.sleep(pause)
+            attempt += 1
 
     def close(self) -> None:
         self._session.close()

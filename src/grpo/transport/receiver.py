@@ -55,6 +55,7 @@ class RolloutReceiver(_ReceiverIO):
         self._cond = threading.Condition(threading.RLock())
         self._queue: deque[IncomingBatch] = deque()
         self._pending: dict[str, _Pending] = {}  # queued or handed out, not yet acked or dropped
+        self._not_durable: dict[str, bytes] = {}  # trained, in no checkpoint yet: batch id -> sampler identity
         self._trained: dict[str, str] = (dict(trained_ids) if isinstance(trained_ids, Mapping)
                                          else dict.fromkeys(trained_ids or (), ""))
         self._trained_per_sampler = Counter(self._trained.values())
@@ -101,20 +102,38 @@ class RolloutReceiver(_ReceiverIO):
                     return None
                 self._cond.wait(remaining)
 
-    def ack(self, batch_id: str, policy_version: int | None = None) -> None:
+    def ack(self, batch_id: str, policy_version: int | None = None, durable: bool = True) -> None:
         """Record ``batch_id`` as trained and tell its sampler (which frees its slot).
 
         ``policy_version``: the trainer's version after training it (default: the announced one).
+        ``durable``: False when no checkpoint lists the batch yet; the sampler then keeps it to resend
+        to a restarted trainer until ``confirm_durable`` (after the next checkpoint) says so.
         """
         self._check_open()
         with self._cond:
             # Encoding first checks the arguments before any state changes.
-            frames = encode("ack", {"batch_id": batch_id, **self._ack_fields(policy_version)}, token=self.token)
+            frames = encode("ack", {"batch_id": batch_id, **self._ack_fields(policy_version), "durable": durable},
+                            token=self.token)
             pending = self._finish(batch_id)
             self._trained[batch_id] = pending.sampler_id
             self._trained_per_sampler[pending.sampler_id] += 1
             self._stats["trained"] += 1
+            if not durable:
+                self._not_durable[batch_id] = pending.identity
         self._submit(lambda: self._send_frames(pending.identity, "ack", frames))
+
+    def confirm_durable(self, policy_version: int | None = None) -> int:
+        """A checkpoint listing every trained batch is on disk: send the durable acks that were held
+        back; returns how many."""
+        self._check_open()
+        with self._cond:
+            held, self._not_durable = self._not_durable, {}
+            messages = [(identity, encode("ack", {"batch_id": batch_id, **self._ack_fields(policy_version),
+                                                  "durable": True}, token=self.token))
+                        for batch_id, identity in held.items()]
+        for identity, frames in messages:
+            self._submit(lambda identity=identity, frames=frames: self._send_frames(identity, "ack", frames))
+        return len(messages)
 
     def drop(self, batch_id: str, reason: str, policy_version: int | None = None) -> None:
         """Discard ``batch_id`` untrained (e.g. too stale) and tell its sampler why."""

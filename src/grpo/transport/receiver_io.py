@@ -53,6 +53,7 @@ class _ReceiverIO(_IOThread):
     trainer_id: str
     _queue: deque[IncomingBatch]
     _pending: dict[str, _Pending]        # queued or handed out, not yet acked or dropped
+    _not_durable: dict[str, bytes]       # trained, in no checkpoint yet (batch id -> sampler identity)
     _trained: dict[str, str]             # batch id -> sampler id
     _trained_per_sampler: Counter
     _dropped: dict[str, str]             # batch id -> reason
@@ -182,7 +183,8 @@ class _ReceiverIO(_IOThread):
         if batch_id in self._trained:
             self._stats["duplicates"] += 1
             logger.info("batch %s from %s was trained before: acknowledged again", batch_id, peer.sampler_id)
-            self._send(identity, "ack", {"batch_id": batch_id, **self._ack_fields()})
+            self._send(identity, "ack", {"batch_id": batch_id, **self._ack_fields(),
+                                         "durable": batch_id not in self._not_durable})
         elif batch_id in self._dropped:
             self._stats["duplicates"] += 1
             self._send(identity, "dropped", {"batch_id": batch_id, "reason": self._dropped[batch_id],

@@ -69,6 +69,7 @@ class RolloutSender(_SenderIO):
         self.incarnation = 0
         self._sequence = 0
         self._unacked: OrderedDict[str, _Outgoing] = OrderedDict()
+        self._trained_not_durable: OrderedDict[str, _Outgoing] = OrderedDict()  # not counted as in flight
         self.acked: list[str] = []
         self.dropped: list[tuple[str, str]] = []        # (batch_id, reason)
         self.rejected: list[tuple[str, str]] = []       # (batch_id, reason) refused by the trainer as invalid
@@ -147,7 +148,7 @@ class RolloutSender(_SenderIO):
             if size > limit:
                 raise WireError(f"batch {meta['batch_id']} is {size} bytes, over the limit of {limit} bytes "
                                 f"(max_message_bytes of this sender and of the trainer)")
-            if meta["batch_id"] in self._unacked:
+            if meta["batch_id"] in self._unacked or meta["batch_id"] in self._trained_not_durable:
                 raise ValueError(f"batch {meta['batch_id']!r} is already waiting for its ack")
             self._wait(lambda: len(self._unacked) < self.max_inflight, f"sending batch {meta['batch_id']}",
                        timeout_s)
@@ -201,7 +202,8 @@ class RolloutSender(_SenderIO):
         """Wait until every sent batch is acked or dropped."""
         self._require_connected()
         with self._cond:
-            self._wait(lambda: not self._unacked, "waiting for the last acks", timeout_s)
+            self._wait(lambda: not self._unacked and not self._trained_not_durable, "waiting for the last acks",
+                       timeout_s)
 
     @property
     def inflight(self) -> int:

@@ -43,6 +43,7 @@ class _SenderIO(_IOThread):
     trainer_policy_version: int | None
     welcome: dict | None
     _unacked: OrderedDict[str, _Outgoing]
+    _trained_not_durable: OrderedDict[str, _Outgoing]  # acked with durable false: kept to resend after a restart
     _events: deque[Event]
     _welcomed: bool
     _bye_reason: str | None
@@ -138,6 +139,14 @@ class _SenderIO(_IOThread):
                     self.rejected.append((batch_id, reason))
                     self._refusal = f"cannot resend batch {batch_id} to the trainer at {self.address}: {reason}"
                     logger.error("%s", self._refusal)
+            # Batches trained but in no checkpoint: a restarted trainer may have lost them (it trains them
+            # again) or have them in its checkpoint (it acknowledges them); either way they go again.
+            # They go first: they are older than anything still unacked, and a trainer that resumes from
+            # its checkpoint needs them in their original order (a later batch first would make them stale).
+            pending = list(self._trained_not_durable.items()) + list(self._unacked.items())
+            self._unacked.clear()
+            self._unacked.update(pending)
+            self._trained_not_durable.clear()
             if self._unacked:
                 logger.info("sampler %s resending %d unacked batches to the trainer", self.sampler_id,
                             len(self._unacked))
@@ -148,8 +157,13 @@ class _SenderIO(_IOThread):
         self.trainer_policy_version = header["policy_version"]
         if header.get("weights_version") is not None and header.get("weights_path") is not None:
             self.latest_weights = (header["weights_version"], header["weights_path"])
-        if self._unacked.pop(header["batch_id"], None) is not None:
-            self.acked.append(header["batch_id"])
+        batch_id = header["batch_id"]
+        outgoing = self._unacked.pop(batch_id, None)
+        if header.get("durable", True):
+            if (outgoing or self._trained_not_durable.pop(batch_id, None)) is not None:
+                self.acked.append(batch_id)
+        elif outgoing is not None:  # trained, no checkpoint lists it yet: free the slot, keep the frames
+            self._trained_not_durable[batch_id] = outgoing
 
     def _on_dropped(self, header: dict) -> None:
         if self._unacked.pop(header["batch_id"], None) is not None:

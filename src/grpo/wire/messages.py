@@ -82,8 +82,10 @@ KINDS: dict[str, MessageKind] = {k.name: k for k in (
                 {"batch_id": "str", "sampler_id": "str", "policy_version": "int", "completions": "list[str]",
                  "prompts": "list[str]", "reward_names": "list[str]", "columns": "object", "meta": "object"},
                 carries_tensors=True),
+    # durable false: trained, but the checkpoint that lists it is not on disk yet; the sampler frees
+    # the slot and keeps the batch to resend should the trainer restart (a durable ack follows).
     MessageKind("ack", "trainer -> sampler", {"batch_id": "str", "policy_version": "int"},
-                {"weights_version": "int|null", "weights_path": "str|null"}),
+                {"weights_version": "int|null", "weights_path": "str|null", "durable": "bool"}),
     MessageKind("dropped", "trainer -> sampler", {"batch_id": "str", "reason": "str", "policy_version": "int"}),
     MessageKind("busy", "trainer -> sampler", {"batch_id": "str", "queue_depth": "int"}),
     MessageKind("weights", "trainer -> sampler", {"version": "int", "path": "str"}),
