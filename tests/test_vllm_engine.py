@@ -174,3 +174,39 @@ def test_sleep_and_wake_keep_outputs(tiny):
         sleepy.generate(PROMPTS, params)
     sleepy.wake_up()
     assert torch.equal(sleepy.generate(PROMPTS, params).completion_ids, before.completion_ids)
+
+
+def characters_reward(prompts, completions, **kwargs):
+    from grpo.rewards.answers import completion_text
+
+    return [float(len(completion_text(c))) for c in completions]
+
+
+def test_colocated_training_with_vllm_pushes_the_lora_adapter_every_step(tiny, tmp_path):
+    # rollout.engine vllm in `grpo train`: vLLM samples, the trainer recomputes old log-probs
+    # (num_iterations 2) and pushes the adapter after every update. With a learning rate large enough
+    # to move the policy visibly, the sampler's log-probs still match the trainer's at every step,
+    # which they could not if vLLM kept sampling from stale weights.
+    from grpo.config import load_config
+    from grpo.trainer import train
+
+    folder, _, _ = tiny
+    out = tmp_path / "run"
+    cfg = load_config(None, [
+        f"model.name_or_path={folder}", "model.lora_r=8", "model.lora_alpha=16", "rollout.engine=vllm",
+        "rollout.vllm_dtype=float32", f"rollout.vllm_gpu_memory_utilization={LLM_ARGS.get('gpu_memory_utilization', 0.3)}",
+        "rollout.num_generations=4", "rollout.max_completion_length=16", "data.train=synthetic:seed=1,n=64",
+        "data.max_prompt_length=400", "train.prompts_per_step=2", "train.micro_batch_size=8", "train.max_steps=3",
+        "train.save_steps=3", f"train.output_dir={out}", "loss.num_iterations=2", "loss.beta=0",
+        "optim.learning_rate=0.05", "log.report_to=[]", "log.progress_bar=false",
+        # random models never write the format: a reward that differs within every group, so every
+        # step really moves the policy (with all-equal rewards the advantages, hence updates, are 0)
+        "rewards=[{name: 'test_vllm_engine:characters_reward'}]"])
+    train(cfg)
+    import json
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "rollout/logprob_diff" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["time/weight_sync_s"] > 0 for r in rows)
+    assert max(r["rollout/logprob_diff"] for r in rows) < 1e-3, rows

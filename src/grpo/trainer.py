@@ -19,7 +19,7 @@ from grpo.experience import local_reference, make_experience
 from grpo.models import load_policy, load_reference, load_tokenizer
 from grpo.optimization import train_on_batch
 from grpo.prompt_sampler import PromptSampler
-from grpo.rollout import make_engine
+from grpo.rollout.build import build_engine, holds_own_weights, push_policy_weights
 from grpo.run_dir import check_output_dir, claim_output_dir
 from grpo.run_setup import (DeferredInterrupt, SkipGuard, build_rewards, build_trainable, eval_metrics,
                             experience_settings, load_data, loss_settings, resume_checkpoint, run_eval,
@@ -39,6 +39,23 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     """A distinct, reproducible sampling seed per (run seed, step, rank): a resumed run draws the
     same completions as an uninterrupted one."""
     return (seed * 1_000_003 + step * 1_009 + rank) % (2**63)
+
+
+def sync_engine(engine, policy, batch, step: int, sleeps: bool) -> dict[str, float]:
+    """After step ``step``'s update: the engine's weight copy becomes the policy's (waking it first
+    when it slept through the update). Returns the sync time, and the mean |sampler - trainer|
+    log-prob of the batch's tokens when the trainer computed old log-probs (num_iterations > 1)."""
+    started = time.perf_counter()
+    metrics = {}
+    if batch.old_logprobs is not None and getattr(engine, "last_logprobs", None) is not None:
+        mask = batch.generation.completion_mask.float()
+        diff = (engine.last_logprobs - batch.old_logprobs.cpu()).abs() * mask
+        metrics["rollout/logprob_diff"] = float(diff.sum() / mask.sum().clamp(min=1))
+    if sleeps:
+        engine.wake_up()
+    push_policy_weights(engine, policy, step)
+    metrics["time/weight_sync_s"] = time.perf_counter() - started
+    return metrics
 
 
 def train(cfg: RunConfig) -> TrainResult:
@@ -72,7 +89,10 @@ def train(cfg: RunConfig) -> TrainResult:
             checkpoint, state = resumed
             start_step, eval_before = state["step"], state.get("eval_before")
             print0(info, f"resumed from {checkpoint} (step {start_step})")
-        engine = make_engine(cfg.rollout.engine, policy, tokenizer, cfg.rollout.generation_batch_size)
+        engine = build_engine(cfg, policy, tokenizer)
+        own_weights = holds_own_weights(engine)  # vLLM: a copy to keep in step with the policy
+        if own_weights and start_step > 0:
+            push_policy_weights(engine, policy, start_step)
         exp_settings, train_settings = experience_settings(cfg), loss_settings(cfg)
         # A resume that found no checkpoint starts over, and so do its metrics (resume_step 0 would keep the
         # killed run's step-0 evaluation and log it a second time).
@@ -107,14 +127,18 @@ def train(cfg: RunConfig) -> TrainResult:
                     batch = make_experience(engine, policy, ref_logprobs, tokenizer, examples, reward_fns, weights,
                                             exp_settings, seed=step_seed(cfg.train.seed, step, info.rank))
                     rollout_done = time.perf_counter()
+                    if own_weights and cfg.rollout.vllm_enable_sleep_mode:
+                        engine.sleep()  # its GPU memory goes to the update
                     # From the update to the step's checkpoint, Ctrl-C waits for the step to end (see
                     # DeferredInterrupt): the weights then match the step that is logged and saved.
                     with interrupt.holding():
                         updating = True
                         train_stats = train_on_batch(trainable.learner, batch, train_settings, info)
+                        trained = time.perf_counter()
                         metrics = step_metrics(batch, train_stats, cfg.rollout.num_generations, cfg.data.tag_style,
-                                               started, rollout_done - started, time.perf_counter() - rollout_done,
-                                               info)
+                                               started, rollout_done - started, trained - rollout_done, info)
+                        if own_weights:
+                            metrics.update(sync_engine(engine, policy, batch, step, cfg.rollout.vllm_enable_sleep_mode))
                         metrics["epoch"] = sampler.epoch_of(step)
                         if cfg.train.eval_steps and step % cfg.train.eval_steps == 0 and step < cfg.train.max_steps:
                             metrics.update(eval_metrics(run_eval(cfg, policy, tokenizer, eval_set, info)))

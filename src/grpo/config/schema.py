@@ -61,13 +61,21 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = opt("hf", "Generation engine: hf (lean KV-cache sampling loop over the HF model) or "
-                      "hf-generate (model.generate; same distribution, slower).", choices=("hf", "hf-generate"))
+    engine: str = opt("hf", "Generation engine: hf (lean KV-cache sampling loop over the HF model), "
+                      "hf-generate (model.generate; same distribution, slower) or vllm (the optional vllm extra; "
+                      "weights pushed in place after every update).", choices=("hf", "hf-generate", "vllm"))
     num_generations: int = opt(8, "G: completions sampled per prompt (the group).", ge=2)
     max_completion_length: int = opt(256, "Maximum new tokens per completion.", ge=1)
     temperature: float = opt(1.0, "Sampling temperature; log-probs are computed at the same temperature.", gt=0)
     top_p: float = opt(1.0, "Nucleus sampling threshold.", gt=0, le=1)
     top_k: int | None = opt(None, "Top-k sampling; null or 0 = off.", ge=0)
+    vllm_gpu_memory_utilization: float = opt(
+        0.3, "engine vllm: share of the GPU vLLM takes for weights + KV cache (colocated: leave room to train).",
+        gt=0, le=1)
+    vllm_enable_sleep_mode: bool = opt(
+        False, "engine vllm: free vLLM's GPU memory during each update (sleep/wake; vLLM supports it on CUDA).")
+    vllm_dtype: str = opt("auto", "engine vllm: vLLM's dtype (auto, bfloat16, float16, float32).",
+                          choices=("auto", "bfloat16", "float16", "float32"))
     generation_batch_size: int | None = opt(
         None, "Completions generated per generate() call; null = all of a step's at once.", ge=1)
 

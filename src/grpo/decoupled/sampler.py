@@ -21,7 +21,7 @@ from grpo.decoupled.common import max_message_bytes, shared_token
 from grpo.experience import local_reference, make_experience
 from grpo.models import load_policy, load_reference, load_tokenizer, resolve_device
 from grpo.prompt_sampler import PromptSampler
-from grpo.rollout import make_engine
+from grpo.rollout.build import build_engine, holds_own_weights
 from grpo.run_setup import build_rewards, experience_settings, load_data
 from grpo.trainer import step_seed
 from grpo.transport import PeerClosed, RolloutSender
@@ -38,7 +38,7 @@ def reference_logprobs_fn(cfg: RunConfig, policy, tokenizer, device, token: str)
         from grpo.ref_server import RefServerClient
 
         client = RefServerClient(cfg.decoupled.ref_server_url, token=token or None,
-                                 timeout_s=cfg.decoupled.peer_timeout_s)
+                                 timeout_s=cfg.decoupled.peer_timeout_s, retry_s=cfg.decoupled.ref_server_retry_s)
         client.wait_ready(timeout_s=cfg.decoupled.peer_timeout_s)
         return lambda g: client.logprobs(g.prompt_ids, g.prompt_mask, g.completion_ids, g.completion_mask)
     reference = load_reference(cfg.model, policy, tokenizer, device)
@@ -59,7 +59,7 @@ def run_sampler(cfg: RunConfig) -> int:
     policy.requires_grad_(False)
     ref_logprobs = reference_logprobs_fn(cfg, policy, tokenizer, device, token)
     reward_fns, weights = build_rewards(cfg)
-    engine = make_engine(cfg.rollout.engine, policy, tokenizer, cfg.rollout.generation_batch_size)
+    engine = build_engine(cfg, policy, tokenizer)
     settings = experience_settings(cfg, need_old_logprobs=True)  # the trainer's ratio needs the sampler's policy
     store = WeightStore(cfg.train.output_dir)
     sender = RolloutSender(d.address, sampler_id, token=token, max_message_bytes=max_message_bytes(cfg),
@@ -77,7 +77,10 @@ def run_sampler(cfg: RunConfig) -> int:
             newest = max(welcome.get("policy_version", 0), (sender.latest_weights or (0, ""))[0])
             if newest > loaded_version:
                 version = store.wait_for_version(newest, timeout_s=d.peer_timeout_s)
-                apply_to_model(policy, store.load(version))  # checksums verified before anything is loaded
+                loaded = store.load(version)  # checksums verified before anything is loaded
+                apply_to_model(policy, loaded)  # the sampler's old log-probs come from this HF copy
+                if holds_own_weights(engine):
+                    engine.update_weights(loaded)
                 loaded_version = version
             step_index = j * K + k + 1
             started = time.perf_counter()

@@ -38,7 +38,6 @@ from grpo.memory.shapes import ModelShape, load_model_config, lora_params, lora_
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-VLLM_DEFAULT_UTILIZATION = 0.5  # grpo.rollout.vllm_engine.VLLMEngine's default gpu_memory_utilization
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "reference", "kv_cache", "overhead")
 
 
@@ -268,8 +267,7 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
     vllm_reservation = 0.0
     how["kv_cache"] = "none held during the update (the HF engine's cache lives only while sampling)"
     if cfg.rollout.engine == "vllm" and not decoupled:
-        utilization = (vllm_gpu_memory_utilization or getattr(cfg.rollout, "vllm_gpu_memory_utilization", None)
-                       or VLLM_DEFAULT_UTILIZATION)
+        utilization = vllm_gpu_memory_utilization or cfg.rollout.vllm_gpu_memory_utilization
         if gpu_gb:
             vllm_reservation = utilization * gpu_gb * GIB
             how["kv_cache"] = f"vLLM reservation: {utilization} x {gpu_gb} GB"
@@ -279,7 +277,7 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
             how["kv_cache"] = f"vLLM: bf16 weights + KV of {sequences} x {seq_len} tokens (a lower bound)"
             notes.append("vLLM sized from its weights and the step's sequences; pass --gpu-gb (and "
                          "--vllm-gpu-memory-utilization) for the reservation it actually takes")
-    vllm_sleeps = bool(getattr(cfg.rollout, "vllm_enable_sleep_mode", False))
+    vllm_sleeps = cfg.rollout.vllm_enable_sleep_mode
     kv_cache = 0.0 if vllm_sleeps else vllm_reservation
     if vllm_reservation and vllm_sleeps:
         how["kv_cache"] = f"none: vLLM sleeps during the update ({_gb(vllm_reservation):.2f} GB while sampling)"
