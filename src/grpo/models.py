@@ -53,14 +53,49 @@ def _load_causal_lm(name_or_path: str, dtype: torch.dtype, cfg: ModelConfig, key
     return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
 
 
+def _load_4bit(cfg: ModelConfig, device: torch.device):
+    """The base in 4-bit NF4 with double quantisation (the QLoRA recipe), compute in bf16/fp32, made
+    ready for k-bit training (norms in fp32, input grads for checkpointing) by peft."""
+    from peft import prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                      bnb_4bit_compute_dtype=policy_dtype(cfg))
+    kwargs = {"quantization_config": quantization, "device_map": {"": device.index or 0},
+              "trust_remote_code": cfg.trust_remote_code}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs)
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
+
+
 def policy_dtype(cfg: ModelConfig) -> torch.dtype:
     """bfloat16 when ``model.bf16``, else float32."""
     return torch.bfloat16 if cfg.bf16 else torch.float32
 
 
+def check_memory_savers(model_cfg: ModelConfig, optimizer: str, device: torch.device) -> None:
+    """ConfigError (before anything is written) for bitsandbytes options where they cannot run."""
+    wanted = [key for key, on in (("model.load_in_4bit", model_cfg.load_in_4bit),
+                                  ("optim.optimizer: adamw_8bit", optimizer == "adamw_8bit")) if on]
+    if not wanted:
+        return
+    if device.type != "cuda":
+        raise ConfigError(f"{wanted[0]}: bitsandbytes' 4-bit weights and 8-bit optimizer states need a CUDA GPU; "
+                          f"this run is on {device.type} (use full precision here, or run on a GPU)")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(f"{wanted[0]}: needs the bitsandbytes package ({exc}); pip install bitsandbytes") from exc
+
+
 def load_policy(cfg: ModelConfig, device: torch.device):
-    """The trainable policy on ``device``: full model, or a peft LoRA wrapper when ``lora_r > 0``."""
-    model = _load_causal_lm(cfg.name_or_path, policy_dtype(cfg), cfg, "model.name_or_path").to(device)
+    """The trainable policy on ``device``: full model, or a peft LoRA wrapper when ``lora_r > 0``
+    (over a 4-bit NF4 base with ``load_in_4bit``: QLoRA)."""
+    if cfg.load_in_4bit:
+        model = _load_4bit(cfg, device)
+    else:
+        model = _load_causal_lm(cfg.name_or_path, policy_dtype(cfg), cfg, "model.name_or_path").to(device)
     if cfg.gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x name
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

@@ -23,8 +23,13 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lora: bool) -> tor
     for name, param in model.named_parameters():
         if param.requires_grad:
             (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
+    groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+              if g["params"]]
+    if cfg.optimizer == "adamw_8bit":  # bitsandbytes (checked by models.check_memory_savers): 2 B of states/param
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(groups, lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
+    return torch.optim.AdamW(groups, lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
 
 
 def lr_multiplier(update: int, total_updates: int, warmup_updates: int, kind: str) -> float:

@@ -16,10 +16,10 @@ import torch
 from grpo.config import RunConfig, config_to_dict
 from grpo.distributed import barrier, print0, shutdown
 from grpo.experience import local_reference, make_experience
-from grpo.models import load_policy, load_reference, load_tokenizer
+from grpo.models import check_memory_savers, load_policy, load_reference, load_tokenizer
 from grpo.optimization import train_on_batch
 from grpo.prompt_sampler import PromptSampler
-from grpo.rollout.build import build_engine, holds_own_weights, push_policy_weights
+from grpo.rollout.build import build_engine, check_engine_available, holds_own_weights, push_policy_weights
 from grpo.run_dir import check_output_dir, claim_output_dir
 from grpo.run_setup import (DeferredInterrupt, SkipGuard, build_rewards, build_trainable, eval_metrics,
                             experience_settings, load_data, loss_settings, resume_checkpoint, run_eval,
@@ -74,11 +74,13 @@ def train(cfg: RunConfig) -> TrainResult:
         train_set, eval_set = load_data(cfg)
         sampler = PromptSampler(len(train_set), cfg.train.prompts_per_step, cfg.train.seed, cfg.data.shuffle)
         sampler.rank_indices(1, info.rank, info.world_size)  # checks P is divisible by the ranks, early
+        check_memory_savers(cfg.model, cfg.optim.optimizer, device)
         policy = load_policy(cfg.model, device)
         reference = load_reference(cfg.model, policy, tokenizer, device) if cfg.loss.beta > 0 else None
         ref_logprobs = (local_reference(policy, reference, cfg.rollout.temperature, cfg.train.micro_batch_size)
                         if cfg.loss.beta > 0 else None)
         reward_fns, weights = build_rewards(cfg)
+        check_engine_available(cfg)
         trainable = build_trainable(cfg, policy, info)
         out = claim_output_dir(cfg, info.is_main)  # setup succeeded: only now is anything written
         barrier(info)

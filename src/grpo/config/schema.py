@@ -34,6 +34,8 @@ class ModelConfig:
         "all-linear", "Modules LoRA adapts: 'all-linear' or a list such as [q_proj, v_proj].")
     gradient_checkpointing: bool = opt(False, "Recompute activations in backward to save memory.")
     bf16: bool = opt(False, "Train in bfloat16 (GPU); fp32 otherwise.")
+    load_in_4bit: bool = opt(
+        False, "QLoRA: the frozen base in 4-bit NF4 (bitsandbytes; CUDA only, refused on CPU); needs lora_r > 0.")
     attn_implementation: str | None = opt(None, "Passed to from_pretrained (e.g. sdpa, flash_attention_2, eager).")
     ref_torch_dtype: str | None = opt(
         None, "dtype of the reference model (float32, bfloat16, float16); null = as the policy.",
@@ -103,6 +105,8 @@ class OptimConfig:
     warmup_ratio: float = opt(0.0, "Share of max_steps with linear warm-up.", ge=0, le=1)
     lr_scheduler_type: str = opt("cosine", "Decay after warm-up.", choices=("constant", "linear", "cosine"))
     max_grad_norm: float | None = opt(1.0, "Clip the global gradient norm; null = no clipping.", gt=0)
+    optimizer: str = opt("adamw", "adamw (torch) or adamw_8bit (bitsandbytes 8-bit states; CUDA only, refused on CPU).",
+                         choices=("adamw", "adamw_8bit"))
     max_skipped_steps: int = opt(
         3, "Abort after this many consecutive steps whose updates were skipped for NaN/inf gradients.", ge=1)
 
@@ -206,6 +210,12 @@ class RunConfig:
             problems.append(("loss.epsilon_high", (
                 f"{self.loss.epsilon_high} < loss.epsilon {self.loss.epsilon}: the asymmetric clip (DAPO) only "
                 "raises the upper bound")))
+        if self.model.load_in_4bit and self.model.lora_r == 0:
+            problems.append(("model.load_in_4bit", "needs model.lora_r > 0: 4-bit weights are frozen (QLoRA trains "
+                                                   "a LoRA adapter over them)"))
+        if (self.model.load_in_4bit or self.optim.optimizer == "adamw_8bit") and self.train.deepspeed:
+            problems.append(("train.deepspeed", "cannot be combined with model.load_in_4bit or optim.optimizer "
+                                                "adamw_8bit (bitsandbytes); DeepSpeed has its own optimizer"))
         if self.optim.lora_learning_rate is not None and self.model.lora_r == 0:
             problems.append(("optim.lora_learning_rate",
                              "is set but model.lora_r is 0 (full fine-tuning has no LoRA parameters)"))

@@ -19,7 +19,7 @@ from grpo.batching import rank_slice
 from grpo.config import RunConfig, config_to_dict
 from grpo.decoupled.common import max_message_bytes, shared_token
 from grpo.distributed import DistInfo, barrier, print0, shutdown
-from grpo.models import load_policy, load_tokenizer
+from grpo.models import check_memory_savers, load_policy, load_tokenizer
 from grpo.optimization import train_on_batch
 from grpo.run_dir import check_output_dir, claim_output_dir
 from grpo.run_setup import (DeferredInterrupt, SkipGuard, build_trainable, loss_settings, resume_checkpoint,
@@ -115,6 +115,7 @@ def run_trainer(cfg: RunConfig) -> int:
             check_output_dir(cfg)
         torch.manual_seed(cfg.train.seed)
         tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
+        check_memory_savers(cfg.model, cfg.optim.optimizer, device)
         trainable = build_trainable(cfg, load_policy(cfg.model, device), info)
         out = claim_output_dir(cfg, info.is_main)  # setup succeeded: only now is anything written
         barrier(info)

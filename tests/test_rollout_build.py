@@ -1,0 +1,27 @@
+"""The config -> rollout engine factory: hf engines by name, and a clear config error for vLLM where it
+is not installed (raised before a run writes anything)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from grpo.config import ConfigError, load_config
+from grpo.rollout import HFEngine, LeanEngine
+from grpo.rollout.build import build_engine, check_engine_available, holds_own_weights
+from grpo.tiny_model import build_qwen2, build_tokenizer
+
+
+def test_hf_engines_by_name_sample_from_the_policy_itself():
+    tokenizer = build_tokenizer()
+    model = build_qwen2(tokenizer, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    for name, kind in (("hf", LeanEngine), ("hf-generate", HFEngine)):
+        engine = build_engine(load_config(None, [f"rollout.engine={name}"]), model, tokenizer)
+        assert isinstance(engine, kind) and not holds_own_weights(engine)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
+def test_vllm_without_vllm_is_a_config_error_naming_the_key():
+    with pytest.raises(ConfigError, match=r"rollout.engine: vllm needs the vllm package"):
+        check_engine_available(load_config(None, ["rollout.engine=vllm"]))
