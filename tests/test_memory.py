@@ -248,3 +248,18 @@ def test_backward_peak_matches_the_profiler(tiny_tokenizer, dtype, lora, gc):
                                          attention="sdpa", gradient_checkpointing=gc, logits=logits)
     print(f"estimated {expected} measured {peak} ({(expected - peak) / peak:+.3f})")
     assert expected == pytest.approx(peak, rel=0.08)
+
+
+def test_qlora_packs_the_layers_linears_in_about_half_a_byte_and_8bit_adamw_keeps_2_bytes_of_states():
+    bf16 = estimate("model.lora_r=16", "model.lora_target_modules=all-linear")
+    qlora = estimate("model.lora_r=16", "model.lora_target_modules=all-linear", "model.load_in_4bit=true")
+    shape = ModelShape.from_config(BUILTIN_CONFIGS[QWEN3B], QWEN3B)
+    linear = shape.num_layers * sum(i * o for i, o in shape.linear_shapes().values())
+    saved_gb = linear * (2 - 4.127 / 8) / 2**30  # bf16 -> NF4 on the layers' linears only
+    assert qlora.per_device_gb["weights"] == pytest.approx(bf16.per_device_gb["weights"] - saved_gb, abs=2e-3)
+    assert 2.0 < qlora.per_device_gb["weights"] < 3.0  # Qwen2.5-3B: ~1.3 GB of NF4 layers + 0.6 GB embeddings
+    full = estimate("model.lora_r=0")
+    eight = estimate("model.lora_r=0", "optim.optimizer=adamw_8bit")
+    n = shape.num_params()
+    assert eight.per_device_gb["optimizer"] == pytest.approx(n * 2 / 2**30, abs=2e-3)
+    assert full.per_device_gb["optimizer"] == pytest.approx(n * 4 / 2**30, abs=2e-3)  # bf16 m + v, no master

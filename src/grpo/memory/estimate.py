@@ -124,7 +124,8 @@ class ModelStates:
 
 
 def model_states(shape: ModelShape, *, p: int, lora_r: int, targets: tuple[str, ...] | None, mixed_precision: bool,
-                 gpus: int, deepspeed: DeepSpeedSettings | None) -> ModelStates:
+                 gpus: int, deepspeed: DeepSpeedSettings | None, base_4bit: bool = False,
+                 optimizer_8bit: bool = False) -> ModelStates:
     """Weights (the base in ``p`` bytes, LoRA adapters in fp32), gradients of the trained parameters,
     AdamW m and v (fp32 under mixed precision or for fp32 parameters, else in the parameters' dtype)
     plus an fp32 master copy under mixed precision; ZeRO stage s divides the first s of optimizer,
@@ -137,6 +138,13 @@ def model_states(shape: ModelShape, *, p: int, lora_r: int, targets: tuple[str, 
     how = {}
     weights = n_params * p + (n_train * LORA_BYTES if lora else 0)
     how["weights"] = f"{_count(n_params)} params x {p} B" + (f" + {_count(n_train)} LoRA params x 4 B" if lora else "")
+    if base_4bit:
+        # QLoRA: bitsandbytes packs the layers' linear weights in 4 bits (+ one fp32 absmax per 64, itself
+        # 8-bit with double quantisation: ~0.127 bit); embeddings, norms and the LM head stay in p bytes.
+        linear = shape.num_layers * sum(i * o for i, o in shape.linear_shapes().values())
+        weights = linear * (4.127 / 8) + (n_params - linear) * p + n_train * LORA_BYTES
+        how["weights"] = (f"{_count(linear)} linear params x 0.52 B (NF4) + {_count(n_params - linear)} x {p} B + "
+                          f"{_count(n_train)} LoRA params x 4 B")
     if stage == 3 and gpus > 1:
         weights = weights / gpus + shape.largest_module_params() * p
         how["weights"] += f" / {gpus} (ZeRO-3) + the largest module gathered"
@@ -153,9 +161,12 @@ def model_states(shape: ModelShape, *, p: int, lora_r: int, targets: tuple[str, 
         how["gradients"] += f" / {gpus} (ZeRO-{stage})"
     master = mixed_precision and train_bytes != 4
     state_bytes = 4 if (mixed_precision or train_bytes == 4) else train_bytes
+    if optimizer_8bit:  # bitsandbytes AdamW8bit: m and v blockwise 8-bit (+ an fp32 scale per 2048, ignored)
+        state_bytes = 1
     per_param = (4 if master else 0) + 2 * state_bytes
     optimizer = n_train * per_param
-    how["optimizer"] = f"AdamW {'fp32 master + ' if master else ''}m + v: {per_param} B x {_count(n_train)}"
+    how["optimizer"] = (f"AdamW{' 8-bit' if optimizer_8bit else ''} {'fp32 master + ' if master else ''}m + v: "
+                        f"{per_param} B x {_count(n_train)}")
     if stage >= 1:
         optimizer /= gpus
         how["optimizer"] += f" / {gpus} (ZeRO-{stage})"
@@ -236,7 +247,8 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
     if mixed_precision is None:
         mixed_precision = ds is not None and p != 4
     states = model_states(shape, p=p, lora_r=cfg.model.lora_r, targets=targets, mixed_precision=mixed_precision,
-                          gpus=gpus, deepspeed=ds)
+                          gpus=gpus, deepspeed=ds, base_4bit=cfg.model.load_in_4bit,
+                          optimizer_8bit=cfg.optim.optimizer == "adamw_8bit")
     how = dict(states.how)
 
     # The update: one micro-batch's activations and logits at the peak of its backward.
