@@ -83,3 +83,43 @@ def test_lr_schedule_shapes():
     assert lr_multiplier(6, 10, 2, "linear") == 0.5 and lr_multiplier(9, 10, 2, "constant") == 1.0
     with pytest.raises(ValueError, match="known"):
         lr_multiplier(3, 10, 2, "step")
+
+
+class SteppingLearner(RecordingLearner):
+    """Records each update's gradient and then applies a plain SGD step, so iteration 2 sees new weights."""
+
+    def finish_update(self):
+        with torch.no_grad():
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p -= 0.5 * p.grad
+        return super().finish_update()
+
+
+def test_old_logprobs_taken_from_the_first_iteration_equal_a_separate_pass(tiny_tokenizer):
+    # Colocated runs with num_iterations > 1 no longer compute old log-probs in a pass of their own:
+    # train_on_batch keeps the first iteration's (the weights have not moved since sampling). Both
+    # ways must give the same updates, also in the second iteration where the ratio departs from 1.
+    from grpo.logprobs import completion_logprobs
+
+    results = []
+    for precomputed in (True, False):
+        model = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=1, seed=0)
+        batch = random_batch(len(tiny_tokenizer))
+        g = batch.generation
+        with torch.no_grad():
+            old = completion_logprobs(model, g.prompt_ids, g.prompt_mask, g.completion_ids, g.completion_mask, 0.9)
+        batch.old_logprobs = old if precomputed else None
+        learner = SteppingLearner(model)
+        settings = LossSettings(epsilon=0.2, epsilon_high=None, beta=0.04, loss_type="grpo", max_completion_length=7,
+                                temperature=0.9, num_iterations=2, micro_batch_size=2, max_grad_norm=None)
+        stats = train_on_batch(learner, batch, settings, DistInfo())
+        results.append((learner.grads, stats))
+    (grads_a, stats_a), (grads_b, stats_b) = results
+    assert stats_b["clip_fraction"] == pytest.approx(stats_a["clip_fraction"])
+    assert stats_b["loss"] == pytest.approx(stats_a["loss"], abs=1e-6)
+    assert len(grads_a) == len(grads_b) == 2
+    for update_a, update_b in zip(grads_a, grads_b):
+        for name, grad in update_a.items():
+            assert torch.allclose(update_b[name], grad, atol=1e-6, rtol=1e-4), name
+    assert stats_a["ratio_mean"] != pytest.approx(1.0, abs=1e-4)  # iteration 2 really was off-policy

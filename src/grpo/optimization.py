@@ -97,7 +97,11 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
     totals = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio_mean": 0.0, "learning_rate": learner.lr}
     grad_norms, skipped = [], 0
     starts = list(range(0, N, s.micro_batch_size))
-    for _ in range(s.num_iterations):
+    # Without old log-probs from the rollout (colocated), the first iteration's own log-probs are
+    # exactly the old policy's: no update has happened since sampling. They are kept for the later
+    # iterations, which saves the separate forward pass over the batch that would compute the same.
+    captured: list[torch.Tensor] | None = [] if old_all is None and s.num_iterations > 1 else None
+    for iteration in range(s.num_iterations):
         for index, start in enumerate(starts):
             rows = slice(start, start + s.micro_batch_size)
             with learner.accumulating(last=index == len(starts) - 1):
@@ -105,6 +109,8 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
                                                gen.completion_ids[rows], gen.completion_mask[rows],
                                                s.temperature)  # [b, Lc]
                 old = old_all[rows] if old_all is not None else logprobs.detach()
+                if captured is not None and iteration == 0:
+                    captured.append(old)
                 ref = ref_all[rows] if ref_all is not None else None
                 loss, stats = policy_loss(
                     logprobs, old, ref, advantages[rows], mask[rows], epsilon=s.epsilon,
@@ -116,6 +122,8 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
             totals["loss"] += float(loss.detach() * weight) / s.num_iterations
             for key in ("kl", "clip_fraction", "ratio_mean"):
                 totals[key] += float(stats[key]) * share / s.num_iterations
+        if captured is not None and iteration == 0:
+            old_all = torch.cat(captured)  # [N, Lc]
         norm = learner.finish_update()
         if norm is None:
             skipped += 1

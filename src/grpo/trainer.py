@@ -95,7 +95,10 @@ def train(cfg: RunConfig) -> TrainResult:
         own_weights = holds_own_weights(engine)  # vLLM: a copy to keep in step with the policy
         if own_weights and start_step > 0:
             push_policy_weights(engine, policy, start_step)
-        exp_settings, train_settings = experience_settings(cfg), loss_settings(cfg)
+        # Old log-probs come from the first iteration of the update (train_on_batch), not a separate pass;
+        # with vLLM they are computed after sampling, for rollout/logprob_diff.
+        exp_settings = experience_settings(cfg, need_old_logprobs=own_weights and cfg.loss.num_iterations > 1)
+        train_settings = loss_settings(cfg)
         # A resume that found no checkpoint starts over, and so do its metrics (resume_step 0 would keep the
         # killed run's step-0 evaluation and log it a second time).
         logger = MetricsLogger(out, cfg.log.report_to, config_to_dict(cfg), enabled=info.is_main,
