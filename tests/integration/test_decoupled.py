@@ -184,3 +184,24 @@ def test_trainer_killed_and_resumed(tiny_model_dir, tmp_path, save_steps):
     resumed_ids = {r["batch_id"] for r in rows if r["step"] > state["step"]}
     assert not resumed_ids & trained_before
     assert before_kill <= set(ids), "a batch trained (and acknowledged) before the kill was lost"
+    if save_steps == 3:
+        # On-policy (max_staleness 0) with fixed seeds, the killed-and-resumed run is the uninterrupted one.
+        clean = tmp_path / "uninterrupted"
+        clean_args = [a for a in overrides(tiny_model_dir, clean, **{"train.max_steps": 8, "train.save_steps": 3,
+                                                                     "train.mode": "decoupled"})]
+        trainer = subprocess.Popen(grpo("trainer", SMOKE, *clean_args), env=env(), stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, text=True)
+        sampler = subprocess.Popen(grpo("sampler", SMOKE, *clean_args), env=env(), stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
+        try:
+            _, err = trainer.communicate(timeout=300)
+            assert trainer.returncode == 0, err[-3000:]
+            sampler.wait(timeout=120)
+        finally:
+            for proc in (trainer, sampler):
+                if proc.poll() is None:
+                    proc.kill()
+        for resumed, uninterrupted in zip(rows, train_rows(clean), strict=True):
+            assert resumed["batch_id"] == uninterrupted["batch_id"]
+            for key in ("loss", "reward/mean", "kl", "grad_norm", "completion_length/mean"):
+                assert resumed[key] == pytest.approx(uninterrupted[key], abs=1e-5), (resumed["step"], key)
