@@ -105,10 +105,11 @@ def compare(case: dict, measured: dict) -> dict:
     est = estimate_memory(cfg, model_config=model_config, device="cuda")
     gb = est.per_device_gb
     tensors_mib = (est.total_gb - gb["overhead"]) * 1024
-    weights_mib = gb["weights"] * 1024  # allocated before the baseline was taken
+    # the policy's own weights were allocated before the baseline; autocast's bf16 copies come after it
+    weights_mib = (gb["weights"] - est.assumptions["autocast_weight_copies_gb"]) * 1024
     est_mib = tensors_mib - weights_mib
     measured_mib = (measured["peak"] - measured["baseline"]) / MIB
-    states_mib = (gb["gradients"] + gb["optimizer"] + gb["reference"]) * 1024
+    states_mib = (gb["gradients"] + gb["optimizer"] + gb["reference"] + est.assumptions["autocast_weight_copies_gb"]) * 1024
     est_act = (gb["activations"] + gb["logits"]) * 1024
     measured_act = measured_mib - states_mib
     return {"name": case["name"], "estimated_mib": est_mib, "measured_mib": measured_mib,

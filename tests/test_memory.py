@@ -42,16 +42,22 @@ def test_qwen3b_full_bf16_adamw_reproduces_the_seeds_48_to_60_gb():
     assert 48 <= estimate(mixed_precision=True).total_gb <= 60
 
 
-def test_deepspeed_bf16_is_mixed_precision_and_grpo_torch_bf16_is_not(tmp_path):
+def test_deepspeed_bf16_and_grpo_torch_bf16_both_keep_fp32_master_weights(tmp_path):
     zero2 = tmp_path / "zero2.json"
     zero2.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     ds = estimate("loss.beta=0", f"train.deepspeed={zero2}")
     assert ds.per_device_gb["optimizer"] == pytest.approx(3_085_938_688 * 12 / GIB, abs=0.01)
     assert 48 <= ds.total_gb <= 60
-    # grpo's torch path loads bf16 weights and torch AdamW keeps m, v in their dtype: 4 B, no master.
+    # grpo's torch path: fp32 master weights under bf16 autocast, fp32 gradients and AdamW m, v, plus
+    # the bf16 copies autocast caches of the layer linears' weights.
     torch_path = estimate("loss.beta=0")
-    assert torch_path.per_device_gb["optimizer"] == pytest.approx(3_085_938_688 * 4 / GIB, abs=0.01)
-    assert any("without fp32 master weights" in note for note in torch_path.notes)
+    gb = torch_path.per_device_gb
+    shape = ModelShape.from_config(BUILTIN_CONFIGS[QWEN3B], QWEN3B)
+    linear = shape.num_layers * sum(i * o for i, o in shape.linear_shapes().values())
+    assert gb["weights"] == pytest.approx((3_085_938_688 * 4 + linear * 2) / GIB, abs=0.01)
+    assert gb["optimizer"] == pytest.approx(3_085_938_688 * 8 / GIB, abs=0.01)
+    assert gb["gradients"] == pytest.approx(3_085_938_688 * 4 / GIB, abs=0.01)
+    assert any("fp32 master weights" in note for note in torch_path.notes)
 
 
 def test_qwen3b_lora_r16_reproduces_the_seeds_8_to_12_gb():
@@ -262,4 +268,4 @@ def test_qlora_packs_the_layers_linears_in_about_half_a_byte_and_8bit_adamw_keep
     eight = estimate("model.lora_r=0", "optim.optimizer=adamw_8bit")
     n = shape.num_params()
     assert eight.per_device_gb["optimizer"] == pytest.approx(n * 2 / 2**30, abs=2e-3)
-    assert full.per_device_gb["optimizer"] == pytest.approx(n * 4 / 2**30, abs=2e-3)  # bf16 m + v, no master
+    assert full.per_device_gb["optimizer"] == pytest.approx(n * 8 / 2**30, abs=2e-3)  # fp32 m + v (autocast path)

@@ -123,3 +123,25 @@ def test_old_logprobs_taken_from_the_first_iteration_equal_a_separate_pass(tiny_
         for name, grad in update_a.items():
             assert torch.allclose(update_b[name], grad, atol=1e-6, rtol=1e-4), name
     assert stats_a["ratio_mean"] != pytest.approx(1.0, abs=1e-4)  # iteration 2 really was off-policy
+
+
+def test_torch_learner_drops_autocasts_stale_weight_copies_after_each_update():
+    # Training runs inside one long bf16 autocast context (fp32 master weights); autocast caches the
+    # bf16 copy of each weight and would keep serving it after the optimizer changed the weight.
+    from grpo.learners import TorchLearner
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    learner = TorchLearner(layer, optimizer, scheduler, max_grad_norm=None)
+    x = torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        before = layer(x)
+        learner.backward(before.float().pow(2).sum())
+        learner.finish_update()
+        after = layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fresh = layer(x)  # a new context: no cache
+    assert not torch.equal(after, before)
+    assert torch.equal(after, fresh)

@@ -47,6 +47,9 @@ class TorchLearner:
         applied = bool(torch.isfinite(norm))
         if applied:
             self.optimizer.step()
+            # Under bf16 autocast (fp32 master weights) the bf16 copies autocast caches of the weights
+            # are stale now: torch keeps them until the autocast context exits, which a run never does.
+            torch.clear_autocast_cache()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return float(norm) if applied else None

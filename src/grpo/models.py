@@ -89,13 +89,29 @@ def check_memory_savers(model_cfg: ModelConfig, optimizer: str, device: torch.de
         raise ConfigError(f"{wanted[0]}: needs the bitsandbytes package ({exc}); pip install bitsandbytes") from exc
 
 
-def load_policy(cfg: ModelConfig, device: torch.device):
+def uses_autocast(cfg: ModelConfig, deepspeed: bool) -> bool:
+    """bf16 full fine-tuning on grpo's torch path: fp32 master weights (AdamW updates smaller than a
+    bf16 weight's resolution are kept), bf16 compute through ``torch.autocast``. DeepSpeed keeps its
+    own fp32 master copy; LoRA trains fp32 adapters over a bf16 base."""
+    return cfg.bf16 and cfg.lora_r == 0 and not cfg.load_in_4bit and not deepspeed
+
+
+def compute_context(cfg: ModelConfig, device: torch.device, deepspeed: bool):
+    """The autocast context of ``uses_autocast`` runs (a no-op context otherwise)."""
+    if uses_autocast(cfg, deepspeed):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def load_policy(cfg: ModelConfig, device: torch.device, *, master_weights: bool = False):
     """The trainable policy on ``device``: full model, or a peft LoRA wrapper when ``lora_r > 0``
-    (over a 4-bit NF4 base with ``load_in_4bit``: QLoRA)."""
+    (over a 4-bit NF4 base with ``load_in_4bit``: QLoRA). ``master_weights``: load in fp32 whatever
+    ``bf16`` says (compute then runs under ``compute_context``)."""
     if cfg.load_in_4bit:
         model = _load_4bit(cfg, device)
     else:
-        model = _load_causal_lm(cfg.name_or_path, policy_dtype(cfg), cfg, "model.name_or_path").to(device)
+        dtype = torch.float32 if master_weights else policy_dtype(cfg)
+        model = _load_causal_lm(cfg.name_or_path, dtype, cfg, "model.name_or_path").to(device)
     if cfg.gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x name
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

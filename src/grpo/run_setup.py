@@ -7,7 +7,6 @@ import os
 import signal
 import sys
 import threading
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -112,13 +111,6 @@ def build_trainable(cfg: RunConfig, policy: torch.nn.Module, info: DistInfo) -> 
                             max_grad_norm=cfg.optim.max_grad_norm)
     if ds_config is not None:
         return Trainable(policy, learner, None, None, deepspeed=True)
-    if cfg.model.bf16 and cfg.model.lora_r == 0 and info.is_main:
-        # Known limitation (see `grpo memory`): no fp32 master copy on this path, so AdamW updates
-        # smaller than a bf16 weight's resolution (~2^-8 of it) are rounded away.
-        warnings.warn("model.bf16 with full fine-tuning and no train.deepspeed keeps the weights and AdamW "
-                      "states in bf16 (no fp32 master copy): updates smaller than ~1/256 of a weight are lost. "
-                      "Use train.deepspeed (bf16 with fp32 master weights), LoRA, or model.bf16: false.",
-                      stacklevel=2)
     return Trainable(policy, learner, optimizer, scheduler, deepspeed=False)
 
 

@@ -16,7 +16,8 @@ import torch
 from grpo.config import RunConfig, config_to_dict
 from grpo.distributed import barrier, print0, shutdown
 from grpo.experience import local_reference, make_experience
-from grpo.models import check_memory_savers, load_policy, load_reference, load_tokenizer
+from grpo.models import (check_memory_savers, compute_context, load_policy, load_reference, load_tokenizer,
+                         uses_autocast)
 from grpo.optimization import train_on_batch
 from grpo.prompt_sampler import PromptSampler
 from grpo.rollout.build import build_engine, check_engine_available, holds_own_weights, push_policy_weights
@@ -75,7 +76,9 @@ def train(cfg: RunConfig) -> TrainResult:
         sampler = PromptSampler(len(train_set), cfg.train.prompts_per_step, cfg.train.seed, cfg.data.shuffle)
         sampler.rank_indices(1, info.rank, info.world_size)  # checks P is divisible by the ranks, early
         check_memory_savers(cfg.model, cfg.optim.optimizer, device)
-        policy = load_policy(cfg.model, device)
+        deepspeed = bool(cfg.train.deepspeed)
+        policy = load_policy(cfg.model, device, master_weights=uses_autocast(cfg.model, deepspeed))
+        compute = compute_context(cfg.model, device, deepspeed)  # bf16 autocast over fp32 master weights
         reference = load_reference(cfg.model, policy, tokenizer, device) if cfg.loss.beta > 0 else None
         ref_logprobs = (local_reference(policy, reference, cfg.rollout.temperature, cfg.train.micro_batch_size)
                         if cfg.loss.beta > 0 else None)
@@ -106,7 +109,8 @@ def train(cfg: RunConfig) -> TrainResult:
                                wandb_project=cfg.log.wandb_project)
 
         if start_step == 0 and eval_set:
-            eval_before = run_eval(cfg, policy, tokenizer, eval_set, info)
+            with compute:
+                eval_before = run_eval(cfg, policy, tokenizer, eval_set, info)
             logger.log(0, eval_metrics(eval_before))
         step, skips = start_step, SkipGuard(cfg.optim.max_skipped_steps, cfg.loss.num_iterations)
         progress = StepProgress(cfg.train.max_steps, start_step, enabled=info.is_main and cfg.log.progress_bar)
@@ -125,7 +129,7 @@ def train(cfg: RunConfig) -> TrainResult:
             saved = at_step
 
         try:
-            with progress:
+            with progress, compute:
                 for step in range(start_step + 1, cfg.train.max_steps + 1):
                     started = time.perf_counter()
                     examples = [train_set[i] for i in sampler.rank_indices(step, info.rank, info.world_size)]
@@ -173,7 +177,8 @@ def train(cfg: RunConfig) -> TrainResult:
             logger.close()
             raise
 
-        eval_after = run_eval(cfg, policy, tokenizer, eval_set, info)
+        with compute:
+            eval_after = run_eval(cfg, policy, tokenizer, eval_set, info)
         if eval_after is not None:
             logger.log(step, eval_metrics(eval_after))
         logger.close()

@@ -210,3 +210,30 @@ def test_two_rank_torchrun_gives_each_rank_distinct_whole_groups(tiny_model_dir,
     q1 = [per_rank[1][i]["question"] for i in range(0, 16, 4)]
     assert not set(q0) & set(q1), "ranks trained on the same prompts"
     assert [r["step"] for r in read_metrics(out) if "reward/mean" in r] == [1, 2]
+
+
+def test_bf16_full_fine_tuning_keeps_fp32_master_weights_so_small_updates_are_not_lost(tiny_model_dir, tmp_path):
+    # model.bf16 without DeepSpeed: fp32 master weights, bf16 compute (autocast). A learning rate far
+    # below a bf16 weight's resolution (~2^-8 of it) must still move (nearly) every weight; with bf16
+    # weights, as before, almost none moved.
+    out = tmp_path / "run"
+    cfg = load_config(None, [
+        f"model.name_or_path={tiny_model_dir}", "model.bf16=true", "optim.learning_rate=1e-6",
+        "optim.max_grad_norm=null", "data.train=synthetic:seed=1,n=64", "rollout.num_generations=4",
+        "rollout.max_completion_length=12", "train.prompts_per_step=2", "train.micro_batch_size=8",
+        "train.max_steps=1", "train.device=cpu", f"train.output_dir={out}", "log.report_to=[]",
+        "log.progress_bar=false", "rewards=[{name: 'test_train_colocated:characters_reward'}]"])
+    train(cfg)
+    before = load_file(tiny_model_dir / "model.safetensors")
+    after = load_file(out / "final" / "model.safetensors")
+    # Compared in the saved dtype, so that a bf16 copy of unchanged weights does not count as moved.
+    moved = sum(int((after[k] != before[k].to(after[k].dtype)).sum()) for k in before)
+    total = sum(t.numel() for t in before.values())
+    assert moved / total > 0.5, f"only {moved}/{total} weights moved"
+    assert all(t.dtype == torch.float32 for t in after.values())  # the master weights are what is saved
+
+
+def characters_reward(prompts, completions, **kwargs):
+    from grpo.rewards.answers import completion_text
+
+    return [float(len(completion_text(c))) for c in completions]

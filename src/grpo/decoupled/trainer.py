@@ -19,7 +19,7 @@ from grpo.batching import rank_slice
 from grpo.config import RunConfig, config_to_dict
 from grpo.decoupled.common import max_message_bytes, shared_token
 from grpo.distributed import DistInfo, barrier, print0, shutdown
-from grpo.models import check_memory_savers, load_policy, load_tokenizer
+from grpo.models import check_memory_savers, compute_context, load_policy, load_tokenizer, uses_autocast
 from grpo.optimization import train_on_batch
 from grpo.run_dir import check_output_dir, claim_output_dir
 from grpo.run_setup import (DeferredInterrupt, SkipGuard, build_trainable, loss_settings, resume_checkpoint,
@@ -116,7 +116,10 @@ def run_trainer(cfg: RunConfig) -> int:
         torch.manual_seed(cfg.train.seed)
         tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
         check_memory_savers(cfg.model, cfg.optim.optimizer, device)
-        trainable = build_trainable(cfg, load_policy(cfg.model, device), info)
+        deepspeed = bool(cfg.train.deepspeed)
+        policy = load_policy(cfg.model, device, master_weights=uses_autocast(cfg.model, deepspeed))
+        compute = compute_context(cfg.model, device, deepspeed)  # bf16 autocast over fp32 master weights
+        trainable = build_trainable(cfg, policy, info)
         out = claim_output_dir(cfg, info.is_main)  # setup succeeded: only now is anything written
         barrier(info)
         start_step, trained, dropped_ids = 0, {}, {}
@@ -168,7 +171,8 @@ def run_trainer(cfg: RunConfig) -> int:
                 received = time.perf_counter()
                 with interrupt.holding():
                     updating = True
-                    train_stats = train_on_batch(trainable.learner, mine, settings, info)
+                    with compute:
+                        train_stats = train_on_batch(trainable.learner, mine, settings, info)
                     trained_at = time.perf_counter()
                     metrics = step_metrics(mine, train_stats, cfg.rollout.num_generations, cfg.data.tag_style,
                                            received, 0.0, trained_at - received, info)

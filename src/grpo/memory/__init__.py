@@ -16,8 +16,9 @@ checkpointing and micro-batches of 4 x (256 prompt + 512 completion) tokens:
   0.45 GiB of fp32 adapters, their gradients and AdamW states + 0.45 GiB activations + 2.6 GiB
   logits + allowance = 10.2 GiB: the quoted ~8-12 GB.
 
-grpo's own torch path with ``model.bf16`` keeps AdamW m, v in bf16 and no fp32 master copy (8 B/param
-instead of 16): the command says so and ``--mixed-precision`` gives the seeds' figure.
+grpo's own torch path with ``model.bf16`` (full fine-tuning, no DeepSpeed) trains fp32 master weights
+under bf16 autocast: 4 weights + 4 gradients + 8 AdamW = 16 B/param, the same total as the seeds'
+mixed precision, split differently.
 benchmarks/memory_check.py compares the estimate with the measured peak of real CPU training steps.
 """
 

@@ -10,8 +10,8 @@ over the GPUs, as in the ZeRO paper):
 
 - full fine-tuning, mixed precision (DeepSpeed with bf16, and what the seeds' tables assume):
   2 weights + 2 gradients + 12 AdamW (fp32 master, m, v) = 16 B; Qwen2.5-3B (3.09B params): 46.0 GB;
-- full fine-tuning, ``model.bf16`` without DeepSpeed (grpo's torch path): the model is loaded in
-  bf16 and torch AdamW keeps m and v in the parameters' dtype: 2 + 2 + 4 = 8 B, no master copy;
+- full fine-tuning, ``model.bf16`` without DeepSpeed (grpo's torch path): fp32 master weights under
+  bf16 autocast: 4 + 4 + 8 = 16 B, activations in bf16;
 - fp32: 4 + 4 + 8 = 16 B;
 - LoRA: the frozen base in the compute dtype, adapters (r x (in + out) per adapted linear) in fp32
   with fp32 gradients and AdamW m, v: 16 B per adapter parameter.
@@ -22,7 +22,7 @@ GB here are GiB (2^30 bytes), as torch.cuda and nvidia-smi count them.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from grpo.config import ConfigError, RunConfig
@@ -212,6 +212,20 @@ def rollout_transient_bytes(shape: ModelShape, cfg: RunConfig, *, rows: int, p: 
     return max(generation, logprobs)
 
 
+def autocast_extra_bytes(shape: ModelShape, *, tokens: int, gradient_checkpointing: bool) -> tuple[int, int]:
+    """What bf16 autocast over fp32 weights holds beyond pure bf16 training's activations: the bf16 copy
+    autocast caches of every layer linear's weight (2 B/param, kept until the optimizer step), and the
+    residual stream and RMSNorm tensors, which stay fp32 (about 7 [tokens, h] tensors per layer 2 B
+    wider; calibrated on an H200: Qwen2.5-0.5B body, 4 x 608 tokens, measured +1378 MiB, this 1381).
+    With checkpointing only the layer inputs (fp32 instead of bf16) and one recomputed layer remain.
+    Returns (weight copies, extra activation bytes)."""
+    linear = shape.num_layers * sum(i * o for i, o in shape.linear_shapes().values())
+    per_layer = 14 * tokens * shape.hidden_size
+    wider = (2 * tokens * shape.hidden_size * shape.num_layers + per_layer) if gradient_checkpointing \
+        else per_layer * shape.num_layers
+    return linear * 2, wider
+
+
 def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | None = None,
                     model_config: dict | None = None, vllm_gpu_memory_utilization: float | None = None,
                     ref_model_config: dict | None = None, mixed_precision: bool | None = None,
@@ -244,9 +258,14 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
     p = 2 if cfg.model.bf16 else 4
     lora = cfg.model.lora_r > 0
     targets = lora_targets(cfg.model.lora_target_modules) if lora else None
+    # grpo's torch path trains bf16 full fine-tuning on fp32 master weights under bf16 autocast: the
+    # weights, gradients and AdamW states are fp32 (16 B/param), the activations mostly bf16. (A forced
+    # mixed_precision estimates the seeds' DeepSpeed-style bf16 weights + fp32 master copy instead.)
+    autocast = (mixed_precision is None and cfg.model.bf16 and not lora and ds is None
+                and not cfg.model.load_in_4bit)
     if mixed_precision is None:
         mixed_precision = ds is not None and p != 4
-    states = model_states(shape, p=p, lora_r=cfg.model.lora_r, targets=targets, mixed_precision=mixed_precision,
+    states = model_states(shape, p=4 if autocast else p, lora_r=cfg.model.lora_r, targets=targets, mixed_precision=mixed_precision,
                           gpus=gpus, deepspeed=ds, base_4bit=cfg.model.load_in_4bit,
                           optimizer_8bit=cfg.optim.optimizer == "adamw_8bit")
     how = dict(states.how)
@@ -266,6 +285,14 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
     how["activations"] = f"{b} x {seq_len} tokens, {shape.num_layers} layers, " + (
         "checkpointed: layer inputs + final norm or one layer recomputed" if cfg.model.gradient_checkpointing
         else "every layer's saved tensors")
+    weight_copies = 0
+    if autocast:
+        weight_copies, wider = autocast_extra_bytes(shape, tokens=b * seq_len,
+                                                    gradient_checkpointing=cfg.model.gradient_checkpointing)
+        states = replace(states, weights=states.weights + weight_copies)
+        how["weights"] = states.how["weights"] + " + autocast's bf16 copies of the layer linears (2 B each)"
+        activations += wider
+        how["activations"] += " + fp32 residual/norm tensors (autocast)"
 
     reference, how["reference"] = reference_bytes(cfg, n_params=shape.num_params(), p=p,
                                                   ref_model_config=ref_model_config)
@@ -334,11 +361,9 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
     if peak_phase != "update":
         notes.append(f"the peak is the {peak_phase.replace('_', ' ')} phase ({_gb(tensors):.2f} GB of tensors), "
                      f"not the update ({_gb(phases['update']):.2f} GB): the components above are the update's")
-    if not lora and p == 2 and not mixed_precision:
-        mixed = states.trained_params * 14 + shape.num_params() * 2
-        notes.append(f"bf16 AdamW without fp32 master weights (grpo without DeepSpeed): m and v are bf16; the seeds' "
-                     f"mixed-precision AdamW needs {mixed / GIB:.1f} GB of model states (--mixed-precision). "
-                     "bf16 weights also lose updates smaller than ~2^-8 of a weight")
+    if autocast:
+        notes.append("bf16 on grpo's torch path: fp32 master weights, gradients and AdamW states, bf16 compute "
+                     "(autocast); the reference copy is bf16")
     if decoupled:
         sampler = (shape.num_params() * p + (states.trained_params * LORA_BYTES if lora else 0) + sampler_reference
                    + rollout_transient_bytes(shape, cfg, rows=generation_rows, p=p))
@@ -349,7 +374,7 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
     assumptions = {
         "model": cfg.model.name_or_path, "params": shape.num_params(), "trained_params": states.trained_params,
         "dtype": "bf16" if p == 2 else "fp32", "mode": f"LoRA r={cfg.model.lora_r} {list(targets)}" if lora else "full",
-        "mixed_precision_adamw": mixed_precision, "zero_stage": ds.stage if ds else 0, "gpus": gpus,
+        "mixed_precision_adamw": mixed_precision, "autocast_weight_copies_gb": _gb(weight_copies), "zero_stage": ds.stage if ds else 0, "gpus": gpus,
         "micro_batch_size": b, "prompt_tokens": cfg.data.max_prompt_length, "completion_tokens": completion_len,
         "attention": attention, "gradient_checkpointing": cfg.model.gradient_checkpointing, "device": device,
         "allowance": asdict(allowance) if device == "cuda" else None, "gb": "GiB (2^30 bytes)",
