@@ -120,29 +120,46 @@ def test_deepspeed_zero_trainer_ranks(tiny_model_dir, tmp_path, stage):
     assert all(torch.equal(published[k], final[k]) for k in published)
 
 
+def start(role: str, args: list[str], stderr=subprocess.DEVNULL) -> subprocess.Popen:
+    """``grpo ROLE`` as its own process (output discarded; stderr piped when asked)."""
+    return subprocess.Popen(grpo(role, SMOKE, *args), env=env(), stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+
+
+def stop_all(*procs: subprocess.Popen) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def finish(trainer: subprocess.Popen, sampler: subprocess.Popen) -> None:
+    """Wait for the trainer to finish cleanly; its bye ends the sampler."""
+    _, err = trainer.communicate(timeout=300)
+    assert trainer.returncode == 0, err[-3000:]
+    sampler.wait(timeout=120)
+
+
+def each_batch_once(out: Path, steps: int) -> list[dict]:
+    """The run's step rows, checked: steps 1..steps once each, every batch id once."""
+    rows = train_rows(out)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    ids = [r["batch_id"] for r in rows]
+    assert len(set(ids)) == len(ids), f"a batch was trained twice: {ids}"
+    return rows
+
+
 def test_sampler_killed_and_restarted(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     args = overrides(tiny_model_dir, out, **{"train.max_steps": 8, "train.mode": "decoupled"})
-    trainer = subprocess.Popen(grpo("trainer", SMOKE, *args), env=env(), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
-    sampler = subprocess.Popen(grpo("sampler", SMOKE, *args), env=env(), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+    trainer, sampler = start("trainer", args, stderr=subprocess.PIPE), start("sampler", args)
     try:
         wait_for_steps(out, 2, trainer)
         sampler.send_signal(signal.SIGKILL)  # mid-batch: it samples continuously
         sampler.wait()
-        sampler = subprocess.Popen(grpo("sampler", SMOKE, *args), env=env(), stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL)
-        _, err = trainer.communicate(timeout=300)
-        assert trainer.returncode == 0, err[-3000:]
+        sampler = start("sampler", args)
+        finish(trainer, sampler)
     finally:
-        for proc in (trainer, sampler):
-            if proc.poll() is None:
-                proc.kill()
-    rows = train_rows(out)
-    assert [r["step"] for r in rows] == list(range(1, 9))
-    ids = [r["batch_id"] for r in rows]
-    assert len(set(ids)) == len(ids), f"a batch was trained twice: {ids}"
+        stop_all(trainer, sampler)
+    each_batch_once(out, 8)
 
 
 @pytest.mark.parametrize("save_steps", [1, 3])
@@ -150,57 +167,37 @@ def test_trainer_killed_and_resumed(tiny_model_dir, tmp_path, save_steps):
     # save_steps 3: the kill lands after step 5, two steps past the checkpoint; those steps' batches were
     # acknowledged provisionally, so the sampler still holds them, resends them, and they are trained
     # again after the resume: no acknowledged batch is lost and none is trained twice in the final run.
+    from grpo.checkpoint import latest_checkpoint
+
     out = tmp_path / "run"
-    args = overrides(tiny_model_dir, out, **{"train.max_steps": 8, "train.save_steps": save_steps,
-                                             "train.mode": "decoupled"})
-    trainer = subprocess.Popen(grpo("trainer", SMOKE, *args), env=env(), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-    sampler = subprocess.Popen(grpo("sampler", SMOKE, *args), env=env(), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
+    settings = {"train.max_steps": 8, "train.save_steps": save_steps, "train.mode": "decoupled"}
+    args = overrides(tiny_model_dir, out, **settings)
+    trainer, sampler = start("trainer", args), start("sampler", args, stderr=subprocess.PIPE)
     try:
         wait_for_steps(out, 3 if save_steps == 1 else 5, trainer)
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()
         before_kill = {r["batch_id"] for r in train_rows(out)}
-        from grpo.checkpoint import latest_checkpoint
-
-        checkpoint = latest_checkpoint(out)
-        state = json.loads((checkpoint / "trainer_state.json").read_text())
+        state = json.loads((latest_checkpoint(out) / "trainer_state.json").read_text())
         trained_before = set(state["trained_batch_ids"])
-        trainer = subprocess.Popen(grpo("trainer", SMOKE, *args, "train.resume=true"), env=env(),
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        _, err = trainer.communicate(timeout=300)
-        assert trainer.returncode == 0, err[-3000:]
-        sampler.wait(timeout=120)  # the trainer's bye ends the sampler cleanly
+        trainer = start("trainer", [*args, "train.resume=true"], stderr=subprocess.PIPE)
+        finish(trainer, sampler)
         assert sampler.returncode == 0
     finally:
-        for proc in (trainer, sampler):
-            if proc.poll() is None:
-                proc.kill()
-    rows = train_rows(out)
-    assert [r["step"] for r in rows] == list(range(1, 9))
-    ids = [r["batch_id"] for r in rows]
-    assert len(set(ids)) == len(ids), f"a batch was trained twice: {ids}"
+        stop_all(trainer, sampler)
+    rows = each_batch_once(out, 8)
     resumed_ids = {r["batch_id"] for r in rows if r["step"] > state["step"]}
     assert not resumed_ids & trained_before
-    assert before_kill <= set(ids), "a batch trained (and acknowledged) before the kill was lost"
+    assert before_kill <= {r["batch_id"] for r in rows}, "a batch trained (and acknowledged) before the kill was lost"
     if save_steps == 3:
         # On-policy (max_staleness 0) with fixed seeds, the killed-and-resumed run is the uninterrupted one.
         clean = tmp_path / "uninterrupted"
-        clean_args = [a for a in overrides(tiny_model_dir, clean, **{"train.max_steps": 8, "train.save_steps": 3,
-                                                                     "train.mode": "decoupled"})]
-        trainer = subprocess.Popen(grpo("trainer", SMOKE, *clean_args), env=env(), stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.PIPE, text=True)
-        sampler = subprocess.Popen(grpo("sampler", SMOKE, *clean_args), env=env(), stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL)
+        clean_args = overrides(tiny_model_dir, clean, **settings)
+        trainer, sampler = start("trainer", clean_args, stderr=subprocess.PIPE), start("sampler", clean_args)
         try:
-            _, err = trainer.communicate(timeout=300)
-            assert trainer.returncode == 0, err[-3000:]
-            sampler.wait(timeout=120)
+            finish(trainer, sampler)
         finally:
-            for proc in (trainer, sampler):
-                if proc.poll() is None:
-                    proc.kill()
+            stop_all(trainer, sampler)
         for resumed, uninterrupted in zip(rows, train_rows(clean), strict=True):
             assert resumed["batch_id"] == uninterrupted["batch_id"]
             for key in ("loss", "reward/mean", "kl", "grad_norm", "completion_length/mean"):

@@ -46,11 +46,15 @@ def assert_each_batch_trained_once(out, steps: int) -> None:
     assert len(set(ids)) == len(ids), f"a batch was trained twice: {ids}"
 
 
-def test_ref_server_killed_and_restarted(tiny_model_dir, recipe, tmp_path):
+@pytest.mark.parametrize("retry_s", [1, 120], ids=["after-the-retry-window", "within-the-retry-window"])
+def test_ref_server_killed_and_restarted(tiny_model_dir, recipe, tmp_path, retry_s):
+    # Restarted within decoupled.ref_server_retry_s, the server is picked up by the waiting sampler.
+    # After it, the sampler has exited with an error (the launcher restarts a sampler that does) and a
+    # new one resends or samples again. Either way the run finishes, every batch once, each with its KL.
     out, port, steps = tmp_path / "run", free_port(), 5
     args = [recipe, *decoupled_args(tiny_model_dir, out, **{
         "train.max_steps": steps, "loss.beta": 0.1, "decoupled.ref_server_url": f"http://127.0.0.1:{port}",
-        "decoupled.ref_server_port": port, "decoupled.ref_server_retry_s": 1})]
+        "decoupled.ref_server_port": port, "decoupled.ref_server_retry_s": retry_s})]
     server = start("ref-server", *args)
     trainer = start("trainer", *args, stderr=subprocess.PIPE)
     sampler = start("sampler", *args)
@@ -58,40 +62,17 @@ def test_ref_server_killed_and_restarted(tiny_model_dir, recipe, tmp_path):
         wait_until(lambda: logged_steps(out) >= 2, "two trained steps", proc=trainer)
         server.send_signal(signal.SIGKILL)
         server.wait()
-        # The sampler's next reference request fails once its retries are spent (1 s here): it exits with an error
-        # (the launcher restarts a sampler that does). Its unacknowledged batch is resent or sampled again.
-        sampler.wait(timeout=120)
-        assert sampler.returncode != 0
+        if retry_s == 1:
+            sampler.wait(timeout=120)  # its next reference request fails once the 1 s of retries is spent
+            assert sampler.returncode != 0
+            sampler = start("sampler", *args)  # waits for the server to answer before sampling
+        else:
+            time.sleep(3)  # the sampler's requests fail meanwhile; it keeps retrying
+            assert sampler.poll() is None, "the sampler gave up inside its retry window"
         server = start("ref-server", *args)
-        sampler = start("sampler", *args)  # waits for the server to answer before sampling
         _, err = trainer.communicate(timeout=300)
         assert trainer.returncode == 0, err[-3000:]
         sampler.wait(timeout=60)  # the trainer's bye ends it
-        assert sampler.returncode == 0
-    finally:
-        stop_all(trainer, sampler, server)
-    assert_each_batch_trained_once(out, steps)
-    assert all(r["kl"] is not None for r in train_rows(out)), "every step had reference log-probs"
-
-
-def test_ref_server_restarted_within_the_retry_window_the_sampler_carries_on(tiny_model_dir, recipe, tmp_path):
-    out, port, steps = tmp_path / "run", free_port(), 5
-    args = [recipe, *decoupled_args(tiny_model_dir, out, **{
-        "train.max_steps": steps, "loss.beta": 0.1, "decoupled.ref_server_url": f"http://127.0.0.1:{port}",
-        "decoupled.ref_server_port": port, "decoupled.ref_server_retry_s": 120})]
-    server = start("ref-server", *args)
-    trainer = start("trainer", *args, stderr=subprocess.PIPE)
-    sampler = start("sampler", *args)
-    try:
-        wait_until(lambda: logged_steps(out) >= 2, "two trained steps", proc=trainer)
-        server.send_signal(signal.SIGKILL)
-        server.wait()
-        time.sleep(3)  # the sampler's requests fail meanwhile; it keeps retrying
-        assert sampler.poll() is None, "the sampler gave up inside its retry window"
-        server = start("ref-server", *args)
-        _, err = trainer.communicate(timeout=300)
-        assert trainer.returncode == 0, err[-3000:]
-        sampler.wait(timeout=60)
         assert sampler.returncode == 0
     finally:
         stop_all(trainer, sampler, server)
