@@ -157,39 +157,59 @@ def child(case_file: str) -> None:
     case = json.loads(Path(case_file).read_text())
     cfg = load_config(None, case["overrides"])
     after_load: dict[str, int] = {}
-    load_policy = grpo.trainer.load_policy
 
-    def load_policy_and_measure(*args, **kwargs):
-        # The baseline: imports, tokenizer, data and the model loaded (its weights are still file-backed).
-        policy = load_policy(*args, **kwargs)
+    def baseline() -> None:
+        # Imports, tokenizer, data and the model loaded (its weights are still file-backed).
         after_load["anon"] = _status_kib("RssAnon") * 1024
-        return policy
 
-    grpo.trainer.load_policy = load_policy_and_measure
     baseline_rss = _status_kib("VmRSS") * 1024
     started = time.perf_counter()
     with AnonPeak() as anon:
-        grpo.trainer.train(cfg)
+        train_with_baseline(cfg, baseline)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     Path(case["result"]).write_text(json.dumps({
         "baseline_anon": after_load["anon"], "peak_anon": anon.peak, "baseline_rss": baseline_rss,
         "peak_rss": peak_rss, "seconds": time.perf_counter() - started}))
 
 
-def run_case(case: dict, workdir: Path, default_malloc: bool, threads: int) -> dict:
-    case_file = workdir / f"{case['name'].replace('/', '_')}-{int(default_malloc)}.json"
+def train_with_baseline(cfg, baseline) -> None:
+    """``grpo.trainer.train(cfg)``, calling ``baseline()`` right after the policy is loaded: what a
+    check measures is the memory above that point."""
+    import grpo.trainer
+
+    load_policy = grpo.trainer.load_policy
+
+    def load_policy_then_baseline(*args, **kwargs):
+        policy = load_policy(*args, **kwargs)
+        baseline()
+        return policy
+
+    grpo.trainer.load_policy = load_policy_then_baseline
+    try:
+        grpo.trainer.train(cfg)
+    finally:
+        grpo.trainer.load_policy = load_policy
+
+
+def run_child(script: str, case: dict, case_file: Path, env: dict) -> dict:
+    """Run ``script --child`` on ``case`` in a fresh process; returns what the child measured."""
     case = dict(case, result=str(case_file.with_suffix(".out.json")))
     case_file.write_text(json.dumps(case))
+    proc = subprocess.run([sys.executable, script, "--child", str(case_file)], env=env, capture_output=True,
+                          text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{case['name']} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(Path(case["result"]).read_text())
+
+
+def run_case(case: dict, workdir: Path, default_malloc: bool, threads: int) -> dict:
+    case_file = workdir / f"{case['name'].replace('/', '_')}-{int(default_malloc)}.json"
     env = {"OMP_NUM_THREADS": str(threads), "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
            "PYTHONPATH": str(ROOT / "src"), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
            "HOME": str(workdir), "MPLBACKEND": "Agg"}
     if not default_malloc:
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    proc = subprocess.run([sys.executable, __file__, "--child", str(case_file)], env=env, capture_output=True,
-                          text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{case['name']} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(Path(case["result"]).read_text())
+    return run_child(__file__, case, case_file, env)
 
 
 def compare(case: dict, measured: dict) -> dict:

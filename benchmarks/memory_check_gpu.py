@@ -17,14 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory_check import QUESTIONS, longest_prompt, overrides, write_prompts  # noqa: E402
+from memory_check import (QUESTIONS, longest_prompt, overrides, run_child, train_with_baseline,  # noqa: E402
+                          write_prompts)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -58,24 +58,19 @@ def case_overrides(model: Path, prompts: Path, out: Path, prompt_len: int, lora_
 def child(case_file: str) -> None:
     import torch
 
-    import grpo.trainer
     from grpo.config import load_config
 
     case = json.loads(Path(case_file).read_text())
     cfg = load_config(None, case["overrides"])
     after_load: dict[str, int] = {}
-    load_policy = grpo.trainer.load_policy
 
-    def load_policy_and_measure(*args, **kwargs):
-        policy = load_policy(*args, **kwargs)
+    def baseline() -> None:
         torch.cuda.synchronize()
         after_load["allocated"] = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        return policy
 
-    grpo.trainer.load_policy = load_policy_and_measure
     started = time.perf_counter()
-    grpo.trainer.train(cfg)
+    train_with_baseline(cfg, baseline)
     torch.cuda.synchronize()
     Path(case["result"]).write_text(json.dumps({
         "baseline": after_load["allocated"], "peak": torch.cuda.max_memory_allocated(),
@@ -84,16 +79,9 @@ def child(case_file: str) -> None:
 
 
 def run_case(case: dict, workdir: Path) -> dict:
-    case_file = workdir / f"{case['name'].replace('/', '_')}.json"
-    case = dict(case, result=str(case_file.with_suffix(".out.json")))
-    case_file.write_text(json.dumps(case))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "MPLBACKEND": "Agg"}
-    proc = subprocess.run([sys.executable, __file__, "--child", str(case_file)], env=env, capture_output=True,
-                          text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{case['name']} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(Path(case["result"]).read_text())
+    return run_child(__file__, case, workdir / f"{case['name'].replace('/', '_')}.json", env)
 
 
 def compare(case: dict, measured: dict) -> dict:

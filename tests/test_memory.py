@@ -53,7 +53,7 @@ def test_deepspeed_bf16_and_grpo_torch_bf16_both_keep_fp32_master_weights(tmp_pa
     torch_path = estimate("loss.beta=0")
     gb = torch_path.per_device_gb
     shape = ModelShape.from_config(BUILTIN_CONFIGS[QWEN3B], QWEN3B)
-    linear = shape.num_layers * sum(i * o for i, o in shape.linear_shapes().values())
+    linear = shape.linear_params()
     assert gb["weights"] == pytest.approx((3_085_938_688 * 4 + linear * 2) / GIB, abs=0.01)
     assert gb["optimizer"] == pytest.approx(3_085_938_688 * 8 / GIB, abs=0.01)
     assert gb["gradients"] == pytest.approx(3_085_938_688 * 4 / GIB, abs=0.01)
@@ -260,7 +260,7 @@ def test_qlora_packs_the_layers_linears_in_about_half_a_byte_and_8bit_adamw_keep
     bf16 = estimate("model.lora_r=16", "model.lora_target_modules=all-linear")
     qlora = estimate("model.lora_r=16", "model.lora_target_modules=all-linear", "model.load_in_4bit=true")
     shape = ModelShape.from_config(BUILTIN_CONFIGS[QWEN3B], QWEN3B)
-    linear = shape.num_layers * sum(i * o for i, o in shape.linear_shapes().values())
+    linear = shape.linear_params()
     saved_gb = linear * (2 - 4.127 / 8) / 2**30  # bf16 -> NF4 on the layers' linears only
     assert qlora.per_device_gb["weights"] == pytest.approx(bf16.per_device_gb["weights"] - saved_gb, abs=2e-3)
     assert 2.0 < qlora.per_device_gb["weights"] < 3.0  # Qwen2.5-3B: ~1.3 GB of NF4 layers + 0.6 GB embeddings

@@ -76,6 +76,7 @@ def train(cfg: RunConfig) -> TrainResult:
         sampler = PromptSampler(len(train_set), cfg.train.prompts_per_step, cfg.train.seed, cfg.data.shuffle)
         sampler.rank_indices(1, info.rank, info.world_size)  # checks P is divisible by the ranks, early
         check_memory_savers(cfg.model, cfg.optim.optimizer, device)
+        check_engine_available(cfg)
         deepspeed = bool(cfg.train.deepspeed)
         policy = load_policy(cfg.model, device, master_weights=uses_autocast(cfg.model, deepspeed))
         compute = compute_context(cfg.model, device, deepspeed)  # bf16 autocast over fp32 master weights
@@ -83,7 +84,6 @@ def train(cfg: RunConfig) -> TrainResult:
         ref_logprobs = (local_reference(policy, reference, cfg.rollout.temperature, cfg.train.micro_batch_size)
                         if cfg.loss.beta > 0 else None)
         reward_fns, weights = build_rewards(cfg)
-        check_engine_available(cfg)
         trainable = build_trainable(cfg, policy, info)
         out = claim_output_dir(cfg, info.is_main)  # setup succeeded: only now is anything written
         barrier(info)

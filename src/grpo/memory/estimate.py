@@ -141,7 +141,7 @@ def model_states(shape: ModelShape, *, p: int, lora_r: int, targets: tuple[str, 
     if base_4bit:
         # QLoRA: bitsandbytes packs the layers' linear weights in 4 bits (+ one fp32 absmax per 64, itself
         # 8-bit with double quantisation: ~0.127 bit); embeddings, norms and the LM head stay in p bytes.
-        linear = shape.num_layers * sum(i * o for i, o in shape.linear_shapes().values())
+        linear = shape.linear_params()
         weights = linear * (4.127 / 8) + (n_params - linear) * p + n_train * LORA_BYTES
         how["weights"] = (f"{_count(linear)} linear params x 0.52 B (NF4) + {_count(n_params - linear)} x {p} B + "
                           f"{_count(n_train)} LoRA params x 4 B")
@@ -219,7 +219,7 @@ def autocast_extra_bytes(shape: ModelShape, *, tokens: int, gradient_checkpointi
     wider; calibrated on an H200: Qwen2.5-0.5B body, 4 x 608 tokens, measured +1378 MiB, this 1381).
     With checkpointing only the layer inputs (fp32 instead of bf16) and one recomputed layer remain.
     Returns (weight copies, extra activation bytes)."""
-    linear = shape.num_layers * sum(i * o for i, o in shape.linear_shapes().values())
+    linear = shape.linear_params()
     per_layer = 14 * tokens * shape.hidden_size
     wider = (2 * tokens * shape.hidden_size * shape.num_layers + per_layer) if gradient_checkpointing \
         else per_layer * shape.num_layers

@@ -78,6 +78,11 @@ class ModelShape:
         return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
+    def linear_params(self) -> int:
+        """Weights of the decoder layers' linears, all layers (what 4-bit quantisation and autocast's
+        weight cache cover; embeddings, norms and the LM head are outside them)."""
+        return self.num_layers * sum(a * b for a, b in self.linear_shapes().values())
+
     def layer_params(self) -> int:
         """Parameters of one decoder layer (linears, their biases, two RMSNorm weights)."""
         shapes = self.linear_shapes()

@@ -39,11 +39,11 @@ def folded_lora_weights(model: torch.nn.Module) -> dict[str, Tensor] | None:
         if isinstance(module, LoraLayer) and not module.merged and hasattr(module.base_layer, "weight"):
             adapters = [a for a in module.active_adapters if a in module.lora_A]
             if adapters:
-                delta = sum(module.get_delta_weight(a) for a in adapters)
-                weight = module.base_layer.weight  # a bf16 base stays bf16 (fp32 adapters would promote it)
+                weight = module.base_layer.weight
                 if not weight.is_floating_point():  # packed 4-bit (QLoRA): sample through peft's own forward
                     return None
-                folded[f"{name}.base_layer.weight"] = weight + delta.to(weight.dtype)
+                delta = sum(module.get_delta_weight(a) for a in adapters)
+                folded[f"{name}.base_layer.weight"] = weight + delta.to(weight.dtype)  # a bf16 base stays bf16
     return folded or None
 
 
