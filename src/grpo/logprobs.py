@@ -1,4 +1,13 @@
-"""Per-token log-probs of completion tokens under a model, in micro-batches."""
+"""Per-token log-probs of completion tokens under a model, in micro-batches.
+
+The G completions of a group share one prompt, and in GRPO the prompt is usually the longer part
+(a chat template, a system prompt and a question against a short answer). So each micro-batch runs
+the model over every *distinct* prompt once, keeping its KV cache, and then over the completions
+alone, each reading its prompt's cache rows. Under autograd the cache rows are an index into the
+prompt pass, so the prompt's gradient is the sum over its completions, exactly as if the prompt had
+been run G times: the same log-probs and gradients up to float re-association, for G times less
+prompt compute (and prompt activation memory).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +23,49 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def shared_prompt_index(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor] | None:
+    """Rows that repeat the row above's prompt (as a group's rows do) share one prompt pass.
+
+    Returns ``(first [U], index [N])``: the first row of each run of equal prompts, and for each row the
+    run it belongs to; None when no row repeats its predecessor (nothing to share).
+    """
+    repeats = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)  # [N]
+    repeats[1:] = (prompt_ids[1:] == prompt_ids[:-1]).all(-1) & (prompt_mask[1:] == prompt_mask[:-1]).all(-1)
+    if not bool(repeats.any()):
+        return None
+    return (~repeats).nonzero().squeeze(-1), (~repeats).long().cumsum(0) - 1
+
+
+def can_share_prompt_cache(model: torch.nn.Module) -> bool:
+    """False while gradient checkpointing trains: Hugging Face then drops the KV cache (its recompute
+    would append to it twice), so completions could not read their prompt's."""
+    if not (model.training and torch.is_grad_enabled()):
+        return True
+    return not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+def _full_logits(model, ids: Tensor, mask: Tensor, Lc: int) -> Tensor:
+    # [b, Lc + 1, V]: positions Lp-1 .. T-1, each predicting the next token
+    return model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                 logits_to_keep=Lc + 1, use_cache=False).logits
+
+
+def _shared_prompt_logits(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
+                          completion_mask: Tensor, first: Tensor, index: Tensor) -> Tensor:
+    """[b, Lc + 1, V]: the same logits as ``_full_logits`` on the concatenation, from one pass over the
+    distinct prompts (keeping only their last position's logits) and one over the completions."""
+    prompts, prompts_mask = prompt_ids[first], prompt_mask[first]  # [U, Lp]
+    prompt_out = model(input_ids=prompts, attention_mask=prompts_mask,
+                       position_ids=position_ids_from_mask(prompts_mask), use_cache=True, logits_to_keep=1)
+    cache = prompt_out.past_key_values
+    cache.batch_select_indices(index)  # [U, ...] -> [b, ...]: an index, so gradients sum per prompt
+    Lc = completion_ids.shape[1]
+    positions = prompts_mask.sum(-1)[index, None] + torch.arange(Lc, device=completion_ids.device)  # [b, Lc]
+    completion_logits = model(input_ids=completion_ids, attention_mask=torch.cat([prompt_mask, completion_mask], 1),
+                              position_ids=positions, past_key_values=cache, use_cache=True).logits  # [b, Lc, V]
+    return torch.cat([prompt_out.logits[index], completion_logits], dim=1)
+
+
 def completion_logprobs(
     model: torch.nn.Module,
     prompt_ids: Tensor,
@@ -22,6 +74,7 @@ def completion_logprobs(
     completion_mask: Tensor,
     temperature: float,
     micro_batch_size: int | None = None,
+    share_prompts: bool = True,
 ) -> Tensor:
     """Log-probs of each completion token given its prompt and the completion prefix.
 
@@ -30,24 +83,28 @@ def completion_logprobs(
         completion_ids, completion_mask: [N, Lc] right-padded completions.
         temperature: the sampling temperature (logits are divided by it).
         micro_batch_size: rows per forward pass; None = all at once.
+        share_prompts: run each micro-batch's distinct prompts once (see the module docstring);
+            False runs every row's prompt + completion as one sequence (the plain reference).
 
     Returns:
         [N, Lc] float32 (padding positions hold finite values that the loss masks out). Gradients flow
-        when called with grad enabled. Only the last ``Lc + 1`` positions' logits are computed
-        (``logits_to_keep``), never the prompt's [Lp, V] logits.
+        when called with grad enabled. Only the completion positions' logits (and each prompt's last)
+        are computed, never the prompt's [Lp, V] logits.
     """
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [N, T]
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [N, T]
     Lc = completion_ids.shape[1]
-    step = micro_batch_size or input_ids.shape[0]
+    step = micro_batch_size or prompt_ids.shape[0]
     device = next(model.parameters()).device
+    share_prompts = share_prompts and can_share_prompt_cache(model)
     out = []
-    for start in range(0, input_ids.shape[0], step):
-        ids = input_ids[start:start + step].to(device)
-        mask = attention_mask[start:start + step].to(device)
-        logits = model(
-            input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
-            logits_to_keep=Lc + 1, use_cache=False,
-        ).logits  # [b, Lc + 1, V]: positions Lp-1 .. T-1, each predicting the next token
-        out.append(token_logprobs(logits, ids[:, -(Lc + 1):], temperature))  # [b, Lc]
+    for start in range(0, prompt_ids.shape[0], step):
+        rows = slice(start, start + step)
+        p_ids, p_mask = prompt_ids[rows].to(device), prompt_mask[rows].to(device)
+        c_ids, c_mask = completion_ids[rows].to(device), completion_mask[rows].to(device)
+        shared = shared_prompt_index(p_ids, p_mask) if share_prompts else None
+        if shared is None:
+            logits = _full_logits(model, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), Lc)
+        else:
+            logits = _shared_prompt_logits(model, p_ids, p_mask, c_ids, c_mask, *shared)
+        targets = torch.cat([p_ids[:, -1:], c_ids], dim=1)  # [b, Lc + 1]: last prompt token, then the completion
+        out.append(token_logprobs(logits, targets, temperature))  # [b, Lc]
     return torch.cat(out)

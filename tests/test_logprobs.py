@@ -1,0 +1,103 @@
+"""Completion log-probs with the prompt run once per group must equal the plain one-sequence-per-row
+pass (values and gradients), however groups, padding and micro-batches fall."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo.logprobs import can_share_prompt_cache, completion_logprobs, shared_prompt_index
+from grpo.tiny_model import build_qwen2
+
+
+def grouped_rows(vocab: int, prompt_lengths: list[int], G: int, Lc: int = 9, seed: int = 0):
+    """Left-padded prompts of the given lengths, each repeated for G rows; right-padded completions of
+    random lengths (1..Lc)."""
+    gen = torch.Generator().manual_seed(seed)
+    Lp = max(prompt_lengths)
+    prompt_ids = torch.zeros(len(prompt_lengths), Lp, dtype=torch.long)
+    prompt_mask = torch.zeros_like(prompt_ids)
+    for row, length in enumerate(prompt_lengths):
+        prompt_ids[row, Lp - length:] = torch.randint(3, vocab, (length,), generator=gen)
+        prompt_mask[row, Lp - length:] = 1
+    N = len(prompt_lengths) * G
+    lengths = torch.randint(1, Lc + 1, (N,), generator=gen)
+    completion_mask = (torch.arange(Lc)[None] < lengths[:, None]).long()
+    completion_ids = torch.randint(3, vocab, (N, Lc), generator=gen) * completion_mask
+    return (prompt_ids.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0), completion_ids, completion_mask)
+
+
+def logprobs_and_grads(model, rows, micro_batch_size, share):
+    model.zero_grad(set_to_none=True)
+    logprobs = completion_logprobs(model, *rows, temperature=0.7, micro_batch_size=micro_batch_size,
+                                   share_prompts=share)  # [N, Lc]
+    (logprobs * rows[3]).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logprobs.detach(), grads
+
+
+def assert_same(model, rows, micro_batch_size):
+    plain, plain_grads = logprobs_and_grads(model, rows, micro_batch_size, share=False)
+    shared, shared_grads = logprobs_and_grads(model, rows, micro_batch_size, share=True)
+    mask = rows[3].bool()
+    torch.testing.assert_close(shared[mask], plain[mask], atol=2e-5, rtol=1e-5)
+    assert plain_grads.keys() == shared_grads.keys() and plain_grads
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("micro_batch_size", [None, 4, 6, 1])
+def test_shared_prompt_pass_equals_one_sequence_per_row(tiny_tokenizer, micro_batch_size):
+    # micro-batches of 4 split the groups of 3 (a group over two micro-batches); 1 shares nothing
+    model = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=2, seed=0).train()
+    rows = grouped_rows(len(tiny_tokenizer), [7, 4, 11], G=3)
+    assert_same(model, rows, micro_batch_size)
+
+
+def test_shared_prompt_pass_equals_plain_for_lora(tiny_tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    base = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=2, seed=1)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    model.train()
+    assert_same(model, grouped_rows(len(tiny_tokenizer), [5, 8], G=4, seed=2), None)
+
+
+def test_shared_prompt_pass_runs_each_prompt_once(tiny_tokenizer):
+    model = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=1, seed=0)
+    prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_rows(len(tiny_tokenizer), [6, 6, 6], G=4)
+    embedded = []
+    model.get_input_embeddings().register_forward_hook(lambda module, args, out: embedded.append(args[0].numel()))
+    with torch.no_grad():
+        completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 1.0)
+    assert sum(embedded) == 3 * 6 + 12 * completion_ids.shape[1]  # 3 prompts once, then the 12 completions
+    embedded.clear()
+    with torch.no_grad():
+        completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 1.0, share_prompts=False)
+    assert sum(embedded) == 12 * (6 + completion_ids.shape[1])
+
+
+def test_gradient_checkpointing_falls_back_to_the_plain_pass(tiny_tokenizer):
+    # Hugging Face drops the KV cache under gradient checkpointing in training: sharing would be wrong.
+    model = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=2, seed=0)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    assert not can_share_prompt_cache(model)
+    with torch.no_grad():
+        assert can_share_prompt_cache(model)  # no backward, so no recompute: the cache is kept
+    model.eval()
+    assert can_share_prompt_cache(model)
+    model.train()
+    assert_same(model, grouped_rows(len(tiny_tokenizer), [5, 9], G=3), None)
+
+
+def test_shared_prompt_index():
+    ids = torch.tensor([[0, 5, 6], [0, 5, 6], [7, 8, 9], [7, 8, 9], [7, 8, 9], [0, 5, 6]])
+    mask = (ids != 0).long()
+    first, index = shared_prompt_index(ids, mask)
+    assert first.tolist() == [0, 2, 5]  # runs of equal rows; a prompt seen again later starts a new run
+    assert index.tolist() == [0, 0, 1, 1, 1, 2]
+    assert shared_prompt_index(ids[[0, 2, 5]], mask[[0, 2, 5]]) is None  # no row repeats: nothing to share
+    same_ids_other_mask = mask.clone()
+    same_ids_other_mask[1, 0] = 1
+    assert shared_prompt_index(ids[:2], same_ids_other_mask[:2]) is None
