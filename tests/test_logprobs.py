@@ -101,3 +101,24 @@ def test_shared_prompt_index():
     same_ids_other_mask = mask.clone()
     same_ids_other_mask[1, 0] = 1
     assert shared_prompt_index(ids[:2], same_ids_other_mask[:2]) is None
+
+
+def test_columns_that_are_padding_in_a_whole_micro_batch_are_not_run(tiny_tokenizer):
+    # Micro-batch 1: short prompts and completions; micro-batch 2: the batch's longest of each.
+    model = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=1, seed=0)
+    prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_rows(len(tiny_tokenizer), [3, 10], G=2, Lc=8)
+    completion_mask[:2, 3:] = 0
+    completion_ids[:2, 3:] = 0
+    completion_mask[2:, :] = 1
+    seen = []
+    model.get_input_embeddings().register_forward_hook(lambda module, args, out: seen.append(tuple(args[0].shape)))
+    with torch.no_grad():
+        trimmed = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 1.0,
+                                      micro_batch_size=2, share_prompts=False)
+        whole = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 1.0,
+                                    share_prompts=False)
+    assert seen[:2] == [(2, 3 + 3), (2, 10 + 8)]  # the first micro-batch ran 3 prompt + 3 completion columns
+    assert trimmed.shape == whole.shape == (4, 8)
+    assert torch.all(trimmed[:2, 3:] == 0)
+    mask = completion_mask.bool()
+    torch.testing.assert_close(trimmed[mask], whole[mask], atol=2e-5, rtol=1e-5)

@@ -87,7 +87,8 @@ def completion_logprobs(
             False runs every row's prompt + completion as one sequence (the plain reference).
 
     Returns:
-        [N, Lc] float32 (padding positions hold finite values that the loss masks out). Gradients flow
+        [N, Lc] float32 (padding positions hold finite values, 0 past a micro-batch's longest completion,
+        that the loss masks out). Gradients flow
         when called with grad enabled. Only the completion positions' logits (and each prompt's last)
         are computed, never the prompt's [Lp, V] logits.
     """
@@ -98,13 +99,20 @@ def completion_logprobs(
     out = []
     for start in range(0, prompt_ids.shape[0], step):
         rows = slice(start, start + step)
-        p_ids, p_mask = prompt_ids[rows].to(device), prompt_mask[rows].to(device)
-        c_ids, c_mask = completion_ids[rows].to(device), completion_mask[rows].to(device)
+        # Columns that are padding in every row of this micro-batch (left of its longest prompt, right of
+        # its longest completion) are not run at all: they change no other position's value.
+        prompt_cols = prompt_mask[rows].any(0).nonzero()
+        first = int(prompt_cols.min()) if prompt_cols.numel() else 0
+        completion_cols = completion_mask[rows].any(0).nonzero()
+        width = int(completion_cols.max()) + 1 if completion_cols.numel() else 1
+        p_ids, p_mask = prompt_ids[rows, first:].to(device), prompt_mask[rows, first:].to(device)
+        c_ids, c_mask = completion_ids[rows, :width].to(device), completion_mask[rows, :width].to(device)
         shared = shared_prompt_index(p_ids, p_mask) if share_prompts else None
         if shared is None:
-            logits = _full_logits(model, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), Lc)
+            logits = _full_logits(model, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), width)
         else:
             logits = _shared_prompt_logits(model, p_ids, p_mask, c_ids, c_mask, *shared)
-        targets = torch.cat([p_ids[:, -1:], c_ids], dim=1)  # [b, Lc + 1]: last prompt token, then the completion
-        out.append(token_logprobs(logits, targets, temperature))  # [b, Lc]
+        targets = torch.cat([p_ids[:, -1:], c_ids], dim=1)  # [b, width + 1]: last prompt token, then the completion
+        logprobs = token_logprobs(logits, targets, temperature)  # [b, width]
+        out.append(torch.nn.functional.pad(logprobs, (0, Lc - width)))  # [b, Lc], zeros where all rows pad
     return torch.cat(out)

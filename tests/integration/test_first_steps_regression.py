@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from grpo.config import load_config
+from grpo.rollout import lean
 from grpo.trainer import train
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -35,6 +36,15 @@ CASES = {
     "lora-mu1": {"model.lora_r": 8, "model.lora_alpha": 16, "train.micro_batch_size": 8,
                  "optim.learning_rate": 2e-4},
 }
+
+
+@pytest.fixture(autouse=True)
+def recorded_draws(monkeypatch):
+    """The recorded runs drew tokens with ``torch.multinomial``. The sampler now draws from the same
+    distribution by inverse CDF (tests/test_lean_engine.py), with other random numbers; replaying
+    multinomial's draws keeps the recorded completions, so what is compared is the computation."""
+    monkeypatch.setattr(lean, "draw_tokens",
+                        lambda probs, generator: torch.multinomial(probs, 1, generator=generator).squeeze(-1))
 
 
 def run_case(tmp_path: Path, extra: dict) -> list[dict]:
