@@ -101,6 +101,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="rollout steps per run (default 8, quick 5)")
     parser.add_argument("--reps", type=int, help="A/B repetitions per case (default 2, quick 1)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--only", help="run only the cases whose name contains this (e.g. tiny-math/full); "
+                                       "written to results/vs_trl-only.json, leaving the full results alone")
     args = parser.parse_args()
     steps = args.steps or (5 if args.quick else 8)
     reps = args.reps or (1 if args.quick else 2)
@@ -118,6 +120,10 @@ def main() -> None:
                               "threads": args.threads})
     if args.quick and len(cases) > 2:
         cases = [c for c in cases if "lora16" not in c["name"] or "random" in c["name"]]
+    if args.only:
+        cases = [c for c in cases if args.only in c["name"]]
+        if not cases:
+            parser.error(f"--only {args.only!r} matches no case")
     rows = []
     for case in cases:
         ours, trl = [], []
@@ -139,21 +145,35 @@ def main() -> None:
     report = {"machine": machine(args.threads), "cases": rows, "cpu_matmul_gflops": peak,
               "train_gflops": statistics.median(r["train_gflops"] for r in rows)}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "vs_trl.json").write_text(json.dumps(report, indent=2))
+    (RESULTS / ("vs_trl-only.json" if args.only else "vs_trl.json")).write_text(json.dumps(report, indent=2))
     print_table(report)
-    plot(report, RESULTS / "vs_trl.png")
+    if not args.only:
+        plot(report, RESULTS / "vs_trl.png")
+
+
+def mean_prompt_tokens(case: dict) -> float:
+    """Mean chat-templated prompt length (system prompt + question) of the prompts the runs trained on."""
+    from transformers import AutoTokenizer
+
+    from grpo.data import build_prompt_messages, load_dataset_source, render_prompt, resolve_system_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(case["model"])
+    system = resolve_system_prompt(None, "think")
+    examples = load_dataset_source(case["prompts"])[: case["P"] * case["steps"]]  # data.shuffle false: in order
+    return statistics.fmean(len(tokenizer(render_prompt(tokenizer, build_prompt_messages(e, system)),
+                                          add_special_tokens=False)["input_ids"]) for e in examples)
 
 
 def train_gflops(case: dict, runs: list[dict]) -> float:
-    """Achieved FLOP/s of the training forward+backward: 6 * params * tokens / train seconds (full FT;
-    LoRA skips the weight gradients: 4 * params * tokens)."""
+    """Achieved FLOP/s of our training forward+backward: 6 * params * tokens run / train seconds (full FT;
+    LoRA skips the weight gradients: 4 * params * tokens). Tokens run per update: each distinct prompt
+    once (the G completions of a group share its pass) plus every completion."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(case["model"]))
     params = sum(p.numel() for p in model.parameters())
-    prompt_tokens = 90  # chat template + system prompt + question, measured for these prompts
     completion = statistics.fmean(v for r in runs for v in r["completion_length"])
-    tokens = case["P"] * case["G"] * (prompt_tokens + completion) * case["num_iterations"]
+    tokens = (case["P"] * mean_prompt_tokens(case) + case["P"] * case["G"] * completion) * case["num_iterations"]
     flops = (4 if case["lora_r"] else 6) * params * tokens
     train_s = statistics.median(v for r in runs for v in r["train_s"][1:])
     return flops / train_s / 1e9
