@@ -95,7 +95,11 @@ class PreallocatedLayer(DynamicLayer):
         return self.keys, self.values
 
     def batch_select_indices(self, indices: Tensor) -> None:
-        self._keys, self._values = self._keys[indices], self._values[indices]
+        def select(buffer: Tensor) -> Tensor:  # only the filled positions are copied
+            kept = buffer.new_empty(len(indices), *buffer.shape[1:])
+            kept[:, :, :self.length] = buffer[indices, :, :self.length]
+            return kept
+        self._keys, self._values = select(self._keys), select(self._values)
         self._set_length(self.length)
 
 
