@@ -2,9 +2,11 @@
 
 Tiny random Qwen2 models (8192-token vocabulary, hidden 256 and 512, 4 layers) in fp32: full
 fine-tuning and LoRA r=16, with and without gradient checkpointing. Each case runs one GRPO step of
-``grpo.trainer.train`` in a fresh process: 2 prompts x G=4, micro-batch 4, ``loss.num_iterations``
+``grpo.trainer.train`` in a fresh process: 4 prompts x G=2, micro-batch 4, ``loss.num_iterations``
 2, so the second update's second micro-batch holds weights, AdamW states, gradients, activations
-and logits at once, beside the reference copy (beta 0.04) - the sum the estimate models.
+and logits at once, beside the reference copy (beta 0.04) - the sum the estimate models. Each
+micro-batch holds two groups (the long and the short prompt), so its prompt is the longest length
+the estimate assumes, and each group's rows share one prompt pass, as grpo.logprobs runs them.
 
 Measured: the peak of the process's anonymous memory (``RssAnon`` in /proc/self/status, read every
 5 ms by a thread) minus its value right after the policy was loaded (imports, tokenizer and data
@@ -92,8 +94,8 @@ def overrides(model_dir: Path, prompts: Path, out: Path, prompt_len: int, lora_r
     values = {
         "model.name_or_path": str(model_dir), "model.lora_r": lora_r, "model.gradient_checkpointing": gc,
         "data.train": str(prompts), "data.shuffle": False, "data.max_prompt_length": prompt_len,
-        "rollout.num_generations": 4, "rollout.max_completion_length": COMPLETION_TOKENS,
-        "train.prompts_per_step": 2, "train.micro_batch_size": 4, "train.max_steps": 1, "train.save_steps": 1,
+        "rollout.num_generations": 2, "rollout.max_completion_length": COMPLETION_TOKENS,
+        "train.prompts_per_step": 4, "train.micro_batch_size": 4, "train.max_steps": 1, "train.save_steps": 1,
         "train.output_dir": str(out), "train.overwrite": True, "train.device": "cpu", "train.seed": 0,
         "loss.beta": 0.04, "loss.num_iterations": 2, "optim.learning_rate": 1e-5,
         "log.report_to": "[]", "log.progress_bar": False, "log.num_samples": 0,

@@ -1,7 +1,7 @@
 """Check ``grpo memory`` against ``torch.cuda.max_memory_allocated`` of real GRPO steps on a GPU.
 
-The CUDA counterpart of ``memory_check.py`` (same prompts, tokenizer and step shape: 2 prompts x G=4,
-micro-batch 4, ``loss.num_iterations`` 2, beta 0.04 with a reference copy), on a model with the body
+The CUDA counterpart of ``memory_check.py`` (same prompts, tokenizer and step shape: 4 prompts x G=2,
+micro-batch 4 of two groups, ``loss.num_iterations`` 2, beta 0.04 with a reference copy), on a model with the body
 of Qwen2.5-0.5B (hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864; random weights, the 8192-token
 test vocabulary) and longer completions. Cases: full fine-tuning fp32 and bf16, LoRA r=16 over a bf16
 base, and full fp32 with gradient checkpointing. Each case runs ``grpo.trainer.train`` in a fresh

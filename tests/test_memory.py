@@ -10,7 +10,8 @@ import torch
 
 from grpo.config import ConfigError, load_config
 from grpo.memory import BUILTIN_CONFIGS, ModelShape, estimate_memory, format_table, run_memory_command
-from grpo.memory.formulas import activation_bytes, logits_bytes
+from grpo.memory.formulas import (activation_bytes, logits_bytes, prompts_per_micro_batch,
+                                  shared_prompt_activation_bytes)
 from grpo.memory.shapes import lora_params, lora_targets
 
 QWEN3B = "Qwen/Qwen2.5-3B-Instruct"
@@ -269,3 +270,79 @@ def test_qlora_packs_the_layers_linears_in_about_half_a_byte_and_8bit_adamw_keep
     n = shape.num_params()
     assert eight.per_device_gb["optimizer"] == pytest.approx(n * 2 / 2**30, abs=2e-3)
     assert full.per_device_gb["optimizer"] == pytest.approx(n * 8 / 2**30, abs=2e-3)  # fp32 m + v (autocast path)
+
+
+def _grouped_batch(vocab: int, G: int = 4):
+    """Two prompts (48 tokens, and 38 left-padded to 48), each repeated for G rows; 32-token completions."""
+    prompt_ids, prompt_mask, _, _ = _batch(vocab, b=2)
+    g = torch.Generator().manual_seed(1)
+    return (prompt_ids.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0),
+            torch.randint(0, vocab, (2 * G, 32), generator=g), torch.ones(2 * G, 32, dtype=torch.long))
+
+
+def _shared_kwargs(shape, p, lora):
+    return {"micro_batch": 8, "prompts": 2, "prompt_len": 48, "completion_len": 32, "p": p,
+            "lora_targets": lora_targets("all-linear") if lora else None, "lora_r": 8, "attention": "sdpa"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lora", [False, True])
+def test_shared_prompt_saved_activations_match_autograd(tiny_tokenizer, dtype, lora):
+    # grpo.logprobs runs each distinct prompt once and the completions over its cache: what autograd
+    # keeps then (two prompt passes, eight completion rows with their own prompt K/V) is counted.
+    from grpo.logprobs import _shared_prompt_logits, shared_prompt_index
+
+    model, shape = _tiny(tiny_tokenizer, dtype, lora, "all-linear")
+    prompt_ids, prompt_mask, completion_ids, completion_mask = _grouped_batch(shape.vocab_size)
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                              *shared_prompt_index(prompt_ids, prompt_mask))
+    kept = sum(n for ptr, n in saved.items() if ptr not in params)
+    p = 2 if dtype == torch.bfloat16 else 4
+    expected = shared_prompt_activation_bytes(shape, **_shared_kwargs(shape, p, lora), logits=10**12)
+    unshared = activation_bytes(shape, micro_batch=8, seq_len=80, p=p, lora_targets=_shared_kwargs(shape, p, lora)[
+        "lora_targets"], lora_r=8, attention="sdpa", gradient_checkpointing=False, logits=10**12)
+    assert expected < 0.8 * unshared  # the point of sharing, and what the planner must now count
+    assert expected == pytest.approx(kept, rel=0.02)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_shared_prompt_backward_peak_matches_the_profiler(tiny_tokenizer, lora):
+    from torch.profiler import ProfilerActivity, profile
+
+    from grpo.logprobs import completion_logprobs
+
+    model, shape = _tiny(tiny_tokenizer, torch.float32, lora, "all-linear")
+    rows = _grouped_batch(shape.vocab_size)
+
+    def step():
+        logprobs = completion_logprobs(model, *rows, 1.0)
+        (-(logprobs * rows[3]).sum()).backward()
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, change in events:
+        live += change
+        peak = max(peak, live)
+    logits = logits_bytes(micro_batch=8, positions=33, vocab_size=shape.vocab_size, p=4)
+    expected = logits + shared_prompt_activation_bytes(shape, **_shared_kwargs(shape, 4, lora), logits=logits)
+    print(f"estimated {expected} measured {peak} ({(expected - peak) / peak:+.3f})")
+    assert expected == pytest.approx(peak, rel=0.08)
+
+
+def test_prompts_per_micro_batch():
+    assert prompts_per_micro_batch(16, 8) == 2  # whole groups
+    assert prompts_per_micro_batch(4, 8) == 1  # a part of one group
+    assert prompts_per_micro_batch(6, 4) == 2  # rows 0-5, 6-11, 12-17: never three groups of 4
+    assert prompts_per_micro_batch(7, 3) == 3  # rows 14-20 touch groups 4, 5 and 6 (rows 12-14, 15-17, 18-20)
+    assert prompts_per_micro_batch(3, 1) == 3  # G = 1: nothing shared

@@ -32,7 +32,9 @@ from grpo.memory.formulas import (
     forward_transient_bytes,
     kv_cache_bytes,
     logits_bytes,
+    prompts_per_micro_batch,
     sampling_bytes,
+    shared_prompt_activation_bytes,
 )
 from grpo.memory.shapes import ModelShape, load_model_config, lora_params, lora_targets
 
@@ -279,15 +281,26 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
         attention = "sdpa"
     logits = logits_bytes(micro_batch=b, positions=completion_len + 1, vocab_size=shape.vocab_size, p=p)
     how["logits"] = f"(4 + {p}) B x {b} x {completion_len + 1} x {shape.vocab_size}: fp32 log-softmax rows + grad"
-    activations = activation_bytes(shape, micro_batch=b, seq_len=seq_len, p=p, lora_targets=targets,
-                                   lora_r=cfg.model.lora_r, attention=attention,
-                                   gradient_checkpointing=cfg.model.gradient_checkpointing, logits=logits)
-    how["activations"] = f"{b} x {seq_len} tokens, {shape.num_layers} layers, " + (
-        "checkpointed: layer inputs + final norm or one layer recomputed" if cfg.model.gradient_checkpointing
-        else "every layer's saved tensors")
+    # grpo.logprobs runs each distinct prompt of a micro-batch once (not under gradient checkpointing)
+    prompts, prompt_len = prompts_per_micro_batch(b, cfg.rollout.num_generations), cfg.data.max_prompt_length
+    shared = prompts < b and not cfg.model.gradient_checkpointing
+    if shared:
+        activations = shared_prompt_activation_bytes(
+            shape, micro_batch=b, prompts=prompts, prompt_len=prompt_len, completion_len=completion_len, p=p,
+            lora_targets=targets, lora_r=cfg.model.lora_r, attention=attention, logits=logits)
+        how["activations"] = (f"{prompts} prompts x {prompt_len} + {b} completions x {completion_len} tokens "
+                              f"(each prompt run once), {shape.num_layers} layers, every layer's saved tensors")
+    else:
+        activations = activation_bytes(shape, micro_batch=b, seq_len=seq_len, p=p, lora_targets=targets,
+                                       lora_r=cfg.model.lora_r, attention=attention,
+                                       gradient_checkpointing=cfg.model.gradient_checkpointing, logits=logits)
+        how["activations"] = f"{b} x {seq_len} tokens, {shape.num_layers} layers, " + (
+            "checkpointed: layer inputs + final norm or one layer recomputed" if cfg.model.gradient_checkpointing
+            else "every layer's saved tensors")
     weight_copies = 0
     if autocast:
-        weight_copies, wider = autocast_extra_bytes(shape, tokens=b * seq_len,
+        tokens = prompts * prompt_len + b * completion_len if shared else b * seq_len
+        weight_copies, wider = autocast_extra_bytes(shape, tokens=tokens,
                                                     gradient_checkpointing=cfg.model.gradient_checkpointing)
         states = replace(states, weights=states.weights + weight_copies)
         how["weights"] = states.how["weights"] + " + autocast's bf16 copies of the layer linears (2 B each)"

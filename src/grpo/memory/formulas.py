@@ -26,6 +26,8 @@ on tiny Qwen2 models (fp32/bf16, full/LoRA, all-linear and [q_proj, v_proj]); se
 
 from __future__ import annotations
 
+import math
+
 from grpo.memory.shapes import ModelShape
 
 LORA_BYTES = 4  # peft's get_peft_model(autocast_adapter_dtype=True) keeps bf16/fp16 adapters in fp32
@@ -122,6 +124,44 @@ def activation_bytes(shape: ModelShape, *, micro_batch: int, seq_len: int, p: in
     # LoRA without checkpointing: frozen embeddings, so the first layer's input needs no gradient.
     first = layer_activation_bytes(**layer, input_requires_grad=full)
     saved = first + (shape.num_layers - 1) * layer_activation_bytes(**layer)
+    return saved + final + max(0, temporaries - final - logits)
+
+
+def prompts_per_micro_batch(micro_batch: int, group_size: int) -> int:
+    """The most distinct prompts a micro-batch can hold: the prompt passes ``grpo.logprobs`` runs. Rows
+    come in groups of ``group_size`` and micro-batches start at multiples of ``micro_batch``, so a
+    micro-batch starts at an offset into a group that is a multiple of gcd(micro_batch, group_size),
+    at most ``group_size - gcd``."""
+    latest_start = group_size - math.gcd(micro_batch, group_size)
+    return min(micro_batch, (latest_start + micro_batch - 1) // group_size + 1)
+
+
+def shared_prompt_activation_bytes(shape: ModelShape, *, micro_batch: int, prompts: int, prompt_len: int,
+                                   completion_len: int, p: int, lora_targets: tuple[str, ...] | None, lora_r: int,
+                                   attention: str, logits: int = 0) -> int:
+    """``activation_bytes`` for ``grpo.logprobs``' shared-prompt passes (no gradient checkpointing): each
+    layer keeps its tensors for the prompt pass (``prompts`` x ``prompt_len`` tokens) and the completion
+    pass (``micro_batch`` x ``completion_len`` query tokens over ``prompt_len + completion_len`` keys),
+    plus, in the completion pass, every row's own copy of the prompt positions' repeated K and V that
+    attention keeps (2 x p x qd per prompt position per row; kv width under flash attention)."""
+    full = lora_targets is None
+    common = {"shape": shape, "p": p, "lora_targets": lora_targets, "lora_r": lora_r, "attention": attention}
+    prompt_tokens, completion_tokens = prompts * prompt_len, micro_batch * completion_len
+    width = (shape.num_kv_heads if attention == "flash_attention_2" else shape.num_heads) * shape.head_dim
+
+    def layer(input_requires_grad: bool) -> int:
+        attention_trains = input_requires_grad or any(t in lora_targets for t in ("q_proj", "k_proj", "v_proj"))
+        return (layer_activation_bytes(tokens=prompt_tokens, seq_len=prompt_len,
+                                       input_requires_grad=input_requires_grad, **common)
+                + layer_activation_bytes(tokens=completion_tokens, seq_len=prompt_len + completion_len,
+                                         input_requires_grad=input_requires_grad, **common)
+                + (2 * p * width * micro_batch * prompt_len if attention_trains else 0))
+
+    saved = layer(full) + (shape.num_layers - 1) * layer(True)  # LoRA: frozen embeddings before layer one
+    final = final_norm_bytes(shape, tokens=prompt_tokens + completion_tokens, p=p, full=full)
+    cast_down = not full and p != LORA_BYTES and "down_proj" in lora_targets
+    temporaries = mlp_backward_bytes(shape, tokens=max(prompt_tokens, completion_tokens), p=p,
+                                     cast_down_adapter=cast_down)
     return saved + final + max(0, temporaries - final - logits)
 
 
