@@ -287,7 +287,8 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
     if shared:
         activations = shared_prompt_activation_bytes(
             shape, micro_batch=b, prompts=prompts, prompt_len=prompt_len, completion_len=completion_len, p=p,
-            lora_targets=targets, lora_r=cfg.model.lora_r, attention=attention, logits=logits)
+            lora_targets=targets, lora_r=cfg.model.lora_r, attention=attention, logits=logits,
+            pending_gradients=states.trained_params * (4 if autocast else p))
         how["activations"] = (f"{prompts} prompts x {prompt_len} + {b} completions x {completion_len} tokens "
                               f"(each prompt run once), {shape.num_layers} layers, every layer's saved tensors")
     else:

@@ -138,23 +138,32 @@ def prompts_per_micro_batch(micro_batch: int, group_size: int) -> int:
 
 def shared_prompt_activation_bytes(shape: ModelShape, *, micro_batch: int, prompts: int, prompt_len: int,
                                    completion_len: int, p: int, lora_targets: tuple[str, ...] | None, lora_r: int,
-                                   attention: str, logits: int = 0) -> int:
-    """``activation_bytes`` for ``grpo.logprobs``' shared-prompt passes (no gradient checkpointing): each
-    layer keeps its tensors for the prompt pass (``prompts`` x ``prompt_len`` tokens) and the completion
-    pass (``micro_batch`` x ``completion_len`` query tokens over ``prompt_len + completion_len`` keys),
-    plus, in the completion pass, every row's own copy of the prompt positions' repeated K and V that
-    attention keeps (2 x p x qd per prompt position per row; kv width under flash attention)."""
+                                   attention: str, logits: int = 0, pending_gradients: int = 0) -> int:
+    """``activation_bytes`` for ``grpo.logprobs``' shared-prompt passes (no gradient checkpointing).
+
+    Each layer keeps its tensors for the prompt pass (``prompts`` x ``prompt_len`` tokens) and the
+    completion pass (``micro_batch`` x ``completion_len`` query tokens over ``prompt_len +
+    completion_len`` keys), plus, in the completion pass, every row's own copy of the prompt positions'
+    repeated K and V that attention keeps (2 x p x qd per prompt position per row; kv width under flash
+    attention). Backward runs the completion pass first, so a second moment can be the peak: when it
+    ends, every weight used by both passes holds its completion-pass gradient in autograd's buffer until
+    the prompt pass adds its part (``pending_gradients``: one copy of the trained parameters' gradients,
+    which the caller knows; the embedding's dense gradient comes on top), while the prompt pass's
+    tensors are all still saved. The larger moment, beyond ``logits``, is returned.
+    """
     full = lora_targets is None
     common = {"shape": shape, "p": p, "lora_targets": lora_targets, "lora_r": lora_r, "attention": attention}
     prompt_tokens, completion_tokens = prompts * prompt_len, micro_batch * completion_len
     width = (shape.num_kv_heads if attention == "flash_attention_2" else shape.num_heads) * shape.head_dim
 
-    def layer(input_requires_grad: bool) -> int:
+    def layer(input_requires_grad: bool, passes: str = "both") -> int:
+        prompt = layer_activation_bytes(tokens=prompt_tokens, seq_len=prompt_len,
+                                        input_requires_grad=input_requires_grad, **common)
+        if passes == "prompt":
+            return prompt
         attention_trains = input_requires_grad or any(t in lora_targets for t in ("q_proj", "k_proj", "v_proj"))
-        return (layer_activation_bytes(tokens=prompt_tokens, seq_len=prompt_len,
-                                       input_requires_grad=input_requires_grad, **common)
-                + layer_activation_bytes(tokens=completion_tokens, seq_len=prompt_len + completion_len,
-                                         input_requires_grad=input_requires_grad, **common)
+        return (prompt + layer_activation_bytes(tokens=completion_tokens, seq_len=prompt_len + completion_len,
+                                                input_requires_grad=input_requires_grad, **common)
                 + (2 * p * width * micro_batch * prompt_len if attention_trains else 0))
 
     saved = layer(full) + (shape.num_layers - 1) * layer(True)  # LoRA: frozen embeddings before layer one
@@ -162,7 +171,12 @@ def shared_prompt_activation_bytes(shape: ModelShape, *, micro_batch: int, promp
     cast_down = not full and p != LORA_BYTES and "down_proj" in lora_targets
     temporaries = mlp_backward_bytes(shape, tokens=max(prompt_tokens, completion_tokens), p=p,
                                      cast_down_adapter=cast_down)
-    return saved + final + max(0, temporaries - final - logits)
+    at_start = saved + final + max(0, temporaries - final - logits)
+    prompt_saved = (layer(full, "prompt") + (shape.num_layers - 1) * layer(True, "prompt")
+                    + final_norm_bytes(shape, tokens=prompt_tokens, p=p, full=full))
+    embedding_gradient = shape.vocab_size * shape.hidden_size * p if full else 0
+    between_passes = prompt_saved + pending_gradients + embedding_gradient - logits  # the logits are freed
+    return max(at_start, between_passes)
 
 
 def logits_bytes(*, micro_batch: int, positions: int, vocab_size: int, p: int) -> int:
