@@ -220,6 +220,30 @@ def test_policy_loss_matches_loop_reference(seed, G, loss_type, beta, eps_high):
     assert abs(stats["ratio_mean"].item() - want_ratio) < TOL
 
 
+@pytest.mark.parametrize("loss_type", sorted(LOSS_AGGREGATIONS))
+def test_padding_values_never_reach_the_loss(loss_type):
+    # Values at padded positions differ between passes (another model's log-prob of a pad token, or 0
+    # where a micro-batch skipped the column); far apart, exp() of their difference is inf, and inf * 0
+    # is NaN. The loss and its gradient must be those of the clean batch, whatever sits there.
+    gen = torch.Generator().manual_seed(0)
+    N, L = 4, 6
+    logp = (-torch.rand(N, L, generator=gen) * 3).requires_grad_()
+    old, ref = logp.detach() + 0.1, logp.detach() - 0.2
+    mask = ragged_mask(N, L, gen).float()
+    adv = torch.randn(N, generator=gen)
+    kwargs = dict(epsilon=0.2, epsilon_high=None, beta=0.04, loss_type=loss_type, max_completion_length=L)
+    clean, _ = policy_loss(logp, old, ref, adv, mask, **kwargs)
+    (clean_grad,) = torch.autograd.grad(clean, logp)
+    pad = mask == 0
+    assert pad.any()
+    dirty_logp = torch.where(pad, torch.tensor(-200.0), logp)
+    loss, stats = policy_loss(dirty_logp, old.masked_fill(pad, 0.0), ref.masked_fill(pad, 150.0), adv, mask, **kwargs)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert torch.isfinite(loss) and all(torch.isfinite(v) for v in stats.values())
+    torch.testing.assert_close(loss, clean)
+    torch.testing.assert_close(grad, clean_grad)
+
+
 def test_ratio_one_is_reinforce_with_group_baseline():
     # old == new -> ratio 1, no clipping; beta 0 -> per-token loss is -A. With "grpo" aggregation each
     # sequence contributes -A_i, so loss = -mean(A) = 0 for centred advantages, and the gradient w.r.t.

@@ -226,6 +226,13 @@ def policy_loss(
     if advantages.shape != logprobs.shape[:1]:
         raise ValueError(f"advantages must be [N]={logprobs.shape[0]}, got {tuple(advantages.shape)}")
     eps_high = epsilon if epsilon_high is None else epsilon_high
+    # Padding is masked out of every sum, but inf * 0 is NaN: whatever values the passes left at padded
+    # positions (another model's, or 0 where a pass skipped the column) must not overflow exp().
+    padding = mask == 0
+    logprobs = logprobs.masked_fill(padding, 0.0)
+    old_logprobs = old_logprobs.masked_fill(padding, 0.0)
+    if ref_logprobs is not None:
+        ref_logprobs = ref_logprobs.masked_fill(padding, 0.0)
     mask = mask.to(logprobs.dtype)
     adv = advantages.detach().to(logprobs.dtype).unsqueeze(1)  # [N, 1]
     ratio = torch.exp(logprobs - old_logprobs.detach())  # [N, L]
