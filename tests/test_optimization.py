@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from grpo.distributed import DistInfo
-from grpo.optimization import LossSettings, lr_multiplier, train_on_batch
+from grpo.optimization import LossSettings, lr_multiplier, rows_by_length, train_on_batch
 from grpo.records import Generation, RolloutBatch
 from grpo.tiny_model import build_qwen2
 
@@ -72,6 +72,14 @@ def test_micro_batches_accumulate_to_the_whole_batch_gradient(tiny_tokenizer, lo
         assert abs(part_loss - whole_loss) < 1e-5
         for name, g in whole.items():
             assert torch.allclose(part[name], g, atol=1e-6, rtol=1e-4), (micro, name)
+
+
+def test_micro_batches_take_whole_groups_by_length():
+    # Groups of 2 whose longest completions are 5, 2, 7, 2 tokens: shortest first, ties in batch order,
+    # each group's rows together (their prompt pass is shared).
+    lengths = torch.tensor([5, 1, 2, 2, 3, 7, 1, 2])
+    mask = (torch.arange(8)[None] < lengths[:, None]).long()
+    assert rows_by_length(mask, 2).tolist() == [2, 3, 6, 7, 0, 1, 4, 5]
 
 
 def test_lr_schedule_shapes():

@@ -78,6 +78,15 @@ def _micro_batch_weight(loss_type: str, rows: int, tokens: torch.Tensor, total_r
     return 1.0
 
 
+def rows_by_length(completion_mask: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[N] row order for micro-batching: whole groups, the group whose longest completion is shortest
+    first. Micro-batches of similar lengths carry less padding (``completion_logprobs`` skips columns
+    that pad a whole micro-batch), and groups stay together so their prompt pass is still shared."""
+    longest = completion_mask.sum(-1).view(-1, group_size).amax(-1)  # [P]
+    groups = torch.argsort(longest, stable=True)  # [P]
+    return (groups[:, None] * group_size + torch.arange(group_size, device=groups.device)).flatten()
+
+
 def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_info: DistInfo) -> dict[str, float]:
     """``num_iterations`` optimizer updates on one rollout batch. Returns the step's training stats.
 
@@ -97,33 +106,39 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
     totals = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio_mean": 0.0, "learning_rate": learner.lr}
     grad_norms, skipped = [], 0
     starts = list(range(0, N, s.micro_batch_size))
+    # The gradient is a sum over rows, so which rows share a micro-batch changes nothing but padding.
+    P = len(batch.prompts)
+    order = (rows_by_length(gen.completion_mask, N // P) if len(starts) > 1 and P and N % P == 0
+             else torch.arange(N))  # [N]
     # Without old log-probs from the rollout (colocated), the first iteration's own log-probs are
     # exactly the old policy's: no update has happened since sampling. They are kept for the later
     # iterations, which saves the separate forward pass over the batch that would compute the same.
     captured: list[torch.Tensor] | None = [] if old_all is None and s.num_iterations > 1 else None
     for iteration in range(s.num_iterations):
         for index, start in enumerate(starts):
-            rows = slice(start, start + s.micro_batch_size)
+            rows = order[start:start + s.micro_batch_size]  # on the CPU, like the rollout's tensors
+            on_device = rows.to(device)
             with learner.accumulating(last=index == len(starts) - 1):
                 logprobs = completion_logprobs(learner.module, gen.prompt_ids[rows], gen.prompt_mask[rows],
                                                gen.completion_ids[rows], gen.completion_mask[rows],
                                                s.temperature)  # [b, Lc]
-                old = old_all[rows] if old_all is not None else logprobs.detach()
+                old = old_all[on_device] if old_all is not None else logprobs.detach()
                 if captured is not None and iteration == 0:
                     captured.append(old)
-                ref = ref_all[rows] if ref_all is not None else None
+                ref = ref_all[on_device] if ref_all is not None else None
+                rows_mask = mask[on_device]
                 loss, stats = policy_loss(
-                    logprobs, old, ref, advantages[rows], mask[rows], epsilon=s.epsilon,
+                    logprobs, old, ref, advantages[on_device], rows_mask, epsilon=s.epsilon,
                     epsilon_high=s.epsilon_high, beta=s.beta, loss_type=s.loss_type,
                     max_completion_length=s.max_completion_length, normalizer=global_tokens)
-                weight = _micro_batch_weight(s.loss_type, logprobs.shape[0], mask[rows].sum(), N, mask.sum())
+                weight = _micro_batch_weight(s.loss_type, logprobs.shape[0], rows_mask.sum(), N, mask.sum())
                 learner.backward(loss * weight)
-            share = float(weight) if s.loss_type != "dapo" else float(mask[rows].sum() / mask.sum().clamp(min=1))
+            share = float(weight) if s.loss_type != "dapo" else float(rows_mask.sum() / mask.sum().clamp(min=1))
             totals["loss"] += float(loss.detach() * weight) / s.num_iterations
             for key in ("kl", "clip_fraction", "ratio_mean"):
                 totals[key] += float(stats[key]) * share / s.num_iterations
         if captured is not None and iteration == 0:
-            old_all = torch.cat(captured)  # [N, Lc]
+            old_all = torch.cat(captured)[torch.argsort(order).to(device)]  # [N, Lc], back in row order
         norm = learner.finish_update()
         if norm is None:
             skipped += 1
