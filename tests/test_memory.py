@@ -197,6 +197,43 @@ def _batch(vocab: int, b: int = 4, prompt: int = 48, completion: int = 32):
             torch.randint(0, vocab, (b, completion), generator=g), torch.ones(b, completion, dtype=torch.long))
 
 
+def _saved_bytes(model, forward) -> int:
+    """Bytes of every tensor autograd keeps for backward while ``forward()`` runs (storages counted
+    once, the model's parameters left out)."""
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(n for ptr, n in saved.items() if ptr not in params)
+
+
+def _backward_peak_bytes(model, rows) -> int:
+    """Peak live CPU tensor bytes (the profiler's allocation events) over one micro-batch's forward and
+    backward through grpo's own log-prob path, after a first one so that gradients already exist."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from grpo.logprobs import completion_logprobs
+
+    def step():
+        logprobs = completion_logprobs(model, *rows, 1.0)
+        (-(logprobs * rows[3]).sum()).backward()
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, change in events:
+        live += change
+        peak = max(peak, live)
+    return peak
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lora, targets", [(False, "all-linear"), (True, "all-linear"), (True, ["q_proj", "v_proj"]),
                                            (True, ["o_proj", "down_proj"])])
@@ -206,16 +243,7 @@ def test_saved_activations_match_autograd(tiny_tokenizer, dtype, lora, targets):
     model, shape = _tiny(tiny_tokenizer, dtype, lora, targets)
     prompt_ids, prompt_mask, completion_ids, completion_mask = _batch(shape.vocab_size)
     ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
-    kept = sum(n for ptr, n in saved.items() if ptr not in params)
+    kept = _saved_bytes(model, lambda: model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1))
     p = 2 if dtype == torch.bfloat16 else 4
     expected = activation_bytes(shape, micro_batch=4, seq_len=80, p=p, lora_targets=lora_targets(targets) if lora
                                 else None, lora_r=8, attention="sdpa", gradient_checkpointing=False,
@@ -227,27 +255,9 @@ def test_saved_activations_match_autograd(tiny_tokenizer, dtype, lora, targets):
 @pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backward_peak_matches_the_profiler(tiny_tokenizer, dtype, lora, gc):
-    # Live CPU tensor bytes (the profiler's allocation events) over a micro-batch's forward and backward
-    # through grpo's own log-prob path, after a first one so that gradients already exist.
-    from torch.profiler import ProfilerActivity, profile
-
-    from grpo.logprobs import completion_logprobs
-
+    # Distinct prompts in every row: the plain one-sequence-per-row pass.
     model, shape = _tiny(tiny_tokenizer, dtype, lora, "all-linear", gradient_checkpointing=gc)
-    prompt_ids, prompt_mask, completion_ids, completion_mask = _batch(shape.vocab_size)
-
-    def step():
-        logprobs = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 1.0)
-        (-(logprobs * completion_mask).sum()).backward()
-
-    step()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    live = peak = 0
-    for _, change in events:
-        live += change
-        peak = max(peak, live)
+    peak = _backward_peak_bytes(model, _batch(shape.vocab_size))
     p = 2 if dtype == torch.bfloat16 else 4
     logits = logits_bytes(micro_batch=4, positions=33, vocab_size=shape.vocab_size, p=p)
     expected = logits + activation_bytes(shape, micro_batch=4, seq_len=80, p=p,
@@ -294,17 +304,8 @@ def test_shared_prompt_saved_activations_match_autograd(tiny_tokenizer, dtype, l
 
     model, shape = _tiny(tiny_tokenizer, dtype, lora, "all-linear")
     prompt_ids, prompt_mask, completion_ids, completion_mask = _grouped_batch(shape.vocab_size)
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                              *shared_prompt_index(prompt_ids, prompt_mask))
-    kept = sum(n for ptr, n in saved.items() if ptr not in params)
+    kept = _saved_bytes(model, lambda: _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids,
+                                                             completion_mask, *shared_prompt_index(prompt_ids, prompt_mask)))
     p = 2 if dtype == torch.bfloat16 else 4
     expected = shared_prompt_activation_bytes(shape, **_shared_kwargs(shape, p, lora), logits=10**12)
     unshared = activation_bytes(shape, micro_batch=8, seq_len=80, p=p, lora_targets=_shared_kwargs(shape, p, lora)[
@@ -315,25 +316,8 @@ def test_shared_prompt_saved_activations_match_autograd(tiny_tokenizer, dtype, l
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_shared_prompt_backward_peak_matches_the_profiler(tiny_tokenizer, lora):
-    from torch.profiler import ProfilerActivity, profile
-
-    from grpo.logprobs import completion_logprobs
-
     model, shape = _tiny(tiny_tokenizer, torch.float32, lora, "all-linear")
-    rows = _grouped_batch(shape.vocab_size)
-
-    def step():
-        logprobs = completion_logprobs(model, *rows, 1.0)
-        (-(logprobs * rows[3]).sum()).backward()
-
-    step()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    live = peak = 0
-    for _, change in events:
-        live += change
-        peak = max(peak, live)
+    peak = _backward_peak_bytes(model, _grouped_batch(shape.vocab_size))
     logits = logits_bytes(micro_batch=8, positions=33, vocab_size=shape.vocab_size, p=4)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     expected = logits + shared_prompt_activation_bytes(shape, **_shared_kwargs(shape, 4, lora), logits=logits,
