@@ -119,3 +119,19 @@ def test_lora_policy_samples_with_the_adapter_folded_in(model, tiny_tokenizer):
     assert not torch.equal(lean.completion_ids, plain.completion_ids[:, : lean.completion_ids.shape[1]])
     after = peft_model.get_base_model().state_dict()
     assert all(torch.equal(v, after[k]) for k, v in base_before.items())
+
+
+def test_sliding_window_layers_keep_their_own_cache(tiny_tokenizer):
+    # A model with sliding-window attention: its cache layers drop old positions, so they are repeated
+    # as they are instead of being replaced by the preallocated layer; greedy still equals generate.
+    from grpo.tiny_model import build_qwen2
+
+    model = build_qwen2(tiny_tokenizer, seed=3)
+    model.config.use_sliding_window, model.config.sliding_window = True, 8
+    model.config.layer_types = ["sliding_attention", "full_attention"]
+    model = type(model)(model.config).eval()
+    prompts = [chat(tiny_tokenizer, "Hi"), chat(tiny_tokenizer, "Tom has 12 apples and buys 7 more apples.")]
+    params = SamplingParams(n=1, max_tokens=12, greedy=True)  # generate() refuses n > 1 when greedy
+    lean = LeanEngine(model, tiny_tokenizer).generate(prompts, params)
+    ref = HFEngine(model, tiny_tokenizer).generate(prompts, params)
+    assert torch.equal(lean.completion_ids, ref.completion_ids[:, : lean.completion_ids.shape[1]])

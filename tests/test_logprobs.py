@@ -122,3 +122,13 @@ def test_columns_that_are_padding_in_a_whole_micro_batch_are_not_run(tiny_tokeni
     assert torch.all(trimmed[:2, 3:] == 0)
     mask = completion_mask.bool()
     torch.testing.assert_close(trimmed[mask], whole[mask], atol=2e-5, rtol=1e-5)
+
+
+def test_shared_prompt_pass_equals_plain_with_sliding_window_attention(tiny_tokenizer):
+    # The prompt's cache of a sliding-window layer keeps only its last positions; completions must
+    # still see exactly the window the one-sequence pass gives them.
+    base = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=2, seed=0)
+    base.config.use_sliding_window, base.config.sliding_window = True, 6
+    base.config.layer_types = ["sliding_attention", "full_attention"]
+    model = type(base)(base.config).train()
+    assert_same(model, grouped_rows(len(tiny_tokenizer), [9, 4], G=3), None)

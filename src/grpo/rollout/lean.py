@@ -4,8 +4,9 @@ Why not ``model.generate``: for the small models GRPO is often run with, its per
 machinery (logits processors, stopping criteria, cache bookkeeping) costs as much as the model. This
 loop does only what GRPO sampling needs, and samples from exactly the same distribution:
 logits / temperature, then top-k, then top-p (the order ``generate`` applies them), then one draw
-from that distribution (inverse CDF, see ``draw_tokens``). Three savings ``generate`` does not make: each prompt is prefilled once and its KV
-cache repeated for the G samples, finished rows leave the batch, and a LoRA policy samples with its
+from that distribution (inverse CDF, see ``draw_tokens``). Three savings ``generate`` does not make:
+each prompt is prefilled once and its KV cache repeated for the G samples (into a preallocated cache
+written in place), finished rows leave the batch, and a LoRA policy samples with its
 adapter folded into the weights it adapts (W + BA computed once per call instead of two extra
 matmuls per layer per token; the base weights themselves are never modified).
 """
@@ -168,9 +169,13 @@ class LeanEngine:
         out = forward(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         cache = out.past_key_values
         n = params.n
-        # one prefill per prompt, its cache repeated for the G samples, with room for their tokens
+        # One prefill per prompt, its cache repeated for the G samples with room for their tokens. Other
+        # layer kinds (sliding windows drop old positions) keep their own semantics, repeated as they are.
         cache.layers = [PreallocatedLayer(layer.keys, layer.values, n, ids.shape[1] + params.max_tokens)
-                        for layer in cache.layers]
+                        if type(layer) is DynamicLayer else layer for layer in cache.layers]
+        for layer in cache.layers:
+            if not isinstance(layer, PreallocatedLayer):
+                layer.batch_repeat_interleave(n)
         mask = mask.repeat_interleave(n, dim=0)  # [B, Lp] with B = prompts * n
         next_pos = positions[:, -1:].repeat_interleave(n, dim=0) + 1  # [B, 1]
         logits = out.logits[:, -1].repeat_interleave(n, dim=0)  # [B, V]
