@@ -96,6 +96,12 @@ def mlp_backward_bytes(shape: ModelShape, *, tokens: int, p: int, cast_down_adap
     return (3 * p + (4 + p if cast_down_adapter else 0)) * shape.intermediate_size * tokens
 
 
+def _backward_temporaries(shape: ModelShape, *, tokens: int, p: int, lora_targets: tuple[str, ...] | None) -> int:
+    """``mlp_backward_bytes``, with the cast a down_proj adapter on a non-fp32 base adds."""
+    cast_down = lora_targets is not None and p != LORA_BYTES and "down_proj" in lora_targets
+    return mlp_backward_bytes(shape, tokens=tokens, p=p, cast_down_adapter=cast_down)
+
+
 def activation_bytes(shape: ModelShape, *, micro_batch: int, seq_len: int, p: int,
                      lora_targets: tuple[str, ...] | None, lora_r: int, attention: str,
                      gradient_checkpointing: bool, logits: int = 0) -> int:
@@ -116,8 +122,7 @@ def activation_bytes(shape: ModelShape, *, micro_batch: int, seq_len: int, p: in
     layer = {"shape": shape, "tokens": tokens, "seq_len": seq_len, "p": p, "lora_targets": lora_targets,
              "lora_r": lora_r, "attention": attention}
     final = final_norm_bytes(shape, tokens=tokens, p=p, full=full)
-    cast_down = not full and p != LORA_BYTES and "down_proj" in lora_targets
-    temporaries = mlp_backward_bytes(shape, tokens=tokens, p=p, cast_down_adapter=cast_down)
+    temporaries = _backward_temporaries(shape, tokens=tokens, p=p, lora_targets=lora_targets)
     if gradient_checkpointing:
         checkpoints = shape.num_layers * p * shape.hidden_size * tokens + micro_batch * seq_len * seq_len
         return checkpoints + max(final, layer_activation_bytes(**layer) + temporaries - logits)
@@ -156,24 +161,25 @@ def shared_prompt_activation_bytes(shape: ModelShape, *, micro_batch: int, promp
     prompt_tokens, completion_tokens = prompts * prompt_len, micro_batch * completion_len
     width = (shape.num_kv_heads if attention == "flash_attention_2" else shape.num_heads) * shape.head_dim
 
-    def layer(input_requires_grad: bool, passes: str = "both") -> int:
-        prompt = layer_activation_bytes(tokens=prompt_tokens, seq_len=prompt_len,
-                                        input_requires_grad=input_requires_grad, **common)
-        if passes == "prompt":
-            return prompt
+    def prompt_pass(input_requires_grad: bool) -> int:
+        return layer_activation_bytes(tokens=prompt_tokens, seq_len=prompt_len,
+                                      input_requires_grad=input_requires_grad, **common)
+
+    def completion_pass(input_requires_grad: bool) -> int:
         attention_trains = input_requires_grad or any(t in lora_targets for t in ("q_proj", "k_proj", "v_proj"))
-        return (prompt + layer_activation_bytes(tokens=completion_tokens, seq_len=prompt_len + completion_len,
-                                                input_requires_grad=input_requires_grad, **common)
+        return (layer_activation_bytes(tokens=completion_tokens, seq_len=prompt_len + completion_len,
+                                       input_requires_grad=input_requires_grad, **common)
                 + (2 * p * width * micro_batch * prompt_len if attention_trains else 0))
 
-    saved = layer(full) + (shape.num_layers - 1) * layer(True)  # LoRA: frozen embeddings before layer one
+    def all_layers(per_layer) -> int:  # LoRA: frozen embeddings, so layer one's input needs no gradient
+        return per_layer(full) + (shape.num_layers - 1) * per_layer(True)
+
+    prompt_saved = all_layers(prompt_pass) + final_norm_bytes(shape, tokens=prompt_tokens, p=p, full=full)
     final = final_norm_bytes(shape, tokens=prompt_tokens + completion_tokens, p=p, full=full)
-    cast_down = not full and p != LORA_BYTES and "down_proj" in lora_targets
-    temporaries = mlp_backward_bytes(shape, tokens=max(prompt_tokens, completion_tokens), p=p,
-                                     cast_down_adapter=cast_down)
-    at_start = saved + final + max(0, temporaries - final - logits)
-    prompt_saved = (layer(full, "prompt") + (shape.num_layers - 1) * layer(True, "prompt")
-                    + final_norm_bytes(shape, tokens=prompt_tokens, p=p, full=full))
+    saved = all_layers(prompt_pass) + all_layers(completion_pass) + final
+    temporaries = _backward_temporaries(shape, tokens=max(prompt_tokens, completion_tokens), p=p,
+                                        lora_targets=lora_targets)
+    at_start = saved + max(0, temporaries - final - logits)
     embedding_gradient = shape.vocab_size * shape.hidden_size * p if full else 0
     between_passes = prompt_saved + pending_gradients + embedding_gradient - logits  # the logits are freed
     return max(at_start, between_passes)
