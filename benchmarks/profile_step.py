@@ -33,9 +33,9 @@ def main() -> None:
     torch.set_num_threads(2)
     workdir = Path(tempfile.mkdtemp(prefix="grpo-profile-"))
     models = vs_trl.build_models(workdir)
-    case = {"name": args.model, "model": str(models[args.model]), "prompts": str(vs_trl.write_prompts(workdir, 400)),
-            "lora_r": 16 if args.lora else 0, "num_iterations": args.mu, "G": 8, "P": 4, "max_completion_length": 64,
-            "beta": 0.04, "lr": 1e-5, "steps": args.steps, "seed": 0, "threads": 2, "workdir": str(workdir / "run")}
+    case = vs_trl.make_case(args.model, models[args.model], vs_trl.write_prompts(workdir, 400),
+                            lora_r=16 if args.lora else 0, num_iterations=args.mu, steps=args.steps, threads=2)
+    case["workdir"] = str(workdir / "run")
     torch.manual_seed(0)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         result = runners.run_ours(case)

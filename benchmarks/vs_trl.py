@@ -71,6 +71,14 @@ def write_prompts(workdir: Path, n: int) -> Path:
     return path
 
 
+def make_case(model_name: str, model: Path, prompts: Path, *, lora_r: int, num_iterations: int, steps: int,
+              threads: int) -> dict:
+    """One benchmark case: the settings both trainers get (G=8, 4 prompts per step, 64 new tokens, ...)."""
+    return {"name": f"{model_name}/{'lora16' if lora_r else 'full'}/mu{num_iterations}", "model": str(model),
+            "prompts": str(prompts), "lora_r": lora_r, "num_iterations": num_iterations, "G": 8, "P": 4,
+            "max_completion_length": 64, "beta": 0.04, "lr": 1e-5, "steps": steps, "seed": 0, "threads": threads}
+
+
 def run_once(which: str, case: dict, workdir: Path) -> dict:
     case = dict(case, workdir=str(workdir / f"{which}-{case['name']}"), result=str(workdir / f"{which}.json"))
     case_file = workdir / f"{which}-case.json"
@@ -114,10 +122,8 @@ def main() -> None:
     for model_name, model in models.items():
         for lora_r in (0, 16):
             for mu in ((1,) if args.quick else (1, 2)):
-                cases.append({"name": f"{model_name}/{'lora16' if lora_r else 'full'}/mu{mu}", "model": str(model),
-                              "prompts": str(prompts), "lora_r": lora_r, "num_iterations": mu, "G": 8, "P": 4,
-                              "max_completion_length": 64, "beta": 0.04, "lr": 1e-5, "steps": steps, "seed": 0,
-                              "threads": args.threads})
+                cases.append(make_case(model_name, model, prompts, lora_r=lora_r, num_iterations=mu, steps=steps,
+                                       threads=args.threads))
     if args.quick and len(cases) > 2:
         cases = [c for c in cases if "lora16" not in c["name"] or "random" in c["name"]]
     if args.only:
@@ -153,15 +159,14 @@ def main() -> None:
 
 def mean_prompt_tokens(case: dict) -> float:
     """Mean chat-templated prompt length (system prompt + question) of the prompts the runs trained on."""
-    from transformers import AutoTokenizer
+    from grpo.data import load_dataset_source, resolve_system_prompt
+    from grpo.experience import render_prompts
+    from grpo.models import load_tokenizer
 
-    from grpo.data import build_prompt_messages, load_dataset_source, render_prompt, resolve_system_prompt
-
-    tokenizer = AutoTokenizer.from_pretrained(case["model"])
-    system = resolve_system_prompt(None, "think")
+    tokenizer = load_tokenizer(case["model"])
     examples = load_dataset_source(case["prompts"])[: case["P"] * case["steps"]]  # data.shuffle false: in order
-    return statistics.fmean(len(tokenizer(render_prompt(tokenizer, build_prompt_messages(e, system)),
-                                          add_special_tokens=False)["input_ids"]) for e in examples)
+    texts = render_prompts(tokenizer, examples, resolve_system_prompt(None, "think"), 10**6)
+    return statistics.fmean(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts)
 
 
 def train_gflops(case: dict, runs: list[dict]) -> float:
