@@ -48,7 +48,8 @@ def make_batch(N: int = 6, G: int = 2, Lp: int = 5, Lc: int = 7, F: int = 2, log
         rewards=torch.randn(N, generator=gen), reward_parts=reward_parts, reward_names=[f"r{f}" for f in range(F)],
         advantages=torch.randn(N, generator=gen), old_logprobs=logp - 0.1 if logprobs else None,
         ref_logprobs=logp + 0.2 if logprobs else None, prompts=[f"prompt {p} ✓" for p in range(N // G)],
-        columns={"answer": [str(i // G) for i in range(N)], "question": [[{"role": "user", "content": "q"}]] * N})
+        columns={"answer": [str(i // G) for i in range(N)], "question": [[{"role": "user", "content": "q"}]] * N},
+        reward_metrics={"judge/latency_s": 0.25}, reward_extras={"gold_parsed": [f"[{i}]" for i in range(N)]})
 
 
 def assert_same_batch(a: RolloutBatch, b: RolloutBatch) -> None:
@@ -65,6 +66,7 @@ def assert_same_batch(a: RolloutBatch, b: RolloutBatch) -> None:
     assert torch.equal(a.reward_parts.nan_to_num(7.0), b.reward_parts.nan_to_num(7.0))
     assert a.generation.completions == b.generation.completions
     assert (a.reward_names, a.prompts, a.columns) == (b.reward_names, b.prompts, b.columns)
+    assert (a.reward_metrics, a.reward_extras) == (b.reward_metrics, b.reward_extras)
 
 
 def batch_frames(token: str = "", **kwargs) -> list[bytes]:
@@ -239,6 +241,8 @@ SHAPE_REJECTIONS = {
     "no prompts": ({}, {"prompts": []}, "0 prompts for N=6"),
     "column length": ({}, {"columns": {"answer": ["1"] * 5}}, "column 'answer' must be a list of N=6 values, got 5"),
     "column not a list": ({}, {"columns": {"answer": "1"}}, "got str"),
+    "reward extra length": ({}, {"reward_extras": {"x": [1] * 5}}, "reward_extras['x'] must be a list of N=6"),
+    "reward metric not a number": ({}, {"reward_metrics": {"m": "1"}}, "reward_metrics['m'] must be a number"),
 }
 
 

@@ -49,7 +49,16 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         prompts=[p for b in batches for p in b.prompts],
         columns=columns,
         timings={k: sum(b.timings.get(k, 0.0) for b in batches) for k in batches[0].timings},
+        reward_metrics=_mean_of_present([b.reward_metrics for b in batches]),
+        reward_extras={key: [v for b in batches for v in b.reward_extras.get(key, [None] * len(b.rewards))]
+                       for key in dict.fromkeys(k for b in batches for k in b.reward_extras)},
     )
+
+
+def _mean_of_present(dicts: list[dict[str, float]]) -> dict[str, float]:
+    """name -> mean over the dicts that have it (a reward may log a metric in some batches only)."""
+    names = dict.fromkeys(k for d in dicts for k in d)
+    return {name: sum(d[name] for d in dicts if name in d) / sum(name in d for d in dicts) for name in names}
 
 
 def rank_slice(batch: RolloutBatch, rank: int, world_size: int) -> RolloutBatch:
@@ -71,5 +80,6 @@ def rank_slice(batch: RolloutBatch, rank: int, world_size: int) -> RolloutBatch:
         rewards=batch.rewards[rows], reward_parts=batch.reward_parts[rows], reward_names=batch.reward_names,
         advantages=batch.advantages[rows], old_logprobs=cut(batch.old_logprobs), ref_logprobs=cut(batch.ref_logprobs),
         prompts=batch.prompts[prompts], columns={k: v[rows] for k, v in batch.columns.items()},
-        timings=dict(batch.timings),
+        timings=dict(batch.timings), reward_metrics=dict(batch.reward_metrics),
+        reward_extras={k: v[rows] for k, v in batch.reward_extras.items()},
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,16 @@ def all_reduce_sum(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
     if info.enabled:
         dist.all_reduce(out, op=dist.ReduceOp.SUM)
     return out
+
+
+def all_gather_objects(obj: Any, info: DistInfo) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order; ``[obj]`` for one process. For small values
+    whose shape differs between ranks (a reward's logged metrics), where a tensor reduction cannot go."""
+    if not info.enabled:
+        return [obj]
+    gathered: list[Any] = [None] * info.world_size
+    dist.all_gather_object(gathered, obj)
+    return gathered
 
 
 def barrier(info: DistInfo) -> None:

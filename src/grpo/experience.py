@@ -18,6 +18,7 @@ from grpo.logprobs import completion_logprobs
 from grpo.models import reference_context
 from grpo.records import Generation, RolloutBatch
 from grpo.rewards import answers_equal, extract_answer, is_well_formatted, score
+from grpo.rewards.context import RewardContext, make_trainer_state
 from grpo.rollout import RolloutEngine, SamplingParams
 
 
@@ -33,6 +34,7 @@ class ExperienceSettings:
     advantage_eps: float
     need_old_logprobs: bool  # num_iterations > 1
     logprob_batch_size: int
+    max_steps: int = 0  # the run's length, for the rewards' trainer_state
 
 
 def render_prompts(tokenizer, examples: Sequence[Example], system_prompt: str | None,
@@ -89,10 +91,12 @@ def make_experience(
     reward_weights: Sequence[float],
     settings: ExperienceSettings,
     seed: int,
+    steps_done: int = 0,
 ) -> RolloutBatch:
     """Sample ``G`` completions per example with the current policy and turn them into a ``RolloutBatch``.
 
-    ``ref_logprobs_fn`` is None when beta == 0 (no reference needed)."""
+    ``ref_logprobs_fn`` is None when beta == 0 (no reference needed). ``steps_done`` (training steps
+    finished before this one) is the rewards' ``trainer_state.global_step``."""
     G = settings.sampling.n
     started = time.perf_counter()
     prompts = render_prompts(tokenizer, examples, settings.system_prompt, settings.max_prompt_length)
@@ -100,14 +104,18 @@ def make_experience(
     generated = time.perf_counter()
 
     # Rewards see chat-format prompts and completions, as TRL passes them for conversational data,
-    # so TRL reward functions (which read completion[0]["content"]) run unchanged.
+    # so TRL reward functions (which read completion[0]["content"]) run unchanged; completion_ids are
+    # each completion's tokens up to and including EOS, as TRL's completion_ids_list.
     chat_prompts = [build_prompt_messages(e, settings.system_prompt) for e in examples for _ in range(G)]
     chat_completions = [[{"role": "assistant", "content": text}] for text in generation.completions]
+    completion_ids = [ids[mask.bool()].tolist()
+                      for ids, mask in zip(generation.completion_ids, generation.completion_mask)]
     columns: dict[str, list] = {}
     for e in examples:
         for key, value in e.columns().items():
             columns.setdefault(key, []).extend([value] * G)
-    scores = score(reward_fns, reward_weights, chat_prompts, chat_completions, columns)
+    context = RewardContext(make_trainer_state(steps_done, settings.max_steps))
+    scores = score(reward_fns, reward_weights, chat_prompts, chat_completions, columns, completion_ids, context)
     advantages = group_advantages(scores.total, G, scale=settings.scale_rewards, eps=settings.advantage_eps)
     scored = time.perf_counter()
 
@@ -126,6 +134,8 @@ def make_experience(
         ref_logprobs=ref_logprobs,
         prompts=prompts,
         columns=columns,
+        reward_metrics=context.metric_means(),
+        reward_extras=context.extra_columns(len(generation.completions)),
         timings={"generate_s": generated - started, "rewards_s": scored - generated,
                  "logprobs_s": time.perf_counter() - scored},
     )

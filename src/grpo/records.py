@@ -44,6 +44,8 @@ class RolloutBatch:
     prompts:         P prompt texts (rendered with the chat template), one per group.
     columns:         dataset columns per completion row (e.g. ``answer``), as reward functions get them.
     timings:         seconds spent in each phase that made it (generate_s, rewards_s, logprobs_s).
+    reward_metrics:  name -> mean of what the reward functions gave ``log_metric`` for this batch.
+    reward_extras:   column -> N values the reward functions gave ``log_extra`` (for samples.jsonl).
     """
 
     generation: Generation
@@ -56,3 +58,5 @@ class RolloutBatch:
     prompts: list[str]
     columns: dict[str, list] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    reward_metrics: dict[str, float] = field(default_factory=dict)
+    reward_extras: dict[str, list] = field(default_factory=dict)

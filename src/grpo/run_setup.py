@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,14 +44,16 @@ def load_data(cfg: RunConfig) -> tuple[list, list]:
     return train_set, eval_set
 
 
-def build_rewards(cfg: RunConfig) -> tuple[list, list[float]]:
+def build_rewards(cfg: RunConfig, examples: Sequence | None = None) -> tuple[list, list[float]]:
     """The configured reward functions and their weights; a reward that cannot be built (unknown
-    name, a dotted path that does not import, bad params) is a configuration error naming it."""
+    name, a dotted path that does not import, bad params or factory_args) or, given the training
+    ``examples``, cannot take TRL's keyword call with their columns is a configuration error naming it."""
     from grpo.config import ConfigError
     from grpo.rewards import build_reward_functions
 
+    column_names = list(examples[0].columns()) if examples else None
     try:
-        functions = build_reward_functions(cfg.rewards, cfg.data.tag_style)
+        functions = build_reward_functions(cfg.rewards, cfg.data.tag_style, column_names)
     except (ValueError, ImportError) as err:
         raise ConfigError(f"rewards: {err}") from None
     except SyntaxError as err:
@@ -73,7 +75,7 @@ def experience_settings(cfg: RunConfig, need_old_logprobs: bool | None = None) -
         tag_style=cfg.data.tag_style, max_prompt_length=cfg.data.max_prompt_length,
         scale_rewards=cfg.loss.scale_rewards, advantage_eps=cfg.loss.advantage_eps,
         need_old_logprobs=cfg.loss.num_iterations > 1 if need_old_logprobs is None else need_old_logprobs,
-        logprob_batch_size=cfg.train.micro_batch_size)
+        logprob_batch_size=cfg.train.micro_batch_size, max_steps=cfg.train.max_steps)
 
 
 def loss_settings(cfg: RunConfig) -> LossSettings:

@@ -7,7 +7,8 @@ import time
 
 import torch
 
-from grpo.distributed import DistInfo, all_reduce_mean
+from grpo.distributed import DistInfo, all_gather_objects, all_reduce_mean
+from grpo.errors import RewardError
 from grpo.experience import correctness
 from grpo.records import RolloutBatch
 
@@ -62,7 +63,21 @@ def step_metrics(batch: RolloutBatch, train_stats: dict, group_size: int, tag_st
         "tokens_per_s": completion_tokens / step_s,
         **{f"time/{name}": seconds for name, seconds in batch.timings.items()},
     })
+    metrics.update(reward_logged_metrics(batch.reward_metrics, set(metrics), info))
     return metrics
+
+
+def reward_logged_metrics(local: dict[str, float], taken: set[str], info: DistInfo) -> dict[str, float]:
+    """What reward functions gave ``log_metric``, averaged over the ranks that logged each name (ranks
+    may log different names), under the name itself as TRL logs it. A name that grpo logs itself
+    would overwrite a real metric: RewardError."""
+    clashes = sorted(set(local) & taken)
+    if clashes:
+        raise RewardError(f"a reward's log_metric used the names {clashes}, which grpo logs itself; choose "
+                          f"other names (e.g. 'rewards/{clashes[0]}')")
+    per_rank = all_gather_objects(local, info)
+    names = dict.fromkeys(name for logged in per_rank for name in logged)
+    return {name: sum(r[name] for r in per_rank if name in r) / sum(name in r for r in per_rank) for name in names}
 
 
 def sample_records(batch: RolloutBatch, num_samples: int) -> list[dict]:
@@ -83,6 +98,7 @@ def sample_records(batch: RolloutBatch, num_samples: int) -> list[dict]:
                         for f, name in enumerate(batch.reward_names)},
             "advantage": float(batch.advantages[row]),
             "truncated": bool(batch.generation.truncated[row]),
+            **({"extras": {k: v[row] for k, v in batch.reward_extras.items()}} if batch.reward_extras else {}),
         })
     return records
 

@@ -73,6 +73,7 @@ def train(cfg: RunConfig) -> TrainResult:
         torch.manual_seed(cfg.train.seed)
         tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
         train_set, eval_set = load_data(cfg)
+        reward_fns, weights = build_rewards(cfg, train_set)  # a broken reward stops the run before any model loads
         sampler = PromptSampler(len(train_set), cfg.train.prompts_per_step, cfg.train.seed, cfg.data.shuffle)
         sampler.rank_indices(1, info.rank, info.world_size)  # checks P is divisible by the ranks, early
         check_memory_savers(cfg.model, cfg.optim.optimizer, device)
@@ -83,7 +84,6 @@ def train(cfg: RunConfig) -> TrainResult:
         reference = load_reference(cfg.model, policy, tokenizer, device) if cfg.loss.beta > 0 else None
         ref_logprobs = (local_reference(policy, reference, cfg.rollout.temperature, cfg.train.micro_batch_size)
                         if cfg.loss.beta > 0 else None)
-        reward_fns, weights = build_rewards(cfg)
         trainable = build_trainable(cfg, policy, info)
         out = claim_output_dir(cfg, info.is_main)  # setup succeeded: only now is anything written
         barrier(info)
@@ -134,7 +134,8 @@ def train(cfg: RunConfig) -> TrainResult:
                     started = time.perf_counter()
                     examples = [train_set[i] for i in sampler.rank_indices(step, info.rank, info.world_size)]
                     batch = make_experience(engine, policy, ref_logprobs, tokenizer, examples, reward_fns, weights,
-                                            exp_settings, seed=step_seed(cfg.train.seed, step, info.rank))
+                                            exp_settings, seed=step_seed(cfg.train.seed, step, info.rank),
+                                            steps_done=step - 1)
                     rollout_done = time.perf_counter()
                     if own_weights and cfg.rollout.vllm_enable_sleep_mode:
                         engine.sleep()  # its GPU memory goes to the update

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from grpo.rewards import get_reward_function
@@ -27,6 +29,18 @@ def strict(style: str, reasoning: str = "step", answer: str = "7", tail: str = "
     """The exact layout the Unsloth strict format asks for."""
     r = get_tag_style(style).reasoning_tag
     return f"<{r}>\n{reasoning}\n</{r}>\n<answer>\n{answer}\n</answer>{tail}"
+
+
+def test_soft_format_is_the_seeds_regex_exactly():
+    # The seed's soft_format_reward_func, verbatim: re.match without flags.
+    def seed(responses):
+        pattern = r"<reasoning>.*?</reasoning>\s*<answer>.*?</answer>"
+        return [0.5 if re.match(pattern, r) else 0.0 for r in responses]
+
+    texts = ["<reasoning>a</reasoning><answer>1</answer>", "<reasoning>\na\n</reasoning>\n<answer>\n1\n</answer>\n",
+             "<reasoning>a</reasoning>\n\n<answer>1</answer>tail", "x<reasoning>a</reasoning><answer>1</answer>",
+             "<reasoning>a</reasoning><answer>1\n</answer>", ""]
+    assert call("soft_format", "reasoning", texts, as_messages=True) == seed(texts) == [0.5, 0, 0.5, 0, 0, 0]
 
 
 @pytest.mark.parametrize("as_messages", [False, True])
@@ -81,11 +95,16 @@ class TestBuiltins:
     def test_soft_format(self, style, as_messages):
         r = get_tag_style(style).reasoning_tag
         texts = [
-            f"<{r}>a\nb</{r}>\n\n<answer>7</answer> trailing text is allowed",  # re.match at start, DOTALL
+            f"<{r}>a b</{r}>\n\n<answer>7</answer> trailing text is allowed",  # re.match at start
+            f"<{r}>a\nb</{r}>\n<answer>7</answer>",  # no DOTALL (the seed's quirk): multi-line reasoning fails
+            f"<{r}>\na\n</{r}>\n<answer>\n7\n</answer>\n",  # ...and so does the usual layout
             f"Sure. <{r}>a</{r}><answer>7</answer>",  # must start with the reasoning tag
             f"<{r}>a</{r}> x <answer>7</answer>",  # only whitespace between the blocks
         ]
-        assert call("soft_format", style, texts, as_messages) == [0.5, 0.0, 0.0]
+        assert call("soft_format", style, texts, as_messages) == [0.5, 0.0, 0.0, 0.0, 0.0]
+        # dotall=True is the forgiving variant: the multi-line ones match, the rest as before
+        forgiving = get_reward_function("soft_format", tag_style=style, dotall=True)
+        assert forgiving(["Q?"] * 5, wrap(texts, as_messages)) == [0.5, 0.5, 0.5, 0.0, 0.0]
 
     def test_strict_format(self, style, as_messages):
         texts = [

@@ -99,7 +99,7 @@ def test_dotted_path_loads_a_trl_reward_unchanged(tmp_path, monkeypatch):
     assert fn(["p", "p"], ["ab", "abcd"]) == [0.5, 0.25]
     # params become extra keyword arguments on every call; the name stays the function's
     scaled = get_reward_function("my_rewards_probe:scaled", scale=3.0)
-    assert scaled.__name__ == "scaled" and scaled(["p"], ["ab"]) == [6.0]
+    assert scaled.__name__ == "scaled" and scaled(prompts=["p"], completions=["ab"]) == [6.0]
     assert get_reward_function("my_rewards_probe:Holder.one")(["p"], ["x"]) == [1.0]
 
     fns = build_reward_functions(

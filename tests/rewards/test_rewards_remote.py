@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from grpo.rewards import RemoteRewardError, RewardSpec, build_reward_functions, get_reward_function, score
+from grpo.rewards import RemoteRewardError, RewardError, RewardSpec, build_reward_functions, get_reward_function, score
 
 # (status, JSON-able body or raw text, seconds to wait before answering)
 Reply = tuple[int, object, float]
@@ -167,16 +167,15 @@ def test_connection_refused_is_retried_then_reported():
         fn(["p"], ["c"])
 
 
-def test_a_down_endpoint_makes_the_batch_abstain_in_scoring(caplog):
+def test_an_endpoint_down_from_the_start_is_an_error_naming_it(caplog):
+    # A remote reward that never answered is a configuration error (wrong URL, server not started);
+    # one that has worked and then fails abstains for that batch (test_rewards_scoring).
     url = f"http://127.0.0.1:{free_port()}/score"
     specs = [RewardSpec("remote", params={"url": url, "retries": 0, "timeout_s": 1}), RewardSpec("xmlcount")]
     fns = build_reward_functions(specs, tag_style="reasoning")
-    with caplog.at_level(logging.ERROR, logger="grpo.rewards.guard"):
-        result = score(fns, [1.0, 1.0], ["p", "p"], ["a", "b"], {})
-    assert result.per_function[:, 0].isnan().all()  # the remote column abstains for the whole batch
-    assert result.total.tolist() == [0.0, 0.0]  # xmlcount gives 0 to both; nansum skips the NaNs
-    assert fns[0].num_failures == 2
-    assert len(caplog.records) == 1 and "RemoteRewardError" in caplog.records[0].getMessage()
+    with pytest.raises(RewardError, match=r"(?s)'remote_127.0.0.1_\d+' failed on every one of the 2 samples.*"
+                                          r"RemoteRewardError.*connection failed"):
+        score(fns, [1.0, 1.0], ["p", "p"], ["a", "b"], {})
 
 
 def test_bad_settings_are_rejected():

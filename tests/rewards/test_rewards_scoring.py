@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from grpo.rewards import RewardFunction, RewardScores, RewardSpec, build_reward_functions, score
+from grpo.rewards import RewardError, RewardFunction, RewardScores, RewardSpec, build_reward_functions, score
+from grpo.rewards.context import RewardContext, make_trainer_state
 
 GUARD_LOGGER = "grpo.rewards.guard"
 
@@ -39,21 +40,22 @@ def test_a_raising_sample_abstains_and_only_the_first_failure_is_logged(caplog):
     assert errors[0].exc_info is not None  # with the traceback
 
 
-def test_non_per_sample_keywords_pass_through_unsliced():
+def test_context_keywords_pass_through_unsliced():
     seen = []
 
-    def reward(prompts, completions, answer, trainer_state, **kwargs):
-        seen.append((list(answer), trainer_state))
+    def reward(prompts, completions, answer, trainer_state, completion_ids, **kwargs):
+        seen.append((list(answer), list(completion_ids), trainer_state.global_step))
         if len(completions) > 1:
             raise RuntimeError("only single samples")
         return [1.0]
 
-    state = {"step": 3}  # a dict is never treated as a per-sample column
-    assert RewardFunction(reward)(["a", "b"], ["x", "y"], answer=["1", "2"], trainer_state=state) == [1.0, 1.0]
-    assert seen == [(["1", "2"], state), (["1"], state), (["2"], state)]
+    context = RewardContext(make_trainer_state(global_step=3, max_steps=10))
+    assert RewardFunction(reward)(["a", "b"], ["x", "y"], [[1, 2], [3]], context, answer=["1", "2"]) == [1.0, 1.0]
+    # the batch call, then one call per sample: columns and completion_ids sliced, the state passed as is
+    assert seen == [(["1", "2"], [[1, 2], [3]], 3), (["1"], [[1, 2]], 3), (["2"], [[3]], 3)]
 
 
-def test_batch_only_rewards_give_the_whole_batch_none_without_retries(caplog):
+def test_batch_only_rewards_that_never_worked_are_a_configuration_error(caplog):
     calls = []
 
     def remote_like(prompts, completions, **kwargs):
@@ -62,11 +64,41 @@ def test_batch_only_rewards_give_the_whole_batch_none_without_retries(caplog):
 
     remote_like.per_sample_fallback = False
     fn = RewardFunction(remote_like)
+    with pytest.raises(RewardError, match=r"(?s)'remote_like' failed on every one of the 3 samples.*"
+                                          r"ConnectionError: endpoint down.*sample prompt: a"):
+        fn(["a", "b", "c"], ["x", "y", "z"])
+    assert calls == [3]  # no per-sample retries
+
+
+def test_batch_only_rewards_that_worked_before_abstain_for_a_failed_batch(caplog):
+    up = [True]
+
+    def remote_like(prompts, completions, **kwargs):
+        if not up[0]:
+            raise ConnectionError("endpoint down")
+        return [1.0] * len(completions)
+
+    remote_like.per_sample_fallback = False
+    fn = RewardFunction(remote_like)
+    assert fn(["a"], ["x"]) == [1.0]
+    up[0] = False  # an outage after the reward has worked: the batch abstains, the run goes on
     with caplog.at_level(logging.ERROR, logger=GUARD_LOGGER):
         assert fn(["a", "b", "c"], ["x", "y", "z"]) == [None, None, None]
-    assert calls == [3]  # no per-sample retries
     assert fn.num_failures == 3
     assert len(caplog.records) == 1 and "whole batch of 3" in caplog.records[0].getMessage()
+
+
+def test_a_reward_failing_on_every_sample_is_an_error_naming_it_its_error_and_a_sample():
+    def positional_only(prompts, completions):  # no **kwargs: TRL's keyword call breaks it
+        return [0.0] * len(completions)
+
+    with pytest.raises(RewardError) as caught:
+        RewardFunction(positional_only)(["the prompt"], ["the completion"], [[5]], answer=["1"])
+    message = str(caught.value)
+    assert "'positional_only' failed on every one of the 1 samples" in message
+    assert "TypeError" in message and "unexpected keyword argument" in message
+    assert "**kwargs" in message  # the hint says how TRL calls rewards
+    assert "the prompt" in message and "the completion" in message
 
 
 def test_wrong_length_is_an_error_naming_the_function():

@@ -171,7 +171,13 @@ class LogConfig:
 class RewardConfig:
     name: str = opt("answer_correct", "A built-in reward, 'model', 'remote', or a dotted path pkg.module:function.")
     weight: float = opt(1.0, "Weight in the total reward.")
-    params: dict = opt({}, "Keyword arguments for the reward (e.g. path, url, timeout).")
+    params: dict = opt({}, "Keyword arguments for the reward (e.g. path, url, timeout); for a dotted path, "
+                           "extra keywords on every call.")
+    factory_args: dict | None = opt(None, "Dotted path only: the path names a reward factory (e.g. "
+                                          "trl.rewards:get_soft_overlong_punishment), called once with these "
+                                          "keyword arguments ({} for none) to build the reward.")
+    columns: dict = opt({}, "Keyword the reward reads -> dataset column it is read from, e.g. "
+                            "{solution: answer} for TRL's accuracy_reward on GSM8K.")
 
 
 def default_rewards() -> list[RewardConfig]:
@@ -224,6 +230,15 @@ class RunConfig:
         for i, r in enumerate(self.rewards):
             if not r.name:
                 problems.append((f"rewards[{i}].name", "is empty"))
+            if r.factory_args is not None and ":" not in r.name:
+                problems.append((f"rewards[{i}].factory_args", (
+                    f"is set but {r.name!r} is not a dotted path 'package.module:factory'; a built-in reward "
+                    "takes its settings in params")))
+            for keyword, column in r.columns.items():
+                if not (isinstance(keyword, str) and keyword.isidentifier() and isinstance(column, str)):
+                    problems.append((f"rewards[{i}].columns", (
+                        f"maps {keyword!r} to {column!r}: each entry is keyword: column, both names (strings), "
+                        "the keyword a valid Python identifier")))
         for tracker in self.log.report_to:
             if tracker not in ("tensorboard", "wandb"):
                 problems.append(("log.report_to", f"unknown tracker {tracker!r}; allowed: tensorboard, wandb"))

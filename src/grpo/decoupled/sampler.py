@@ -58,7 +58,7 @@ def run_sampler(cfg: RunConfig) -> int:
     policy = load_policy(cfg.model, device).eval()
     policy.requires_grad_(False)
     ref_logprobs = reference_logprobs_fn(cfg, policy, tokenizer, device, token)
-    reward_fns, weights = build_rewards(cfg)
+    reward_fns, weights = build_rewards(cfg, train_set)
     engine = build_engine(cfg, policy, tokenizer)
     settings = experience_settings(cfg, need_old_logprobs=True)  # the trainer's ratio needs the sampler's policy
     store = WeightStore(cfg.train.output_dir)
@@ -88,7 +88,8 @@ def run_sampler(cfg: RunConfig) -> int:
             for rank in range(W):
                 examples = [train_set[i] for i in prompts.rank_indices(step_index, rank, W)]
                 chunks.append(make_experience(engine, policy, ref_logprobs, tokenizer, examples, reward_fns, weights,
-                                              settings, seed=step_seed(cfg.train.seed, step_index, rank)))
+                                              settings, seed=step_seed(cfg.train.seed, step_index, rank),
+                                              steps_done=step_index - 1))
             batch = concat_batches(chunks, tokenizer.pad_token_id)
             seconds = time.perf_counter() - started
             tokens = float(batch.generation.completion_mask.sum())

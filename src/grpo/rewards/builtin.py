@@ -122,12 +122,17 @@ def make_xmlcount(tag_style: TagStyle | str = "reasoning") -> RewardCallable:
     return xmlcount
 
 
-def make_soft_format(tag_style: TagStyle | str = "reasoning") -> RewardCallable:
-    """``soft_format``: 0.5 if the completion *starts with* ``<r>...</r>`` then whitespace then
-    ``<answer>...</answer>`` (``re.match``, DOTALL; text after the answer is allowed), else 0.0."""
+def make_soft_format(tag_style: TagStyle | str = "reasoning", dotall: bool = False) -> RewardCallable:
+    r"""``soft_format``: 0.5 if the completion *starts with* ``<r>...</r>`` then whitespace then
+    ``<answer>...</answer>`` (``re.match``; text after the answer is allowed), else 0.0.
+
+    Quirk kept: the seed's ``re.match(r"<reasoning>.*?</reasoning>\s*<answer>.*?</answer>", r)`` has no
+    DOTALL, so ``.`` stops at a newline and reasoning or an answer over several lines does not match
+    (the usual ``<reasoning>\n...\n</reasoning>`` layout scores 0). ``dotall=True``
+    (``params: {dotall: true}``) is the forgiving variant, where they match."""
     style = style_of(tag_style)
     r, a = style.reasoning_tag, style.answer_tag
-    pattern = re.compile(rf"<{r}>.*?</{r}>\s*<{a}>.*?</{a}>", flags=re.DOTALL)
+    pattern = re.compile(rf"<{r}>.*?</{r}>\s*<{a}>.*?</{a}>", flags=re.DOTALL if dotall else 0)
 
     def soft_format(prompts: Sequence[Any], completions: Sequence[Completion], **kwargs: Any) -> list[float | None]:
         return [0.5 if pattern.match(completion_text(c)) else 0.0 for c in completions]

@@ -6,7 +6,12 @@
   ``get_reward_function("model", path="ckpt/rm")``, ``get_reward_function("remote", url="http://...")``;
 - ``"package.module:function"``: a user reward with TRL's signature, imported as is (so TRL reward
   functions run unchanged); ``params``, if any, are passed to it as extra keyword arguments on every
-  call; ``tag_style`` is not passed.
+  call; ``tag_style`` is not passed;
+- ``"package.module:factory"`` with ``factory_args`` (a dict, possibly empty): a reward *factory* such as
+  TRL's ``get_soft_overlong_punishment(max_completion_len, soft_punish_cache)``, called once with those
+  keyword arguments; what it returns is the reward function.
+
+``check_call_signature`` finds, before a run starts, a function that cannot take TRL's keyword call.
 """
 
 from __future__ import annotations
@@ -49,13 +54,19 @@ def register_reward(name: str, factory: RewardFactory) -> None:
     REWARD_REGISTRY[name] = factory
 
 
-def get_reward_function(name: str, /, tag_style: TagStyle | str | None = None, **params: Any) -> RewardCallable:
+def get_reward_function(name: str, /, tag_style: TagStyle | str | None = None,
+                        factory_args: dict[str, Any] | None = None, **params: Any) -> RewardCallable:
     """The reward function for ``name`` (see module docstring); unknown names raise ValueError listing
     the known ones. ``tag_style=None`` leaves each factory its default (``think`` for this project's
     rewards, ``reasoning`` for the Unsloth five). ``params`` that the factory does not accept raise
-    ValueError listing the accepted ones."""
+    ValueError listing the accepted ones. ``factory_args`` (dotted paths only) marks ``name`` as a
+    factory to call with them."""
     if ":" in name:
-        return load_dotted(name, **params)
+        fn = build_from_factory(name, factory_args) if factory_args is not None else load_dotted(name)
+        return _bind_params(fn, params) if params else fn
+    if factory_args is not None:
+        raise ValueError(f"reward {name!r}: factory_args is for a user factory given as 'package.module:factory'; "
+                         f"a built-in reward takes its settings in params")
     try:
         factory = REWARD_REGISTRY[name]
     except KeyError:
@@ -96,10 +107,54 @@ def load_dotted(path: str, /, **params: Any) -> RewardCallable:
     return _bind_params(fn, params)
 
 
-def _bind_params(fn: RewardCallable, params: dict[str, Any]) -> RewardCallable:
-    def with_params(prompts: Any, completions: Any, **columns: Any) -> list[float | None]:
-        return fn(prompts, completions, **{**columns, **params})
+def build_from_factory(path: str, factory_args: dict[str, Any]) -> RewardCallable:
+    """Call the factory at ``path`` with ``factory_args`` once; its result must be callable."""
+    factory = load_dotted(path)
+    try:
+        inspect.signature(factory).bind(**factory_args)
+    except TypeError as error:
+        accepted = list(inspect.signature(factory).parameters)
+        raise ValueError(f"reward factory {path!r}: bad factory_args {sorted(factory_args)} ({error}); "
+                         f"accepted: {accepted}") from None
+    except ValueError:  # no signature to read (a builtin): let the call say what is wrong
+        pass
+    try:
+        fn = factory(**factory_args)
+    except Exception as error:
+        raise ValueError(f"reward factory {path!r} raised {type(error).__name__}: {error}") from error
+    if not callable(fn):
+        raise ValueError(f"reward factory {path!r} returned a {type(fn).__name__}, not a reward function")
+    return fn
 
+
+def check_call_signature(fn: Any, name: str, keywords: list[str]) -> None:
+    """Raise ValueError if ``fn`` cannot be called with exactly ``keywords`` as keyword arguments (TRL's
+    call, see ``guard.py``): a required parameter it would not get, or a keyword it would refuse. A
+    callable whose signature cannot be read is left to the call itself."""
+    from grpo.rewards.guard import SIGNATURE_HINT
+
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(**dict.fromkeys(keywords))
+    except TypeError as error:
+        raise ValueError(f"reward {name!r} cannot be called with the keywords {keywords}: {error} "
+                         f"({SIGNATURE_HINT})") from None
+
+
+def _bind_params(fn: RewardCallable, params: dict[str, Any]) -> RewardCallable:
+    from grpo.rewards.async_loop import is_async_callable
+
+    if is_async_callable(fn):
+        async def with_params(**keywords: Any) -> list[float | None]:  # type: ignore[misc]
+            return await fn(**{**keywords, **params})
+    else:
+        def with_params(**keywords: Any) -> list[float | None]:  # type: ignore[misc]
+            return fn(**{**keywords, **params})
+
+    with_params.__wrapped__ = fn  # type: ignore[attr-defined]  # inspect.signature reads fn's (check_call_signature)
     if hasattr(fn, "per_sample_fallback"):
         with_params.per_sample_fallback = fn.per_sample_fallback  # type: ignore[attr-defined]
     return named(with_params, getattr(fn, "__name__", "user_reward"))

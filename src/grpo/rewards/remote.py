@@ -124,7 +124,10 @@ def make_remote_reward(
             detail = f" (HTTP {response.status_code}; body: {response.text[:BODY_EXCERPT_CHARS]!r})"
         return RemoteRewardError(f"remote reward {reward_name!r} at {url}: {message}{detail}")
 
-    def remote_reward(prompts: Sequence[Any], completions: Sequence[Any], **columns: Any) -> list[float | None]:
+    def remote_reward(prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Any = None,
+                      trainer_state: Any = None, log_extra: Any = None, log_metric: Any = None,
+                      **columns: Any) -> list[float | None]:
+        # TRL's completion_ids and context keywords are not part of wire format 1: only the columns go.
         try:
             data = json.dumps(build_payload(prompts, completions, columns), default=_jsonable)
         except TypeError as error:

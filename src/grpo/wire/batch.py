@@ -69,6 +69,16 @@ def _check_batch(tensors: Mapping[str, Tensor], completions: list, prompts: list
             raise WireError(f"batch column {key[:64]!r} must be a list of N={n} values, got {size}")
 
 
+def _check_reward_logs(header: Mapping[str, Any], n: int) -> None:
+    """What rewards logged (optional fields): metrics are name -> number, extras name -> N values."""
+    for name, value in header.get("reward_metrics", {}).items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise WireError(f"batch reward_metrics[{name[:64]!r}] must be a number, got {type(value).__name__}")
+    for name, values in header.get("reward_extras", {}).items():
+        if not isinstance(values, list) or len(values) != n:
+            raise WireError(f"batch reward_extras[{name[:64]!r}] must be a list of N={n} values")
+
+
 def batch_to_message(batch: RolloutBatch, meta: Mapping[str, Any]) -> tuple[dict, dict[str, Tensor]]:
     """The ``batch`` header and tensors of a rollout batch.
 
@@ -96,9 +106,12 @@ def batch_to_message(batch: RolloutBatch, meta: Mapping[str, Any]) -> tuple[dict
         "completions": list(gen.completions), "prompts": list(batch.prompts),
         "reward_names": list(batch.reward_names),
         "columns": {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in batch.columns.items()},
+        "reward_metrics": dict(batch.reward_metrics),
+        "reward_extras": {k: list(v) for k, v in batch.reward_extras.items()},
     }
     _check_fields(KINDS["batch"], header)
     _check_batch(tensors, header["completions"], header["prompts"], header["reward_names"], header["columns"])
+    _check_reward_logs(header, len(header["completions"]))
     return header, tensors
 
 
@@ -110,6 +123,7 @@ def message_to_batch(message: Message) -> tuple[RolloutBatch, dict]:
     header, tensors = message.header, message.tensors
     try:
         _check_batch(tensors, header["completions"], header["prompts"], header["reward_names"], header["columns"])
+        _check_reward_logs(header, len(header["completions"]))
     except WireError as exc:
         raise WireError(str(exc), header) from None
     batch = RolloutBatch(
@@ -119,6 +133,7 @@ def message_to_batch(message: Message) -> tuple[RolloutBatch, dict]:
             truncated=tensors["truncated"], completions=list(header["completions"])),
         rewards=tensors["rewards"], reward_parts=tensors["reward_parts"], reward_names=list(header["reward_names"]),
         advantages=tensors["advantages"], old_logprobs=tensors.get("old_logprobs"),
-        ref_logprobs=tensors.get("ref_logprobs"), prompts=list(header["prompts"]), columns=dict(header["columns"]))
+        ref_logprobs=tensors.get("ref_logprobs"), prompts=list(header["prompts"]), columns=dict(header["columns"]),
+        reward_metrics=dict(header.get("reward_metrics", {})), reward_extras=dict(header.get("reward_extras", {})))
     meta = {**header["meta"], **{name: header[name] for name in META_FIELDS}}
     return batch, meta

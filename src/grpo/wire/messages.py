@@ -81,7 +81,7 @@ KINDS: dict[str, MessageKind] = {k.name: k for k in (
     MessageKind("batch", "sampler -> trainer",
                 {"batch_id": "str", "sampler_id": "str", "policy_version": "int", "completions": "list[str]",
                  "prompts": "list[str]", "reward_names": "list[str]", "columns": "object", "meta": "object"},
-                carries_tensors=True),
+                {"reward_metrics": "object", "reward_extras": "object"}, carries_tensors=True),
     # durable false: trained, but the checkpoint that lists it is not on disk yet; the sampler frees
     # the slot and keeps the batch to resend should the trainer restart (a durable ack follows).
     MessageKind("ack", "trainer -> sampler", {"batch_id": "str", "policy_version": "int"},
