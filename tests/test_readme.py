@@ -16,3 +16,40 @@ def test_config_table_is_generated_from_the_config_tree():
 def test_readme_shows_the_two_setup_commands():
     text = README.read_text()
     assert "make demo" in text and "make test" in text
+
+
+def test_the_reward_example_runs_as_documented(tmp_path, monkeypatch):
+    """The README's reward example (a Python file and a recipe's rewards) builds through the real config
+    loader and scores a batch the way the trainer calls it."""
+    import pytest
+
+    pytest.importorskip("trl.rewards")
+    from grpo.config import load_config
+    from grpo.rewards import build_reward_functions, score
+    from grpo.rewards.context import RewardContext, make_trainer_state
+
+    text = README.read_text()
+    example = text[text.index("<!-- reward-example:begin -->"):text.index("<!-- reward-example:end -->")]
+    python = example.split("```python\n")[1].split("```")[0]
+    yaml_text = example.split("```yaml\n")[1].split("```")[0]
+    (tmp_path / "my_rewards.py").write_text(python)
+    (tmp_path / "recipe.yaml").write_text(yaml_text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    cfg = load_config(tmp_path / "recipe.yaml")
+    columns = {"answer": ["4", "4"], "question": ["2+2?", "2+2?"]}
+    fns = build_reward_functions(cfg.rewards, "think", column_names=list(columns))
+    context = RewardContext(make_trainer_state(global_step=128, max_steps=256))
+    completions = [[{"role": "assistant", "content": "<think>2+2</think><answer>4</answer>"}],
+                   [{"role": "assistant", "content": "five"}]]
+    scores = score(fns, [r.weight for r in cfg.rewards], [[{"role": "user", "content": "2+2?"}]] * 2, completions,
+                   columns, [[1] * 20, [2] * 250], context)
+    assert scores.names == ["answer_correct", "brevity", "keyword_bonus", "accuracy_reward",
+                            "soft_overlong_punishment_reward"]
+    assert not scores.per_function.isnan().any()
+    # brevity: -(128/256) x tokens / 256; the bonus for "</answer>"; overlong: 250 > 256 - 32 -> (224 - 250) / 32
+    approx = pytest.approx  # float32 columns
+    assert scores.per_function[:, 1].tolist() == approx([-0.5 * 20 / 256, -0.5 * 250 / 256], rel=1e-6)
+    assert scores.per_function[:, 2].tolist() == approx([0.1, 0.0], rel=1e-6)
+    assert scores.per_function[:, 4].tolist() == approx([0.0, (224 - 250) / 32], rel=1e-6)
+    assert context.metric_means() == {"brevity/mean_tokens": 135.0}

@@ -23,3 +23,13 @@ def one_too_many(prompts, completions, **kwargs):
 def nan_for_all(prompts, completions, **kwargs):
     """NaN for every completion (e.g. a judge that divided by zero)."""
     return [math.nan] * len(completions)
+
+
+def positional_only(prompts, completions):
+    """Written for a positional call: cannot take TRL's keyword call (completion_ids, trainer_state, ...)."""
+    return [0.0] * len(completions)
+
+
+def raises_always(prompts, completions, **kwargs):
+    """Fails on every sample (e.g. a typo in the column it reads): a configuration error, not a flaky sample."""
+    return [float(kwargs["gold"][i]) for i in range(len(completions))]
