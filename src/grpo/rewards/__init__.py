@@ -1,14 +1,18 @@
 """Rewards for GRPO: a registry of TRL-signature reward functions and the scoring step.
 
-A reward function is ``fn(prompts, completions, **columns) -> list[float | None]`` (see ``base.py``),
-so TRL reward functions run unchanged. Modules:
+A reward function is called as TRL 1.16 calls it, by keyword (``prompts``, ``completions``,
+``completion_ids``, the dataset columns, ``trainer_state``, ``log_extra``, ``log_metric``) and returns
+``list[float | None]`` (see ``base.py``), so TRL reward functions run unchanged. Modules:
 
 - ``answers``:  completion text, ``extract_answer``, ``is_well_formatted``, ``answers_equal``
 - ``builtin``:  ``answer_correct``, ``format_think_answer`` and the Unsloth GSM8K five
 - ``model``:    a local sequence-classification reward model (``"model"``, params ``path``)
 - ``remote``:   an HTTP reward endpoint (``"remote"``, params ``url``)
 - ``registry``: names -> factories, and user functions by ``"package.module:function"``
-- ``guard``:    ``RewardFunction``, which turns a failing sample into an abstention, logged once
+- ``context``:  ``RewardContext``: ``trainer_state`` and the ``log_metric`` / ``log_extra`` hooks
+- ``async_loop``: the event loop async rewards are awaited on
+- ``guard``:    ``RewardFunction``: the keyword call; a failing sample abstains, a reward failing on
+                every sample is an error
 - ``scoring``:  ``RewardSpec``, ``build_reward_functions``, ``score`` -> ``RewardScores``
 """
 
