@@ -56,12 +56,14 @@ def train_rows(out: Path) -> list[dict]:
 
 
 def wait_for_steps(out: Path, n: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    """Wait until ``n`` steps are logged; fail at once if ``proc`` exits first (they never will be then)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
+        exited = proc.poll() is not None  # read first: a run that logs step n and exits is not "early"
         if (out / "metrics.jsonl").exists() and len(train_rows(out)) >= n:
             return
-        assert proc.poll() is None, f"process exited early with {proc.returncode}"
-        time.sleep(0.2)
+        assert not exited, f"process exited with {proc.returncode} before {n} logged steps"
+        time.sleep(0.05)
     raise AssertionError(f"fewer than {n} steps after {timeout} s")
 
 
@@ -155,6 +157,7 @@ def test_sampler_killed_and_restarted(tiny_model_dir, tmp_path):
         wait_for_steps(out, 2, trainer)
         sampler.send_signal(signal.SIGKILL)  # mid-batch: it samples continuously
         sampler.wait()
+        assert sampler.returncode == -signal.SIGKILL, f"the sampler exited with {sampler.returncode} before the kill"
         sampler = start("sampler", args)
         finish(trainer, sampler)
     finally:
@@ -177,6 +180,7 @@ def test_trainer_killed_and_resumed(tiny_model_dir, tmp_path, save_steps):
         wait_for_steps(out, 3 if save_steps == 1 else 5, trainer)
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()
+        assert trainer.returncode == -signal.SIGKILL, f"the trainer exited with {trainer.returncode} before the kill"
         before_kill = {r["batch_id"] for r in train_rows(out)}
         state = json.loads((latest_checkpoint(out) / "trainer_state.json").read_text())
         trained_before = set(state["trained_batch_ids"])

@@ -93,15 +93,20 @@ def without_timings(row: dict) -> dict:
 
 
 def wait_until(condition, what: str, timeout: float = 180.0, proc=None) -> None:
-    """Poll ``condition()``; fail naming ``what`` after ``timeout`` s, or at once if ``proc`` exited."""
+    """Poll ``condition()`` every 50 ms; fail naming ``what`` after ``timeout`` s, or as soon as ``proc`` has
+    exited with the condition still false (nothing will make it true then)."""
     deadline = time.time() + timeout
-    while time.time() < deadline:
+    while True:
+        # Whether the process had exited is read before the condition: a process that logs its last step
+        # and exits between the two reads is then seen with everything it wrote, not failed as "exited".
+        exited = proc is not None and proc.poll() is not None
         if condition():
             return
-        if proc is not None and proc.poll() is not None:
+        if exited:
             raise AssertionError(f"process exited with {proc.returncode} before {what}")
+        if time.time() >= deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def logged_steps(out: Path) -> int:

@@ -60,8 +60,17 @@ def test_ref_server_killed_and_restarted(tiny_model_dir, recipe, tmp_path, retry
     sampler = start("sampler", *args)
     try:
         wait_until(lambda: logged_steps(out) >= 2, "two trained steps", proc=trainer)
+        # The kill must come before the sampler's last reference request, or there is no failed request to
+        # test (a sampler that sampled every batch just exits 0 on the trainer's bye). Frozen, the trainer
+        # acknowledges nothing more, so the sampler (max_staleness 0: one batch in flight) samples at most
+        # one more batch: batches trained + 2 .. steps are requested from the killed server.
+        trainer.send_signal(signal.SIGSTOP)
+        trained = logged_steps(out)
         server.send_signal(signal.SIGKILL)
         server.wait()
+        trainer.send_signal(signal.SIGCONT)
+        assert trained + 2 <= steps, (f"{trained} of {steps} steps were trained when the server was killed: the "
+                                      f"sampler may have made its last reference request already")
         if retry_s == 1:
             sampler.wait(timeout=120)  # its next reference request fails once the 1 s of retries is spent
             assert sampler.returncode != 0
@@ -81,13 +90,19 @@ def test_ref_server_killed_and_restarted(tiny_model_dir, recipe, tmp_path, retry
 
 
 def test_stalled_sampler_times_out_with_the_checkpoint_intact_then_resume_finishes(tiny_model_dir, recipe, tmp_path):
-    out, steps = tmp_path / "run", 4
+    # Stopped once 2 steps are logged, the sampler has sent at most the batch of the next step
+    # (max_staleness 0: one batch in flight), so the trainer waits in vain for batch `trained + 2`. 5 steps
+    # leave room for one step more logged by the time the sampler stops; 4 would not.
+    out, steps = tmp_path / "run", 5
     args = [recipe, *decoupled_args(tiny_model_dir, out, **{"train.max_steps": steps, "decoupled.peer_timeout_s": 4})]
     trainer = start("trainer", *args, stderr=subprocess.PIPE)
     sampler = start("sampler", *args)
     try:
         wait_until(lambda: logged_steps(out) >= 2, "two trained steps", proc=trainer)
         sampler.send_signal(signal.SIGSTOP)  # alive but silent: a hung process, a frozen machine
+        stopped_at = logged_steps(out)
+        assert stopped_at + 2 <= steps, (f"{stopped_at} of {steps} steps were trained when the sampler stopped: "
+                                         f"its batches may all be sent, and the trainer would finish")
         _, err = trainer.communicate(timeout=120)
         assert trainer.returncode == 1, err[-3000:]
         assert "grpo: timed out: no rollout batch from any sampler for" in err, err[-3000:]
