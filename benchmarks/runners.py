@@ -116,6 +116,9 @@ def run_trl(case: dict) -> dict:
     config = GRPOConfig(
         output_dir=str(Path(case["workdir"]) / "trl"), use_cpu=not device.startswith("cuda"), bf16=case["bf16"],
         fp16=False, per_device_train_batch_size=micro, gradient_accumulation_steps=completions // micro,
+        # TRL's own default is gradient_checkpointing=True: say it every time so both sides match
+        gradient_checkpointing=case["gradient_checkpointing"],
+        gradient_checkpointing_kwargs={"use_reentrant": False} if case["gradient_checkpointing"] else None,
         num_generations=case["G"], max_completion_length=case["max_completion_length"], temperature=1.0, top_p=1.0,
         top_k=0, beta=case["beta"], loss_type="grpo", num_iterations=case["num_iterations"], learning_rate=case["lr"],
         lr_scheduler_type="constant", max_grad_norm=1.0, max_steps=case["steps"] * case["num_iterations"],

@@ -1,11 +1,12 @@
 """grpo vs TRL's GRPOTrainer, side by side on this machine (``make bench``; ``--quick``: 2 minutes here).
 
 Same model, prompts and settings for both (``harness.make_case``: G=8, 4 prompts per step,
-max_completion_length 64, temperature 1.0, beta 0.04, loss_type "grpo", the same lr; full fine-tuning
-and LoRA r=16; num_iterations 1 and 2). Each trainer runs in its own process, alternating A B A B, with
-equal torch thread counts. Reported per case: median seconds per step (one rollout batch) after
-warm-up, the generation / log-prob / optimisation split, peak RSS, the mean reward over the last steps,
-and the achieved training FLOP/s against this machine's dense matmul peak measured in the same run.
+max_completion_length 64, temperature 1.0, beta 0.04, loss_type "grpo", the same lr, no gradient
+checkpointing; full fine-tuning and LoRA r=16; num_iterations 1 and 2). Each trainer runs in its own
+process, alternating A B A B, with equal torch thread counts. Reported per case: median seconds per
+step (one rollout batch) after warm-up, the generation / log-prob / optimisation split, peak RSS, the
+mean reward over the last steps, and the achieved training FLOP/s against this machine's dense matmul
+peak measured in the same run.
 Writes benchmarks/results/vs_trl.json and vs_trl.png.
 """
 
