@@ -9,6 +9,9 @@ at T=1.0, beta 0.04 (a reference copy), loss_type grpo, num_iterations 1, bf16 a
 weights, micro-batch 16 (TRL: per_device_train_batch_size 16 x gradient_accumulation_steps 8, one
 optimizer step per rollout batch), sdpa attention, TRL with ``use_vllm=False`` (HF ``generate``).
 A random model almost never samples EOS, so every completion runs to the limit on both sides.
+Each trainer keeps its own bf16 path where they differ: grpo holds the reference copy (and LoRA's frozen
+base) in bf16, TRL holds both in fp32 (its reference is loaded in the policy's dtype) under autocast;
+that shows in the memory and reference log-prob columns.
 
 Cases: full fine-tuning, full + gradient checkpointing, LoRA r=16, LoRA + checkpointing. Per case and
 trainer: the median seconds per step after warm-up (steps 2..N), its generate / reference log-probs /
