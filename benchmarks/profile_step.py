@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
 import runners  # noqa: E402
 import vs_trl  # noqa: E402
 
@@ -33,8 +34,8 @@ def main() -> None:
     torch.set_num_threads(2)
     workdir = Path(tempfile.mkdtemp(prefix="grpo-profile-"))
     models = vs_trl.build_models(workdir)
-    case = vs_trl.make_case(args.model, models[args.model], vs_trl.write_prompts(workdir, 400),
-                            lora_r=16 if args.lora else 0, num_iterations=args.mu, steps=args.steps, threads=2)
+    case = harness.make_case(args.model, models[args.model], vs_trl.write_prompts(workdir, 400),
+                             lora_r=16 if args.lora else 0, num_iterations=args.mu, steps=args.steps, threads=2)
     case["workdir"] = str(workdir / "run")
     torch.manual_seed(0)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

@@ -1,8 +1,26 @@
 """One benchmark run of one trainer, in its own process: ``python benchmarks/runners.py ours|trl CASE.json``.
 
-Both trainers get the same model folder, the same prompts file, the same settings and the same torch
-thread count. Each writes a JSON result: per-step seconds (and the generation / log-prob /
-optimisation split), rewards, peak RSS, and the tokens trained (for FLOP/s).
+Both trainers get the same model folder, the same prompts file, the same settings (``harness.make_case``)
+and the same torch thread count. Each writes a JSON result with one value per step (a step is one
+rollout batch: generation, rewards, log-probs, the update):
+
+- ``step_s``: the whole step. grpo: its ``time/step_s`` metric (loop start to after the update);
+  TRL: between consecutive ``on_step_end`` callbacks (the first from the start of ``train()``).
+- ``generate_s``: prompts rendered and tokenized, completions sampled and decoded. grpo: its
+  ``time/generate_s``; TRL: ``GRPOTrainer._generate`` (tokenize, ``model.generate``, decode).
+- ``ref_logprobs_s``: log-probs without gradients before the update (the reference's, plus the old
+  policy's where ``num_iterations`` > 1 needs them). grpo: ``time/rollout_s`` minus generation and
+  rewards (``make_experience`` is wrapped to wait for the GPU before it returns, so the reference's
+  queued kernels count here, not in the update); TRL: the ``_get_per_token_logps_and_entropies``
+  calls made inside ``_generate_and_score_completions``.
+- ``logprobs_s``: everything of the rollout after generation (rewards, log-probs, advantages, TRL's
+  padding and metrics); ``train_s``: the update (grpo: ``time/train_s``, i.e. ``train_on_batch``;
+  TRL: the step minus ``_generate_and_score_completions``: its forward/backward micro-batches,
+  clipping, optimizer and scheduler steps).
+- ``reward``, ``completion_length`` (mean completion tokens), ``peak_rss_mb`` and, on CUDA,
+  ``peak_gpu_mb`` (``torch.cuda.max_memory_allocated`` of this process).
+
+Every timer waits for the GPU (``torch.cuda.synchronize``) where the phase could leave kernels queued.
 """
 
 from __future__ import annotations
@@ -18,31 +36,50 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def sync(device: str) -> None:
+    """Wait for the GPU's queued work, so that a timer stopped next counts it."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
 def run_ours(case: dict) -> dict:
+    import grpo.trainer
     from grpo.config import load_config
-    from grpo.trainer import train
 
     out = Path(case["workdir"]) / "ours"
     overrides = {
         "model.name_or_path": case["model"], "model.lora_r": case["lora_r"], "model.lora_alpha": 32,
+        "model.gradient_checkpointing": case["gradient_checkpointing"], "model.bf16": case["bf16"],
+        "model.attn_implementation": case["attn_implementation"], "train.device": case["device"],
         "data.train": case["prompts"], "data.shuffle": False, "data.eval": None,
         "rollout.num_generations": case["G"], "rollout.max_completion_length": case["max_completion_length"],
         "rollout.temperature": 1.0, "loss.beta": case["beta"], "loss.loss_type": "grpo",
         "loss.num_iterations": case["num_iterations"], "optim.learning_rate": case["lr"],
         "optim.lr_scheduler_type": "constant", "optim.max_grad_norm": 1.0,
-        "train.prompts_per_step": case["P"], "train.micro_batch_size": case["P"] * case["G"],
+        "train.prompts_per_step": case["P"], "train.micro_batch_size": case["micro_batch_size"],
         "train.max_steps": case["steps"], "train.save_steps": 10_000, "train.output_dir": out,
         "train.overwrite": True, "train.seed": case["seed"], "log.report_to": "[]", "log.progress_bar": False,
         "log.num_samples": 0, "rewards": "[{name: answer_correct}, {name: format_think_answer}]",
     }
     if case["lora_r"]:
         overrides["optim.lora_learning_rate"] = case["lr"]
-    train(load_config(None, [f"{k}={'null' if v is None else v}" for k, v in overrides.items()]))
+    make_experience = grpo.trainer.make_experience
+
+    def make_experience_synced(*args, **kwargs):
+        batch = make_experience(*args, **kwargs)
+        sync(case["device"])
+        return batch
+
+    grpo.trainer.make_experience = make_experience_synced  # the loop's rollout_done then follows the GPU
+    grpo.trainer.train(load_config(None, [f"{k}={'null' if v is None else v}" for k, v in overrides.items()]))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "loss" in line]
     return {
         "step_s": [r["time/step_s"] for r in rows],
-        "generate_s": [r.get("time/generate_s", float("nan")) for r in rows],
-        "logprobs_s": [r.get("time/logprobs_s", 0.0) + r.get("time/rewards_s", 0.0) for r in rows],
+        "generate_s": [r["time/generate_s"] for r in rows],
+        "ref_logprobs_s": [r["time/rollout_s"] - r["time/generate_s"] - r["time/rewards_s"] for r in rows],
+        "logprobs_s": [r["time/rollout_s"] - r["time/generate_s"] for r in rows],
         "train_s": [r["time/train_s"] for r in rows],
         "reward": [r["reward/mean"] for r in rows],
         "completion_length": [r["completion_length/mean"] for r in rows],
@@ -58,46 +95,70 @@ def run_trl(case: dict) -> dict:
     from grpo.data import load_dataset_source, resolve_system_prompt
     from grpo.rewards import get_reward_function
 
+    device = case["device"]
     system = resolve_system_prompt(None, "think")
     examples = load_dataset_source(case["prompts"])
     dataset = datasets.Dataset.from_list([
         {"prompt": [{"role": "system", "content": system}, *e.messages], "answer": e.answer} for e in examples])
     tokenizer = AutoTokenizer.from_pretrained(case["model"])
-    model = AutoModelForCausalLM.from_pretrained(case["model"], dtype=torch.float32)
+    load_kwargs = {"attn_implementation": case["attn_implementation"]} if case["attn_implementation"] else {}
+    model = AutoModelForCausalLM.from_pretrained(case["model"], dtype=torch.float32, **load_kwargs)
     peft_config = None
     if case["lora_r"]:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=case["lora_r"], lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
     completions = case["P"] * case["G"]
+    micro = case["micro_batch_size"]
+    # TRL 1.16 (GRPOConfig.__post_init__): steps_per_generation defaults to gradient_accumulation_steps and
+    # generation_batch_size to per_device_train_batch_size x steps_per_generation, so P x G completions are
+    # generated at once and trained in micro-batches of `micro` rows: one optimizer step per rollout batch.
     config = GRPOConfig(
-        output_dir=str(Path(case["workdir"]) / "trl"), use_cpu=True, bf16=False, fp16=False,
-        per_device_train_batch_size=completions, gradient_accumulation_steps=1, num_generations=case["G"],
-        max_completion_length=case["max_completion_length"], temperature=1.0, top_p=1.0, top_k=0,
-        beta=case["beta"], loss_type="grpo", num_iterations=case["num_iterations"], learning_rate=case["lr"],
+        output_dir=str(Path(case["workdir"]) / "trl"), use_cpu=not device.startswith("cuda"), bf16=case["bf16"],
+        fp16=False, per_device_train_batch_size=micro, gradient_accumulation_steps=completions // micro,
+        # TRL's own default is gradient_checkpointing=True: say it every time so both sides match
+        gradient_checkpointing=case["gradient_checkpointing"],
+        gradient_checkpointing_kwargs={"use_reentrant": False} if case["gradient_checkpointing"] else None,
+        num_generations=case["G"], max_completion_length=case["max_completion_length"], temperature=1.0, top_p=1.0,
+        top_k=0, beta=case["beta"], loss_type="grpo", num_iterations=case["num_iterations"], learning_rate=case["lr"],
         lr_scheduler_type="constant", max_grad_norm=1.0, max_steps=case["steps"] * case["num_iterations"],
         logging_steps=1, save_strategy="no", report_to=[], seed=case["seed"], disable_tqdm=True,
-        dataloader_num_workers=0, shuffle_dataset=False)
+        dataloader_num_workers=0, shuffle_dataset=False, use_vllm=False)
     rewards = [get_reward_function("answer_correct"), get_reward_function("format_think_answer")]
     trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=config, train_dataset=dataset,
                           processing_class=tokenizer, peft_config=peft_config)
-    phases = {"generate": [], "score": [], "step_end": []}
-    generate_owner = trainer.model  # TRL generates with the (unwrapped) training model
+    phases = {"generate": [], "score": [], "ref": [], "step_end": []}
+    in_scoring = [False]
 
-    def timed(fn, key):
+    def timed(fn, key, *, only_while_scoring=False):
         def wrapper(*args, **kwargs):
-            t = time.perf_counter()
+            started = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                phases[key].append(time.perf_counter() - t)
+                if not only_while_scoring or in_scoring[0]:
+                    sync(device)
+                    phases[key].append(time.perf_counter() - started)
         return wrapper
 
-    trainer._generate_and_score_completions = timed(trainer._generate_and_score_completions, "score")
-    generate_owner.generate = timed(generate_owner.generate, "generate")
+    score = timed(trainer._generate_and_score_completions, "score")
+
+    def scoring(*args, **kwargs):
+        in_scoring[0] = True
+        try:
+            return score(*args, **kwargs)
+        finally:
+            in_scoring[0] = False
+
+    # Instance attributes: TRL calls these through `self.`, so the wrappers see every call.
+    trainer._generate_and_score_completions = scoring
+    trainer._generate = timed(trainer._generate, "generate")
+    trainer._get_per_token_logps_and_entropies = timed(trainer._get_per_token_logps_and_entropies, "ref",
+                                                       only_while_scoring=True)
 
     class StepTimer(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
+            sync(device)
             phases["step_end"].append(time.perf_counter())
 
     trainer.add_callback(StepTimer())
@@ -107,15 +168,19 @@ def run_trl(case: dict) -> dict:
     mu = case["num_iterations"]
     ends = phases["step_end"][mu - 1::mu]
     step_s = [b - a for a, b in zip([started, *ends[:-1]], ends)]
-    generate_s = phases["generate"][: len(step_s)]
-    score_s = phases["score"][: len(step_s)]
+    steps = len(step_s)
+    ref_per_step = len(phases["ref"]) // max(len(phases["score"]), 1)  # 1, or 2 with old log-probs
+    ref_s = [sum(phases["ref"][i * ref_per_step:(i + 1) * ref_per_step]) for i in range(steps)]
+    generate_s, score_s = phases["generate"][:steps], phases["score"][:steps]
     logs = [h for h in trainer.state.log_history if "reward" in h]
     return {
         "step_s": step_s,
         "generate_s": generate_s,
+        "ref_logprobs_s": ref_s,
         "logprobs_s": [s - g for s, g in zip(score_s, generate_s)],
         "train_s": [t - s for t, s in zip(step_s, score_s)],
         "reward": [h["reward"] for h in logs][::mu],
+        "completion_length": [h["completions/mean_length"] for h in logs][::mu],
     }
 
 
@@ -126,8 +191,13 @@ def main() -> None:
 
     torch.set_num_threads(case["threads"])
     torch.manual_seed(case["seed"])
+    on_gpu = case["device"].startswith("cuda")
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
     result = run_ours(case) if which == "ours" else run_trl(case)
     result["peak_rss_mb"] = peak_rss_mb()
+    if on_gpu:
+        result["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
     Path(case["result"]).write_text(json.dumps(result))
 
 

@@ -1,11 +1,12 @@
 """grpo vs TRL's GRPOTrainer, side by side on this machine (``make bench``; ``--quick``: 2 minutes here).
 
-Same model, prompts and settings for both (G=8, 4 prompts per step, max_completion_length 64,
-temperature 1.0, beta 0.04, loss_type "grpo", the same lr; full fine-tuning and LoRA r=16;
-num_iterations 1 and 2). Each trainer runs in its own process, alternating A B A B, with equal torch
-thread counts. Reported per case: median seconds per step (one rollout batch) after warm-up, the
-generation / log-prob / optimisation split, peak RSS, the mean reward over the last steps, and the
-achieved training FLOP/s against this machine's dense matmul peak measured in the same run.
+Same model, prompts and settings for both (``harness.make_case``: G=8, 4 prompts per step,
+max_completion_length 64, temperature 1.0, beta 0.04, loss_type "grpo", the same lr, no gradient
+checkpointing; full fine-tuning and LoRA r=16; num_iterations 1 and 2). Each trainer runs in its own
+process, alternating A B A B, with equal torch thread counts. Reported per case: median seconds per
+step (one rollout batch) after warm-up, the generation / log-prob / optimisation split, peak RSS, the
+mean reward over the last steps, and the achieved training FLOP/s against this machine's dense matmul
+peak measured in the same run.
 Writes benchmarks/results/vs_trl.json and vs_trl.png.
 """
 
@@ -15,7 +16,6 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import ROOT, make_case, prompt_token_counts, run_once  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
-RUNNER = ROOT / "benchmarks" / "runners.py"
 
 
 def matmul_gflops(threads: int, size: int = 1024, seconds: float = 2.0) -> float:
@@ -69,27 +70,6 @@ def write_prompts(workdir: Path, n: int) -> Path:
     path = workdir / "prompts.jsonl"
     write_gsm8k_jsonl(generate_problems(n, seed=11), path)
     return path
-
-
-def make_case(model_name: str, model: Path, prompts: Path, *, lora_r: int, num_iterations: int, steps: int,
-              threads: int) -> dict:
-    """One benchmark case: the settings both trainers get (G=8, 4 prompts per step, 64 new tokens, ...)."""
-    return {"name": f"{model_name}/{'lora16' if lora_r else 'full'}/mu{num_iterations}", "model": str(model),
-            "prompts": str(prompts), "lora_r": lora_r, "num_iterations": num_iterations, "G": 8, "P": 4,
-            "max_completion_length": 64, "beta": 0.04, "lr": 1e-5, "steps": steps, "seed": 0, "threads": threads}
-
-
-def run_once(which: str, case: dict, workdir: Path) -> dict:
-    case = dict(case, workdir=str(workdir / f"{which}-{case['name']}"), result=str(workdir / f"{which}.json"))
-    case_file = workdir / f"{which}-case.json"
-    case_file.write_text(json.dumps(case))
-    proc = subprocess.run([sys.executable, str(RUNNER), which, str(case_file)], capture_output=True, text=True,
-                          env={"OMP_NUM_THREADS": str(case["threads"]), "PATH": "/usr/bin:/bin",
-                               "PYTHONPATH": str(ROOT / "src"), "TOKENIZERS_PARALLELISM": "false",
-                               "HF_HUB_OFFLINE": "1", "HOME": str(workdir)})
-    if proc.returncode != 0:
-        raise RuntimeError(f"{which} failed on {case['name']}:\n{proc.stderr[-4000:]}")
-    return json.loads(Path(case["result"]).read_text())
 
 
 def summarise(runs: list[dict], warmup: int, last: int) -> dict:
@@ -157,18 +137,6 @@ def main() -> None:
         plot(report, RESULTS / "vs_trl.png")
 
 
-def mean_prompt_tokens(case: dict) -> float:
-    """Mean chat-templated prompt length (system prompt + question) of the prompts the runs trained on."""
-    from grpo.data import load_dataset_source, resolve_system_prompt
-    from grpo.experience import render_prompts
-    from grpo.models import load_tokenizer
-
-    tokenizer = load_tokenizer(case["model"])
-    examples = load_dataset_source(case["prompts"])[: case["P"] * case["steps"]]  # data.shuffle false: in order
-    texts = render_prompts(tokenizer, examples, resolve_system_prompt(None, "think"), 10**6)
-    return statistics.fmean(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts)
-
-
 def train_gflops(case: dict, runs: list[dict]) -> float:
     """Achieved FLOP/s of our training forward+backward: 6 * params * tokens run / train seconds (full FT;
     LoRA skips the weight gradients: 4 * params * tokens). Tokens run per update: each distinct prompt
@@ -178,7 +146,8 @@ def train_gflops(case: dict, runs: list[dict]) -> float:
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(case["model"]))
     params = sum(p.numel() for p in model.parameters())
     completion = statistics.fmean(v for r in runs for v in r["completion_length"])
-    tokens = (case["P"] * mean_prompt_tokens(case) + case["P"] * case["G"] * completion) * case["num_iterations"]
+    prompt = statistics.fmean(prompt_token_counts(case["model"], case["prompts"], case["P"] * case["steps"]))
+    tokens = (case["P"] * prompt + case["P"] * case["G"] * completion) * case["num_iterations"]
     flops = (4 if case["lora_r"] else 6) * params * tokens
     train_s = statistics.median(v for r in runs for v in r["train_s"][1:])
     return flops / train_s / 1e9

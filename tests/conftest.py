@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-GSM8K_DIR = (REPO_ROOT / ".." / "shared" / "data" / "gsm8k").resolve()
+# GRPO_GSM8K_DIR: where the files are when the checkout has no shared/ beside it (a git worktree elsewhere)
+GSM8K_DIR = Path(os.environ.get("GRPO_GSM8K_DIR") or REPO_ROOT / ".." / "shared" / "data" / "gsm8k").resolve()
 
 
 @pytest.fixture(scope="session")
@@ -22,7 +24,8 @@ def tiny_tokenizer():
 def gsm8k_dir() -> Path:
     """The real GSM8K files (never copied into the repo); skip when the shared folder is absent."""
     if not (GSM8K_DIR / "test.jsonl").exists():
-        pytest.skip(f"real GSM8K files not found at {GSM8K_DIR} (shared/data/gsm8k beside the project)")
+        pytest.skip(f"real GSM8K files not found at {GSM8K_DIR} (shared/data/gsm8k beside the project, "
+                    "or set GRPO_GSM8K_DIR)")
     return GSM8K_DIR
 
 

@@ -79,16 +79,23 @@ def build_qwen2(
     intermediate_size: int = 128,
     max_position_embeddings: int = 512,
     tie_word_embeddings: bool = True,
+    vocab_size: int | None = None,
+    rope_theta: float = 10000.0,
     seed: int = 0,
 ):
     """A randomly initialised ``Qwen2ForCausalLM`` sized for ``tokenizer`` (same code path as Qwen2.5).
 
-    ``seed`` makes the initial weights reproducible without touching the global RNG's later use.
+    ``vocab_size``: rows of the embedding and output head; None = ``len(tokenizer)``. A larger one gives
+    a real model's shape with a small tokenizer (Qwen2.5's 151936 rows are more than its tokenizer's
+    151665 tokens too). ``rope_theta``: Qwen2.5 uses 1e6. ``seed`` makes the initial weights
+    reproducible without touching the global RNG's later use.
     """
+    if vocab_size is not None and vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
+        vocab_size=len(tokenizer) if vocab_size is None else vocab_size,
         hidden_size=hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
@@ -96,6 +103,7 @@ def build_qwen2(
         intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings,
+        rope_theta=rope_theta,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -1,0 +1,431 @@
+"""grpo vs TRL 1.16's GRPOTrainer on one CUDA GPU at a Qwen2.5 size (``make bench-gpu``).
+
+Both trainers get the same random-weight model, tokenizer, prompts and settings, each in a fresh
+process (``harness.run_once``): the Qwen2.5-1.5B shape (``--shape``) built here with random weights
+(no download), the project's byte-level BPE trained on the first 3,000 GSM8K train questions (8192
+tokens; the model's vocabulary stays the real shape's, larger, as Qwen's own is), real GSM8K train
+prompts in file order with the ``think`` system prompt, P=16 prompts x G=8 completions, 256 new tokens
+at T=1.0, beta 0.04 (a reference copy), loss_type grpo, num_iterations 1, bf16 autocast over fp32
+weights, micro-batch 16 (TRL: per_device_train_batch_size 16 x gradient_accumulation_steps 8, one
+optimizer step per rollout batch), sdpa attention, TRL with ``use_vllm=False`` (HF ``generate``).
+A random model almost never samples EOS, so every completion runs to the limit on both sides.
+Each trainer keeps its own bf16 path where they differ: grpo holds the reference copy (and LoRA's frozen
+base) in bf16, TRL holds both in fp32 (its reference is loaded in the policy's dtype) under autocast;
+that shows in the memory and reference log-prob columns.
+
+Cases: full fine-tuning, full + gradient checkpointing, LoRA r=16, LoRA + checkpointing. Per case and
+trainer: the median seconds per step after warm-up (steps 2..N), its generate / reference log-probs /
+update split (how each is timed: runners.py), generated tokens/s, the update's TFLOP/s (model FLOPs:
+6 x matmul parameters x tokens trained, 4 x for LoRA, over the update seconds) against a bf16 matmul
+peak measured in the same run, and peak GPU memory (``torch.cuda.max_memory_allocated`` of the
+trainer's process). Results: benchmarks/results/gpu_vs_trl.json and a markdown table.
+
+    python benchmarks/gpu_vs_trl.py                       # all four cases (an estimated 12-15 min on an H100)
+    python benchmarks/gpu_vs_trl.py --cases full,full-gc  # some cases
+    python benchmarks/gpu_vs_trl.py --full-size --cases full --steps 3   # 64 prompts x 8 x 512 tokens
+    python benchmarks/gpu_vs_trl.py --merge a.json b.json # one table from runs made in several calls
+    python benchmarks/gpu_vs_trl.py --tiny                # the same code path on a CPU in about a minute
+
+On the lent GPU machine (no network, no trl/datasets/math-verify, transformers 5.17): stage the wheels
+and a copy of GSM8K's train.jsonl in .whl/ with ``scripts/gpu_wheels.sh`` here, carry ``.whl``, and run
+``python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl &&
+PYTHONPATH=/tmp/site:src python3 benchmarks/gpu_vs_trl.py --cases full,full-gc --out $OUT/a.json``
+(a command may run 10 minutes: two calls of two cases each, then ``--merge`` here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import ROOT, ChildFailed, make_case, median_after, prompt_token_counts, run_once  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "src"))  # this checkout's grpo, as the trainers' processes get (harness.run_once)
+
+RESULTS = ROOT / "benchmarks" / "results"
+TOKENIZER_QUESTIONS, TOKENIZER_VOCAB = 3000, 8192
+
+# Qwen2.5 shapes, from the Qwen/Qwen2.5-*-Instruct config.json files as I know them, checked against copies
+# of those configs quoted in public code (no hub access here) and against the parameter counts of the model
+# cards (0.49B, 1.54B, 3.09B, 7.62B: tests/test_bench_gpu_script.py, exact). All have rope_theta 1e6,
+# RMSNorm eps 1e-6, q/k/v biases (Qwen2's attention always has them), head_dim = hidden / heads.
+# 0.5B/1.5B/3B tie the output head to the embedding; 7B does not, and its vocabulary is 152064.
+SHAPES = {
+    "0.5b": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
+                 vocab_size=151936, tie_word_embeddings=True),
+    "1.5b": dict(hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, intermediate_size=8960,
+                 vocab_size=151936, tie_word_embeddings=True),
+    "3b": dict(hidden_size=2048, num_layers=36, num_heads=16, num_kv_heads=2, intermediate_size=11008,
+               vocab_size=151936, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4, intermediate_size=18944,
+               vocab_size=152064, tie_word_embeddings=False),
+    # --tiny: the same code on a CPU in seconds; the vocabulary is larger than the tokenizer's, as above
+    "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                 vocab_size=8448, tie_word_embeddings=True),
+}
+CASES = {"full": dict(lora_r=0, gradient_checkpointing=False), "full-gc": dict(lora_r=0, gradient_checkpointing=True),
+         "lora": dict(lora_r=16, gradient_checkpointing=False), "lora-gc": dict(lora_r=16, gradient_checkpointing=True)}
+SIDES = {"grpo": "ours", "trl": "trl"}  # side name -> runners.py's name for it
+# (P, G, L, steps, micro-batch) of each preset; flags given on the command line win
+PRESETS = {"default": (16, 8, 256, 4, 16), "full-size": (64, 8, 512, 4, 16), "tiny": (2, 4, 8, 3, 4)}
+
+
+def find_gsm8k(given: str | None) -> Path:
+    """The GSM8K folder (train.jsonl): --gsm8k, else $GRPO_GSM8K_DIR, else shared/data/gsm8k inside this
+    checkout (a device call carries a shared/ there) or beside it (the developer layout), else the copy
+    scripts/gpu_wheels.sh stages in .whl/gsm8k. Never committed: the data stays in the shared folder."""
+    candidates = [Path(given)] if given else [
+        *([Path(os.environ["GRPO_GSM8K_DIR"])] if os.environ.get("GRPO_GSM8K_DIR") else []),
+        ROOT / "shared" / "data" / "gsm8k", ROOT.parent / "shared" / "data" / "gsm8k", ROOT / ".whl" / "gsm8k"]
+    for path in candidates:
+        if (path / "train.jsonl").is_file():
+            return path
+    raise SystemExit(f"GSM8K train.jsonl not found in {', '.join(map(str, candidates))}: pass --gsm8k DIR "
+                     "(or set GRPO_GSM8K_DIR); scripts/gpu_wheels.sh copies it into .whl/gsm8k for a device run")
+
+
+def gsm8k_tokenizer(gsm8k: Path):
+    """The project's byte-level BPE (grpo.tiny_model.build_tokenizer) trained to 8192 tokens on the first
+    3,000 GSM8K train questions (padded if the merges stop short), plus its 6 answer-tag tokens: 8198;
+    deterministic."""
+    from grpo.data import load_gsm8k
+    from grpo.tiny_model import build_tokenizer
+
+    questions = [e.messages[-1]["content"] for e in load_gsm8k(gsm8k, "train", limit=TOKENIZER_QUESTIONS)]
+    tokenizer = build_tokenizer(questions, vocab_size=TOKENIZER_VOCAB)
+    missing = TOKENIZER_VOCAB - len(tokenizer)
+    if missing > 0:  # the BPE may stop short of the asked-for merges: pad to the stated vocabulary
+        tokenizer.add_tokens([f"<extra_{i}>" for i in range(missing)])
+    return tokenizer
+
+
+def build_model(shape: str, tokenizer, path: Path) -> Path:
+    """A random-weight Qwen2 of ``shape`` with ``tokenizer``, saved in bf16 (both sides load it as fp32)."""
+    import torch
+
+    from grpo.tiny_model import build_qwen2
+
+    model = build_qwen2(tokenizer, seed=0, rope_theta=1e6, max_position_embeddings=32768, **SHAPES[shape])
+    model.to(torch.bfloat16).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def write_prompts(gsm8k: Path, path: Path, count: int) -> Path:
+    """The first ``count`` GSM8K train examples, the prompts of the run's steps in order."""
+    from grpo.data import load_gsm8k, write_gsm8k_jsonl
+
+    write_gsm8k_jsonl(load_gsm8k(gsm8k, "train", limit=count), path)
+    return path
+
+
+def matmul_params(model: Path) -> tuple[int, int]:
+    """(body, head): parameters in the transformer body's matmuls and in the output head (vocab x
+    hidden). The input embedding is a lookup, not a matmul, so an untied one (7B) is not counted."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model)
+    with torch.device("meta"):  # shapes only, no memory
+        total = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())  # tied: once
+    head = config.vocab_size * config.hidden_size
+    return total - head * (1 if config.tie_word_embeddings else 2), head
+
+
+def peak_child(out: str, device: str) -> None:
+    """In a fresh process: this machine's dense matmul throughput (bf16 on a GPU, fp32 on a CPU, the
+    dtype each run's matmuls use), the device's name and the library versions."""
+    import importlib.metadata
+    import platform
+
+    import torch
+    import transformers
+
+    on_gpu = device.startswith("cuda")
+    dtype, size = (torch.bfloat16, 8192) if on_gpu else (torch.float32, 512)
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+
+    def sync():
+        if on_gpu:
+            torch.cuda.synchronize()
+
+    for _ in range(3):
+        a @ b  # warm-up (cuBLAS picks its kernel)
+    sync()
+    count, started = 0, time.perf_counter()
+    while time.perf_counter() - started < (2.0 if on_gpu else 0.5):
+        for _ in range(10):
+            a @ b
+        count += 10
+        sync()
+    tflops = 2 * size**3 * count / (time.perf_counter() - started) / 1e12
+    versions = {"python": platform.python_version(), "torch": torch.__version__,
+                "transformers": transformers.__version__}
+    for name in ("trl", "peft", "accelerate"):  # metadata, not imports: the first on sys.path, as imports find
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    name = torch.cuda.get_device_name(0) if on_gpu else f"CPU ({platform.processor() or platform.machine()}, " \
+                                                         f"{os.cpu_count()} cores)"
+    Path(out).write_text(json.dumps({"device_name": name, "matmul_peak_tflops": tflops,
+                                     "matmul_dtype": str(dtype).removeprefix("torch."), "versions": versions}))
+
+
+def measure_peak(device: str, workdir: Path) -> dict:
+    out = workdir / "peak.json"
+    subprocess.run([sys.executable, __file__, "--peak-child", str(out), "--device", device], check=True)
+    return json.loads(out.read_text())
+
+
+def side_summary(result: dict, case: dict, prompt_tokens: list[int], params: tuple[int, int]) -> dict:
+    """Medians over steps 2..N of one trainer's run (an ``error`` entry when it crashed)."""
+    if "error" in result:
+        return {"error": result["error"]}
+    P, G = case["P"], case["G"]
+    body, head = params
+    factor = 4 if case["lora_r"] else 6  # LoRA: frozen weights get no weight gradient (one backward matmul)
+    gen_rate, tflops, other = [], [], []
+    for i, completion in enumerate(result["completion_length"]):
+        prompt = statistics.fmean(prompt_tokens[i * P:(i + 1) * P])  # step i trains prompts i*P .. i*P+P-1
+        # every completion with its own prompt, as both trainers' losses see them (grpo runs each shared
+        # prompt once per group, which is its saving, not extra work); the head only at completion positions
+        flops = factor * P * G * (body * (prompt + completion) + head * completion)
+        gen_rate.append(P * G * completion / result["generate_s"][i])
+        tflops.append(flops / result["train_s"][i] / 1e12)
+        other.append(result["step_s"][i] - result["generate_s"][i] - result["ref_logprobs_s"][i]
+                     - result["train_s"][i])
+    summary = {key: median_after(result[key], 1) for key in ("step_s", "generate_s", "ref_logprobs_s", "train_s")}
+    summary.update({"other_s": median_after(other, 1), "generated_tokens_per_s": median_after(gen_rate, 1),
+                    "update_tflops": median_after(tflops, 1), "completion_length": median_after(
+                        result["completion_length"], 1), "reward": statistics.fmean(result["reward"]),
+                    "peak_rss_gb": result["peak_rss_mb"] / 1024, "steps": len(result["step_s"]),
+                    "per_step": {k: result[k] for k in ("step_s", "generate_s", "ref_logprobs_s", "train_s")}})
+    if "peak_gpu_mb" in result:
+        summary["peak_gpu_gb"] = result["peak_gpu_mb"] / 1024
+    return summary
+
+
+def progress_line(name: str, side: str, s: dict) -> str:
+    if "error" in s:
+        return f"{name:32} {side:5} crashed: {s['error']}"
+    memory = f"peak GPU {s['peak_gpu_gb']:.1f} GB" if "peak_gpu_gb" in s else f"peak RSS {s['peak_rss_gb']:.2f} GB"
+    return (f"{name:32} {side:5} {s['step_s']:7.2f} s/step (generate {s['generate_s']:.2f}, ref log-probs "
+            f"{s['ref_logprobs_s']:.2f}, update {s['train_s']:.2f}) {s['update_tflops']:.3g} TFLOP/s, {memory}")
+
+
+def git_commit() -> str | None:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True)
+    except OSError:  # no git on the machine (a copied working tree)
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+
+
+def cell(row: dict, side: str, key: str, fmt: str) -> str:
+    """One trainer's value in a table cell: "-" when that side did not run, "crash" when it crashed."""
+    s = row.get(side)
+    if s is None:
+        return "-"
+    if "error" in s:
+        return "crash"
+    return format(s[key], fmt) if key in s else "-"
+
+
+def pair(row: dict, key: str, fmt: str) -> str:
+    return f"{cell(row, 'grpo', key, fmt)} / {cell(row, 'trl', key, fmt)}"
+
+
+def tflops_cell(row: dict, side: str, peak: float) -> str:
+    value = cell(row, side, "update_tflops", ".3g")
+    s = row.get(side)
+    return value if not s or "error" in s else f"{value} ({100 * s['update_tflops'] / peak:.0f}%)"
+
+
+def markdown_table(report: dict) -> str:
+    """The report as a header line and a markdown table (README-ready), then any crashes' errors."""
+    peak, settings, versions = report["matmul_peak_tflops"], report["settings"], report["versions"]
+    on_gpu = settings["device"].startswith("cuda")
+    memory, mem_key = ("peak GPU GB", "peak_gpu_gb") if on_gpu else ("peak RSS GB", "peak_rss_gb")
+    lines = [
+        f"{report['device_name']}; torch {versions['torch']}, transformers {versions['transformers']}, "
+        f"TRL {versions['trl']}, grpo {report['grpo_commit']}; Qwen2.5-{report['shape_name']} shape, random "
+        f"weights; P={settings['P']} x G={settings['G']}, {settings['max_new_tokens']} new tokens, micro-batch "
+        f"{settings['micro_batch_size']}, median of steps 2-{settings['steps']}; {report['matmul_dtype']} "
+        f"matmul peak {peak:.3g} TFLOP/s",
+        "",
+        "| case | grpo s/step | TRL s/step | TRL / grpo | generate s grpo / TRL | ref log-probs s grpo / TRL "
+        "| update s grpo / TRL | generated tok/s grpo / TRL | update TFLOP/s grpo / TRL (% of peak) "
+        f"| {memory} grpo / TRL |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in report["cases"]:
+        g, t = row.get("grpo"), row.get("trl")
+        ratio = f"**{t['step_s'] / g['step_s']:.2f}x**" if g and t and "error" not in g and "error" not in t else "-"
+        lines.append(
+            f"| {row['case']} | {cell(row, 'grpo', 'step_s', '.2f')} | {cell(row, 'trl', 'step_s', '.2f')} "
+            f"| {ratio} | {pair(row, 'generate_s', '.2f')} | {pair(row, 'ref_logprobs_s', '.2f')} "
+            f"| {pair(row, 'train_s', '.2f')} | {pair(row, 'generated_tokens_per_s', ',.0f')} "
+            f"| {tflops_cell(row, 'grpo', peak)} / {tflops_cell(row, 'trl', peak)} | {pair(row, mem_key, '.1f')} |")
+    errors = [f"- {row['case']}, {side}: {row[side]['error']}" for row in report["cases"] for side in SIDES
+              if row.get(side) and "error" in row[side]]
+    return "\n".join(lines + (["", "Crashes:", *errors] if errors else []))
+
+
+def merge(paths: list[str]) -> dict:
+    """One report from runs of the same settings made in several calls (a later file's row of a case
+    replaces an earlier one's); the matmul peak is the mean of the files' peaks."""
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    first = reports[0]
+    for path, report in zip(paths[1:], reports[1:]):
+        for key in ("device_name", "versions", "shape_name", "shape", "settings", "grpo_commit"):
+            if report[key] != first[key]:
+                raise SystemExit(f"--merge: {path} has another {key} ({report[key]!r}) than {paths[0]} "
+                                 f"({first[key]!r}); only runs of the same settings make one table")
+    rows = {}
+    for report in reports:
+        rows.update({row["case"]: row for row in report["cases"]})
+    order = list(CASES)
+    merged = dict(first, cases=sorted(rows.values(), key=lambda r: order.index(r["case"])),
+                  matmul_peak_tflops=statistics.fmean(r["matmul_peak_tflops"] for r in reports))
+    return merged
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=[s for s in SHAPES if s != "tiny"], default="1.5b",
+                        help="Qwen2.5 model shape (random weights)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="the same code path on a CPU: tiny shape, P=2, G=4, 8 tokens, 3 steps (a smoke test)")
+    parser.add_argument("--full-size", action="store_true", help="a full-size step: 64 prompts x 8 x 512 tokens")
+    parser.add_argument("--prompts", type=int, help="P: prompts per step (default 16; full size 64)")
+    parser.add_argument("--generations", type=int, help="G: completions per prompt (default 8)")
+    parser.add_argument("--max-new-tokens", type=int, help="L: new tokens per completion (default 256; full size 512)")
+    parser.add_argument("--steps", type=int, help="steps per run; the median is over steps 2..N (default 4)")
+    parser.add_argument("--micro-batch", type=int, help="completions per forward/backward (default 16)")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    parser.add_argument("--only", help="run only the cases whose name contains this (e.g. full+gc)")
+    parser.add_argument("--sides", default="grpo,trl", help="which trainers: grpo,trl (default), grpo or trl")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of each trainer")
+    parser.add_argument("--gsm8k", help="GSM8K folder holding train.jsonl (default: see find_gsm8k)")
+    parser.add_argument("--out", help="results JSON (default results/gpu_vs_trl.json; --tiny: gpu_vs_trl-tiny.json)")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="combine result files into --out; runs nothing")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder (model, run folders)")
+    parser.add_argument("--peak-child", help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.tiny and args.full_size:
+        parser.error("--tiny and --full-size exclude each other")
+    cases = [c for c in args.cases.split(",") if c]
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        parser.error(f"--cases: unknown {', '.join(unknown)}; known: {', '.join(CASES)}")
+    sides = [s for s in args.sides.split(",") if s]
+    if not sides or any(s not in SIDES for s in sides):
+        parser.error(f"--sides {args.sides!r}: give grpo, trl or both (comma-separated)")
+    args.case_keys, args.side_names = cases, sides
+    preset = PRESETS["tiny" if args.tiny else "full-size" if args.full_size else "default"]
+    for attr, value in zip(("prompts", "generations", "max_new_tokens", "steps", "micro_batch"), preset):
+        if getattr(args, attr) is None:
+            setattr(args, attr, value)
+    if args.steps < 2:
+        parser.error("--steps must be at least 2: step 1 is warm-up and left out of the medians")
+    if (args.prompts * args.generations) % args.micro_batch:
+        parser.error(f"--micro-batch {args.micro_batch} must divide P x G = {args.prompts * args.generations}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.peak_child:
+        peak_child(args.peak_child, args.device)
+        return
+    out = Path(args.out) if args.out else RESULTS / ("gpu_vs_trl-tiny.json" if args.tiny else "gpu_vs_trl.json")
+    if args.merge:
+        report = merge(args.merge)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2))
+        print(markdown_table(report))
+        return
+    import importlib.util
+
+    if "trl" in args.side_names and importlib.util.find_spec("trl") is None:
+        raise SystemExit("trl is not installed: pip install 'trl>=1.16,<1.17' (the `bench` extra), or run "
+                         "--sides grpo")
+    import torch
+
+    device = "cpu" if args.tiny else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA GPU is visible: this benchmark is for a GPU; --tiny runs its code path on a CPU")
+    shape = "tiny" if args.tiny else args.shape
+    gsm8k = find_gsm8k(args.gsm8k)
+    workdir = Path(tempfile.mkdtemp(prefix="grpo-bench-gpu-"))
+    try:
+        started = time.perf_counter()
+        model = build_model(shape, gsm8k_tokenizer(gsm8k), workdir / f"qwen2.5-{shape}-random")
+        prompts = write_prompts(gsm8k, workdir / "prompts.jsonl", args.prompts * args.steps)
+        print(f"model and prompts built in {time.perf_counter() - started:.0f} s ({workdir})", flush=True)
+        prompt_tokens = prompt_token_counts(str(model), str(prompts), args.prompts * args.steps)
+        params = matmul_params(model)
+        peak = measure_peak(device, workdir)
+        print(f"{peak['device_name']}: {peak['matmul_dtype']} matmul {peak['matmul_peak_tflops']:.3g} TFLOP/s",
+              flush=True)
+        settings = {"device": device, "P": args.prompts, "G": args.generations, "max_new_tokens": args.max_new_tokens,
+                    "steps": args.steps, "micro_batch_size": args.micro_batch, "bf16_autocast": device == "cuda",
+                    "attn_implementation": "sdpa", "beta": 0.04, "loss_type": "grpo", "num_iterations": 1,
+                    "temperature": 1.0, "lr": 1e-6, "lora_alpha": 32, "threads": args.threads,
+                    "tokenizer": f"byte-level BPE trained to {TOKENIZER_VOCAB} tokens on the first "
+                                 f"{TOKENIZER_QUESTIONS} GSM8K train questions, + 6 tag tokens",
+                    "prompts": "GSM8K train, file order, think system prompt",
+                    "trl": "use_vllm=False (HF generate)", "mean_prompt_tokens": statistics.fmean(prompt_tokens)}
+        rows = []
+        for key in args.case_keys:
+            case = make_case(f"qwen2.5-{shape}", model, prompts, num_iterations=1, steps=args.steps,
+                             threads=args.threads, prompts_per_step=args.prompts, num_generations=args.generations,
+                             max_completion_length=args.max_new_tokens, micro_batch_size=args.micro_batch,
+                             device=device, bf16=device == "cuda", attn_implementation="sdpa", lr=1e-6,
+                             **CASES[key])
+            if args.only and args.only not in case["name"]:
+                continue
+            row = {"case": key, "name": case["name"], "lora_r": case["lora_r"],
+                   "gradient_checkpointing": case["gradient_checkpointing"]}
+            for side in args.side_names:
+                try:
+                    result = run_once(SIDES[side], case, workdir)
+                except ChildFailed as err:
+                    print(err, file=sys.stderr)
+                    result = {"error": err.last_line}
+                row[side] = side_summary(result, case, prompt_tokens, params)
+                print(progress_line(case["name"], side, row[side]), flush=True)
+                for run_dir in [d for d in workdir.glob(f"{SIDES[side]}-*") if d.is_dir()]:
+                    shutil.rmtree(run_dir)  # grpo's run folder holds a copy of the trained model: free the disk
+            rows.append(row)
+        if not rows:
+            raise SystemExit(f"--only {args.only!r} matches no case of {', '.join(args.case_keys)}")
+        report = {"device_name": peak["device_name"], "versions": peak["versions"], "grpo_commit": git_commit(),
+                  "shape_name": shape, "shape": SHAPES[shape], "matmul_params": {"body": params[0], "head": params[1]},
+                  "settings": settings, "matmul_peak_tflops": peak["matmul_peak_tflops"],
+                  "matmul_dtype": peak["matmul_dtype"], "cases": rows}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2))
+        print(f"\n{markdown_table(report)}\n\nwritten to {out}")
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
