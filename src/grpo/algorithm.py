@@ -255,6 +255,8 @@ def policy_loss(
             "kl": (kl * mask).sum() / n_tokens,
             "clip_fraction": (was_clipped * mask).sum() / n_tokens,
             "ratio_mean": (ratio * mask).sum() / n_tokens,
-            "ratio_max": ratio.masked_fill(mask == 0, float("-inf")).max() if mask.any() else ratio.new_ones(()),
+            # 1 when no token counts; torch.where, not `if mask.any()`, which would wait for the GPU.
+            "ratio_max": (torch.where(mask.any(), ratio.masked_fill(mask == 0, float("-inf")).max(), 1.0)
+                          if ratio.numel() else ratio.new_ones(())),
         }
     return loss, {k: v.detach() for k, v in stats.items()}
