@@ -16,8 +16,13 @@ from grpo.logprobs import completion_logprobs
 from grpo.records import RolloutBatch
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lora: bool) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters; no weight decay on biases and norms (as HF Trainer)."""
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lora: bool, allow_fused: bool = True) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; no weight decay on biases and norms (as HF Trainer).
+
+    Fused (one kernel for every parameter's update, and no host-side reads of the step counters) when
+    all trainable parameters are floating-point CUDA tensors; ``allow_fused=False`` for DeepSpeed,
+    which moves the optimizer onto its own flat (maybe CPU-offloaded) copies of the parameters.
+    """
     lr = (cfg.lora_learning_rate or cfg.learning_rate) if lora else cfg.learning_rate
     decay, no_decay = [], []
     for name, param in model.named_parameters():
@@ -29,7 +34,12 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lora: bool) -> tor
         import bitsandbytes as bnb
 
         return bnb.optim.AdamW8bit(groups, lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
-    return torch.optim.AdamW(groups, lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
+    trainable = decay + no_decay
+    # The for-each AdamW launches several kernels per parameter group and reads each step counter on
+    # the host; the fused one does the whole update in a few kernels. It exists for CUDA (and here is
+    # only asked for there): on the CPU the default stays, so CPU runs are unchanged.
+    fused = allow_fused and bool(trainable) and all(p.is_cuda and p.is_floating_point() for p in trainable)
+    return torch.optim.AdamW(groups, lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), fused=fused or None)
 
 
 def lr_multiplier(update: int, total_updates: int, warmup_updates: int, kind: str) -> float:
