@@ -153,3 +153,26 @@ def test_torch_learner_drops_autocasts_stale_weight_copies_after_each_update():
         fresh = layer(x)  # a new context: no cache
     assert not torch.equal(after, before)
     assert torch.equal(after, fresh)
+
+
+def test_adamw_is_fused_only_on_cuda():
+    # Fused AdamW is a CUDA kernel: a CPU model keeps torch's default (for-each) AdamW.
+    from grpo.config.schema import OptimConfig
+    from grpo.optimization import build_optimizer
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = build_optimizer(model, OptimConfig(), lora=False)
+    assert not optimizer.defaults["fused"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_adamw_is_fused_on_cuda_but_not_for_deepspeed():
+    from grpo.config.schema import OptimConfig
+    from grpo.optimization import build_optimizer
+
+    model = torch.nn.Linear(4, 4).cuda()
+    assert build_optimizer(model, OptimConfig(), lora=False).defaults["fused"] is True
+    assert not build_optimizer(model, OptimConfig(), lora=False, allow_fused=False).defaults["fused"]
+    model(torch.randn(2, 4, device="cuda")).sum().backward()
+    build_optimizer(model, OptimConfig(), lora=False).step()  # the fused kernel accepts these parameters

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+import math
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Protocol
@@ -42,9 +43,13 @@ class TorchLearner:
         loss.backward()
 
     def finish_update(self) -> float | None:
-        # A non-finite norm skips the update: one bad batch must not poison the weights.
+        # A non-finite norm skips the update: one bad batch must not poison the weights. Deciding that
+        # needs the norm on the host: its one sync per update, read once as a float (not bool() and then
+        # float(), two). foreach (torch's default on CUDA and CPU) norms and scales all gradients in a
+        # few kernels; foreach=True would raise on devices without those kernels.
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm or float("inf"))
-        applied = bool(torch.isfinite(norm))
+        value = float(norm)
+        applied = math.isfinite(value)
         if applied:
             self.optimizer.step()
             # Under bf16 autocast (fp32 master weights) the bf16 copies autocast caches of the weights
@@ -52,7 +57,7 @@ class TorchLearner:
             torch.clear_autocast_cache()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return float(norm) if applied else None
+        return value if applied else None
 
     @property
     def lr(self) -> float:

@@ -100,7 +100,8 @@ class Trainable:
 
 def build_trainable(cfg: RunConfig, policy: torch.nn.Module, info: DistInfo) -> Trainable:
     """Optimizer, schedule and learner (DeepSpeed when ``train.deepspeed`` names a config, else torch/DDP)."""
-    optimizer = build_optimizer(policy, cfg.optim, lora=cfg.model.lora_r > 0)
+    optimizer = build_optimizer(policy, cfg.optim, lora=cfg.model.lora_r > 0,
+                                allow_fused=not cfg.train.deepspeed)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps * cfg.loss.num_iterations)
     ds_config = None
     if cfg.train.deepspeed:

@@ -1,0 +1,93 @@
+"""The update queues work for the GPU without waiting for it: no host sync per micro-batch.
+
+A CPU has no real syncs to see, so the ops that would be one on a GPU are counted instead: reading a
+tensor's value on the host (``item``/``float``/``int``/``bool``, all ``aten._local_scalar_dense``),
+``tolist``, and ops whose output size depends on the data (``nonzero``, ``masked_select``). A sync per
+micro-batch makes the count grow with the number of micro-batches.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import grpo
+from grpo.distributed import DistInfo
+from grpo.learners import TorchLearner
+from grpo.optimization import LossSettings, train_on_batch
+from grpo.tiny_model import build_qwen2
+
+from test_optimization import random_batch
+
+GRPO_DIR = Path(grpo.__file__).parent
+SYNC_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+            torch.ops.aten.masked_select.default}
+
+
+def _grpo_caller() -> str:
+    """The innermost grpo source file on the stack ('' when none): who asked for the sync."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = Path(frame.f_code.co_filename)
+        if GRPO_DIR in path.parents:
+            return str(path.relative_to(GRPO_DIR))
+        frame = frame.f_back
+    return ""
+
+
+class CountSyncs(TorchDispatchMode):
+    """Counts would-be host syncs by the grpo file that caused them."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_file: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in SYNC_OPS:
+            self.by_file[_grpo_caller()] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_syncs(tiny_tokenizer, loss_type: str, micro_batch_size: int, monkeypatch) -> Counter[str]:
+    model = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=1, seed=0)
+    # SGD, not AdamW: torch's non-fused AdamW reads its step counters (CPU tensors even on a GPU run)
+    # with item(), which this count would take for syncs of the learner's.
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    learner = TorchLearner(model, optimizer, scheduler, max_grad_norm=1.0)
+    settings = LossSettings(epsilon=0.2, epsilon_high=None, beta=0.04, loss_type=loss_type, max_completion_length=7,
+                            temperature=0.9, num_iterations=2, micro_batch_size=micro_batch_size, max_grad_norm=1.0)
+    counter = CountSyncs()
+    real_tolist = torch.Tensor.tolist
+
+    def tolist(tensor):
+        counter.by_file[_grpo_caller()] += 1
+        return real_tolist(tensor)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    batch = random_batch(len(tiny_tokenizer), N=8)
+    with counter:
+        stats = train_on_batch(learner, batch, settings, DistInfo())
+    monkeypatch.undo()
+    assert stats["skipped_updates"] == 0.0 and stats["grad_norm"] > 0
+    return counter.by_file
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo"])  # weights: a float, a tensor; dapo's share
+def test_no_host_sync_per_micro_batch(tiny_tokenizer, monkeypatch, loss_type):
+    one, four = (count_syncs(tiny_tokenizer, loss_type, micro, monkeypatch) for micro in (8, 2))
+    # grpo/logprobs.py is left out: its column trimming reads the rollout's masks, which live on the CPU
+    # (every engine returns them there), so those reads wait for no GPU. Everything else must not grow.
+    for counts in (one, four):
+        counts.pop("logprobs.py", None)
+    assert four == one, f"syncs with 1 micro-batch per update: {dict(one)}; with 4: {dict(four)}"
+    # The learner's one sync per update (2 updates: num_iterations=2): reading the gradient norm, which
+    # decides whether the update is skipped.
+    assert four["learners.py"] == 2, dict(four)
+    # And the statistics come to the host once per step.
+    assert four["optimization.py"] == 1, dict(four)
