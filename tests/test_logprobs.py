@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo.logprobs import can_share_prompt_cache, completion_logprobs, shared_prompt_index
+from grpo.logprobs import (_shared_prompt_logits, can_share_prompt_cache, checkpointing_paused, completion_logprobs,
+                           shared_prompt_index)
 from grpo.tiny_model import build_qwen2
 
 
@@ -84,11 +85,67 @@ def test_gradient_checkpointing_falls_back_to_the_plain_pass(tiny_tokenizer):
     model.train()
     assert not can_share_prompt_cache(model)
     with torch.no_grad():
-        assert can_share_prompt_cache(model)  # no backward, so no recompute: the cache is kept
+        assert not can_share_prompt_cache(model)  # HF drops the cache in training mode, gradients or not
+        with checkpointing_paused(model):
+            assert can_share_prompt_cache(model)
     model.eval()
     assert can_share_prompt_cache(model)
     model.train()
     assert_same(model, grouped_rows(len(tiny_tokenizer), [5, 9], G=3), None)
+
+
+def checkpointing_state(model) -> dict[str, object]:
+    """Each module's own ``gradient_checkpointing`` attribute (absent = inherited from its class)."""
+    return {name: vars(m).get("gradient_checkpointing", "inherited") for name, m in model.named_modules()}
+
+
+def test_no_grad_pass_pauses_gradient_checkpointing_and_shares_prompts(tiny_tokenizer):
+    # The LoRA reference (adapter off) and old log-probs run on the policy in training mode. With
+    # checkpointing on, Hugging Face would return no cache; the no-grad pass pauses checkpointing,
+    # shares the prompts and gives the log-probs of the plain pass that training runs.
+    model = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=2, seed=0)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    before = checkpointing_state(model)
+    assert sum(state is True for state in before.values()) == 3  # the base model and its 2 decoder layers
+    rows = grouped_rows(len(tiny_tokenizer), [6, 6, 6], G=4)
+    plain = completion_logprobs(model, *rows, temperature=0.7, share_prompts=False).detach()  # [12, Lc], under grad
+    embedded = []
+    model.get_input_embeddings().register_forward_hook(lambda module, args, out: embedded.append(args[0].numel()))
+    with torch.no_grad():
+        shared = completion_logprobs(model, *rows, temperature=0.7)
+    assert sum(embedded) == 3 * 6 + 12 * rows[2].shape[1]  # 3 prompts once, then the 12 completions
+    mask = rows[3].bool()
+    torch.testing.assert_close(shared[mask], plain[mask], atol=2e-5, rtol=1e-5)
+    assert checkpointing_state(model) == before
+    assert all(m.training for m in model.modules())  # train mode kept (dropout as in the plain pass)
+
+
+class ClassWideCheckpointing(torch.nn.Module):
+    gradient_checkpointing = True  # on for the class, no instance value: pausing must not leave one behind
+
+
+def test_checkpointing_pause_restores_the_state_after_an_exception(tiny_tokenizer):
+    model = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=2, seed=0)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.add_module("class_wide", ClassWideCheckpointing())
+    before = checkpointing_state(model)
+    with pytest.raises(ValueError, match="inside"), checkpointing_paused(model):
+        assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+        raise ValueError("inside")
+    assert checkpointing_state(model) == before
+    assert before["class_wide"] == "inherited" and model.class_wide.gradient_checkpointing is True
+
+
+def test_a_model_that_returns_no_cache_is_a_clear_error(tiny_tokenizer):
+    # Called directly (completion_logprobs would have paused checkpointing): HF returns no cache.
+    model = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=1, seed=0)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_rows(len(tiny_tokenizer), [4], G=2)
+    shared = shared_prompt_index(prompt_ids, prompt_mask)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="Qwen2ForCausalLM returned no KV cache"):
+        _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *shared)
 
 
 def test_shared_prompt_index():

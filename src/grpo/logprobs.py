@@ -7,9 +7,17 @@ alone, each reading its prompt's cache rows. Under autograd the cache rows are a
 prompt pass, so the prompt's gradient is the sum over its completions, exactly as if the prompt had
 been run G times: the same log-probs and gradients up to float re-association, for G times less
 prompt compute (and prompt activation memory).
+
+Gradient checkpointing: Hugging Face drops the KV cache of a checkpointing model in training mode
+(the backward's recompute would append to it twice), so under grad such a model runs the plain pass.
+A pass without gradients (reference and old log-probs) has no backward to save memory for: it runs
+with checkpointing switched off (``checkpointing_paused``) and shares prompts like any other model.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -36,12 +44,35 @@ def shared_prompt_index(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor
     return (~repeats).nonzero().squeeze(-1), (~repeats).long().cumsum(0) - 1
 
 
+def checkpointing_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules with gradient checkpointing on: Hugging Face keeps the switch as a boolean
+    ``gradient_checkpointing`` attribute on the base model and on each ``GradientCheckpointingLayer``."""
+    return [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+
+
 def can_share_prompt_cache(model: torch.nn.Module) -> bool:
-    """False while gradient checkpointing trains: Hugging Face then drops the KV cache (its recompute
-    would append to it twice), so completions could not read their prompt's."""
-    if not (model.training and torch.is_grad_enabled()):
-        return True
-    return not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    """False while a checkpointing model is in training mode: Hugging Face then drops the KV cache
+    (whether or not gradients are enabled), so completions could not read their prompt's."""
+    return not (model.training and checkpointing_modules(model))
+
+
+@contextmanager
+def checkpointing_paused(model: torch.nn.Module) -> Iterator[None]:
+    """Gradient checkpointing off on every module of ``model`` that has it, for a pass that needs no
+    gradients (nothing to recompute, and the prompt's KV cache can then be kept). Train/eval mode is
+    left alone, so dropout behaves as in the pass it replaces. The exact previous state is restored on
+    exit, exceptions included (an instance attribute set back; one the module only inherited, removed)."""
+    paused = [(m, "gradient_checkpointing" in vars(m)) for m in checkpointing_modules(model)]
+    try:
+        for module, _ in paused:
+            module.gradient_checkpointing = False
+        yield
+    finally:
+        for module, own_attribute in paused:
+            if own_attribute:
+                module.gradient_checkpointing = True
+            else:
+                del module.gradient_checkpointing
 
 
 def _full_logits(model, ids: Tensor, mask: Tensor, Lc: int) -> Tensor:
@@ -58,6 +89,11 @@ def _shared_prompt_logits(model, prompt_ids: Tensor, prompt_mask: Tensor, comple
     prompt_out = model(input_ids=prompts, attention_mask=prompts_mask,
                        position_ids=position_ids_from_mask(prompts_mask), use_cache=True, logits_to_keep=1)
     cache = prompt_out.past_key_values
+    if cache is None:  # a model that ignores use_cache=True: sharing would read no prompt at all
+        raise RuntimeError(
+            f"grpo.logprobs: {type(model).__name__} returned no KV cache for the shared prompt pass "
+            f"(training={model.training}, gradient checkpointing on {len(checkpointing_modules(model))} modules); "
+            "completion_logprobs(share_prompts=False) runs the plain pass")
     cache.batch_select_indices(index)  # [U, ...] -> [b, ...]: an index, so gradients sum per prompt
     Lc = completion_ids.shape[1]
     positions = prompts_mask.sum(-1)[index, None] + torch.arange(Lc, device=completion_ids.device)  # [b, Lc]
@@ -90,12 +126,22 @@ def completion_logprobs(
         [N, Lc] float32 (padding positions hold finite values, 0 past a micro-batch's longest completion,
         that the loss masks out). Gradients flow
         when called with grad enabled. Only the completion positions' logits (and each prompt's last)
-        are computed, never the prompt's [Lp, V] logits.
+        are computed, never the prompt's [Lp, V] logits. Without grad, gradient checkpointing is paused
+        for the call (see the module docstring).
     """
+    with nullcontext() if torch.is_grad_enabled() else checkpointing_paused(model):
+        share_prompts = share_prompts and can_share_prompt_cache(model)
+        return _micro_batched_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                       temperature, micro_batch_size, share_prompts)
+
+
+def _micro_batched_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
+                            completion_mask: Tensor, temperature: float, micro_batch_size: int | None,
+                            share_prompts: bool) -> Tensor:
+    """``completion_logprobs``' loop over micro-batches, ``share_prompts`` already checked ([N, Lc])."""
     Lc = completion_ids.shape[1]
     step = micro_batch_size or prompt_ids.shape[0]
     device = next(model.parameters()).device
-    share_prompts = share_prompts and can_share_prompt_cache(model)
     out = []
     for start in range(0, prompt_ids.shape[0], step):
         rows = slice(start, start + step)
