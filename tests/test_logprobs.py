@@ -189,3 +189,35 @@ def test_shared_prompt_pass_equals_plain_with_sliding_window_attention(tiny_toke
     base.config.layer_types = ["sliding_attention", "full_attention"]
     model = type(base)(base.config).train()
     assert_same(model, grouped_rows(len(tiny_tokenizer), [9, 4], G=3), None)
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_bucketed_widths_repeat_shapes_and_change_no_value(tiny_tokenizer, share):
+    # On a GPU the run widths are rounded up (COLUMN_BUCKET) so kernels and attention plans are reused;
+    # the extra columns are padding, masked, so the real positions' log-probs and gradients are unchanged.
+    model = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=2, seed=0).train()
+    rows = grouped_rows(len(tiny_tokenizer), [3, 10, 5, 7], G=2, Lc=9)
+    seen = []
+    model.get_input_embeddings().register_forward_hook(lambda module, args, out: seen.append(args[0].shape[1]))
+
+    def run(bucket):
+        model.zero_grad(set_to_none=True)
+        logprobs = completion_logprobs(model, *rows, temperature=0.7, micro_batch_size=4, share_prompts=share,
+                                       column_bucket=bucket)
+        (logprobs * rows[3]).sum().backward()
+        return logprobs.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain, plain_grads = run(1)
+    unbucketed, seen[:] = list(seen), []
+    bucketed, bucketed_grads = run(4)
+    # Prompt widths are multiples of 4 or the whole padded prompt (10); completion widths multiples of 4 or
+    # Lc (9); the plain pass runs their sum. Unbucketed, the second micro-batch (prompts of 5 and 7) ran 7.
+    prompts, completions = {4, 8, 10}, {4, 8, 9}
+    allowed = prompts | completions if share else {p + c for p in prompts for c in completions}
+    assert set(seen) <= allowed, (seen, allowed)
+    if share:  # without buckets the second micro-batch's prompt pass ran its prompts' 7 columns
+        assert 7 in unbucketed and 7 not in seen, (unbucketed, seen)
+    mask = rows[3].bool()
+    torch.testing.assert_close(bucketed[mask], plain[mask], atol=2e-5, rtol=1e-5)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(bucketed_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)

@@ -25,6 +25,22 @@ from torch import Tensor
 from grpo.algorithm import token_logprobs
 
 
+COLUMN_BUCKET = 64  # GPU micro-batch widths are multiples of this (see _micro_batched_logprobs)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _to_device(t: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on ``device``; to a GPU through pinned memory without waiting (a copy from pageable
+    memory makes the host wait for the GPU's queue first). The caching host allocator keeps the pinned
+    block until the copy has run."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     """[B, T] positions that skip left padding, as ``generate`` assigns them (so log-probs of a
     left-padded prompt match what was sampled)."""
@@ -111,6 +127,7 @@ def completion_logprobs(
     temperature: float,
     micro_batch_size: int | None = None,
     share_prompts: bool = True,
+    column_bucket: int | None = None,
 ) -> Tensor:
     """Log-probs of each completion token given its prompt and the completion prefix.
 
@@ -119,6 +136,8 @@ def completion_logprobs(
         completion_ids, completion_mask: [N, Lc] right-padded completions.
         temperature: the sampling temperature (logits are divided by it).
         micro_batch_size: rows per forward pass; None = all at once.
+        column_bucket: run widths rounded up to a multiple of this (padding columns, masked); None:
+            ``COLUMN_BUCKET`` on a GPU (shapes that repeat), 1 elsewhere (no extra compute on a CPU).
         share_prompts: run each micro-batch's distinct prompts once (see the module docstring);
             False runs every row's prompt + completion as one sequence (the plain reference).
 
@@ -132,32 +151,42 @@ def completion_logprobs(
     with nullcontext() if torch.is_grad_enabled() else checkpointing_paused(model):
         share_prompts = share_prompts and can_share_prompt_cache(model)
         return _micro_batched_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                       temperature, micro_batch_size, share_prompts)
+                                       temperature, micro_batch_size, share_prompts, column_bucket)
 
 
 def _micro_batched_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                             completion_mask: Tensor, temperature: float, micro_batch_size: int | None,
-                            share_prompts: bool) -> Tensor:
+                            share_prompts: bool, column_bucket: int | None) -> Tensor:
     """``completion_logprobs``' loop over micro-batches, ``share_prompts`` already checked ([N, Lc])."""
-    Lc = completion_ids.shape[1]
+    Lc, Lp = completion_ids.shape[1], prompt_ids.shape[1]
     step = micro_batch_size or prompt_ids.shape[0]
     device = next(model.parameters()).device
+    bucket = column_bucket or (COLUMN_BUCKET if device.type == "cuda" else 1)
+    # Every host-side decision (which columns run, which rows share a prompt) reads CPU copies of the masks
+    # and ids: on a GPU, reading a device tensor makes the host wait for every kernel queued before it.
+    prompt_ids, prompt_mask = prompt_ids.cpu(), prompt_mask.cpu()
+    completion_ids, completion_mask = completion_ids.cpu(), completion_mask.cpu()
     out = []
     for start in range(0, prompt_ids.shape[0], step):
         rows = slice(start, start + step)
         # Columns that are padding in every row of this micro-batch (left of its longest prompt, right of
-        # its longest completion) are not run at all: they change no other position's value.
+        # its longest completion) are not run at all: they change no other position's value. On a GPU the
+        # widths are rounded up to a multiple of COLUMN_BUCKET so that kernels and cuDNN attention plans
+        # (built per shape, ~14 ms of host time each on an H100) are reused across micro-batches and steps.
         prompt_cols = prompt_mask[rows].any(0).nonzero()
         first = int(prompt_cols.min()) if prompt_cols.numel() else 0
+        first = max(0, Lp - _round_up(Lp - first, bucket))
         completion_cols = completion_mask[rows].any(0).nonzero()
         width = int(completion_cols.max()) + 1 if completion_cols.numel() else 1
-        p_ids, p_mask = prompt_ids[rows, first:].to(device), prompt_mask[rows, first:].to(device)
-        c_ids, c_mask = completion_ids[rows, :width].to(device), completion_mask[rows, :width].to(device)
-        shared = shared_prompt_index(p_ids, p_mask) if share_prompts else None
+        width = min(Lc, _round_up(width, bucket))
+        shared = shared_prompt_index(prompt_ids[rows, first:], prompt_mask[rows, first:]) if share_prompts else None
+        p_ids, p_mask = _to_device(prompt_ids[rows, first:], device), _to_device(prompt_mask[rows, first:], device)
+        c_ids, c_mask = _to_device(completion_ids[rows, :width], device), _to_device(completion_mask[rows, :width], device)
         if shared is None:
             logits = _full_logits(model, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), width)
         else:
-            logits = _shared_prompt_logits(model, p_ids, p_mask, c_ids, c_mask, *shared)
+            first_rows, index = (_to_device(t, device) for t in shared)
+            logits = _shared_prompt_logits(model, p_ids, p_mask, c_ids, c_mask, first_rows, index)
         targets = torch.cat([p_ids[:, -1:], c_ids], dim=1)  # [b, width + 1]: last prompt token, then the completion
         logprobs = token_logprobs(logits, targets, temperature)  # [b, width]
         out.append(torch.nn.functional.pad(logprobs, (0, Lc - width)))  # [b, Lc], zeros where all rows pad
