@@ -143,35 +143,36 @@ def test_bad_input_with_overwrite_keeps_the_old_run(existing_run, inputs, recipe
     assert snapshot(out) == before
 
 
-def test_reward_of_the_wrong_length_exits_2_and_keeps_checkpoints_and_metrics(existing_run, recipe, tiny_model_dir,
-                                                                              tmp_path, capsys):
-    # Found only when step 3 scores its completions: by then the run is set up (config.yaml records the
-    # resumed command); the checkpoints and the metrics and samples of steps 1-2 must be as they were.
+def resume_with_reward(existing_run, recipe, tiny_model_dir, tmp_path, capsys, reward: str) -> str:
+    """Resume a copy of the finished 2-step run for a third step scored by ``reward`` alone; assert exit 2 and
+    that the checkpoints, metrics, samples and final weights of steps 1-2 are as they were. Returns stderr."""
     out = tmp_path / "run"
     shutil.copytree(existing_run, out)
     kept = {k: v for k, v in snapshot(out).items() if k.startswith(("checkpoints", "metrics", "samples", "final"))}
     status = main(["train", str(recipe), *run_args(tiny_model_dir, out, **{
-        "train.max_steps": 3, "rewards": "[{name: 'rewards_for_reliability:one_too_many'}]"}), "--resume"])
+        "train.max_steps": 3, "rewards": f"[{{name: '{reward}'}}]"}), "--resume"])
     err = capsys.readouterr().err
     assert status == 2, err
-    assert re.search(r"grpo: reward error: reward 'one_too_many' returned 9 values for 8 completions", err), err
     assert {k: v for k, v in snapshot(out).items() if k in kept} == kept
-    assert set(snapshot(out)) >= set(kept)
+    assert "step-3" not in {p.name for p in (out / "checkpoints").iterdir()}
+    return err
+
+
+def test_reward_of_the_wrong_length_exits_2_and_keeps_checkpoints_and_metrics(existing_run, recipe, tiny_model_dir,
+                                                                              tmp_path, capsys):
+    # Found only when step 3 scores its completions: by then the run is set up (config.yaml records the
+    # resumed command); the checkpoints and the metrics and samples of steps 1-2 must be as they were.
+    err = resume_with_reward(existing_run, recipe, tiny_model_dir, tmp_path, capsys,
+                                "rewards_for_reliability:one_too_many")
+    assert re.search(r"grpo: reward error: reward 'one_too_many' returned 9 values for 8 completions", err), err
 
 
 def test_reward_failing_on_every_sample_exits_2_naming_it_and_keeps_the_run(existing_run, recipe, tiny_model_dir,
                                                                              tmp_path, capsys):
     # Before this rule the run trained to the end with exit 0 and a null reward column: every sample
     # "abstained". Now the first step it scores stops the run, before any update uses the batch.
-    out = tmp_path / "run"
-    shutil.copytree(existing_run, out)
-    kept = {k: v for k, v in snapshot(out).items() if k.startswith(("checkpoints", "metrics", "samples", "final"))}
-    status = main(["train", str(recipe), *run_args(tiny_model_dir, out, **{
-        "train.max_steps": 3, "rewards": "[{name: 'rewards_for_reliability:raises_always'}]"}), "--resume"])
-    err = capsys.readouterr().err
-    assert status == 2, err
+    err = resume_with_reward(existing_run, recipe, tiny_model_dir, tmp_path, capsys,
+                                "rewards_for_reliability:raises_always")
     assert re.search(r"reward 'raises_always' failed on every one of the 8 samples of this step.*KeyError: 'gold'",
                      err), err
     assert "sample prompt:" in err and "sample completion:" in err
-    assert {k: v for k, v in snapshot(out).items() if k in kept} == kept
-    assert "step-3" not in {p.name for p in (out / "checkpoints").iterdir()}
