@@ -6,6 +6,7 @@ created with gloo on CPU and NCCL on CUDA.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -57,14 +58,20 @@ def all_reduce_sum(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return out
 
 
-def all_gather_objects(obj: Any, info: DistInfo) -> list[Any]:
-    """Every rank's ``obj`` (picklable), in rank order; ``[obj]`` for one process. For small values
-    whose shape differs between ranks (a reward's logged metrics), where a tensor reduction cannot go."""
+def all_gather_json(obj: Any, info: DistInfo) -> list[Any]:
+    """Every rank's ``obj`` (JSON values), in rank order; ``[obj]`` for one process. For small values whose
+    shape differs between ranks (a reward's logged metrics), where a tensor reduction cannot go. As JSON
+    bytes in tensors: torch.distributed's object collectives pickle, and no peer's bytes are unpickled."""
     if not info.enabled:
         return [obj]
-    gathered: list[Any] = [None] * info.world_size
-    dist.all_gather_object(gathered, obj)
-    return gathered
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8, device=device)  # [n]
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(info.world_size)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
+    longest = max(int(size) for size in sizes)
+    padded = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in range(info.world_size)]
+    dist.all_gather(padded, torch.nn.functional.pad(data, (0, longest - data.numel())))
+    return [json.loads(bytes(row[:int(size)].tolist()).decode()) for row, size in zip(padded, sizes)]
 
 
 def barrier(info: DistInfo) -> None:

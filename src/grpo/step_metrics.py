@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from grpo.distributed import DistInfo, all_gather_objects, all_reduce_mean
+from grpo.distributed import DistInfo, all_gather_json, all_reduce_mean
 from grpo.errors import RewardError
 from grpo.experience import correctness
 from grpo.records import RolloutBatch
@@ -75,7 +75,7 @@ def reward_logged_metrics(local: dict[str, float], taken: set[str], info: DistIn
     if clashes:
         raise RewardError(f"a reward's log_metric used the names {clashes}, which grpo logs itself; choose "
                           f"other names (e.g. 'rewards/{clashes[0]}')")
-    per_rank = all_gather_objects(local, info)
+    per_rank = all_gather_json(local, info)
     names = dict.fromkeys(name for logged in per_rank for name in logged)
     return {name: sum(r[name] for r in per_rank if name in r) / sum(name in r for r in per_rank) for name in names}
 

@@ -12,9 +12,13 @@ def letters(prompts, completions, **kwargs):
     return [sum("a" <= ch <= "z" for ch in t) / max(len(t), 1) for t in texts]
 
 
-def record_prompts(prompts, completions, **kwargs):
-    """Reward 0; appends (rank, question) per completion to $GRPO_TEST_PROMPT_LOG.<rank>."""
+def record_prompts(prompts, completions, log_metric, **kwargs):
+    """Reward 0; appends (rank, question) per completion to $GRPO_TEST_PROMPT_LOG.<rank>. Logs the rank
+    (averaged over ranks in metrics.jsonl) and, on rank 1 only, a metric the other rank never logs."""
     rank = os.environ.get("RANK", "0")
+    log_metric("test/rank", float(rank))
+    if rank == "1":
+        log_metric("test/rank1_only", 3.0)
     with open(f"{os.environ['GRPO_TEST_PROMPT_LOG']}.{rank}", "a") as f:
         for question in kwargs["question"]:
             f.write(json.dumps({"rank": int(rank), "question": question}) + "\n")

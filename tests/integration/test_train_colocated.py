@@ -210,6 +210,10 @@ def test_two_rank_torchrun_gives_each_rank_distinct_whole_groups(tiny_model_dir,
     q1 = [per_rank[1][i]["question"] for i in range(0, 16, 4)]
     assert not set(q0) & set(q1), "ranks trained on the same prompts"
     assert [r["step"] for r in read_metrics(out) if "reward/mean" in r] == [1, 2]
+    # log_metric values gathered over the ranks (as JSON bytes, never pickles): the mean over the ranks
+    # that logged a name, so rank 1's own metric is not halved by rank 0's silence
+    trained = [r for r in read_metrics(out) if "reward/mean" in r]
+    assert [(r["test/rank"], r["test/rank1_only"]) for r in trained] == [(0.5, 3.0), (0.5, 3.0)]
 
 
 def test_bf16_full_fine_tuning_keeps_fp32_master_weights_so_small_updates_are_not_lost(tiny_model_dir, tmp_path):

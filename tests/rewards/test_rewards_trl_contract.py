@@ -170,3 +170,12 @@ def test_trls_own_rewards_run_unchanged():
     boxed = [[{"role": "assistant", "content": f"so the answer is $\\boxed{{{v}}}$"}] for v in (4, 5, 4)]
     fns = build_reward_functions(specs[1:2], "think", column_names=list(COLUMNS))
     assert score(fns, [1.0], PROMPTS, boxed, COLUMNS, IDS).total.tolist() == [1.0, 0.0, 1.0]
+
+
+def test_a_logged_metric_that_would_overwrite_one_of_grpos_is_an_error():
+    from grpo.distributed import DistInfo
+    from grpo.step_metrics import reward_logged_metrics
+
+    with pytest.raises(RewardError, match=r"log_metric used the names \['loss'\], which grpo logs itself"):
+        reward_logged_metrics({"loss": 1.0, "judge/s": 2.0}, {"loss", "kl"}, DistInfo())
+    assert reward_logged_metrics({"judge/s": 2.0}, {"loss", "kl"}, DistInfo()) == {"judge/s": 2.0}
