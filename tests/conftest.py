@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,17 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # GRPO_GSM8K_DIR: where the files are when the checkout has no shared/ beside it (a git worktree elsewhere)
 GSM8K_DIR = Path(os.environ.get("GRPO_GSM8K_DIR") or REPO_ROOT / ".." / "shared" / "data" / "gsm8k").resolve()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _sigint_is_delivered():
+    """The Ctrl-C tests send real SIGINTs, in-process and to child runs. A shell that starts the suite as a
+    background job without job control (``make test &`` in a script) leaves SIGINT ignored for it, and
+    children inherit an ignored signal: every run would then look uninterruptible. Python's own handler,
+    as in an interactive run (children get the default action back at exec)."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
 
 
 @pytest.fixture(scope="session")
