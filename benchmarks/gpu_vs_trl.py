@@ -318,6 +318,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, help="completions per forward/backward (default 16)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--only", help="run only the cases whose name contains this (e.g. full+gc)")
+    parser.add_argument("--engine", default="hf", choices=("hf", "hf-static", "hf-generate", "vllm"),
+                        help="grpo's rollout.engine (default hf; hf-static: static cache + CUDA graph decode)")
     parser.add_argument("--sides", default="grpo,trl", help="which trainers: grpo,trl (default), grpo or trl")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of each trainer")
     parser.add_argument("--gsm8k", help="GSM8K folder holding train.jsonl (default: see find_gsm8k)")
@@ -390,14 +392,15 @@ def main() -> None:
                     "tokenizer": f"byte-level BPE trained to {TOKENIZER_VOCAB} tokens on the first "
                                  f"{TOKENIZER_QUESTIONS} GSM8K train questions, + 6 tag tokens",
                     "prompts": "GSM8K train, file order, think system prompt",
-                    "trl": "use_vllm=False (HF generate)", "mean_prompt_tokens": statistics.fmean(prompt_tokens)}
+                    "trl": "use_vllm=False (HF generate)", "grpo_engine": args.engine,
+                    "mean_prompt_tokens": statistics.fmean(prompt_tokens)}
         rows = []
         for key in args.case_keys:
             case = make_case(f"qwen2.5-{shape}", model, prompts, num_iterations=1, steps=args.steps,
                              threads=args.threads, prompts_per_step=args.prompts, num_generations=args.generations,
                              max_completion_length=args.max_new_tokens, micro_batch_size=args.micro_batch,
                              device=device, bf16=device == "cuda", attn_implementation="sdpa", lr=1e-6,
-                             **CASES[key])
+                             engine=args.engine, **CASES[key])
             if args.only and args.only not in case["name"]:
                 continue
             row = {"case": key, "name": case["name"], "lora_r": case["lora_r"],

@@ -120,3 +120,19 @@ def test_merge_joins_cases_in_order_and_refuses_other_settings(tmp_path):
     assert [row["case"] for row in merged["cases"]] == ["full", "lora"]
     with pytest.raises(SystemExit, match="another settings"):
         gpu_vs_trl.merge([str(a), str(other)])
+
+
+def test_generation_speed_tiny_runs_every_engine(tmp_path):
+    # benchmarks/generation_speed.py (issue 14's generation target) on a CPU: every engine runs on the full
+    # and the LoRA policy, and the JSON carries the figures the README quotes.
+    out = tmp_path / "gen.json"
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "generation_speed.py"), "--tiny",
+                           "--reps", "1", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    for case in ("full", "lora"):
+        rows = report["cases"][case]
+        assert set(rows) == {"generate (dynamic cache, bf16 copy)", "hf (policy under autocast)", "hf-static"}
+        for row in rows.values():
+            assert row["seconds"] > 0 and row["tokens"] > 0 and row["speedup_vs_generate"] > 0
+    assert "| lora | hf-static |" in proc.stdout

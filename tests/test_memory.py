@@ -134,6 +134,17 @@ def test_colocated_vllm_reservation_counts_in_every_phase():
     assert est.phases_gb["rollout"] > 24  # held while sampling too
 
 
+def test_hf_static_engine_counts_its_bf16_sampling_copy_in_every_phase():
+    # the copy lives for the whole run: 2 B per parameter on CUDA, in weights and in every phase
+    hf = estimate("model.lora_r=16")
+    static = estimate("model.lora_r=16", "rollout.engine=hf-static")
+    copy_gb = 3_085_938_688 * 2 / GIB  # Qwen2.5-3B's published parameter count
+    assert static.per_device_gb["weights"] == pytest.approx(hf.per_device_gb["weights"] + copy_gb, abs=0.01)
+    for phase, gb in hf.phases_gb.items():
+        assert static.phases_gb[phase] == pytest.approx(gb + copy_gb, abs=0.01), phase
+    assert "sampling copy" in static.how["weights"]
+
+
 def test_json_output_shape(capsys):
     assert run_memory_command(None, SEED, gpus=None, gpu_gb=80, json_output=True) == 0
     out = json.loads(capsys.readouterr().out)

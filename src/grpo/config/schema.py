@@ -64,8 +64,10 @@ class DataConfig:
 @dataclass
 class RolloutConfig:
     engine: str = opt("hf", "Generation engine: hf (lean KV-cache sampling loop over the HF model), "
-                      "hf-generate (model.generate; same distribution, slower) or vllm (the optional vllm extra; "
-                      "weights pushed in place after every update).", choices=("hf", "hf-generate", "vllm"))
+                      "hf-static (for CUDA: static KV cache, decode step replayed as a CUDA graph, bf16 sampling copy "
+                      "with LoRA merged), hf-generate (model.generate; same distribution, slower) or vllm (the "
+                      "optional vllm extra; weights pushed in place after every update).",
+                      choices=("hf", "hf-static", "hf-generate", "vllm"))
     num_generations: int = opt(8, "G: completions sampled per prompt (the group).", ge=2)
     max_completion_length: int = opt(256, "Maximum new tokens per completion.", ge=1)
     temperature: float = opt(1.0, "Sampling temperature; log-probs are computed at the same temperature.", gt=0)

@@ -31,6 +31,7 @@ from grpo.memory.formulas import (
     activation_bytes,
     forward_transient_bytes,
     kv_cache_bytes,
+    sampling_copy_bytes,
     logits_bytes,
     prompts_per_micro_batch,
     sampling_bytes,
@@ -311,6 +312,10 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
     reference, how["reference"] = reference_bytes(cfg, n_params=shape.num_params(), p=p,
                                                   ref_model_config=ref_model_config)
     sampler_reference = reference
+    sampling_copy = sampling_copy_bytes(shape, engine=cfg.rollout.engine, device=device, p=p)
+    if sampling_copy and not decoupled:
+        states = replace(states, weights=states.weights + sampling_copy)
+        how["weights"] += " + the hf-static engine's sampling copy (bf16 on CUDA)"
     if decoupled:
         reference, how["reference"] = 0, "on the samplers / reference server (decoupled mode)"
 
@@ -380,6 +385,7 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
                      "(autocast); the reference copy is bf16")
     if decoupled:
         sampler = (shape.num_params() * p + (states.trained_params * LORA_BYTES if lora else 0) + sampler_reference
+                   + sampling_copy
                    + rollout_transient_bytes(shape, cfg, rows=generation_rows, p=p))
         notes.append(f"decoupled mode: these are the trainer ranks' devices; each sampler device needs about "
                      f"{sampler / GIB:.2f} GB of tensors (weights, reference, KV cache)")

@@ -214,3 +214,11 @@ def sampling_bytes(*, rows: int, vocab_size: int) -> int:
     """Per-token sampling temporaries of the lean HF loop: last logits, fp32 scaled copy, softmax and
     the top-p sort: about four [rows, V] fp32 tensors."""
     return 4 * 4 * rows * vocab_size
+
+
+def sampling_copy_bytes(shape: ModelShape, *, engine: str, device: str, p: int) -> int:
+    """``rollout.engine: hf-static`` samples from its own copy of the weights, held for the whole run:
+    bf16 on CUDA, the policy's dtype (``p`` bytes) elsewhere. Other engines: 0 (vLLM's is in its reservation)."""
+    if engine != "hf-static":
+        return 0
+    return shape.num_params() * (2 if device == "cuda" else p)

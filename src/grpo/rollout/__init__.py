@@ -1,15 +1,17 @@
 """Rollout engines: turn rendered prompts into groups of sampled completions.
 
 An engine is anything with the ``RolloutEngine`` protocol, looked up by name in ``ENGINES``:
-``hf`` (default) is a lean sampling loop over the HF model's KV cache; ``hf-generate`` is
-``model.generate`` itself (same distribution, more per-token overhead).
+``hf`` (default) is a lean sampling loop over the HF model's KV cache; ``hf-static`` the same
+distribution from a static cache with the decode step replayed as a CUDA graph, for GPUs;
+``hf-generate`` is ``model.generate`` itself (same distribution, more per-token overhead).
 """
 
 from grpo.rollout.base import RolloutEngine, SamplingParams, completion_mask_from_ids
 from grpo.rollout.hf import HFEngine
 from grpo.rollout.lean import LeanEngine
+from grpo.rollout.static import StaticEngine
 
-ENGINES = {"hf": LeanEngine, "hf-generate": HFEngine}
+ENGINES = {"hf": LeanEngine, "hf-static": StaticEngine, "hf-generate": HFEngine}
 
 
 def make_engine(name: str, model, tokenizer, batch_size: int | None = None) -> RolloutEngine:
@@ -20,5 +22,5 @@ def make_engine(name: str, model, tokenizer, batch_size: int | None = None) -> R
         raise ValueError(f"unknown rollout engine {name!r}; known: {sorted(ENGINES)}") from None
 
 
-__all__ = ["ENGINES", "HFEngine", "LeanEngine", "RolloutEngine", "SamplingParams", "completion_mask_from_ids",
-           "make_engine"]
+__all__ = ["ENGINES", "HFEngine", "LeanEngine", "RolloutEngine", "SamplingParams", "StaticEngine",
+           "completion_mask_from_ids", "make_engine"]

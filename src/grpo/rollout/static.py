@@ -1,0 +1,245 @@
+"""``hf-static``: sampling with a static KV cache and one decode step replayed as a CUDA graph.
+
+Why: on a GPU the ``hf`` engine (``LeanEngine``) is bound by the host, not the GPU: every decode token
+re-enters the model's Python, launches hundreds of small kernels, and checks the batch for EOS (a host
+sync); an H100 spent ~37 ms of host work per token for ~1.4 ms of memory traffic. Here everything that
+changes from token to token lives in tensors at fixed addresses, so the whole step (model forward over
+the static cache, temperature/top-k/top-p, the draw, writing the token) is one function of those
+buffers, captured once per ``generate`` call as a CUDA graph and replayed per token: one launch per
+token, and a host sync only every ``eos_check_every`` tokens to stop when every row has ended.
+
+Data flow for one call (rows grouped per prompt, ``B = prompts * n``):
+  prompts -> prefill each prompt once (dynamic cache, the sampling copy) -> its keys/values copied into
+  ``[B, heads, C, d]`` buffers, ``C`` = prompt width + max tokens rounded up to ``CACHE_BUCKET`` ->
+  ``max_tokens`` replays of ``step`` -> ``[B, max_tokens]`` tokens, everything after a row's first EOS
+  replaced by padding (finished rows keep decoding, unused: a fixed shape costs less than a host sync).
+
+The sampling distribution is the ``hf`` engine's: ``filter_logits`` (temperature, then top-k, then top-p)
+and an inverse-CDF draw with one uniform per row and token. The uniforms are drawn up front,
+``[B, max_tokens]`` from the call's seeded generator (no RNG inside the graph), so a seed fixes the
+output; it is not the ``hf`` engine's stream, so the two engines give different (equally distributed)
+samples for one seed. Weights: a ``SamplingCopy`` (bf16 on CUDA, LoRA merged), refreshed from the
+policy at the start of every call. The log-probs the trainer recomputes come from the fp32 policy under
+autocast, so they differ from the bf16 sampler's by bf16 rounding (as with vLLM); ``rollout/
+logprob_diff`` is the place to see that.
+
+On a CPU the same step runs eagerly (``decode_graph: eager``; CUDA graphs need CUDA), or through
+``torch.compile`` (``compile``): the tests use both to prove the step has no host sync or graph break.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Sequence
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import DynamicLayer
+
+from grpo.records import Generation
+from grpo.rollout.base import SamplingParams, completion_mask_from_ids
+from grpo.rollout.hf import eos_token_ids, left_pad
+from grpo.rollout.lean import filter_logits
+from grpo.rollout.sampling_copy import SamplingCopy
+
+CACHE_BUCKET = 128  # cache lengths rounded up to this: steps with slightly different prompt widths reuse shapes
+DECODE_GRAPHS = ("cuda-graph", "compile", "eager")
+
+
+class StaticKVLayer(DynamicLayer):
+    """One layer's keys/values in ``[B, heads, C, d]`` buffers that never move. ``update`` writes the new
+    position at ``write_pos`` (a 0-d tensor shared by all layers, advanced by the step itself) and returns
+    the whole buffer: positions not yet written are hidden by the step's attention mask."""
+
+    def __init__(self, keys: Tensor, values: Tensor, repeats: int, capacity: int, write_pos: Tensor):
+        super().__init__()
+        U, heads, length, _ = keys.shape  # [U, h, Lp, d]: one row per prompt, repeated for its samples
+        self.keys = keys.new_zeros(U * repeats, heads, capacity, keys.shape[-1])
+        self.values = values.new_zeros(U * repeats, heads, capacity, values.shape[-1])
+        for buffer, filled in ((self.keys, keys), (self.values, values)):
+            buffer.view(U, repeats, heads, capacity, -1)[:, :, :, :length] = filled[:, None]
+        self.write_pos = write_pos
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        index = self.write_pos.view(1)
+        self.keys.index_copy_(2, index, key_states)  # key_states [B, h, 1, d]
+        self.values.index_copy_(2, index, value_states)
+        return self.keys, self.values
+
+
+class StaticEngine:
+    """``RolloutEngine`` for CUDA: static cache, graph-replayed decode step, bf16 sampling copy.
+
+    Args:
+        model: the policy (plain, peft LoRA or DDP-wrapped); sampled through a ``SamplingCopy``.
+        tokenizer: needs a pad token.
+        batch_size: completions per decode batch (``rollout.generation_batch_size``); None = all.
+        dtype: the sampling copy's dtype; None = bf16 on CUDA, the policy's dtype elsewhere.
+        decode_graph: "cuda-graph" (CUDA only), "compile" (``torch.compile`` of the step) or "eager";
+            None = cuda-graph on CUDA, eager elsewhere.
+        eos_check_every: tokens between the host's checks whether every row has ended.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int | None = None, *,
+                 dtype: torch.dtype | None = None, decode_graph: str | None = None, eos_check_every: int = 16):
+        if tokenizer.pad_token_id is None:
+            raise ValueError(f"tokenizer of {tokenizer.name_or_path!r} has no pad token; set one (e.g. the EOS)")
+        device = next(model.parameters()).device
+        on_cuda = device.type == "cuda"
+        decode_graph = decode_graph or ("cuda-graph" if on_cuda else "eager")
+        if decode_graph not in DECODE_GRAPHS:
+            raise ValueError(f"unknown decode_graph {decode_graph!r}; known: {list(DECODE_GRAPHS)}")
+        if decode_graph == "cuda-graph" and not on_cuda:
+            raise ValueError("decode_graph 'cuda-graph' needs the model on a CUDA device; use 'compile' or 'eager'")
+        self.policy, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        self.decode_graph, self.eos_check_every = decode_graph, eos_check_every
+        first = next(model.parameters())
+        self.copy = SamplingCopy(model, dtype or (torch.bfloat16 if on_cuda else first.dtype))
+        self.graph_failure: str | None = None  # why capture failed once (then the step runs eagerly)
+
+    def generate(self, prompts: Sequence[str], params: SamplingParams, seed: int | None = None) -> Generation:
+        """``params.n`` completions per rendered prompt, rows grouped per prompt. ``seed`` fixes the draws."""
+        self.copy.refresh()  # the policy may have been updated since the last call
+        model = self.copy.model
+        device = next(model.parameters()).device
+        pad_id = self.tokenizer.pad_token_id
+        eos_ids = eos_token_ids(self.policy, self.tokenizer)
+        encoded = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        generator = torch.Generator(device=device)
+        if seed is None and not (params.greedy or params.temperature == 0):
+            seed = int(torch.randint(0, 2**62, (1,)).item())  # from the caller's stream, as generate() would
+        generator.manual_seed(seed or 0)
+        per_call = max(1, (self.batch_size or len(prompts) * params.n) // params.n)
+        with torch.no_grad():
+            chunks = [self._sample(model, encoded[start:start + per_call], params, eos_ids, pad_id, generator)
+                      for start in range(0, len(encoded), per_call)]
+        width = max(c.shape[1] for c in chunks)
+        completion_ids = torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1]), value=pad_id)
+                                    for c in chunks])
+        completion_mask, truncated = completion_mask_from_ids(completion_ids, eos_ids)
+        completion_ids = completion_ids.masked_fill(completion_mask == 0, pad_id)
+        prompt_ids, prompt_mask = left_pad(encoded, pad_id)
+        return Generation(
+            prompt_ids=prompt_ids.repeat_interleave(params.n, dim=0),
+            prompt_mask=prompt_mask.repeat_interleave(params.n, dim=0),
+            completion_ids=completion_ids, completion_mask=completion_mask, truncated=truncated,
+            completions=self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True))
+
+    def _sample(self, model, encoded: list[list[int]], params: SamplingParams, eos_ids: list[int], pad_id: int,
+                generator: torch.Generator) -> Tensor:
+        """[B, t] sampled tokens (anything after a row's first EOS is unused) for one batch of prompts."""
+        device = next(model.parameters()).device
+        n, steps = params.n, params.max_tokens
+        ids, mask = left_pad(encoded, pad_id)
+        ids, mask = ids.to(device), mask.to(device)
+        Lp = ids.shape[1]
+        capacity = math.ceil((Lp + steps) / CACHE_BUCKET) * CACHE_BUCKET
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        if any(type(layer) is not DynamicLayer for layer in cache.layers):
+            raise ValueError("rollout engine hf-static supports full-attention models only (this one has "
+                             f"{sorted({type(layer).__name__ for layer in cache.layers})}); use rollout.engine: hf")
+        write_pos = torch.tensor(Lp, device=device)  # [] the cache slot the next token goes to
+        cache.layers = [StaticKVLayer(layer.keys, layer.values, n, capacity, write_pos) for layer in cache.layers]
+        B = ids.shape[0] * n
+        greedy = params.greedy or params.temperature == 0
+        state = _StepState(
+            cache=cache, write_pos=write_pos, prompt_len=Lp,
+            # attention: the prompt's real tokens and every generated slot; the causal part (slot <= the
+            # one being written) is applied in the step
+            key_mask=torch.cat([mask, mask.new_ones(mask.shape[0], capacity - Lp)], 1).bool().repeat_interleave(n, 0),
+            first_position=positions[:, -1:].repeat_interleave(n, dim=0) + 1,  # [B, 1]
+            slots=torch.arange(capacity, device=device),  # [C]
+            uniforms=(None if greedy else
+                      torch.rand(B, steps, generator=generator, dtype=torch.float64, device=device)),  # [B, steps]
+            result=torch.full((B, steps), pad_id, dtype=torch.long, device=device),  # [B, steps]
+            finished=torch.zeros(B, dtype=torch.bool, device=device),  # [B]
+            eos=torch.tensor(eos_ids, device=device), params=params)
+        # Token 0 comes from the prefill's logits (eagerly); the graph covers tokens 1 .. steps-1.
+        state.first_token(out.logits[:, -1].repeat_interleave(n, 0))
+        step = self._decode_step(model, state)
+        t = 0
+        for t in range(1, steps):
+            step()
+            if t % self.eos_check_every == 0 and bool(state.finished.all()):  # the one host sync, every k tokens
+                break
+        return state.result[:, : t + 1].cpu()
+
+    def _decode_step(self, model, state: "_StepState"):
+        """The step to call once per token: a replayed CUDA graph, a compiled function or the plain one."""
+        def step():
+            state.step(model)
+
+        if self.decode_graph == "eager":
+            return step
+        if self.decode_graph == "compile":
+            return torch.compile(step, fullgraph=True, dynamic=False)
+        try:
+            return _capture(step, state)
+        except RuntimeError as error:  # loud, once per engine: correct but slower from here on
+            if self.graph_failure is None:
+                warnings.warn(f"rollout engine hf-static: CUDA graph capture failed ({error}); decoding eagerly",
+                              RuntimeWarning, stacklevel=2)
+            self.graph_failure = str(error)
+            return step
+
+
+class _StepState:
+    """The fixed-address tensors one decode step reads and writes (see ``StaticEngine._sample``)."""
+
+    def __init__(self, *, cache, write_pos: Tensor, prompt_len: int, key_mask: Tensor, first_position: Tensor,
+                 slots: Tensor, uniforms: Tensor | None, result: Tensor, finished: Tensor,
+                 eos: Tensor, params: SamplingParams):
+        self.cache, self.write_pos, self.prompt_len = cache, write_pos, prompt_len
+        self.key_mask, self.first_position, self.slots = key_mask, first_position, slots
+        self.uniforms, self.result, self.finished, self.eos, self.params = uniforms, result, finished, eos, params
+        self.tokens = result[:, 0].clone()  # [B] the last token drawn (set by first_token)
+
+    def draw(self, logits: Tensor, t: Tensor) -> Tensor:
+        """[B, V] logits -> [B] tokens; ``t`` ([1]) picks this token's column of uniforms."""
+        params = self.params
+        if self.uniforms is None:
+            return logits.float().argmax(-1)
+        probs = filter_logits(logits, params.temperature, params.top_k, params.top_p).softmax(-1)  # [B, V]
+        cdf = probs.double().cumsum(-1)  # [B, V]: the hf engine's inverse-CDF draw (lean.draw_tokens)
+        u = self.uniforms.index_select(1, t)  # [B, 1]
+        return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=probs.shape[-1] - 1).squeeze(-1)
+
+    def record(self, tokens: Tensor, t: Tensor) -> None:
+        self.tokens.copy_(tokens)
+        self.result.index_copy_(1, t, tokens[:, None])
+        self.finished |= torch.isin(tokens, self.eos)
+
+    def first_token(self, logits: Tensor) -> None:
+        t = torch.zeros(1, dtype=torch.long, device=logits.device)
+        self.record(self.draw(logits, t), t)
+
+    def step(self, model) -> None:
+        """Feed the last token at slot ``write_pos``, draw the next one, advance. No host sync."""
+        t = (self.write_pos - self.prompt_len + 1).view(1)  # [1] index of the token drawn now
+        visible = self.key_mask & (self.slots <= self.write_pos)  # [B, C]
+        out = model(input_ids=self.tokens[:, None], position_ids=self.first_position + t - 1,
+                    attention_mask=visible[:, None, None, :], past_key_values=self.cache, use_cache=True)
+        self.record(self.draw(out.logits[:, -1], t), t)
+        self.write_pos.add_(1)
+
+
+def _capture(step, state: _StepState):
+    """Capture ``step`` as a CUDA graph; returns the replay. The warm-up runs on a side stream (as
+    torch.cuda.graphs requires) and its writes are undone by restoring the step's inputs."""
+    saved = (state.write_pos.clone(), state.tokens.clone(), state.finished.clone())
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up: lazy initialisation (cuBLAS handles, kernels) must not happen during capture
+    torch.cuda.current_stream().wait_stream(stream)
+    for tensor, value in zip((state.write_pos, state.tokens, state.finished), saved):
+        tensor.copy_(value)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    # capture records without running: the state is still that before token 1
+    return graph.replay
