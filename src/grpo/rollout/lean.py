@@ -117,6 +117,32 @@ def draw_tokens(probs: Tensor, generator: torch.Generator) -> Tensor:
     return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=probs.shape[-1] - 1).squeeze(-1)
 
 
+def seeded_generator(params: SamplingParams, seed: int | None, device) -> torch.Generator:
+    """The call's generator: ``seed``, or (sampling without one) a seed drawn from the caller's global
+    stream, as ``generate()`` would use it."""
+    generator = torch.Generator(device=device)
+    if seed is None and not (params.greedy or params.temperature == 0):
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    generator.manual_seed(seed or 0)
+    return generator
+
+
+def assemble_generation(chunks: list[Tensor], encoded: list[list[int]], n: int, eos_ids: list[int], pad_id: int,
+                        tokenizer) -> Generation:
+    """Sampled batches ([b, t_i] tokens each, rows grouped per prompt) -> one ``Generation``: padded to
+    the widest, masked up to and including each row's first EOS (what follows becomes padding), with
+    the left-padded prompts repeated for their ``n`` rows."""
+    width = max(c.shape[1] for c in chunks)
+    completion_ids = torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1]), value=pad_id) for c in chunks])
+    completion_mask, truncated = completion_mask_from_ids(completion_ids, eos_ids)
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, pad_id)
+    prompt_ids, prompt_mask = left_pad(encoded, pad_id)
+    return Generation(
+        prompt_ids=prompt_ids.repeat_interleave(n, dim=0), prompt_mask=prompt_mask.repeat_interleave(n, dim=0),
+        completion_ids=completion_ids, completion_mask=completion_mask, truncated=truncated,
+        completions=tokenizer.batch_decode(completion_ids, skip_special_tokens=True))
+
+
 class LeanEngine:
     """``RolloutEngine`` with the lean loop; same constructor and output as ``HFEngine``."""
 
@@ -131,10 +157,7 @@ class LeanEngine:
         pad_id = self.tokenizer.pad_token_id
         eos_ids = eos_token_ids(model, self.tokenizer)
         encoded = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        generator = torch.Generator(device=next(model.parameters()).device)
-        if seed is None and not (params.greedy or params.temperature == 0):
-            seed = int(torch.randint(0, 2**62, (1,)).item())  # from the caller's stream, as generate() would
-        generator.manual_seed(seed or 0)
+        generator = seeded_generator(params, seed, next(model.parameters()).device)
         per_call = max(1, (self.batch_size or len(prompts) * params.n) // params.n)
         chunks = []
         with eval_mode(model), torch.no_grad():
@@ -147,17 +170,7 @@ class LeanEngine:
                 for start in range(0, len(encoded), per_call):
                     chunks.append(self._sample(forward, model, encoded[start:start + per_call], params, eos_ids,
                                                pad_id, generator))
-        width = max(c.shape[1] for c in chunks)
-        completion_ids = torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1]), value=pad_id)
-                                    for c in chunks])
-        completion_mask, truncated = completion_mask_from_ids(completion_ids, eos_ids)
-        completion_ids = completion_ids.masked_fill(completion_mask == 0, pad_id)
-        prompt_ids, prompt_mask = left_pad(encoded, pad_id)
-        return Generation(
-            prompt_ids=prompt_ids.repeat_interleave(params.n, dim=0),
-            prompt_mask=prompt_mask.repeat_interleave(params.n, dim=0),
-            completion_ids=completion_ids, completion_mask=completion_mask, truncated=truncated,
-            completions=self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True))
+        return assemble_generation(chunks, encoded, params.n, eos_ids, pad_id, self.tokenizer)
 
     @staticmethod
     def _sample(forward, model, encoded: list[list[int]], params: SamplingParams, eos_ids: list[int], pad_id: int,

@@ -38,9 +38,9 @@ from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
 from grpo.records import Generation
-from grpo.rollout.base import SamplingParams, completion_mask_from_ids
+from grpo.rollout.base import SamplingParams
 from grpo.rollout.hf import eos_token_ids, left_pad
-from grpo.rollout.lean import filter_logits
+from grpo.rollout.lean import assemble_generation, filter_logits, seeded_generator
 from grpo.rollout.sampling_copy import SamplingCopy
 
 CACHE_BUCKET = 128  # cache lengths rounded up to this: steps with slightly different prompt widths reuse shapes
@@ -107,25 +107,12 @@ class StaticEngine:
         pad_id = self.tokenizer.pad_token_id
         eos_ids = eos_token_ids(self.policy, self.tokenizer)
         encoded = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        generator = torch.Generator(device=device)
-        if seed is None and not (params.greedy or params.temperature == 0):
-            seed = int(torch.randint(0, 2**62, (1,)).item())  # from the caller's stream, as generate() would
-        generator.manual_seed(seed or 0)
+        generator = seeded_generator(params, seed, device)
         per_call = max(1, (self.batch_size or len(prompts) * params.n) // params.n)
         with torch.no_grad():
             chunks = [self._sample(model, encoded[start:start + per_call], params, eos_ids, pad_id, generator)
                       for start in range(0, len(encoded), per_call)]
-        width = max(c.shape[1] for c in chunks)
-        completion_ids = torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1]), value=pad_id)
-                                    for c in chunks])
-        completion_mask, truncated = completion_mask_from_ids(completion_ids, eos_ids)
-        completion_ids = completion_ids.masked_fill(completion_mask == 0, pad_id)
-        prompt_ids, prompt_mask = left_pad(encoded, pad_id)
-        return Generation(
-            prompt_ids=prompt_ids.repeat_interleave(params.n, dim=0),
-            prompt_mask=prompt_mask.repeat_interleave(params.n, dim=0),
-            completion_ids=completion_ids, completion_mask=completion_mask, truncated=truncated,
-            completions=self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True))
+        return assemble_generation(chunks, encoded, params.n, eos_ids, pad_id, self.tokenizer)
 
     def _sample(self, model, encoded: list[list[int]], params: SamplingParams, eos_ids: list[int], pad_id: int,
                 generator: torch.Generator) -> Tensor:
