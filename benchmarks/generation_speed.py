@@ -10,7 +10,8 @@ gpu_vs_trl shapes), so completions run to ``max_new_tokens`` (a random model pra
 EOS: the worst case, equal for every engine). The policy is held as training holds it (fp32 weights,
 on CUDA under bf16 autocast for the engines that sample from it directly); ``generate`` runs over a bf16
 copy (its best case); ``hf-static`` makes its own bf16 copy, and its time includes refreshing it.
-Per engine: the median of ``--reps`` calls after one warm-up call, tokens/s, and the ratio to generate.
+Per engine: the median of ``--reps`` calls after one warm-up call (each call's seconds too: prompt widths
+grow by 3 tokens per call, as steps' widths vary), tokens/s, and the ratio to generate.
 Writes JSON (default benchmarks/results/generation_speed.json).
 """
 
@@ -37,17 +38,17 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn, device: str, reps: int) -> tuple[float, object]:
-    """Median seconds of ``reps`` calls after one warm-up call, and the last call's result."""
-    fn()
+def timed(fn, device: str, reps: int) -> tuple[list[float], object]:
+    """Seconds of each of ``reps`` calls after a warm-up call (``fn(call_index)``), and the last result."""
+    fn(0)
     times, result = [], None
-    for _ in range(reps):
+    for rep in range(1, reps + 1):
         sync(device)
         start = time.perf_counter()
-        result = fn()
+        result = fn(rep)
         sync(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times), result
+    return times, result
 
 
 def build(shape: str, device: str, lora: bool):
@@ -89,25 +90,31 @@ def run_case(args, lora: bool) -> dict:
 
     device = "cpu" if args.tiny else "cuda"
     tokenizer, policy = build(args.shape, device, lora)
-    prompts = prompts_for(tokenizer, args.prompts, args.prompt_tokens)
+    # Each call's prompts are a few tokens longer than the last, as training steps' prompt widths differ:
+    # an engine whose kernels are planned per shape pays for every new width (the 2x jumps between
+    # identical steps on the H100 may be that: cuDNN attention built a plan per new shape there).
+    prompts = [prompts_for(tokenizer, args.prompts, args.prompt_tokens + 3 * call) for call in range(args.reps + 1)]
     params = SamplingParams(n=args.generations, max_tokens=args.max_new_tokens, temperature=1.0)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else contextlib.nullcontext())
     bf16_model = (copy.deepcopy(policy).merge_and_unload() if lora else copy.deepcopy(policy))
     if device == "cuda":
         bf16_model = bf16_model.to(torch.bfloat16)
     engines = {
-        "generate (dynamic cache, bf16 copy)": lambda: HFEngine(bf16_model, tokenizer).generate(prompts, params, seed=0),
-        "hf (policy under autocast)": lambda: _under(autocast, LeanEngine(policy, tokenizer).generate, prompts,
-                                                     params),
+        "generate (dynamic cache, bf16 copy)": lambda c: HFEngine(bf16_model, tokenizer).generate(prompts[c], params,
+                                                                                                 seed=c),
+        "hf (policy under autocast)": lambda c: _under(autocast, LeanEngine(policy, tokenizer).generate, prompts[c],
+                                                       params, c),
     }
     static = StaticEngine(policy, tokenizer)
-    engines["hf-static"] = lambda: static.generate(prompts, params, seed=0)
+    engines["hf-static"] = lambda c: static.generate(prompts[c], params, seed=c)
     rows = {}
     for name, fn in engines.items():
-        seconds, gen = timed(fn, device, args.reps)
+        per_call, gen = timed(fn, device, args.reps)
+        seconds = statistics.median(per_call)
         tokens = int(gen.completion_mask.sum())
-        rows[name] = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
-        print(f"{'lora' if lora else 'full':4} {name:38} {seconds:8.3f} s  {tokens / seconds:10,.0f} tok/s", flush=True)
+        rows[name] = {"seconds": seconds, "per_call_s": per_call, "tokens": tokens, "tokens_per_s": tokens / seconds}
+        print(f"{'lora' if lora else 'full':4} {name:38} {seconds:8.3f} s  {tokens / seconds:10,.0f} tok/s  "
+              f"(calls: {', '.join(f'{t:.2f}' for t in per_call)})", flush=True)
     base = rows["generate (dynamic cache, bf16 copy)"]["seconds"]
     for row in rows.values():
         row["speedup_vs_generate"] = base / row["seconds"]
@@ -118,9 +125,9 @@ def run_case(args, lora: bool) -> dict:
     return rows
 
 
-def _under(context, fn, *args):
+def _under(context, fn, prompts, params, seed):
     with context:
-        return fn(*args, seed=0)
+        return fn(prompts, params, seed=seed)
 
 
 def main() -> None:
