@@ -57,7 +57,7 @@ def ref_policy_loss(logp, old, ref, adv, mask, eps_low, eps_high, beta, loss_typ
         seq_log_ratio = sum(logp[i][t] - old[i][t] for t in range(L) if mask[i][t]) / max(n_real, 1)
         for t in range(L):
             ratio = math.exp(logp[i][t] - old[i][t] if level == "token" else seq_log_ratio)
-            a = adv[i]
+            a = adv[i][t] if isinstance(adv[i], list) else adv[i]  # per token (GAE) or per completion
             unclipped = ratio * a
             clipped = min(max(ratio, 1 - eps_low), 1 + eps_high) * a
             obj = min(unclipped, clipped)

@@ -72,7 +72,7 @@ def test_round_trip_through_yaml(tmp_path):
     ("rollout.temperature=0", r"rollout\.temperature: 0\.0 is out of range: must be > 0"),
     ("optim.warmup_ratio=1.5", r"optim\.warmup_ratio: 1\.5 is out of range: must be <= 1"),
     ("loss.loss_type=ppo", r"loss\.loss_type: 'ppo' is not allowed; choose one of: grpo, bnpo, dr_grpo, dapo"),
-    ("rollout.num_generations=1", r"rollout\.num_generations: 1 is out of range: must be >= 2"),
+    ("rollout.num_generations=0", r"rollout\.num_generations: 0 is out of range: must be >= 1"),
     ("rewards=[{name: x, wieght: 1}]", r"unknown key rewards\[0\]\.wieght; did you mean rewards\[0\]\.weight\?"),
     ("train.max_steps", r"expected section\.key=value"),
     ("train.max_steps=[1", r"not valid YAML"),

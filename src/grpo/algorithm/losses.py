@@ -118,7 +118,8 @@ def policy_loss(
         logprobs: ``[N, L]`` current policy log-probs of the completion tokens (carries the gradient).
         old_logprobs: ``[N, L]`` log-probs under the policy that sampled (detached here).
         ref_logprobs: ``[N, L]`` reference log-probs, or None only when ``beta == 0``.
-        advantages: ``[N]`` one advantage per completion, broadcast over its tokens.
+        advantages: ``[N]`` one advantage per completion, broadcast over its tokens (outcome estimators),
+            or ``[N, L]`` one per token (GAE with a critic).
         mask: ``[N, L]`` 1 for completion tokens (up to and including EOS), 0 for padding.
         epsilon, epsilon_high: ratio clipped to ``[1 - epsilon, 1 + (epsilon_high or epsilon)]``.
         beta: KL coefficient.
@@ -140,8 +141,9 @@ def policy_loss(
     if not (logprobs.shape == old_logprobs.shape == mask.shape):
         raise ValueError(f"shape mismatch: logprobs {tuple(logprobs.shape)}, old_logprobs "
                          f"{tuple(old_logprobs.shape)}, mask {tuple(mask.shape)}")
-    if advantages.shape != logprobs.shape[:1]:
-        raise ValueError(f"advantages must be [N]={logprobs.shape[0]}, got {tuple(advantages.shape)}")
+    if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
+        raise ValueError(f"advantages must be [N]={logprobs.shape[0]} or [N, L]={tuple(logprobs.shape)}, got "
+                         f"{tuple(advantages.shape)}")
     eps_high = epsilon if epsilon_high is None else epsilon_high
     level = lookup(IMPORTANCE_SAMPLING_LEVELS, "importance_sampling_level", importance_sampling_level)
     # Padding is masked out of every sum, but inf * 0 is NaN: whatever values the passes left at padded
@@ -152,7 +154,8 @@ def policy_loss(
     if ref_logprobs is not None:
         ref_logprobs = ref_logprobs.masked_fill(padding, 0.0)
     mask = mask.to(logprobs.dtype)
-    adv = advantages.detach().to(logprobs.dtype).unsqueeze(1)  # [N, 1]
+    adv = advantages.detach().to(logprobs.dtype)  # [N] or [N, L]
+    adv = adv.masked_fill(padding, 0.0) if adv.dim() == 2 else adv.unsqueeze(1)  # [N, L] or [N, 1]
     ratio = torch.exp(level(logprobs - old_logprobs.detach(), mask))  # [N, L]
     unclipped = ratio * adv  # [N, L]
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high) * adv  # [N, L]
