@@ -9,6 +9,7 @@ from grpo.config.loader import (
     parse_override,
 )
 from grpo.config.schema import (
+    AlgorithmConfig,
     DataConfig,
     DecoupledConfig,
     LogConfig,
@@ -23,6 +24,6 @@ from grpo.config.schema import (
 
 __all__ = [
     "ConfigError", "config_to_dict", "dump_config", "iter_config_keys", "load_config", "parse_override",
-    "DataConfig", "DecoupledConfig", "LogConfig", "LossConfig", "ModelConfig", "OptimConfig", "RewardConfig",
-    "RolloutConfig", "RunConfig", "TrainConfig",
+    "AlgorithmConfig", "DataConfig", "DecoupledConfig", "LogConfig", "LossConfig", "ModelConfig", "OptimConfig",
+    "RewardConfig", "RolloutConfig", "RunConfig", "TrainConfig",
 ]
