@@ -81,7 +81,8 @@ def test_reinforce_pp_hand_computed():
 
 
 def test_estimator_errors():
-    with pytest.raises(ValueError, match=r"unknown advantage estimator 'gae'; known: \['grpo', 'reinforce_pp', 'rloo'\]"):
+    known = r"known: \['grpo', 'reinforce_pp', 'rloo'\]"
+    with pytest.raises(ValueError, match=r"unknown advantage estimator 'gae'; " + known):
         group_advantages(torch.zeros(4), 2, estimator="gae")
     with pytest.raises(ValueError, match=r"'rloo' has its own scaling; scale 'group' applies to the 'grpo'"):
         group_advantages(torch.zeros(4), 2, scale="group", estimator="rloo")

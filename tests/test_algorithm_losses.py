@@ -217,3 +217,13 @@ def test_entropy_has_no_graph_and_leaves_logits_alone():
     before = logits.detach().clone()
     out = token_entropy(logits, 0.8)
     assert not out.requires_grad and torch.equal(logits.detach(), before)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_entropy_on_cuda_matches_the_cpu_for_bf16_logits():
+    # The training forward's logits are bf16 on a GPU; chunks cross row boundaries (33 positions, 16 a chunk).
+    logits = (torch.randn(4, 33, 1000, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
+    on_cpu = token_entropy(logits, 0.7)
+    on_gpu = token_entropy(logits.cuda(), 0.7, chunk_tokens=16).cpu()
+    assert torch.allclose(on_gpu, on_cpu, atol=1e-5, rtol=0)

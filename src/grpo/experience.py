@@ -39,7 +39,8 @@ class ExperienceSettings:
     system_prompt: str | None
     tag_style: str
     max_prompt_length: int
-    scale_rewards: str
+    advantage_estimator: str  # a name in grpo.algorithm.ADVANTAGE_ESTIMATORS, or "gae" (PPO: then ``gae`` is set)
+    scale_rewards: str | None  # the grpo estimator's scaling; None for its default (group) and the others
     advantage_eps: float
     need_old_logprobs: bool  # num_iterations > 1
     logprob_batch_size: int
@@ -138,7 +139,8 @@ def make_experience(
     context = RewardContext(make_trainer_state(steps_done, settings.max_steps))
     scores = score(reward_fns, reward_weights, chat_prompts, chat_completions, columns, completion_ids, context)
     if settings.gae is None:
-        advantages = group_advantages(scores.total, G, scale=settings.scale_rewards, eps=settings.advantage_eps)
+        advantages = group_advantages(scores.total, G, scale=settings.scale_rewards, eps=settings.advantage_eps,
+                                      estimator=settings.advantage_estimator)
     scored = time.perf_counter()
 
     old_logprobs = None

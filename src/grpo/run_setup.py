@@ -84,7 +84,8 @@ def experience_settings(cfg: RunConfig, need_old_logprobs: bool | None = None) -
                                 temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
         system_prompt=resolve_system_prompt(cfg.data.system_prompt, cfg.data.tag_style),
         tag_style=cfg.data.tag_style, max_prompt_length=cfg.data.max_prompt_length,
-        scale_rewards=cfg.loss.scale_rewards, advantage_eps=cfg.loss.advantage_eps,
+        advantage_estimator=cfg.algorithm.advantage_estimator, scale_rewards=cfg.loss.scale_rewards,
+        advantage_eps=cfg.loss.advantage_eps,
         need_old_logprobs=need_old_logprobs or kl_in_reward(cfg),
         logprob_batch_size=cfg.train.micro_batch_size, max_steps=cfg.train.max_steps, gae=gae)
 
@@ -96,7 +97,9 @@ def loss_settings(cfg: RunConfig) -> LossSettings:
         epsilon=cfg.loss.epsilon, epsilon_high=cfg.loss.epsilon_high, beta=0.0 if kl_in_reward(cfg) else cfg.loss.beta,
         loss_type=cfg.loss.loss_type, max_completion_length=cfg.rollout.max_completion_length,
         temperature=cfg.rollout.temperature, num_iterations=cfg.loss.num_iterations,
-        micro_batch_size=cfg.train.micro_batch_size, max_grad_norm=cfg.optim.max_grad_norm)
+        micro_batch_size=cfg.train.micro_batch_size, max_grad_norm=cfg.optim.max_grad_norm,
+        importance_sampling_level=cfg.loss.importance_sampling_level,
+        mask_truncated_completions=cfg.loss.mask_truncated_completions)
 
 
 @dataclass

@@ -51,7 +51,7 @@ def step_metrics(batch: RolloutBatch, train_stats: dict, group_size: int, tag_st
     """
     correct, formatted = correctness(batch.generation.completions, batch.columns.get("answer", []), tag_style)
     local = rollout_metrics(batch, correct, formatted, group_size)
-    local.update({k: train_stats[k] for k in ("loss", "kl", "clip_fraction", "ratio_mean")})
+    local.update({k: train_stats[k] for k in ("loss", "kl", "clip_fraction", "ratio_mean", "entropy")})
     local.update({k: v for k, v in train_stats.items() if k.startswith(CRITIC_PREFIXES)})  # PPO's critic, if any
     keys = sorted(local)
     averaged = all_reduce_mean(torch.tensor([local[k] for k in keys], dtype=torch.float64), info)

@@ -86,9 +86,11 @@ class RolloutConfig:
 @dataclass
 class AlgorithmConfig:
     advantage_estimator: str = opt(
-        "grpo", "Advantages: grpo (r - group mean, scaled by loss.scale_rewards), rloo, reinforce_pp (outcome "
-        "estimators, one advantage per completion), or gae: PPO with a critic (the critic.* keys), one advantage "
-        "per token by GAE over the critic's values, whitened over the batch.",
+        "grpo", "Outcome advantage per completion: grpo (r - group mean, scaled by loss.scale_rewards), rloo "
+        "(r - mean of the group's other completions, unscaled), reinforce_pp (r - group mean, divided by the "
+        "batch std of those centred rewards). A batch is one rank's (or one sampler's) rollout batch. Or gae: PPO "
+        "with a critic (the critic.* keys), one advantage per token by GAE over the critic's values, whitened over "
+        "the rank's batch.",
         choices=("grpo", "rloo", "reinforce_pp", "gae"))
     gamma: float = opt(1.0, "gae: discount per completion token.", ge=0, le=1)
     lam: float = opt(0.95, "gae: GAE lambda (1: Monte-Carlo returns, 0: one-step TD on the critic).", ge=0, le=1)
@@ -127,8 +129,18 @@ class LossConfig:
     epsilon_high: float | None = opt(None, "Upper clip: ratio <= 1 + epsilon_high (DAPO); null = epsilon.", gt=0)
     loss_type: str = opt("grpo", "Aggregation: grpo (per-sequence mean), bnpo, dr_grpo, dapo.",
                          choices=("grpo", "bnpo", "dr_grpo", "dapo"))
-    scale_rewards: str = opt("group", "Advantage scaling: group std, batch std, or none (Dr. GRPO).",
-                             choices=("group", "batch", "none"))
+    scale_rewards: str | None = opt(
+        None, "grpo estimator's scaling: group std, batch std (of the raw rewards), or none (Dr. GRPO); null = "
+        "group. rloo and reinforce_pp scale by their definition and need null.",
+        choices=(None, "group", "batch", "none"))
+    importance_sampling_level: str = opt(
+        "token", "token: one ratio per token (GRPO/PPO); sequence: GSPO, one ratio per completion (exp of the mean "
+        "token log-ratio), usually with tiny clips (GSPO: epsilon 3e-4, epsilon_high 4e-4). The two differ only "
+        "once the policy has moved since sampling (num_iterations > 1, or a stale decoupled rollout).",
+        choices=("token", "sequence"))
+    mask_truncated_completions: bool = opt(
+        False, "DAPO: completions that hit max_completion_length without EOS contribute no loss (they still "
+               "count in their group's advantages).")
     num_iterations: int = opt(1, "Optimisation passes per rollout batch (mu); > 1 computes old log-probs.", ge=1)
     advantage_eps: float = opt(1e-4, "Added to the std when scaling advantages.", gt=0)
     value_clip: float = opt(
@@ -259,6 +271,12 @@ class RunConfig:
             problems.append(("loss.epsilon_high", (
                 f"{self.loss.epsilon_high} < loss.epsilon {self.loss.epsilon}: the asymmetric clip (DAPO) only "
                 "raises the upper bound")))
+        if self.loss.scale_rewards is not None and self.algorithm.advantage_estimator != "grpo":
+            problems.append(("loss.scale_rewards", (
+                f"is {self.loss.scale_rewards!r} but algorithm.advantage_estimator is "
+                f"{self.algorithm.advantage_estimator!r}, whose scaling is part of its definition (rloo: none; "
+                "reinforce_pp: the batch std of the centred rewards; gae: whitening of the token advantages); "
+                "set loss.scale_rewards: null")))
         problems.extend(self._ppo_problems())
         if self.model.load_in_4bit and self.model.lora_r == 0:
             problems.append(("model.load_in_4bit", "needs model.lora_r > 0: 4-bit weights are frozen (QLoRA trains "
