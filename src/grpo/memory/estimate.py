@@ -1,6 +1,6 @@
 """Peak memory per device of a run's config: model states, activations, logits, reference, KV cache.
 
-A step has three phases whose transients never overlap: the rollout (sampling with a KV cache, then
+A step has three phases whose transients never overlap (four with PPO's critic, ``grpo.memory.critic``): the rollout (sampling with a KV cache, then
 no-grad reference/old log-probs), the update (forward and backward of each micro-batch, gradients
 accumulating), and the optimizer step. The peak is the largest phase plus the CUDA allowance. The
 reported components are those of the update phase; ``peak_phase`` says when another phase is larger.
@@ -35,12 +35,14 @@ from grpo.memory.formulas import (
     sampling_bytes,
     shared_prompt_activation_bytes,
 )
+from grpo.memory.critic import critic_memory
 from grpo.memory.shapes import ModelShape, load_model_config, lora_targets
 from grpo.memory.states import DeepSpeedSettings, ModelStates, _count, model_states, read_deepspeed  # noqa: F401
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "reference", "kv_cache", "overhead")
+COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "reference", "critic", "kv_cache",
+              "overhead")
 
 
 def _gb(n: float) -> float:
@@ -124,12 +126,14 @@ def rollout_transient_bytes(shape: ModelShape, cfg: RunConfig, *, rows: int, p: 
 def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | None = None,
                     model_config: dict | None = None, vllm_gpu_memory_utilization: float | None = None,
                     ref_model_config: dict | None = None, mixed_precision: bool | None = None,
+                    critic_config: dict | None = None,
                     device: str = "cuda", allowance: CudaAllowance = CudaAllowance()) -> MemoryEstimate:
     """Estimate the peak memory per device of training ``cfg``.
 
     gpus: devices the run is spread over (default: decoupled.trainer_ranks in decoupled mode, else 1).
     gpu_gb: memory of one device (GiB) for ``fits``. model_config / ref_model_config: config.json dicts
         (default: read from model.name_or_path / model.ref_name_or_path, see ``load_model_config``).
+    critic_config: config.json of critic.name_or_path (PPO, gae) when given; default: read it.
     mixed_precision: AdamW with fp32 master weights and fp32 m, v (None: as grpo runs the config, i.e.
         only under DeepSpeed with bf16). vllm_gpu_memory_utilization: share of gpu_gb a colocated vLLM
         reserves (used when rollout.engine is vllm). device: "cuda", or "cpu" for no CUDA allowance and
@@ -204,6 +208,8 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
     reference, how["reference"] = reference_bytes(cfg, n_params=shape.num_params(), p=p,
                                                   ref_model_config=ref_model_config)
     sampler_reference = reference
+    critic = critic_memory(cfg, policy_shape=shape, gpus=gpus, attention=attention, critic_config=critic_config)
+    how["critic"] = critic.how if critic else "none (no critic: algorithm.advantage_estimator is not gae)"
     if decoupled:
         reference, how["reference"] = 0, "on the samplers / reference server (decoupled mode)"
 
@@ -229,8 +235,10 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
         how["kv_cache"] = f"none: vLLM sleeps during the update ({_gb(vllm_reservation):.2f} GB while sampling)"
 
     # Phases: their transients never overlap, so the peak is the largest.
-    persistent = states.weights + states.optimizer + reference + kv_cache
+    persistent = states.weights + states.optimizer + reference + kv_cache + (critic.states if critic else 0)
     phases = {"update": persistent + states.gradients + activations + logits}
+    if critic:  # PPO: the critic's update follows the policy's, whose gradients torch has freed
+        phases["critic_update"] = persistent + critic.gradients + critic.activations
     # grpo's torch AdamW is foreach on CUDA (a sqrt(v) of every tensor at once) and per tensor on CPU;
     # DeepSpeed's Adam, and the fused AdamW a forced --mixed-precision run is taken to use, need none.
     step_temporaries = 0
@@ -261,7 +269,8 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
                                                                         else "")
                            + f" + {allowance.fragmentation:.0%} allocator fragmentation")
     parts = {"weights": states.weights, "gradients": states.gradients, "optimizer": states.optimizer,
-             "activations": activations, "logits": logits, "reference": reference, "kv_cache": kv_cache,
+             "activations": activations, "logits": logits, "reference": reference,
+             "critic": critic.states if critic else 0, "kv_cache": kv_cache,
              "overhead": overhead}
     total_gb = _gb(tensors + overhead)
 
