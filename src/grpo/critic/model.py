@@ -31,7 +31,8 @@ class ValueModel(torch.nn.Module):
         self.body = body
         self.value_head = torch.nn.Linear(hidden_size, 1, dtype=torch.float32)
         # Zero: every value starts at 0, so the first advantages are the plain (discounted, lam-mixed)
-        # returns; a random head would start from noise of the hidden states' scale instead.
+        # returns; a random head would start from noise of the hidden states' scale instead. The price: the
+        # body's gradient is 0 in the first update (it flows through the head), so the body moves from the second.
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
 
