@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from grpo.algorithm import _CHUNK_ELEMENTS, _row_loop_logprobs, token_logprobs
+from grpo.algorithm.tokens import _CHUNK_ELEMENTS, _row_loop_logprobs, token_logprobs
 
 
 def timed(fn, logits, ids, weights, temperature, device) -> tuple[float, float]:

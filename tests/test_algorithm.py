@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from algorithm_references import ragged_mask, ref_group_advantages, ref_policy_loss, ref_token_logprobs
 from grpo.algorithm import (
     ADVANTAGE_SCALES,
     LOSS_AGGREGATIONS,
@@ -17,89 +18,6 @@ from grpo.algorithm import (
 )
 
 TOL = 1e-6
-
-# ---------------------------------------------------------------- plain-Python references (loops, floats)
-
-
-def ref_group_advantages(rewards: list[float], G: int, scale: str, eps: float) -> list[float]:
-    def mean(xs):
-        return sum(xs) / len(xs)
-
-    def std(xs):  # Bessel's correction; a single value has no spread
-        if len(xs) < 2:
-            return 0.0
-        m = mean(xs)
-        return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
-
-    groups = [rewards[i : i + G] for i in range(0, len(rewards), G)]
-    batch_std = std(rewards)
-    out = []
-    for g in groups:
-        m = mean(g)
-        for r in g:
-            centred = 0.0 if all(x == g[0] for x in g) else r - m
-            if scale == "group":
-                out.append(centred / (std(g) + eps))
-            elif scale == "batch":
-                out.append(centred / (batch_std + eps))
-            else:
-                out.append(centred)
-    return out
-
-
-def ref_token_logprobs(logits, ids, temperature):
-    B, T, V = len(logits), len(logits[0]), len(logits[0][0])
-    out = []
-    for b in range(B):
-        row = []
-        for t in range(T - 1):
-            z = [logits[b][t][v] / temperature for v in range(V)]
-            m = max(z)
-            lse = m + math.log(sum(math.exp(x - m) for x in z))
-            row.append(z[ids[b][t + 1]] - lse)
-        out.append(row)
-    return out
-
-
-def ref_policy_loss(logp, old, ref, adv, mask, eps_low, eps_high, beta, loss_type, max_len):
-    N, L = len(logp), len(logp[0])
-    per_tok = [[0.0] * L for _ in range(N)]
-    kls, clipped_count, ratios = [], 0, []
-    for i in range(N):
-        for t in range(L):
-            ratio = math.exp(logp[i][t] - old[i][t])
-            a = adv[i]
-            unclipped = ratio * a
-            clipped = min(max(ratio, 1 - eps_low), 1 + eps_high) * a
-            obj = min(unclipped, clipped)
-            kl = 0.0
-            if ref is not None:
-                d = ref[i][t] - logp[i][t]
-                kl = math.exp(d) - d - 1
-            per_tok[i][t] = -(obj - beta * kl)
-            if mask[i][t]:
-                kls.append(kl)
-                ratios.append(ratio)
-                clipped_count += clipped < unclipped
-    n_masked = sum(sum(r) for r in mask)
-    masked_sum = sum(per_tok[i][t] for i in range(N) for t in range(L) if mask[i][t])
-    if loss_type == "grpo":
-        seqs = []
-        for i in range(N):
-            n = sum(mask[i])
-            seqs.append(sum(per_tok[i][t] for t in range(L) if mask[i][t]) / max(n, 1))
-        loss = sum(seqs) / N
-    elif loss_type in ("bnpo", "dapo"):
-        loss = masked_sum / max(n_masked, 1)
-    else:  # dr_grpo
-        loss = masked_sum / (N * max_len)
-    return loss, sum(kls) / max(n_masked, 1), clipped_count / max(n_masked, 1), sum(ratios) / max(n_masked, 1)
-
-
-def ragged_mask(N: int, L: int, gen: torch.Generator) -> torch.Tensor:
-    lengths = torch.randint(1, L + 1, (N,), generator=gen)
-    lengths[0] = L  # at least one full row
-    return (torch.arange(L)[None, :] < lengths[:, None]).float()
 
 
 # ---------------------------------------------------------------- group_advantages

@@ -72,7 +72,12 @@ def test_round_trip_through_yaml(tmp_path):
     ("rollout.temperature=0", r"rollout\.temperature: 0\.0 is out of range: must be > 0"),
     ("optim.warmup_ratio=1.5", r"optim\.warmup_ratio: 1\.5 is out of range: must be <= 1"),
     ("loss.loss_type=ppo", r"loss\.loss_type: 'ppo' is not allowed; choose one of: grpo, bnpo, dr_grpo, dapo"),
-    ("rollout.num_generations=1", r"rollout\.num_generations: 1 is out of range: must be >= 2"),
+    ("algorithm.advantage_estimator=ppo",
+     r"algorithm\.advantage_estimator: 'ppo' is not allowed; choose one of: grpo, rloo, reinforce_pp, gae"),
+    ("loss.importance_sampling_level=seq",
+     r"loss\.importance_sampling_level: 'seq' is not allowed; choose one of: token, sequence"),
+    ("loss.scale_rewards=std", r"loss\.scale_rewards: 'std' is not allowed; choose one of: null, group, batch, none"),
+    ("rollout.num_generations=0", r"rollout\.num_generations: 0 is out of range: must be >= 1"),
     ("rewards=[{name: x, wieght: 1}]", r"unknown key rewards\[0\]\.wieght; did you mean rewards\[0\]\.weight\?"),
     ("train.max_steps", r"expected section\.key=value"),
     ("train.max_steps=[1", r"not valid YAML"),
@@ -91,6 +96,10 @@ def test_bad_overrides_name_the_override_and_key(override, expected):
     (["rewards=[]"], "rewards", "at least one reward"),
     (["train.early_stop_accuracy=0.5"], "train.early_stop_accuracy", "needs data.eval"),
     (["log.report_to=[mlflow]"], "log.report_to", "unknown tracker 'mlflow'"),
+    (["algorithm.advantage_estimator=rloo", "loss.scale_rewards=group"], "loss.scale_rewards",
+     "whose scaling is part of its definition"),
+    (["algorithm.advantage_estimator=reinforce_pp", "loss.scale_rewards=none"], "loss.scale_rewards",
+     "set loss.scale_rewards: null"),
 ])
 def test_invalid_combinations_say_why(overrides, key, why):
     with pytest.raises(ConfigError) as info:

@@ -149,7 +149,7 @@ def test_json_output_shape(capsys):
     assert run_memory_command(None, SEED, gpus=None, gpu_gb=80, json_output=True) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out["per_device_gb"]) == {"weights", "gradients", "optimizer", "activations", "logits", "reference",
-                                         "kv_cache", "overhead"}
+                                         "critic", "kv_cache", "overhead"}
     assert isinstance(out["total_gb"], float) and out["fits"] is True
 
 
@@ -343,3 +343,46 @@ def test_prompts_per_micro_batch():
     assert prompts_per_micro_batch(6, 4) == 2  # rows 0-5, 6-11, 12-17: never three groups of 4
     assert prompts_per_micro_batch(7, 3) == 3  # rows 14-20 touch groups 4, 5 and 6 (rows 12-14, 15-17, 18-20)
     assert prompts_per_micro_batch(3, 1) == 3  # G = 1: nothing shared
+
+
+def test_ppo_counts_the_critic_body_head_and_adamw_states_and_its_own_update_phase():
+    # The critic is the body without the LM head + a hidden -> 1 head, trained in fp32: 4 B weights + 8 B AdamW
+    # held through every phase (12 B/param), its 4 B gradients only in its own update (after the policy's).
+    gae = ["algorithm.advantage_estimator=gae", "loss.scale_rewards=null"]
+    plain = estimate("loss.scale_rewards=null")
+    assert plain.per_device_gb["critic"] == 0 and "critic_update" not in plain.phases_gb
+    tied = estimate(*gae)  # Qwen2.5-3B ties its LM head to the embeddings: the body is every parameter
+    body_3b = 3_085_938_688 + 2048 + 1
+    assert tied.per_device_gb["critic"] == pytest.approx(body_3b * 12 / GIB, abs=0.001)
+    assert tied.phases_gb["update"] == pytest.approx(plain.phases_gb["update"] + body_3b * 12 / GIB, abs=0.002)
+    assert tied.phases_gb["critic_update"] > tied.phases_gb["update"] - plain.phases_gb["update"] + body_3b * 4 / GIB
+    # Qwen2.5-7B's LM head is separate (152064 x 3584): the critic leaves it out.
+    untied = estimate(*gae, "critic.name_or_path=Qwen/Qwen2.5-7B-Instruct")
+    body_7b = 7_615_616_512 - 152064 * 3584 + 3584 + 1
+    assert untied.per_device_gb["critic"] == pytest.approx(body_7b * 12 / GIB, abs=0.001)
+    # A LoRA critic keeps its frozen body in the policy's bf16 and trains only the adapters (+ the head).
+    lora = estimate(*gae, "critic.lora_r=16").per_device_gb["critic"]
+    assert 3_085_938_688 * 2 / GIB < lora < tied.per_device_gb["critic"] / 4
+    assert "critic" in format_table(tied)
+
+
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_critic_states_equal_the_real_value_models_weights_and_adamw_states(tiny_model_dir, lora_r):
+    # The estimate's parameter counts against a loaded grpo.critic.ValueModel after one AdamW step
+    # (fp32 here: weights 4 B, m and v 4 B each per trained parameter; frozen LoRA body 4 B).
+    from grpo.critic.model import load_value_model
+    from grpo.memory.critic import critic_memory
+
+    cfg = load_config(None, [f"model.name_or_path={tiny_model_dir}", "algorithm.advantage_estimator=gae",
+                             "loss.scale_rewards=null", f"critic.lora_r={lora_r}"])
+    model = load_value_model(cfg.critic, cfg.model, torch.device("cpu"))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    ids = torch.randint(3, 100, (1, 5))
+    model(ids, torch.ones_like(ids), torch.arange(5)[None]).sum().backward()
+    optimizer.step()
+    real = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+        t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if t.dim() > 0)
+    shape = ModelShape.from_config(json.loads((tiny_model_dir / "config.json").read_text()), "tiny")
+    est = critic_memory(cfg, policy_shape=shape, gpus=1, attention="sdpa")
+    assert est.states == real
+    assert est.gradients == sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)

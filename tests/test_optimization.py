@@ -176,3 +176,67 @@ def test_adamw_is_fused_on_cuda_but_not_for_deepspeed():
     assert not build_optimizer(model, OptimConfig(), lora=False, allow_fused=False).defaults["fused"]
     model(torch.randn(2, 4, device="cuda")).sum().backward()
     build_optimizer(model, OptimConfig(), lora=False).step()  # the fused kernel accepts these parameters
+
+
+def settings_with(**changes) -> LossSettings:
+    base = dict(epsilon=0.2, epsilon_high=None, beta=0.0, loss_type="grpo", max_completion_length=7,
+                temperature=0.9, num_iterations=1, micro_batch_size=2, max_grad_norm=None)
+    return LossSettings(**{**base, **changes})
+
+
+def test_entropy_is_the_token_mean_over_the_sampled_tokens(tiny_tokenizer):
+    # train_on_batch reads the entropy off its own forward (shared prompt pass, trimmed columns, micro-batches
+    # sorted by length); a plain full-sequence forward of each row, scored by token_entropy, must agree.
+    from grpo.algorithm import token_entropy
+
+    model = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=1, seed=0)
+    batch = random_batch(len(tiny_tokenizer))
+    g = batch.generation
+    with torch.no_grad():
+        logits = model(input_ids=torch.cat([g.prompt_ids, g.completion_ids], 1),
+                       attention_mask=torch.cat([g.prompt_mask, g.completion_mask], 1),
+                       position_ids=(torch.cat([g.prompt_mask, g.completion_mask], 1).cumsum(-1) - 1).clamp(min=0)
+                       ).logits  # [N, Lp + Lc, V]
+    Lp = g.prompt_ids.shape[1]
+    entropy = token_entropy(logits[:, Lp - 1:], temperature=0.9)  # [N, Lc]: the positions predicting completions
+    want = (entropy * g.completion_mask).sum() / g.completion_mask.sum()
+    stats = train_on_batch(RecordingLearner(model), batch, settings_with(num_iterations=2), DistInfo())
+    assert stats["entropy"] == pytest.approx(want.item(), abs=1e-5)  # float32 forward passes of different shapes
+
+
+def test_mask_truncated_completions_takes_truncated_rows_out_of_the_loss(tiny_tokenizer):
+    # beta 0 and grpo aggregation: a row without loss tokens adds 0 to the mean over rows, exactly as a row
+    # whose advantage is 0. So masking truncated rows must give the gradient of zeroing their advantages.
+    grads = []
+    for mask_truncated in (True, False):
+        model = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=1, seed=0)
+        batch = random_batch(len(tiny_tokenizer))
+        batch.generation.truncated = torch.tensor([True, False, False, True, False, False])
+        if not mask_truncated:
+            batch.advantages = batch.advantages.masked_fill(batch.generation.truncated, 0.0)
+        learner = RecordingLearner(model)
+        train_on_batch(learner, batch, settings_with(mask_truncated_completions=mask_truncated), DistInfo())
+        grads.append(learner.grads[0])
+    for name, grad in grads[0].items():
+        assert torch.allclose(grads[1][name], grad, atol=1e-7, rtol=1e-5), name
+
+
+def test_sequence_level_ratios_reach_the_loss(tiny_tokenizer):
+    # The batch's old log-probs are not the model's: ratios differ from 1. At the sequence level every
+    # token carries its row's exp(mean log-ratio), so ratio_mean is their token-weighted mean (one
+    # micro-batch: with several, grpo weighs each one's token mean by its rows).
+    from grpo.logprobs import completion_logprobs
+
+    model = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=1, seed=0)
+    batch = random_batch(len(tiny_tokenizer))
+    g = batch.generation
+    mask = g.completion_mask.float()
+    with torch.no_grad():
+        logp = completion_logprobs(model, g.prompt_ids, g.prompt_mask, g.completion_ids, g.completion_mask, 0.9)
+    row_ratio = torch.exp(((logp - batch.old_logprobs) * mask).sum(-1) / mask.sum(-1))  # [N]
+    want = (row_ratio * mask.sum(-1)).sum() / mask.sum()
+    stats = train_on_batch(RecordingLearner(model), batch,
+                           settings_with(importance_sampling_level="sequence", micro_batch_size=6), DistInfo())
+    assert stats["ratio_mean"] == pytest.approx(want.item(), abs=1e-6)
+    token = train_on_batch(RecordingLearner(model), batch, settings_with(micro_batch_size=6), DistInfo())
+    assert token["ratio_mean"] != pytest.approx(stats["ratio_mean"], abs=1e-4)

@@ -67,6 +67,7 @@ def save_checkpoint(
     trainer_state: dict,
     save_total_limit: int | None,
     state_dict: dict[str, torch.Tensor] | None = None,
+    write_extra: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write ``output_dir/checkpoints/step-{step}/`` atomically, then prune the oldest beyond the limit.
 
@@ -79,6 +80,7 @@ def save_checkpoint(
             saved with ``"step": step`` added. Non-finite floats become ``null``.
         save_total_limit: keep at most this many checkpoints (the new one always survives); ``None`` keeps all.
         state_dict: the weights to write instead of ``model.state_dict()`` (e.g. gathered from ZeRO-3 shards).
+        write_extra: called with the (temporary) folder to add more state to it, e.g. PPO's critic.
     Returns the checkpoint folder.
     """
     if save_total_limit is not None and save_total_limit < 1:
@@ -102,6 +104,8 @@ def save_checkpoint(
         if scheduler is not None:
             torch.save(scheduler.state_dict(), folder / SCHEDULER_FILE)
         torch.save(_capture_rng(), folder / RNG_FILE)
+        if write_extra is not None:
+            write_extra(folder)
         (folder / TRAINER_STATE_FILE).write_text(state_json, encoding="utf-8")  # last: marks it complete
 
     path = _write_dir_atomically(checkpoints / f"step-{step}", write)

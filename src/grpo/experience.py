@@ -23,6 +23,15 @@ from grpo.rollout import RolloutEngine, SamplingParams
 
 
 @dataclass(frozen=True)
+class GaeSettings:
+    """PPO's advantages (algorithm.advantage_estimator gae): GAE over a critic's values."""
+
+    gamma: float
+    lam: float
+    kl_coef: float  # loss.beta when the KL penalty is in the reward (algorithm.kl_penalty: reward), else 0
+
+
+@dataclass(frozen=True)
 class ExperienceSettings:
     """The inputs of a rollout step that come from the config (kept explicit, not the whole tree)."""
 
@@ -30,11 +39,13 @@ class ExperienceSettings:
     system_prompt: str | None
     tag_style: str
     max_prompt_length: int
-    scale_rewards: str
+    advantage_estimator: str  # a name in grpo.algorithm.ADVANTAGE_ESTIMATORS, or "gae" (PPO: then ``gae`` is set)
+    scale_rewards: str | None  # the grpo estimator's scaling; None for its default (group) and the others
     advantage_eps: float
     need_old_logprobs: bool  # num_iterations > 1
     logprob_batch_size: int
     max_steps: int = 0  # the run's length, for the rewards' trainer_state
+    gae: GaeSettings | None = None  # set: token-level advantages from the critic's values (make_experience's values_fn)
 
 
 def render_prompts(tokenizer, examples: Sequence[Example], system_prompt: str | None,
@@ -62,6 +73,7 @@ def correctness(completions: Sequence[str], golds: Sequence[str | None],
 
 
 RefLogprobs = Callable[[Generation], torch.Tensor]  # [N, Lc] reference log-probs of a generation
+Values = Callable[[Generation], torch.Tensor]  # [N, Lc] a critic's values of a generation's states
 
 
 def local_reference(policy: torch.nn.Module, reference: torch.nn.Module | None, temperature: float,
@@ -92,11 +104,21 @@ def make_experience(
     settings: ExperienceSettings,
     seed: int,
     steps_done: int = 0,
+    values_fn: Values | None = None,
 ) -> RolloutBatch:
     """Sample ``G`` completions per example with the current policy and turn them into a ``RolloutBatch``.
 
     ``ref_logprobs_fn`` is None when beta == 0 (no reference needed). ``steps_done`` (training steps
-    finished before this one) is the rewards' ``trainer_state.global_step``."""
+    finished before this one) is the rewards' ``trainer_state.global_step``. With ``settings.gae`` the
+    critic's ``values_fn`` gives the values after sampling and the advantages are PPO's, per token
+    (``grpo.critic.ppo_advantages``); with a KL coefficient there, ``old_logprobs`` must be computed
+    (``need_old_logprobs``) for the per-token KL ``logp_old - logp_ref``."""
+    if (settings.gae is None) != (values_fn is None):
+        raise ValueError("make_experience: settings.gae and values_fn go together (PPO's critic), got "
+                         f"gae={settings.gae} and values_fn={values_fn}")
+    if settings.gae is not None and settings.gae.kl_coef and not (settings.need_old_logprobs and ref_logprobs_fn):
+        raise ValueError("make_experience: a KL penalty in the reward needs old and reference log-probs "
+                         "(need_old_logprobs and ref_logprobs_fn)")
     G = settings.sampling.n
     started = time.perf_counter()
     prompts = render_prompts(tokenizer, examples, settings.system_prompt, settings.max_prompt_length)
@@ -116,7 +138,9 @@ def make_experience(
             columns.setdefault(key, []).extend([value] * G)
     context = RewardContext(make_trainer_state(steps_done, settings.max_steps))
     scores = score(reward_fns, reward_weights, chat_prompts, chat_completions, columns, completion_ids, context)
-    advantages = group_advantages(scores.total, G, scale=settings.scale_rewards, eps=settings.advantage_eps)
+    if settings.gae is None:
+        advantages = group_advantages(scores.total, G, scale=settings.scale_rewards, eps=settings.advantage_eps,
+                                      estimator=settings.advantage_estimator)
     scored = time.perf_counter()
 
     old_logprobs = None
@@ -124,6 +148,10 @@ def make_experience(
         old_logprobs = generation_logprobs(policy, generation, settings.sampling.temperature,
                                            settings.logprob_batch_size)
     ref_logprobs = ref_logprobs_fn(generation) if ref_logprobs_fn is not None else None
+    values = returns = None
+    if settings.gae is not None:
+        advantages, values, returns = _ppo_advantages(scores.total, generation, values_fn, old_logprobs,
+                                                      ref_logprobs, settings.gae)
     return RolloutBatch(
         generation=generation,
         rewards=scores.total,
@@ -138,4 +166,20 @@ def make_experience(
         reward_extras=context.extra_columns(len(generation.completions)),
         timings={"generate_s": generated - started, "rewards_s": scored - generated,
                  "logprobs_s": time.perf_counter() - scored},
+        values=values,
+        returns=returns,
     )
+
+
+def _ppo_advantages(rewards: torch.Tensor, generation: Generation, values_fn: Values,
+                    old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None,
+                    gae: GaeSettings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """([N, Lc] whitened advantages, [N, Lc] values, [N, Lc] returns), on the CPU like the rollout's tensors."""
+    from grpo.critic.advantages import ppo_advantages
+
+    mask = generation.completion_mask
+    values = values_fn(generation).float().cpu()  # [N, Lc]
+    kl = (old_logprobs.cpu() - ref_logprobs.cpu()) if gae.kl_coef else None  # [N, Lc]: k1, PPO's per-token KL
+    advantages, returns = ppo_advantages(rewards.float(), values, mask, gamma=gae.gamma, lam=gae.lam, kl=kl,
+                                         kl_coef=gae.kl_coef)
+    return advantages, values, returns

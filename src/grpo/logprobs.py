@@ -22,7 +22,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from grpo.algorithm import token_logprobs
+from grpo.algorithm import token_entropy, token_logprobs
 
 
 COLUMN_BUCKET = 64  # GPU micro-batch widths are multiples of this (see _micro_batched_logprobs)
@@ -128,7 +128,8 @@ def completion_logprobs(
     micro_batch_size: int | None = None,
     share_prompts: bool = True,
     column_bucket: int | None = None,
-) -> Tensor:
+    with_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs of each completion token given its prompt and the completion prefix.
 
     Args:
@@ -140,24 +141,31 @@ def completion_logprobs(
             ``COLUMN_BUCKET`` on a GPU (shapes that repeat), 1 elsewhere (no extra compute on a CPU).
         share_prompts: run each micro-batch's distinct prompts once (see the module docstring);
             False runs every row's prompt + completion as one sequence (the plain reference).
+        with_entropy: also return the entropy of each completion position's sampling distribution,
+            read off the same logits (``token_entropy``: no gradient, no second pass, chunked).
 
     Returns:
         [N, Lc] float32 (padding positions hold finite values, 0 past a micro-batch's longest completion,
         that the loss masks out). Gradients flow
         when called with grad enabled. Only the completion positions' logits (and each prompt's last)
         are computed, never the prompt's [Lp, V] logits. Without grad, gradient checkpointing is paused
-        for the call (see the module docstring).
+        for the call (see the module docstring). With ``with_entropy``: ``(logprobs, entropy)``, both
+        [N, Lc] float32 (entropy 0 past a micro-batch's longest completion).
     """
     with nullcontext() if torch.is_grad_enabled() else checkpointing_paused(model):
         share_prompts = share_prompts and can_share_prompt_cache(model)
-        return _micro_batched_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                       temperature, micro_batch_size, share_prompts, column_bucket)
+        logprobs, entropy = _micro_batched_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                                    temperature, micro_batch_size, share_prompts, column_bucket,
+                                                    with_entropy)
+    return (logprobs, entropy) if with_entropy else logprobs
 
 
 def _micro_batched_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                             completion_mask: Tensor, temperature: float, micro_batch_size: int | None,
-                            share_prompts: bool, column_bucket: int | None) -> Tensor:
-    """``completion_logprobs``' loop over micro-batches, ``share_prompts`` already checked ([N, Lc])."""
+                            share_prompts: bool, column_bucket: int | None,
+                            with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """``completion_logprobs``' loop over micro-batches, ``share_prompts`` already checked: ([N, Lc]
+    log-probs, [N, Lc] entropy or None)."""
     Lc, Lp = completion_ids.shape[1], prompt_ids.shape[1]
     step = micro_batch_size or prompt_ids.shape[0]
     device = next(model.parameters()).device
@@ -166,7 +174,7 @@ def _micro_batched_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, comp
     # and ids: on a GPU, reading a device tensor makes the host wait for every kernel queued before it.
     prompt_ids, prompt_mask = prompt_ids.cpu(), prompt_mask.cpu()
     completion_ids, completion_mask = completion_ids.cpu(), completion_mask.cpu()
-    out = []
+    out, entropies = [], []
     for start in range(0, prompt_ids.shape[0], step):
         rows = slice(start, start + step)
         # Columns that are padding in every row of this micro-batch (left of its longest prompt, right of
@@ -190,4 +198,7 @@ def _micro_batched_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, comp
         targets = torch.cat([p_ids[:, -1:], c_ids], dim=1)  # [b, width + 1]: last prompt token, then the completion
         logprobs = token_logprobs(logits, targets, temperature)  # [b, width]
         out.append(torch.nn.functional.pad(logprobs, (0, Lc - width)))  # [b, Lc], zeros where all rows pad
-    return torch.cat(out)
+        if with_entropy:  # while this micro-batch's logits exist: no pass of its own
+            entropy = token_entropy(logits, temperature).float()  # [b, width]
+            entropies.append(torch.nn.functional.pad(entropy, (0, Lc - width)))
+    return torch.cat(out), (torch.cat(entropies) if with_entropy else None)

@@ -75,6 +75,8 @@ class LossSettings:
     num_iterations: int
     micro_batch_size: int
     max_grad_norm: float | None
+    importance_sampling_level: str = "token"  # or "sequence" (GSPO), see grpo.algorithm.policy_loss
+    mask_truncated_completions: bool = False  # DAPO: completions without EOS get no loss
 
 
 def _micro_batch_weight(loss_type: str, rows: int, tokens: torch.Tensor, total_rows: int,
@@ -98,6 +100,8 @@ def rows_by_length(completion_mask: torch.Tensor, group_size: int) -> torch.Tens
 
 
 _SUMMED = ("loss", "kl", "clip_fraction", "ratio_mean")  # statistics summed over micro-batches
+# [loss, kl, clip_fraction, ratio_mean, entropy]: one device tensor, so the step's statistics reach the host at once
+_SLOTS = _SUMMED + ("entropy",)
 
 
 def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_info: DistInfo) -> dict[str, float]:
@@ -110,18 +114,25 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
     # The rollout's per-row tensors may sit on the CPU (decoupled batches always do): the loss needs
     # them beside the log-probs, on the policy's device.
     device = next(learner.module.parameters()).device
-    mask = gen.completion_mask.float().to(device)  # [N, Lc]
+    sampled = gen.completion_mask.float().to(device)  # [N, Lc]: every sampled token
+    mask = sampled  # [N, Lc]: the tokens that carry loss
+    if s.mask_truncated_completions:  # DAPO: a cut-off completion's tokens teach nothing about its end
+        mask = sampled * (~gen.truncated).to(device=device, dtype=sampled.dtype)[:, None]
     advantages = batch.advantages.to(device)  # [N]
     old_all = batch.old_logprobs.to(device) if batch.old_logprobs is not None else None  # [N, Lc]
     ref_all = batch.ref_logprobs.to(device) if batch.ref_logprobs is not None else None  # [N, Lc]
     # dapo: the token count over all ranks; DDP averages gradients, so scale it back by the world size.
     total_tokens = mask.sum()
-    global_tokens = all_reduce_sum(total_tokens, dist_info) / dist_info.world_size
+    sampled_tokens = sampled.sum().clamp(min=1)
+    # Clamped to its smallest non-zero value (1 token over all ranks): 0 when mask_truncated_completions
+    # masked every completion, and the numerators are 0 then, so the loss is 0 instead of 0/0.
+    world = dist_info.world_size
+    global_tokens = (all_reduce_sum(total_tokens, dist_info) / world).clamp(min=1 / world)
     # The statistics stay on the device until the step ends: a float() per micro-batch would make the
     # host wait for the GPU to finish that micro-batch before it may queue the next one (on one H100
     # the update kept the GPU busy 35% of the time). float64, so that the sums are bit-identical to
     # the Python floats they replace (each fp32 term converted to double, then divided and summed).
-    sums = torch.zeros(len(_SUMMED), dtype=torch.float64, device=device)  # [loss, kl, clip_fraction, ratio_mean]
+    sums = torch.zeros(len(_SLOTS), dtype=torch.float64, device=device)  # see _SLOTS
     learning_rate = learner.lr  # the rate of this step's first update (the schedule moves in finish_update)
     grad_norms, skipped = [], 0
     starts = list(range(0, N, s.micro_batch_size))
@@ -140,9 +151,13 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
             rows = order[start:start + s.micro_batch_size]  # on the CPU, like the rollout's tensors
             on_device = order_on_device[start:start + s.micro_batch_size]
             with learner.accumulating(last=index == len(starts) - 1):
-                logprobs = completion_logprobs(learner.module, gen.prompt_ids[rows], gen.prompt_mask[rows],
-                                               gen.completion_ids[rows], gen.completion_mask[rows],
-                                               s.temperature)  # [b, Lc]
+                # The sampling policy's entropy, read off this forward's logits (no pass of its own): on
+                # the first iteration the weights are still the ones that sampled.
+                first = iteration == 0
+                result = completion_logprobs(learner.module, gen.prompt_ids[rows], gen.prompt_mask[rows],
+                                             gen.completion_ids[rows], gen.completion_mask[rows], s.temperature,
+                                             with_entropy=first)
+                logprobs, entropy = result if first else (result, None)  # [b, Lc] each
                 old = old_all[on_device] if old_all is not None else logprobs.detach()
                 if captured is not None and iteration == 0:
                     captured.append(old)
@@ -151,7 +166,8 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
                 loss, stats = policy_loss(
                     logprobs, old, ref, advantages[on_device], rows_mask, epsilon=s.epsilon,
                     epsilon_high=s.epsilon_high, beta=s.beta, loss_type=s.loss_type,
-                    max_completion_length=s.max_completion_length, normalizer=global_tokens)
+                    max_completion_length=s.max_completion_length, normalizer=global_tokens,
+                    importance_sampling_level=s.importance_sampling_level)
                 weight = _micro_batch_weight(s.loss_type, logprobs.shape[0], rows_mask.sum(), N, total_tokens)
                 learner.backward(loss * weight)
             with torch.no_grad():
@@ -159,7 +175,9 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
                 share = weight if s.loss_type != "dapo" else rows_mask.sum() / total_tokens.clamp(min=1)
                 share = share.double() if isinstance(share, torch.Tensor) else share
                 terms = [(loss.detach() * weight).double()] + [stats[key].double() * share for key in _SUMMED[1:]]
-                sums += torch.stack(terms) / s.num_iterations
+                sums[:len(_SUMMED)] += torch.stack(terms) / s.num_iterations
+                if entropy is not None:  # token mean over every sampled token of the step
+                    sums[-1] += ((entropy * sampled[on_device]).sum() / sampled_tokens).double()
         if captured is not None and iteration == 0:
             old_all = torch.cat(captured)[torch.argsort(order).to(device)]  # [N, Lc], back in row order
         norm = learner.finish_update()  # the learner's one host sync per update (it decides the skip)
@@ -167,7 +185,7 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
             skipped += 1
         else:
             grad_norms.append(norm)
-    totals = dict(zip(_SUMMED, sums.tolist()))  # the step's one transfer of its statistics
+    totals = dict(zip(_SLOTS, sums.tolist()))  # the step's one transfer of its statistics
     totals["learning_rate"] = learning_rate
     totals["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     totals["skipped_updates"] = float(skipped)

@@ -37,7 +37,8 @@ class RolloutBatch:
     rewards:         [N] float32 total (weighted) reward per completion.
     reward_parts:    [N, F] float32 per reward function (NaN where a function abstained).
     reward_names:    F names, in the column order of ``reward_parts``.
-    advantages:      [N] float32 group-relative advantages.
+    advantages:      [N] float32 outcome advantages (one per completion, from its group), or [N, Lc]
+                     float32 per-token advantages (gae: PPO with a critic; 0 on padding).
     old_logprobs:    [N, Lc] float32 log-probs under the sampling policy, or None when
                      num_iterations == 1 (the detached current log-probs are then the old ones).
     ref_logprobs:    [N, Lc] float32 reference log-probs, or None when beta == 0.
@@ -46,6 +47,9 @@ class RolloutBatch:
     timings:         seconds spent in each phase that made it (generate_s, rewards_s, logprobs_s).
     reward_metrics:  name -> mean of what the reward functions gave ``log_metric`` for this batch.
     reward_extras:   column -> N values the reward functions gave ``log_extra`` (for samples.jsonl).
+    values:          [N, Lc] float32 the critic's values of the state before each completion token at
+                     sampling, or None without a critic.
+    returns:         [N, Lc] float32 the critic's regression targets (GAE + values), or None without one.
     """
 
     generation: Generation
@@ -60,3 +64,5 @@ class RolloutBatch:
     timings: dict[str, float] = field(default_factory=dict)
     reward_metrics: dict[str, float] = field(default_factory=dict)
     reward_extras: dict[str, list] = field(default_factory=dict)
+    values: Tensor | None = None
+    returns: Tensor | None = None

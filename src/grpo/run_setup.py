@@ -18,7 +18,7 @@ from grpo.config import RunConfig
 from grpo.data import load_dataset_source, resolve_system_prompt
 from grpo.errors import TrainingAborted
 from grpo.distributed import DistInfo, barrier, init_distributed
-from grpo.experience import ExperienceSettings
+from grpo.experience import ExperienceSettings, GaeSettings
 from grpo.learners import Learner, build_learner, deepspeed_config, zero3_full_state_dict
 from grpo.models import resolve_device
 from grpo.optimization import LossSettings, build_optimizer, build_scheduler
@@ -65,26 +65,41 @@ def build_rewards(cfg: RunConfig, examples: Sequence | None = None) -> tuple[lis
     return functions, [r.weight for r in cfg.rewards]
 
 
+def kl_in_reward(cfg: RunConfig) -> bool:
+    """PPO's placement of the KL penalty: per token in the reward, not in the loss."""
+    return cfg.algorithm.kl_penalty == "reward"
+
+
 def experience_settings(cfg: RunConfig, need_old_logprobs: bool | None = None) -> ExperienceSettings:
-    """The rollout-side settings from the config tree (old log-probs when num_iterations > 1, unless told)."""
+    """The rollout-side settings from the config tree (old log-probs when num_iterations > 1, unless told;
+    always when the KL penalty is in the reward, which needs them)."""
     r = cfg.rollout
+    gae = None
+    if cfg.algorithm.advantage_estimator == "gae":
+        gae = GaeSettings(gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
+                          kl_coef=cfg.loss.beta if kl_in_reward(cfg) else 0.0)
+    need_old_logprobs = cfg.loss.num_iterations > 1 if need_old_logprobs is None else need_old_logprobs
     return ExperienceSettings(
         sampling=SamplingParams(n=r.num_generations, max_tokens=r.max_completion_length,
                                 temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
         system_prompt=resolve_system_prompt(cfg.data.system_prompt, cfg.data.tag_style),
         tag_style=cfg.data.tag_style, max_prompt_length=cfg.data.max_prompt_length,
-        scale_rewards=cfg.loss.scale_rewards, advantage_eps=cfg.loss.advantage_eps,
-        need_old_logprobs=cfg.loss.num_iterations > 1 if need_old_logprobs is None else need_old_logprobs,
-        logprob_batch_size=cfg.train.micro_batch_size, max_steps=cfg.train.max_steps)
+        advantage_estimator=cfg.algorithm.advantage_estimator, scale_rewards=cfg.loss.scale_rewards,
+        advantage_eps=cfg.loss.advantage_eps,
+        need_old_logprobs=need_old_logprobs or kl_in_reward(cfg),
+        logprob_batch_size=cfg.train.micro_batch_size, max_steps=cfg.train.max_steps, gae=gae)
 
 
 def loss_settings(cfg: RunConfig) -> LossSettings:
     """The update-side settings from the config tree."""
     return LossSettings(
-        epsilon=cfg.loss.epsilon, epsilon_high=cfg.loss.epsilon_high, beta=cfg.loss.beta,
+        # With the KL in the reward, the loss has none (the reference log-probs still give the kl metric).
+        epsilon=cfg.loss.epsilon, epsilon_high=cfg.loss.epsilon_high, beta=0.0 if kl_in_reward(cfg) else cfg.loss.beta,
         loss_type=cfg.loss.loss_type, max_completion_length=cfg.rollout.max_completion_length,
         temperature=cfg.rollout.temperature, num_iterations=cfg.loss.num_iterations,
-        micro_batch_size=cfg.train.micro_batch_size, max_grad_norm=cfg.optim.max_grad_norm)
+        micro_batch_size=cfg.train.micro_batch_size, max_grad_norm=cfg.optim.max_grad_norm,
+        importance_sampling_level=cfg.loss.importance_sampling_level,
+        mask_truncated_completions=cfg.loss.mask_truncated_completions)
 
 
 @dataclass
@@ -140,11 +155,15 @@ def _deepspeed_dir(out: Path, step: int) -> Path:
 
 
 def save_run_checkpoint(out: Path, step: int, trainable: Trainable, tokenizer, state: dict, cfg: RunConfig,
-                        info: DistInfo) -> None:
+                        info: DistInfo, critic=None) -> None:
     """A checkpoint of ``step`` on every rank's behalf. Under DeepSpeed every rank first writes its
     engine state (partitioned optimizer) to ``deepspeed-step-N/``; rank 0 then writes the HF-format
-    checkpoint, whose appearance (atomic rename) marks the whole checkpoint complete."""
+    checkpoint, whose appearance (atomic rename) marks the whole checkpoint complete. PPO's ``critic``
+    (a ``grpo.critic.Critic``) goes into its ``critic/`` folder."""
     from grpo.checkpoint import save_checkpoint
+    from grpo.critic import CRITIC_DIR, save_critic
+
+    write_critic = (lambda folder: save_critic(folder / CRITIC_DIR, critic)) if critic is not None else None
 
     if trainable.deepspeed:
         trainable.learner.engine.save_checkpoint(str(_deepspeed_dir(out, step)))
@@ -152,7 +171,7 @@ def save_run_checkpoint(out: Path, step: int, trainable: Trainable, tokenizer, s
     gathered = zero3_full_state_dict(trainable.learner)  # a collective under ZeRO-3
     if info.is_main:
         save_checkpoint(out, step, trainable.policy, tokenizer, trainable.optimizer, trainable.scheduler, state,
-                        cfg.train.save_total_limit, state_dict=gathered)
+                        cfg.train.save_total_limit, state_dict=gathered, write_extra=write_critic)
         if trainable.deepspeed:
             _prune_deepspeed_dirs(out, keep=cfg.train.save_total_limit)
     barrier(info)
@@ -168,13 +187,17 @@ def _prune_deepspeed_dirs(out: Path, keep: int | None) -> None:
             shutil.rmtree(engine_dir, ignore_errors=True)
 
 
-def load_run_checkpoint(checkpoint: Path, trainable: Trainable) -> dict:
-    """Restore weights, optimizer, schedule and RNG from ``checkpoint``; returns its trainer state.
-    Under DeepSpeed the engine restores weights and its partitioned optimizer itself."""
+def load_run_checkpoint(checkpoint: Path, trainable: Trainable, critic=None) -> dict:
+    """Restore weights, optimizer, schedule and RNG from ``checkpoint`` (and PPO's ``critic`` from its
+    ``critic/`` folder); returns its trainer state. Under DeepSpeed the engine restores weights and its
+    partitioned optimizer itself."""
     import json
 
     from grpo.checkpoint import load_checkpoint
+    from grpo.critic import CRITIC_DIR, load_critic
 
+    if critic is not None:  # first: a checkpoint without a critic must fail before the policy is overwritten
+        load_critic(checkpoint / CRITIC_DIR, critic)
     if trainable.deepspeed:
         state = json.loads((checkpoint / "trainer_state.json").read_text())
         trainable.learner.engine.load_checkpoint(str(checkpoint.parent / state["deepspeed_dir"]))
@@ -182,7 +205,7 @@ def load_run_checkpoint(checkpoint: Path, trainable: Trainable) -> dict:
     return load_checkpoint(checkpoint, trainable.policy, trainable.optimizer, trainable.scheduler)
 
 
-def resume_checkpoint(out: Path, trainable: Trainable, info: DistInfo) -> tuple[Path, dict] | None:
+def resume_checkpoint(out: Path, trainable: Trainable, info: DistInfo, critic=None) -> tuple[Path, dict] | None:
     """Restore the newest checkpoint of ``out`` that loads; returns it and its trainer state, or None
     when the folder holds no checkpoint.
 
@@ -200,7 +223,7 @@ def resume_checkpoint(out: Path, trainable: Trainable, info: DistInfo) -> tuple[
     first_error = None
     for checkpoint in candidates:
         try:
-            return checkpoint, load_run_checkpoint(checkpoint, trainable)
+            return checkpoint, load_run_checkpoint(checkpoint, trainable, critic)
         except CheckpointError as err:
             first_error = first_error or err
             if info.is_main:  # every rank reads the same files and reaches the same checkpoint

@@ -13,6 +13,9 @@ from grpo.experience import correctness
 from grpo.records import RolloutBatch
 
 
+CRITIC_PREFIXES = ("critic/", "loss/value")  # grpo.critic.train_critic's statistics, averaged over ranks
+
+
 def rollout_metrics(batch: RolloutBatch, correct: torch.Tensor, formatted: torch.Tensor,
                     group_size: int) -> dict[str, float]:
     """This rank's rollout metrics (means over its completions; rank-averaging is the caller's).
@@ -31,7 +34,7 @@ def rollout_metrics(batch: RolloutBatch, correct: torch.Tensor, formatted: torch
         "completion_length/max": lengths.max().item(),
         "truncated_fraction": batch.generation.truncated.double().mean().item(),
         "zero_std_fraction": (grouped == grouped[:, :1]).all(dim=1).double().mean().item(),
-        "advantage/abs_mean": batch.advantages.abs().double().mean().item(),
+        "advantage/abs_mean": _masked_mean(batch.advantages.abs().double(), batch.generation.completion_mask),
     }
     for f, name in enumerate(batch.reward_names):
         column = batch.reward_parts[:, f]
@@ -48,7 +51,8 @@ def step_metrics(batch: RolloutBatch, train_stats: dict, group_size: int, tag_st
     """
     correct, formatted = correctness(batch.generation.completions, batch.columns.get("answer", []), tag_style)
     local = rollout_metrics(batch, correct, formatted, group_size)
-    local.update({k: train_stats[k] for k in ("loss", "kl", "clip_fraction", "ratio_mean")})
+    local.update({k: train_stats[k] for k in ("loss", "kl", "clip_fraction", "ratio_mean", "entropy")})
+    local.update({k: v for k, v in train_stats.items() if k.startswith(CRITIC_PREFIXES)})  # PPO's critic, if any
     keys = sorted(local)
     averaged = all_reduce_mean(torch.tensor([local[k] for k in keys], dtype=torch.float64), info)
     metrics = dict(zip(keys, averaged.tolist()))
@@ -96,11 +100,19 @@ def sample_records(batch: RolloutBatch, num_samples: int) -> list[dict]:
             "reward": float(batch.rewards[row]),
             "rewards": {name: _finite_or_none(batch.reward_parts[row, f])
                         for f, name in enumerate(batch.reward_names)},
-            "advantage": float(batch.advantages[row]),
+            # A per-token advantage row (gae) is reported as its mean over the completion's tokens.
+            "advantage": _masked_mean(batch.advantages[row].double(), batch.generation.completion_mask[row]),
             "truncated": bool(batch.generation.truncated[row]),
             **({"extras": {k: v[row] for k, v in batch.reward_extras.items()}} if batch.reward_extras else {}),
         })
     return records
+
+
+def _masked_mean(advantages: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean of [N] outcome advantages, or of [N, Lc] per-token ones (gae) over the real tokens of ``mask``."""
+    if advantages.dim() == mask.dim():
+        return float((advantages * mask).sum() / mask.sum().clamp(min=1))
+    return float(advantages.mean())
 
 
 def _finite_or_none(value: torch.Tensor) -> float | None:

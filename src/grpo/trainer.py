@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from grpo.config import RunConfig, config_to_dict
+from grpo.critic import CriticSettings, build_critic, generation_values, train_critic
 from grpo.distributed import barrier, print0, shutdown
 from grpo.experience import local_reference, make_experience
 from grpo.models import (check_memory_savers, compute_context, load_policy, load_reference, load_tokenizer,
@@ -85,11 +87,12 @@ def train(cfg: RunConfig) -> TrainResult:
         ref_logprobs = (local_reference(policy, reference, cfg.rollout.temperature, cfg.train.micro_batch_size)
                         if cfg.loss.beta > 0 else None)
         trainable = build_trainable(cfg, policy, info)
+        critic = build_critic(cfg, info, device) if cfg.algorithm.advantage_estimator == "gae" else None
         out = claim_output_dir(cfg, info.is_main)  # setup succeeded: only now is anything written
         barrier(info)
 
         start_step, eval_before = 0, None
-        resumed = resume_checkpoint(out, trainable, info) if cfg.train.resume else None
+        resumed = resume_checkpoint(out, trainable, info, critic) if cfg.train.resume else None
         if resumed is not None:
             checkpoint, state = resumed
             start_step, eval_before = state["step"], state.get("eval_before")
@@ -102,6 +105,11 @@ def train(cfg: RunConfig) -> TrainResult:
         # with vLLM they are computed after sampling, for rollout/logprob_diff.
         exp_settings = experience_settings(cfg, need_old_logprobs=own_weights and cfg.loss.num_iterations > 1)
         train_settings = loss_settings(cfg)
+        values_fn = None
+        if critic is not None:  # PPO: the critic's values after sampling, and its own update after the policy's
+            values_fn = partial(generation_values, critic.model, batch_size=cfg.train.micro_batch_size)
+            critic_settings = CriticSettings(value_clip=cfg.loss.value_clip, micro_batch_size=cfg.train.micro_batch_size,
+                                             num_iterations=cfg.loss.num_iterations)
         # A resume that found no checkpoint starts over, and so do its metrics (resume_step 0 would keep the
         # killed run's step-0 evaluation and log it a second time).
         logger = MetricsLogger(out, cfg.log.report_to, config_to_dict(cfg), enabled=info.is_main,
@@ -125,7 +133,7 @@ def train(cfg: RunConfig) -> TrainResult:
             nonlocal saved
             state = {"step": at_step, "prompts_consumed": at_step * cfg.train.prompts_per_step,
                      "eval_before": eval_before}
-            save_run_checkpoint(out, at_step, trainable, tokenizer, state, cfg, info)
+            save_run_checkpoint(out, at_step, trainable, tokenizer, state, cfg, info, critic)
             saved = at_step
 
         try:
@@ -135,7 +143,7 @@ def train(cfg: RunConfig) -> TrainResult:
                     examples = [train_set[i] for i in sampler.rank_indices(step, info.rank, info.world_size)]
                     batch = make_experience(engine, policy, ref_logprobs, tokenizer, examples, reward_fns, weights,
                                             exp_settings, seed=step_seed(cfg.train.seed, step, info.rank),
-                                            steps_done=step - 1)
+                                            steps_done=step - 1, values_fn=values_fn)
                     rollout_done = time.perf_counter()
                     if own_weights and cfg.rollout.vllm_enable_sleep_mode:
                         engine.sleep()  # its GPU memory goes to the update
@@ -144,6 +152,8 @@ def train(cfg: RunConfig) -> TrainResult:
                     with interrupt.holding():
                         updating = True
                         train_stats = train_on_batch(trainable.learner, batch, train_settings, info)
+                        if critic is not None:
+                            train_stats.update(train_critic(critic.learner, batch, critic_settings))
                         trained = time.perf_counter()
                         metrics = step_metrics(batch, train_stats, cfg.rollout.num_generations, cfg.data.tag_style,
                                                started, rollout_done - started, trained - rollout_done, info)

@@ -27,7 +27,10 @@ def free_port() -> int:
 
 
 def env() -> dict:
-    return dict(os.environ, PYTHONPATH=str(TESTS_DIR), OMP_NUM_THREADS="1")
+    # The caller's PYTHONPATH is kept (as tests/reliability does): a checkout tested with PYTHONPATH=src
+    # beside another's editable install must run its own grpo in the child processes too.
+    path = os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])
+    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
 
 
 def overrides(model_dir: Path, out: Path, **extra) -> list[str]:
@@ -98,6 +101,27 @@ def test_first_step_equals_colocated(tiny_model_dir, teacher_dir, tmp_path):
         assert abs(a[key] - b[key]) < 1e-5, (key, a[key], b[key])
     assert [r["step"] for r in train_rows(decoupled)] == [1, 2]
     assert (decoupled / "weights").is_dir() and (decoupled / "final" / "model.safetensors").exists()
+
+
+def test_new_estimator_and_loss_settings_reach_every_rank(tiny_model_dir, tmp_path):
+    # rloo advantages (the sampler's), GSPO ratios over two iterations and the entropy (the trainer ranks'):
+    # colocated over 2 ranks and decoupled with 2 trainer ranks must log the same first step.
+    common = {"algorithm.advantage_estimator": "rloo", "loss.importance_sampling_level": "sequence",
+              "loss.num_iterations": 2, "loss.beta": 0.0, "train.max_steps": 1}
+    colocated = tmp_path / "colocated"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), "-m", "grpo", "train", SMOKE, *overrides(tiny_model_dir, colocated, **common)]
+    result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    decoupled = tmp_path / "decoupled"
+    cmd = grpo("train", SMOKE, *overrides(tiny_model_dir, decoupled, **common, **{
+        "train.mode": "decoupled", "decoupled.trainer_ranks": 2}))
+    result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    a, b = train_rows(colocated)[0], train_rows(decoupled)[0]
+    assert a["advantage/abs_mean"] > 0 and a["entropy"] > 0 and a["ratio_mean"] != 1.0
+    for key in ("loss", "advantage/abs_mean", "entropy", "ratio_mean", "clip_fraction"):
+        assert abs(a[key] - b[key]) < 1e-5, (key, a[key], b[key])
 
 
 @pytest.mark.parametrize("stage", [2, 3])

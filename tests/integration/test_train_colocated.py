@@ -21,7 +21,7 @@ from grpo.trainer import train
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 TESTS_DIR = Path(__file__).resolve().parent
 REQUIRED_KEYS = {
-    "step", "reward/mean", "reward/std", "accuracy", "format_rate", "kl", "loss", "clip_fraction",
+    "step", "reward/mean", "reward/std", "accuracy", "format_rate", "kl", "loss", "clip_fraction", "entropy",
     "completion_length/mean", "truncated_fraction", "zero_std_fraction", "learning_rate", "grad_norm",
     "time/rollout_s", "time/train_s", "time/step_s", "tokens_per_s",
 }

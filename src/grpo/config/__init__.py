@@ -9,6 +9,8 @@ from grpo.config.loader import (
     parse_override,
 )
 from grpo.config.schema import (
+    AlgorithmConfig,
+    CriticConfig,
     DataConfig,
     DecoupledConfig,
     LogConfig,
@@ -23,6 +25,6 @@ from grpo.config.schema import (
 
 __all__ = [
     "ConfigError", "config_to_dict", "dump_config", "iter_config_keys", "load_config", "parse_override",
-    "DataConfig", "DecoupledConfig", "LogConfig", "LossConfig", "ModelConfig", "OptimConfig", "RewardConfig",
-    "RolloutConfig", "RunConfig", "TrainConfig",
+    "AlgorithmConfig", "CriticConfig", "DataConfig", "DecoupledConfig", "LogConfig", "LossConfig", "ModelConfig",
+    "OptimConfig", "RewardConfig", "RolloutConfig", "RunConfig", "TrainConfig",
 ]

@@ -68,7 +68,8 @@ class RolloutConfig:
                       "with LoRA merged), hf-generate (model.generate; same distribution, slower) or vllm (the "
                       "optional vllm extra; weights pushed in place after every update).",
                       choices=("hf", "hf-static", "hf-generate", "vllm"))
-    num_generations: int = opt(8, "G: completions sampled per prompt (the group).", ge=2)
+    num_generations: int = opt(8, "G: completions sampled per prompt (the group); 1 only with "
+                               "algorithm.advantage_estimator gae (a group of one has no baseline).", ge=1)
     max_completion_length: int = opt(256, "Maximum new tokens per completion.", ge=1)
     temperature: float = opt(1.0, "Sampling temperature; log-probs are computed at the same temperature.", gt=0)
     top_p: float = opt(1.0, "Nucleus sampling threshold.", gt=0, le=1)
@@ -85,16 +86,68 @@ class RolloutConfig:
 
 
 @dataclass
+class AlgorithmConfig:
+    advantage_estimator: str = opt(
+        "grpo", "Outcome advantage per completion: grpo (r - group mean, scaled by loss.scale_rewards), rloo "
+        "(r - mean of the group's other completions, unscaled), reinforce_pp (r - group mean, divided by the "
+        "batch std of those centred rewards). A batch is one rank's (or one sampler's) rollout batch. Or gae: PPO "
+        "with a critic (the critic.* keys), one advantage per token by GAE over the critic's values, whitened over "
+        "the rank's batch.",
+        choices=("grpo", "rloo", "reinforce_pp", "gae"))
+    gamma: float = opt(1.0, "gae: discount per completion token.", ge=0, le=1)
+    lam: float = opt(0.95, "gae: GAE lambda (1: Monte-Carlo returns, 0: one-step TD on the critic).", ge=0, le=1)
+    kl_penalty: str = opt(
+        "loss", "Where loss.beta's KL penalty goes: loss (GRPO: beta * k3 in the loss) or reward (PPO, gae only: "
+        "r_t = -beta * (logp_old - logp_ref) per token, plus the completion's reward at its last token).",
+        choices=("loss", "reward"))
+
+
+@dataclass
+class CriticConfig:
+    name_or_path: str | None = opt(
+        None, "gae: the critic's body (a causal LM or reward-model checkpoint; a folder holding "
+        "value_head.safetensors, e.g. a grpo checkpoint's critic/, gives the value head too); null = "
+        "model.name_or_path. A new value head starts at zero.")
+    learning_rate: float = opt(1e-5, "gae: the critic's peak AdamW learning rate (optim's betas and optimizer).",
+                               gt=0)
+    weight_decay: float = opt(0.0, "gae: the critic's AdamW weight decay.", ge=0)
+    warmup_ratio: float = opt(0.0, "gae: share of the critic's updates with linear warm-up.", ge=0, le=1)
+    lr_scheduler_type: str = opt(
+        "constant", "gae: the critic's decay after warm-up (constant: its targets keep moving with the policy).",
+        choices=("constant", "linear", "cosine"))
+    max_grad_norm: float | None = opt(1.0, "gae: clip the critic's gradient norm; null = no clipping.", gt=0)
+    gradient_checkpointing: bool = opt(False, "gae: recompute the critic's activations in backward.")
+    lora_r: int = opt(0, "gae: LoRA rank of the critic's body; 0 = full fine-tuning (the value head always trains).",
+                      ge=0)
+    lora_alpha: float = opt(32.0, "gae: the critic's LoRA alpha.", gt=0)
+    lora_dropout: float = opt(0.0, "gae: the critic's LoRA dropout.", ge=0, le=1)
+    lora_target_modules: str | list[str] = opt("all-linear", "gae: modules the critic's LoRA adapts.")
+
+
+@dataclass
 class LossConfig:
     beta: float = opt(0.04, "KL coefficient (k3 estimator against the reference); 0 = no reference model.", ge=0)
     epsilon: float = opt(0.2, "Lower clip: ratio >= 1 - epsilon.", gt=0, le=1)
     epsilon_high: float | None = opt(None, "Upper clip: ratio <= 1 + epsilon_high (DAPO); null = epsilon.", gt=0)
     loss_type: str = opt("grpo", "Aggregation: grpo (per-sequence mean), bnpo, dr_grpo, dapo.",
                          choices=("grpo", "bnpo", "dr_grpo", "dapo"))
-    scale_rewards: str = opt("group", "Advantage scaling: group std, batch std, or none (Dr. GRPO).",
-                             choices=("group", "batch", "none"))
+    scale_rewards: str | None = opt(
+        None, "grpo estimator's scaling: group std, batch std (of the raw rewards), or none (Dr. GRPO); null = "
+        "group. rloo and reinforce_pp scale by their definition and need null.",
+        choices=(None, "group", "batch", "none"))
+    importance_sampling_level: str = opt(
+        "token", "token: one ratio per token (GRPO/PPO); sequence: GSPO, one ratio per completion (exp of the mean "
+        "token log-ratio), usually with tiny clips (GSPO: epsilon 3e-4, epsilon_high 4e-4). The two differ only "
+        "once the policy has moved since sampling (num_iterations > 1, or a stale decoupled rollout).",
+        choices=("token", "sequence"))
+    mask_truncated_completions: bool = opt(
+        False, "DAPO: completions that hit max_completion_length without EOS contribute no loss (they still "
+               "count in their group's advantages).")
     num_iterations: int = opt(1, "Optimisation passes per rollout batch (mu); > 1 computes old log-probs.", ge=1)
     advantage_eps: float = opt(1e-4, "Added to the std when scaling advantages.", gt=0)
+    value_clip: float = opt(
+        0.2, "gae: the critic's new value may move this far from its sampling-time value before PPO's clipped "
+        "value loss takes over (in reward units).", gt=0)
 
 
 @dataclass
@@ -193,6 +246,8 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -218,6 +273,13 @@ class RunConfig:
             problems.append(("loss.epsilon_high", (
                 f"{self.loss.epsilon_high} < loss.epsilon {self.loss.epsilon}: the asymmetric clip (DAPO) only "
                 "raises the upper bound")))
+        if self.loss.scale_rewards is not None and self.algorithm.advantage_estimator != "grpo":
+            problems.append(("loss.scale_rewards", (
+                f"is {self.loss.scale_rewards!r} but algorithm.advantage_estimator is "
+                f"{self.algorithm.advantage_estimator!r}, whose scaling is part of its definition (rloo: none; "
+                "reinforce_pp: the batch std of the centred rewards; gae: whitening of the token advantages); "
+                "set loss.scale_rewards: null")))
+        problems.extend(self._ppo_problems())
         if self.model.load_in_4bit and self.model.lora_r == 0:
             problems.append(("model.load_in_4bit", "needs model.lora_r > 0: 4-bit weights are frozen (QLoRA trains "
                                                    "a LoRA adapter over them)"))
@@ -254,4 +316,33 @@ class RunConfig:
                 f"{self.train.prompts_per_step}: each rank trains whole prompt groups")))
         if self.train.early_stop_accuracy is not None and self.data.eval is None:
             problems.append(("train.early_stop_accuracy", "needs data.eval (a held-out set to measure accuracy on)"))
+        return problems
+
+    def _ppo_problems(self) -> list[tuple[str, str]]:
+        """The rules of algorithm.advantage_estimator gae (PPO with a critic) and its keys."""
+        gae = self.algorithm.advantage_estimator == "gae"
+        problems = []
+        if self.rollout.num_generations == 1 and not gae:
+            problems.append(("rollout.num_generations", (
+                f"is 1 but algorithm.advantage_estimator is {self.algorithm.advantage_estimator!r}: a group of one "
+                "is its own baseline, so every advantage would be 0; use G >= 2 or the gae estimator (a critic)")))
+        if self.algorithm.kl_penalty == "reward" and not gae:
+            problems.append(("algorithm.kl_penalty", (
+                "is 'reward' but algorithm.advantage_estimator is not gae: the per-token KL reward needs "
+                "per-token advantages (a critic); use kl_penalty: loss")))
+        if self.algorithm.kl_penalty == "reward" and self.loss.beta == 0:
+            problems.append(("algorithm.kl_penalty", "is 'reward' but loss.beta is 0: there is no penalty to put "
+                                                     "in the reward; set loss.beta > 0 (PPO's kl coefficient)"))
+        if not gae and self.critic != CriticConfig():
+            problems.append(("critic", (
+                "is set but algorithm.advantage_estimator is not gae: only PPO (gae) has a critic; set "
+                "algorithm.advantage_estimator: gae or drop the critic keys")))
+        if gae and self.train.mode == "decoupled":
+            problems.append(("algorithm.advantage_estimator", (
+                "gae (PPO) runs colocated only: the decoupled sampler has no critic to compute values with; "
+                "use train.mode: colocated (N ranks with torchrun) or an outcome estimator")))
+        if gae and self.train.deepspeed:
+            problems.append(("train.deepspeed", (
+                "cannot be combined with algorithm.advantage_estimator gae yet: the critic trains with torch "
+                "AdamW (DDP on N ranks), not a DeepSpeed engine; drop train.deepspeed")))
         return problems

@@ -1,6 +1,6 @@
 """Peak memory per device of a run's config: model states, activations, logits, reference, KV cache.
 
-A step has three phases whose transients never overlap: the rollout (sampling with a KV cache, then
+A step has three phases whose transients never overlap (four with PPO's critic, ``grpo.memory.critic``): the rollout (sampling with a KV cache, then
 no-grad reference/old log-probs), the update (forward and backward of each micro-batch, gradients
 accumulating), and the optimizer step. The peak is the largest phase plus the CUDA allowance. The
 reported components are those of the update phase; ``peak_phase`` says when another phase is larger.
@@ -21,14 +21,13 @@ GB here are GiB (2^30 bytes), as torch.cuda and nvidia-smi count them.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 
 from grpo.config import ConfigError, RunConfig
 from grpo.memory.formulas import (
     LORA_BYTES,
     activation_bytes,
+    autocast_extra_bytes,
     forward_transient_bytes,
     kv_cache_bytes,
     sampling_copy_bytes,
@@ -37,11 +36,18 @@ from grpo.memory.formulas import (
     sampling_bytes,
     shared_prompt_activation_bytes,
 )
-from grpo.memory.shapes import ModelShape, load_model_config, lora_params, lora_targets
+from grpo.memory.critic import critic_memory
+from grpo.memory.shapes import ModelShape, load_model_config, lora_targets
+from grpo.memory.states import DeepSpeedSettings, ModelStates, _count, model_states, read_deepspeed  # noqa: F401
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "reference", "kv_cache", "overhead")
+COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "reference", "critic", "kv_cache",
+              "overhead")
+
+
+def _gb(n: float) -> float:
+    return round(n / GIB, 3)
 
 
 @dataclass(frozen=True)
@@ -82,103 +88,6 @@ class MemoryEstimate:
                 "phases_gb": self.phases_gb, "notes": self.notes, "assumptions": self.assumptions}
 
 
-@dataclass(frozen=True)
-class DeepSpeedSettings:
-    stage: int
-    offload_optimizer: bool
-    offload_params: bool
-
-
-def read_deepspeed(path: str) -> DeepSpeedSettings:
-    """ZeRO stage and offloading of a DeepSpeed JSON (``train.deepspeed``, relative to the working dir)."""
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"train.deepspeed: {path} not found")
-    try:
-        zero = json.loads(file.read_text()).get("zero_optimization", {})
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"train.deepspeed: {path}:{err.lineno}: invalid JSON: {err.msg}") from None
-
-    def offloaded(key: str) -> bool:
-        return str((zero.get(key) or {}).get("device", "none")).lower() in ("cpu", "nvme")
-
-    stage = int(zero.get("stage", 0))
-    return DeepSpeedSettings(stage, offloaded("offload_optimizer"), stage == 3 and offloaded("offload_param"))
-
-
-def _count(n: float) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-
-
-def _gb(n: float) -> float:
-    return round(n / GIB, 3)
-
-
-@dataclass(frozen=True)
-class ModelStates:
-    """Bytes per device of the policy's weights, gradients and AdamW states, and how each was counted."""
-
-    weights: float
-    gradients: float
-    optimizer: float
-    state_bytes: int  # bytes of one AdamW moment per trained parameter
-    trained_params: int
-    how: dict[str, str]
-
-
-def model_states(shape: ModelShape, *, p: int, lora_r: int, targets: tuple[str, ...] | None, mixed_precision: bool,
-                 gpus: int, deepspeed: DeepSpeedSettings | None, base_4bit: bool = False,
-                 optimizer_8bit: bool = False) -> ModelStates:
-    """Weights (the base in ``p`` bytes, LoRA adapters in fp32), gradients of the trained parameters,
-    AdamW m and v (fp32 under mixed precision or for fp32 parameters, else in the parameters' dtype)
-    plus an fp32 master copy under mixed precision; ZeRO stage s divides the first s of optimizer,
-    gradients, weights over ``gpus``; plain DDP (several GPUs, no DeepSpeed) adds its gradient buckets."""
-    n_params = shape.num_params()
-    lora = targets is not None
-    n_train = lora_params(shape, lora_r, targets) if lora else n_params
-    train_bytes = LORA_BYTES if lora else p
-    stage = deepspeed.stage if deepspeed else 0
-    how = {}
-    weights = n_params * p + (n_train * LORA_BYTES if lora else 0)
-    how["weights"] = f"{_count(n_params)} params x {p} B" + (f" + {_count(n_train)} LoRA params x 4 B" if lora else "")
-    if base_4bit:
-        # QLoRA: bitsandbytes packs the layers' linear weights in 4 bits (+ one fp32 absmax per 64, itself
-        # 8-bit with double quantisation: ~0.127 bit); embeddings, norms and the LM head stay in p bytes.
-        linear = shape.linear_params()
-        weights = linear * (4.127 / 8) + (n_params - linear) * p + n_train * LORA_BYTES
-        how["weights"] = (f"{_count(linear)} linear params x 0.52 B (NF4) + {_count(n_params - linear)} x {p} B + "
-                          f"{_count(n_train)} LoRA params x 4 B")
-    if stage == 3 and gpus > 1:
-        weights = weights / gpus + shape.largest_module_params() * p
-        how["weights"] += f" / {gpus} (ZeRO-3) + the largest module gathered"
-    if deepspeed and deepspeed.offload_params:
-        weights = shape.largest_module_params() * p
-        how["weights"] = "offloaded to CPU (ZeRO-3 offload_param); the largest module gathered"
-    gradients = n_train * train_bytes
-    how["gradients"] = f"{_count(n_train)} trained params x {train_bytes} B"
-    if deepspeed is None and gpus > 1:
-        gradients *= 2
-        how["gradients"] += " x 2 (DDP's gradient buckets are a second copy)"
-    if stage >= 2:
-        gradients /= gpus
-        how["gradients"] += f" / {gpus} (ZeRO-{stage})"
-    master = mixed_precision and train_bytes != 4
-    state_bytes = 4 if (mixed_precision or train_bytes == 4) else train_bytes
-    if optimizer_8bit:  # bitsandbytes AdamW8bit: m and v blockwise 8-bit (+ an fp32 scale per 2048, ignored)
-        state_bytes = 1
-    per_param = (4 if master else 0) + 2 * state_bytes
-    optimizer = n_train * per_param
-    how["optimizer"] = (f"AdamW{' 8-bit' if optimizer_8bit else ''} {'fp32 master + ' if master else ''}m + v: "
-                        f"{per_param} B x {_count(n_train)}")
-    if stage >= 1:
-        optimizer /= gpus
-        how["optimizer"] += f" / {gpus} (ZeRO-{stage})"
-    if deepspeed and deepspeed.offload_optimizer:
-        optimizer = 0
-        how["optimizer"] = "offloaded to CPU (offload_optimizer)"
-    return ModelStates(weights, gradients, optimizer, state_bytes, n_train, how)
-
-
 def reference_bytes(cfg: RunConfig, *, n_params: int, p: int, ref_model_config: dict | None) -> tuple[int, str]:
     """(bytes, how) of the reference model wherever the KL term needs one: none when beta is 0 or for
     LoRA without ``ref_name_or_path`` (the adapter disabled), else the initial policy or the named
@@ -215,29 +124,17 @@ def rollout_transient_bytes(shape: ModelShape, cfg: RunConfig, *, rows: int, p: 
     return max(generation, logprobs)
 
 
-def autocast_extra_bytes(shape: ModelShape, *, tokens: int, gradient_checkpointing: bool) -> tuple[int, int]:
-    """What bf16 autocast over fp32 weights holds beyond pure bf16 training's activations: the bf16 copy
-    autocast caches of every layer linear's weight (2 B/param, kept until the optimizer step), and the
-    residual stream and RMSNorm tensors, which stay fp32 (about 7 [tokens, h] tensors per layer 2 B
-    wider; calibrated on an H200: Qwen2.5-0.5B body, 4 x 608 tokens, measured +1378 MiB, this 1381).
-    With checkpointing only the layer inputs (fp32 instead of bf16) and one recomputed layer remain.
-    Returns (weight copies, extra activation bytes)."""
-    linear = shape.linear_params()
-    per_layer = 14 * tokens * shape.hidden_size
-    wider = (2 * tokens * shape.hidden_size * shape.num_layers + per_layer) if gradient_checkpointing \
-        else per_layer * shape.num_layers
-    return linear * 2, wider
-
-
 def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | None = None,
                     model_config: dict | None = None, vllm_gpu_memory_utilization: float | None = None,
                     ref_model_config: dict | None = None, mixed_precision: bool | None = None,
+                    critic_config: dict | None = None,
                     device: str = "cuda", allowance: CudaAllowance = CudaAllowance()) -> MemoryEstimate:
     """Estimate the peak memory per device of training ``cfg``.
 
     gpus: devices the run is spread over (default: decoupled.trainer_ranks in decoupled mode, else 1).
     gpu_gb: memory of one device (GiB) for ``fits``. model_config / ref_model_config: config.json dicts
         (default: read from model.name_or_path / model.ref_name_or_path, see ``load_model_config``).
+    critic_config: config.json of critic.name_or_path (PPO, gae) when given; default: read it.
     mixed_precision: AdamW with fp32 master weights and fp32 m, v (None: as grpo runs the config, i.e.
         only under DeepSpeed with bf16). vllm_gpu_memory_utilization: share of gpu_gb a colocated vLLM
         reserves (used when rollout.engine is vllm). device: "cuda", or "cpu" for no CUDA allowance and
@@ -316,6 +213,8 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
     if sampling_copy and not decoupled:
         states = replace(states, weights=states.weights + sampling_copy)
         how["weights"] += " + the hf-static engine's sampling copy (bf16 on CUDA)"
+    critic = critic_memory(cfg, policy_shape=shape, gpus=gpus, attention=attention, critic_config=critic_config)
+    how["critic"] = critic.how if critic else "none (no critic: algorithm.advantage_estimator is not gae)"
     if decoupled:
         reference, how["reference"] = 0, "on the samplers / reference server (decoupled mode)"
 
@@ -341,8 +240,10 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
         how["kv_cache"] = f"none: vLLM sleeps during the update ({_gb(vllm_reservation):.2f} GB while sampling)"
 
     # Phases: their transients never overlap, so the peak is the largest.
-    persistent = states.weights + states.optimizer + reference + kv_cache
+    persistent = states.weights + states.optimizer + reference + kv_cache + (critic.states if critic else 0)
     phases = {"update": persistent + states.gradients + activations + logits}
+    if critic:  # PPO: the critic's update follows the policy's, whose gradients torch has freed
+        phases["critic_update"] = persistent + critic.gradients + critic.activations
     # grpo's torch AdamW is foreach on CUDA (a sqrt(v) of every tensor at once) and per tensor on CPU;
     # DeepSpeed's Adam, and the fused AdamW a forced --mixed-precision run is taken to use, need none.
     step_temporaries = 0
@@ -373,7 +274,8 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
                                                                         else "")
                            + f" + {allowance.fragmentation:.0%} allocator fragmentation")
     parts = {"weights": states.weights, "gradients": states.gradients, "optimizer": states.optimizer,
-             "activations": activations, "logits": logits, "reference": reference, "kv_cache": kv_cache,
+             "activations": activations, "logits": logits, "reference": reference,
+             "critic": critic.states if critic else 0, "kv_cache": kv_cache,
              "overhead": overhead}
     total_gb = _gb(tensors + overhead)
 

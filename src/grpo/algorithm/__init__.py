@@ -1,0 +1,41 @@
+"""The RL math: pure functions of tensors, no config objects, ranks or logging.
+
+Layout convention: completions of one prompt are contiguous, rows ``i*G .. i*G+G-1`` belong to
+prompt ``i``; ``N = P*G``. ``L`` is the completion length (padded), ``T`` a full sequence length,
+``V`` the vocabulary size.
+
+- ``advantages``: outcome estimators per group (grpo, rloo, reinforce_pp), GAE, whitening, per-token
+  rewards with the KL penalty in them.
+- ``tokens``: log-probs of the sampled tokens and the entropy of their distributions, from logits.
+- ``losses``: the clipped policy surrogate (token or sequence importance ratios), its aggregation,
+  PPO's clipped value loss, truncated importance weights.
+
+Variants are looked up by name in ``ADVANTAGE_ESTIMATORS``, ``ADVANTAGE_SCALES``,
+``IMPORTANCE_SAMPLING_LEVELS`` and ``LOSS_AGGREGATIONS``; an unknown name raises a ``ValueError``
+listing the known ones.
+"""
+
+from grpo.algorithm.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    ADVANTAGE_SCALES,
+    gae_advantages,
+    group_advantages,
+    kl_penalized_token_rewards,
+    whiten,
+)
+from grpo.algorithm.losses import (
+    IMPORTANCE_SAMPLING_LEVELS,
+    LOSS_AGGREGATIONS,
+    aggregate_loss,
+    kl_k3,
+    policy_loss,
+    truncated_importance_weights,
+    value_loss,
+)
+from grpo.algorithm.tokens import token_entropy, token_logprobs
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS", "ADVANTAGE_SCALES", "IMPORTANCE_SAMPLING_LEVELS", "LOSS_AGGREGATIONS",
+    "aggregate_loss", "gae_advantages", "group_advantages", "kl_k3", "kl_penalized_token_rewards",
+    "policy_loss", "token_entropy", "token_logprobs", "truncated_importance_weights", "value_loss", "whiten",
+]

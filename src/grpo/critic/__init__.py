@@ -1,0 +1,17 @@
+"""PPO's critic (``algorithm.advantage_estimator: gae``): a value model, the token-level advantages
+it makes possible, its update and its part of a checkpoint.
+
+- ``model``: ``ValueModel`` (causal LM body + scalar head), loading, values of a generation's tokens.
+- ``advantages``: ``ppo_advantages``: token rewards (KL in the reward) -> GAE -> whitened advantages, returns.
+- ``update``: ``build_critic`` (AdamW, schedule, DDP) and ``train_critic`` (clipped value loss).
+- ``checkpoint``: ``save_critic``/``load_critic`` into a run checkpoint's ``critic/`` folder.
+"""
+
+from grpo.critic.advantages import ppo_advantages
+from grpo.critic.checkpoint import CRITIC_DIR, load_critic, save_critic
+from grpo.critic.model import ValueModel, completion_values, generation_values, load_value_model
+from grpo.critic.update import Critic, CriticSettings, build_critic, train_critic, value_fit
+
+__all__ = ["CRITIC_DIR", "Critic", "CriticSettings", "ValueModel", "build_critic", "completion_values",
+           "generation_values", "load_critic", "load_value_model", "ppo_advantages", "save_critic", "train_critic",
+           "value_fit"]
