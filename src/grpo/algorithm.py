@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["ADVANTAGE_SCALES", "LOSS_AGGREGATIONS", "group_advantages", "token_logprobs", "kl_k3",
-           "policy_loss", "aggregate_loss"]
+           "logprob_mismatch", "policy_loss", "aggregate_loss"]
 
 
 def _lookup(registry: dict, kind: str, name: str):
@@ -208,6 +208,24 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     """
     delta = ref_logprobs - logprobs
     return torch.exp(delta) - delta - 1
+
+
+def logprob_mismatch(sampler_logprobs: Tensor, trainer_logprobs: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """How far the sampler's log-probs of the sampled tokens are from the trainer's, as a masked sum.
+
+    Args:
+        sampler_logprobs: ``[N, L]`` the rollout engine's log-prob of each sampled token.
+        trainer_logprobs: ``[N, L]`` the trainer's log-prob of the same tokens, same temperature.
+        mask: ``[N, L]`` 1 on completion tokens, 0 on padding.
+
+    Returns:
+        ``(total, count)``: the sum of |sampler - trainer| over the masked tokens and their number, both
+        float64 scalars. A sum and a count rather than the mean, so that ranks can add theirs before
+        dividing (the mean over all tokens of the step, not a mean of per-rank means).
+    """
+    keep = mask.bool()
+    gap = (sampler_logprobs.double() - trainer_logprobs.double()).abs()[keep]  # [tokens]
+    return gap.sum(), keep.sum().double()
 
 
 
