@@ -38,6 +38,8 @@ def test_check_steps_are_the_first_two_then_every_nth():
     assert [s for s in range(1, 31) if is_check_step(s, 10)] == [1, 2, 10, 20, 30]
     assert [s for s in range(1, 6) if is_check_step(s, 1)] == [1, 2, 3, 4, 5]
     assert not any(is_check_step(s, 0) for s in range(1, 31))
+    # a run resumed after step 13: its first two steps (a freshly built engine), then the schedule
+    assert [s for s in range(14, 31) if is_check_step(s, 10, first_step=14)] == [14, 15, 20, 30]
 
 
 def test_the_check_passes_below_the_threshold_and_names_step_and_gap_above_it():

@@ -109,6 +109,7 @@ def train(cfg: RunConfig) -> TrainResult:
         # with vLLM and num_iterations > 1 they are computed after sampling, and serve the guard too.
         exp_settings = experience_settings(cfg, need_old_logprobs=own_weights and cfg.loss.num_iterations > 1)
         check_every = cfg.rollout.vllm_check_steps if own_weights else 0
+        first_step = start_step + 1  # this process's first step (the guard checks it and the next)
         train_settings = loss_settings(cfg)
         # A resume that found no checkpoint starts over, and so do its metrics (resume_step 0 would keep the
         # killed run's step-0 evaluation and log it a second time).
@@ -144,8 +145,9 @@ def train(cfg: RunConfig) -> TrainResult:
                     batch = make_experience(engine, policy, ref_logprobs, tokenizer, examples, reward_fns, weights,
                                             exp_settings, seed=step_seed(cfg.train.seed, step, info.rank),
                                             steps_done=step - 1)
-                    checked = {}
-                    if check_every and (batch.old_logprobs is not None or is_check_step(step, check_every)):
+                    checked = {}  # the off-policy guard, free with old log-probs, else on its schedule
+                    if check_every and (batch.old_logprobs is not None
+                                        or is_check_step(step, check_every, first_step)):
                         checked = check_engine(cfg, engine, policy, batch, step, info)
                     rollout_done = time.perf_counter()
                     if own_weights and cfg.rollout.vllm_enable_sleep_mode:

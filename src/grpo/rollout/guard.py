@@ -7,10 +7,11 @@ quietly train off-policy. So on checked steps the trainer compares the engine's 
 sampled token with its own, logs the mean gap as ``rollout/logprob_diff``, and stops the run when it
 is above ``rollout.vllm_max_logprob_diff``, naming the step and the gap.
 
-Which steps: steps 1 and 2 (the engine as loaded, then the first pushed weights: a broken setup shows
-at once, not after ``every`` steps), then every ``every``-th. The trainer's log-probs cost one extra
-no-grad forward pass on a checked step when ``loss.num_iterations`` is 1 (with more iterations the
-trainer computes old log-probs every step anyway, and every step is checked for free).
+Which steps: the run's first two (the engine as loaded, then the first pushed weights: a broken setup
+shows at once, not after ``every`` steps; after a resume, the first two of the resumed run), then every
+``every``-th. The trainer's log-probs cost one extra no-grad forward pass on a checked step when
+``loss.num_iterations`` is 1 (with more iterations the trainer computes old log-probs every step
+anyway, and every step is checked for free).
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from grpo.distributed import DistInfo, all_reduce_sum
 from grpo.errors import OffPolicySampling
 
 
-def is_check_step(step: int, every: int) -> bool:
-    """True on the steps the guard checks: 1, 2, then multiples of ``every``; never when ``every`` is 0."""
-    return every > 0 and (step <= 2 or step % every == 0)
+def is_check_step(step: int, every: int, first_step: int = 1) -> bool:
+    """True on the steps the guard checks: the first two this process runs (``first_step`` and the next:
+    a resumed run builds and loads its engine anew), then multiples of ``every``; never when ``every`` is 0."""
+    return every > 0 and (step < first_step + 2 or step % every == 0)
 
 
 def check_sampler_logprobs(step: int, sampler_logprobs: Tensor, trainer_logprobs: Tensor, mask: Tensor,
