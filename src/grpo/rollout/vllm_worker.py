@@ -73,8 +73,7 @@ class WeightSyncExtension:
 
     def grpo_reload_weights(self, weights_path: str) -> list[str]:
         """Load every weight from ``weights_path``'s safetensors in place, then refresh the tied layers
-        (see the module docstring). Returns the refreshed layers' names (the tests check the tied head
-        is among them)."""
+        (see the module docstring). Returns the refreshed layers' names."""
         self.reload_weights(weights_path=weights_path, is_checkpoint_format=True)  # vLLM's in-place reload
         # `model_runner.model` is how vLLM's own RLHF examples reach the model from a worker extension.
         return refresh_tied_layers(self.model_runner.model)
