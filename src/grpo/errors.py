@@ -7,3 +7,8 @@ class RewardError(ValueError):
 
 class TrainingAborted(RuntimeError):
     """Training cannot continue (e.g. every update non-finite for several steps); checkpoints stay."""
+
+
+class OffPolicySampling(TrainingAborted):
+    """The rollout engine samples from weights that are not the policy's (its log-probs differ from the
+    trainer's by more than rollout.vllm_max_logprob_diff): training on its samples would be off-policy."""

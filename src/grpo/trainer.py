@@ -17,12 +17,13 @@ import torch
 from grpo.config import RunConfig, config_to_dict
 from grpo.critic import CriticSettings, build_critic, generation_values, train_critic
 from grpo.distributed import barrier, print0, shutdown
-from grpo.experience import local_reference, make_experience
+from grpo.experience import generation_logprobs, local_reference, make_experience
 from grpo.models import (check_memory_savers, compute_context, load_policy, load_reference, load_tokenizer,
                          uses_autocast)
 from grpo.optimization import train_on_batch
 from grpo.prompt_sampler import PromptSampler
 from grpo.rollout.build import build_engine, check_engine_available, holds_own_weights, push_policy_weights
+from grpo.rollout.guard import check_sampler_logprobs, is_check_step
 from grpo.run_dir import check_output_dir, claim_output_dir
 from grpo.run_setup import (DeferredInterrupt, SkipGuard, build_rewards, build_trainable, eval_metrics,
                             experience_settings, load_data, loss_settings, resume_checkpoint, run_eval,
@@ -44,21 +45,27 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 1_009 + rank) % (2**63)
 
 
-def sync_engine(engine, policy, batch, step: int, sleeps: bool) -> dict[str, float]:
+def sync_engine(engine, policy, step: int, sleeps: bool) -> dict[str, float]:
     """After step ``step``'s update: the engine's weight copy becomes the policy's (waking it first
-    when it slept through the update). Returns the sync time, and the mean |sampler - trainer|
-    log-prob of the batch's tokens when the trainer computed old log-probs (num_iterations > 1)."""
+    when it slept through the update). Returns the sync time."""
     started = time.perf_counter()
-    metrics = {}
-    if batch.old_logprobs is not None and getattr(engine, "last_logprobs", None) is not None:
-        mask = batch.generation.completion_mask.float()
-        diff = (engine.last_logprobs - batch.old_logprobs.cpu()).abs() * mask
-        metrics["rollout/logprob_diff"] = float(diff.sum() / mask.sum().clamp(min=1))
     if sleeps:
         engine.wake_up()
     push_policy_weights(engine, policy, step)
-    metrics["time/weight_sync_s"] = time.perf_counter() - started
-    return metrics
+    return {"time/weight_sync_s": time.perf_counter() - started}
+
+
+def check_engine(cfg: RunConfig, engine, policy, batch, step: int, info) -> dict[str, float]:
+    """The off-policy guard (``grpo.rollout.guard``) on this step's batch, before its update: the
+    engine's log-probs against the trainer's. With ``loss.num_iterations`` 1 the trainer has no old
+    log-probs, so a checked step pays one no-grad forward pass for them (hence every N steps, not every
+    step); with more iterations they exist already and every step is checked."""
+    trainer_logprobs = batch.old_logprobs
+    if trainer_logprobs is None:
+        trainer_logprobs = generation_logprobs(policy, batch.generation, cfg.rollout.temperature,
+                                               cfg.train.micro_batch_size)
+    return check_sampler_logprobs(step, engine.last_logprobs, trainer_logprobs, batch.generation.completion_mask,
+                                  cfg.rollout.vllm_max_logprob_diff, info)
 
 
 def train(cfg: RunConfig) -> TrainResult:
@@ -102,8 +109,10 @@ def train(cfg: RunConfig) -> TrainResult:
         if own_weights and start_step > 0:
             push_policy_weights(engine, policy, start_step)
         # Old log-probs come from the first iteration of the update (train_on_batch), not a separate pass;
-        # with vLLM they are computed after sampling, for rollout/logprob_diff.
+        # with vLLM and num_iterations > 1 they are computed after sampling, and serve the guard too.
         exp_settings = experience_settings(cfg, need_old_logprobs=own_weights and cfg.loss.num_iterations > 1)
+        check_every = cfg.rollout.vllm_check_steps if own_weights else 0
+        first_step = start_step + 1  # this process's first step (the guard checks it and the next)
         train_settings = loss_settings(cfg)
         values_fn = None
         if critic is not None:  # PPO: the critic's values after sampling, and its own update after the policy's
@@ -144,6 +153,10 @@ def train(cfg: RunConfig) -> TrainResult:
                     batch = make_experience(engine, policy, ref_logprobs, tokenizer, examples, reward_fns, weights,
                                             exp_settings, seed=step_seed(cfg.train.seed, step, info.rank),
                                             steps_done=step - 1, values_fn=values_fn)
+                    checked = {}  # the off-policy guard, free with old log-probs, else on its schedule
+                    if check_every and (batch.old_logprobs is not None
+                                        or is_check_step(step, check_every, first_step)):
+                        checked = check_engine(cfg, engine, policy, batch, step, info)
                     rollout_done = time.perf_counter()
                     if own_weights and cfg.rollout.vllm_enable_sleep_mode:
                         engine.sleep()  # its GPU memory goes to the update
@@ -157,8 +170,9 @@ def train(cfg: RunConfig) -> TrainResult:
                         trained = time.perf_counter()
                         metrics = step_metrics(batch, train_stats, cfg.rollout.num_generations, cfg.data.tag_style,
                                                started, rollout_done - started, trained - rollout_done, info)
+                        metrics.update(checked)
                         if own_weights:
-                            metrics.update(sync_engine(engine, policy, batch, step, cfg.rollout.vllm_enable_sleep_mode))
+                            metrics.update(sync_engine(engine, policy, step, cfg.rollout.vllm_enable_sleep_mode))
                         metrics["epoch"] = sampler.epoch_of(step)
                         if cfg.train.eval_steps and step % cfg.train.eval_steps == 0 and step < cfg.train.max_steps:
                             metrics.update(eval_metrics(run_eval(cfg, policy, tokenizer, eval_set, info)))

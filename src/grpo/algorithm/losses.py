@@ -249,3 +249,21 @@ def truncated_importance_weights(old_logprobs: Tensor, sampler_logprobs: Tensor,
         padding = mask == 0
         log_ratio = (old_logprobs - sampler_logprobs).masked_fill(padding, 0.0)
         return torch.clamp(torch.exp(log_ratio), max=cap).masked_fill(padding, 0.0)
+
+
+def logprob_mismatch(sampler_logprobs: Tensor, trainer_logprobs: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """How far the sampler's log-probs of the sampled tokens are from the trainer's, as a masked sum.
+
+    Args:
+        sampler_logprobs: ``[N, L]`` the rollout engine's log-prob of each sampled token.
+        trainer_logprobs: ``[N, L]`` the trainer's log-prob of the same tokens, same temperature.
+        mask: ``[N, L]`` 1 on completion tokens, 0 on padding.
+
+    Returns:
+        ``(total, count)``: the sum of |sampler - trainer| over the masked tokens and their number, both
+        float64 scalars. A sum and a count rather than the mean, so that ranks can add theirs before
+        dividing (the mean over all tokens of the step, not a mean of per-rank means).
+    """
+    keep = mask.bool()
+    gap = (sampler_logprobs.double() - trainer_logprobs.double()).abs()[keep]  # [tokens]
+    return gap.sum(), keep.sum().double()

@@ -81,6 +81,15 @@ class RolloutConfig:
         False, "engine vllm: free vLLM's GPU memory during each update (sleep/wake; vLLM supports it on CUDA).")
     vllm_dtype: str = opt("auto", "engine vllm: vLLM's dtype (auto, bfloat16, float16, float32).",
                           choices=("auto", "bfloat16", "float16", "float32"))
+    vllm_check_steps: int = opt(
+        10, "engine vllm: compare vLLM's log-probs of its sampled tokens with the trainer's on a run's (or a "
+            "resumed run's) first two steps and every N-th (every step when loss.num_iterations > 1, where it is "
+            "free), logged as rollout/logprob_diff; a gap above vllm_max_logprob_diff stops the run. Costs one "
+            "no-grad forward pass per checked step. 0 = never (an off-policy run would then go unnoticed).", ge=0)
+    vllm_max_logprob_diff: float = opt(
+        0.1, "engine vllm: largest mean |vLLM - trainer| log-prob of the sampled tokens a checked step accepts "
+             "(measured here in fp32: 2e-7 with synced weights, 0.17 one step stale at lr 1e-3, 0.3-0.43 with "
+             "other weights; bf16 on a GPU not yet measured).", gt=0)
     generation_batch_size: int | None = opt(
         None, "Completions generated per generate() call; null = all of a step's at once.", ge=1)
 
@@ -314,6 +323,12 @@ class RunConfig:
             problems.append(("decoupled.trainer_ranks", (
                 f"{self.decoupled.trainer_ranks} does not divide train.prompts_per_step "
                 f"{self.train.prompts_per_step}: each rank trains whole prompt groups")))
+        r = self.rollout
+        if r.engine == "vllm" and r.vllm_check_steps > 0 and (r.top_p < 1 or r.top_k):
+            problems.append(("rollout.vllm_check_steps", (
+                f"is {r.vllm_check_steps} with rollout.top_p {r.top_p} / top_k {r.top_k}: vLLM's log-probs are then "
+                "renormalised over the kept tokens while the trainer's are not, so the check would measure the "
+                "truncation, not the weights; sample without top_p/top_k or set rollout.vllm_check_steps: 0")))
         if self.train.early_stop_accuracy is not None and self.data.eval is None:
             problems.append(("train.early_stop_accuracy", "needs data.eval (a held-out set to measure accuracy on)"))
         return problems

