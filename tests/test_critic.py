@@ -20,6 +20,7 @@ from grpo.optimization import build_optimizer, build_scheduler
 from grpo.config import OptimConfig
 from grpo.learners import TorchLearner
 from grpo.tiny_model import build_qwen2
+from test_optimization import RecordingLearner
 
 TOL = 1e-6
 
@@ -192,24 +193,6 @@ def make_critic(model: ValueModel, lr: float = 1e-2) -> Critic:
     optimizer = build_optimizer(model, optim, lora=False)
     scheduler = build_scheduler(optimizer, optim, 10)
     return Critic(model, TorchLearner(model, optimizer, scheduler, 1.0), optimizer, scheduler)
-
-
-class RecordingLearner:
-    def __init__(self, module):
-        self.module, self.grads = module, []
-
-    def accumulating(self, last):
-        return nullcontext()
-
-    def backward(self, loss):
-        loss.backward()
-
-    def finish_update(self):
-        self.grads.append({n: p.grad.clone() for n, p in self.module.named_parameters() if p.grad is not None})
-        self.module.zero_grad(set_to_none=True)
-        return 0.0
-
-    lr = 0.0
 
 
 def test_critic_micro_batches_accumulate_to_the_whole_batch_gradient(tiny_tokenizer):

@@ -80,21 +80,27 @@ def teacher_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     return path
 
 
+def colocated_and_decoupled(model_dir, tmp_path, common: dict, decoupled_extra: dict) -> tuple[Path, Path]:
+    """The same settings run colocated over 2 torchrun ranks and in decoupled mode; both run folders."""
+    colocated = tmp_path / "colocated"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), "-m", "grpo", "train", SMOKE, *overrides(model_dir, colocated, **common)]
+    result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    decoupled = tmp_path / "decoupled"
+    cmd = grpo("train", SMOKE, *overrides(model_dir, decoupled, **common, **{"train.mode": "decoupled",
+                                                                           **decoupled_extra}))
+    result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return colocated, decoupled
+
+
 def test_first_step_equals_colocated(tiny_model_dir, teacher_dir, tmp_path):
     # Same seeds, max_staleness 0, 2 trainer ranks, a teacher reference (so the KL term is not 0):
     # colocated (torchrun) and decoupled (sampler + 2 trainer ranks + ref server) give the same first step.
     common = {"model.ref_name_or_path": teacher_dir, "loss.beta": 0.1, "train.max_steps": 2}
-    colocated = tmp_path / "colocated"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), "-m", "grpo", "train", SMOKE, *overrides(tiny_model_dir, colocated, **common)]
-    result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    decoupled = tmp_path / "decoupled"
-    cmd = grpo("train", SMOKE, *overrides(tiny_model_dir, decoupled, **common, **{
-        "train.mode": "decoupled", "decoupled.trainer_ranks": 2, "decoupled.ref_server": True,
-        "decoupled.ref_server_port": free_port()}))
-    result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    colocated, decoupled = colocated_and_decoupled(tiny_model_dir, tmp_path, common, {
+        "decoupled.trainer_ranks": 2, "decoupled.ref_server": True, "decoupled.ref_server_port": free_port()})
     a, b = train_rows(colocated)[0], train_rows(decoupled)[0]
     assert a["kl"] > 1e-4  # the teacher differs from the policy: a real KL term
     for key in ("loss", "kl", "reward/mean", "reward/std", "accuracy", "completion_length/mean"):
@@ -108,16 +114,8 @@ def test_new_estimator_and_loss_settings_reach_every_rank(tiny_model_dir, tmp_pa
     # colocated over 2 ranks and decoupled with 2 trainer ranks must log the same first step.
     common = {"algorithm.advantage_estimator": "rloo", "loss.importance_sampling_level": "sequence",
               "loss.num_iterations": 2, "loss.beta": 0.0, "train.max_steps": 1}
-    colocated = tmp_path / "colocated"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), "-m", "grpo", "train", SMOKE, *overrides(tiny_model_dir, colocated, **common)]
-    result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    decoupled = tmp_path / "decoupled"
-    cmd = grpo("train", SMOKE, *overrides(tiny_model_dir, decoupled, **common, **{
-        "train.mode": "decoupled", "decoupled.trainer_ranks": 2}))
-    result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    colocated, decoupled = colocated_and_decoupled(tiny_model_dir, tmp_path, common,
+                                                   {"decoupled.trainer_ranks": 2})
     a, b = train_rows(colocated)[0], train_rows(decoupled)[0]
     assert a["advantage/abs_mean"] > 0 and a["entropy"] > 0 and a["ratio_mean"] != 1.0
     for key in ("loss", "advantage/abs_mean", "entropy", "ratio_mean", "clip_fraction"):

@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 from grpo.config import load_config
 from grpo.trainer import train
-from test_train_colocated import REQUIRED_KEYS, SIGNAL_REWARDS, _cli_env, base_overrides, read_metrics
+from test_train_colocated import (REQUIRED_KEYS, SIGNAL_REWARDS, _cli_env, base_overrides,
+                                  interrupt_at_third_update, read_metrics)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 TESTS_DIR = Path(__file__).resolve().parent
@@ -52,22 +53,8 @@ def test_ppo_resume_equals_uninterrupted_with_the_critics_state(tiny_model_dir, 
     full = tmp_path / "full"
     train(load_config(None, base_overrides(tiny_model_dir, full, **overrides)))
 
-    import grpo.trainer as trainer_module
-
-    real = trainer_module.train_on_batch
-    calls = {"n": 0}
-
-    def interrupt_at_third_step(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
     part = tmp_path / "part"
-    monkeypatch.setattr(trainer_module, "train_on_batch", interrupt_at_third_step)
-    with pytest.raises(KeyboardInterrupt):
-        train(load_config(None, base_overrides(tiny_model_dir, part, **overrides)))
-    monkeypatch.setattr(trainer_module, "train_on_batch", real)
+    interrupt_at_third_update(tiny_model_dir, part, overrides, monkeypatch)
     train(load_config(None, base_overrides(tiny_model_dir, part, **overrides) + ["train.resume=true"]))
 
     a, b = read_metrics(full), read_metrics(part)

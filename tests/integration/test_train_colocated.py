@@ -115,14 +115,8 @@ def test_reward_rises_on_an_easy_task(tiny_model_dir, tmp_path, monkeypatch):
     assert last > first + 0.2, rewards
 
 
-def test_resume_equals_uninterrupted(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(TESTS_DIR))
-    overrides = {"train.max_steps": 4, "train.save_steps": 1, "loss.num_iterations": 2, "data.eval": None,
-                 "rewards": SIGNAL_REWARDS}
-    full = tmp_path / "full"
-    train(load_config(None, base_overrides(tiny_model_dir, full, **overrides)))
-
-    # Interrupt (Ctrl-C) in step 3: a checkpoint of step 2 is written, then resume to the end.
+def interrupt_at_third_update(model_dir, out, overrides: dict, monkeypatch) -> None:
+    """Train into ``out`` and press Ctrl-C in the third update (the trainer saves step 2 and re-raises)."""
     import grpo.trainer as trainer_module
 
     real = trainer_module.train_on_batch
@@ -134,11 +128,22 @@ def test_resume_equals_uninterrupted(tiny_model_dir, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    part = tmp_path / "part"
     monkeypatch.setattr(trainer_module, "train_on_batch", interrupt_at_third_step)
     with pytest.raises(KeyboardInterrupt):
-        train(load_config(None, base_overrides(tiny_model_dir, part, **overrides)))
+        train(load_config(None, base_overrides(model_dir, out, **overrides)))
     monkeypatch.setattr(trainer_module, "train_on_batch", real)
+
+
+def test_resume_equals_uninterrupted(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS_DIR))
+    overrides = {"train.max_steps": 4, "train.save_steps": 1, "loss.num_iterations": 2, "data.eval": None,
+                 "rewards": SIGNAL_REWARDS}
+    full = tmp_path / "full"
+    train(load_config(None, base_overrides(tiny_model_dir, full, **overrides)))
+
+    # Interrupt (Ctrl-C) in step 3: a checkpoint of step 2 is written, then resume to the end.
+    part = tmp_path / "part"
+    interrupt_at_third_update(tiny_model_dir, part, overrides, monkeypatch)
     assert [r["step"] for r in read_metrics(part)] == [1, 2]
     train(load_config(None, base_overrides(tiny_model_dir, part, **overrides) + ["train.resume=true"]))
 
