@@ -1,0 +1,112 @@
+"""Cross-field rules of the config tree: each returns ``(key, why)`` for every violated rule.
+
+Kept apart from ``grpo.config.schema`` (the fields, their defaults and ranges) so the tree stays
+readable; ``RunConfig.check`` calls ``config_problems``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from grpo.config.schema import CriticConfig
+
+if TYPE_CHECKING:
+    from grpo.config.schema import RunConfig
+
+
+def config_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
+    """Cross-field rules: returns ``(key, why)`` for each violated one (empty when valid)."""
+    problems = []
+    completions = cfg.train.prompts_per_step * cfg.rollout.num_generations
+    if completions % cfg.train.micro_batch_size != 0:
+        problems.append(("train.micro_batch_size", (
+            f"{cfg.train.micro_batch_size} does not divide the step's {completions} completions "
+            f"(train.prompts_per_step {cfg.train.prompts_per_step} x rollout.num_generations "
+            f"{cfg.rollout.num_generations}); gradient accumulation needs equal micro-batches")))
+    if cfg.model.ref_name_or_path is not None and cfg.loss.beta == 0:
+        problems.append(("model.ref_name_or_path", (
+            "is set but loss.beta is 0: the reference only serves the KL term and would be loaded for "
+            "nothing; set loss.beta > 0 or model.ref_name_or_path: null")))
+    if cfg.loss.epsilon_high is not None and cfg.loss.epsilon_high < cfg.loss.epsilon:
+        problems.append(("loss.epsilon_high", (
+            f"{cfg.loss.epsilon_high} < loss.epsilon {cfg.loss.epsilon}: the asymmetric clip (DAPO) only "
+            "raises the upper bound")))
+    if cfg.loss.scale_rewards is not None and cfg.algorithm.advantage_estimator != "grpo":
+        problems.append(("loss.scale_rewards", (
+            f"is {cfg.loss.scale_rewards!r} but algorithm.advantage_estimator is "
+            f"{cfg.algorithm.advantage_estimator!r}, whose scaling is part of its definition (rloo: none; "
+            "reinforce_pp: the batch std of the centred rewards; gae: whitening of the token advantages); "
+            "set loss.scale_rewards: null")))
+    problems.extend(ppo_problems(cfg))
+    if cfg.model.load_in_4bit and cfg.model.lora_r == 0:
+        problems.append(("model.load_in_4bit", "needs model.lora_r > 0: 4-bit weights are frozen (QLoRA trains "
+                                               "a LoRA adapter over them)"))
+    if (cfg.model.load_in_4bit or cfg.optim.optimizer == "adamw_8bit") and cfg.train.deepspeed:
+        problems.append(("train.deepspeed", "cannot be combined with model.load_in_4bit or optim.optimizer "
+                                            "adamw_8bit (bitsandbytes); DeepSpeed has its own optimizer"))
+    if cfg.optim.lora_learning_rate is not None and cfg.model.lora_r == 0:
+        problems.append(("optim.lora_learning_rate",
+                         "is set but model.lora_r is 0 (full fine-tuning has no LoRA parameters)"))
+    if not cfg.rewards:
+        problems.append(("rewards", "is empty: GRPO needs at least one reward function"))
+    for i, r in enumerate(cfg.rewards):
+        if not r.name:
+            problems.append((f"rewards[{i}].name", "is empty"))
+        if r.factory_args is not None and ":" not in r.name:
+            problems.append((f"rewards[{i}].factory_args", (
+                f"is set but {r.name!r} is not a dotted path 'package.module:factory'; a built-in reward "
+                "takes its settings in params")))
+        for keyword, column in r.columns.items():
+            if not (isinstance(keyword, str) and keyword.isidentifier() and isinstance(column, str)):
+                problems.append((f"rewards[{i}].columns", (
+                    f"maps {keyword!r} to {column!r}: each entry is keyword: column, both names (strings), "
+                    "the keyword a valid Python identifier")))
+    for tracker in cfg.log.report_to:
+        if tracker not in ("tensorboard", "wandb"):
+            problems.append(("log.report_to", f"unknown tracker {tracker!r}; allowed: tensorboard, wandb"))
+    if cfg.train.mode == "decoupled" and cfg.train.max_staleness < cfg.train.sync_steps - 1:
+        problems.append(("train.max_staleness", (
+            f"{cfg.train.max_staleness} < train.sync_steps - 1 = {cfg.train.sync_steps - 1}: weights are "
+            "published only every sync_steps, so rollouts are that stale by construction")))
+    if (cfg.train.prompts_per_step % cfg.decoupled.trainer_ranks) != 0:
+        problems.append(("decoupled.trainer_ranks", (
+            f"{cfg.decoupled.trainer_ranks} does not divide train.prompts_per_step "
+            f"{cfg.train.prompts_per_step}: each rank trains whole prompt groups")))
+    r = cfg.rollout
+    if r.engine == "vllm" and r.vllm_check_steps > 0 and (r.top_p < 1 or r.top_k):
+        problems.append(("rollout.vllm_check_steps", (
+            f"is {r.vllm_check_steps} with rollout.top_p {r.top_p} / top_k {r.top_k}: vLLM's log-probs are then "
+            "renormalised over the kept tokens while the trainer's are not, so the check would measure the "
+            "truncation, not the weights; sample without top_p/top_k or set rollout.vllm_check_steps: 0")))
+    if cfg.train.early_stop_accuracy is not None and cfg.data.eval is None:
+        problems.append(("train.early_stop_accuracy", "needs data.eval (a held-out set to measure accuracy on)"))
+    return problems
+
+def ppo_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
+    """The rules of algorithm.advantage_estimator gae (PPO with a critic) and its keys."""
+    gae = cfg.algorithm.advantage_estimator == "gae"
+    problems = []
+    if cfg.rollout.num_generations == 1 and not gae:
+        problems.append(("rollout.num_generations", (
+            f"is 1 but algorithm.advantage_estimator is {cfg.algorithm.advantage_estimator!r}: a group of one "
+            "is its own baseline, so every advantage would be 0; use G >= 2 or the gae estimator (a critic)")))
+    if cfg.algorithm.kl_penalty == "reward" and not gae:
+        problems.append(("algorithm.kl_penalty", (
+            "is 'reward' but algorithm.advantage_estimator is not gae: the per-token KL reward needs "
+            "per-token advantages (a critic); use kl_penalty: loss")))
+    if cfg.algorithm.kl_penalty == "reward" and cfg.loss.beta == 0:
+        problems.append(("algorithm.kl_penalty", "is 'reward' but loss.beta is 0: there is no penalty to put "
+                                                 "in the reward; set loss.beta > 0 (PPO's kl coefficient)"))
+    if not gae and cfg.critic != CriticConfig():
+        problems.append(("critic", (
+            "is set but algorithm.advantage_estimator is not gae: only PPO (gae) has a critic; set "
+            "algorithm.advantage_estimator: gae or drop the critic keys")))
+    if gae and cfg.train.mode == "decoupled":
+        problems.append(("algorithm.advantage_estimator", (
+            "gae (PPO) runs colocated only: the decoupled sampler has no critic to compute values with; "
+            "use train.mode: colocated (N ranks with torchrun) or an outcome estimator")))
+    if gae and cfg.train.deepspeed:
+        problems.append(("train.deepspeed", (
+            "cannot be combined with algorithm.advantage_estimator gae yet: the critic trains with torch "
+            "AdamW (DDP on N ranks), not a DeepSpeed engine; drop train.deepspeed")))
+    return problems
