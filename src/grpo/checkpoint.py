@@ -19,21 +19,18 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import random
 import re
 import shutil
-import warnings
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
-# numpy is always present (matplotlib and datasets require it), so its RNG state is always saved.
-import numpy as np
 import safetensors.torch
 import torch
 from safetensors import SafetensorError
 
 from grpo.durable import fsync_dir
+from grpo import rng_state
 from grpo.tracking import json_safe
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -103,7 +100,7 @@ def save_checkpoint(
             torch.save(optimizer.state_dict(), folder / OPTIMIZER_FILE)
         if scheduler is not None:
             torch.save(scheduler.state_dict(), folder / SCHEDULER_FILE)
-        torch.save(_capture_rng(), folder / RNG_FILE)
+        torch.save(rng_state.capture_rng(), folder / RNG_FILE)
         if write_extra is not None:
             write_extra(folder)
         (folder / TRAINER_STATE_FILE).write_text(state_json, encoding="utf-8")  # last: marks it complete
@@ -266,7 +263,10 @@ def load_checkpoint(
     if scheduler is not None:
         _load_state_dict_into(scheduler, path / SCHEDULER_FILE)
     if restore_rng:
-        _restore_rng(_torch_load(path / RNG_FILE), path / RNG_FILE)
+        try:
+            rng_state.restore_rng(_torch_load(path / RNG_FILE))
+        except ValueError as err:
+            raise CheckpointError(f"{path / RNG_FILE} does not hold valid RNG states: {err}") from err
     return trainer_state
 
 
@@ -354,49 +354,3 @@ def _load_state_dict_into(obj: Any, file: Path) -> None:
         obj.load_state_dict(state)
     except (ValueError, KeyError, RuntimeError) as err:
         raise CheckpointError(f"{file} does not fit {type(obj).__name__}: {err}") from err
-
-
-# ---------------------------------------------------------------- RNG states
-
-
-def _capture_rng() -> dict:
-    """Python, numpy, torch CPU and CUDA RNG states as tensors and plain lists (weights_only-safe)."""
-    version, internal, gauss_next = random.getstate()
-    state: dict[str, Any] = {
-        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
-        "torch": torch.get_rng_state(),
-    }
-    np_state = np.random.get_state(legacy=False)
-    state["numpy"] = {
-        "bit_generator": np_state["bit_generator"],
-        "key": [int(x) for x in np_state["state"]["key"]],  # uint32 array -> ints: no numpy pickles
-        "pos": int(np_state["state"]["pos"]),
-        "has_gauss": int(np_state["has_gauss"]),
-        "gauss": float(np_state["gauss"]),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _restore_rng(state: Any, file: Path) -> None:
-    try:
-        py = state["python"]
-        random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
-        torch.set_rng_state(state["torch"])
-        saved_np = dict(state["numpy"])  # back to the get_state(legacy=False) layout
-        saved_np["state"] = {"key": np.array(saved_np.pop("key"), dtype=np.uint32), "pos": saved_np.pop("pos")}
-        np.random.set_state(saved_np)
-        if "cuda" in state:
-            _restore_cuda_rng(state["cuda"])
-    except (KeyError, TypeError, ValueError, RuntimeError) as err:
-        raise CheckpointError(f"{file} does not hold valid RNG states: {err}") from err
-
-
-def _restore_cuda_rng(states: list[torch.Tensor]) -> None:
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count != len(states):  # allowed (e.g. inspecting a GPU run on CPU), but sampling will differ
-        warnings.warn(f"the checkpoint holds CUDA RNG states for {len(states)} device(s) but {count} are "
-                      "visible; restoring the overlapping ones only", stacklevel=3)
-    for index in range(min(count, len(states))):
-        torch.cuda.set_rng_state(states[index], device=index)
