@@ -102,6 +102,11 @@ def loss_settings(cfg: RunConfig) -> LossSettings:
         mask_truncated_completions=cfg.loss.mask_truncated_completions)
 
 
+def dynamic_rounds(cfg: RunConfig) -> int | None:
+    """The cap on dynamic sampling's rounds (``grpo.experience.rank_experience``'s ``max_rounds``); None when off."""
+    return cfg.rollout.dynamic_sampling_max_rounds if cfg.rollout.dynamic_sampling else None
+
+
 @dataclass
 class Trainable:
     """The policy and what updates it. ``optimizer``/``scheduler`` are None under DeepSpeed (the engine owns them)."""

@@ -92,6 +92,15 @@ class RolloutConfig:
              "other weights; bf16 on a GPU not yet measured).", gt=0)
     generation_batch_size: int | None = opt(
         None, "Completions generated per generate() call; null = all of a step's at once.", ge=1)
+    dynamic_sampling: bool = opt(
+        False, "DAPO: drop the groups whose G rewards are all equal (zero advantage, no gradient) and sample "
+               "rounds of further prompts until each rank's batch is full of groups that differ "
+               "(grpo.dynamic_sampling; counts logged as rollout/dynamic_*). Costs extra sampling rounds as more "
+               "prompts become solved.")
+    dynamic_sampling_max_rounds: int = opt(
+        4, "dynamic_sampling: sampling rounds per step and rank, the first included, each as many prompts as an "
+           "ordinary step's (verl's max_num_gen_batches counts the same, with 0 = unlimited, refused here). At the "
+           "cap a short batch is filled with zero-spread groups, counted in rollout/dynamic_groups_filled.", ge=1)
 
 
 @dataclass

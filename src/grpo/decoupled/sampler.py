@@ -3,7 +3,8 @@ reference log-probs -> one rollout batch to the trainer, again and again.
 
 Sampler ``k`` of ``K`` makes batches ``j = 0, 1, ...`` for global step indices ``j*K + k + 1``, with
 the colocated trainer's prompts and seeds for that step (one chunk per trainer rank), so one sampler
-with ``max_staleness = 0`` reproduces colocated training. Batch ids are ``sampler-k:j``: a restarted
+with ``max_staleness = 0`` reproduces colocated training (dynamic sampling included: each chunk runs the
+rounds that trainer rank would). Batch ids are ``sampler-k:j``: a restarted
 sampler regenerates from the count the trainer says it trained, and an id trained before is only
 acknowledged, never trained twice.
 """
@@ -18,12 +19,11 @@ import torch
 from grpo.batching import concat_batches
 from grpo.config import RunConfig
 from grpo.decoupled.common import max_message_bytes, shared_token
-from grpo.experience import local_reference, make_experience
+from grpo.experience import local_reference, rank_experience
 from grpo.models import load_policy, load_reference, load_tokenizer, resolve_device
 from grpo.prompt_sampler import PromptSampler
 from grpo.rollout.build import build_engine, holds_own_weights
-from grpo.run_setup import build_rewards, experience_settings, load_data
-from grpo.trainer import step_seed
+from grpo.run_setup import build_rewards, dynamic_rounds, experience_settings, load_data
 from grpo.transport import PeerClosed, RolloutSender
 from grpo.weight_store import WeightStore, apply_to_model
 
@@ -84,18 +84,21 @@ def run_sampler(cfg: RunConfig) -> int:
                 loaded_version = version
             step_index = j * K + k + 1
             started = time.perf_counter()
-            chunks = []
+            chunks, counts = [], []
             for rank in range(W):
-                examples = [train_set[i] for i in prompts.rank_indices(step_index, rank, W)]
-                chunks.append(make_experience(engine, policy, ref_logprobs, tokenizer, examples, reward_fns, weights,
-                                              settings, seed=step_seed(cfg.train.seed, step_index, rank),
-                                              steps_done=step_index - 1))
+                chunk, sampled = rank_experience(
+                    engine, policy, ref_logprobs, tokenizer, train_set, prompts, reward_fns, weights, settings,
+                    step=step_index, rank=rank, world_size=W, seed=cfg.train.seed, max_rounds=dynamic_rounds(cfg))
+                chunks.append(chunk)
+                counts.append(sampled)
             batch = concat_batches(chunks, tokenizer.pad_token_id)
             seconds = time.perf_counter() - started
             tokens = float(batch.generation.completion_mask.sum())
+            # Dynamic sampling's counts per trainer rank's chunk, averaged (as the colocated ranks' are).
+            dynamic = {name: sum(c[name] for c in counts) / W for name in counts[0]}
             sender.send_batch(batch, {"batch_id": f"{sampler_id}:{j}", "policy_version": loaded_version,
                                       "step_index": step_index, "sampler_seconds": seconds,
-                                      "sampler_tokens_per_s": tokens / max(seconds, 1e-9)})
+                                      "sampler_tokens_per_s": tokens / max(seconds, 1e-9), **dynamic})
             j += 1
     except PeerClosed:
         logger.info("%s: the trainer finished; exiting", sampler_id)

@@ -133,7 +133,8 @@ def message_to_batch(message: Message) -> tuple[RolloutBatch, dict]:
             truncated=tensors["truncated"], completions=list(header["completions"])),
         rewards=tensors["rewards"], reward_parts=tensors["reward_parts"], reward_names=list(header["reward_names"]),
         advantages=tensors["advantages"], old_logprobs=tensors.get("old_logprobs"),
-        ref_logprobs=tensors.get("ref_logprobs"), sampler_logprobs=tensors.get("sampler_logprobs"), prompts=list(header["prompts"]), columns=dict(header["columns"]),
+        ref_logprobs=tensors.get("ref_logprobs"), sampler_logprobs=tensors.get("sampler_logprobs"),
+        prompts=list(header["prompts"]), columns=dict(header["columns"]),
         reward_metrics=dict(header.get("reward_metrics", {})), reward_extras=dict(header.get("reward_extras", {})))
     meta = {**header["meta"], **{name: header[name] for name in META_FIELDS}}
     return batch, meta
