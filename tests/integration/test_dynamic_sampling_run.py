@@ -103,13 +103,17 @@ def test_at_the_cap_a_run_fills_its_batch_with_zero_spread_groups_and_counts_the
 def test_two_ranks_colocated_and_decoupled_run_the_same_rounds(tiny_model_dir, tmp_path):
     # Each rank fills its own batch (no collective inside the rounds, so ranks may run different numbers of
     # them); a decoupled sampler runs each trainer rank's rounds for its chunk with the same prompts and
-    # seeds, so the first step's counts, rewards and loss agree.
+    # seeds, so the first step's counts, rewards and loss agree. The decoupled run also has the sampler
+    # correction on: with max_staleness 0 the sampler's weights are the trainer's, so every weight is 1
+    # (up to float noise) and the loss must not move.
     from test_decoupled import colocated_and_decoupled, train_rows
 
     common = {"rewards": HALF_SIGNAL_REWARDS, "rollout.dynamic_sampling": True, "loss.beta": 0.0,
               "train.max_steps": 1}
-    colocated, decoupled = colocated_and_decoupled(tiny_model_dir, tmp_path, common, {"decoupled.trainer_ranks": 2})
+    colocated, decoupled = colocated_and_decoupled(tiny_model_dir, tmp_path, common, {
+        "decoupled.trainer_ranks": 2, "loss.sampler_is_correction": True})
     a, b = train_rows(colocated)[0], train_rows(decoupled)[0]
     assert a["rollout/dynamic_groups_dropped"] > 0 and a["zero_std_fraction"] == 0.0
+    assert b["sampler_is/weight_mean"] == pytest.approx(1.0, abs=1e-5) and b["sampler_is/logprob_diff"] < 1e-5
     for key in sorted(DYNAMIC_KEYS) + ["loss", "reward/mean", "reward/std", "advantage/abs_mean"]:
         assert abs(a[key] - b[key]) < 1e-5, (key, a[key], b[key])

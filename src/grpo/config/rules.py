@@ -85,7 +85,7 @@ def config_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
 
 
 def sampler_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
-    """The rules of dynamic sampling."""
+    """The rules of dynamic sampling and the sampler importance-sampling correction."""
     problems = []
     if cfg.rollout.dynamic_sampling and cfg.algorithm.advantage_estimator == "gae":
         problems.append(("rollout.dynamic_sampling", (
@@ -98,6 +98,11 @@ def sampler_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
             "own prompts need, and under ZeRO-3 every forward pass of the policy gathers parameters from all "
             "ranks (a collective), so ranks with different round counts would wait on each other forever; use "
             "train.mode decoupled (the samplers run the rounds) or drop train.deepspeed")))
+    if cfg.loss.sampler_is_correction and cfg.train.mode == "colocated" and cfg.rollout.engine != "vllm":
+        problems.append(("loss.sampler_is_correction", (
+            f"is on with rollout.engine {cfg.rollout.engine} in colocated mode, where the trainer's own model "
+            "samples: pi_sampler is pi_old, every weight would be exactly 1 and the correction would do nothing; "
+            "it is for rollout.engine vllm or train.mode decoupled")))
     return problems
 
 
