@@ -1,7 +1,10 @@
 """One step's experience: prompts -> group of completions -> rewards -> advantages -> old/ref log-probs.
 
-This is the sampler's half of GRPO (the same function serves the colocated loop and, later, the
-sampler process). No optimisation and no logging here.
+This is the sampler's half of GRPO: ``rank_experience`` makes one rank's batch for a step, in the
+colocated loop and in the decoupled sampler (one chunk per trainer rank). It samples and scores
+(``sample_and_score``; with dynamic sampling several rounds, merged by ``grpo.dynamic_sampling``), then
+adds advantages and log-probs once, to the final batch (``finish_experience``). No optimisation and no
+logging here.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class ExperienceSettings:
     need_old_logprobs: bool  # num_iterations > 1
     logprob_batch_size: int
     max_steps: int = 0  # the run's length, for the rewards' trainer_state
-    gae: GaeSettings | None = None  # set: token-level advantages from the critic's values (make_experience's values_fn)
+    gae: GaeSettings | None = None  # set: token-level advantages from the critic's values (rank_experience's values_fn)
 
 
 def render_prompts(tokenizer, examples: Sequence[Example], system_prompt: str | None,
@@ -95,32 +98,6 @@ def generation_logprobs(model: torch.nn.Module, generation: Generation, temperat
                                    generation.completion_ids, generation.completion_mask, temperature, batch_size)
 
 
-def make_experience(
-    engine: RolloutEngine,
-    policy: torch.nn.Module,
-    ref_logprobs_fn: RefLogprobs | None,
-    tokenizer,
-    examples: Sequence[Example],
-    reward_fns: Sequence,
-    reward_weights: Sequence[float],
-    settings: ExperienceSettings,
-    seed: int,
-    steps_done: int = 0,
-    values_fn: Values | None = None,
-) -> RolloutBatch:
-    """Sample ``G`` completions per example with the current policy and turn them into a ``RolloutBatch``:
-    ``sample_and_score`` then ``finish_experience`` (see each).
-
-    ``ref_logprobs_fn`` is None when beta == 0 (no reference needed). ``steps_done`` (training steps
-    finished before this one) is the rewards' ``trainer_state.global_step``. With ``settings.gae`` the
-    critic's ``values_fn`` gives the values after sampling and the advantages are PPO's, per token
-    (``grpo.critic.ppo_advantages``); with a KL coefficient there, ``old_logprobs`` must be computed
-    (``need_old_logprobs``) for the per-token KL ``logp_old - logp_ref``."""
-    check_experience_inputs(settings, ref_logprobs_fn, values_fn)
-    scored = sample_and_score(engine, tokenizer, examples, reward_fns, reward_weights, settings, seed, steps_done)
-    return finish_experience(scored, policy, ref_logprobs_fn, settings, values_fn)
-
-
 def rank_experience(
     engine: RolloutEngine,
     policy: torch.nn.Module,
@@ -140,7 +117,13 @@ def rank_experience(
     values_fn: Values | None = None,
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """Rank ``rank``'s batch for ``step``: its prompts (``prompts.rank_indices``) sampled with its seed
-    (``step_seed`` of the run's ``seed``), as ``make_experience``; the second value is empty.
+    (``step_seed`` of the run's ``seed``), scored and finished (``sample_and_score``, ``finish_experience``);
+    the second value is empty.
+
+    ``ref_logprobs_fn`` is None when beta == 0 (no reference needed). With ``settings.gae`` the critic's
+    ``values_fn`` gives the values after sampling and the advantages are PPO's, per token
+    (``grpo.critic.ppo_advantages``); with a KL coefficient there, ``old_logprobs`` must be computed
+    (``need_old_logprobs``) for the per-token KL ``logp_old - logp_ref``.
 
     With ``max_rounds`` (dynamic sampling, ``grpo.dynamic_sampling``) zero-spread groups are dropped and
     rounds of further prompts (``prompts.extra_indices``) sampled, each round's prompts and seed a function
@@ -166,10 +149,10 @@ def check_experience_inputs(settings: ExperienceSettings, ref_logprobs_fn: RefLo
                             values_fn: Values | None) -> None:
     """ValueError when the settings and the functions given for them do not go together."""
     if (settings.gae is None) != (values_fn is None):
-        raise ValueError("make_experience: settings.gae and values_fn go together (PPO's critic), got "
+        raise ValueError("rank_experience: settings.gae and values_fn go together (PPO's critic), got "
                          f"gae={settings.gae} and values_fn={values_fn}")
     if settings.gae is not None and settings.gae.kl_coef and not (settings.need_old_logprobs and ref_logprobs_fn):
-        raise ValueError("make_experience: a KL penalty in the reward needs old and reference log-probs "
+        raise ValueError("rank_experience: a KL penalty in the reward needs old and reference log-probs "
                          "(need_old_logprobs and ref_logprobs_fn)")
 
 
