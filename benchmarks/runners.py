@@ -10,7 +10,7 @@ rollout batch: generation, rewards, log-probs, the update):
   ``time/generate_s``; TRL: ``GRPOTrainer._generate`` (tokenize, ``model.generate``, decode).
 - ``ref_logprobs_s``: log-probs without gradients before the update (the reference's, plus the old
   policy's where ``num_iterations`` > 1 needs them). grpo: ``time/rollout_s`` minus generation and
-  rewards (``make_experience`` is wrapped to wait for the GPU before it returns, so the reference's
+  rewards (``rank_experience`` is wrapped to wait for the GPU before it returns, so the reference's
   queued kernels count here, not in the update); TRL: the ``_get_per_token_logps_and_entropies``
   calls made inside ``_generate_and_score_completions``.
 - ``logprobs_s``: everything of the rollout after generation (rewards, log-probs, advantages, TRL's
@@ -73,14 +73,14 @@ def run_ours(case: dict) -> dict:
     if case.get("vllm"):  # the same share of the GPU as TRL's vLLM below; the off-policy guard at its default
         overrides.update({"rollout.engine": "vllm", "rollout.vllm_gpu_memory_utilization": VLLM_GPU_SHARE,
                           "rollout.vllm_dtype": "bfloat16" if case["bf16"] else "float32"})
-    make_experience = grpo.trainer.make_experience
+    rank_experience = grpo.trainer.rank_experience
 
-    def make_experience_synced(*args, **kwargs):
-        batch = make_experience(*args, **kwargs)
+    def rank_experience_synced(*args, **kwargs):
+        made = rank_experience(*args, **kwargs)
         sync(case["device"])
-        return batch
+        return made
 
-    grpo.trainer.make_experience = make_experience_synced  # the loop's rollout_done then follows the GPU
+    grpo.trainer.rank_experience = rank_experience_synced  # the loop's rollout_done then follows the GPU
     grpo.trainer.train(load_config(None, [f"{k}={'null' if v is None else v}" for k, v in overrides.items()]))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "loss" in line]
     return {

@@ -187,3 +187,29 @@ def ref_entropy(logits, temperature):
 def ref_truncated_weights(old, sampler, mask, cap):
     return [[min(math.exp(o - s), cap) if m else 0.0 for o, s, m in zip(o_row, s_row, m_row)]
             for o_row, s_row, m_row in zip(old, sampler, mask)]
+
+
+def ref_sampler_weights(old, sampler, mask, cap, mode):
+    """(weights, over_cap) of every sampler-correction mode, token by token (sequence modes: the product
+    of the row's real tokens' ratios, exp of the sum of their log-ratios)."""
+    weights, over = [], []
+    for o_row, s_row, m_row in zip(old, sampler, mask):
+        if mode.startswith("sequence"):
+            row_ratio = math.exp(sum(o - s for o, s, m in zip(o_row, s_row, m_row) if m))
+            ratios = [row_ratio] * len(o_row)
+        else:
+            ratios = [math.exp(o - s) if m else 0.0 for o, s, m in zip(o_row, s_row, m_row)]
+        w_row, over_row = [], []
+        for ratio, m in zip(ratios, m_row):
+            above = bool(m) and ratio > cap
+            if not m:
+                w = 0.0
+            elif mode.endswith("truncate"):
+                w = min(ratio, cap)
+            else:
+                w = 0.0 if above else ratio
+            w_row.append(w)
+            over_row.append(above)
+        weights.append(w_row)
+        over.append(over_row)
+    return weights, over

@@ -32,7 +32,7 @@ META = {"batch_id": "s0:0:7", "sampler_id": "s0", "policy_version": 3, "step": 1
 
 
 def make_batch(N: int = 6, G: int = 2, Lp: int = 5, Lc: int = 7, F: int = 2, logprobs: bool = True,
-               seed: int = 0) -> RolloutBatch:
+               seed: int = 0, sampler_logprobs: bool = False) -> RolloutBatch:
     gen = torch.Generator().manual_seed(seed)
     completion_mask = (torch.arange(Lc)[None] < torch.randint(1, Lc + 1, (N,), generator=gen)[:, None]).long()
     prompt_mask = torch.ones(N, Lp, dtype=torch.long)
@@ -49,14 +49,15 @@ def make_batch(N: int = 6, G: int = 2, Lp: int = 5, Lc: int = 7, F: int = 2, log
         advantages=torch.randn(N, generator=gen), old_logprobs=logp - 0.1 if logprobs else None,
         ref_logprobs=logp + 0.2 if logprobs else None, prompts=[f"prompt {p} ✓" for p in range(N // G)],
         columns={"answer": [str(i // G) for i in range(N)], "question": [[{"role": "user", "content": "q"}]] * N},
-        reward_metrics={"judge/latency_s": 0.25}, reward_extras={"gold_parsed": [f"[{i}]" for i in range(N)]})
+        reward_metrics={"judge/latency_s": 0.25}, reward_extras={"gold_parsed": [f"[{i}]" for i in range(N)]},
+        sampler_logprobs=(logp - 0.3) * completion_mask if sampler_logprobs else None)
 
 
 def assert_same_batch(a: RolloutBatch, b: RolloutBatch) -> None:
     for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated"):
         x, y = getattr(a.generation, name), getattr(b.generation, name)
         assert x.dtype == y.dtype and torch.equal(x, y), name
-    for name in ("rewards", "advantages", "old_logprobs", "ref_logprobs"):
+    for name in ("rewards", "advantages", "old_logprobs", "ref_logprobs", "sampler_logprobs"):
         x, y = getattr(a, name), getattr(b, name)
         assert (x is None) == (y is None), name
         if x is not None:
@@ -94,6 +95,21 @@ def test_batch_round_trip_is_exact(logprobs):
     assert meta == META
     assert set(message.tensors) >= {"prompt_ids", "advantages"}
     assert ("old_logprobs" in message.tensors) is logprobs
+
+
+def test_sampler_logprobs_round_trip_exactly():
+    # loss.sampler_is_correction in decoupled mode: the sampler's own log-probs travel beside (or, with the
+    # correction on, instead of) the old ones, and arrive bit for bit.
+    batch = make_batch(sampler_logprobs=True)
+    batch.old_logprobs = None
+    header, tensors = batch_to_message(batch, META)
+    back, _ = message_to_batch(decode(encode("batch", header, tensors), max_bytes=MAX))
+    assert_same_batch(batch, back)
+    assert back.old_logprobs is None and torch.equal(back.sampler_logprobs, batch.sampler_logprobs)
+    wrong = make_batch(sampler_logprobs=True)
+    wrong.sampler_logprobs = wrong.sampler_logprobs[:, :3]
+    with pytest.raises(WireError, match="sampler_logprobs has shape"):
+        batch_to_message(wrong, META)
 
 
 def test_round_trip_keeps_dtypes_and_survives_pack_bytes():

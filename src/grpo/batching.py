@@ -1,7 +1,10 @@
 """Join and split rollout batches along completion rows (a sampler makes one chunk per trainer rank;
-each trainer rank trains its own chunk). Groups are never split: rows move in whole prompts."""
+each trainer rank trains its own chunk; dynamic sampling keeps some groups of several rounds). Groups
+are never split: rows move in whole prompts."""
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -46,6 +49,9 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         advantages=torch.cat([b.advantages for b in batches]),
         old_logprobs=optional("old_logprobs"),
         ref_logprobs=optional("ref_logprobs"),
+        sampler_logprobs=optional("sampler_logprobs"),
+        values=optional("values"),
+        returns=optional("returns"),
         prompts=[p for b in batches for p in b.prompts],
         columns=columns,
         timings={k: sum(b.timings.get(k, 0.0) for b in batches) for k in batches[0].timings},
@@ -63,23 +69,36 @@ def _mean_of_present(dicts: list[dict[str, float]]) -> dict[str, float]:
 
 def rank_slice(batch: RolloutBatch, rank: int, world_size: int) -> RolloutBatch:
     """Rows ``[rank*N/W, (rank+1)*N/W)`` with the matching prompts; N/W must be whole groups."""
-    N, P = batch.rewards.shape[0], len(batch.prompts)
+    P = len(batch.prompts)
     if P % world_size:
         raise ValueError(f"{P} prompts cannot be split over {world_size} ranks without splitting a group")
-    rows = slice(rank * N // world_size, (rank + 1) * N // world_size)
-    prompts = slice(rank * P // world_size, (rank + 1) * P // world_size)
+    return select_groups(batch, range(rank * P // world_size, (rank + 1) * P // world_size))
+
+
+def select_groups(batch: RolloutBatch, groups: Sequence[int]) -> RolloutBatch:
+    """The batch's groups ``groups`` (prompt indices, in that order) with all their rows and texts.
+
+    Timings and the rewards' logged metrics describe how the whole batch was made and are kept as they are.
+    """
+    N, P = batch.rewards.shape[0], len(batch.prompts)
+    if P == 0 or N % P:
+        raise ValueError(f"a batch of {N} rows and {P} prompts is not made of whole groups")
+    G = N // P
+    rows = [g * G + j for g in groups for j in range(G)]
+    index = torch.tensor(rows, dtype=torch.long)
     g = batch.generation
 
     def cut(t: Tensor | None) -> Tensor | None:
-        return None if t is None else t[rows]
+        return None if t is None else t[index]
 
     return RolloutBatch(
-        generation=Generation(prompt_ids=g.prompt_ids[rows], prompt_mask=g.prompt_mask[rows],
-                              completion_ids=g.completion_ids[rows], completion_mask=g.completion_mask[rows],
-                              truncated=g.truncated[rows], completions=g.completions[rows]),
-        rewards=batch.rewards[rows], reward_parts=batch.reward_parts[rows], reward_names=batch.reward_names,
-        advantages=batch.advantages[rows], old_logprobs=cut(batch.old_logprobs), ref_logprobs=cut(batch.ref_logprobs),
-        prompts=batch.prompts[prompts], columns={k: v[rows] for k, v in batch.columns.items()},
+        generation=Generation(prompt_ids=cut(g.prompt_ids), prompt_mask=cut(g.prompt_mask),
+                              completion_ids=cut(g.completion_ids), completion_mask=cut(g.completion_mask),
+                              truncated=cut(g.truncated), completions=[g.completions[r] for r in rows]),
+        rewards=cut(batch.rewards), reward_parts=cut(batch.reward_parts), reward_names=batch.reward_names,
+        advantages=cut(batch.advantages), old_logprobs=cut(batch.old_logprobs), ref_logprobs=cut(batch.ref_logprobs),
+        prompts=[batch.prompts[i] for i in groups], columns={k: [v[r] for r in rows] for k, v in batch.columns.items()},
         timings=dict(batch.timings), reward_metrics=dict(batch.reward_metrics),
-        reward_extras={k: v[rows] for k, v in batch.reward_extras.items()},
+        reward_extras={k: [v[r] for r in rows] for k, v in batch.reward_extras.items()},
+        values=cut(batch.values), returns=cut(batch.returns), sampler_logprobs=cut(batch.sampler_logprobs),
     )

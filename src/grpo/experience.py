@@ -1,21 +1,26 @@
 """One step's experience: prompts -> group of completions -> rewards -> advantages -> old/ref log-probs.
 
-This is the sampler's half of GRPO (the same function serves the colocated loop and, later, the
-sampler process). No optimisation and no logging here.
+This is the sampler's half of GRPO: ``rank_experience`` makes one rank's batch for a step, in the
+colocated loop and in the decoupled sampler (one chunk per trainer rank). It samples and scores
+(``sample_and_score``; with dynamic sampling several rounds, merged by ``grpo.dynamic_sampling``), then
+adds advantages and log-probs once, to the final batch (``finish_experience``). No optimisation and no
+logging here.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import torch
 
 from grpo.algorithm import group_advantages
 from grpo.data import DataError, Example, build_prompt_messages, render_prompt
+from grpo.dynamic_sampling import sample_until_full
 from grpo.logprobs import completion_logprobs
 from grpo.models import reference_context
+from grpo.prompt_sampler import PromptSampler, step_seed
 from grpo.records import Generation, RolloutBatch
 from grpo.rewards import answers_equal, extract_answer, is_well_formatted, score
 from grpo.rewards.context import RewardContext, make_trainer_state
@@ -45,7 +50,7 @@ class ExperienceSettings:
     need_old_logprobs: bool  # num_iterations > 1
     logprob_batch_size: int
     max_steps: int = 0  # the run's length, for the rewards' trainer_state
-    gae: GaeSettings | None = None  # set: token-level advantages from the critic's values (make_experience's values_fn)
+    gae: GaeSettings | None = None  # set: token-level advantages from the critic's values (rank_experience's values_fn)
 
 
 def render_prompts(tokenizer, examples: Sequence[Example], system_prompt: str | None,
@@ -93,36 +98,77 @@ def generation_logprobs(model: torch.nn.Module, generation: Generation, temperat
                                    generation.completion_ids, generation.completion_mask, temperature, batch_size)
 
 
-def make_experience(
+def rank_experience(
     engine: RolloutEngine,
     policy: torch.nn.Module,
     ref_logprobs_fn: RefLogprobs | None,
     tokenizer,
-    examples: Sequence[Example],
+    train_set: Sequence[Example],
+    prompts: PromptSampler,
     reward_fns: Sequence,
     reward_weights: Sequence[float],
     settings: ExperienceSettings,
+    *,
+    step: int,
+    rank: int,
+    world_size: int,
     seed: int,
-    steps_done: int = 0,
+    max_rounds: int | None = None,
     values_fn: Values | None = None,
-) -> RolloutBatch:
-    """Sample ``G`` completions per example with the current policy and turn them into a ``RolloutBatch``.
+) -> tuple[RolloutBatch, dict[str, float]]:
+    """Rank ``rank``'s batch for ``step``: its prompts (``prompts.rank_indices``) sampled with its seed
+    (``step_seed`` of the run's ``seed``), scored and finished (``sample_and_score``, ``finish_experience``);
+    the second value is empty.
 
-    ``ref_logprobs_fn`` is None when beta == 0 (no reference needed). ``steps_done`` (training steps
-    finished before this one) is the rewards' ``trainer_state.global_step``. With ``settings.gae`` the
-    critic's ``values_fn`` gives the values after sampling and the advantages are PPO's, per token
+    ``ref_logprobs_fn`` is None when beta == 0 (no reference needed). With ``settings.gae`` the critic's
+    ``values_fn`` gives the values after sampling and the advantages are PPO's, per token
     (``grpo.critic.ppo_advantages``); with a KL coefficient there, ``old_logprobs`` must be computed
-    (``need_old_logprobs``) for the per-token KL ``logp_old - logp_ref``."""
+    (``need_old_logprobs``) for the per-token KL ``logp_old - logp_ref``.
+
+    With ``max_rounds`` (dynamic sampling, ``grpo.dynamic_sampling``) zero-spread groups are dropped and
+    rounds of further prompts (``prompts.extra_indices``) sampled, each round's prompts and seed a function
+    of (seed, step, rank, round); the second value is the rank's counts (``sample_until_full``). Every
+    round's rewards see ``trainer_state.global_step = step - 1``: they score the same training step."""
+    check_experience_inputs(settings, ref_logprobs_fn, values_fn)
+
+    def draw(round_index: int) -> RolloutBatch:
+        indices = (prompts.rank_indices(step, rank, world_size) if round_index == 0
+                   else prompts.extra_indices(step, rank, world_size, round_index))
+        return sample_and_score(engine, tokenizer, [train_set[i] for i in indices], reward_fns, reward_weights,
+                                settings, seed=step_seed(seed, step, rank, round_index), steps_done=step - 1)
+
+    if max_rounds is None:
+        scored, stats = draw(0), {}
+    else:
+        want = len(prompts.rank_indices(step, rank, world_size))
+        scored, stats = sample_until_full(draw, want, max_rounds, tokenizer.pad_token_id)
+    return finish_experience(scored, policy, ref_logprobs_fn, settings, values_fn), stats
+
+
+def check_experience_inputs(settings: ExperienceSettings, ref_logprobs_fn: RefLogprobs | None,
+                            values_fn: Values | None) -> None:
+    """ValueError when the settings and the functions given for them do not go together."""
     if (settings.gae is None) != (values_fn is None):
-        raise ValueError("make_experience: settings.gae and values_fn go together (PPO's critic), got "
+        raise ValueError("rank_experience: settings.gae and values_fn go together (PPO's critic), got "
                          f"gae={settings.gae} and values_fn={values_fn}")
     if settings.gae is not None and settings.gae.kl_coef and not (settings.need_old_logprobs and ref_logprobs_fn):
-        raise ValueError("make_experience: a KL penalty in the reward needs old and reference log-probs "
+        raise ValueError("rank_experience: a KL penalty in the reward needs old and reference log-probs "
                          "(need_old_logprobs and ref_logprobs_fn)")
+
+
+def sample_and_score(engine: RolloutEngine, tokenizer, examples: Sequence[Example], reward_fns: Sequence,
+                     reward_weights: Sequence[float], settings: ExperienceSettings, seed: int,
+                     steps_done: int = 0) -> RolloutBatch:
+    """Generate ``G`` completions per example and score them: a ``RolloutBatch`` whose advantages are
+    still 0 and which has no log-probs yet (``finish_experience`` adds both, once the batch is final:
+    dynamic sampling keeps only some groups of several of these, and the batch-statistics estimators
+    must see the batch that is trained). ``sampler_logprobs`` are the engine's ``last_logprobs`` when
+    it reports them (vLLM, or a test's fake)."""
     G = settings.sampling.n
     started = time.perf_counter()
     prompts = render_prompts(tokenizer, examples, settings.system_prompt, settings.max_prompt_length)
     generation = engine.generate(prompts, settings.sampling, seed=seed)
+    sampler_logprobs = getattr(engine, "last_logprobs", None)
     generated = time.perf_counter()
 
     # Rewards see chat-format prompts and completions, as TRL passes them for conversational data,
@@ -138,11 +184,33 @@ def make_experience(
             columns.setdefault(key, []).extend([value] * G)
     context = RewardContext(make_trainer_state(steps_done, settings.max_steps))
     scores = score(reward_fns, reward_weights, chat_prompts, chat_completions, columns, completion_ids, context)
-    if settings.gae is None:
-        advantages = group_advantages(scores.total, G, scale=settings.scale_rewards, eps=settings.advantage_eps,
-                                      estimator=settings.advantage_estimator)
-    scored = time.perf_counter()
+    return RolloutBatch(
+        generation=generation,
+        rewards=scores.total,
+        reward_parts=scores.per_function,
+        reward_names=scores.names,
+        advantages=torch.zeros_like(scores.total),  # finish_experience's
+        old_logprobs=None,
+        ref_logprobs=None,
+        prompts=prompts,
+        columns=columns,
+        reward_metrics=context.metric_means(),
+        reward_extras=context.extra_columns(len(generation.completions)),
+        timings={"generate_s": generated - started, "rewards_s": time.perf_counter() - generated},
+        sampler_logprobs=sampler_logprobs,
+    )
 
+
+def finish_experience(scored: RolloutBatch, policy: torch.nn.Module, ref_logprobs_fn: RefLogprobs | None,
+                      settings: ExperienceSettings, values_fn: Values | None = None) -> RolloutBatch:
+    """A scored batch (``sample_and_score``, or several merged) made ready for the loss: its advantages
+    (per group, or PPO's per token), old log-probs when ``settings.need_old_logprobs``, reference
+    log-probs when ``ref_logprobs_fn`` is given, and the critic's values and returns with ``settings.gae``."""
+    started = time.perf_counter()
+    generation = scored.generation
+    if settings.gae is None:
+        advantages = group_advantages(scored.rewards, settings.sampling.n, scale=settings.scale_rewards,
+                                      eps=settings.advantage_eps, estimator=settings.advantage_estimator)
     old_logprobs = None
     if settings.need_old_logprobs:
         old_logprobs = generation_logprobs(policy, generation, settings.sampling.temperature,
@@ -150,25 +218,11 @@ def make_experience(
     ref_logprobs = ref_logprobs_fn(generation) if ref_logprobs_fn is not None else None
     values = returns = None
     if settings.gae is not None:
-        advantages, values, returns = _ppo_advantages(scores.total, generation, values_fn, old_logprobs,
+        advantages, values, returns = _ppo_advantages(scored.rewards, generation, values_fn, old_logprobs,
                                                       ref_logprobs, settings.gae)
-    return RolloutBatch(
-        generation=generation,
-        rewards=scores.total,
-        reward_parts=scores.per_function,
-        reward_names=scores.names,
-        advantages=advantages,
-        old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs,
-        prompts=prompts,
-        columns=columns,
-        reward_metrics=context.metric_means(),
-        reward_extras=context.extra_columns(len(generation.completions)),
-        timings={"generate_s": generated - started, "rewards_s": scored - generated,
-                 "logprobs_s": time.perf_counter() - scored},
-        values=values,
-        returns=returns,
-    )
+    return replace(scored, advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                   values=values, returns=returns,
+                   timings={**scored.timings, "logprobs_s": time.perf_counter() - started})
 
 
 def _ppo_advantages(rewards: torch.Tensor, generation: Generation, values_fn: Values,

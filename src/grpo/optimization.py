@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo.algorithm import policy_loss
+from grpo.algorithm import policy_loss, sampler_importance_weights
 from grpo.config import OptimConfig
 from grpo.distributed import DistInfo, all_reduce_sum
 from grpo.learners import Learner
@@ -77,6 +77,8 @@ class LossSettings:
     max_grad_norm: float | None
     importance_sampling_level: str = "token"  # or "sequence" (GSPO), see grpo.algorithm.policy_loss
     mask_truncated_completions: bool = False  # DAPO: completions without EOS get no loss
+    sampler_is_mode: str | None = None  # loss.sampler_is_correction on: a name in grpo.algorithm.SAMPLER_CORRECTIONS
+    sampler_is_cap: float = 3.0
 
 
 def _micro_batch_weight(loss_type: str, rows: int, tokens: torch.Tensor, total_rows: int,
@@ -100,14 +102,20 @@ def rows_by_length(completion_mask: torch.Tensor, group_size: int) -> torch.Tens
 
 
 _SUMMED = ("loss", "kl", "clip_fraction", "ratio_mean")  # statistics summed over micro-batches
-# [loss, kl, clip_fraction, ratio_mean, entropy]: one device tensor, so the step's statistics reach the host at once
-_SLOTS = _SUMMED + ("entropy",)
+# Token means over the first iteration (the sampler correction's weights are the same in every iteration).
+_SAMPLER_IS = ("sampler_is/weight_mean", "sampler_is/capped_fraction", "sampler_is/logprob_diff")
+# [loss, kl, clip_fraction, ratio_mean, entropy, *_SAMPLER_IS]: one device tensor, so the step's statistics
+# reach the host at once
+_SLOTS = _SUMMED + ("entropy",) + _SAMPLER_IS
 
 
 def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_info: DistInfo) -> dict[str, float]:
     """``num_iterations`` optimizer updates on one rollout batch. Returns the step's training stats.
 
-    A skipped update (non-finite gradient norm, see the learner) is counted in ``skipped_updates``.
+    A skipped update (non-finite gradient norm, see the learner) is counted in ``skipped_updates``. With
+    ``s.sampler_is_mode`` each token's surrogate is weighted by ``sampler_importance_weights`` of the old
+    log-probs (the batch's, else the first iteration's own) over ``batch.sampler_logprobs``; the weights'
+    token mean, the share of tokens over the cap and the mean |old - sampler| are logged as ``sampler_is/*``.
     """
     gen = batch.generation
     N = gen.completion_ids.shape[0]
@@ -121,6 +129,12 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
     advantages = batch.advantages.to(device)  # [N]
     old_all = batch.old_logprobs.to(device) if batch.old_logprobs is not None else None  # [N, Lc]
     ref_all = batch.ref_logprobs.to(device) if batch.ref_logprobs is not None else None  # [N, Lc]
+    sampler_all = None  # [N, Lc]: the sampler's own log-probs, for the correction
+    if s.sampler_is_mode is not None:
+        if batch.sampler_logprobs is None:
+            raise ValueError("loss.sampler_is_correction is on but the rollout batch has no sampler log-probs: the "
+                             "engine reported none (only a vLLM engine or a decoupled sampler does)")
+        sampler_all = batch.sampler_logprobs.to(device)
     # dapo: the token count over all ranks; DDP averages gradients, so scale it back by the world size.
     total_tokens = mask.sum()
     sampled_tokens = sampled.sum().clamp(min=1)
@@ -163,11 +177,15 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
                     captured.append(old)
                 ref = ref_all[on_device] if ref_all is not None else None
                 rows_mask = mask[on_device]
+                weights = over_cap = None
+                if sampler_all is not None:  # [b, Lc] each; old is pi_old at the weights that start the update
+                    weights, over_cap = sampler_importance_weights(old, sampler_all[on_device], sampled[on_device],
+                                                                   s.sampler_is_cap, s.sampler_is_mode)
                 loss, stats = policy_loss(
                     logprobs, old, ref, advantages[on_device], rows_mask, epsilon=s.epsilon,
                     epsilon_high=s.epsilon_high, beta=s.beta, loss_type=s.loss_type,
                     max_completion_length=s.max_completion_length, normalizer=global_tokens,
-                    importance_sampling_level=s.importance_sampling_level)
+                    importance_sampling_level=s.importance_sampling_level, sampler_weights=weights)
                 weight = _micro_batch_weight(s.loss_type, logprobs.shape[0], rows_mask.sum(), N, total_tokens)
                 learner.backward(loss * weight)
             with torch.no_grad():
@@ -177,7 +195,12 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
                 terms = [(loss.detach() * weight).double()] + [stats[key].double() * share for key in _SUMMED[1:]]
                 sums[:len(_SUMMED)] += torch.stack(terms) / s.num_iterations
                 if entropy is not None:  # token mean over every sampled token of the step
-                    sums[-1] += ((entropy * sampled[on_device]).sum() / sampled_tokens).double()
+                    sums[_SLOTS.index("entropy")] += ((entropy * sampled[on_device]).sum() / sampled_tokens).double()
+                if weights is not None and first:
+                    real = sampled[on_device]  # [b, Lc]
+                    gap = (old - sampler_all[on_device]).abs().masked_fill(real == 0, 0.0)  # padding may hold -inf
+                    terms = torch.stack([(weights * real).sum(), (over_cap * real).sum(), gap.sum()])
+                    sums[-len(_SAMPLER_IS):] += (terms / sampled_tokens).double()
         if captured is not None and iteration == 0:
             old_all = torch.cat(captured)[torch.argsort(order).to(device)]  # [N, Lc], back in row order
         norm = learner.finish_update()  # the learner's one host sync per update (it decides the skip)
@@ -186,6 +209,9 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
         else:
             grad_norms.append(norm)
     totals = dict(zip(_SLOTS, sums.tolist()))  # the step's one transfer of its statistics
+    if sampler_all is None:
+        for name in _SAMPLER_IS:
+            del totals[name]
     totals["learning_rate"] = learning_rate
     totals["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     totals["skipped_updates"] = float(skipped)

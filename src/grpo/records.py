@@ -50,6 +50,10 @@ class RolloutBatch:
     values:          [N, Lc] float32 the critic's values of the state before each completion token at
                      sampling, or None without a critic.
     returns:         [N, Lc] float32 the critic's regression targets (GAE + values), or None without one.
+    sampler_logprobs: [N, Lc] float32 the sampler's own log-prob of each sampled token (0 on padding), when
+                     the sampler is not the trainer: vLLM's, or a decoupled sampler's at its (maybe stale)
+                     weights. For the off-policy guard and the truncated importance-sampling correction
+                     (loss.sampler_is_correction); None when the trainer's own model sampled.
     """
 
     generation: Generation
@@ -66,3 +70,4 @@ class RolloutBatch:
     reward_extras: dict[str, list] = field(default_factory=dict)
     values: Tensor | None = None
     returns: Tensor | None = None
+    sampler_logprobs: Tensor | None = None

@@ -99,7 +99,14 @@ def loss_settings(cfg: RunConfig) -> LossSettings:
         temperature=cfg.rollout.temperature, num_iterations=cfg.loss.num_iterations,
         micro_batch_size=cfg.train.micro_batch_size, max_grad_norm=cfg.optim.max_grad_norm,
         importance_sampling_level=cfg.loss.importance_sampling_level,
-        mask_truncated_completions=cfg.loss.mask_truncated_completions)
+        mask_truncated_completions=cfg.loss.mask_truncated_completions,
+        sampler_is_mode=cfg.loss.sampler_is_mode if cfg.loss.sampler_is_correction else None,
+        sampler_is_cap=cfg.loss.sampler_is_cap)
+
+
+def dynamic_rounds(cfg: RunConfig) -> int | None:
+    """The cap on dynamic sampling's rounds (``grpo.experience.rank_experience``'s ``max_rounds``); None when off."""
+    return cfg.rollout.dynamic_sampling_max_rounds if cfg.rollout.dynamic_sampling else None
 
 
 @dataclass

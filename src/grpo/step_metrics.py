@@ -13,7 +13,8 @@ from grpo.experience import correctness
 from grpo.records import RolloutBatch
 
 
-CRITIC_PREFIXES = ("critic/", "loss/value")  # grpo.critic.train_critic's statistics, averaged over ranks
+# Optional training statistics averaged over ranks: grpo.critic.train_critic's, the sampler correction's.
+AVERAGED_PREFIXES = ("critic/", "loss/value", "sampler_is/")
 
 
 def rollout_metrics(batch: RolloutBatch, correct: torch.Tensor, formatted: torch.Tensor,
@@ -44,15 +45,19 @@ def rollout_metrics(batch: RolloutBatch, correct: torch.Tensor, formatted: torch
 
 
 def step_metrics(batch: RolloutBatch, train_stats: dict, group_size: int, tag_style: str, started: float,
-                 rollout_s: float, train_s: float, info: DistInfo) -> dict[str, float]:
+                 rollout_s: float, train_s: float, info: DistInfo,
+                 rollout_stats: dict[str, float] | None = None) -> dict[str, float]:
     """Everything a step logs, averaged over ranks (each rank holds the same number of completions).
 
-    ``started`` is the step's ``time.perf_counter()`` start; ``rollout_s``/``train_s`` its two phases.
+    ``started`` is the step's ``time.perf_counter()`` start; ``rollout_s``/``train_s`` its two phases;
+    ``rollout_stats`` this rank's numbers about how its batch was made (dynamic sampling's counts), averaged
+    over ranks with the rest (every rank must give the same names).
     """
     correct, formatted = correctness(batch.generation.completions, batch.columns.get("answer", []), tag_style)
     local = rollout_metrics(batch, correct, formatted, group_size)
     local.update({k: train_stats[k] for k in ("loss", "kl", "clip_fraction", "ratio_mean", "entropy")})
-    local.update({k: v for k, v in train_stats.items() if k.startswith(CRITIC_PREFIXES)})  # PPO's critic, if any
+    local.update({k: v for k, v in train_stats.items() if k.startswith(AVERAGED_PREFIXES)})
+    local.update(rollout_stats or {})
     keys = sorted(local)
     averaged = all_reduce_mean(torch.tensor([local[k] for k in keys], dtype=torch.float64), info)
     metrics = dict(zip(keys, averaged.tolist()))

@@ -1,8 +1,9 @@
 """The colocated GRPO loop: one process (or N data-parallel ranks) samples, scores and learns.
 
-Each step: this rank's prompts (``PromptSampler``) -> ``make_experience`` (generate, rewards,
-advantages, old/ref log-probs) -> ``train_on_batch`` (clipped surrogate, AdamW) -> metrics,
-samples, checkpoints, evaluation. Setup pieces shared with the decoupled roles are in ``run_setup``.
+Each step: this rank's prompts (``PromptSampler``) -> ``rank_experience`` (generate, rewards, with
+dynamic sampling more rounds until the batch is full, advantages, old/ref log-probs) ->
+``train_on_batch`` (clipped surrogate, AdamW) -> metrics, samples, checkpoints, evaluation. Setup
+pieces shared with the decoupled roles are in ``run_setup``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from grpo.config import RunConfig, config_to_dict
 from grpo.critic import CriticSettings, build_critic, generation_values, train_critic
 from grpo.distributed import barrier, print0, shutdown
-from grpo.experience import generation_logprobs, local_reference, make_experience
+from grpo.experience import generation_logprobs, local_reference, rank_experience
 from grpo.models import (check_memory_savers, compute_context, load_policy, load_reference, load_tokenizer,
                          uses_autocast)
 from grpo.optimization import train_on_batch
@@ -25,8 +26,8 @@ from grpo.prompt_sampler import PromptSampler
 from grpo.rollout.build import build_engine, check_engine_available, holds_own_weights, push_policy_weights
 from grpo.rollout.guard import check_sampler_logprobs, is_check_step
 from grpo.run_dir import check_output_dir, claim_output_dir
-from grpo.run_setup import (DeferredInterrupt, SkipGuard, build_rewards, build_trainable, eval_metrics,
-                            experience_settings, load_data, loss_settings, resume_checkpoint, run_eval,
+from grpo.run_setup import (DeferredInterrupt, SkipGuard, build_rewards, build_trainable, dynamic_rounds,
+                            eval_metrics, experience_settings, load_data, loss_settings, resume_checkpoint, run_eval,
                             save_run_checkpoint, start_process)
 from grpo.step_metrics import sample_records, step_metrics
 
@@ -39,12 +40,6 @@ class TrainResult:
     eval_after: dict | None
 
 
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """A distinct, reproducible sampling seed per (run seed, step, rank): a resumed run draws the
-    same completions as an uninterrupted one."""
-    return (seed * 1_000_003 + step * 1_009 + rank) % (2**63)
-
-
 def sync_engine(engine, policy, step: int, sleeps: bool) -> dict[str, float]:
     """After step ``step``'s update: the engine's weight copy becomes the policy's (waking it first
     when it slept through the update). Returns the sync time."""
@@ -55,16 +50,17 @@ def sync_engine(engine, policy, step: int, sleeps: bool) -> dict[str, float]:
     return {"time/weight_sync_s": time.perf_counter() - started}
 
 
-def check_engine(cfg: RunConfig, engine, policy, batch, step: int, info) -> dict[str, float]:
+def check_engine(cfg: RunConfig, policy, batch, step: int, info) -> dict[str, float]:
     """The off-policy guard (``grpo.rollout.guard``) on this step's batch, before its update: the
-    engine's log-probs against the trainer's. With ``loss.num_iterations`` 1 the trainer has no old
-    log-probs, so a checked step pays one no-grad forward pass for them (hence every N steps, not every
-    step); with more iterations they exist already and every step is checked."""
+    engine's log-probs (``batch.sampler_logprobs``, every round's with dynamic sampling) against the
+    trainer's. With ``loss.num_iterations`` 1 the trainer has no old log-probs, so a checked step pays one
+    no-grad forward pass for them (hence every N steps, not every step); with more iterations they exist
+    already and every step is checked."""
     trainer_logprobs = batch.old_logprobs
     if trainer_logprobs is None:
         trainer_logprobs = generation_logprobs(policy, batch.generation, cfg.rollout.temperature,
                                                cfg.train.micro_batch_size)
-    return check_sampler_logprobs(step, engine.last_logprobs, trainer_logprobs, batch.generation.completion_mask,
+    return check_sampler_logprobs(step, batch.sampler_logprobs, trainer_logprobs, batch.generation.completion_mask,
                                   cfg.rollout.vllm_max_logprob_diff, info)
 
 
@@ -149,14 +145,14 @@ def train(cfg: RunConfig) -> TrainResult:
             with progress, compute:
                 for step in range(start_step + 1, cfg.train.max_steps + 1):
                     started = time.perf_counter()
-                    examples = [train_set[i] for i in sampler.rank_indices(step, info.rank, info.world_size)]
-                    batch = make_experience(engine, policy, ref_logprobs, tokenizer, examples, reward_fns, weights,
-                                            exp_settings, seed=step_seed(cfg.train.seed, step, info.rank),
-                                            steps_done=step - 1, values_fn=values_fn)
+                    batch, sampled = rank_experience(
+                        engine, policy, ref_logprobs, tokenizer, train_set, sampler, reward_fns, weights, exp_settings,
+                        step=step, rank=info.rank, world_size=info.world_size, seed=cfg.train.seed,
+                        max_rounds=dynamic_rounds(cfg), values_fn=values_fn)
                     checked = {}  # the off-policy guard, free with old log-probs, else on its schedule
                     if check_every and (batch.old_logprobs is not None
                                         or is_check_step(step, check_every, first_step)):
-                        checked = check_engine(cfg, engine, policy, batch, step, info)
+                        checked = check_engine(cfg, policy, batch, step, info)
                     rollout_done = time.perf_counter()
                     if own_weights and cfg.rollout.vllm_enable_sleep_mode:
                         engine.sleep()  # its GPU memory goes to the update
@@ -169,7 +165,7 @@ def train(cfg: RunConfig) -> TrainResult:
                             train_stats.update(train_critic(critic.learner, batch, critic_settings))
                         trained = time.perf_counter()
                         metrics = step_metrics(batch, train_stats, cfg.rollout.num_generations, cfg.data.tag_style,
-                                               started, rollout_done - started, trained - rollout_done, info)
+                                               started, rollout_done - started, trained - rollout_done, info, sampled)
                         metrics.update(checked)
                         if own_weights:
                             metrics.update(sync_engine(engine, policy, step, cfg.rollout.vllm_enable_sleep_mode))

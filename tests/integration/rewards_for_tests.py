@@ -23,3 +23,9 @@ def record_prompts(prompts, completions, log_metric, **kwargs):
         for question in kwargs["question"]:
             f.write(json.dumps({"rank": int(rank), "question": question}) + "\n")
     return [0.0] * len(completions)
+
+
+def letters_on_even_answers(prompts, completions, answer, **kwargs):
+    """``letters`` for prompts whose gold answer is even, 0 for the others: on a random tiny model about
+    half the groups then have rewards that are all equal (0), the rest differ. For dynamic sampling."""
+    return [score if int(gold) % 2 == 0 else 0.0 for score, gold in zip(letters(prompts, completions), answer)]

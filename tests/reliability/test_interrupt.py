@@ -75,7 +75,7 @@ def uninterrupted(tiny_model_dir, recipe, tmp_path_factory):
 # Where in step 3 Ctrl-C lands: while sampling (the weights are still those of step 2), after the update
 # (the step must then be finished and saved as step 3: saving the updated weights as step 2 would train
 # its batch twice after resuming), or while its checkpoint is being written.
-@pytest.mark.parametrize("where", ["make_experience", "step_metrics", "save_run_checkpoint"])
+@pytest.mark.parametrize("where", ["rank_experience", "step_metrics", "save_run_checkpoint"])
 def test_ctrl_c_anywhere_in_a_step_then_resume_equals_uninterrupted(tiny_model_dir, recipe, tmp_path, monkeypatch,
                                                                     uninterrupted, where):
     out = tmp_path / "run"

@@ -1,5 +1,5 @@
 """Losses: the clipped policy surrogate with its KL penalty and aggregation, PPO's clipped value loss,
-and the truncated importance weights that correct for a sampler that is not the trainer.
+and the (truncated or masked) importance weights that correct for a sampler that is not the trainer.
 
 ``N`` completions of padded length ``L``; masks are ``[N, L]``, 1 for real completion tokens.
 """
@@ -111,6 +111,7 @@ def policy_loss(
     max_completion_length: int | None = None,
     normalizer: float | Tensor | None = None,
     importance_sampling_level: str = "token",
+    sampler_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO's clipped surrogate with a k3 KL penalty.
 
@@ -129,9 +130,13 @@ def policy_loss(
         importance_sampling_level: ``"token"``: ratio_t = exp(logp_t - old_t); ``"sequence"`` (GSPO):
             every token of a row gets the row's ratio exp(masked mean of logp - old), clipped and
             multiplied by the advantage as the token ratio is, then aggregated by ``loss_type``.
+        sampler_weights: ``[N, L]`` detached per-token weights on the clipped surrogate (the sampler
+            correction, ``sampler_importance_weights``), applied before aggregation; the KL term is not
+            weighted (as TRL). None = 1.
 
     Returns:
-        ``(loss, stats)``: scalar loss = aggregate of -(min(ratio*A, clip(ratio)*A) - beta*k3);
+        ``(loss, stats)``: scalar loss = aggregate of -(w * min(ratio*A, clip(ratio)*A) - beta*k3) (w = 1 without
+        ``sampler_weights``);
         stats (detached scalars): ``kl`` (masked mean k3, 0 when no reference), ``clip_fraction``
         (share of masked tokens where clipping changed the objective), ``ratio_mean`` (masked mean),
         ``ratio_max``; at the sequence level a row's ratio counts once per real token.
@@ -160,6 +165,11 @@ def policy_loss(
     unclipped = ratio * adv  # [N, L]
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high) * adv  # [N, L]
     objective = torch.min(unclipped, clipped)  # [N, L]
+    if sampler_weights is not None:
+        if sampler_weights.shape != objective.shape:
+            raise ValueError(f"sampler_weights must be [N, L]={tuple(objective.shape)}, got "
+                             f"{tuple(sampler_weights.shape)}")
+        objective = objective * sampler_weights.detach().to(objective.dtype)
     if ref_logprobs is not None:
         kl = kl_k3(logprobs, ref_logprobs.detach())  # [N, L]
         if beta != 0:
@@ -222,33 +232,83 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     return loss, stats
 
 
-def truncated_importance_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor,
-                                 cap: float) -> Tensor:
-    """Per-token weights ``min(pi_old / pi_sampler, C)`` for tokens sampled by another engine.
+# Each mode: (log_ratio [N, L], mask [N, L] float, cap) -> (weights [N, L], over_cap [N, L] bool).
+def _token_truncate(log_ratio: Tensor, mask: Tensor, cap: float) -> tuple[Tensor, Tensor]:
+    ratio = torch.exp(log_ratio)
+    return torch.clamp(ratio, max=cap), ratio > cap
 
-    A sampler that is not the trainer (vLLM, or a decoupled sampler whose numerics differ) draws from a
-    slightly different distribution than the trainer's old policy; weighting each token's loss by the
-    ratio corrects the mismatch, and the cap ``C`` bounds the variance (truncated importance sampling,
-    TRL's ``vllm_importance_sampling_correction``).
+
+def _token_mask(log_ratio: Tensor, mask: Tensor, cap: float) -> tuple[Tensor, Tensor]:
+    ratio = torch.exp(log_ratio)
+    over = ratio > cap
+    return ratio.masked_fill(over, 0.0), over
+
+
+def _sequence_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    # One ratio per completion: the product of its tokens' (the likelihood ratio of the whole sequence,
+    # as TRL's sequence modes; not GSPO's geometric mean), broadcast over its tokens.
+    return torch.exp((log_ratio * mask).sum(-1, keepdim=True)).expand_as(log_ratio)  # [N, L]
+
+
+def _sequence_truncate(log_ratio: Tensor, mask: Tensor, cap: float) -> tuple[Tensor, Tensor]:
+    ratio = _sequence_ratio(log_ratio, mask)
+    return torch.clamp(ratio, max=cap), ratio > cap
+
+
+def _sequence_mask(log_ratio: Tensor, mask: Tensor, cap: float) -> tuple[Tensor, Tensor]:
+    ratio = _sequence_ratio(log_ratio, mask)
+    over = ratio > cap
+    return ratio.masked_fill(over, 0.0), over
+
+
+SAMPLER_CORRECTIONS: dict[str, Callable[[Tensor, Tensor, float], tuple[Tensor, Tensor]]] = {
+    "token_truncate": _token_truncate,
+    "token_mask": _token_mask,
+    "sequence_truncate": _sequence_truncate,
+    "sequence_mask": _sequence_mask,
+}
+
+
+def sampler_importance_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, cap: float,
+                               mode: str = "token_truncate") -> tuple[Tensor, Tensor]:
+    """Per-token weights from ``pi_old / pi_sampler`` for tokens sampled by another engine, bounded by ``cap``.
+
+    A sampler that is not the trainer (vLLM, or a decoupled sampler with stale weights or other numerics)
+    draws from a slightly different distribution than the trainer's old policy; weighting each token's
+    loss by the ratio corrects the mismatch, and the cap bounds the variance (truncated importance
+    sampling, TRL's ``vllm_importance_sampling_correction`` and ``vllm_importance_sampling_mode``).
 
     Args:
-        old_logprobs: ``[N, L]`` the trainer's log-probs of the sampled tokens under the sampling weights.
+        old_logprobs: ``[N, L]`` the trainer's log-probs of the sampled tokens at the weights that start the update.
         sampler_logprobs: ``[N, L]`` the sampler's own log-probs of the same tokens.
         mask: ``[N, L]`` 1 for real tokens.
-        cap: ``C > 0``, the largest weight.
+        cap: ``C > 0``.
+        mode: a name in ``SAMPLER_CORRECTIONS``: ``token_truncate`` ``min(r_t, C)``; ``token_mask`` ``r_t``,
+            or 0 where ``r_t > C``; ``sequence_truncate`` / ``sequence_mask`` the same on the completion's
+            ratio ``prod_t r_t``, given to each of its tokens.
 
     Returns:
-        ``[N, L]`` detached weights ``min(exp(old - sampler), cap)`` on real tokens, 0 on padding.
+        ``(weights, over_cap)``, both ``[N, L]`` and detached: the weights (0 on padding), and True on the
+        real tokens whose ratio was above the cap (truncated or masked).
     """
     if not (old_logprobs.shape == sampler_logprobs.shape == mask.shape):
         raise ValueError(f"shape mismatch: old_logprobs {tuple(old_logprobs.shape)}, sampler_logprobs "
                          f"{tuple(sampler_logprobs.shape)}, mask {tuple(mask.shape)}")
     if cap <= 0:
         raise ValueError(f"cap must be > 0, got {cap}")
+    correct = lookup(SAMPLER_CORRECTIONS, "sampler correction mode", mode)
     with torch.no_grad():
         padding = mask == 0
-        log_ratio = (old_logprobs - sampler_logprobs).masked_fill(padding, 0.0)
-        return torch.clamp(torch.exp(log_ratio), max=cap).masked_fill(padding, 0.0)
+        log_ratio = (old_logprobs - sampler_logprobs).masked_fill(padding, 0.0)  # [N, L]
+        weights, over = correct(log_ratio, mask.to(log_ratio.dtype), cap)
+        return weights.masked_fill(padding, 0.0), over & ~padding
+
+
+def truncated_importance_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor,
+                                 cap: float) -> Tensor:
+    """``[N, L]`` detached weights ``min(exp(old - sampler), cap)`` on real tokens, 0 on padding: the
+    ``token_truncate`` mode of ``sampler_importance_weights`` (see there)."""
+    return sampler_importance_weights(old_logprobs, sampler_logprobs, mask, cap, "token_truncate")[0]
 
 
 def logprob_mismatch(sampler_logprobs: Tensor, trainer_logprobs: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:

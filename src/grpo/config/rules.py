@@ -78,9 +78,33 @@ def config_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
             f"is {r.vllm_check_steps} with rollout.top_p {r.top_p} / top_k {r.top_k}: vLLM's log-probs are then "
             "renormalised over the kept tokens while the trainer's are not, so the check would measure the "
             "truncation, not the weights; sample without top_p/top_k or set rollout.vllm_check_steps: 0")))
+    problems.extend(sampler_problems(cfg))
     if cfg.train.early_stop_accuracy is not None and cfg.data.eval is None:
         problems.append(("train.early_stop_accuracy", "needs data.eval (a held-out set to measure accuracy on)"))
     return problems
+
+
+def sampler_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
+    """The rules of dynamic sampling and the sampler importance-sampling correction."""
+    problems = []
+    if cfg.rollout.dynamic_sampling and cfg.algorithm.advantage_estimator == "gae":
+        problems.append(("rollout.dynamic_sampling", (
+            "cannot be combined with algorithm.advantage_estimator gae: PPO's advantages come from the critic, "
+            "not from a group baseline, so a completion whose group rewards are all equal still has non-zero "
+            "advantages and dropping it would only waste samples (and G may be 1); use an outcome estimator")))
+    if cfg.rollout.dynamic_sampling and cfg.train.mode == "colocated" and cfg.train.deepspeed:
+        problems.append(("rollout.dynamic_sampling", (
+            "cannot be combined with train.deepspeed in colocated mode: each rank samples as many rounds as its "
+            "own prompts need, and under ZeRO-3 every forward pass of the policy gathers parameters from all "
+            "ranks (a collective), so ranks with different round counts would wait on each other forever; use "
+            "train.mode decoupled (the samplers run the rounds) or drop train.deepspeed")))
+    if cfg.loss.sampler_is_correction and cfg.train.mode == "colocated" and cfg.rollout.engine != "vllm":
+        problems.append(("loss.sampler_is_correction", (
+            f"is on with rollout.engine {cfg.rollout.engine} in colocated mode, where the trainer's own model "
+            "samples: pi_sampler is pi_old, every weight would be exactly 1 and the correction would do nothing; "
+            "it is for rollout.engine vllm or train.mode decoupled")))
+    return problems
+
 
 def ppo_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
     """The rules of algorithm.advantage_estimator gae (PPO with a critic) and its keys."""

@@ -92,6 +92,15 @@ class RolloutConfig:
              "other weights; bf16 on a GPU not yet measured).", gt=0)
     generation_batch_size: int | None = opt(
         None, "Completions generated per generate() call; null = all of a step's at once.", ge=1)
+    dynamic_sampling: bool = opt(
+        False, "DAPO: drop the groups whose G rewards are all equal (zero advantage, no gradient) and sample "
+               "rounds of further prompts until each rank's batch is full of groups that differ "
+               "(grpo.dynamic_sampling; counts logged as rollout/dynamic_*). Costs extra sampling rounds as more "
+               "prompts become solved.")
+    dynamic_sampling_max_rounds: int = opt(
+        4, "dynamic_sampling: sampling rounds per step and rank, the first included, each as many prompts as an "
+           "ordinary step's (verl's max_num_gen_batches counts the same, with 0 = unlimited, refused here). At the "
+           "cap a short batch is filled with zero-spread groups, counted in rollout/dynamic_groups_filled.", ge=1)
 
 
 @dataclass
@@ -153,6 +162,18 @@ class LossConfig:
         False, "DAPO: completions that hit max_completion_length without EOS contribute no loss (they still "
                "count in their group's advantages).")
     num_iterations: int = opt(1, "Optimisation passes per rollout batch (mu); > 1 computes old log-probs.", ge=1)
+    sampler_is_correction: bool = opt(
+        False, "Truncated importance-sampling correction for a sampler that is not the trainer (rollout.engine vllm, "
+               "or train.mode decoupled): each token's surrogate is weighted by pi_old / pi_sampler (the trainer's "
+               "log-prob at the weights that start the update over the sampler's own), bounded by sampler_is_cap; "
+               "the KL term is not weighted. TRL's vllm_importance_sampling_correction.")
+    sampler_is_mode: str = opt(
+        "token_truncate", "sampler_is_correction: token_truncate (min(ratio, cap) per token), token_mask (0 where "
+        "the ratio is above the cap), sequence_truncate / sequence_mask (one ratio per completion, the product of "
+        "its tokens'). TRL's vllm_importance_sampling_mode.",
+        choices=("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"))
+    sampler_is_cap: float = opt(
+        3.0, "sampler_is_correction: the cap C on the weights (TRL's vllm_importance_sampling_clip_max).", gt=0)
     advantage_eps: float = opt(1e-4, "Added to the std when scaling advantages.", gt=0)
     value_clip: float = opt(
         0.2, "gae: the critic's new value may move this far from its sampling-time value before PPO's clipped "

@@ -3,7 +3,8 @@ reference log-probs -> one rollout batch to the trainer, again and again.
 
 Sampler ``k`` of ``K`` makes batches ``j = 0, 1, ...`` for global step indices ``j*K + k + 1``, with
 the colocated trainer's prompts and seeds for that step (one chunk per trainer rank), so one sampler
-with ``max_staleness = 0`` reproduces colocated training. Batch ids are ``sampler-k:j``: a restarted
+with ``max_staleness = 0`` reproduces colocated training (dynamic sampling included: each chunk runs the
+rounds that trainer rank would). Batch ids are ``sampler-k:j``: a restarted
 sampler regenerates from the count the trainer says it trained, and an id trained before is only
 acknowledged, never trained twice.
 """
@@ -12,18 +13,19 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
 from grpo.batching import concat_batches
 from grpo.config import RunConfig
 from grpo.decoupled.common import max_message_bytes, shared_token
-from grpo.experience import local_reference, make_experience
+from grpo.experience import local_reference, rank_experience
 from grpo.models import load_policy, load_reference, load_tokenizer, resolve_device
 from grpo.prompt_sampler import PromptSampler
+from grpo.records import RolloutBatch
 from grpo.rollout.build import build_engine, holds_own_weights
-from grpo.run_setup import build_rewards, experience_settings, load_data
-from grpo.trainer import step_seed
+from grpo.run_setup import build_rewards, dynamic_rounds, experience_settings, load_data
 from grpo.transport import PeerClosed, RolloutSender
 from grpo.weight_store import WeightStore, apply_to_model
 
@@ -45,6 +47,21 @@ def reference_logprobs_fn(cfg: RunConfig, policy, tokenizer, device, token: str)
     return local_reference(policy, reference, cfg.rollout.temperature, cfg.train.micro_batch_size)
 
 
+def for_correction(batch: RolloutBatch, correction: bool) -> RolloutBatch:
+    """What the trainer gets of the batch's log-probs.
+
+    Correction off: the old log-probs, taken here at this sampler's (maybe stale) weights, are the ratio's
+    denominator; nothing else is sent. On (``loss.sampler_is_correction``): the sampler's own log-probs
+    travel as ``sampler_logprobs`` (vLLM's when the engine reports them, else those old log-probs of this
+    sampler's weights) and ``old_logprobs`` stay empty, so the trainer takes its own at the weights that
+    start the update: the ratio then measures the update alone and the truncated weight the staleness.
+    """
+    if not correction:
+        return replace(batch, sampler_logprobs=None)
+    sampler = batch.sampler_logprobs if batch.sampler_logprobs is not None else batch.old_logprobs
+    return replace(batch, old_logprobs=None, sampler_logprobs=sampler)
+
+
 def run_sampler(cfg: RunConfig) -> int:
     """Produce batches until the trainer says bye (exit 0) or stays silent past the peer timeout."""
     d = cfg.decoupled
@@ -60,7 +77,9 @@ def run_sampler(cfg: RunConfig) -> int:
     ref_logprobs = reference_logprobs_fn(cfg, policy, tokenizer, device, token)
     reward_fns, weights = build_rewards(cfg, train_set)
     engine = build_engine(cfg, policy, tokenizer)
-    settings = experience_settings(cfg, need_old_logprobs=True)  # the trainer's ratio needs the sampler's policy
+    correction = cfg.loss.sampler_is_correction
+    # The trainer's ratio needs this sampler's log-probs; with the correction, vLLM reports its own.
+    settings = experience_settings(cfg, need_old_logprobs=not (correction and holds_own_weights(engine)))
     store = WeightStore(cfg.train.output_dir)
     sender = RolloutSender(d.address, sampler_id, token=token, max_message_bytes=max_message_bytes(cfg),
                            max_inflight=cfg.train.max_staleness + 1, timeout_s=d.peer_timeout_s)
@@ -84,18 +103,21 @@ def run_sampler(cfg: RunConfig) -> int:
                 loaded_version = version
             step_index = j * K + k + 1
             started = time.perf_counter()
-            chunks = []
+            chunks, counts = [], []
             for rank in range(W):
-                examples = [train_set[i] for i in prompts.rank_indices(step_index, rank, W)]
-                chunks.append(make_experience(engine, policy, ref_logprobs, tokenizer, examples, reward_fns, weights,
-                                              settings, seed=step_seed(cfg.train.seed, step_index, rank),
-                                              steps_done=step_index - 1))
+                chunk, sampled = rank_experience(
+                    engine, policy, ref_logprobs, tokenizer, train_set, prompts, reward_fns, weights, settings,
+                    step=step_index, rank=rank, world_size=W, seed=cfg.train.seed, max_rounds=dynamic_rounds(cfg))
+                chunks.append(for_correction(chunk, correction))
+                counts.append(sampled)
             batch = concat_batches(chunks, tokenizer.pad_token_id)
             seconds = time.perf_counter() - started
             tokens = float(batch.generation.completion_mask.sum())
+            # Dynamic sampling's counts per trainer rank's chunk, averaged (as the colocated ranks' are).
+            dynamic = {name: sum(c[name] for c in counts) / W for name in counts[0]}
             sender.send_batch(batch, {"batch_id": f"{sampler_id}:{j}", "policy_version": loaded_version,
                                       "step_index": step_index, "sampler_seconds": seconds,
-                                      "sampler_tokens_per_s": tokens / max(seconds, 1e-9)})
+                                      "sampler_tokens_per_s": tokens / max(seconds, 1e-9), **dynamic})
             j += 1
     except PeerClosed:
         logger.info("%s: the trainer finished; exiting", sampler_id)

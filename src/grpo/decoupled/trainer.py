@@ -199,6 +199,7 @@ def run_trainer(cfg: RunConfig) -> int:
                             "time/step_s": time.perf_counter() - started,
                             "sampler/seconds_per_batch": float(meta.get("sampler_seconds", float("nan"))),
                             "sampler/tokens_per_s": float(meta.get("sampler_tokens_per_s", float("nan"))),
+                            **{k: float(v) for k, v in meta.items() if k.startswith("rollout/dynamic_")},
                         })
                     logger_.log(step, metrics)
                     if cfg.log.num_samples and step % cfg.log.logging_steps == 0:

@@ -6,9 +6,11 @@ trainer's), the ids go to ``vllm.LLM.generate`` as ``{"prompt_token_ids": ...}``
 max_tokens, seed), and the ``RequestOutput`` objects come back as a ``grpo.records.Generation``
 (rows grouped per prompt, completions right-padded with the pad id).
 
-Log-probs: vLLM also returns the sampler's log-prob of each sampled token (``last_logprobs``, [N, Lc]).
-They are for the train/inference mismatch metric (``rollout/logprob_diff``) only: the trainer always
-recomputes its own old log-probs at the same temperature for the ratio. The engine asks vLLM for
+Log-probs: vLLM also returns the sampler's log-prob of each sampled token (``last_logprobs``, [N, Lc]),
+which become the batch's ``sampler_logprobs``: for the train/inference mismatch check
+(``rollout/logprob_diff``) and the optional truncated importance-sampling correction
+(``loss.sampler_is_correction``). The trainer always recomputes its own old log-probs at the same
+temperature for the ratio. The engine asks vLLM for
 ``logprobs_mode="processed_logprobs"`` (vLLM 0.32's default, ``raw_logprobs``, is *before*
 temperature): "processed" is after temperature *and* after top-k/top-p, renormalised over the kept
 tokens. With top_k/top_p off it is ``log_softmax(logits / T)``, the trainer's quantity; with them on,

@@ -26,8 +26,9 @@ BATCH_TENSORS: dict[str, tuple[str, frozenset, tuple[str, ...]]] = {
     "advantages": ("floating", _FLOAT, ("N",)),
     "old_logprobs": ("floating", _FLOAT, ("N", "Lc")),
     "ref_logprobs": ("floating", _FLOAT, ("N", "Lc")),
+    "sampler_logprobs": ("floating", _FLOAT, ("N", "Lc")),  # for loss.sampler_is_correction
 }
-OPTIONAL_BATCH_TENSORS = ("old_logprobs", "ref_logprobs")
+OPTIONAL_BATCH_TENSORS = ("old_logprobs", "ref_logprobs", "sampler_logprobs")
 META_FIELDS = {"batch_id": "str", "sampler_id": "str", "policy_version": "int"}
 
 
@@ -96,10 +97,9 @@ def batch_to_message(batch: RolloutBatch, meta: Mapping[str, Any]) -> tuple[dict
         "completion_ids": gen.completion_ids, "completion_mask": gen.completion_mask, "truncated": gen.truncated,
         "rewards": batch.rewards, "reward_parts": batch.reward_parts, "advantages": batch.advantages,
     }
-    if batch.old_logprobs is not None:
-        tensors["old_logprobs"] = batch.old_logprobs
-    if batch.ref_logprobs is not None:
-        tensors["ref_logprobs"] = batch.ref_logprobs
+    for name in OPTIONAL_BATCH_TENSORS:
+        if getattr(batch, name) is not None:
+            tensors[name] = getattr(batch, name)
     header = {
         **{name: meta[name] for name in META_FIELDS},
         "meta": {k: v for k, v in meta.items() if k not in META_FIELDS},
@@ -133,7 +133,8 @@ def message_to_batch(message: Message) -> tuple[RolloutBatch, dict]:
             truncated=tensors["truncated"], completions=list(header["completions"])),
         rewards=tensors["rewards"], reward_parts=tensors["reward_parts"], reward_names=list(header["reward_names"]),
         advantages=tensors["advantages"], old_logprobs=tensors.get("old_logprobs"),
-        ref_logprobs=tensors.get("ref_logprobs"), prompts=list(header["prompts"]), columns=dict(header["columns"]),
+        ref_logprobs=tensors.get("ref_logprobs"), sampler_logprobs=tensors.get("sampler_logprobs"),
+        prompts=list(header["prompts"]), columns=dict(header["columns"]),
         reward_metrics=dict(header.get("reward_metrics", {})), reward_extras=dict(header.get("reward_extras", {})))
     meta = {**header["meta"], **{name: header[name] for name in META_FIELDS}}
     return batch, meta
