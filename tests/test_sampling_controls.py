@@ -1,7 +1,9 @@
 """rollout.repetition_penalty / min_new_tokens / min_p in every engine: greedy rows equal HF generate's
 token for token (left-padded prompts, so the padding exclusion is checked), draws follow the
 distribution transformers' own processors define, min_new_tokens holds every EOS back, the static
-engine's step stays free of host syncs, and the vLLM mapping (without vLLM: a stand-in module)."""
+engine's step stays free of host syncs, and the vLLM mapping (without vLLM: a stand-in module). Then
+end to end: the trainer's log-probs of sampled tokens are the engine's own processed log-probs, and the
+update's first pass has ratio 1."""
 
 from __future__ import annotations
 
@@ -11,6 +13,12 @@ import types
 import pytest
 import torch
 
+from grpo.algorithm import LogprobProcessing
+from grpo.distributed import DistInfo
+from grpo.experience import generation_logprobs
+from grpo.logprobs import completion_logprobs
+from grpo.optimization import train_on_batch
+from grpo.records import RolloutBatch
 from grpo.rollout import HFEngine, SamplingParams
 from grpo.rollout.lean import LeanEngine
 from grpo.rollout.static import StaticEngine
@@ -18,6 +26,7 @@ from grpo.tiny_model import build_qwen2
 
 from test_host_syncs import CountSyncs
 from test_lean_engine import chat
+from test_optimization import RecordingLearner, settings_with
 
 ENGINES = [LeanEngine, StaticEngine, HFEngine]  # hf, hf-static (eager decode_graph on a CPU), hf-generate
 
@@ -161,3 +170,72 @@ def test_vllm_sampling_params_mapping(monkeypatch):
     assert (recorded["repetition_penalty"], recorded["min_p"]) == (1.2, 0.0)  # greedy: the penalty still applies
     to_vllm_sampling_params(SamplingParams(), seed=None)
     assert (recorded["repetition_penalty"], recorded["min_tokens"], recorded["min_p"]) == (1.0, 0, 0.0)
+
+
+# ---------------------------------------------------------------- the trainer's log-probs follow the sampler
+
+PROCESSING_CASES = [{"repetition_penalty": 1.5}, {"min_new_tokens": 4}, {"min_p": 0.1},
+                    {"repetition_penalty": 1.5, "min_new_tokens": 4, "min_p": 0.1}]
+
+
+def sample_recording_logprobs(model, tokenizer, params, monkeypatch):
+    """Sample with the hf engine, recording the engine's own log-prob of each drawn token (the log of the
+    probability it drew it with): [N, L] beside the generation. Rows leave the batch as they finish, in
+    order, so the rows drawing token t are those whose mask is set at t."""
+    import grpo.rollout.lean as lean
+
+    drawn = []
+    real_draw = lean.draw_tokens
+
+    def recording_draw(probs, generator):
+        tokens = real_draw(probs, generator)
+        drawn.append(probs.gather(1, tokens[:, None]).squeeze(1).log())
+        return tokens
+
+    monkeypatch.setattr(lean, "draw_tokens", recording_draw)
+    gen = LeanEngine(model, tokenizer).generate(prompts_of(tokenizer), params, seed=11)
+    engine_logprobs = torch.zeros(gen.completion_ids.shape)
+    for t, values in enumerate(drawn):
+        engine_logprobs[gen.completion_mask[:, t].bool(), t] = values
+    return gen, engine_logprobs
+
+
+@pytest.mark.parametrize("controls", PROCESSING_CASES)
+def test_trainer_logprobs_are_the_engines_processed_logprobs(controls, peaked, tiny_tokenizer, monkeypatch):
+    # Sample with each control on, then score the same tokens as the trainer does (completion_logprobs:
+    # shared prompt pass, micro-batches, with and without gradients): they equal the engine's log-probs
+    # of the distribution it drew from, and differ from the unprocessed ones (so this can fail).
+    T = 0.9
+    params = SamplingParams(n=6, max_tokens=10, temperature=T, **controls)
+    gen, engine_logprobs = sample_recording_logprobs(peaked, tiny_tokenizer, params, monkeypatch)
+    mask = gen.completion_mask.bool()
+    processing = LogprobProcessing(**controls, eos_ids=(tiny_tokenizer.eos_token_id,))
+    args = (peaked, gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask, T)
+    with torch.no_grad():
+        trainer = completion_logprobs(*args, micro_batch_size=4, processing=processing)
+        plain = completion_logprobs(*args, micro_batch_size=4)
+    assert torch.allclose(trainer[mask], engine_logprobs[mask], atol=2e-5, rtol=0)
+    assert (plain[mask] - engine_logprobs[mask]).abs().max() > 0.05
+    with_grad = completion_logprobs(*args, processing=processing)  # the update's pass: one micro-batch, autograd
+    assert with_grad.requires_grad
+    assert torch.allclose(with_grad.detach()[mask], trainer[mask], atol=1e-5, rtol=0)
+
+
+def test_first_pass_ratio_is_one_with_the_controls(peaked, tiny_tokenizer, monkeypatch):
+    # The update's first pass recomputes the old log-probs exactly: ratio 1, nothing clipped. Old
+    # log-probs taken without the controls (the bug this guards against) give a ratio far from 1.
+    controls = PROCESSING_CASES[-1]
+    processing = LogprobProcessing(**controls, eos_ids=(tiny_tokenizer.eos_token_id,))
+    gen, _ = sample_recording_logprobs(peaked, tiny_tokenizer,
+                                       SamplingParams(n=4, max_tokens=8, temperature=0.9, **controls), monkeypatch)
+
+    def stats(old_processing):
+        batch = RolloutBatch(generation=gen, rewards=torch.zeros(8), reward_parts=torch.zeros(8, 1), reward_names=["r"],
+                             advantages=torch.randn(8, generator=torch.Generator().manual_seed(0)),
+                             old_logprobs=generation_logprobs(peaked, gen, 0.9, 4, old_processing), ref_logprobs=None,
+                             prompts=[""] * 2)
+        return train_on_batch(RecordingLearner(peaked), batch, settings_with(processing=processing), DistInfo())
+
+    matched = stats(processing)
+    assert abs(matched["ratio_mean"] - 1.0) < 1e-5 and matched["clip_fraction"] == 0.0
+    assert abs(stats(None)["ratio_mean"] - 1.0) > 0.01

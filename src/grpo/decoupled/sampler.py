@@ -22,7 +22,7 @@ from grpo.experience import local_reference, make_experience
 from grpo.models import load_policy, load_reference, load_tokenizer, resolve_device
 from grpo.prompt_sampler import PromptSampler
 from grpo.rollout.build import build_engine, holds_own_weights
-from grpo.run_setup import build_rewards, experience_settings, load_data
+from grpo.run_setup import build_rewards, experience_settings, load_data, logprob_processing
 from grpo.trainer import step_seed
 from grpo.transport import PeerClosed, RolloutSender
 from grpo.weight_store import WeightStore, apply_to_model
@@ -30,8 +30,9 @@ from grpo.weight_store import WeightStore, apply_to_model
 logger = logging.getLogger(__name__)
 
 
-def reference_logprobs_fn(cfg: RunConfig, policy, tokenizer, device, token: str):
-    """Reference log-probs from the configured server, else from a reference loaded here; None if beta == 0."""
+def reference_logprobs_fn(cfg: RunConfig, policy, tokenizer, device, token: str, processing=None):
+    """Reference log-probs from the configured server, else from a reference loaded here (following the
+    sampling controls in ``processing``; the server does not, see grpo.config.rules); None if beta == 0."""
     if cfg.loss.beta == 0:
         return None
     if cfg.decoupled.ref_server_url:
@@ -42,7 +43,7 @@ def reference_logprobs_fn(cfg: RunConfig, policy, tokenizer, device, token: str)
         client.wait_ready(timeout_s=cfg.decoupled.peer_timeout_s)
         return lambda g: client.logprobs(g.prompt_ids, g.prompt_mask, g.completion_ids, g.completion_mask)
     reference = load_reference(cfg.model, policy, tokenizer, device)
-    return local_reference(policy, reference, cfg.rollout.temperature, cfg.train.micro_batch_size)
+    return local_reference(policy, reference, cfg.rollout.temperature, cfg.train.micro_batch_size, processing)
 
 
 def run_sampler(cfg: RunConfig) -> int:
@@ -57,10 +58,11 @@ def run_sampler(cfg: RunConfig) -> int:
     prompts = PromptSampler(len(train_set), cfg.train.prompts_per_step, cfg.train.seed, cfg.data.shuffle)
     policy = load_policy(cfg.model, device).eval()
     policy.requires_grad_(False)
-    ref_logprobs = reference_logprobs_fn(cfg, policy, tokenizer, device, token)
+    processing = logprob_processing(cfg, policy, tokenizer)  # old and reference log-probs follow the controls
+    ref_logprobs = reference_logprobs_fn(cfg, policy, tokenizer, device, token, processing)
     reward_fns, weights = build_rewards(cfg, train_set)
     engine = build_engine(cfg, policy, tokenizer)
-    settings = experience_settings(cfg, need_old_logprobs=True)  # the trainer's ratio needs the sampler's policy
+    settings = experience_settings(cfg, processing, need_old_logprobs=True)  # the trainer's ratio needs them
     store = WeightStore(cfg.train.output_dir)
     sender = RolloutSender(d.address, sampler_id, token=token, max_message_bytes=max_message_bytes(cfg),
                            max_inflight=cfg.train.max_staleness + 1, timeout_s=d.peer_timeout_s)
