@@ -4,8 +4,10 @@ trainer's log-probs (every completion position at once).
 
 Order (``generate``'s): the processors on the raw logits first, ``RepetitionPenaltyLogitsProcessor``
 (a logit ``x`` of a token already seen in the row becomes ``x * penalty`` when ``x < 0``, else
-``x / penalty``; seen = the prompt's real tokens, left padding excluded, and the completion's tokens
-before this one) and ``MinNewTokensLengthLogitsProcessor`` (every EOS id at ``-inf`` while fewer than
+``x / penalty``; seen = the prompt's real tokens and the completion's tokens before this one; padding
+never counts: ``generate`` (transformers 5) skips each row's leading padding through
+``prompt_ignore_length``, the first real position of the attention mask, which for left-padded
+prompts is exactly the masked positions excluded here) and ``MinNewTokensLengthLogitsProcessor`` (every EOS id at ``-inf`` while fewer than
 ``min_new_tokens`` tokens were generated); then the warpers: temperature, top-k, top-p, and
 ``MinPLogitsWarper`` (a token is removed when its probability is below ``min_p`` times the most
 likely token's).
@@ -100,8 +102,9 @@ def processed_token_logprobs(logits: Tensor, completion_ids: Tensor, completion_
     Returns:
         ``[B, L]`` in float32 (float64 for float64 logits). Gradients flow to ``logits``; backward
         recomputes each chunk, so only the per-token logsumexp is kept beside the logits (as
-        ``token_logprobs``' chunked path). Extra memory: a few ``[B, chunk, V]`` temporaries; the
-        presence of earlier tokens is carried from chunk to chunk as one ``[B, V]`` bool.
+        ``token_logprobs``' chunked path). Extra memory: a few ``[B, chunk, V]`` temporaries; which
+        tokens came before a position is read off one ``[B, V]`` table of first occurrences, never a
+        ``[B, L, V]`` presence mask.
     """
     _check(logits, completion_ids, completion_mask, prompt_seen, temperature)
     chunk = chunk_columns or _default_chunk(logits)
@@ -146,30 +149,32 @@ def _check(logits: Tensor, completion_ids: Tensor, completion_mask: Tensor, prom
 
 
 def _processed_chunks(logits: Tensor, targets: Tensor, real: Tensor, prompt_seen: Tensor, temperature: float,
-                      processing: LogprobProcessing, chunk: int):
+                      processing: LogprobProcessing, chunk: int, with_factor: bool = False):
     """Yields ``(columns, processed [B, c, V], factor [B, c, V] or None)`` per chunk of positions:
-    the processed, tempered logits with removed tokens at -inf, and d processed / d logits where
-    not removed (None when it is the constant ``1 / temperature``)."""
+    the processed, tempered logits with removed tokens at -inf, and (``with_factor``, for backward)
+    d processed / d logits where not removed (None when it is the constant ``1 / temperature``)."""
     B, L, V = logits.shape
     dtype = torch.promote_types(logits.dtype, torch.float32)
     penalty = processing.repetition_penalty
-    presence = prompt_seen.clone() if penalty != 1.0 else None  # [B, V]: seen before the chunk's first position
+    first_seen = None
+    if penalty != 1.0:
+        # [B, V]: the completion position each token first appears at (-1: in the prompt; L: never), so a
+        # token is seen at position j exactly when first_seen < j. One [B, V] table for the sequence; each
+        # chunk's [B, c, V] presence is a comparison with it.
+        first_seen = torch.full((B, V), L, dtype=torch.long, device=logits.device)
+        positions = torch.arange(L, device=logits.device).expand(B, L)  # [B, L]
+        first_seen.scatter_reduce_(1, targets, positions, reduce="amin").masked_fill_(prompt_seen, -1)
     eos = eos_mask(processing.eos_ids, V, logits.device) if processing.min_new_tokens > 0 else None  # [V]
     for start in range(0, L, chunk):
         cols = slice(start, min(start + chunk, L))
-        c = cols.stop - cols.start
         raw = logits[:, cols].to(dtype)  # [B, c, V], a copy of the chunk only
         tokens = targets[:, cols]  # [B, c]
         factor = None
-        if presence is not None:
-            # seen before position j = seen before the chunk | the chunk's tokens before j
-            hits = torch.zeros(B, c, V, dtype=torch.bool, device=logits.device).scatter_(2, tokens[..., None], True)
-            upto = hits.cummax(dim=1).values  # [B, c, V]: tokens at positions <= j
-            seen = torch.cat([presence[:, None], presence[:, None] | upto[:, :-1]], dim=1)  # [B, c, V]
-            presence = presence | upto[:, -1]
-            # d penalized / d x, built in the chunk's dtype (a float64 check stays float64)
-            factor = torch.full_like(raw, 1 / penalty).masked_fill_(raw < 0, penalty).masked_fill_(~seen, 1.0)
-            factor /= temperature
+        if first_seen is not None:
+            seen = first_seen[:, None, :] < torch.arange(start, cols.stop, device=logits.device)[None, :, None]
+            if with_factor:  # d penalized / d x, in the chunk's dtype (a float64 check stays float64)
+                factor = torch.full_like(raw, 1 / penalty).masked_fill_(raw < 0, penalty).masked_fill_(~seen, 1.0)
+                factor /= temperature
             raw = penalize_repeats(raw, seen, penalty)
         processed = raw / temperature
         if eos is not None:
@@ -207,7 +212,7 @@ class _ProcessedLogprobs(torch.autograd.Function):
         logits, targets, real, prompt_seen, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)  # [B, L, V]
         for cols, processed, factor in _processed_chunks(logits, targets, real, prompt_seen, ctx.temperature,
-                                                         ctx.processing, ctx.chunk):
+                                                         ctx.processing, ctx.chunk, with_factor=True):
             g_out = grad_out[:, cols, None].to(processed.dtype)  # [B, c, 1]
             g = torch.exp(processed - lse[:, cols, None]).mul_(-g_out)  # [B, c, V]: -p * grad
             g.scatter_add_(-1, targets[:, cols, None], g_out)  # + onehot(target) * grad
