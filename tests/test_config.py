@@ -57,6 +57,16 @@ def test_yaml_and_overrides(tmp_path):
     assert rewards[0].weight == 2.0 and rewards[0].params == {"tag_style": "think"}
 
 
+def test_sampling_controls_load_within_their_ranges():
+    r = load_config(None, ["rollout.repetition_penalty=1.1", "rollout.min_new_tokens=4", "rollout.min_p=0.05"]).rollout
+    assert (r.repetition_penalty, r.min_new_tokens, r.min_p) == (1.1, 4, 0.05)
+    defaults = RunConfig().rollout  # off: today's sampling and log-probs
+    assert (defaults.repetition_penalty, defaults.min_new_tokens, defaults.min_p) == (1.0, 0, 0.0)
+    # the reference server is fine without the controls, or without a KL term (then it is not used)
+    load_config(None, ["train.mode=decoupled", "decoupled.ref_server=true"])
+    load_config(None, ["train.mode=decoupled", "decoupled.ref_server=true", "rollout.min_p=0.05", "loss.beta=0"])
+
+
 def test_round_trip_through_yaml(tmp_path):
     config = load_config(None, ["model.lora_r=8", "rollout.top_k=50", "data.eval=synthetic:seed=123,n=500"])
     path = tmp_path / "dumped.yaml"
@@ -78,6 +88,10 @@ def test_round_trip_through_yaml(tmp_path):
      r"loss\.importance_sampling_level: 'seq' is not allowed; choose one of: token, sequence"),
     ("loss.scale_rewards=std", r"loss\.scale_rewards: 'std' is not allowed; choose one of: null, group, batch, none"),
     ("rollout.num_generations=0", r"rollout\.num_generations: 0 is out of range: must be >= 1"),
+    ("rollout.repetition_penalty=0", r"rollout\.repetition_penalty: 0\.0 is out of range: must be > 0"),
+    ("rollout.min_new_tokens=-1", r"rollout\.min_new_tokens: -1 is out of range: must be >= 0"),
+    ("rollout.min_p=1.5", r"rollout\.min_p: 1\.5 is out of range: must be <= 1"),
+    ("rollout.min_p=-0.1", r"rollout\.min_p: -0\.1 is out of range: must be >= 0"),
     ("rewards=[{name: x, wieght: 1}]", r"unknown key rewards\[0\]\.wieght; did you mean rewards\[0\]\.weight\?"),
     ("train.max_steps", r"expected section\.key=value"),
     ("train.max_steps=[1", r"not valid YAML"),
@@ -100,6 +114,9 @@ def test_bad_overrides_name_the_override_and_key(override, expected):
      "whose scaling is part of its definition"),
     (["algorithm.advantage_estimator=reinforce_pp", "loss.scale_rewards=none"], "loss.scale_rewards",
      "set loss.scale_rewards: null"),
+    (["rollout.min_new_tokens=300"], "rollout.min_new_tokens", "no completion could ever end with EOS"),
+    (["train.mode=decoupled", "decoupled.ref_server=true", "rollout.min_p=0.05"], "decoupled.ref_server",
+     "its protocol carries only a temperature"),
 ])
 def test_invalid_combinations_say_why(overrides, key, why):
     with pytest.raises(ConfigError) as info:

@@ -53,7 +53,7 @@ class CountSyncs(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_syncs(tiny_tokenizer, loss_type: str, micro_batch_size: int, monkeypatch) -> Counter[str]:
+def count_syncs(tiny_tokenizer, loss_type: str, micro_batch_size: int, monkeypatch, processing=None) -> Counter[str]:
     model = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=1, seed=0)
     # SGD, not AdamW: torch's non-fused AdamW reads its step counters (CPU tensors even on a GPU run)
     # with item(), which this count would take for syncs of the learner's.
@@ -61,7 +61,8 @@ def count_syncs(tiny_tokenizer, loss_type: str, micro_batch_size: int, monkeypat
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     learner = TorchLearner(model, optimizer, scheduler, max_grad_norm=1.0)
     settings = LossSettings(epsilon=0.2, epsilon_high=None, beta=0.04, loss_type=loss_type, max_completion_length=7,
-                            temperature=0.9, num_iterations=2, micro_batch_size=micro_batch_size, max_grad_norm=1.0)
+                            temperature=0.9, num_iterations=2, micro_batch_size=micro_batch_size, max_grad_norm=1.0,
+                            processing=processing)
     counter = CountSyncs()
     real_tolist = torch.Tensor.tolist
 
@@ -79,8 +80,12 @@ def count_syncs(tiny_tokenizer, loss_type: str, micro_batch_size: int, monkeypat
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo"])  # weights: a float, a tensor; dapo's share
-def test_no_host_sync_per_micro_batch(tiny_tokenizer, monkeypatch, loss_type):
-    one, four = (count_syncs(tiny_tokenizer, loss_type, micro, monkeypatch) for micro in (8, 2))
+@pytest.mark.parametrize("controls", [False, True])  # the sampling controls' log-probs (grpo.algorithm.processing)
+def test_no_host_sync_per_micro_batch(tiny_tokenizer, monkeypatch, loss_type, controls):
+    from grpo.algorithm import LogprobProcessing
+
+    processing = LogprobProcessing(1.3, 3, 0.05, (tiny_tokenizer.eos_token_id,)) if controls else None
+    one, four = (count_syncs(tiny_tokenizer, loss_type, micro, monkeypatch, processing) for micro in (8, 2))
     # grpo/logprobs.py is left out: its column trimming reads the rollout's masks, which live on the CPU
     # (every engine returns them there), so those reads wait for no GPU. Everything else must not grow.
     for counts in (one, four):

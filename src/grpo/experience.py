@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from grpo.algorithm import group_advantages
+from grpo.algorithm import LogprobProcessing, group_advantages
 from grpo.data import DataError, Example, build_prompt_messages, render_prompt
 from grpo.dynamic_sampling import sample_until_full
 from grpo.logprobs import completion_logprobs
@@ -50,6 +50,7 @@ class ExperienceSettings:
     need_old_logprobs: bool  # num_iterations > 1
     logprob_batch_size: int
     max_steps: int = 0  # the run's length, for the rewards' trainer_state
+    processing: LogprobProcessing | None = None  # the sampling controls the old log-probs follow (None: off)
     gae: GaeSettings | None = None  # set: token-level advantages from the critic's values (rank_experience's values_fn)
 
 
@@ -82,20 +83,23 @@ Values = Callable[[Generation], torch.Tensor]  # [N, Lc] a critic's values of a 
 
 
 def local_reference(policy: torch.nn.Module, reference: torch.nn.Module | None, temperature: float,
-                    batch_size: int) -> RefLogprobs:
-    """Reference log-probs from a model in this process (or the LoRA policy with its adapter off)."""
+                    batch_size: int, processing: LogprobProcessing | None = None) -> RefLogprobs:
+    """Reference log-probs from a model in this process (or the LoRA policy with its adapter off), of the
+    same processed distribution as the policy's (``processing``), so the KL compares like with like."""
     def ref_logprobs(generation: Generation) -> torch.Tensor:
         with reference_context(policy, reference) as ref_model:
-            return generation_logprobs(ref_model, generation, temperature, batch_size)
+            return generation_logprobs(ref_model, generation, temperature, batch_size, processing)
     return ref_logprobs
 
 
 def generation_logprobs(model: torch.nn.Module, generation: Generation, temperature: float,
-                        batch_size: int) -> torch.Tensor:
-    """[N, Lc] log-probs of a generation's completion tokens under ``model``, without gradients."""
+                        batch_size: int, processing: LogprobProcessing | None = None) -> torch.Tensor:
+    """[N, Lc] log-probs of a generation's completion tokens under ``model``, without gradients (of the
+    distribution the sampling controls in ``processing`` define; None: the tempered logits)."""
     with torch.no_grad():
         return completion_logprobs(model, generation.prompt_ids, generation.prompt_mask,
-                                   generation.completion_ids, generation.completion_mask, temperature, batch_size)
+                                   generation.completion_ids, generation.completion_mask, temperature, batch_size,
+                                   processing=processing)
 
 
 def rank_experience(
@@ -214,7 +218,7 @@ def finish_experience(scored: RolloutBatch, policy: torch.nn.Module, ref_logprob
     old_logprobs = None
     if settings.need_old_logprobs:
         old_logprobs = generation_logprobs(policy, generation, settings.sampling.temperature,
-                                           settings.logprob_batch_size)
+                                           settings.logprob_batch_size, settings.processing)
     ref_logprobs = ref_logprobs_fn(generation) if ref_logprobs_fn is not None else None
     values = returns = None
     if settings.gae is not None:

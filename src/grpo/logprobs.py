@@ -22,7 +22,9 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from grpo.algorithm import token_entropy, token_logprobs
+from grpo.algorithm import (LogprobProcessing, processed_token_entropy, processed_token_logprobs, token_entropy,
+                            token_logprobs)
+from grpo.algorithm.processing import prompt_presence
 
 
 COLUMN_BUCKET = 64  # GPU micro-batch widths are multiples of this (see _micro_batched_logprobs)
@@ -129,6 +131,7 @@ def completion_logprobs(
     share_prompts: bool = True,
     column_bucket: int | None = None,
     with_entropy: bool = False,
+    processing: LogprobProcessing | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs of each completion token given its prompt and the completion prefix.
 
@@ -143,6 +146,9 @@ def completion_logprobs(
             False runs every row's prompt + completion as one sequence (the plain reference).
         with_entropy: also return the entropy of each completion position's sampling distribution,
             read off the same logits (``token_entropy``: no gradient, no second pass, chunked).
+        processing: the sampling controls the completions were drawn with (repetition penalty,
+            min_new_tokens, min_p): the log-probs (and entropy) are then those of the processed
+            distribution (``grpo.algorithm.processing``). None or all off: the tempered logits as they are.
 
     Returns:
         [N, Lc] float32 (padding positions hold finite values, 0 past a micro-batch's longest completion,
@@ -152,18 +158,19 @@ def completion_logprobs(
         for the call (see the module docstring). With ``with_entropy``: ``(logprobs, entropy)``, both
         [N, Lc] float32 (entropy 0 past a micro-batch's longest completion).
     """
+    processing = processing if processing is not None and processing.active else None  # off: today's path
     with nullcontext() if torch.is_grad_enabled() else checkpointing_paused(model):
         share_prompts = share_prompts and can_share_prompt_cache(model)
         logprobs, entropy = _micro_batched_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                                     temperature, micro_batch_size, share_prompts, column_bucket,
-                                                    with_entropy)
+                                                    with_entropy, processing)
     return (logprobs, entropy) if with_entropy else logprobs
 
 
 def _micro_batched_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                             completion_mask: Tensor, temperature: float, micro_batch_size: int | None,
                             share_prompts: bool, column_bucket: int | None,
-                            with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+                            with_entropy: bool, processing: LogprobProcessing | None) -> tuple[Tensor, Tensor | None]:
     """``completion_logprobs``' loop over micro-batches, ``share_prompts`` already checked: ([N, Lc]
     log-probs, [N, Lc] entropy or None)."""
     Lc, Lp = completion_ids.shape[1], prompt_ids.shape[1]
@@ -195,10 +202,16 @@ def _micro_batched_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, comp
         else:
             first_rows, index = (_to_device(t, device) for t in shared)
             logits = _shared_prompt_logits(model, p_ids, p_mask, c_ids, c_mask, first_rows, index)
-        targets = torch.cat([p_ids[:, -1:], c_ids], dim=1)  # [b, width + 1]: last prompt token, then the completion
-        logprobs = token_logprobs(logits, targets, temperature)  # [b, width]
+        if processing is None:
+            targets = torch.cat([p_ids[:, -1:], c_ids], dim=1)  # [b, width + 1]: last prompt token, then the completion
+            logprobs = token_logprobs(logits, targets, temperature)  # [b, width]
+        else:  # the processors read the prompt's tokens and the completion's before each position
+            seen = prompt_presence(p_ids, p_mask, logits.shape[-1])  # [b, V] bool
+            processed = (logits[:, :-1], c_ids, c_mask, seen, temperature, processing)  # position t predicts c_ids[:, t]
+            logprobs = processed_token_logprobs(*processed).float()  # [b, width]
         out.append(torch.nn.functional.pad(logprobs, (0, Lc - width)))  # [b, Lc], zeros where all rows pad
         if with_entropy:  # while this micro-batch's logits exist: no pass of its own
-            entropy = token_entropy(logits, temperature).float()  # [b, width]
+            entropy = (token_entropy(logits, temperature) if processing is None
+                       else processed_token_entropy(*processed)).float()  # [b, width]
             entropies.append(torch.nn.functional.pad(entropy, (0, Lc - width)))
     return torch.cat(out), (torch.cat(entropies) if with_entropy else None)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo.algorithm import policy_loss, sampler_importance_weights
+from grpo.algorithm import LogprobProcessing, policy_loss, sampler_importance_weights
 from grpo.config import OptimConfig
 from grpo.distributed import DistInfo, all_reduce_sum
 from grpo.learners import Learner
@@ -79,6 +79,7 @@ class LossSettings:
     mask_truncated_completions: bool = False  # DAPO: completions without EOS get no loss
     sampler_is_mode: str | None = None  # loss.sampler_is_correction on: a name in grpo.algorithm.SAMPLER_CORRECTIONS
     sampler_is_cap: float = 3.0
+    processing: LogprobProcessing | None = None  # the sampling controls the log-probs follow (None: off)
 
 
 def _micro_batch_weight(loss_type: str, rows: int, tokens: torch.Tensor, total_rows: int,
@@ -170,7 +171,7 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
                 first = iteration == 0
                 result = completion_logprobs(learner.module, gen.prompt_ids[rows], gen.prompt_mask[rows],
                                              gen.completion_ids[rows], gen.completion_mask[rows], s.temperature,
-                                             with_entropy=first)
+                                             with_entropy=first, processing=s.processing)
                 logprobs, entropy = result if first else (result, None)  # [b, Lc] each
                 old = old_all[on_device] if old_all is not None else logprobs.detach()
                 if captured is not None and iteration == 0:

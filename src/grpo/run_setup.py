@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from grpo.algorithm import LogprobProcessing
 from grpo.config import RunConfig
 from grpo.data import load_dataset_source, resolve_system_prompt
 from grpo.errors import TrainingAborted
@@ -23,7 +24,7 @@ from grpo.learners import Learner, build_learner, deepspeed_config, zero3_full_s
 from grpo.models import resolve_device
 from grpo.optimization import LossSettings, build_optimizer, build_scheduler
 from grpo.rollout import SamplingParams
-from grpo.rollout.hf import unwrap_model
+from grpo.rollout.hf import eos_token_ids, unwrap_model
 
 
 def start_process(cfg: RunConfig) -> tuple[DistInfo, torch.device]:
@@ -70,9 +71,20 @@ def kl_in_reward(cfg: RunConfig) -> bool:
     return cfg.algorithm.kl_penalty == "reward"
 
 
-def experience_settings(cfg: RunConfig, need_old_logprobs: bool | None = None) -> ExperienceSettings:
+def logprob_processing(cfg: RunConfig, policy: torch.nn.Module, tokenizer) -> LogprobProcessing | None:
+    """The sampling controls every log-prob pass must follow (rollout.repetition_penalty, min_new_tokens,
+    min_p; min_new_tokens holds back the engines' EOS ids), or None when all are off (today's path)."""
+    r = cfg.rollout
+    processing = LogprobProcessing(repetition_penalty=r.repetition_penalty, min_new_tokens=r.min_new_tokens,
+                                   min_p=r.min_p, eos_ids=tuple(eos_token_ids(policy, tokenizer)))
+    return processing if processing.active else None
+
+
+def experience_settings(cfg: RunConfig, processing: LogprobProcessing | None,
+                        need_old_logprobs: bool | None = None) -> ExperienceSettings:
     """The rollout-side settings from the config tree (old log-probs when num_iterations > 1, unless told;
-    always when the KL penalty is in the reward, which needs them)."""
+    always when the KL penalty is in the reward, which needs them). ``processing``: ``logprob_processing``'s
+    (a required argument, so that no role can compute raw log-probs of processed samples by omission)."""
     r = cfg.rollout
     gae = None
     if cfg.algorithm.advantage_estimator == "gae":
@@ -81,17 +93,19 @@ def experience_settings(cfg: RunConfig, need_old_logprobs: bool | None = None) -
     need_old_logprobs = cfg.loss.num_iterations > 1 if need_old_logprobs is None else need_old_logprobs
     return ExperienceSettings(
         sampling=SamplingParams(n=r.num_generations, max_tokens=r.max_completion_length,
-                                temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
+                                temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                repetition_penalty=r.repetition_penalty, min_new_tokens=r.min_new_tokens,
+                                min_p=r.min_p),
         system_prompt=resolve_system_prompt(cfg.data.system_prompt, cfg.data.tag_style),
         tag_style=cfg.data.tag_style, max_prompt_length=cfg.data.max_prompt_length,
         advantage_estimator=cfg.algorithm.advantage_estimator, scale_rewards=cfg.loss.scale_rewards,
         advantage_eps=cfg.loss.advantage_eps,
         need_old_logprobs=need_old_logprobs or kl_in_reward(cfg),
-        logprob_batch_size=cfg.train.micro_batch_size, max_steps=cfg.train.max_steps, gae=gae)
+        logprob_batch_size=cfg.train.micro_batch_size, max_steps=cfg.train.max_steps, gae=gae, processing=processing)
 
 
-def loss_settings(cfg: RunConfig) -> LossSettings:
-    """The update-side settings from the config tree."""
+def loss_settings(cfg: RunConfig, processing: LogprobProcessing | None) -> LossSettings:
+    """The update-side settings from the config tree; ``processing`` as ``experience_settings``."""
     return LossSettings(
         # With the KL in the reward, the loss has none (the reference log-probs still give the kl metric).
         epsilon=cfg.loss.epsilon, epsilon_high=cfg.loss.epsilon_high, beta=0.0 if kl_in_reward(cfg) else cfg.loss.beta,
@@ -101,7 +115,7 @@ def loss_settings(cfg: RunConfig) -> LossSettings:
         importance_sampling_level=cfg.loss.importance_sampling_level,
         mask_truncated_completions=cfg.loss.mask_truncated_completions,
         sampler_is_mode=cfg.loss.sampler_is_mode if cfg.loss.sampler_is_correction else None,
-        sampler_is_cap=cfg.loss.sampler_is_cap)
+        sampler_is_cap=cfg.loss.sampler_is_cap, processing=processing)
 
 
 def dynamic_rounds(cfg: RunConfig) -> int | None:
@@ -283,7 +297,11 @@ class DeferredInterrupt:
 
 
 def run_eval(cfg: RunConfig, model, tokenizer, examples, info: DistInfo) -> dict | None:
-    """Greedy held-out accuracy on rank 0 (others wait); None without a held-out set."""
+    """Greedy held-out accuracy on rank 0 (others wait); None without a held-out set.
+
+    Without rollout.repetition_penalty / min_new_tokens / min_p: they shape exploration during training,
+    while the held-out accuracy measures the policy itself, greedily, comparable across runs that
+    sample differently (and with the before-training figure)."""
     if not examples:
         return None
     from grpo.evaluate import evaluate

@@ -27,8 +27,8 @@ from grpo.rollout.build import build_engine, check_engine_available, holds_own_w
 from grpo.rollout.guard import check_sampler_logprobs, is_check_step
 from grpo.run_dir import check_output_dir, claim_output_dir
 from grpo.run_setup import (DeferredInterrupt, SkipGuard, build_rewards, build_trainable, dynamic_rounds,
-                            eval_metrics, experience_settings, load_data, loss_settings, resume_checkpoint, run_eval,
-                            save_run_checkpoint, start_process)
+                            eval_metrics, experience_settings, load_data, logprob_processing, loss_settings,
+                            resume_checkpoint, run_eval, save_run_checkpoint, start_process)
 from grpo.step_metrics import sample_records, step_metrics
 
 
@@ -50,16 +50,17 @@ def sync_engine(engine, policy, step: int, sleeps: bool) -> dict[str, float]:
     return {"time/weight_sync_s": time.perf_counter() - started}
 
 
-def check_engine(cfg: RunConfig, policy, batch, step: int, info) -> dict[str, float]:
+def check_engine(cfg: RunConfig, policy, batch, step: int, info, processing=None) -> dict[str, float]:
     """The off-policy guard (``grpo.rollout.guard``) on this step's batch, before its update: the
     engine's log-probs (``batch.sampler_logprobs``, every round's with dynamic sampling) against the
     trainer's. With ``loss.num_iterations`` 1 the trainer has no old log-probs, so a checked step pays one
     no-grad forward pass for them (hence every N steps, not every step); with more iterations they exist
-    already and every step is checked."""
+    already and every step is checked. ``processing``: the sampling controls
+    (``run_setup.logprob_processing``), which vLLM's processed log-probs include too."""
     trainer_logprobs = batch.old_logprobs
     if trainer_logprobs is None:
         trainer_logprobs = generation_logprobs(policy, batch.generation, cfg.rollout.temperature,
-                                               cfg.train.micro_batch_size)
+                                               cfg.train.micro_batch_size, processing)
     return check_sampler_logprobs(step, batch.sampler_logprobs, trainer_logprobs, batch.generation.completion_mask,
                                   cfg.rollout.vllm_max_logprob_diff, info)
 
@@ -87,8 +88,9 @@ def train(cfg: RunConfig) -> TrainResult:
         policy = load_policy(cfg.model, device, master_weights=uses_autocast(cfg.model, deepspeed))
         compute = compute_context(cfg.model, device, deepspeed)  # bf16 autocast over fp32 master weights
         reference = load_reference(cfg.model, policy, tokenizer, device) if cfg.loss.beta > 0 else None
-        ref_logprobs = (local_reference(policy, reference, cfg.rollout.temperature, cfg.train.micro_batch_size)
-                        if cfg.loss.beta > 0 else None)
+        processing = logprob_processing(cfg, policy, tokenizer)  # every log-prob pass follows the sampling controls
+        ref_logprobs = (local_reference(policy, reference, cfg.rollout.temperature, cfg.train.micro_batch_size,
+                                        processing) if cfg.loss.beta > 0 else None)
         trainable = build_trainable(cfg, policy, info)
         critic = build_critic(cfg, info, device) if cfg.algorithm.advantage_estimator == "gae" else None
         out = claim_output_dir(cfg, info.is_main)  # setup succeeded: only now is anything written
@@ -106,10 +108,11 @@ def train(cfg: RunConfig) -> TrainResult:
             push_policy_weights(engine, policy, start_step)
         # Old log-probs come from the first iteration of the update (train_on_batch), not a separate pass;
         # with vLLM and num_iterations > 1 they are computed after sampling, and serve the guard too.
-        exp_settings = experience_settings(cfg, need_old_logprobs=own_weights and cfg.loss.num_iterations > 1)
+        exp_settings = experience_settings(cfg, processing,
+                                           need_old_logprobs=own_weights and cfg.loss.num_iterations > 1)
         check_every = cfg.rollout.vllm_check_steps if own_weights else 0
         first_step = start_step + 1  # this process's first step (the guard checks it and the next)
-        train_settings = loss_settings(cfg)
+        train_settings = loss_settings(cfg, processing)
         values_fn = None
         if critic is not None:  # PPO: the critic's values after sampling, and its own update after the policy's
             values_fn = partial(generation_values, critic.model, batch_size=cfg.train.micro_batch_size)
@@ -152,7 +155,7 @@ def train(cfg: RunConfig) -> TrainResult:
                     checked = {}  # the off-policy guard, free with old log-probs, else on its schedule
                     if check_every and (batch.old_logprobs is not None
                                         or is_check_step(step, check_every, first_step)):
-                        checked = check_engine(cfg, policy, batch, step, info)
+                        checked = check_engine(cfg, policy, batch, step, info, processing)
                     rollout_done = time.perf_counter()
                     if own_weights and cfg.rollout.vllm_enable_sleep_mode:
                         engine.sleep()  # its GPU memory goes to the update

@@ -7,6 +7,8 @@ prompt ``i``; ``N = P*G``. ``L`` is the completion length (padded), ``T`` a full
 - ``advantages``: outcome estimators per group (grpo, rloo, reinforce_pp), GAE, whitening, per-token
   rewards with the KL penalty in them.
 - ``tokens``: log-probs of the sampled tokens and the entropy of their distributions, from logits.
+- ``processing``: the sampling controls (repetition penalty, min_new_tokens, min_p) as Hugging Face
+  applies them, per position for the samplers and over every completion position for the log-probs.
 - ``losses``: the clipped policy surrogate (token or sequence importance ratios), its aggregation,
   PPO's clipped value loss, the sampler correction's importance weights, the sampler/trainer log-prob gap.
 
@@ -35,12 +37,13 @@ from grpo.algorithm.losses import (
     truncated_importance_weights,
     value_loss,
 )
+from grpo.algorithm.processing import LogprobProcessing, processed_token_entropy, processed_token_logprobs
 from grpo.algorithm.tokens import token_entropy, token_logprobs
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS", "ADVANTAGE_SCALES", "IMPORTANCE_SAMPLING_LEVELS", "LOSS_AGGREGATIONS",
+    "ADVANTAGE_ESTIMATORS", "ADVANTAGE_SCALES", "IMPORTANCE_SAMPLING_LEVELS", "LOSS_AGGREGATIONS", "LogprobProcessing",
     "SAMPLER_CORRECTIONS",
     "aggregate_loss", "gae_advantages", "group_advantages", "kl_k3", "kl_penalized_token_rewards", "logprob_mismatch",
-    "policy_loss", "sampler_importance_weights", "token_entropy", "token_logprobs", "truncated_importance_weights",
-    "value_loss", "whiten",
+    "policy_loss", "processed_token_entropy", "processed_token_logprobs", "sampler_importance_weights", "token_entropy",
+    "token_logprobs", "truncated_importance_weights", "value_loss", "whiten",
 ]

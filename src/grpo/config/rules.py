@@ -79,6 +79,7 @@ def config_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
             "renormalised over the kept tokens while the trainer's are not, so the check would measure the "
             "truncation, not the weights; sample without top_p/top_k or set rollout.vllm_check_steps: 0")))
     problems.extend(sampler_problems(cfg))
+    problems.extend(sampling_control_problems(cfg))
     if cfg.train.early_stop_accuracy is not None and cfg.data.eval is None:
         problems.append(("train.early_stop_accuracy", "needs data.eval (a held-out set to measure accuracy on)"))
     return problems
@@ -133,4 +134,22 @@ def ppo_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
         problems.append(("train.deepspeed", (
             "cannot be combined with algorithm.advantage_estimator gae yet: the critic trains with torch "
             "AdamW (DDP on N ranks), not a DeepSpeed engine; drop train.deepspeed")))
+    return problems
+
+
+def sampling_control_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
+    """The rules of rollout.repetition_penalty / min_new_tokens / min_p (``grpo.algorithm.processing``)."""
+    r, problems = cfg.rollout, []
+    controls = r.repetition_penalty != 1.0 or r.min_new_tokens > 0 or r.min_p > 0.0
+    if r.min_new_tokens > r.max_completion_length:
+        problems.append(("rollout.min_new_tokens", (
+            f"{r.min_new_tokens} > rollout.max_completion_length {r.max_completion_length}: no completion could "
+            "ever end with EOS, every one would be cut off")))
+    uses_server = cfg.train.mode == "decoupled" and (cfg.decoupled.ref_server or cfg.decoupled.ref_server_url)
+    if controls and cfg.loss.beta > 0 and uses_server:
+        problems.append(("decoupled.ref_server", (
+            "cannot serve rollout.repetition_penalty / min_new_tokens / min_p yet: its protocol carries only a "
+            "temperature, so its reference log-probs would be of the unprocessed distribution while the policy's "
+            "are of the processed one, and the KL would measure the controls, not the policy's drift; load the "
+            "reference in the samplers (decoupled.ref_server: false, no ref_server_url) or turn the controls off")))
     return problems

@@ -74,6 +74,19 @@ class RolloutConfig:
     temperature: float = opt(1.0, "Sampling temperature; log-probs are computed at the same temperature.", gt=0)
     top_p: float = opt(1.0, "Nucleus sampling threshold.", gt=0, le=1)
     top_k: int | None = opt(None, "Top-k sampling; null or 0 = off.", ge=0)
+    repetition_penalty: float = opt(
+        1.0, "HF's repetition penalty before temperature: the logit x of a token already in the prompt (left "
+        "padding excluded) or the completion becomes x / p (x >= 0) or x * p (x < 0); 1 = off. The log-probs "
+        "(old, new, reference) apply it too, so they are of the distribution sampled.", gt=0)
+    min_new_tokens: int = opt(
+        0, "Every EOS id is forbidden until this many tokens were generated (HF's min_new_tokens, vLLM's "
+        "min_tokens); the log-probs forbid it too. 0 = off.", ge=0)
+    min_p: float = opt(
+        0.0, "Min-p sampling after temperature/top-k/top-p: drop tokens below min_p x the top token's probability; "
+        "0 = off. Log-probs renormalise over the kept tokens (plus the sampled one, so they stay finite once the "
+        "policy moves). Unlike top_k/top_p, whose log-probs are of the untruncated distribution (as TRL's): a "
+        "top-p set needs a full-vocabulary sort per token in the training pass, min-p only a max. vLLM applies "
+        "min_p before top_p (HF after): combine them only with hf engines for HF's semantics.", ge=0, le=1)
     vllm_gpu_memory_utilization: float = opt(
         0.3, "engine vllm: share of the GPU vLLM takes for weights + KV cache (colocated: leave room to train).",
         gt=0, le=1)

@@ -25,15 +25,16 @@ from grpo.models import load_policy, load_reference, load_tokenizer, resolve_dev
 from grpo.prompt_sampler import PromptSampler
 from grpo.records import RolloutBatch
 from grpo.rollout.build import build_engine, holds_own_weights
-from grpo.run_setup import build_rewards, dynamic_rounds, experience_settings, load_data
+from grpo.run_setup import build_rewards, dynamic_rounds, experience_settings, load_data, logprob_processing
 from grpo.transport import PeerClosed, RolloutSender
 from grpo.weight_store import WeightStore, apply_to_model
 
 logger = logging.getLogger(__name__)
 
 
-def reference_logprobs_fn(cfg: RunConfig, policy, tokenizer, device, token: str):
-    """Reference log-probs from the configured server, else from a reference loaded here; None if beta == 0."""
+def reference_logprobs_fn(cfg: RunConfig, policy, tokenizer, device, token: str, processing=None):
+    """Reference log-probs from the configured server, else from a reference loaded here (following the
+    sampling controls in ``processing``; the server does not, see grpo.config.rules); None if beta == 0."""
     if cfg.loss.beta == 0:
         return None
     if cfg.decoupled.ref_server_url:
@@ -44,7 +45,7 @@ def reference_logprobs_fn(cfg: RunConfig, policy, tokenizer, device, token: str)
         client.wait_ready(timeout_s=cfg.decoupled.peer_timeout_s)
         return lambda g: client.logprobs(g.prompt_ids, g.prompt_mask, g.completion_ids, g.completion_mask)
     reference = load_reference(cfg.model, policy, tokenizer, device)
-    return local_reference(policy, reference, cfg.rollout.temperature, cfg.train.micro_batch_size)
+    return local_reference(policy, reference, cfg.rollout.temperature, cfg.train.micro_batch_size, processing)
 
 
 def for_correction(batch: RolloutBatch, correction: bool) -> RolloutBatch:
@@ -74,12 +75,13 @@ def run_sampler(cfg: RunConfig) -> int:
     prompts = PromptSampler(len(train_set), cfg.train.prompts_per_step, cfg.train.seed, cfg.data.shuffle)
     policy = load_policy(cfg.model, device).eval()
     policy.requires_grad_(False)
-    ref_logprobs = reference_logprobs_fn(cfg, policy, tokenizer, device, token)
+    processing = logprob_processing(cfg, policy, tokenizer)  # old and reference log-probs follow the controls
+    ref_logprobs = reference_logprobs_fn(cfg, policy, tokenizer, device, token, processing)
     reward_fns, weights = build_rewards(cfg, train_set)
     engine = build_engine(cfg, policy, tokenizer)
     correction = cfg.loss.sampler_is_correction
     # The trainer's ratio needs this sampler's log-probs; with the correction, vLLM reports its own.
-    settings = experience_settings(cfg, need_old_logprobs=not (correction and holds_own_weights(engine)))
+    settings = experience_settings(cfg, processing, need_old_logprobs=not (correction and holds_own_weights(engine)))
     store = WeightStore(cfg.train.output_dir)
     sender = RolloutSender(d.address, sampler_id, token=token, max_message_bytes=max_message_bytes(cfg),
                            max_inflight=cfg.train.max_staleness + 1, timeout_s=d.peer_timeout_s)

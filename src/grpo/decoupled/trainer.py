@@ -22,8 +22,8 @@ from grpo.distributed import DistInfo, barrier, print0, shutdown
 from grpo.models import check_memory_savers, compute_context, load_policy, load_tokenizer, uses_autocast
 from grpo.optimization import train_on_batch
 from grpo.run_dir import check_output_dir, claim_output_dir
-from grpo.run_setup import (DeferredInterrupt, SkipGuard, build_trainable, loss_settings, resume_checkpoint,
-                            save_run_checkpoint, start_process)
+from grpo.run_setup import (DeferredInterrupt, SkipGuard, build_trainable, logprob_processing, loss_settings,
+                            resume_checkpoint, save_run_checkpoint, start_process)
 from grpo.step_metrics import sample_records, step_metrics
 from grpo.transport import IncomingBatch, PeerTimeout
 from grpo.wire import batch_to_message, decode, encode, message_to_batch, pack_bytes, unpack_bytes
@@ -142,7 +142,7 @@ def run_trainer(cfg: RunConfig) -> int:
         logger_ = MetricsLogger(out, cfg.log.report_to, config_to_dict(cfg), enabled=info.is_main,
                                 resume_step=start_step if resumed is not None else None,
                                 wandb_project=cfg.log.wandb_project)
-        settings = loss_settings(cfg)
+        settings = loss_settings(cfg, logprob_processing(cfg, policy, tokenizer))  # the samplers' controls
         counters = {"dropped": 0}
 
         # As in the colocated loop: the weights are those of step `done` except while a step's update runs

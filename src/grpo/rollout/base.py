@@ -13,7 +13,8 @@ from grpo.records import Generation
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How completions are drawn. ``temperature == 0`` or ``greedy`` means argmax decoding."""
+    """How completions are drawn. ``temperature == 0`` or ``greedy`` means argmax decoding (of the logits
+    after the repetition penalty and min_new_tokens, which ``generate`` applies when greedy too)."""
 
     n: int = 1  # completions per prompt (G)
     max_tokens: int = 256
@@ -21,6 +22,10 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int | None = None
     greedy: bool = False
+    # Hugging Face's processors (see grpo.algorithm.processing; all engines apply them as generate does):
+    repetition_penalty: float = 1.0  # a seen token's logit x -> x / p (x >= 0) or x * p (x < 0); 1 = off
+    min_new_tokens: int = 0  # every EOS id is forbidden before this many new tokens
+    min_p: float = 0.0  # drop tokens below min_p * the top token's probability (after top-k/top-p); 0 = off
 
 
 class RolloutEngine(Protocol):

@@ -53,7 +53,9 @@ def eos_token_ids(model: torch.nn.Module, tokenizer) -> list[int]:
 class HFEngine:
     """Batched sampling with ``model.generate``; every sampling parameter is set explicitly so that the
     checkpoint's own generation_config (e.g. Qwen's top_k=20, repetition_penalty=1.05) never changes
-    the distribution the log-probs are computed for."""
+    the distribution the log-probs are computed for. ``repetition_penalty``, ``min_new_tokens`` and
+    ``min_p`` are generate's own processors (``generate`` excludes the prompts' left padding from the
+    penalty, as the other engines and the log-probs do)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int | None = None):
         self.model = model
@@ -100,12 +102,14 @@ class HFEngine:
 
         greedy = params.greedy or params.temperature == 0
         sampling = {} if greedy else {"temperature": params.temperature, "top_p": params.top_p,
-                                      "top_k": params.top_k or 0}  # 0, not None: None falls back to 50
+                                      "top_k": params.top_k or 0,  # 0, not None: None falls back to 50
+                                      "min_p": params.min_p or None}  # None: no MinPLogitsWarper at all
         return GenerationConfig(
             do_sample=not greedy,
             num_return_sequences=params.n,
             max_new_tokens=params.max_tokens,
-            repetition_penalty=1.0,
+            repetition_penalty=params.repetition_penalty,  # generate skips the processor at 1.0
+            min_new_tokens=params.min_new_tokens,  # and this one at 0
             pad_token_id=pad_id,
             eos_token_id=eos_ids,
             **sampling,

@@ -2,9 +2,10 @@
 
 Why not ``model.generate``: for the small models GRPO is often run with, its per-token Python
 machinery (logits processors, stopping criteria, cache bookkeeping) costs as much as the model. This
-loop does only what GRPO sampling needs, and samples from exactly the same distribution:
-logits / temperature, then top-k, then top-p (the order ``generate`` applies them), then one draw
-from that distribution (inverse CDF, see ``draw_tokens``). Three savings ``generate`` does not make:
+loop does only what GRPO sampling needs, and samples from exactly the same distribution: the
+repetition penalty and min_new_tokens on the raw logits, then logits / temperature, top-k, top-p and
+min-p (the order ``generate`` applies them; ``grpo.algorithm.processing`` has the first two and
+min-p), then one draw from that distribution (inverse CDF, see ``draw_tokens``). Three savings ``generate`` does not make:
 each prompt is prefilled once and its KV cache repeated for the G samples (into a preallocated cache
 written in place), finished rows leave the batch, and a LoRA policy samples with its
 adapter folded into the weights it adapts (W + BA computed once per call instead of two extra
@@ -21,6 +22,7 @@ from torch import Tensor
 
 from transformers.cache_utils import DynamicLayer
 
+from grpo.algorithm.processing import eos_mask, min_p_removed, penalize_repeats, prompt_presence
 from grpo.records import Generation
 from grpo.rollout.base import SamplingParams, completion_mask_from_ids
 from grpo.rollout.hf import eos_token_ids, eval_mode, left_pad, unwrap_model
@@ -50,8 +52,24 @@ def folded_lora_weights(model: torch.nn.Module) -> dict[str, Tensor] | None:
     return folded or None
 
 
-def filter_logits(logits: Tensor, temperature: float, top_k: int | None, top_p: float) -> Tensor:
-    """[B, V] logits -> [B, V] logits of the sampling distribution (-inf where excluded)."""
+def apply_processors(logits: Tensor, penalty: float, seen: Tensor | None, forbidden: Tensor | None) -> Tensor:
+    """``generate``'s processors on [B, V] raw logits, before temperature: the repetition penalty over
+    ``seen`` ([B, V] bool: the row's prompt and completion tokens so far; None = off), then -inf on
+    ``forbidden`` ([V] or [B, V] bool: the EOS ids while min_new_tokens holds; None = nothing). With
+    neither, the logits come back as they are (today's path, no copy); else a float32 copy."""
+    if seen is None and forbidden is None:
+        return logits
+    logits = logits.float()
+    if seen is not None:
+        logits = penalize_repeats(logits, seen, penalty)
+    if forbidden is not None:
+        logits = logits.masked_fill(forbidden, float("-inf"))
+    return logits
+
+
+def filter_logits(logits: Tensor, temperature: float, top_k: int | None, top_p: float, min_p: float = 0.0) -> Tensor:
+    """[B, V] logits -> [B, V] logits of the sampling distribution (-inf where excluded): temperature,
+    top-k, top-p, min-p, in ``generate``'s order."""
     logits = logits.float() / temperature
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]  # [B, 1]
@@ -63,6 +81,8 @@ def filter_logits(logits: Tensor, temperature: float, top_k: int | None, top_p: 
         drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if min_p > 0.0:
+        logits = logits.masked_fill(min_p_removed(logits, min_p), float("-inf"))
     return logits
 
 
@@ -189,21 +209,29 @@ class LeanEngine:
         for layer in cache.layers:
             if not isinstance(layer, PreallocatedLayer):
                 layer.batch_repeat_interleave(n)
-        mask = mask.repeat_interleave(n, dim=0)  # [B, Lp] with B = prompts * n
+        prompt_mask, mask = mask, mask.repeat_interleave(n, dim=0)  # [B, Lp] with B = prompts * n
         next_pos = positions[:, -1:].repeat_interleave(n, dim=0) + 1  # [B, 1]
         logits = out.logits[:, -1].repeat_interleave(n, dim=0)  # [B, V]
-        B = mask.shape[0]
+        B, V = logits.shape
+        # The processors' state: the tokens each row has seen (prompt, then each drawn one) and the EOS ids
+        seen = (prompt_presence(ids, prompt_mask, V).repeat_interleave(n, dim=0)  # [B, V] bool
+                if params.repetition_penalty != 1.0 else None)
+        eos_forbidden = eos_mask(eos_ids, V, device) if params.min_new_tokens > 0 else None  # [V]
         result = torch.full((B, params.max_tokens), pad_id, dtype=torch.long, device=device)
         active = torch.arange(B, device=device)  # rows still generating
         eos = torch.tensor(eos_ids, device=device)
         greedy = params.greedy or params.temperature == 0
         for t in range(params.max_tokens):
+            logits = apply_processors(logits, params.repetition_penalty, seen,
+                                      eos_forbidden if t < params.min_new_tokens else None)
             if greedy:
                 tokens = logits.argmax(-1)
             else:
-                probs = filter_logits(logits, params.temperature, params.top_k, params.top_p).softmax(-1)
+                probs = filter_logits(logits, params.temperature, params.top_k, params.top_p, params.min_p).softmax(-1)
                 tokens = draw_tokens(probs, generator)  # [b]
             result[active, t] = tokens
+            if seen is not None:
+                seen.scatter_(1, tokens[:, None], True)
             done = torch.isin(tokens, eos)
             if done.all() or t == params.max_tokens - 1:
                 break
@@ -211,6 +239,7 @@ class LeanEngine:
                 keep = (~done).nonzero().squeeze(-1)
                 cache.batch_select_indices(keep)
                 active, tokens, mask, next_pos = active[keep], tokens[keep], mask[keep], next_pos[keep]
+                seen = seen[keep] if seen is not None else None
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
             out = forward(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos,
                           past_key_values=cache, use_cache=True)

@@ -14,8 +14,10 @@ Data flow for one call (rows grouped per prompt, ``B = prompts * n``):
   ``max_tokens`` replays of ``step`` -> ``[B, max_tokens]`` tokens, everything after a row's first EOS
   replaced by padding (finished rows keep decoding, unused: a fixed shape costs less than a host sync).
 
-The sampling distribution is the ``hf`` engine's: ``filter_logits`` (temperature, then top-k, then top-p)
-and an inverse-CDF draw with one uniform per row and token. The uniforms are drawn up front,
+The sampling distribution is the ``hf`` engine's: ``apply_processors`` (repetition penalty over a
+``[B, V]`` bool of the tokens each row has seen, updated in place by the step; EOS at -inf while the
+token index, a tensor, is below min_new_tokens: no host read), ``filter_logits`` (temperature, top-k,
+top-p, min-p) and an inverse-CDF draw with one uniform per row and token. The uniforms are drawn up front,
 ``[B, max_tokens]`` from the call's seeded generator (no RNG inside the graph), so a seed fixes the
 output; it is not the ``hf`` engine's stream, so the two engines give different (equally distributed)
 samples for one seed. Weights: a ``SamplingCopy`` (bf16 on CUDA, LoRA merged), refreshed from the
@@ -37,10 +39,11 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
+from grpo.algorithm.processing import eos_mask, prompt_presence
 from grpo.records import Generation
 from grpo.rollout.base import SamplingParams
 from grpo.rollout.hf import eos_token_ids, left_pad
-from grpo.rollout.lean import assemble_generation, filter_logits, seeded_generator
+from grpo.rollout.lean import apply_processors, assemble_generation, filter_logits, seeded_generator
 from grpo.rollout.sampling_copy import SamplingCopy
 
 CACHE_BUCKET = 128  # cache lengths rounded up to this: steps with slightly different prompt widths reuse shapes
@@ -132,6 +135,7 @@ class StaticEngine:
         write_pos = torch.tensor(Lp, device=device)  # [] the cache slot the next token goes to
         cache.layers = [StaticKVLayer(layer.keys, layer.values, n, capacity, write_pos) for layer in cache.layers]
         B = ids.shape[0] * n
+        V = out.logits.shape[-1]
         greedy = params.greedy or params.temperature == 0
         state = _StepState(
             cache=cache, write_pos=write_pos, prompt_len=Lp,
@@ -144,7 +148,11 @@ class StaticEngine:
                       torch.rand(B, steps, generator=generator, dtype=torch.float64, device=device)),  # [B, steps]
             result=torch.full((B, steps), pad_id, dtype=torch.long, device=device),  # [B, steps]
             finished=torch.zeros(B, dtype=torch.bool, device=device),  # [B]
-            eos=torch.tensor(eos_ids, device=device), params=params)
+            eos=torch.tensor(eos_ids, device=device), params=params,
+            # the processors' state (None when off): tokens seen per row [B, V], the EOS ids [V]
+            seen=(prompt_presence(ids, mask, V).repeat_interleave(n, 0) if params.repetition_penalty != 1.0
+                  else None),
+            eos_forbidden=eos_mask(eos_ids, V, device) if params.min_new_tokens > 0 else None)
         # Token 0 comes from the prefill's logits (eagerly); the graph covers tokens 1 .. steps-1.
         state.first_token(out.logits[:, -1].repeat_interleave(n, 0))
         step = self._decode_step(model, state)
@@ -179,18 +187,22 @@ class _StepState:
 
     def __init__(self, *, cache, write_pos: Tensor, prompt_len: int, key_mask: Tensor, first_position: Tensor,
                  slots: Tensor, uniforms: Tensor | None, result: Tensor, finished: Tensor,
-                 eos: Tensor, params: SamplingParams):
+                 eos: Tensor, params: SamplingParams, seen: Tensor | None, eos_forbidden: Tensor | None):
         self.cache, self.write_pos, self.prompt_len = cache, write_pos, prompt_len
         self.key_mask, self.first_position, self.slots = key_mask, first_position, slots
         self.uniforms, self.result, self.finished, self.eos, self.params = uniforms, result, finished, eos, params
+        self.seen, self.eos_forbidden = seen, eos_forbidden
         self.tokens = result[:, 0].clone()  # [B] the last token drawn (set by first_token)
 
     def draw(self, logits: Tensor, t: Tensor) -> Tensor:
         """[B, V] logits -> [B] tokens; ``t`` ([1]) picks this token's column of uniforms."""
         params = self.params
+        # min_new_tokens: the EOS ids are out while t < min_new_tokens, decided on the device ([V] & [1])
+        forbidden = None if self.eos_forbidden is None else self.eos_forbidden & (t < params.min_new_tokens)
+        logits = apply_processors(logits, params.repetition_penalty, self.seen, forbidden)
         if self.uniforms is None:
             return logits.float().argmax(-1)
-        probs = filter_logits(logits, params.temperature, params.top_k, params.top_p).softmax(-1)  # [B, V]
+        probs = filter_logits(logits, params.temperature, params.top_k, params.top_p, params.min_p).softmax(-1)
         cdf = probs.double().cumsum(-1)  # [B, V]: the hf engine's inverse-CDF draw (lean.draw_tokens)
         u = self.uniforms.index_select(1, t)  # [B, 1]
         return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=probs.shape[-1] - 1).squeeze(-1)
@@ -199,6 +211,8 @@ class _StepState:
         self.tokens.copy_(tokens)
         self.result.index_copy_(1, t, tokens[:, None])
         self.finished |= torch.isin(tokens, self.eos)
+        if self.seen is not None:
+            self.seen.scatter_(1, tokens[:, None], True)
 
     def first_token(self, logits: Tensor) -> None:
         t = torch.zeros(1, dtype=torch.long, device=logits.device)
@@ -217,13 +231,14 @@ class _StepState:
 def _capture(step, state: _StepState):
     """Capture ``step`` as a CUDA graph; returns the replay. The warm-up runs on a side stream (as
     torch.cuda.graphs requires) and its writes are undone by restoring the step's inputs."""
-    saved = (state.write_pos.clone(), state.tokens.clone(), state.finished.clone())
+    restored = [state.write_pos, state.tokens, state.finished] + ([state.seen] if state.seen is not None else [])
+    saved = [tensor.clone() for tensor in restored]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         step()  # warm-up: lazy initialisation (cuBLAS handles, kernels) must not happen during capture
     torch.cuda.current_stream().wait_stream(stream)
-    for tensor, value in zip((state.write_pos, state.tokens, state.finished), saved):
+    for tensor, value in zip(restored, saved):  # the warm-up's token must not count as seen either
         tensor.copy_(value)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -14,7 +14,13 @@ temperature for the ratio. The engine asks vLLM for
 ``logprobs_mode="processed_logprobs"`` (vLLM 0.32's default, ``raw_logprobs``, is *before*
 temperature): "processed" is after temperature *and* after top-k/top-p, renormalised over the kept
 tokens. With top_k/top_p off it is ``log_softmax(logits / T)``, the trainer's quantity; with them on,
-the two differ by the log of the kept mass, which the metric then includes.
+the two differ by the log of the kept mass, which the metric then includes. vLLM's sampler applies
+min_tokens and the repetition penalty to the logits before temperature, and min_p after it, all
+before the processed log-probs are taken (``vllm/v1/sample/sampler.py``: logits processors that are
+not argmax-invariant, penalties, then in ``sample`` temperature, min_p, top-k/top-p): so with
+``rollout.repetition_penalty`` / ``min_new_tokens`` / ``min_p`` on they are the log-probs of the
+processed distribution, which is also what the trainer computes (``grpo.algorithm.processing``), and
+the off-policy guard compares like with like.
 
 Weights (both colocated and decoupled use): ``update_weights(LoadedWeights)``
   * "full": the published ``model.safetensors`` goes to a folder that every worker reloads in place
@@ -84,6 +90,10 @@ def to_vllm_sampling_params(params: SamplingParams, seed: int | None, *, logprob
     """Our ``SamplingParams`` -> ``vllm.SamplingParams``, one field to one field.
 
     Greedy (``greedy`` or temperature 0) is vLLM's temperature 0. top_k ``None`` is vLLM's 0 (off).
+    repetition_penalty, min_new_tokens (vLLM's ``min_tokens``: EOS and the generation_config's stop ids
+    forbidden before it) and min_p have HF's semantics in vLLM too (the penalty over prompt and output
+    tokens, x / p for x > 0 else x * p; min_p against the top probability). One order differs: vLLM
+    applies min_p *before* top-k/top-p, HF after; the two agree unless min_p is combined with top_p.
     ``logprobs=0``: only the sampled token's log-prob. EOS handling is left to vLLM's defaults (stop at
     the tokenizer's EOS and the model's generation_config EOS ids), which is what the HF engines do.
     """
@@ -94,6 +104,9 @@ def to_vllm_sampling_params(params: SamplingParams, seed: int | None, *, logprob
         temperature=0.0 if greedy else params.temperature,
         top_p=1.0 if greedy else params.top_p,
         top_k=0 if greedy or not params.top_k else params.top_k,
+        min_p=0.0 if greedy else params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        min_tokens=params.min_new_tokens,
         max_tokens=params.max_tokens,
         seed=seed,
         logprobs=0 if logprobs else None,
