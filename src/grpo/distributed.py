@@ -80,6 +80,24 @@ def barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
+# DDP wrappers held for the life of the process (``keep_until_exit``).
+_HELD_UNTIL_EXIT: list = []
+
+
+def keep_until_exit(obj):
+    """Hold ``obj`` (a DDP-wrapped module) until the process exits, and return it.
+
+    Why: freeing DDP's Reducer can drop the last reference to its gloo process group, whose destructor
+    joins the group's worker threads while holding the GIL; a worker still finishing the last
+    collective's cleanup needs the GIL to drop a Python reference, and the rank hangs for ever (seen once
+    under heavy load: rank 1 of a 2-rank CPU run stuck in ``~ProcessGroupGloo -> std::thread::join``
+    under the Reducer's dealloc as ``train`` returned, its worker in ``gil_scoped_acquire``). Held here,
+    the wrapper outlives ``train``; ``python -m grpo`` under torchrun then ends with ``os._exit`` after
+    flushing (``grpo.__main__``), so it is never torn down at all."""
+    _HELD_UNTIL_EXIT.append(obj)
+    return obj
+
+
 def shutdown(info: DistInfo) -> None:
     """Barrier then destroy: without the barrier a fast rank 0 may tear the group down under rank 1."""
     if info.enabled and dist.is_initialized():

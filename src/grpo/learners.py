@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from grpo.config import ConfigError
+from grpo.distributed import keep_until_exit
 
 
 class Learner(Protocol):
@@ -133,7 +134,8 @@ def build_learner(model: torch.nn.Module, optimizer, scheduler, *, ddp: bool, de
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                config=deepspeed_config_dict)
         return DeepSpeedLearner(engine)
-    module = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
+    # keep_until_exit: tearing a DDP wrapper down can deadlock a rank (see there).
+    module = keep_until_exit(torch.nn.parallel.DistributedDataParallel(model)) if ddp else model
     return TorchLearner(module, optimizer, scheduler, max_grad_norm)
 
 
