@@ -100,6 +100,8 @@ def test_bad_overrides_name_the_override_and_key(override, expected):
      "whose scaling is part of its definition"),
     (["algorithm.advantage_estimator=reinforce_pp", "loss.scale_rewards=none"], "loss.scale_rewards",
      "set loss.scale_rewards: null"),
+    (["ptx.coef=0.5"], "ptx", "ptx.data is null"),
+    (["ptx.data=sft.jsonl", "ptx.coef=0"], "ptx.coef", "> 0"),
 ])
 def test_invalid_combinations_say_why(overrides, key, why):
     with pytest.raises(ConfigError) as info:

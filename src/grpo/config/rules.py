@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from grpo.config.schema import CriticConfig
+from grpo.config.schema import CriticConfig, PtxConfig
 
 if TYPE_CHECKING:
     from grpo.config.schema import RunConfig
@@ -38,6 +38,7 @@ def config_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
             "reinforce_pp: the batch std of the centred rewards; gae: whitening of the token advantages); "
             "set loss.scale_rewards: null")))
     problems.extend(ppo_problems(cfg))
+    problems.extend(ptx_problems(cfg))
     if cfg.model.load_in_4bit and cfg.model.lora_r == 0:
         problems.append(("model.load_in_4bit", "needs model.lora_r > 0: 4-bit weights are frozen (QLoRA trains "
                                                "a LoRA adapter over them)"))
@@ -110,3 +111,11 @@ def ppo_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
             "cannot be combined with algorithm.advantage_estimator gae yet: the critic trains with torch "
             "AdamW (DDP on N ranks), not a DeepSpeed engine; drop train.deepspeed")))
     return problems
+
+
+def ptx_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
+    """The rule of the PTX loss: its keys mean something only with ptx.data (its own ranges are in the schema)."""
+    if cfg.ptx.data is None and cfg.ptx != PtxConfig():
+        return [("ptx", "keys are set but ptx.data is null: without prompt/response pairs there is no PTX "
+                        "loss; set ptx.data to an SFT file or drop the ptx keys")]
+    return []
