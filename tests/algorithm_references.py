@@ -187,3 +187,14 @@ def ref_entropy(logits, temperature):
 def ref_truncated_weights(old, sampler, mask, cap):
     return [[min(math.exp(o - s), cap) if m else 0.0 for o, s, m in zip(o_row, s_row, m_row)]
             for o_row, s_row, m_row in zip(old, sampler, mask)]
+
+
+def ref_sft_loss(logp, mask):
+    """Mean over the masked tokens of -log p, token by token (0 without any)."""
+    total, count = 0.0, 0
+    for row_logp, row_mask in zip(logp, mask):
+        for value, keep in zip(row_logp, row_mask):
+            if keep:
+                total -= value
+                count += 1
+    return total / count if count else 0.0

@@ -8,7 +8,8 @@ prompt ``i``; ``N = P*G``. ``L`` is the completion length (padded), ``T`` a full
   rewards with the KL penalty in them.
 - ``tokens``: log-probs of the sampled tokens and the entropy of their distributions, from logits.
 - ``losses``: the clipped policy surrogate (token or sequence importance ratios), its aggregation,
-  PPO's clipped value loss, truncated importance weights, the sampler/trainer log-prob gap.
+  PPO's clipped value loss, the PTX next-token loss (``sft_loss``), truncated importance weights, the
+  sampler/trainer log-prob gap.
 
 Variants are looked up by name in ``ADVANTAGE_ESTIMATORS``, ``ADVANTAGE_SCALES``,
 ``IMPORTANCE_SAMPLING_LEVELS`` and ``LOSS_AGGREGATIONS``; an unknown name raises a ``ValueError``
@@ -30,6 +31,7 @@ from grpo.algorithm.losses import (
     kl_k3,
     logprob_mismatch,
     policy_loss,
+    sft_loss,
     truncated_importance_weights,
     value_loss,
 )
@@ -38,5 +40,5 @@ from grpo.algorithm.tokens import token_entropy, token_logprobs
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "ADVANTAGE_SCALES", "IMPORTANCE_SAMPLING_LEVELS", "LOSS_AGGREGATIONS",
     "aggregate_loss", "gae_advantages", "group_advantages", "kl_k3", "kl_penalized_token_rewards", "logprob_mismatch",
-    "policy_loss", "token_entropy", "token_logprobs", "truncated_importance_weights", "value_loss", "whiten",
+    "policy_loss", "sft_loss", "token_entropy", "token_logprobs", "truncated_importance_weights", "value_loss", "whiten",
 ]
