@@ -17,7 +17,7 @@ import torch
 from grpo.config import RunConfig
 from grpo.data import load_dataset_source, resolve_system_prompt
 from grpo.errors import TrainingAborted
-from grpo.distributed import DistInfo, barrier, init_distributed
+from grpo.distributed import DistInfo, barrier, init_distributed, print0
 from grpo.experience import ExperienceSettings, GaeSettings
 from grpo.learners import Learner, build_learner, deepspeed_config, zero3_full_state_dict
 from grpo.models import resolve_device
@@ -99,7 +99,34 @@ def loss_settings(cfg: RunConfig) -> LossSettings:
         temperature=cfg.rollout.temperature, num_iterations=cfg.loss.num_iterations,
         micro_batch_size=cfg.train.micro_batch_size, max_grad_norm=cfg.optim.max_grad_norm,
         importance_sampling_level=cfg.loss.importance_sampling_level,
-        mask_truncated_completions=cfg.loss.mask_truncated_completions)
+        mask_truncated_completions=cfg.loss.mask_truncated_completions,
+        ptx_coef=cfg.ptx.coef if cfg.ptx.data else 0.0)
+
+
+def ptx_max_length(cfg: RunConfig) -> int:
+    """Tokens of a PTX pair's prompt + response: ptx.max_length, or the longest sequence of the RL update."""
+    return cfg.ptx.max_length or cfg.data.max_prompt_length + cfg.rollout.max_completion_length
+
+
+def load_ptx_data(cfg: RunConfig, tokenizer, info: DistInfo):
+    """The PTX pairs tokenized (a ``grpo.ptx.PtxData``), or None when ``ptx.data`` is null. Every rank
+    reads the whole file (the order picks its rows); how many pairs were cut or left out to fit ptx.max_length
+    is printed once."""
+    if cfg.ptx.data is None:
+        return None
+    from grpo.data import load_sft_pairs
+    from grpo.ptx import PtxData, tokenize_pairs
+
+    p = cfg.ptx
+    pairs = load_sft_pairs(p.data, p.prompt_column, p.response_column, p.response_format, cfg.data.tag_style,
+                           p.split)
+    max_length = ptx_max_length(cfg)
+    tokenized = tokenize_pairs(tokenizer, pairs, resolve_system_prompt(cfg.data.system_prompt, cfg.data.tag_style),
+                               max_length)
+    print0(info, f"ptx: {len(tokenized.rows)} of {len(pairs)} pairs from {p.data}; ptx.max_length {max_length}: "
+                 f"{tokenized.cut} responses cut short, {tokenized.dropped} pairs left out (prompt too long)")
+    return PtxData(tokenized.rows, micro_batch_size=p.micro_batch_size, world_size=info.world_size, seed=cfg.train.seed,
+                   pad_id=tokenizer.pad_token_id)
 
 
 @dataclass
@@ -123,7 +150,8 @@ def build_trainable(cfg: RunConfig, policy: torch.nn.Module, info: DistInfo) -> 
         completions_per_rank = cfg.train.prompts_per_step * cfg.rollout.num_generations // info.world_size
         ds_config = deepspeed_config(
             cfg.train.deepspeed, micro_batch_size=cfg.train.micro_batch_size,
-            accumulation_steps=max(1, completions_per_rank // cfg.train.micro_batch_size),
+            # + 1: the PTX micro-batch's backward is one more before each update (see train_on_batch).
+            accumulation_steps=max(1, completions_per_rank // cfg.train.micro_batch_size) + (1 if cfg.ptx.data else 0),
             world_size=info.world_size, max_grad_norm=cfg.optim.max_grad_norm, bf16=cfg.model.bf16)
     learner = build_learner(policy, optimizer, scheduler, ddp=info.enabled, deepspeed_config_dict=ds_config,
                             max_grad_norm=cfg.optim.max_grad_norm)

@@ -13,7 +13,8 @@ from grpo.experience import correctness
 from grpo.records import RolloutBatch
 
 
-CRITIC_PREFIXES = ("critic/", "loss/value")  # grpo.critic.train_critic's statistics, averaged over ranks
+# Statistics only some runs have, averaged over ranks: grpo.critic.train_critic's (PPO) and the PTX loss.
+OPTIONAL_PREFIXES = ("critic/", "loss/value", "loss/ptx")
 
 
 def rollout_metrics(batch: RolloutBatch, correct: torch.Tensor, formatted: torch.Tensor,
@@ -52,7 +53,7 @@ def step_metrics(batch: RolloutBatch, train_stats: dict, group_size: int, tag_st
     correct, formatted = correctness(batch.generation.completions, batch.columns.get("answer", []), tag_style)
     local = rollout_metrics(batch, correct, formatted, group_size)
     local.update({k: train_stats[k] for k in ("loss", "kl", "clip_fraction", "ratio_mean", "entropy")})
-    local.update({k: v for k, v in train_stats.items() if k.startswith(CRITIC_PREFIXES)})  # PPO's critic, if any
+    local.update({k: v for k, v in train_stats.items() if k.startswith(OPTIONAL_PREFIXES)})  # critic, PTX
     keys = sorted(local)
     averaged = all_reduce_mean(torch.tensor([local[k] for k in keys], dtype=torch.float64), info)
     metrics = dict(zip(keys, averaged.tolist()))
