@@ -23,3 +23,9 @@ def record_prompts(prompts, completions, log_metric, **kwargs):
         for question in kwargs["question"]:
             f.write(json.dumps({"rank": int(rank), "question": question}) + "\n")
     return [0.0] * len(completions)
+
+
+def zero(prompts, completions, **kwargs):
+    """Reward 0 for everything: every advantage is 0, so with loss.beta 0 the policy loss has no gradient
+    and only an auxiliary loss (PTX) can move the weights."""
+    return [0.0] * len(completions)
