@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from grpo.config import RunConfig
+from grpo.config.rules import ptx_max_length
 from grpo.data import load_dataset_source, resolve_system_prompt
 from grpo.errors import TrainingAborted
 from grpo.distributed import DistInfo, barrier, init_distributed, print0
@@ -101,11 +102,6 @@ def loss_settings(cfg: RunConfig) -> LossSettings:
         importance_sampling_level=cfg.loss.importance_sampling_level,
         mask_truncated_completions=cfg.loss.mask_truncated_completions,
         ptx_coef=cfg.ptx.coef if cfg.ptx.data else 0.0)
-
-
-def ptx_max_length(cfg: RunConfig) -> int:
-    """Tokens of a PTX pair's prompt + response: ptx.max_length, or the longest sequence of the RL update."""
-    return cfg.ptx.max_length or cfg.data.max_prompt_length + cfg.rollout.max_completion_length
 
 
 def load_ptx_data(cfg: RunConfig, tokenizer, info: DistInfo):

@@ -1,4 +1,5 @@
-"""Cross-field rules of the config tree: each returns ``(key, why)`` for every violated rule.
+"""Cross-field rules of the config tree: each returns ``(key, why)`` for every violated rule (and
+``ptx_max_length``, the one default derived from other sections).
 
 Kept apart from ``grpo.config.schema`` (the fields, their defaults and ranges) so the tree stays
 readable; ``RunConfig.check`` calls ``config_problems``.
@@ -119,3 +120,9 @@ def ptx_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
         return [("ptx", "keys are set but ptx.data is null: without prompt/response pairs there is no PTX "
                         "loss; set ptx.data to an SFT file or drop the ptx keys")]
     return []
+
+
+def ptx_max_length(cfg: "RunConfig") -> int:
+    """ptx.max_length, whose null default is the longest sequence of the RL update (data.max_prompt_length +
+    rollout.max_completion_length): one cross-field default, read by the trainer and by ``grpo memory``."""
+    return cfg.ptx.max_length or cfg.data.max_prompt_length + cfg.rollout.max_completion_length
