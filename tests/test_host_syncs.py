@@ -83,7 +83,8 @@ def count_syncs(tiny_tokenizer, loss_type: str, micro_batch_size: int, monkeypat
 @pytest.mark.parametrize("loss_type,with_ptx", [("grpo", False), ("bnpo", False), ("dapo", False), ("grpo", True)])
 def test_no_host_sync_per_micro_batch(tiny_tokenizer, monkeypatch, loss_type, with_ptx):
     # loss types: weights a float, a tensor; dapo's share. PTX: its NLL joins the step's one transfer.
-    ptx = collate([TokenizedPair([5, 6, 7], [8, 9, 2], "p:1"), TokenizedPair([10], [12, 2], "p:2")], 0) if with_ptx else None
+    pairs = [TokenizedPair([5, 6, 7], [8, 9, 2], "p:1"), TokenizedPair([10], [12, 2], "p:2")]
+    ptx = collate(pairs, pad_id=0) if with_ptx else None
     one, four = (count_syncs(tiny_tokenizer, loss_type, micro, monkeypatch, ptx) for micro in (8, 2))
     # grpo/logprobs.py is left out: its column trimming reads the rollout's masks, which live on the CPU
     # (every engine returns them there), so those reads wait for no GPU. Everything else must not grow.

@@ -149,7 +149,7 @@ def test_long_pairs_are_cut_or_left_out_and_counted(tiny_tokenizer):
     for row in short.rows:
         assert len(row.prompt_ids) + len(row.response_ids) == limit  # the end (and the EOS) cut off
         assert row.response_ids[-1] != tiny_tokenizer.eos_token_id
-    with pytest.raises(DataError, match="ptx_pairs.jsonl:1: the prompt is"):
+    with pytest.raises(DataError, match="ptx_pairs.jsonl:1: the prompt alone is"):
         tokenize_pairs(tiny_tokenizer, pairs, SYSTEM, max_length=prompts[0])
 
 

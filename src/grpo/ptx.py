@@ -72,8 +72,8 @@ def tokenize_pairs(tokenizer, pairs: Sequence[SftPair], system_prompt: str | Non
         cut += len(target) > room
         rows.append(TokenizedPair(prompt, target[:room], pair.source))
     if not rows:
-        raise DataError(f"{pairs[0].source}: the prompt is {len(prompt_ids[0])} tokens, and no pair's prompt "
-                        f"leaves room for its response within ptx.max_length {max_length}; raise ptx.max_length")
+        raise DataError(f"{pairs[0].source}: the prompt alone is {len(prompt_ids[0])} tokens, and no pair of the "
+                        f"file leaves room for a response within ptx.max_length {max_length}; raise it")
     return Tokenized(rows, cut, dropped)
 
 

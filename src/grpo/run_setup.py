@@ -121,8 +121,8 @@ def load_ptx_data(cfg: RunConfig, tokenizer, info: DistInfo):
                                max_length)
     print0(info, f"ptx: {len(tokenized.rows)} of {len(pairs)} pairs from {p.data}; ptx.max_length {max_length}: "
                  f"{tokenized.cut} responses cut short, {tokenized.dropped} pairs left out (prompt too long)")
-    return PtxData(tokenized.rows, micro_batch_size=p.micro_batch_size, world_size=info.world_size, seed=cfg.train.seed,
-                   pad_id=tokenizer.pad_token_id)
+    return PtxData(tokenized.rows, micro_batch_size=p.micro_batch_size, world_size=info.world_size,
+                   seed=cfg.train.seed, pad_id=tokenizer.pad_token_id)
 
 
 @dataclass
@@ -146,8 +146,9 @@ def build_trainable(cfg: RunConfig, policy: torch.nn.Module, info: DistInfo) -> 
         completions_per_rank = cfg.train.prompts_per_step * cfg.rollout.num_generations // info.world_size
         ds_config = deepspeed_config(
             cfg.train.deepspeed, micro_batch_size=cfg.train.micro_batch_size,
-            # + 1: the PTX micro-batch's backward is one more before each update (see train_on_batch).
-            accumulation_steps=max(1, completions_per_rank // cfg.train.micro_batch_size) + (1 if cfg.ptx.data else 0),
+            # + 1 with PTX: its micro-batch's backward comes before each update too (see train_on_batch), and
+            # DeepSpeed steps at its own count of backwards.
+            accumulation_steps=max(1, completions_per_rank // cfg.train.micro_batch_size) + bool(cfg.ptx.data),
             world_size=info.world_size, max_grad_norm=cfg.optim.max_grad_norm, bf16=cfg.model.bf16)
     learner = build_learner(policy, optimizer, scheduler, ddp=info.enabled, deepspeed_config_dict=ds_config,
                             max_grad_norm=cfg.optim.max_grad_norm)

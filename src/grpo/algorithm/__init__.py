@@ -40,5 +40,6 @@ from grpo.algorithm.tokens import token_entropy, token_logprobs
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "ADVANTAGE_SCALES", "IMPORTANCE_SAMPLING_LEVELS", "LOSS_AGGREGATIONS",
     "aggregate_loss", "gae_advantages", "group_advantages", "kl_k3", "kl_penalized_token_rewards", "logprob_mismatch",
-    "policy_loss", "sft_loss", "token_entropy", "token_logprobs", "truncated_importance_weights", "value_loss", "whiten",
+    "policy_loss", "sft_loss", "token_entropy", "token_logprobs", "truncated_importance_weights", "value_loss",
+    "whiten",
 ]
