@@ -213,3 +213,14 @@ def ref_sampler_weights(old, sampler, mask, cap, mode):
         weights.append(w_row)
         over.append(over_row)
     return weights, over
+
+
+def ref_sft_loss(logp, mask):
+    """Mean over the masked tokens of -log p, token by token (0 without any)."""
+    total, count = 0.0, 0
+    for row_logp, row_mask in zip(logp, mask):
+        for value, keep in zip(row_logp, row_mask):
+            if keep:
+                total -= value
+                count += 1
+    return total / count if count else 0.0

@@ -117,6 +117,8 @@ def test_bad_overrides_name_the_override_and_key(override, expected):
     (["rollout.min_new_tokens=300"], "rollout.min_new_tokens", "no completion could ever end with EOS"),
     (["train.mode=decoupled", "decoupled.ref_server=true", "rollout.min_p=0.05"], "decoupled.ref_server",
      "its protocol carries only a temperature"),
+    (["ptx.coef=0.5"], "ptx", "ptx.data is null"),
+    (["ptx.data=sft.jsonl", "ptx.coef=0"], "ptx.coef", "> 0"),
 ])
 def test_invalid_combinations_say_why(overrides, key, why):
     with pytest.raises(ConfigError) as info:

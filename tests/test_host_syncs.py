@@ -20,6 +20,7 @@ import grpo
 from grpo.distributed import DistInfo
 from grpo.learners import TorchLearner
 from grpo.optimization import LossSettings, train_on_batch
+from grpo.ptx import TokenizedPair, collate
 from grpo.tiny_model import build_qwen2
 
 from test_optimization import random_batch
@@ -53,7 +54,8 @@ class CountSyncs(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_syncs(tiny_tokenizer, loss_type: str, micro_batch_size: int, monkeypatch, processing=None) -> Counter[str]:
+def count_syncs(tiny_tokenizer, loss_type: str, micro_batch_size: int, monkeypatch, processing=None,
+                ptx=None) -> Counter[str]:
     model = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=1, seed=0)
     # SGD, not AdamW: torch's non-fused AdamW reads its step counters (CPU tensors even on a GPU run)
     # with item(), which this count would take for syncs of the learner's.
@@ -62,7 +64,7 @@ def count_syncs(tiny_tokenizer, loss_type: str, micro_batch_size: int, monkeypat
     learner = TorchLearner(model, optimizer, scheduler, max_grad_norm=1.0)
     settings = LossSettings(epsilon=0.2, epsilon_high=None, beta=0.04, loss_type=loss_type, max_completion_length=7,
                             temperature=0.9, num_iterations=2, micro_batch_size=micro_batch_size, max_grad_norm=1.0,
-                            processing=processing)
+                            processing=processing, ptx_coef=0.1)
     counter = CountSyncs()
     real_tolist = torch.Tensor.tolist
 
@@ -73,19 +75,22 @@ def count_syncs(tiny_tokenizer, loss_type: str, micro_batch_size: int, monkeypat
     monkeypatch.setattr(torch.Tensor, "tolist", tolist)
     batch = random_batch(len(tiny_tokenizer), N=8)
     with counter:
-        stats = train_on_batch(learner, batch, settings, DistInfo())
+        stats = train_on_batch(learner, batch, settings, DistInfo(), ptx)
     monkeypatch.undo()
     assert stats["skipped_updates"] == 0.0 and stats["grad_norm"] > 0
     return counter.by_file
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo"])  # weights: a float, a tensor; dapo's share
+@pytest.mark.parametrize("loss_type,with_ptx", [("grpo", False), ("bnpo", False), ("dapo", False), ("grpo", True)])
 @pytest.mark.parametrize("controls", [False, True])  # the sampling controls' log-probs (grpo.algorithm.processing)
-def test_no_host_sync_per_micro_batch(tiny_tokenizer, monkeypatch, loss_type, controls):
+def test_no_host_sync_per_micro_batch(tiny_tokenizer, monkeypatch, loss_type, with_ptx, controls):
+    # loss types: weights a float, a tensor; dapo's share. PTX: its NLL joins the step's one transfer.
     from grpo.algorithm import LogprobProcessing
 
     processing = LogprobProcessing(1.3, 3, 0.05, (tiny_tokenizer.eos_token_id,)) if controls else None
-    one, four = (count_syncs(tiny_tokenizer, loss_type, micro, monkeypatch, processing) for micro in (8, 2))
+    pairs = [TokenizedPair([5, 6, 7], [8, 9, 2], "p:1"), TokenizedPair([10], [12, 2], "p:2")]
+    ptx = collate(pairs, pad_id=0) if with_ptx else None
+    one, four = (count_syncs(tiny_tokenizer, loss_type, micro, monkeypatch, processing, ptx) for micro in (8, 2))
     # grpo/logprobs.py is left out: its column trimming reads the rollout's masks, which live on the CPU
     # (every engine returns them there), so those reads wait for no GPU. Everything else must not grow.
     for counts in (one, four):
@@ -94,5 +99,6 @@ def test_no_host_sync_per_micro_batch(tiny_tokenizer, monkeypatch, loss_type, co
     # The learner's one sync per update (2 updates: num_iterations=2): reading the gradient norm, which
     # decides whether the update is skipped.
     assert four["learners.py"] == 2, dict(four)
-    # And the statistics come to the host once per step.
+    # And the statistics come to the host once per step; the PTX loss reads nothing on the host.
     assert four["optimization.py"] == 1, dict(four)
+    assert "ptx.py" not in four and "algorithm/losses.py" not in four, dict(four)

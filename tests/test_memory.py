@@ -386,3 +386,21 @@ def test_critic_states_equal_the_real_value_models_weights_and_adamw_states(tiny
     est = critic_memory(cfg, policy_shape=shape, gpus=1, attention="sdpa")
     assert est.states == real
     assert est.gradients == sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("extra", [[], ["model.lora_r=16"], ["model.gradient_checkpointing=false"]])
+def test_the_ptx_micro_batch_costs_what_a_policy_micro_batch_of_its_shape_does(extra):
+    # A policy micro-batch of 4 one-token prompts with 511-token completions, one per prompt (gae: no shared
+    # prompt pass), is 4 whole 512-token sequences with logits at each position but the first: the PTX
+    # micro-batch of 4 pairs of ptx.max_length 512 (its default here) has that shape, so its phase must
+    # equal the update's (the same model states and gradients around them).
+    shape = ["data.max_prompt_length=1", "rollout.max_completion_length=511", "rollout.num_generations=1",
+             "algorithm.advantage_estimator=gae", "train.prompts_per_step=4", "train.micro_batch_size=4"]
+    plain = estimate(*shape, *extra)
+    ptx = estimate(*shape, *extra, "ptx.data=sft.jsonl", "ptx.micro_batch_size=4")
+    assert "ptx_update" not in plain.phases_gb
+    assert ptx.phases_gb["ptx_update"] == pytest.approx(ptx.phases_gb["update"], abs=0.002)
+    assert {k: v for k, v in ptx.phases_gb.items() if k != "ptx_update"} == plain.phases_gb
+    bigger = estimate(*shape, *extra, "ptx.data=sft.jsonl", "ptx.micro_batch_size=16")
+    assert bigger.phases_gb["ptx_update"] > ptx.phases_gb["ptx_update"] + 0.5
+    assert any("PTX micro-batch: 16 x 512 tokens" in n for n in bigger.notes)

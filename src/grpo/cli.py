@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--base-model")
     export.set_defaults(func=_cmd_export)
 
-    mem = sub.add_parser("memory", help="estimate peak GPU memory per device (model states, activations, logits, "
+    mem = sub.add_parser("memory", help="estimate peak GPU memory per device (model states, activations, logits, PTX, "
                                         "reference, KV cache) and whether it fits")
     mem.add_argument("config", nargs="?", help="YAML recipe (default: built-in defaults)")
     mem.add_argument("overrides", nargs="*", help="section.key=value (value parsed as YAML)")

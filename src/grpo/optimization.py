@@ -1,5 +1,5 @@
 """The learner's half of a step: AdamW + warm-up/decay schedule, and the clipped-surrogate update
-over a rollout batch in micro-batches with gradient accumulation."""
+over a rollout batch in micro-batches with gradient accumulation (plus the PTX micro-batch, if any)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from grpo.config import OptimConfig
 from grpo.distributed import DistInfo, all_reduce_sum
 from grpo.learners import Learner
 from grpo.logprobs import completion_logprobs
-from grpo.records import RolloutBatch
+from grpo.ptx import ptx_nll
+from grpo.records import RolloutBatch, SftBatch
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lora: bool, allow_fused: bool = True) -> torch.optim.AdamW:
@@ -80,6 +81,7 @@ class LossSettings:
     sampler_is_mode: str | None = None  # loss.sampler_is_correction on: a name in grpo.algorithm.SAMPLER_CORRECTIONS
     sampler_is_cap: float = 3.0
     processing: LogprobProcessing | None = None  # the sampling controls the log-probs follow (None: off)
+    ptx_coef: float = 0.0  # weight of the PTX micro-batch's mean NLL in each update (ptx.coef)
 
 
 def _micro_batch_weight(loss_type: str, rows: int, tokens: torch.Tensor, total_rows: int,
@@ -105,18 +107,23 @@ def rows_by_length(completion_mask: torch.Tensor, group_size: int) -> torch.Tens
 _SUMMED = ("loss", "kl", "clip_fraction", "ratio_mean")  # statistics summed over micro-batches
 # Token means over the first iteration (the sampler correction's weights are the same in every iteration).
 _SAMPLER_IS = ("sampler_is/weight_mean", "sampler_is/capped_fraction", "sampler_is/logprob_diff")
-# [loss, kl, clip_fraction, ratio_mean, entropy, *_SAMPLER_IS]: one device tensor, so the step's statistics
-# reach the host at once
-_SLOTS = _SUMMED + ("entropy",) + _SAMPLER_IS
+# [loss, kl, clip_fraction, ratio_mean, entropy, loss/ptx, *_SAMPLER_IS]: one device tensor, so the step's
+# statistics reach the host at once
+_SLOTS = _SUMMED + ("entropy", "loss/ptx") + _SAMPLER_IS
+_ENTROPY, _PTX = _SLOTS.index("entropy"), _SLOTS.index("loss/ptx")
 
 
-def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_info: DistInfo) -> dict[str, float]:
+def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_info: DistInfo,
+                   ptx: SftBatch | None = None) -> dict[str, float]:
     """``num_iterations`` optimizer updates on one rollout batch. Returns the step's training stats.
 
     A skipped update (non-finite gradient norm, see the learner) is counted in ``skipped_updates``. With
     ``s.sampler_is_mode`` each token's surrogate is weighted by ``sampler_importance_weights`` of the old
     log-probs (the batch's, else the first iteration's own) over ``batch.sampler_logprobs``; the weights'
     token mean, the share of tokens over the cap and the mean |old - sampler| are logged as ``sampler_is/*``.
+    With a PTX micro-batch (``grpo.ptx``), each update also adds ``s.ptx_coef x`` its mean response NLL to
+    the same gradient, before clipping and the optimizer step; ``loss/ptx`` is that NLL (unscaled), averaged
+    over the updates. The same PTX micro-batch serves every iteration, as the rollout batch does.
     """
     gen = batch.generation
     N = gen.completion_ids.shape[0]
@@ -165,7 +172,8 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
         for index, start in enumerate(starts):
             rows = order[start:start + s.micro_batch_size]  # on the CPU, like the rollout's tensors
             on_device = order_on_device[start:start + s.micro_batch_size]
-            with learner.accumulating(last=index == len(starts) - 1):
+            # With PTX, its micro-batch closes the update: DDP must sync only after that last backward.
+            with learner.accumulating(last=index == len(starts) - 1 and ptx is None):
                 # The sampling policy's entropy, read off this forward's logits (no pass of its own): on
                 # the first iteration the weights are still the ones that sampled.
                 first = iteration == 0
@@ -196,12 +204,17 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
                 terms = [(loss.detach() * weight).double()] + [stats[key].double() * share for key in _SUMMED[1:]]
                 sums[:len(_SUMMED)] += torch.stack(terms) / s.num_iterations
                 if entropy is not None:  # token mean over every sampled token of the step
-                    sums[_SLOTS.index("entropy")] += ((entropy * sampled[on_device]).sum() / sampled_tokens).double()
+                    sums[_ENTROPY] += ((entropy * sampled[on_device]).sum() / sampled_tokens).double()
                 if weights is not None and first:
                     real = sampled[on_device]  # [b, Lc]
                     gap = (old - sampler_all[on_device]).abs().masked_fill(real == 0, 0.0)  # padding may hold -inf
                     terms = torch.stack([(weights * real).sum(), (over_cap * real).sum(), gap.sum()])
                     sums[-len(_SAMPLER_IS):] += (terms / sampled_tokens).double()
+        if ptx is not None:  # PaddleNLP's loss + ptx_coeff * ptx_loss, in one accumulated gradient
+            with learner.accumulating(last=True):
+                nll = ptx_nll(learner.module, ptx)
+                learner.backward(nll * s.ptx_coef)
+            sums[_PTX] += nll.detach().double() / s.num_iterations
         if captured is not None and iteration == 0:
             old_all = torch.cat(captured)[torch.argsort(order).to(device)]  # [N, Lc], back in row order
         norm = learner.finish_update()  # the learner's one host sync per update (it decides the skip)
@@ -213,6 +226,8 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
     if sampler_all is None:
         for name in _SAMPLER_IS:
             del totals[name]
+    if ptx is None:
+        del totals["loss/ptx"]
     totals["learning_rate"] = learning_rate
     totals["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     totals["skipped_updates"] = float(skipped)

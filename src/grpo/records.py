@@ -71,3 +71,21 @@ class RolloutBatch:
     values: Tensor | None = None
     returns: Tensor | None = None
     sampler_logprobs: Tensor | None = None
+
+
+@dataclass
+class SftBatch:
+    """One PTX micro-batch of ``B`` prompt/response pairs (``grpo.ptx``), laid out as a ``Generation`` is.
+
+    prompt_ids:    [B, Lp] long, the chat-templated prompts, left-padded with the pad id.
+    prompt_mask:   [B, Lp] long, 1 for real prompt tokens.
+    response_ids:  [B, Lr] long, each response's tokens and the EOS, right-padded with the pad id.
+    response_mask: [B, Lr] long, 1 for the tokens that carry the loss (the response and its EOS).
+    sources:       B locations ("sft.jsonl:17") of the pairs.
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    response_ids: Tensor
+    response_mask: Tensor
+    sources: list[str]

@@ -16,9 +16,10 @@ import torch
 
 from grpo.algorithm import LogprobProcessing
 from grpo.config import RunConfig
+from grpo.config.rules import ptx_max_length
 from grpo.data import load_dataset_source, resolve_system_prompt
 from grpo.errors import TrainingAborted
-from grpo.distributed import DistInfo, barrier, init_distributed
+from grpo.distributed import DistInfo, barrier, init_distributed, print0
 from grpo.experience import ExperienceSettings, GaeSettings
 from grpo.learners import Learner, build_learner, deepspeed_config, zero3_full_state_dict
 from grpo.models import resolve_device
@@ -115,12 +116,34 @@ def loss_settings(cfg: RunConfig, processing: LogprobProcessing | None) -> LossS
         importance_sampling_level=cfg.loss.importance_sampling_level,
         mask_truncated_completions=cfg.loss.mask_truncated_completions,
         sampler_is_mode=cfg.loss.sampler_is_mode if cfg.loss.sampler_is_correction else None,
-        sampler_is_cap=cfg.loss.sampler_is_cap, processing=processing)
+        sampler_is_cap=cfg.loss.sampler_is_cap, processing=processing,
+        ptx_coef=cfg.ptx.coef if cfg.ptx.data else 0.0)
 
 
 def dynamic_rounds(cfg: RunConfig) -> int | None:
     """The cap on dynamic sampling's rounds (``grpo.experience.rank_experience``'s ``max_rounds``); None when off."""
     return cfg.rollout.dynamic_sampling_max_rounds if cfg.rollout.dynamic_sampling else None
+
+
+def load_ptx_data(cfg: RunConfig, tokenizer, info: DistInfo):
+    """The PTX pairs tokenized (a ``grpo.ptx.PtxData``), or None when ``ptx.data`` is null. Every rank
+    reads the whole file (the order picks its rows); how many pairs were cut or left out to fit ptx.max_length
+    is printed once."""
+    if cfg.ptx.data is None:
+        return None
+    from grpo.data import load_sft_pairs
+    from grpo.ptx import PtxData, tokenize_pairs
+
+    p = cfg.ptx
+    pairs = load_sft_pairs(p.data, p.prompt_column, p.response_column, p.response_format, cfg.data.tag_style,
+                           p.split)
+    max_length = ptx_max_length(cfg)
+    tokenized = tokenize_pairs(tokenizer, pairs, resolve_system_prompt(cfg.data.system_prompt, cfg.data.tag_style),
+                               max_length)
+    print0(info, f"ptx: {len(tokenized.rows)} of {len(pairs)} pairs from {p.data}; ptx.max_length {max_length}: "
+                 f"{tokenized.cut} responses cut short, {tokenized.dropped} pairs left out (prompt too long)")
+    return PtxData(tokenized.rows, micro_batch_size=p.micro_batch_size, world_size=info.world_size,
+                   seed=cfg.train.seed, pad_id=tokenizer.pad_token_id)
 
 
 @dataclass
@@ -144,7 +167,9 @@ def build_trainable(cfg: RunConfig, policy: torch.nn.Module, info: DistInfo) -> 
         completions_per_rank = cfg.train.prompts_per_step * cfg.rollout.num_generations // info.world_size
         ds_config = deepspeed_config(
             cfg.train.deepspeed, micro_batch_size=cfg.train.micro_batch_size,
-            accumulation_steps=max(1, completions_per_rank // cfg.train.micro_batch_size),
+            # + 1 with PTX: its micro-batch's backward comes before each update too (see train_on_batch), and
+            # DeepSpeed steps at its own count of backwards.
+            accumulation_steps=max(1, completions_per_rank // cfg.train.micro_batch_size) + bool(cfg.ptx.data),
             world_size=info.world_size, max_grad_norm=cfg.optim.max_grad_norm, bf16=cfg.model.bf16)
     learner = build_learner(policy, optimizer, scheduler, ddp=info.enabled, deepspeed_config_dict=ds_config,
                             max_grad_norm=cfg.optim.max_grad_norm)

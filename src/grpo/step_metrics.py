@@ -13,8 +13,9 @@ from grpo.experience import correctness
 from grpo.records import RolloutBatch
 
 
-# Optional training statistics averaged over ranks: grpo.critic.train_critic's, the sampler correction's.
-AVERAGED_PREFIXES = ("critic/", "loss/value", "sampler_is/")
+# Statistics only some runs have, averaged over ranks: grpo.critic.train_critic's (PPO), the PTX loss and
+# the sampler correction's.
+OPTIONAL_PREFIXES = ("critic/", "loss/value", "loss/ptx", "sampler_is/")
 
 
 def rollout_metrics(batch: RolloutBatch, correct: torch.Tensor, formatted: torch.Tensor,
@@ -56,7 +57,7 @@ def step_metrics(batch: RolloutBatch, train_stats: dict, group_size: int, tag_st
     correct, formatted = correctness(batch.generation.completions, batch.columns.get("answer", []), tag_style)
     local = rollout_metrics(batch, correct, formatted, group_size)
     local.update({k: train_stats[k] for k in ("loss", "kl", "clip_fraction", "ratio_mean", "entropy")})
-    local.update({k: v for k, v in train_stats.items() if k.startswith(AVERAGED_PREFIXES)})
+    local.update({k: v for k, v in train_stats.items() if k.startswith(OPTIONAL_PREFIXES)})  # critic, PTX, IS
     local.update(rollout_stats or {})
     keys = sorted(local)
     averaged = all_reduce_mean(torch.tensor([local[k] for k in keys], dtype=torch.float64), info)

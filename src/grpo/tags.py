@@ -27,6 +27,11 @@ class TagStyle:
             f"Think step by step inside <{r}> tags, then give only the final number inside <{a}> tags."
         )
 
+    def completion(self, reasoning: str, answer: str) -> str:
+        """A completion in this format: what the system prompt asks for and the format rewards accept."""
+        r, a = self.reasoning_tag, self.answer_tag
+        return f"<{r}>\n{reasoning}\n</{r}>\n<{a}>\n{answer}\n</{a}>"
+
 
 TAG_STYLES: dict[str, TagStyle] = {
     "think": TagStyle(name="think", reasoning_tag="think"),

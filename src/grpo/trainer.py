@@ -2,8 +2,9 @@
 
 Each step: this rank's prompts (``PromptSampler``) -> ``rank_experience`` (generate, rewards, with
 dynamic sampling more rounds until the batch is full, advantages, old/ref log-probs) ->
-``train_on_batch`` (clipped surrogate, AdamW) -> metrics, samples, checkpoints, evaluation. Setup
-pieces shared with the decoupled roles are in ``run_setup``.
+``train_on_batch`` (clipped surrogate, + the PTX loss of the step's SFT pairs with ``ptx.data``, AdamW)
+-> metrics, samples, checkpoints, evaluation. Setup pieces shared with the decoupled roles are in
+``run_setup``.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from grpo.rollout.build import build_engine, check_engine_available, holds_own_w
 from grpo.rollout.guard import check_sampler_logprobs, is_check_step
 from grpo.run_dir import check_output_dir, claim_output_dir
 from grpo.run_setup import (DeferredInterrupt, SkipGuard, build_rewards, build_trainable, dynamic_rounds,
-                            eval_metrics, experience_settings, load_data, logprob_processing, loss_settings,
-                            resume_checkpoint, run_eval, save_run_checkpoint, start_process)
+                            eval_metrics, experience_settings, load_data, load_ptx_data, logprob_processing,
+                            loss_settings, resume_checkpoint, run_eval, save_run_checkpoint, start_process)
 from grpo.step_metrics import sample_records, step_metrics
 
 
@@ -79,6 +80,7 @@ def train(cfg: RunConfig) -> TrainResult:
         torch.manual_seed(cfg.train.seed)
         tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
         train_set, eval_set = load_data(cfg)
+        ptx_data = load_ptx_data(cfg, tokenizer, info)  # PTX pairs (ptx.data), or None
         reward_fns, weights = build_rewards(cfg, train_set)  # a broken reward stops the run before any model loads
         sampler = PromptSampler(len(train_set), cfg.train.prompts_per_step, cfg.train.seed, cfg.data.shuffle)
         sampler.rank_indices(1, info.rank, info.world_size)  # checks P is divisible by the ranks, early
@@ -163,7 +165,8 @@ def train(cfg: RunConfig) -> TrainResult:
                     # DeferredInterrupt): the weights then match the step that is logged and saved.
                     with interrupt.holding():
                         updating = True
-                        train_stats = train_on_batch(trainable.learner, batch, train_settings, info)
+                        ptx_batch = ptx_data.batch(step, info.rank) if ptx_data else None
+                        train_stats = train_on_batch(trainable.learner, batch, train_settings, info, ptx_batch)
                         if critic is not None:
                             train_stats.update(train_critic(critic.learner, batch, critic_settings))
                         trained = time.perf_counter()

@@ -29,3 +29,9 @@ def letters_on_even_answers(prompts, completions, answer, **kwargs):
     """``letters`` for prompts whose gold answer is even, 0 for the others: on a random tiny model about
     half the groups then have rewards that are all equal (0), the rest differ. For dynamic sampling."""
     return [score if int(gold) % 2 == 0 else 0.0 for score, gold in zip(letters(prompts, completions), answer)]
+
+
+def zero(prompts, completions, **kwargs):
+    """Reward 0 for everything: every advantage is 0, so with loss.beta 0 the policy loss has no gradient
+    and only an auxiliary loss (PTX) can move the weights."""
+    return [0.0] * len(completions)

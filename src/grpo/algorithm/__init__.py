@@ -10,7 +10,8 @@ prompt ``i``; ``N = P*G``. ``L`` is the completion length (padded), ``T`` a full
 - ``processing``: the sampling controls (repetition penalty, min_new_tokens, min_p) as Hugging Face
   applies them, per position for the samplers and over every completion position for the log-probs.
 - ``losses``: the clipped policy surrogate (token or sequence importance ratios), its aggregation,
-  PPO's clipped value loss, the sampler correction's importance weights, the sampler/trainer log-prob gap.
+  PPO's clipped value loss, the PTX next-token loss (``sft_loss``), the sampler correction's importance
+  weights, the sampler/trainer log-prob gap.
 
 Variants are looked up by name in ``ADVANTAGE_ESTIMATORS``, ``ADVANTAGE_SCALES``,
 ``IMPORTANCE_SAMPLING_LEVELS``, ``LOSS_AGGREGATIONS`` and ``SAMPLER_CORRECTIONS``; an unknown name
@@ -34,6 +35,7 @@ from grpo.algorithm.losses import (
     logprob_mismatch,
     policy_loss,
     sampler_importance_weights,
+    sft_loss,
     truncated_importance_weights,
     value_loss,
 )
@@ -44,6 +46,6 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS", "ADVANTAGE_SCALES", "IMPORTANCE_SAMPLING_LEVELS", "LOSS_AGGREGATIONS", "LogprobProcessing",
     "SAMPLER_CORRECTIONS",
     "aggregate_loss", "gae_advantages", "group_advantages", "kl_k3", "kl_penalized_token_rewards", "logprob_mismatch",
-    "policy_loss", "processed_token_entropy", "processed_token_logprobs", "sampler_importance_weights", "token_entropy",
-    "token_logprobs", "truncated_importance_weights", "value_loss", "whiten",
+    "policy_loss", "processed_token_entropy", "processed_token_logprobs", "sampler_importance_weights", "sft_loss",
+    "token_entropy", "token_logprobs", "truncated_importance_weights", "value_loss", "whiten",
 ]

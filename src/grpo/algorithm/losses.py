@@ -1,5 +1,6 @@
-"""Losses: the clipped policy surrogate with its KL penalty and aggregation, PPO's clipped value loss,
-and the (truncated or masked) importance weights that correct for a sampler that is not the trainer.
+"""Losses: the clipped policy surrogate with its KL penalty and aggregation, PPO's clipped value loss, the
+PTX next-token loss, and the (truncated or masked) importance weights that correct for a sampler that is
+not the trainer.
 
 ``N`` completions of padded length ``L``; masks are ``[N, L]``, 1 for real completion tokens.
 """
@@ -191,6 +192,24 @@ def policy_loss(
                           if ratio.numel() else ratio.new_ones(())),
         }
     return loss, {k: v.detach() for k, v in stats.items()}
+
+
+def sft_loss(logprobs: Tensor, mask: Tensor) -> Tensor:
+    """The supervised next-token loss of PTX: the mean negative log-likelihood of the target tokens.
+
+    Args:
+        logprobs: ``[B, L]`` log-probs of each target token given everything before it (``token_logprobs``,
+            or ``grpo.logprobs.completion_logprobs`` of responses after their prompts).
+        mask: ``[B, L]`` 1 for tokens that carry the loss (a response's tokens and its EOS), 0 for the
+            prompt and padding.
+
+    Returns:
+        Scalar ``-sum(logprobs * mask) / sum(mask)``: a mean over all of the batch's target tokens, not per
+        row (a causal LM's loss over its labels, as PaddleNLP's ptx_loss), so a long response weighs by its
+        length. 0 when the mask is empty.
+    """
+    mask = mask.to(logprobs.dtype)
+    return -(logprobs * mask).sum() / mask.sum().clamp(min=1)
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,

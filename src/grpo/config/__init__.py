@@ -17,6 +17,7 @@ from grpo.config.schema import (
     LossConfig,
     ModelConfig,
     OptimConfig,
+    PtxConfig,
     RewardConfig,
     RolloutConfig,
     RunConfig,
@@ -26,5 +27,5 @@ from grpo.config.schema import (
 __all__ = [
     "ConfigError", "config_to_dict", "dump_config", "iter_config_keys", "load_config", "parse_override",
     "AlgorithmConfig", "CriticConfig", "DataConfig", "DecoupledConfig", "LogConfig", "LossConfig", "ModelConfig",
-    "OptimConfig", "RewardConfig", "RolloutConfig", "RunConfig", "TrainConfig",
+    "OptimConfig", "PtxConfig", "RewardConfig", "RolloutConfig", "RunConfig", "TrainConfig",
 ]

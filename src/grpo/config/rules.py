@@ -1,4 +1,5 @@
-"""Cross-field rules of the config tree: each returns ``(key, why)`` for every violated rule.
+"""Cross-field rules of the config tree: each returns ``(key, why)`` for every violated rule (and
+``ptx_max_length``, the one default derived from other sections).
 
 Kept apart from ``grpo.config.schema`` (the fields, their defaults and ranges) so the tree stays
 readable; ``RunConfig.check`` calls ``config_problems``.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from grpo.config.schema import CriticConfig
+from grpo.config.schema import CriticConfig, PtxConfig
 
 if TYPE_CHECKING:
     from grpo.config.schema import RunConfig
@@ -38,6 +39,7 @@ def config_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
             "reinforce_pp: the batch std of the centred rewards; gae: whitening of the token advantages); "
             "set loss.scale_rewards: null")))
     problems.extend(ppo_problems(cfg))
+    problems.extend(ptx_problems(cfg))
     if cfg.model.load_in_4bit and cfg.model.lora_r == 0:
         problems.append(("model.load_in_4bit", "needs model.lora_r > 0: 4-bit weights are frozen (QLoRA trains "
                                                "a LoRA adapter over them)"))
@@ -153,3 +155,17 @@ def sampling_control_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
             "are of the processed one, and the KL would measure the controls, not the policy's drift; load the "
             "reference in the samplers (decoupled.ref_server: false, no ref_server_url) or turn the controls off")))
     return problems
+
+
+def ptx_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
+    """The rule of the PTX loss: its keys mean something only with ptx.data (its own ranges are in the schema)."""
+    if cfg.ptx.data is None and cfg.ptx != PtxConfig():
+        return [("ptx", "keys are set but ptx.data is null: without prompt/response pairs there is no PTX "
+                        "loss; set ptx.data to an SFT file or drop the ptx keys")]
+    return []
+
+
+def ptx_max_length(cfg: "RunConfig") -> int:
+    """ptx.max_length, whose null default is the longest sequence of the RL update (data.max_prompt_length +
+    rollout.max_completion_length): one cross-field default, read by the trainer and by ``grpo memory``."""
+    return cfg.ptx.max_length or cfg.data.max_prompt_length + cfg.rollout.max_completion_length

@@ -194,6 +194,35 @@ class LossConfig:
 
 
 @dataclass
+class PtxConfig:
+    data: str | None = opt(
+        None, "PTX (PaddleNLP's pretraining/SFT loss beside RL): prompt/response pairs (a .jsonl/.json/.parquet "
+        "file, a folder holding ptx.split's file, or a hub id) whose next-token loss is added to every policy "
+        "update, to keep the SFT behaviour and format while RL moves the policy; null = off.")
+    coef: float = opt(
+        0.1, "Weight of the PTX loss (the mean NLL of the micro-batch's response tokens) added to the policy "
+        "loss of each update (PaddleNLP's ptx_coeff). 0.1 keeps RL in charge: on the demo model with pairs in "
+        "its own SFT format the PTX gradient is then 0.1-0.3x the policy's; data far from the model (GSM8K prose "
+        "on tiny-math: 50-70x at coef 1) needs a smaller one.", gt=0)
+    micro_batch_size: int = opt(8, "PTX pairs per rank in one forward/backward, one per optimizer update.", ge=1)
+    max_length: int | None = opt(
+        None, "Tokens of prompt + response; a longer response loses its end (and its EOS), a pair whose prompt "
+        "alone fills it is left out (both counted at start); null = data.max_prompt_length + "
+        "rollout.max_completion_length (the longest sequence the RL update sees).", ge=2)
+    prompt_column: str = opt(
+        "question", "Column with the prompt: text, chat messages ending with a user turn, or src-style user "
+        "turns; chat messages ending with the assistant's reply hold the response too (e.g. messages).")
+    response_column: str = opt(
+        "answer", "Column with the response text (PaddleNLP's tgt: a list ends with the response, the turns "
+        "before it go between the src turns).")
+    response_format: str = opt(
+        "plain", "plain: the response as written; gsm8k: a GSM8K answer ('steps #### N') rewritten in "
+        "data.tag_style (<think>steps</think><answer>N</answer>), the format the rewards check.",
+        choices=("plain", "gsm8k"))
+    split: str = opt("train", "Split to read when ptx.data is a folder or hub id.")
+
+
+@dataclass
 class OptimConfig:
     learning_rate: float = opt(1e-6, "Peak AdamW learning rate (full fine-tuning).", gt=0)
     lora_learning_rate: float | None = opt(None, "Learning rate for LoRA parameters; null = learning_rate.", gt=0)
@@ -292,6 +321,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    ptx: PtxConfig = field(default_factory=PtxConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)

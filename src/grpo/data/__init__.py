@@ -9,7 +9,8 @@ and 1-based line.
 
 Modules: records (Example, DataError), readers (jsonl/json/parquet rows), locations (file /
 folder / hub id), answers (gold formats), gsm8k, prompt_datasets (other prompt files, src/tgt),
-prompts (system prompt + chat template), synthetic (+ synthetic_templates), sources (spec strings).
+prompts (system prompt + chat template), synthetic (+ synthetic_templates), sources (spec strings),
+sft (prompt/response pairs for the PTX loss).
 """
 
 from grpo.data.answers import ANSWER_FORMATS, GoldAnswer, get_answer_format, is_number, normalise_answer
@@ -30,6 +31,7 @@ from grpo.data.prompts import (
     resolve_system_prompt,
 )
 from grpo.data.records import DataError, Example
+from grpo.data.sft import RESPONSE_FORMATS, SftPair, load_sft_pairs
 from grpo.data.sources import SOURCE_KINDS, load_dataset_source
 from grpo.data.synthetic import DIFFICULTIES, MIXED, Difficulty, Step, generate_problems, solution_chain
 
@@ -39,7 +41,9 @@ __all__ = [
     "GSM8K_HUB_CONFIG",
     "GSM8K_HUB_ID",
     "MIXED",
+    "RESPONSE_FORMATS",
     "SOURCE_KINDS",
+    "SftPair",
     "DataError",
     "Difficulty",
     "Example",
@@ -54,6 +58,7 @@ __all__ = [
     "load_dataset_source",
     "load_gsm8k",
     "load_prompts",
+    "load_sft_pairs",
     "normalise_answer",
     "render_example",
     "render_prompt",

@@ -22,8 +22,8 @@ from grpo.distributed import DistInfo, barrier, print0, shutdown
 from grpo.models import check_memory_savers, compute_context, load_policy, load_tokenizer, uses_autocast
 from grpo.optimization import train_on_batch
 from grpo.run_dir import check_output_dir, claim_output_dir
-from grpo.run_setup import (DeferredInterrupt, SkipGuard, build_trainable, logprob_processing, loss_settings,
-                            resume_checkpoint, save_run_checkpoint, start_process)
+from grpo.run_setup import (DeferredInterrupt, SkipGuard, build_trainable, load_ptx_data, logprob_processing,
+                            loss_settings, resume_checkpoint, save_run_checkpoint, start_process)
 from grpo.step_metrics import sample_records, step_metrics
 from grpo.transport import IncomingBatch, PeerTimeout
 from grpo.wire import batch_to_message, decode, encode, message_to_batch, pack_bytes, unpack_bytes
@@ -115,6 +115,7 @@ def run_trainer(cfg: RunConfig) -> int:
             check_output_dir(cfg)
         torch.manual_seed(cfg.train.seed)
         tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
+        ptx_data = load_ptx_data(cfg, tokenizer, info)  # PTX pairs (ptx.data): the trainer ranks' own data
         check_memory_savers(cfg.model, cfg.optim.optimizer, device)
         deepspeed = bool(cfg.train.deepspeed)
         policy = load_policy(cfg.model, device, master_weights=uses_autocast(cfg.model, deepspeed))
@@ -171,8 +172,9 @@ def run_trainer(cfg: RunConfig) -> int:
                 received = time.perf_counter()
                 with interrupt.holding():
                     updating = True
+                    ptx_batch = ptx_data.batch(step, info.rank) if ptx_data else None
                     with compute:
-                        train_stats = train_on_batch(trainable.learner, mine, settings, info)
+                        train_stats = train_on_batch(trainable.learner, mine, settings, info, ptx_batch)
                     trained_at = time.perf_counter()
                     metrics = step_metrics(mine, train_stats, cfg.rollout.num_generations, cfg.data.tag_style,
                                            received, 0.0, trained_at - received, info)

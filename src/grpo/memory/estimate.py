@@ -1,6 +1,7 @@
 """Peak memory per device of a run's config: model states, activations, logits, reference, KV cache.
 
-A step has three phases whose transients never overlap (four with PPO's critic, ``grpo.memory.critic``): the rollout (sampling with a KV cache, then
+A step has three phases whose transients never overlap (four with PPO's critic, ``grpo.memory.critic``; one
+more with the PTX loss, ``ptx_update_bytes``): the rollout (sampling with a KV cache, then
 no-grad reference/old log-probs), the update (forward and backward of each micro-batch, gradients
 accumulating), and the optimizer step. The peak is the largest phase plus the CUDA allowance. The
 reported components are those of the update phase; ``peak_phase`` says when another phase is larger.
@@ -24,6 +25,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from grpo.config import ConfigError, RunConfig
+from grpo.config.rules import ptx_max_length
 from grpo.memory.formulas import (
     LORA_BYTES,
     activation_bytes,
@@ -122,6 +124,23 @@ def rollout_transient_bytes(shape: ModelShape, cfg: RunConfig, *, rows: int, p: 
         logprobs = ((p * b + 2 * 4) * positions * shape.vocab_size
                     + forward_transient_bytes(shape, tokens=b * (prompt_len + completion_len), p=p))
     return max(generation, logprobs)
+
+
+def ptx_update_bytes(shape: ModelShape, cfg: RunConfig, *, p: int, lora_targets: tuple[str, ...] | None,
+                     attention: str, autocast: bool) -> tuple[int, str]:
+    """(bytes, how) of the PTX micro-batch's forward and backward (``ptx.data``), which runs after the policy's
+    micro-batches, their activations freed, beside the accumulated gradients: ``ptx.micro_batch_size`` whole
+    sequences of the PTX max length (distinct prompts: no shared prompt pass), logits at every position (an
+    upper bound: only the response's are computed)."""
+    b, seq_len = cfg.ptx.micro_batch_size, ptx_max_length(cfg)
+    checkpointing = cfg.model.gradient_checkpointing
+    logits = logits_bytes(micro_batch=b, positions=seq_len, vocab_size=shape.vocab_size, p=p)
+    activations = activation_bytes(shape, micro_batch=b, seq_len=seq_len, p=p, lora_targets=lora_targets,
+                                   lora_r=cfg.model.lora_r, attention=attention,
+                                   gradient_checkpointing=checkpointing, logits=logits)
+    if autocast:  # fp32 residual/norm tensors (autocast's weight copies are counted with the weights already)
+        activations += autocast_extra_bytes(shape, tokens=b * seq_len, gradient_checkpointing=checkpointing)[1]
+    return activations + logits, f"PTX micro-batch: {b} x {seq_len} tokens, activations + logits"
 
 
 def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | None = None,
@@ -244,6 +263,10 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
     phases = {"update": persistent + states.gradients + activations + logits}
     if critic:  # PPO: the critic's update follows the policy's, whose gradients torch has freed
         phases["critic_update"] = persistent + critic.gradients + critic.activations
+    if cfg.ptx.data:
+        ptx, ptx_how = ptx_update_bytes(shape, cfg, p=p, lora_targets=targets, attention=attention, autocast=autocast)
+        phases["ptx_update"] = persistent + states.gradients + ptx
+        notes.append(f"{ptx_how}: {_gb(ptx):.2f} GB in its own phase, after the policy's micro-batches")
     # grpo's torch AdamW is foreach on CUDA (a sqrt(v) of every tensor at once) and per tensor on CPU;
     # DeepSpeed's Adam, and the fused AdamW a forced --mixed-precision run is taken to use, need none.
     step_temporaries = 0
