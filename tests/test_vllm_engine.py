@@ -286,3 +286,25 @@ def test_the_guard_stops_a_full_fine_tuning_run_whose_weights_are_not_pushed(tin
     with pytest.raises(OffPolicySampling, match=r"step 2: .* differ from the trainer's by") as stopped:
         grpo.trainer.train(load_config(None, full_training_overrides(folder, tmp_path / "run")))
     print("MEASURED", stopped.value)
+
+
+def test_sampling_controls_follow_hf_semantics_and_the_trainers_processed_logprobs(engine, tiny):
+    # repetition_penalty, min_new_tokens and min_p reach vLLM, and its processed log-probs of the drawn tokens
+    # equal the trainer's (grpo.algorithm.processing through completion_logprobs) for the same controls,
+    # while the unprocessed log-probs differ: the ratio starts at 1 for a vLLM rollout with the controls on.
+    from grpo.algorithm import LogprobProcessing
+    from grpo.logprobs import completion_logprobs
+
+    _, tokenizer, model = tiny
+    params = SamplingParams(n=3, max_tokens=12, temperature=0.7, repetition_penalty=1.5, min_new_tokens=6, min_p=0.05)
+    gen = engine.generate(PROMPTS, params, seed=5)
+    lengths = gen.completion_mask.sum(1)
+    assert (lengths >= 6).all()  # no completion ends (EOS) before min_new_tokens
+    processing = LogprobProcessing(1.5, 6, 0.05, (tokenizer.eos_token_id,))
+    with torch.no_grad():
+        ours = completion_logprobs(model, gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask,
+                                   params.temperature, processing=processing)
+    mask = gen.completion_mask.bool()
+    torch.testing.assert_close(engine.last_logprobs[mask], ours[mask], atol=2e-4, rtol=0)
+    plain = hf_logprobs(model, gen, params.temperature)
+    assert float((plain - ours).abs()[mask].max()) > 1e-2  # the controls changed the distribution
