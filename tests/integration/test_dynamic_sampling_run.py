@@ -27,9 +27,9 @@ def record_trained_batches(monkeypatch) -> list:
 
     real, seen = trainer_module.train_on_batch, []
 
-    def recording(learner, batch, settings, info):
+    def recording(learner, batch, settings, info, *rest):  # rest: the PTX micro-batch
         seen.append(batch)
-        return real(learner, batch, settings, info)
+        return real(learner, batch, settings, info, *rest)
 
     monkeypatch.setattr(trainer_module, "train_on_batch", recording)
     return seen
