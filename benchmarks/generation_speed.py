@@ -103,13 +103,13 @@ def run_case(args, lora: bool) -> dict:
         "generate (dynamic cache, bf16 copy)": lambda c: HFEngine(bf16_model, tokenizer).generate(prompts[c], params,
                                                                                                  seed=c),
         "hf (policy under autocast)": lambda c: _under(autocast, LeanEngine(policy, tokenizer).generate, prompts[c],
-                                                       params, c),
+                                                       params, seed=c),
     }
     static = StaticEngine(policy, tokenizer)
     engines["hf-static"] = lambda c: static.generate(prompts[c], params, seed=c)
     rows = {}
     for name, fn in engines.items():
-        per_call, gen = timed(fn, device, args.reps)
+        per_call, gen = timed(lambda c, fn=fn: _under(attention_context(args.sdpa_backends), fn, c), device, args.reps)
         seconds = statistics.median(per_call)
         tokens = int(gen.completion_mask.sum())
         rows[name] = {"seconds": seconds, "per_call_s": per_call, "tokens": tokens, "tokens_per_s": tokens / seconds}
@@ -125,9 +125,21 @@ def run_case(args, lora: bool) -> dict:
     return rows
 
 
-def _under(context, fn, prompts, params, seed):
+def _under(context, fn, *args, **kwargs):
     with context:
-        return fn(prompts, params, seed=seed)
+        return fn(*args, **kwargs)
+
+
+def attention_context(names: str):
+    """``--sdpa-backends``: those attention backends in that order (grpo.models.sdpa_backends), or torch's choice."""
+    from grpo.models import sdpa_backends
+
+    backends = sdpa_backends(names)
+    if backends is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, name) for name in backends], set_priority=True)
 
 
 def main() -> None:
@@ -140,8 +152,15 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=140)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--cases", default="full,lora")
+    parser.add_argument("--sdpa-backends", default="auto",
+                        help="attention backends in order, e.g. efficient,math or cudnn,efficient (flash takes no "
+                             "padding mask); auto: torch's choice")
     parser.add_argument("--out", help="results JSON (default benchmarks/results/generation_speed[-tiny].json)")
     args = parser.parse_args()
+    try:
+        attention_context(args.sdpa_backends)
+    except ValueError as err:
+        parser.error(f"--sdpa-backends: {err}")
     args.shape = "tiny" if args.tiny else args.shape
     args.prompts = args.prompts or (2 if args.tiny else 16)
     args.max_new_tokens = args.max_new_tokens or (12 if args.tiny else 256)
@@ -153,7 +172,7 @@ def main() -> None:
         raise SystemExit("no CUDA GPU is visible: this benchmark is for a GPU; --tiny runs its code on a CPU")
     report = {"device_name": torch.cuda.get_device_name() if not args.tiny else "cpu", "shape": args.shape,
               "P": args.prompts, "G": args.generations, "max_new_tokens": args.max_new_tokens,
-              "torch": torch.__version__, "cases": {}}
+              "torch": torch.__version__, "sdpa_backends": args.sdpa_backends, "cases": {}}
     for case in args.cases.split(","):
         if case not in ("full", "lora"):
             parser.error(f"--cases: unknown case {case!r}; known: full, lora")

@@ -29,6 +29,14 @@ from grpo.algorithm.processing import prompt_presence
 
 COLUMN_BUCKET = 64  # GPU micro-batch widths are multiples of this (see _micro_batched_logprobs)
 
+# Whether the log-prob passes share each group's prompt (above), by device type: the automatic choice of
+# ``completion_logprobs(share_prompts=None)``. The CPU: yes, measured (README, "Speed against TRL": the
+# update 0.82 -> 0.28 s on tiny-math). CUDA: the shared pass saves the prompt's compute but runs two
+# forwards per micro-batch, i.e. twice the kernel launches, and the H100 profile found the update
+# host-bound (GPU busy 35%); `gpu_vs_trl.py --shared-prompt-pass on|off` measures both, and until it has
+# run on a GPU the CPU's choice stands. Other device types: yes.
+SHARED_PROMPT_PASS = {"cpu": True, "cuda": True}
+
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
@@ -128,7 +136,7 @@ def completion_logprobs(
     completion_mask: Tensor,
     temperature: float,
     micro_batch_size: int | None = None,
-    share_prompts: bool = True,
+    share_prompts: bool | None = None,
     column_bucket: int | None = None,
     with_entropy: bool = False,
     processing: LogprobProcessing | None = None,
@@ -143,7 +151,8 @@ def completion_logprobs(
         column_bucket: run widths rounded up to a multiple of this (padding columns, masked); None:
             ``COLUMN_BUCKET`` on a GPU (shapes that repeat), 1 elsewhere (no extra compute on a CPU).
         share_prompts: run each micro-batch's distinct prompts once (see the module docstring);
-            False runs every row's prompt + completion as one sequence (the plain reference).
+            False runs every row's prompt + completion as one sequence (the plain reference); None:
+            ``SHARED_PROMPT_PASS`` for the model's device type.
         with_entropy: also return the entropy of each completion position's sampling distribution,
             read off the same logits (``token_entropy``: no gradient, no second pass, chunked).
         processing: the sampling controls the completions were drawn with (repetition penalty,
@@ -160,6 +169,8 @@ def completion_logprobs(
     """
     processing = processing if processing is not None and processing.active else None  # off: today's path
     with nullcontext() if torch.is_grad_enabled() else checkpointing_paused(model):
+        if share_prompts is None:
+            share_prompts = SHARED_PROMPT_PASS.get(next(model.parameters()).device.type, True)
         share_prompts = share_prompts and can_share_prompt_cache(model)
         logprobs, entropy = _micro_batched_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                                     temperature, micro_batch_size, share_prompts, column_bucket,

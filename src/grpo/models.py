@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -96,9 +96,61 @@ def uses_autocast(cfg: ModelConfig, deepspeed: bool) -> bool:
     return cfg.bf16 and cfg.lora_r == 0 and not cfg.load_in_4bit and not deepspeed
 
 
+# The scaled-dot-product-attention backends the trainer's passes may use, by device type (names of
+# torch.nn.attention.SDPBackend, in order of preference); None lets torch choose per call. On the H100
+# torch chose cuDNN attention, which built a new execution plan for every new shape (14 ms of host time
+# each in the profile; decoding meets a new KV length every token), the suspected cause of generation
+# times that doubled between steps of one shape. `benchmarks/gpu_vs_trl.py --sdpa-backends` and
+# `generation_speed.py --sdpa-backends` measure a choice; until one has run on a GPU, torch's stands.
+SDPA_BACKENDS: dict[str, tuple[str, ...] | None] = {"cpu": None, "cuda": None}
+
+
+def sdpa_backends(names: str | None) -> tuple[str, ...] | None:
+    """``"flash,efficient"`` -> ``("FLASH_ATTENTION", "EFFICIENT_ATTENTION")``: names of SDPBackend, checked;
+    None or ``"auto"``: None (torch's choice)."""
+    if names in (None, "auto"):
+        return None
+    from torch.nn.attention import SDPBackend
+
+    short = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION", "math": "MATH"}
+    chosen = tuple(short.get(n.strip().lower(), n.strip().upper()) for n in names.split(",") if n.strip())
+    unknown = [n for n in chosen if not hasattr(SDPBackend, n)]
+    if unknown or not chosen:
+        raise ValueError(f"SDPA backends {names!r}: unknown {unknown or 'none given'}; known: {', '.join(short)}")
+    return chosen
+
+
+class _Contexts:
+    """Several context managers entered afresh at each ``with`` (re-enterable, nestable), as one."""
+
+    def __init__(self, *factories):
+        self.factories, self.stacks = factories, []
+
+    def __enter__(self):
+        stack = ExitStack()
+        for factory in self.factories:
+            stack.enter_context(factory())
+        self.stacks.append(stack)
+        return self
+
+    def __exit__(self, *exc):
+        return self.stacks.pop().__exit__(*exc)
+
+
 def compute_context(cfg: ModelConfig, device: torch.device, deepspeed: bool):
-    """The autocast context of ``uses_autocast`` runs (a no-op context otherwise)."""
-    if uses_autocast(cfg, deepspeed):
+    """The autocast context of ``uses_autocast`` runs (a no-op context otherwise), with the attention
+    backends of ``SDPA_BACKENDS`` where they are set for the device's type."""
+    autocast = uses_autocast(cfg, deepspeed)
+    backends = SDPA_BACKENDS.get(device.type)
+    if backends:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        chosen = [getattr(SDPBackend, name) for name in backends]
+        factories = [lambda: sdpa_kernel(chosen, set_priority=True)]
+        if autocast:
+            factories.append(lambda: torch.autocast(device.type, dtype=torch.bfloat16))
+        return _Contexts(*factories)
+    if autocast:
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return nullcontext()
 
