@@ -8,6 +8,9 @@ base, and full fp32 with gradient checkpointing. Each case runs ``grpo.trainer.t
 process; measured = peak allocated bytes minus the bytes allocated right after the policy was loaded
 (the policy's weights), estimated = the estimate's tensors at its peak phase (without the CUDA
 context/fragmentation allowance, which ``max_memory_allocated`` does not see) minus the same weights.
+The peak is also taken phase by phase (``PhasePeaks``: rollout, update, optimizer step) against the
+estimate's phases, and the activation check (the update's peak minus the exactly known states, against
+the estimated activations + logits) reads the update phase, whichever phase holds the run's peak.
 
     python benchmarks/memory_check_gpu.py      # about 2 minutes on one GPU; writes results/memory_check_gpu.json
 """
@@ -23,8 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory_check import (QUESTIONS, longest_prompt, overrides, run_child, train_with_baseline,  # noqa: E402
-                          write_prompts)
+from memory_check import QUESTIONS, longest_prompt, overrides, run_child, write_prompts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -55,6 +57,59 @@ def case_overrides(model: Path, prompts: Path, out: Path, prompt_len: int, lora_
     return values + ["train.device=cuda", f"model.bf16={bf16}", f"rollout.max_completion_length={COMPLETION_TOKENS}"]
 
 
+class PhasePeaks:
+    """Peak memory per phase of a grpo run: at each mark, the peak since the previous mark is the named
+    phase's (a phase's peak is the largest of its spans). Marks: each update's start closes the
+    ``rollout`` (sampling, rewards, reference log-probs), each optimizer step's start closes the
+    ``update`` (the micro-batches' forward/backward), its end the ``optimizer_step``, and the run's end
+    ``after_training`` (final evaluation, saving). ``start`` (right after the policy is loaded) takes
+    the baseline. ``peak``/``reset``/``allocated``: the allocator's counters (CUDA's in the check)."""
+
+    def __init__(self, peak, reset, allocated):
+        self.peak, self.reset, self.allocated = peak, reset, allocated
+        self.baseline: int | None = None
+        self.phases: dict[str, int] = {}
+        self.order: list[str] = []
+
+    def start(self) -> None:
+        self.baseline = self.allocated()
+        self.reset()
+
+    def mark(self, phase: str) -> None:
+        self.phases[phase] = max(self.phases.get(phase, 0), self.peak())
+        self.order.append(phase)
+        self.reset()
+
+
+def train_with_phase_peaks(cfg, peaks: PhasePeaks) -> None:
+    """``grpo.trainer.train(cfg)`` with ``peaks`` marked at its phase boundaries (see ``PhasePeaks``)."""
+    import torch.optim.optimizer as optim_hooks
+
+    import grpo.trainer
+
+    load_policy, train_on_batch = grpo.trainer.load_policy, grpo.trainer.train_on_batch
+
+    def load_policy_then_start(*args, **kwargs):
+        policy = load_policy(*args, **kwargs)
+        peaks.start()
+        return policy
+
+    def update(*args, **kwargs):
+        peaks.mark("rollout")
+        return train_on_batch(*args, **kwargs)
+
+    hooks = [optim_hooks.register_optimizer_step_pre_hook(lambda *_: peaks.mark("update")),
+             optim_hooks.register_optimizer_step_post_hook(lambda *_: peaks.mark("optimizer_step"))]
+    grpo.trainer.load_policy, grpo.trainer.train_on_batch = load_policy_then_start, update
+    try:
+        grpo.trainer.train(cfg)
+        peaks.mark("after_training")
+    finally:
+        grpo.trainer.load_policy, grpo.trainer.train_on_batch = load_policy, train_on_batch
+        for hook in hooks:
+            hook.remove()
+
+
 def child(case_file: str) -> None:
     import torch
 
@@ -62,18 +117,13 @@ def child(case_file: str) -> None:
 
     case = json.loads(Path(case_file).read_text())
     cfg = load_config(None, case["overrides"])
-    after_load: dict[str, int] = {}
-
-    def baseline() -> None:
-        torch.cuda.synchronize()
-        after_load["allocated"] = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-
+    peaks = PhasePeaks(torch.cuda.max_memory_allocated, torch.cuda.reset_peak_memory_stats,
+                       torch.cuda.memory_allocated)
     started = time.perf_counter()
-    train_with_baseline(cfg, baseline)
+    train_with_phase_peaks(cfg, peaks)
     torch.cuda.synchronize()
     Path(case["result"]).write_text(json.dumps({
-        "baseline": after_load["allocated"], "peak": torch.cuda.max_memory_allocated(),
+        "baseline": peaks.baseline, "peak": max(peaks.phases.values()), "phase_peaks": peaks.phases,
         "reserved_peak": torch.cuda.max_memory_reserved(), "seconds": time.perf_counter() - started,
         "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}))
 
@@ -97,13 +147,25 @@ def compare(case: dict, measured: dict) -> dict:
     weights_mib = (gb["weights"] - est.assumptions["autocast_weight_copies_gb"]) * 1024
     est_mib = tensors_mib - weights_mib
     measured_mib = (measured["peak"] - measured["baseline"]) / MIB
+    # each phase's peak against the estimate's phase (both above the loaded policy's weights)
+    phases = {phase: {"estimated_mib": est.phases_gb[phase] * 1024 - weights_mib,
+                      "measured_mib": (peak - measured["baseline"]) / MIB}
+              for phase, peak in measured["phase_peaks"].items() if phase in est.phases_gb}
+    for row in phases.values():
+        row["error"] = (row["estimated_mib"] - row["measured_mib"]) / row["measured_mib"]
+    # Activations + logits at the update phase's peak, whichever phase is the run's: the states held then
+    # (gradients, AdamW states, the reference, autocast's copies) are known exactly. (Taken at the run's
+    # peak instead, an optimizer-step peak made the H200 check's checkpointing case read -59%: the foreach
+    # AdamW's temporaries counted as activations.)
     states_mib = (gb["gradients"] + gb["optimizer"] + gb["reference"] + est.assumptions["autocast_weight_copies_gb"]) * 1024
     est_act = (gb["activations"] + gb["logits"]) * 1024
-    measured_act = measured_mib - states_mib
+    measured_act = phases["update"]["measured_mib"] - states_mib
+    measured_peak_phase = max(phases, key=lambda phase: phases[phase]["measured_mib"])
     return {"name": case["name"], "estimated_mib": est_mib, "measured_mib": measured_mib,
             "error": (est_mib - measured_mib) / measured_mib, "estimated_activations_mib": est_act,
             "measured_activations_mib": measured_act, "activation_error": (est_act - measured_act) / measured_act,
-            "peak_phase": est.peak_phase, "components_mib": {k: v * 1024 for k, v in gb.items()},
+            "peak_phase": est.peak_phase, "measured_peak_phase": measured_peak_phase, "phases": phases,
+            "components_mib": {k: v * 1024 for k, v in gb.items()},
             "reserved_peak_mib": measured["reserved_peak"] / MIB, "seconds": measured["seconds"],
             "gpu": measured["gpu"], "torch": measured["torch"]}
 
@@ -132,8 +194,10 @@ def main() -> None:
         rows.append(row)
         print(f"{row['name']:16} measured {row['measured_mib']:8.1f}  estimated {row['estimated_mib']:8.1f} "
               f"({row['error']:+6.1%})   activations+logits {row['measured_activations_mib']:7.1f} vs "
-              f"{row['estimated_activations_mib']:7.1f} ({row['activation_error']:+6.1%})  [{row['seconds']:.0f}s]",
-              flush=True)
+              f"{row['estimated_activations_mib']:7.1f} ({row['activation_error']:+6.1%})  peak phase "
+              f"{row['measured_peak_phase']} (estimated {row['peak_phase']})  [{row['seconds']:.0f}s]", flush=True)
+        print("                 " + ", ".join(f"{phase} {r['measured_mib']:.0f} vs {r['estimated_mib']:.0f} "
+                                              f"({r['error']:+.1%})" for phase, r in row["phases"].items()), flush=True)
     report = {"model": "Qwen2.5-0.5B body (random), vocab 8192", "prompt_tokens": prompt_len,
               "completion_tokens": COMPLETION_TOKENS, "micro_batch": 4, "cases": rows,
               "max_abs_error": max(abs(r["error"]) for r in rows),

@@ -267,13 +267,15 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
         ptx, ptx_how = ptx_update_bytes(shape, cfg, p=p, lora_targets=targets, attention=attention, autocast=autocast)
         phases["ptx_update"] = persistent + states.gradients + ptx
         notes.append(f"{ptx_how}: {_gb(ptx):.2f} GB in its own phase, after the policy's micro-batches")
-    # grpo's torch AdamW is foreach on CUDA (a sqrt(v) of every tensor at once) and per tensor on CPU;
-    # DeepSpeed's Adam, and the fused AdamW a forced --mixed-precision run is taken to use, need none.
+    # grpo's torch AdamW is per tensor on the CPU (a sqrt(v) of the largest tensor at a time) and fused on
+    # CUDA (grpo.optimization.build_optimizer: in place, no temporaries; the foreach one it replaced took a
+    # sqrt(v) of every tensor at once, which was the H200 check's optimizer-step peak). DeepSpeed's Adam,
+    # bitsandbytes' 8-bit AdamW and the fused AdamW a forced --mixed-precision run is taken to use need none.
     step_temporaries = 0
-    if ds is None and not mixed_precision:
+    if ds is None and not mixed_precision and device != "cuda" and cfg.optim.optimizer != "adamw_8bit":
         largest_tensor = (max(shape.embedding_params(), shape.intermediate_size * shape.hidden_size) if not lora
                           else max(cfg.model.lora_r * max(shape.linear_shapes()[t]) for t in targets))
-        step_temporaries = (states.trained_params if device == "cuda" else largest_tensor) * states.state_bytes
+        step_temporaries = largest_tensor * states.state_bytes
     phases["optimizer_step"] = persistent + states.gradients + step_temporaries
     generation_rows = min(cfg.rollout.generation_batch_size or sequences, sequences)
     if not decoupled:
