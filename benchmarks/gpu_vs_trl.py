@@ -18,7 +18,12 @@ trainer: the median seconds per step after warm-up (steps 2..N), its generate / 
 update split (how each is timed: runners.py), generated tokens/s, the update's TFLOP/s (model FLOPs:
 6 x matmul parameters x tokens trained, 4 x for LoRA, over the update seconds) against a bf16 matmul
 peak measured in the same run, and peak GPU memory (``torch.cuda.max_memory_allocated`` of the
-trainer's process). Results: benchmarks/results/gpu_vs_trl.json and a markdown table.
+trainer's process). Beside them, the ``plain`` side: a plain forward+backward loop over the same tokens
+with the same model setup (``runners.run_plain``), the floor issue 15 holds grpo's update to (within
+1.25x); on CUDA grpo and plain each run one more update under ``torch.profiler`` to measure the share
+of it the GPU is busy (>= 85% is the target; ``--no-busy`` skips it). ``--shared-prompt-pass on|off``
+overrides ``grpo.logprobs.SHARED_PROMPT_PASS`` for grpo (run both to decide the GPU's default).
+Results: benchmarks/results/gpu_vs_trl.json (``gpu_report``) and a markdown table.
 
     python benchmarks/gpu_vs_trl.py                       # all four cases (an estimated 12-15 min on an H100)
     python benchmarks/gpu_vs_trl.py --cases full,full-gc  # some cases
@@ -49,9 +54,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import ROOT, ChildFailed, make_case, median_after, prompt_token_counts, run_once  # noqa: E402
+from gpu_report import git_commit, markdown_table, merge, plain_summary, progress_line, side_summary  # noqa: E402
+from harness import ROOT, ChildFailed, make_case, prompt_token_counts, run_once  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "src"))  # this checkout's grpo, as the trainers' processes get (harness.run_once)
+from grpo.models import sdpa_backends  # noqa: E402
+
 
 RESULTS = ROOT / "benchmarks" / "results"
 TOKENIZER_QUESTIONS, TOKENIZER_VOCAB = 3000, 8192
@@ -76,7 +84,7 @@ SHAPES = {
 }
 CASES = {"full": dict(lora_r=0, gradient_checkpointing=False), "full-gc": dict(lora_r=0, gradient_checkpointing=True),
          "lora": dict(lora_r=16, gradient_checkpointing=False), "lora-gc": dict(lora_r=16, gradient_checkpointing=True)}
-SIDES = {"grpo": "ours", "trl": "trl"}  # side name -> runners.py's name for it
+SIDES = {"grpo": "ours", "trl": "trl", "plain": "plain"}  # side name -> runners.py's name for it
 # (P, G, L, steps, micro-batch) of each preset; flags given on the command line win
 PRESETS = {"default": (16, 8, 256, 4, 16), "full-size": (64, 8, 512, 4, 16), "tiny": (2, 4, 8, 3, 4)}
 
@@ -189,123 +197,6 @@ def measure_peak(device: str, workdir: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def side_summary(result: dict, case: dict, prompt_tokens: list[int], params: tuple[int, int]) -> dict:
-    """Medians over steps 2..N of one trainer's run (an ``error`` entry when it crashed)."""
-    if "error" in result:
-        return {"error": result["error"]}
-    P, G = case["P"], case["G"]
-    body, head = params
-    factor = 4 if case["lora_r"] else 6  # LoRA: frozen weights get no weight gradient (one backward matmul)
-    gen_rate, tflops, other = [], [], []
-    for i, completion in enumerate(result["completion_length"]):
-        prompt = statistics.fmean(prompt_tokens[i * P:(i + 1) * P])  # step i trains prompts i*P .. i*P+P-1
-        # every completion with its own prompt, as both trainers' losses see them (grpo runs each shared
-        # prompt once per group, which is its saving, not extra work); the head only at completion positions
-        flops = factor * P * G * (body * (prompt + completion) + head * completion)
-        gen_rate.append(P * G * completion / result["generate_s"][i])
-        tflops.append(flops / result["train_s"][i] / 1e12)
-        other.append(result["step_s"][i] - result["generate_s"][i] - result["ref_logprobs_s"][i]
-                     - result["train_s"][i])
-    summary = {key: median_after(result[key], 1) for key in ("step_s", "generate_s", "ref_logprobs_s", "train_s")}
-    summary.update({"other_s": median_after(other, 1), "generated_tokens_per_s": median_after(gen_rate, 1),
-                    "update_tflops": median_after(tflops, 1), "completion_length": median_after(
-                        result["completion_length"], 1), "reward": statistics.fmean(result["reward"]),
-                    "peak_rss_gb": result["peak_rss_mb"] / 1024, "steps": len(result["step_s"]),
-                    "per_step": {k: result[k] for k in ("step_s", "generate_s", "ref_logprobs_s", "train_s")}})
-    if "peak_gpu_mb" in result:
-        summary["peak_gpu_gb"] = result["peak_gpu_mb"] / 1024
-    return summary
-
-
-def progress_line(name: str, side: str, s: dict) -> str:
-    if "error" in s:
-        return f"{name:32} {side:5} crashed: {s['error']}"
-    memory = f"peak GPU {s['peak_gpu_gb']:.1f} GB" if "peak_gpu_gb" in s else f"peak RSS {s['peak_rss_gb']:.2f} GB"
-    return (f"{name:32} {side:5} {s['step_s']:7.2f} s/step (generate {s['generate_s']:.2f}, ref log-probs "
-            f"{s['ref_logprobs_s']:.2f}, update {s['train_s']:.2f}) {s['update_tflops']:.3g} TFLOP/s, {memory}")
-
-
-def git_commit() -> str | None:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True)
-    except OSError:  # no git on the machine (a copied working tree)
-        return None
-    if head.returncode != 0:
-        return None
-    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
-
-
-def cell(row: dict, side: str, key: str, fmt: str) -> str:
-    """One trainer's value in a table cell: "-" when that side did not run, "crash" when it crashed."""
-    s = row.get(side)
-    if s is None:
-        return "-"
-    if "error" in s:
-        return "crash"
-    return format(s[key], fmt) if key in s else "-"
-
-
-def pair(row: dict, key: str, fmt: str) -> str:
-    return f"{cell(row, 'grpo', key, fmt)} / {cell(row, 'trl', key, fmt)}"
-
-
-def tflops_cell(row: dict, side: str, peak: float) -> str:
-    value = cell(row, side, "update_tflops", ".3g")
-    s = row.get(side)
-    return value if not s or "error" in s else f"{value} ({100 * s['update_tflops'] / peak:.0f}%)"
-
-
-def markdown_table(report: dict) -> str:
-    """The report as a header line and a markdown table (README-ready), then any crashes' errors."""
-    peak, settings, versions = report["matmul_peak_tflops"], report["settings"], report["versions"]
-    on_gpu = settings["device"].startswith("cuda")
-    memory, mem_key = ("peak GPU GB", "peak_gpu_gb") if on_gpu else ("peak RSS GB", "peak_rss_gb")
-    lines = [
-        f"{report['device_name']}; torch {versions['torch']}, transformers {versions['transformers']}, "
-        f"TRL {versions['trl']}, grpo {report['grpo_commit']}; Qwen2.5-{report['shape_name']} shape, random "
-        f"weights; P={settings['P']} x G={settings['G']}, {settings['max_new_tokens']} new tokens, micro-batch "
-        f"{settings['micro_batch_size']}, median of steps 2-{settings['steps']}; {report['matmul_dtype']} "
-        f"matmul peak {peak:.3g} TFLOP/s",
-        "",
-        "| case | grpo s/step | TRL s/step | TRL / grpo | generate s grpo / TRL | ref log-probs s grpo / TRL "
-        "| update s grpo / TRL | generated tok/s grpo / TRL | update TFLOP/s grpo / TRL (% of peak) "
-        f"| {memory} grpo / TRL |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in report["cases"]:
-        g, t = row.get("grpo"), row.get("trl")
-        ratio = f"**{t['step_s'] / g['step_s']:.2f}x**" if g and t and "error" not in g and "error" not in t else "-"
-        lines.append(
-            f"| {row['case']} | {cell(row, 'grpo', 'step_s', '.2f')} | {cell(row, 'trl', 'step_s', '.2f')} "
-            f"| {ratio} | {pair(row, 'generate_s', '.2f')} | {pair(row, 'ref_logprobs_s', '.2f')} "
-            f"| {pair(row, 'train_s', '.2f')} | {pair(row, 'generated_tokens_per_s', ',.0f')} "
-            f"| {tflops_cell(row, 'grpo', peak)} / {tflops_cell(row, 'trl', peak)} | {pair(row, mem_key, '.1f')} |")
-    errors = [f"- {row['case']}, {side}: {row[side]['error']}" for row in report["cases"] for side in SIDES
-              if row.get(side) and "error" in row[side]]
-    return "\n".join(lines + (["", "Crashes:", *errors] if errors else []))
-
-
-def merge(paths: list[str]) -> dict:
-    """One report from runs of the same settings made in several calls (a later file's row of a case
-    replaces an earlier one's); the matmul peak is the mean of the files' peaks."""
-    reports = [json.loads(Path(p).read_text()) for p in paths]
-    first = reports[0]
-    for path, report in zip(paths[1:], reports[1:]):
-        for key in ("device_name", "versions", "shape_name", "shape", "settings", "grpo_commit"):
-            if report[key] != first[key]:
-                raise SystemExit(f"--merge: {path} has another {key} ({report[key]!r}) than {paths[0]} "
-                                 f"({first[key]!r}); only runs of the same settings make one table")
-    rows = {}
-    for report in reports:
-        rows.update({row["case"]: row for row in report["cases"]})
-    order = list(CASES)
-    merged = dict(first, cases=sorted(rows.values(), key=lambda r: order.index(r["case"])),
-                  matmul_peak_tflops=statistics.fmean(r["matmul_peak_tflops"] for r in reports))
-    return merged
-
-
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=[s for s in SHAPES if s != "tiny"], default="1.5b",
@@ -322,7 +213,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--only", help="run only the cases whose name contains this (e.g. full+gc)")
     parser.add_argument("--engine", default="hf", choices=("hf", "hf-static", "hf-generate", "vllm"),
                         help="grpo's rollout.engine (default hf; hf-static: static cache + CUDA graph decode)")
-    parser.add_argument("--sides", default="grpo,trl", help="which trainers: grpo,trl (default), grpo or trl")
+    parser.add_argument("--sides", default="grpo,trl,plain",
+                        help="comma-separated, of grpo, trl and plain (a plain fwd+bwd loop over the same tokens, "
+                             "the floor of an update); default all three")
+    parser.add_argument("--no-busy", action="store_true",
+                        help="skip the extra profiled update that measures how busy the GPU is (grpo and plain)")
+    parser.add_argument("--shared-prompt-pass", choices=("auto", "on", "off"), default="auto",
+                        help="grpo: each group's prompt run once in the log-prob passes (on), or not (off); auto: "
+                             "grpo.logprobs.SHARED_PROMPT_PASS")
+    parser.add_argument("--sdpa-backends", default="auto",
+                        help="grpo and plain: attention backends in order, e.g. efficient,math or cudnn,efficient "
+                             "(flash takes no padding mask); auto: grpo.models.SDPA_BACKENDS (torch's choice)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of each trainer")
     parser.add_argument("--gsm8k", help="GSM8K folder holding train.jsonl (default: see find_gsm8k)")
     parser.add_argument("--out", help="results JSON (default results/gpu_vs_trl.json; --tiny: gpu_vs_trl-tiny.json)")
@@ -343,8 +244,12 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--cases: unknown {', '.join(unknown)}; known: {', '.join(CASES)}")
     sides = [s for s in args.sides.split(",") if s]
     if not sides or any(s not in SIDES for s in sides):
-        parser.error(f"--sides {args.sides!r}: give grpo, trl or both (comma-separated)")
+        parser.error(f"--sides {args.sides!r}: give some of {', '.join(SIDES)} (comma-separated)")
     args.case_keys, args.side_names = cases, sides
+    try:
+        sdpa_backends(args.sdpa_backends)
+    except ValueError as err:
+        parser.error(f"--sdpa-backends: {err}")
     preset = PRESETS["tiny" if args.tiny else "full-size" if args.full_size else "default"]
     for attr, value in zip(("prompts", "generations", "max_new_tokens", "steps", "micro_batch"), preset):
         if getattr(args, attr) is None:
@@ -363,7 +268,7 @@ def main() -> None:
         return
     out = Path(args.out) if args.out else RESULTS / ("gpu_vs_trl-tiny.json" if args.tiny else "gpu_vs_trl.json")
     if args.merge:
-        report = merge(args.merge)
+        report = merge(args.merge, list(CASES))
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2))
         print(markdown_table(report))
@@ -400,6 +305,7 @@ def main() -> None:
                     "prompts": "GSM8K train, file order, think system prompt",
                     "trl": ("use_vllm=True, vllm_mode=colocate" if args.vllm else "use_vllm=False (HF generate)"),
                     "grpo_engine": "vllm" if args.vllm else args.engine,
+                    "grpo_shared_prompt_pass": args.shared_prompt_pass, "sdpa_backends": args.sdpa_backends,
                     "mean_prompt_tokens": statistics.fmean(prompt_tokens)}
         rows = []
         for key in args.case_keys:
@@ -408,6 +314,8 @@ def main() -> None:
                              max_completion_length=args.max_new_tokens, micro_batch_size=args.micro_batch,
                              device=device, bf16=device == "cuda", attn_implementation="sdpa", lr=1e-6,
                              engine=args.engine, vllm=args.vllm, **CASES[key])
+            case.update(profile_update=device == "cuda" and not args.no_busy,
+                        shared_prompt_pass=args.shared_prompt_pass, sdpa_backends=args.sdpa_backends)
             if args.only and args.only not in case["name"]:
                 continue
             row = {"case": key, "name": case["name"], "lora_r": case["lora_r"],
@@ -418,7 +326,8 @@ def main() -> None:
                 except ChildFailed as err:
                     print(err, file=sys.stderr)
                     result = {"error": err.last_line}
-                row[side] = side_summary(result, case, prompt_tokens, params)
+                row[side] = (plain_summary(result, case, params) if side == "plain"
+                             else side_summary(result, case, prompt_tokens, params))
                 print(progress_line(case["name"], side, row[side]), flush=True)
                 for run_dir in [d for d in workdir.glob(f"{SIDES[side]}-*") if d.is_dir()]:
                     shutil.rmtree(run_dir)  # grpo's run folder holds a copy of the trained model: free the disk

@@ -1,4 +1,4 @@
-"""One benchmark run of one trainer, in its own process: ``python benchmarks/runners.py ours|trl CASE.json``.
+"""One benchmark run of one trainer, in its own process: ``python benchmarks/runners.py ours|trl|plain CASE.json``.
 
 Both trainers get the same model folder, the same prompts file, the same settings (``harness.make_case``)
 and the same torch thread count. Each writes a JSON result with one value per step (a step is one
@@ -21,6 +21,11 @@ rollout batch: generation, rewards, log-probs, the update):
   ``peak_gpu_mb`` (``torch.cuda.max_memory_allocated`` of this process).
 
 Every timer waits for the GPU (``torch.cuda.synchronize``) where the phase could leave kernels queued.
+
+``plain`` is no trainer: the floor an update is measured against (``run_plain``: a plain forward+backward
+loop over the same tokens), ``train_s`` only. With ``profile_update`` (CUDA), grpo and plain run one more
+update under ``torch.profiler`` (left out of the timings): ``update_gpu_busy`` is the share of its seconds
+the GPU ran kernels (``profiled``).
 """
 
 from __future__ import annotations
@@ -48,8 +53,38 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_ours(case: dict) -> dict:
-    import grpo.trainer
+def busy_fraction(intervals: list[tuple[float, float]], wall: float) -> float:
+    """The share of ``wall`` covered by the union of ``[start, end)`` intervals (the same unit): how busy
+    a GPU was, from its kernels' intervals (kernels on several streams may overlap: counted once)."""
+    covered, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            covered += end - max(start, reach)
+            reach = end
+    return covered / wall if wall > 0 else float("nan")
+
+
+def profiled(fn):
+    """Run ``fn()`` once under ``torch.profiler`` recording only the GPU's activity (kernels, copies):
+    (its result, its seconds, the share of them the GPU was busy). The profiler adds a little host work
+    per launch, so the share is a lower bound of the unprofiled one."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
+        result = fn()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+    # kernel times are microseconds from the profiler's start, which is just before `started`
+    kernels = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return result, seconds, busy_fraction(kernels, seconds * 1e6)
+
+
+def ours_config(case: dict):
+    """grpo's run config for ``case`` (what ``run_ours`` trains, what ``run_plain`` loads its model with)."""
     from grpo.config import load_config
 
     out = Path(case["workdir"]) / "ours"
@@ -73,6 +108,23 @@ def run_ours(case: dict) -> dict:
     if case.get("vllm"):  # the same share of the GPU as TRL's vLLM below; the off-policy guard at its default
         overrides.update({"rollout.engine": "vllm", "rollout.vllm_gpu_memory_utilization": VLLM_GPU_SHARE,
                           "rollout.vllm_dtype": "bfloat16" if case["bf16"] else "float32"})
+    if case.get("profile_update"):  # one more step, whose update is profiled and left out of the timings
+        overrides["train.max_steps"] = case["steps"] + 1
+    cfg = load_config(None, [f"{k}={'null' if v is None else v}" for k, v in overrides.items()])
+    if case.get("sdpa_backends", "auto") != "auto":  # the attention backends, instead of torch's own choice
+        import grpo.models
+
+        grpo.models.SDPA_BACKENDS[cfg.train.device.split(":")[0]] = grpo.models.sdpa_backends(case["sdpa_backends"])
+    return cfg
+
+
+def run_ours(case: dict) -> dict:
+    import grpo.logprobs
+    import grpo.trainer
+
+    cfg = ours_config(case)
+    if case.get("shared_prompt_pass", "auto") != "auto":  # the library's automatic choice, overridden
+        grpo.logprobs.SHARED_PROMPT_PASS[cfg.train.device.split(":")[0]] = case["shared_prompt_pass"] == "on"
     rank_experience = grpo.trainer.rank_experience
 
     def rank_experience_synced(*args, **kwargs):
@@ -81,9 +133,23 @@ def run_ours(case: dict) -> dict:
         return made
 
     grpo.trainer.rank_experience = rank_experience_synced  # the loop's rollout_done then follows the GPU
-    grpo.trainer.train(load_config(None, [f"{k}={'null' if v is None else v}" for k, v in overrides.items()]))
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "loss" in line]
-    return {
+    profile = {}
+    if case.get("profile_update"):
+        train_on_batch, calls = grpo.trainer.train_on_batch, [0]
+
+        def train_on_batch_profiling_the_last(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] <= case["steps"]:
+                return train_on_batch(*args, **kwargs)
+            stats, profile["update_profiled_s"], profile["update_gpu_busy"] = profiled(
+                lambda: train_on_batch(*args, **kwargs))
+            return stats
+
+        grpo.trainer.train_on_batch = train_on_batch_profiling_the_last
+    grpo.trainer.train(cfg)
+    rows = [json.loads(line) for line in (Path(cfg.train.output_dir) / "metrics.jsonl").read_text().splitlines()
+            if "loss" in line][:case["steps"]]
+    return {**profile,
         "step_s": [r["time/step_s"] for r in rows],
         "generate_s": [r["time/generate_s"] for r in rows],
         "ref_logprobs_s": [r["time/rollout_s"] - r["time/generate_s"] - r["time/rewards_s"] for r in rows],
@@ -92,6 +158,70 @@ def run_ours(case: dict) -> dict:
         "reward": [r["reward/mean"] for r in rows],
         "completion_length": [r["completion_length/mean"] for r in rows],
     }
+
+
+def run_plain(case: dict) -> dict:
+    """The floor an update is held to: a plain forward+backward loop over the same tokens as a grpo step
+    (each of the P prompts G times, with ``max_completion_length`` completion tokens: what a random model
+    samples), the same model setup (grpo's ``load_policy``: fp32 weights under bf16 autocast, or LoRA over
+    a bf16 base; checkpointing as the case says), micro-batches of the same size, every row its own full
+    sequence (no shared prompt pass), logits for the completion positions only, a log-softmax-and-gather
+    in float32, then the same clipping and AdamW step. Tokens are on the device before the clock starts.
+    ``train_s``: one value per update (a step's worth of micro-batches and the optimizer step)."""
+    import torch
+
+    from grpo.data import load_dataset_source, resolve_system_prompt
+    from grpo.experience import render_prompts
+    from grpo.logprobs import position_ids_from_mask
+    from grpo.models import compute_context, load_policy, load_tokenizer, resolve_device, uses_autocast
+    from grpo.optimization import build_optimizer
+
+    cfg = ours_config(case)
+    device = resolve_device(cfg.train.device)
+    policy = load_policy(cfg.model, device, master_weights=uses_autocast(cfg.model, False))
+    compute = compute_context(cfg.model, device, False)
+    optimizer = build_optimizer(policy, cfg.optim, lora=cfg.model.lora_r > 0)
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    tokenizer = load_tokenizer(case["model"])
+    P, G, L, micro = case["P"], case["G"], case["max_completion_length"], case["micro_batch_size"]
+    updates = case["steps"] + (1 if case.get("profile_update") else 0)
+    texts = render_prompts(tokenizer, load_dataset_source(case["prompts"])[:P * updates],
+                           resolve_system_prompt(None, "think"), 10**6)
+    generator = torch.Generator().manual_seed(case["seed"])
+    batches, prompt_tokens = [], []
+    for step in range(updates):  # [micro, Lp + L] ids, mask and positions per micro-batch, on the device
+        rows = [texts[step * P + r // G] for r in range(P * G)]
+        micro_batches = []
+        for start in range(0, P * G, micro):
+            prompt = tokenizer(rows[start:start + micro], padding=True, add_special_tokens=False, return_tensors="pt")
+            completion = torch.randint(len(tokenizer), (prompt.input_ids.shape[0], L), generator=generator)
+            mask = torch.cat([prompt.attention_mask, torch.ones_like(completion)], 1)
+            prompt_tokens.extend(prompt.attention_mask.sum(1).tolist())
+            micro_batches.append(tuple(t.to(device) for t in (torch.cat([prompt.input_ids, completion], 1), mask,
+                                                              position_ids_from_mask(mask), completion)))
+        batches.append(micro_batches)
+
+    def update(micro_batches) -> None:
+        for ids, mask, positions, completion in micro_batches:
+            with compute:
+                logits = policy(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                logits_to_keep=L + 1).logits[:, :-1]  # [b, L, V]: position t predicts token t + 1
+            logprobs = torch.log_softmax(logits.float(), -1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+            (-logprobs.mean() * ids.shape[0] / (P * G)).backward()
+        torch.nn.utils.clip_grad_norm_(trainable, cfg.optim.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    train_s, result = [], {}
+    for micro_batches in batches[:case["steps"]]:
+        started = time.perf_counter()
+        update(micro_batches)
+        sync(case["device"])
+        train_s.append(time.perf_counter() - started)
+    if case.get("profile_update"):
+        _, result["update_profiled_s"], result["update_gpu_busy"] = profiled(lambda: update(batches[-1]))
+    return {**result, "train_s": train_s, "completion_tokens": L,
+            "mean_prompt_tokens": sum(prompt_tokens) / len(prompt_tokens)}
 
 
 def run_trl(case: dict) -> dict:
@@ -204,7 +334,7 @@ def main() -> None:
     on_gpu = case["device"].startswith("cuda")
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
-    result = run_ours(case) if which == "ours" else run_trl(case)
+    result = {"ours": run_ours, "trl": run_trl, "plain": run_plain}[which](case)
     result["peak_rss_mb"] = peak_rss_mb()
     if on_gpu:
         result["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20

@@ -18,7 +18,9 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+import gpu_report  # noqa: E402
 import gpu_vs_trl  # noqa: E402
+import runners  # noqa: E402
 
 HAS_TRL = importlib.util.find_spec("trl") is not None
 NO_TRL = "TRL side not run: trl is not installed (pip install 'trl>=1.16,<1.17', the `bench` extra)"
@@ -30,7 +32,7 @@ TINY_CASES = ("full-gc", "lora")
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, gsm8k_dir):
     out = tmp_path_factory.mktemp("bench-gpu") / "tiny.json"
-    sides = "grpo,trl" if HAS_TRL else "grpo"
+    sides = "grpo,trl,plain" if HAS_TRL else "grpo,plain"
     proc = subprocess.run(
         [sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_vs_trl.py"), "--tiny", "--steps", "2",
          "--cases", ",".join(TINY_CASES), "--sides", sides, "--gsm8k", str(gsm8k_dir), "--threads", "2",
@@ -73,6 +75,74 @@ def test_tiny_run_times_the_trl_side(tiny_run):
     check_side(report, "trl")
 
 
+@pytest.mark.slow
+def test_tiny_run_times_the_plain_floor(tiny_run):
+    # the plain fwd+bwd loop over the same tokens (issue 15's floor) runs each case's model setup
+    report, stdout = tiny_run
+    for row in report["cases"]:
+        plain = row["plain"]
+        assert "error" not in plain, f"{row['case']} plain: {plain.get('error')}"
+        assert plain["steps"] == 2 and plain["train_s"] > 0 and plain["update_tflops"] > 0
+        assert "update_gpu_busy" not in plain and "update_gpu_busy" not in row["grpo"]  # measured on CUDA only
+        assert f"{plain['train_s']:.2f} s: {row['grpo']['train_s'] / plain['train_s']:.2f}x" in stdout
+
+
+def test_plain_floor_trains_what_grpo_trains(tmp_path, tiny_model_dir, gsm8k_dir):
+    """run_plain's update moves the weights grpo's update moves (every trainable parameter: full, or the
+    LoRA adapters with the base frozen) and keeps the trainer's model setup (checkpointing on)."""
+    import harness
+
+    prompts = gpu_vs_trl.write_prompts(gsm8k_dir, tmp_path / "prompts.jsonl", 8)
+    for lora_r, gradient_checkpointing in ((0, True), (16, False)):
+        case = harness.make_case("tiny", tiny_model_dir, prompts, lora_r=lora_r, num_iterations=1, steps=2,
+                                 threads=2, prompts_per_step=2, num_generations=2, max_completion_length=4,
+                                 micro_batch_size=2, gradient_checkpointing=gradient_checkpointing)
+        case["workdir"] = str(tmp_path / f"run-{lora_r}")
+        import grpo.models
+
+        loaded = []
+        load_policy = grpo.models.load_policy
+
+        def keep(*args, **kwargs):
+            model = load_policy(*args, **kwargs)
+            loaded.append((model, {n: p.detach().clone() for n, p in model.named_parameters()}))
+            return model
+
+        grpo.models.load_policy = keep
+        try:
+            result = runners.run_plain(case)
+        finally:
+            grpo.models.load_policy = load_policy
+        assert len(result["train_s"]) == 2 and result["completion_tokens"] == 4 and result["mean_prompt_tokens"] > 4
+        (model, before), = loaded
+        moved = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        assert moved == trainable, (lora_r, sorted(trainable - moved)[:3], sorted(moved - trainable)[:3])
+        assert (lora_r > 0) == all("lora_" in n for n in trainable)
+        checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.2x name
+        assert (model.is_gradient_checkpointing if checkpointing is None else checkpointing) == gradient_checkpointing
+
+
+def test_busy_fraction_counts_overlapping_kernels_once():
+    assert runners.busy_fraction([], 10.0) == 0.0
+    assert runners.busy_fraction([(0.0, 2.0), (5.0, 6.0)], 10.0) == pytest.approx(0.3)
+    # two streams overlapping, one interval inside another, unsorted input
+    assert runners.busy_fraction([(4.0, 9.0), (1.0, 3.0), (2.0, 5.0), (6.0, 7.0)], 10.0) == pytest.approx(0.8)
+    assert runners.busy_fraction([(0.0, 10.0)], 10.0) == 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_profiled_sees_a_busy_and_an_idle_gpu():
+    import time
+
+    a = torch.randn(4096, 4096, device="cuda")
+    _, seconds, busy = runners.profiled(lambda: [a @ a for _ in range(50)])
+    assert seconds > 0 and busy > 0.8  # back-to-back matmuls
+    _, _, idle = runners.profiled(lambda: (a @ a, time.sleep(0.2)))
+    assert idle < 0.5  # one matmul, then the host sleeps
+
+
 def test_shapes_have_the_published_qwen25_parameter_counts(tiny_tokenizer):
     """Counted on the meta device (no memory); the totals the Qwen2.5 model cards give (tied heads counted
     once), which pins every dimension of the table at once."""
@@ -103,7 +173,7 @@ def test_table_gives_trl_over_grpo_and_marks_a_crash():
             "trl": side(13.2, 10.6, 0.67, 1.9, 270.0, 56.1)}
     crashed = {"case": "lora-gc", "grpo": {"error": "AttributeError: boom"},
                "trl": side(21.9, 17.2, 0.86, 4.0, 90.0, 11.2)}
-    table = gpu_vs_trl.markdown_table(report([full, crashed]))
+    table = gpu_report.markdown_table(report([full, crashed]))
     rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
     assert "| 15.70 | 13.20 | **0.84x** |" in rows["full"]  # 13.2 / 15.7, as the H100 notes give it
     assert "120 (17%) / 270 (39%)" in rows["full"]  # update TFLOP/s against the 700 TFLOP/s peak
@@ -111,15 +181,29 @@ def test_table_gives_trl_over_grpo_and_marks_a_crash():
     assert "- lora-gc, grpo: AttributeError: boom" in table
 
 
+def test_table_holds_the_update_against_the_plain_floor():
+    full = {"case": "full", "grpo": dict(side(15.7, 9.8, 1.78, 4.3, 120.0, 47.6), update_gpu_busy=0.35),
+            "trl": side(13.2, 10.6, 0.67, 1.9, 270.0, 56.1),
+            "plain": {"train_s": 1.6, "update_tflops": 300.0, "update_gpu_busy": 0.97, "peak_gpu_gb": 40.0}}
+    lora = {"case": "lora", "grpo": side(39.8, 32.8, 2.0, 7.6, 50.0, 25.1)}  # no plain side run
+    table = gpu_report.markdown_table(report([full, lora]))
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
+    assert "| 1.60 s: 2.69x / 1.19x | 35% / 97% |" in rows["full"]  # 4.3 / 1.6 and 1.9 / 1.6
+    assert "| - | - / - |" in rows["lora"]
+
+
 def test_merge_joins_cases_in_order_and_refuses_other_settings(tmp_path):
     a, b, other = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
     a.write_text(json.dumps(report([{"case": "lora", "grpo": side(39.8, 32.8, 2.0, 7.6, 50.0, 25.1)}])))
     b.write_text(json.dumps(report([{"case": "full", "grpo": side(15.7, 9.8, 1.78, 4.3, 120.0, 47.6)}])))
     other.write_text(json.dumps(report([], steps=8)))
-    merged = gpu_vs_trl.merge([str(a), str(b)])
+    plain = tmp_path / "plain.json"  # another call's side of the same case joins it
+    plain.write_text(json.dumps(report([{"case": "lora", "plain": {"train_s": 2.0, "update_tflops": 90.0}}])))
+    merged = gpu_report.merge([str(a), str(b), str(plain)], list(gpu_vs_trl.CASES))
     assert [row["case"] for row in merged["cases"]] == ["full", "lora"]
+    assert set(merged["cases"][1]) == {"case", "grpo", "plain"} and merged["cases"][1]["grpo"]["step_s"] == 39.8
     with pytest.raises(SystemExit, match="another settings"):
-        gpu_vs_trl.merge([str(a), str(other)])
+        gpu_report.merge([str(a), str(other)], list(gpu_vs_trl.CASES))
 
 
 def test_generation_speed_tiny_runs_every_engine(tmp_path):
@@ -136,3 +220,32 @@ def test_generation_speed_tiny_runs_every_engine(tmp_path):
         for row in rows.values():
             assert row["seconds"] > 0 and row["tokens"] > 0 and row["speedup_vs_generate"] > 0
     assert "| lora | hf-static |" in proc.stdout
+
+
+def test_memory_check_gpu_takes_each_phase_peak_at_its_boundaries(tmp_path, tiny_model_dir):
+    """benchmarks/memory_check_gpu.py's phase marks, on a real 2-step run (num_iterations 2) on the CPU with
+    counting stand-ins for CUDA's allocator counters: every phase is closed where it ends, in order, and
+    the run's patches and optimizer hooks are gone afterwards."""
+    import memory_check
+    import memory_check_gpu
+
+    import grpo.optimization
+    import grpo.trainer
+    from grpo.config import load_config
+
+    prompts = memory_check.write_prompts(tmp_path)
+    prompt_len = memory_check.longest_prompt(tiny_model_dir, prompts)
+    values = memory_check.overrides(tiny_model_dir, prompts, tmp_path / "run", prompt_len, 0, False)
+    cfg = load_config(None, values + ["train.max_steps=2", "rollout.max_completion_length=4"])
+    reads = iter(range(1000))  # each peak read returns the next number: a phase's value says when it was closed
+    peaks = memory_check_gpu.PhasePeaks(peak=lambda: next(reads), reset=lambda: None, allocated=lambda: -1)
+    memory_check_gpu.train_with_phase_peaks(cfg, peaks)
+    one_step = ["rollout", "update", "optimizer_step", "update", "optimizer_step"]
+    assert peaks.order == one_step * 2 + ["after_training"]
+    assert peaks.baseline == -1
+    assert peaks.phases == {"rollout": 5, "update": 8, "optimizer_step": 9, "after_training": 10}
+    assert grpo.trainer.train_on_batch is grpo.optimization.train_on_batch
+    weight = torch.nn.Parameter(torch.ones(2))
+    weight.grad = torch.ones(2)
+    torch.optim.SGD([weight], lr=0.1).step()  # the hooks were removed: no more marks
+    assert len(peaks.order) == 11
