@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Issues 14 and 15's GPU measurements, in parts that each fit one device call (10 minutes), in the order
+# they matter; a lent GPU's 30 minutes take about all five. Run on the GPU machine, in the repository root, with
+# .whl/ carried (stage it here first: `bash scripts/gpu_wheels.sh`); results go to $OUT (or ./gpu-out).
+#
+#   run: bash scripts/gpu_session.sh gen       # generation alone: hf-static vs generate vs hf, full and
+#                                              #   LoRA, per-call times (the 2x jump), torch's attention
+#                                              #   choice against efficient,math (~5 min on an H100)
+#   run: bash scripts/gpu_session.sh full      # gpu_vs_trl full, full-gc: grpo (hf-static) / TRL / plain
+#   run: bash scripts/gpu_session.sh lora      # gpu_vs_trl lora, lora-gc
+#   run: bash scripts/gpu_session.sh choices   # grpo alone, full and LoRA: as shipped / shared prompt
+#                                              #   pass off / attention backends efficient,math
+#   run: bash scripts/gpu_session.sh memory    # grpo memory against max_memory_allocated (~2 min)
+#
+# then here: python benchmarks/gpu_vs_trl.py --merge full.json lora.json --out benchmarks/results/gpu_vs_trl.json
+# Each part prints its table; the JSON files say which GPU, which commit and every setting.
+set -euo pipefail
+
+part="${1:?usage: gpu_session.sh gen|full|lora|choices|memory}"
+out="${OUT:-gpu-out}"
+mkdir -p "$out"
+site=/tmp/grpo-site
+if [ ! -d "$site" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/*.whl
+fi
+export PYTHONPATH="$site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+bench="python3 benchmarks/gpu_vs_trl.py --gsm8k .whl/gsm8k --engine hf-static"
+
+case "$part" in
+  gen)
+    python3 benchmarks/generation_speed.py --out "$out/generation_speed.json"
+    python3 benchmarks/generation_speed.py --cases full --sdpa-backends efficient,math \
+      --out "$out/generation_speed-efficient.json"
+    ;;
+  full)
+    $bench --cases full,full-gc --out "$out/full.json"
+    ;;
+  lora)
+    $bench --cases lora,lora-gc --out "$out/lora.json"
+    ;;
+  choices)  # grpo alone, A/B in one call: as shipped, shared prompt pass off, other attention backends
+    $bench --cases full,lora --sides grpo --no-busy --out "$out/as-shipped.json"
+    $bench --cases full,lora --sides grpo --no-busy --shared-prompt-pass off --out "$out/shared-off.json"
+    $bench --cases full,lora --sides grpo --no-busy --sdpa-backends efficient,math --out "$out/sdpa-efficient.json"
+    ;;
+  memory)
+    OUT="$out" python3 benchmarks/memory_check_gpu.py  # writes $out/memory_check_gpu.json
+    ;;
+  *)
+    echo "gpu_session.sh: unknown part $part (gen, full, lora, choices or memory)" >&2
+    exit 2
+    ;;
+esac
