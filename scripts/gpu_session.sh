@@ -14,23 +14,33 @@
 #
 # then here: python benchmarks/gpu_vs_trl.py --merge full.json lora.json --out benchmarks/results/gpu_vs_trl.json
 # Each part prints its table; the JSON files say which GPU, which commit and every setting.
+# GPU_SESSION_TINY=1 runs the same commands with --tiny on a CPU, in this environment (PYTHON, default
+# python3), to check the script itself (tests/test_bench_gpu_script.py does); memory has no tiny form.
 set -euo pipefail
 
 part="${1:?usage: gpu_session.sh gen|full|lora|choices|memory}"
 out="${OUT:-gpu-out}"
+python="${PYTHON:-python3}"
 mkdir -p "$out"
-site=/tmp/grpo-site
-if [ ! -d "$site" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/*.whl
+if [ -n "${GPU_SESSION_TINY:-}" ]; then
+  tiny="--tiny"
+  bench="$python benchmarks/gpu_vs_trl.py --tiny --steps 2 --engine hf-static"
+  [ "$part" != memory ] || { echo "gpu_session.sh: memory needs a GPU" >&2; exit 2; }
+else
+  tiny=""
+  site=/tmp/grpo-site
+  if [ ! -d "$site" ]; then
+    "$python" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/*.whl
+  fi
+  export PYTHONPATH="$site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+  bench="$python benchmarks/gpu_vs_trl.py --gsm8k .whl/gsm8k --engine hf-static"
 fi
-export PYTHONPATH="$site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-bench="python3 benchmarks/gpu_vs_trl.py --gsm8k .whl/gsm8k --engine hf-static"
 
 case "$part" in
   gen)
-    python3 benchmarks/generation_speed.py --out "$out/generation_speed.json"
-    python3 benchmarks/generation_speed.py --cases full --sdpa-backends efficient,math \
+    $python benchmarks/generation_speed.py $tiny --out "$out/generation_speed.json"
+    $python benchmarks/generation_speed.py $tiny --cases full --sdpa-backends efficient,math \
       --out "$out/generation_speed-efficient.json"
     ;;
   full)
@@ -45,7 +55,7 @@ case "$part" in
     $bench --cases full,lora --sides grpo --no-busy --sdpa-backends efficient,math --out "$out/sdpa-efficient.json"
     ;;
   memory)
-    OUT="$out" python3 benchmarks/memory_check_gpu.py  # writes $out/memory_check_gpu.json
+    OUT="$out" $python benchmarks/memory_check_gpu.py  # writes $out/memory_check_gpu.json
     ;;
   *)
     echo "gpu_session.sh: unknown part $part (gen, full, lora, choices or memory)" >&2

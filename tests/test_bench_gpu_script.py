@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -249,3 +250,23 @@ def test_memory_check_gpu_takes_each_phase_peak_at_its_boundaries(tmp_path, tiny
     weight.grad = torch.ones(2)
     torch.optim.SGD([weight], lr=0.1).step()  # the hooks were removed: no more marks
     assert len(peaks.order) == 11
+
+
+@pytest.mark.slow
+def test_gpu_session_script_parts_run_in_tiny_form(tmp_path):
+    """scripts/gpu_session.sh (the next GPU's measurements) with GPU_SESSION_TINY=1: the same commands and
+    flags with --tiny on the CPU, so a renamed flag fails here, not in a lent GPU's few minutes."""
+    env = {**os.environ, "GPU_SESSION_TINY": "1", "PYTHON": sys.executable, "OUT": str(tmp_path)}
+    for part in ("gen", "choices"):
+        proc = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "gpu_session.sh"), part], cwd=REPO_ROOT, env=env,
+                              capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, (part, proc.stderr[-4000:])
+    assert json.loads((tmp_path / "generation_speed-efficient.json").read_text())["sdpa_backends"] == "efficient,math"
+    settings = {name: json.loads((tmp_path / f"{name}.json").read_text())["settings"]
+                for name in ("as-shipped", "shared-off", "sdpa-efficient")}
+    assert settings["shared-off"]["grpo_shared_prompt_pass"] == "off"
+    assert settings["sdpa-efficient"]["sdpa_backends"] == "efficient,math"
+    assert settings["as-shipped"]["grpo_engine"] == "hf-static"
+    proc = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "gpu_session.sh"), "nonsense"], cwd=REPO_ROOT,
+                          env=env, capture_output=True, text=True)
+    assert proc.returncode == 2 and "unknown part nonsense" in proc.stderr
