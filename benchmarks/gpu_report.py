@@ -27,6 +27,27 @@ def step_flops(case: dict, params: tuple[int, int], prompt_tokens: float, comple
     return factor * case["P"] * case["G"] * (body * (prompt_tokens + completion_tokens) + head * completion_tokens)
 
 
+PROFILE_KEYS = ("update_gpu_busy", "update_profiled_s", "update_kernels", "update_top_ops_host",
+                "update_top_ops_gpu")  # runners.profile_update's
+
+
+def profile_keys(result: dict) -> dict:
+    return {key: result[key] for key in PROFILE_KEYS if result.get(key) is not None}
+
+
+def profile_tables(report: dict) -> str:
+    """Each profiled update's operator tables (text), by case and side: where the update's time went."""
+    parts = []
+    for row in report["cases"]:
+        for side in ("grpo", "plain"):
+            s = ok(row, side)
+            if s and "update_top_ops_host" in s:
+                parts.append(f"## {row['case']}, {side}: one update, {s.get('update_kernels', '?')} kernels, GPU busy "
+                             f"{100 * s.get('update_gpu_busy', float('nan')):.0f}%\n\nby self host time\n"
+                             f"{s['update_top_ops_host']}\nby self GPU time\n{s.get('update_top_ops_gpu', '-')}")
+    return "\n\n".join(parts)
+
+
 def side_summary(result: dict, case: dict, prompt_tokens: list[int], params: tuple[int, int]) -> dict:
     """Medians over steps 2..N of one trainer's run (an ``error`` entry when it crashed)."""
     if "error" in result:
@@ -45,9 +66,7 @@ def side_summary(result: dict, case: dict, prompt_tokens: list[int], params: tup
                         result["completion_length"], 1), "reward": statistics.fmean(result["reward"]),
                     "peak_rss_gb": result["peak_rss_mb"] / 1024, "steps": len(result["step_s"]),
                     "per_step": {k: result[k] for k in ("step_s", "generate_s", "ref_logprobs_s", "train_s")}})
-    for key in ("update_gpu_busy", "update_profiled_s"):  # grpo on CUDA: one extra step's update, profiled
-        if result.get(key) is not None:
-            summary[key] = result[key]
+    summary.update(profile_keys(result))  # grpo on CUDA: extra steps' updates, profiled
     if "peak_gpu_mb" in result:
         summary["peak_gpu_gb"] = result["peak_gpu_mb"] / 1024
     return summary
@@ -61,9 +80,7 @@ def plain_summary(result: dict, case: dict, params: tuple[int, int]) -> dict:
     summary = {"train_s": median_after(result["train_s"], 1), "steps": len(result["train_s"]),
                "update_tflops": flops / median_after(result["train_s"], 1) / 1e12,
                "peak_rss_gb": result["peak_rss_mb"] / 1024, "per_step": {"train_s": result["train_s"]}}
-    for key in ("update_gpu_busy", "update_profiled_s"):
-        if result.get(key) is not None:
-            summary[key] = result[key]
+    summary.update(profile_keys(result))
     if "peak_gpu_mb" in result:
         summary["peak_gpu_gb"] = result["peak_gpu_mb"] / 1024
     return summary

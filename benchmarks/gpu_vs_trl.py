@@ -20,8 +20,9 @@ update split (how each is timed: runners.py), generated tokens/s, the update's T
 peak measured in the same run, and peak GPU memory (``torch.cuda.max_memory_allocated`` of the
 trainer's process). Beside them, the ``plain`` side: a plain forward+backward loop over the same tokens
 with the same model setup (``runners.run_plain``), the floor issue 15 holds grpo's update to (within
-1.25x); on CUDA grpo and plain each run one more update under ``torch.profiler`` to measure the share
-of it the GPU is busy (>= 85% is the target; ``--no-busy`` skips it). ``--shared-prompt-pass on|off``
+1.25x); on CUDA grpo and plain each run two more updates under ``torch.profiler``: the share of one the GPU is
+busy (>= 85% is the target) and the other's operator tables, by host and by GPU time (in the JSON and
+a ``.profiles.txt`` beside it: why an update is slow, from the same run); ``--no-busy`` skips both. ``--shared-prompt-pass on|off``
 overrides ``grpo.logprobs.SHARED_PROMPT_PASS`` for grpo (run both to decide the GPU's default).
 Results: benchmarks/results/gpu_vs_trl.json (``gpu_report``) and a markdown table.
 
@@ -54,7 +55,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_report import git_commit, markdown_table, merge, plain_summary, progress_line, side_summary  # noqa: E402
+from gpu_report import (git_commit, markdown_table, merge, plain_summary, profile_tables,  # noqa: E402
+                        progress_line, side_summary)
 from harness import ROOT, ChildFailed, make_case, prompt_token_counts, run_once  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "src"))  # this checkout's grpo, as the trainers' processes get (harness.run_once)
@@ -340,7 +342,11 @@ def main() -> None:
                   "matmul_dtype": peak["matmul_dtype"], "cases": rows}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2))
-        print(f"\n{markdown_table(report)}\n\nwritten to {out}")
+        profiles = profile_tables(report)
+        if profiles:  # the profiled updates' operator tables, readable beside the JSON that holds them
+            out.with_suffix(".profiles.txt").write_text(profiles + "\n")
+        print(f"\n{markdown_table(report)}\n\nwritten to {out}" + (f" (profiles: {out.with_suffix('.profiles.txt')})"
+                                                                   if profiles else ""))
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)

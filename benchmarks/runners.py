@@ -23,9 +23,10 @@ rollout batch: generation, rewards, log-probs, the update):
 Every timer waits for the GPU (``torch.cuda.synchronize``) where the phase could leave kernels queued.
 
 ``plain`` is no trainer: the floor an update is measured against (``run_plain``: a plain forward+backward
-loop over the same tokens), ``train_s`` only. With ``profile_update`` (CUDA), grpo and plain run one more
-update under ``torch.profiler`` (left out of the timings): ``update_gpu_busy`` is the share of its seconds
-the GPU ran kernels (``profiled``).
+loop over the same tokens), ``train_s`` only. With ``profile_update`` (CUDA), grpo and plain run two more
+updates under ``torch.profiler`` (left out of the timings): ``update_gpu_busy`` is the share of the first's
+seconds the GPU ran kernels (``profiled``); the second's operator tables (``profiled_ops``) say where the
+time goes.
 """
 
 from __future__ import annotations
@@ -64,10 +65,14 @@ def busy_fraction(intervals: list[tuple[float, float]], wall: float) -> float:
     return covered / wall if wall > 0 else float("nan")
 
 
+PROFILED_UPDATES = 2  # with profile_update: the updates run after the timed ones (see profile_update)
+
+
 def profiled(fn):
     """Run ``fn()`` once under ``torch.profiler`` recording only the GPU's activity (kernels, copies):
-    (its result, its seconds, the share of them the GPU was busy). The profiler adds a little host work
-    per launch, so the share is a lower bound of the unprofiled one."""
+    (its result, {"update_profiled_s": its seconds, "update_gpu_busy": the share of them the GPU was
+    busy, "update_kernels": kernels and copies launched}). The profiler adds a little host work per
+    launch, so the share is a lower bound of the unprofiled one."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -80,7 +85,36 @@ def profiled(fn):
         seconds = time.perf_counter() - started
     # kernel times are microseconds from the profiler's start, which is just before `started`
     kernels = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
-    return result, seconds, busy_fraction(kernels, seconds * 1e6)
+    return result, {"update_profiled_s": seconds, "update_gpu_busy": busy_fraction(kernels, seconds * 1e6),
+                    "update_kernels": len(kernels)}
+
+
+def profiled_ops(fn, rows: int = 30):
+    """Run ``fn()`` once under ``torch.profiler`` with the host's and the GPU's activity: (its result,
+    {"update_top_ops_host": the operators by self host time, "update_top_ops_gpu": by self GPU time},
+    ``rows`` each, as torch's tables): where an update's time goes, from the benchmark's own run."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = torch.cuda.is_available()  # (without one, the host's table alone: how a CPU test runs this)
+    if on_gpu:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]) as prof:
+        result = fn()
+        if on_gpu:
+            torch.cuda.synchronize()
+    table = prof.key_averages()
+    found = {"update_top_ops_host": table.table(sort_by="self_cpu_time_total", row_limit=rows)}
+    if on_gpu:
+        found["update_top_ops_gpu"] = table.table(sort_by="self_device_time_total", row_limit=rows)
+    return result, found
+
+
+def profile_update(fn, extra: int) -> tuple[object, dict]:
+    """The ``extra``-th update after the timed ones (1-based): the first is timed for the GPU's busy share
+    (``profiled``), the second for its operators (``profiled_ops``, whose host-side tracing would lower
+    the share)."""
+    return profiled(fn) if extra == 1 else profiled_ops(fn)
 
 
 def ours_config(case: dict):
@@ -108,8 +142,8 @@ def ours_config(case: dict):
     if case.get("vllm"):  # the same share of the GPU as TRL's vLLM below; the off-policy guard at its default
         overrides.update({"rollout.engine": "vllm", "rollout.vllm_gpu_memory_utilization": VLLM_GPU_SHARE,
                           "rollout.vllm_dtype": "bfloat16" if case["bf16"] else "float32"})
-    if case.get("profile_update"):  # one more step, whose update is profiled and left out of the timings
-        overrides["train.max_steps"] = case["steps"] + 1
+    if case.get("profile_update"):  # more steps, whose updates are profiled and left out of the timings
+        overrides["train.max_steps"] = case["steps"] + PROFILED_UPDATES
     cfg = load_config(None, [f"{k}={'null' if v is None else v}" for k, v in overrides.items()])
     if case.get("sdpa_backends", "auto") != "auto":  # the attention backends, instead of torch's own choice
         import grpo.models
@@ -141,8 +175,8 @@ def run_ours(case: dict) -> dict:
             calls[0] += 1
             if calls[0] <= case["steps"]:
                 return train_on_batch(*args, **kwargs)
-            stats, profile["update_profiled_s"], profile["update_gpu_busy"] = profiled(
-                lambda: train_on_batch(*args, **kwargs))
+            stats, found = profile_update(lambda: train_on_batch(*args, **kwargs), calls[0] - case["steps"])
+            profile.update(found)
             return stats
 
         grpo.trainer.train_on_batch = train_on_batch_profiling_the_last
@@ -184,7 +218,7 @@ def run_plain(case: dict) -> dict:
     trainable = [p for p in policy.parameters() if p.requires_grad]
     tokenizer = load_tokenizer(case["model"])
     P, G, L, micro = case["P"], case["G"], case["max_completion_length"], case["micro_batch_size"]
-    updates = case["steps"] + (1 if case.get("profile_update") else 0)
+    updates = case["steps"] + (PROFILED_UPDATES if case.get("profile_update") else 0)
     texts = render_prompts(tokenizer, load_dataset_source(case["prompts"])[:P * updates],
                            resolve_system_prompt(None, "think"), 10**6)
     generator = torch.Generator().manual_seed(case["seed"])
@@ -219,7 +253,8 @@ def run_plain(case: dict) -> dict:
         sync(case["device"])
         train_s.append(time.perf_counter() - started)
     if case.get("profile_update"):
-        _, result["update_profiled_s"], result["update_gpu_busy"] = profiled(lambda: update(batches[-1]))
+        for extra in range(1, PROFILED_UPDATES + 1):
+            result.update(profile_update(lambda: update(batches[case["steps"] + extra - 1]), extra)[1])
     return {**result, "train_s": train_s, "completion_tokens": L,
             "mean_prompt_tokens": sum(prompt_tokens) / len(prompt_tokens)}
 

@@ -138,10 +138,11 @@ def test_profiled_sees_a_busy_and_an_idle_gpu():
     import time
 
     a = torch.randn(4096, 4096, device="cuda")
-    _, seconds, busy = runners.profiled(lambda: [a @ a for _ in range(50)])
-    assert seconds > 0 and busy > 0.8  # back-to-back matmuls
-    _, _, idle = runners.profiled(lambda: (a @ a, time.sleep(0.2)))
-    assert idle < 0.5  # one matmul, then the host sleeps
+    _, busy = runners.profiled(lambda: [a @ a for _ in range(50)])
+    assert busy["update_profiled_s"] > 0 and busy["update_gpu_busy"] > 0.8  # back-to-back matmuls
+    assert busy["update_kernels"] >= 50
+    _, idle = runners.profiled(lambda: (a @ a, time.sleep(0.2)))
+    assert idle["update_gpu_busy"] < 0.5  # one matmul, then the host sleeps
 
 
 def test_shapes_have_the_published_qwen25_parameter_counts(tiny_tokenizer):
@@ -270,3 +271,15 @@ def test_gpu_session_script_parts_run_in_tiny_form(tmp_path):
     proc = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "gpu_session.sh"), "nonsense"], cwd=REPO_ROOT,
                           env=env, capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown part nonsense" in proc.stderr
+
+
+def test_profiled_ops_tables_name_the_operators_and_reach_the_report():
+    a = torch.randn(64, 64)
+    result, found = runners.profiled_ops(lambda: (a @ a).sum(), rows=5)
+    assert torch.equal(result, (a @ a).sum())
+    assert "aten::mm" in found["update_top_ops_host"] or "aten::matmul" in found["update_top_ops_host"]
+    grpo_side = dict(side(15.7, 9.8, 1.78, 4.3, 120.0, 47.6), update_gpu_busy=0.35, update_kernels=12345, **found)
+    text = gpu_report.profile_tables(report([{"case": "full", "grpo": grpo_side, "trl": side(13, 10, .6, 1.9, 1, 1)}]))
+    assert text.startswith("## full, grpo: one update, 12345 kernels, GPU busy 35%")
+    assert found["update_top_ops_host"] in text
+    assert gpu_report.profile_tables(report([{"case": "full", "grpo": side(1, 1, 1, 1, 1, 1)}])) == ""
