@@ -199,6 +199,17 @@ def measure_peak(device: str, workdir: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def save(report: dict, out: Path) -> str:
+    """Write the report's JSON and, when any side was profiled, its operator tables beside it
+    (``.profiles.txt``); returns those tables ("" when none)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    profiles = profile_tables(report)
+    if profiles:
+        out.with_suffix(".profiles.txt").write_text(profiles + "\n")
+    return profiles
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=[s for s in SHAPES if s != "tiny"], default="1.5b",
@@ -310,6 +321,10 @@ def main() -> None:
                     "grpo_shared_prompt_pass": args.shared_prompt_pass, "sdpa_backends": args.sdpa_backends,
                     "mean_prompt_tokens": statistics.fmean(prompt_tokens)}
         rows = []
+        report = {"device_name": peak["device_name"], "versions": peak["versions"], "grpo_commit": git_commit(),
+                  "shape_name": shape, "shape": SHAPES[shape], "matmul_params": {"body": params[0], "head": params[1]},
+                  "settings": settings, "matmul_peak_tflops": peak["matmul_peak_tflops"],
+                  "matmul_dtype": peak["matmul_dtype"], "cases": rows}
         for key in args.case_keys:
             case = make_case(f"qwen2.5-{shape}", model, prompts, num_iterations=1, steps=args.steps,
                              threads=args.threads, prompts_per_step=args.prompts, num_generations=args.generations,
@@ -333,18 +348,12 @@ def main() -> None:
                 print(progress_line(case["name"], side, row[side]), flush=True)
                 for run_dir in [d for d in workdir.glob(f"{SIDES[side]}-*") if d.is_dir()]:
                     shutil.rmtree(run_dir)  # grpo's run folder holds a copy of the trained model: free the disk
-            rows.append(row)
+                if not rows or rows[-1] is not row:
+                    rows.append(row)
+                save(report, out)  # after every side: a run cut short (a device call's time limit) keeps these
         if not rows:
             raise SystemExit(f"--only {args.only!r} matches no case of {', '.join(args.case_keys)}")
-        report = {"device_name": peak["device_name"], "versions": peak["versions"], "grpo_commit": git_commit(),
-                  "shape_name": shape, "shape": SHAPES[shape], "matmul_params": {"body": params[0], "head": params[1]},
-                  "settings": settings, "matmul_peak_tflops": peak["matmul_peak_tflops"],
-                  "matmul_dtype": peak["matmul_dtype"], "cases": rows}
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2))
-        profiles = profile_tables(report)
-        if profiles:  # the profiled updates' operator tables, readable beside the JSON that holds them
-            out.with_suffix(".profiles.txt").write_text(profiles + "\n")
+        profiles = save(report, out)
         print(f"\n{markdown_table(report)}\n\nwritten to {out}" + (f" (profiles: {out.with_suffix('.profiles.txt')})"
                                                                    if profiles else ""))
     finally:
