@@ -171,7 +171,7 @@ def run_ours(case: dict) -> dict:
     if case.get("profile_update"):
         train_on_batch, calls = grpo.trainer.train_on_batch, [0]
 
-        def train_on_batch_profiling_the_last(*args, **kwargs):
+        def train_on_batch_profiling_the_extra(*args, **kwargs):
             calls[0] += 1
             if calls[0] <= case["steps"]:
                 return train_on_batch(*args, **kwargs)
@@ -179,7 +179,7 @@ def run_ours(case: dict) -> dict:
             profile.update(found)
             return stats
 
-        grpo.trainer.train_on_batch = train_on_batch_profiling_the_last
+        grpo.trainer.train_on_batch = train_on_batch_profiling_the_extra
     grpo.trainer.train(cfg)
     rows = [json.loads(line) for line in (Path(cfg.train.output_dir) / "metrics.jsonl").read_text().splitlines()
             if "loss" in line][:case["steps"]]
