@@ -132,14 +132,9 @@ def _under(context, fn, *args, **kwargs):
 
 def attention_context(names: str):
     """``--sdpa-backends``: those attention backends in that order (grpo.models.sdpa_backends), or torch's choice."""
-    from grpo.models import sdpa_backends
+    from grpo.models import sdpa_backends, sdpa_context
 
-    backends = sdpa_backends(names)
-    if backends is None:
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([getattr(SDPBackend, name) for name in backends], set_priority=True)
+    return sdpa_context(sdpa_backends(names))
 
 
 def main() -> None:

@@ -120,6 +120,16 @@ def sdpa_backends(names: str | None) -> tuple[str, ...] | None:
     return chosen
 
 
+def sdpa_context(backends: tuple[str, ...] | None):
+    """A context in which scaled dot product attention uses only ``backends`` (SDPBackend names, in
+    that order of preference); a no-op context for None (torch's own choice)."""
+    if not backends:
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, name) for name in backends], set_priority=True)
+
+
 class _Contexts:
     """Several context managers entered afresh at each ``with`` (re-enterable, nestable), as one."""
 
@@ -143,10 +153,7 @@ def compute_context(cfg: ModelConfig, device: torch.device, deepspeed: bool):
     autocast = uses_autocast(cfg, deepspeed)
     backends = SDPA_BACKENDS.get(device.type)
     if backends:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        chosen = [getattr(SDPBackend, name) for name in backends]
-        factories = [lambda: sdpa_kernel(chosen, set_priority=True)]
+        factories = [lambda: sdpa_context(backends)]
         if autocast:
             factories.append(lambda: torch.autocast(device.type, dtype=torch.bfloat16))
         return _Contexts(*factories)
