@@ -115,3 +115,24 @@ def test_shared_prompt_pass_is_a_second_forward(tiny_tokenizer, monkeypatch):
     plain = {layers: grpo_update_ops(tiny_tokenizer, layers, False) for layers in (1, 3)}
     per_layer_shared, per_layer_plain = (shared[3] - shared[1]) / 2, (plain[3] - plain[1]) / 2
     assert 1.5 < per_layer_shared / per_layer_plain < 2.5, (shared, plain)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_reference_pass_adds_no_host_work_per_layer_over_a_plain_forward(tiny_tokenizer, monkeypatch, lora):
+    """The no-grad log-prob passes (reference, old policy) against one plain forward over the same rows."""
+    monkeypatch.setitem(grpo.logprobs.SHARED_PROMPT_PASS, "cpu", False)
+    gen = batch(tiny_tokenizer).generation
+    ids = torch.cat([gen.prompt_ids, gen.completion_ids], 1)
+    mask = torch.cat([gen.prompt_mask, gen.completion_mask], 1)
+    positions = position_ids_from_mask(mask)
+    grpo_ops, plain_ops = {}, {}
+    for layers in (1, 3):
+        policy = model(tiny_tokenizer, layers, lora)
+        with torch.no_grad():
+            grpo_ops[layers] = counted(lambda: grpo.logprobs.completion_logprobs(
+                policy, gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask, 1.0, N))
+            plain_ops[layers] = counted(lambda: torch.log_softmax(policy(
+                input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
+                logits_to_keep=LC + 1).logits[:, :-1].float(), -1).gather(-1, gen.completion_ids.unsqueeze(-1)))
+    assert grpo_ops[3] - grpo_ops[1] == plain_ops[3] - plain_ops[1], (grpo_ops, plain_ops)
+    assert 0 <= grpo_ops[1] - plain_ops[1] < 300, (grpo_ops, plain_ops)
