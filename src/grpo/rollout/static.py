@@ -27,7 +27,7 @@ logprob_diff`` is the place to see that.
 
 The graph is captured per call, not kept across calls (the issue's "graphs reused across steps"),
 on purpose: a kept graph needs its buffers kept, i.e. the static KV cache held through every update
-(128 rows x 640 slots: ~1.9 GB at the 1.5B shape, ~9 GB at 7B), against the target of a peak no higher
+(128 rows x 640 slots in bf16: ~2.3 GB at the 1.5B shape, ~4.7 GB at 7B), against the target of a peak no higher
 than TRL's; a capture costs about two eager steps of host time (~75 ms at the H100's measured ~37 ms per
 eager step, ~3% of a 256-token call). To revisit if the GPU run says otherwise.
 
