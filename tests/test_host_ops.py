@@ -41,7 +41,8 @@ def model(tokenizer, layers: int, lora: bool):
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        policy = get_peft_model(policy, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+        lora_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+        policy = get_peft_model(policy, lora_config)
     return policy.train()
 
 
