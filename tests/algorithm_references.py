@@ -189,9 +189,9 @@ def ref_truncated_weights(old, sampler, mask, cap):
             for o_row, s_row, m_row in zip(old, sampler, mask)]
 
 
-def ref_sampler_weights(old, sampler, mask, cap, mode):
-    """(weights, over_cap) of every sampler-correction mode, token by token (sequence modes: the product
-    of the row's real tokens' ratios, exp of the sum of their log-ratios)."""
+def ref_sampler_weights(old, sampler, mask, cap, mode, floor=None):
+    """(weights, outside) of every sampler-correction mode, token by token (sequence modes: the product
+    of the row's real tokens' ratios, exp of the sum of their log-ratios); ``floor`` the lower bound."""
     weights, over = [], []
     for o_row, s_row, m_row in zip(old, sampler, mask):
         if mode.startswith("sequence"):
@@ -201,11 +201,11 @@ def ref_sampler_weights(old, sampler, mask, cap, mode):
             ratios = [math.exp(o - s) if m else 0.0 for o, s, m in zip(o_row, s_row, m_row)]
         w_row, over_row = [], []
         for ratio, m in zip(ratios, m_row):
-            above = bool(m) and ratio > cap
+            above = bool(m) and (ratio > cap or (floor is not None and ratio < floor))
             if not m:
                 w = 0.0
             elif mode.endswith("truncate"):
-                w = min(ratio, cap)
+                w = min(ratio, cap) if floor is None else max(min(ratio, cap), floor)
             else:
                 w = 0.0 if above else ratio
             w_row.append(w)

@@ -25,14 +25,14 @@ TOL = 1e-9
 
 @pytest.mark.parametrize("mode", sorted(SAMPLER_CORRECTIONS))
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("cap", [1.0, 2.0, 1e9])
-def test_weights_match_the_loop_reference(mode, seed, cap):
+@pytest.mark.parametrize("cap, floor", [(1.0, None), (2.0, None), (1e9, None), (2.0, 0.8), (1.0, 0.0)])
+def test_weights_match_the_loop_reference(mode, seed, cap, floor):
     gen = torch.Generator().manual_seed(seed)
     mask = ragged_mask(5, 6, gen).double()
     old = -torch.rand(5, 6, generator=gen, dtype=torch.float64) * 3
     sampler = (old + torch.randn(5, 6, generator=gen, dtype=torch.float64) * 0.4).masked_fill(mask == 0, -1e4)
-    weights, over = sampler_importance_weights(old, sampler, mask, cap, mode)
-    want_weights, want_over = ref_sampler_weights(old.tolist(), sampler.tolist(), mask.tolist(), cap, mode)
+    weights, over = sampler_importance_weights(old, sampler, mask, cap, mode, floor)
+    want_weights, want_over = ref_sampler_weights(old.tolist(), sampler.tolist(), mask.tolist(), cap, mode, floor)
     assert torch.allclose(weights, torch.tensor(want_weights, dtype=torch.float64), atol=TOL, rtol=1e-12)
     assert over.tolist() == want_over
 
@@ -61,6 +61,27 @@ def test_weights_by_hand():
     assert torch.equal(got, torch.zeros(1, 2))
     with pytest.raises(ValueError, match=r"unknown sampler correction mode 'token'; known: \['sequence_mask'"):
         sampler_importance_weights(old, sampler, mask, 1.5, "token")
+
+
+def test_the_lower_bound_by_hand():
+    # token ratios 2 and 0.5 (as above) with the bounds [0.8, 3]: 0.5 is raised to 0.8, or masked
+    old = torch.log(torch.tensor([[0.5, 0.25, 0.9]], dtype=torch.float64))
+    sampler = torch.log(torch.tensor([[0.25, 0.5, 1e-30]], dtype=torch.float64))
+    mask = torch.tensor([[1, 1, 0]])
+    got, outside = sampler_importance_weights(old, sampler, mask, 3.0, "token_truncate", floor=0.8)
+    assert torch.allclose(got, torch.tensor([[2.0, 0.8, 0.0]], dtype=torch.float64))
+    assert outside.tolist() == [[False, True, False]]
+    got, outside = sampler_importance_weights(old, sampler, mask, 3.0, "token_mask", floor=0.8)
+    assert torch.allclose(got, torch.tensor([[2.0, 0.0, 0.0]], dtype=torch.float64))
+    assert outside.tolist() == [[False, True, False]]
+    # the sequence ratio 2 * 0.5 = 1 is inside [0.8, 3]; with a floor of 1.5 it is not
+    got, _ = sampler_importance_weights(old, sampler, mask, 3.0, "sequence_truncate", floor=1.5)
+    assert torch.allclose(got, torch.tensor([[1.5, 1.5, 0.0]], dtype=torch.float64))
+    got, _ = sampler_importance_weights(old, sampler, mask, 3.0, "sequence_mask", floor=1.5)
+    assert torch.equal(got, torch.zeros(1, 3, dtype=torch.float64))
+    for floor in (-0.1, 3.0):
+        with pytest.raises(ValueError, match=r"floor must be in \[0, cap=3.0\)"):
+            sampler_importance_weights(old, sampler, mask, 3.0, "token_truncate", floor=floor)
 
 
 def test_the_weights_scale_the_surrogate_not_the_kl():
@@ -104,7 +125,8 @@ def capture_policy_loss(monkeypatch) -> list[dict]:
     return calls
 
 
-def test_a_stale_samplers_logprobs_weight_each_token_by_the_capped_ratio(tiny_tokenizer, monkeypatch):
+@pytest.mark.parametrize("floor", [None, 0.6])
+def test_a_stale_samplers_logprobs_weight_each_token_by_the_capped_ratio(tiny_tokenizer, monkeypatch, floor):
     # Colocated vLLM with num_iterations 1: no old log-probs on the batch, so pi_old is the update's own
     # first forward pass (detached); the sampler's differ by +-0.7 or +2 nats per token.
     model = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=1, seed=0)
@@ -117,17 +139,18 @@ def test_a_stale_samplers_logprobs_weight_each_token_by_the_capped_ratio(tiny_to
     cap = 1.5
     calls = capture_policy_loss(monkeypatch)
     stats = train_on_batch(RecordingLearner(model), batch, settings(sampler_is_mode="token_truncate",
-                                                                    sampler_is_cap=cap), DistInfo())
+                                                                    sampler_is_cap=cap, sampler_is_min=floor),
+                           DistInfo())
     from grpo.optimization import rows_by_length
 
     order = rows_by_length(gen.completion_mask, 2)
     got = torch.cat([c["weights"] for c in calls])[torch.argsort(order)]  # back in row order
     real = gen.completion_mask.bool()
     # By hand: weight = min(exp(old - sampler), C) = min(exp(drift), 1.5): e^0.7 = 2.01 -> 1.5 (capped),
-    # e^-0.7 = 0.497, e^2 -> 1.5, e^0 = 1; 0 on padding.
-    hand = drift.exp().clamp(max=cap) * real
+    # e^-0.7 = 0.497 (raised to 0.6 with loss.sampler_is_min 0.6), e^2 -> 1.5, e^0 = 1; 0 on padding.
+    hand = drift.exp().clamp(min=floor, max=cap) * real
     assert torch.allclose(got, hand, atol=1e-5)
-    capped = (drift > math.log(cap)) & real
+    capped = ((drift > math.log(cap)) | (floor is not None and drift < math.log(floor or 1))) & real
     assert stats["sampler_is/capped_fraction"] == pytest.approx(float(capped.sum() / real.sum()), abs=1e-6)
     assert stats["sampler_is/weight_mean"] == pytest.approx(float(hand.sum() / real.sum()), abs=1e-5)
     assert stats["sampler_is/logprob_diff"] == pytest.approx(float((drift.abs() * real).sum() / real.sum()), abs=1e-5)
@@ -190,6 +213,8 @@ def test_the_correction_is_refused_where_the_trainer_samples():
     load_config(None, ["loss.sampler_is_correction=true", "train.mode=decoupled"])
     with pytest.raises(ConfigError, match="sampler_is_mode"):
         load_config(None, ["loss.sampler_is_mode=token"])
+    with pytest.raises(ConfigError, match=r"loss.sampler_is_min.*3.0 must be below loss.sampler_is_cap \(3.0\)"):
+        load_config(None, ["loss.sampler_is_correction=true", "train.mode=decoupled", "loss.sampler_is_min=3.0"])
 
 
 @pytest.mark.slow

@@ -80,6 +80,7 @@ class LossSettings:
     mask_truncated_completions: bool = False  # DAPO: completions without EOS get no loss
     sampler_is_mode: str | None = None  # loss.sampler_is_correction on: a name in grpo.algorithm.SAMPLER_CORRECTIONS
     sampler_is_cap: float = 3.0
+    sampler_is_min: float | None = None  # loss.sampler_is_min: the weights' lower bound (None: none)
     processing: LogprobProcessing | None = None  # the sampling controls the log-probs follow (None: off)
     ptx_coef: float = 0.0  # weight of the PTX micro-batch's mean NLL in each update (ptx.coef)
 
@@ -189,7 +190,8 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
                 weights = over_cap = None
                 if sampler_all is not None:  # [b, Lc] each; old is pi_old at the weights that start the update
                     weights, over_cap = sampler_importance_weights(old, sampler_all[on_device], sampled[on_device],
-                                                                   s.sampler_is_cap, s.sampler_is_mode)
+                                                                   s.sampler_is_cap, s.sampler_is_mode,
+                                                                   s.sampler_is_min)
                 loss, stats = policy_loss(
                     logprobs, old, ref, advantages[on_device], rows_mask, epsilon=s.epsilon,
                     epsilon_high=s.epsilon_high, beta=s.beta, loss_type=s.loss_type,

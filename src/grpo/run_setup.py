@@ -116,7 +116,7 @@ def loss_settings(cfg: RunConfig, processing: LogprobProcessing | None) -> LossS
         importance_sampling_level=cfg.loss.importance_sampling_level,
         mask_truncated_completions=cfg.loss.mask_truncated_completions,
         sampler_is_mode=cfg.loss.sampler_is_mode if cfg.loss.sampler_is_correction else None,
-        sampler_is_cap=cfg.loss.sampler_is_cap, processing=processing,
+        sampler_is_cap=cfg.loss.sampler_is_cap, sampler_is_min=cfg.loss.sampler_is_min, processing=processing,
         ptx_coef=cfg.ptx.coef if cfg.ptx.data else 0.0)
 
 

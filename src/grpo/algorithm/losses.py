@@ -252,15 +252,19 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
 
 
 # Each mode: (log_ratio [N, L], mask [N, L] float, cap) -> (weights [N, L], over_cap [N, L] bool).
-def _token_truncate(log_ratio: Tensor, mask: Tensor, cap: float) -> tuple[Tensor, Tensor]:
-    ratio = torch.exp(log_ratio)
-    return torch.clamp(ratio, max=cap), ratio > cap
+def _outside(ratio: Tensor, cap: float, floor: float | None) -> Tensor:
+    return ratio > cap if floor is None else (ratio > cap) | (ratio < floor)
 
 
-def _token_mask(log_ratio: Tensor, mask: Tensor, cap: float) -> tuple[Tensor, Tensor]:
+def _token_truncate(log_ratio: Tensor, mask: Tensor, cap: float, floor: float | None) -> tuple[Tensor, Tensor]:
     ratio = torch.exp(log_ratio)
-    over = ratio > cap
-    return ratio.masked_fill(over, 0.0), over
+    return torch.clamp(ratio, min=floor, max=cap), _outside(ratio, cap, floor)
+
+
+def _token_mask(log_ratio: Tensor, mask: Tensor, cap: float, floor: float | None) -> tuple[Tensor, Tensor]:
+    ratio = torch.exp(log_ratio)
+    outside = _outside(ratio, cap, floor)
+    return ratio.masked_fill(outside, 0.0), outside
 
 
 def _sequence_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
@@ -269,18 +273,18 @@ def _sequence_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
     return torch.exp((log_ratio * mask).sum(-1, keepdim=True)).expand_as(log_ratio)  # [N, L]
 
 
-def _sequence_truncate(log_ratio: Tensor, mask: Tensor, cap: float) -> tuple[Tensor, Tensor]:
+def _sequence_truncate(log_ratio: Tensor, mask: Tensor, cap: float, floor: float | None) -> tuple[Tensor, Tensor]:
     ratio = _sequence_ratio(log_ratio, mask)
-    return torch.clamp(ratio, max=cap), ratio > cap
+    return torch.clamp(ratio, min=floor, max=cap), _outside(ratio, cap, floor)
 
 
-def _sequence_mask(log_ratio: Tensor, mask: Tensor, cap: float) -> tuple[Tensor, Tensor]:
+def _sequence_mask(log_ratio: Tensor, mask: Tensor, cap: float, floor: float | None) -> tuple[Tensor, Tensor]:
     ratio = _sequence_ratio(log_ratio, mask)
-    over = ratio > cap
-    return ratio.masked_fill(over, 0.0), over
+    outside = _outside(ratio, cap, floor)
+    return ratio.masked_fill(outside, 0.0), outside
 
 
-SAMPLER_CORRECTIONS: dict[str, Callable[[Tensor, Tensor, float], tuple[Tensor, Tensor]]] = {
+SAMPLER_CORRECTIONS: dict[str, Callable[[Tensor, Tensor, float, float | None], tuple[Tensor, Tensor]]] = {
     "token_truncate": _token_truncate,
     "token_mask": _token_mask,
     "sequence_truncate": _sequence_truncate,
@@ -289,8 +293,9 @@ SAMPLER_CORRECTIONS: dict[str, Callable[[Tensor, Tensor, float], tuple[Tensor, T
 
 
 def sampler_importance_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, cap: float,
-                               mode: str = "token_truncate") -> tuple[Tensor, Tensor]:
-    """Per-token weights from ``pi_old / pi_sampler`` for tokens sampled by another engine, bounded by ``cap``.
+                               mode: str = "token_truncate", floor: float | None = None) -> tuple[Tensor, Tensor]:
+    """Per-token weights from ``pi_old / pi_sampler`` for tokens sampled by another engine, bounded by ``cap``
+    (and from below by ``floor``, when given).
 
     A sampler that is not the trainer (vLLM, or a decoupled sampler with stale weights or other numerics)
     draws from a slightly different distribution than the trainer's old policy; weighting each token's
@@ -305,22 +310,26 @@ def sampler_importance_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, m
         mode: a name in ``SAMPLER_CORRECTIONS``: ``token_truncate`` ``min(r_t, C)``; ``token_mask`` ``r_t``,
             or 0 where ``r_t > C``; ``sequence_truncate`` / ``sequence_mask`` the same on the completion's
             ratio ``prod_t r_t``, given to each of its tokens.
+        floor: ``0 <= C_min < C`` or None (TRL's ``vllm_importance_sampling_clip_min``): the truncate modes
+            raise ratios below it to it, the mask modes zero them; None: no lower bound.
 
     Returns:
-        ``(weights, over_cap)``, both ``[N, L]`` and detached: the weights (0 on padding), and True on the
-        real tokens whose ratio was above the cap (truncated or masked).
+        ``(weights, outside)``, both ``[N, L]`` and detached: the weights (0 on padding), and True on the
+        real tokens whose ratio was outside ``[floor, cap]`` (truncated or masked).
     """
     if not (old_logprobs.shape == sampler_logprobs.shape == mask.shape):
         raise ValueError(f"shape mismatch: old_logprobs {tuple(old_logprobs.shape)}, sampler_logprobs "
                          f"{tuple(sampler_logprobs.shape)}, mask {tuple(mask.shape)}")
     if cap <= 0:
         raise ValueError(f"cap must be > 0, got {cap}")
+    if floor is not None and not 0 <= floor < cap:
+        raise ValueError(f"floor must be in [0, cap={cap}), got {floor}")
     correct = lookup(SAMPLER_CORRECTIONS, "sampler correction mode", mode)
     with torch.no_grad():
         padding = mask == 0
         log_ratio = (old_logprobs - sampler_logprobs).masked_fill(padding, 0.0)  # [N, L]
-        weights, over = correct(log_ratio, mask.to(log_ratio.dtype), cap)
-        return weights.masked_fill(padding, 0.0), over & ~padding
+        weights, outside = correct(log_ratio, mask.to(log_ratio.dtype), cap, floor)
+        return weights.masked_fill(padding, 0.0), outside & ~padding
 
 
 def truncated_importance_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor,

@@ -101,6 +101,10 @@ def sampler_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
             "own prompts need, and under ZeRO-3 every forward pass of the policy gathers parameters from all "
             "ranks (a collective), so ranks with different round counts would wait on each other forever; use "
             "train.mode decoupled (the samplers run the rounds) or drop train.deepspeed")))
+    if cfg.loss.sampler_is_min is not None and cfg.loss.sampler_is_min >= cfg.loss.sampler_is_cap:
+        problems.append(("loss.sampler_is_min", (
+            f"{cfg.loss.sampler_is_min} must be below loss.sampler_is_cap ({cfg.loss.sampler_is_cap}): the weights "
+            "are bounded to [sampler_is_min, sampler_is_cap]")))
     if cfg.loss.sampler_is_correction and cfg.train.mode == "colocated" and cfg.rollout.engine != "vllm":
         problems.append(("loss.sampler_is_correction", (
             f"is on with rollout.engine {cfg.rollout.engine} in colocated mode, where the trainer's own model "

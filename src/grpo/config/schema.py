@@ -187,6 +187,9 @@ class LossConfig:
         choices=("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"))
     sampler_is_cap: float = opt(
         3.0, "sampler_is_correction: the cap C on the weights (TRL's vllm_importance_sampling_clip_max).", gt=0)
+    sampler_is_min: float | None = opt(
+        None, "sampler_is_correction: a lower bound below sampler_is_cap (TRL's vllm_importance_sampling_clip_min): "
+              "the truncate modes raise smaller ratios to it, the mask modes zero them; null: none.", ge=0)
     advantage_eps: float = opt(1e-4, "Added to the std when scaling advantages.", gt=0)
     value_clip: float = opt(
         0.2, "gae: the critic's new value may move this far from its sampling-time value before PPO's clipped "
