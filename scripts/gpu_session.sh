@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issues 14 and 15's GPU measurements, in parts that each fit one device call (10 minutes), in the order
-# they matter; a lent GPU's 30 minutes take about all five. Run on the GPU machine, in the repository root, with
+# they matter; a lent GPU's 30 minutes take about the first five. Run on the GPU machine, in the repository root, with
 # .whl/ carried (stage it here first: `bash scripts/gpu_wheels.sh`); results go to $OUT (or ./gpu-out).
 #
 #   run: bash scripts/gpu_session.sh gen       # generation alone: hf-static vs generate vs hf, full and
@@ -11,6 +11,8 @@
 #   run: bash scripts/gpu_session.sh choices   # grpo alone, full and LoRA: as shipped / shared prompt
 #                                              #   pass off / attention backends efficient,math
 #   run: bash scripts/gpu_session.sh memory    # grpo memory against max_memory_allocated (~2 min)
+#   run: bash scripts/gpu_session.sh fullsize  # grpo alone, a full-size step: 64 prompts x 8 x 512 tokens
+#                                              #   (issue 14's goal: under 60 s on one H100), 3 steps
 #
 # then here: python benchmarks/gpu_vs_trl.py --merge full.json lora.json --out benchmarks/results/gpu_vs_trl.json
 # Each part prints its table; the JSON files say which GPU, which commit and every setting.
@@ -18,16 +20,18 @@
 # python3), to check the script itself (tests/test_bench_gpu_script.py does); memory has no tiny form.
 set -euo pipefail
 
-part="${1:?usage: gpu_session.sh gen|full|lora|choices|memory}"
+part="${1:?usage: gpu_session.sh gen|full|lora|choices|memory|fullsize}"
 out="${OUT:-gpu-out}"
 python="${PYTHON:-python3}"
 mkdir -p "$out"
 if [ -n "${GPU_SESSION_TINY:-}" ]; then
   tiny="--tiny"
+  full_size=""  # --full-size and --tiny exclude each other: the tiny preset stands in
   bench="$python benchmarks/gpu_vs_trl.py --tiny --steps 2 --engine hf-static"
   [ "$part" != memory ] || { echo "gpu_session.sh: memory needs a GPU" >&2; exit 2; }
 else
   tiny=""
+  full_size="--full-size --steps 3"
   site=/tmp/grpo-site
   if [ ! -d "$site" ]; then
     "$python" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/*.whl
@@ -57,8 +61,11 @@ case "$part" in
   memory)
     OUT="$out" $python benchmarks/memory_check_gpu.py  # writes $out/memory_check_gpu.json
     ;;
+  fullsize)
+    $bench $full_size --cases full --sides grpo --no-busy --out "$out/full-size.json"
+    ;;
   *)
-    echo "gpu_session.sh: unknown part $part (gen, full, lora, choices or memory)" >&2
+    echo "gpu_session.sh: unknown part $part (gen, full, lora, choices, memory or fullsize)" >&2
     exit 2
     ;;
 esac
