@@ -8,6 +8,7 @@ import math
 import os
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -90,7 +91,7 @@ def _ddp_rank(rank: int, port: int, model_dir: str, out: str) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from grpo.distributed import DistInfo
+    from grpo.distributed import DistInfo, keep_until_exit
     from grpo.learners import TorchLearner
     from grpo.optimization import train_on_batch
     from test_optimization import random_batch, settings_with
@@ -99,13 +100,20 @@ def _ddp_rank(rank: int, port: int, model_dir: str, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    learner = TorchLearner(torch.nn.parallel.DistributedDataParallel(model), optimizer,
-                           torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), max_grad_norm=None)
+    ddp = keep_until_exit(torch.nn.parallel.DistributedDataParallel(model))
+    learner = TorchLearner(ddp, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
+                           max_grad_norm=None)
     batch = random_batch(model.config.vocab_size, N=4, seed=rank)
     batch.advantages = torch.zeros(4)
     train_on_batch(learner, batch, settings_with(ptx_coef=0.5), DistInfo(rank, 2, rank), _ptx_rows(rank))
     save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, Path(out) / f"rank{rank}.safetensors")
-    dist.destroy_process_group()
+    dist.barrier()
+    # As a torchrun rank of `python -m grpo` does: exit without tearing the DDP wrapper and its gloo group
+    # down, whose destructors can deadlock on the GIL (grpo.distributed.keep_until_exit; this test hung
+    # there once, a rank stuck in ~ProcessGroupGloo under the Reducer's dealloc as the rank returned).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def test_ddp_ranks_average_their_ptx_gradients(tiny_model_dir, tmp_path):
