@@ -187,9 +187,9 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
                     captured.append(old)
                 ref = ref_all[on_device] if ref_all is not None else None
                 rows_mask = mask[on_device]
-                weights = over_cap = None
+                weights = outside = None
                 if sampler_all is not None:  # [b, Lc] each; old is pi_old at the weights that start the update
-                    weights, over_cap = sampler_importance_weights(old, sampler_all[on_device], sampled[on_device],
+                    weights, outside = sampler_importance_weights(old, sampler_all[on_device], sampled[on_device],
                                                                    s.sampler_is_cap, s.sampler_is_mode,
                                                                    s.sampler_is_min)
                 loss, stats = policy_loss(
@@ -210,7 +210,7 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
                 if weights is not None and first:
                     real = sampled[on_device]  # [b, Lc]
                     gap = (old - sampler_all[on_device]).abs().masked_fill(real == 0, 0.0)  # padding may hold -inf
-                    terms = torch.stack([(weights * real).sum(), (over_cap * real).sum(), gap.sum()])
+                    terms = torch.stack([(weights * real).sum(), (outside * real).sum(), gap.sum()])
                     sums[-len(_SAMPLER_IS):] += (terms / sampled_tokens).double()
         if ptx is not None:  # PaddleNLP's loss + ptx_coeff * ptx_loss, in one accumulated gradient
             with learner.accumulating(last=True):

@@ -251,7 +251,8 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     return loss, stats
 
 
-# Each mode: (log_ratio [N, L], mask [N, L] float, cap) -> (weights [N, L], over_cap [N, L] bool).
+# Each mode: (log_ratio [N, L], mask [N, L] float, cap, floor or None) -> (weights [N, L], outside [N, L]
+# bool: the ratio above the cap or below the floor).
 def _outside(ratio: Tensor, cap: float, floor: float | None) -> Tensor:
     return ratio > cap if floor is None else (ratio > cap) | (ratio < floor)
 
