@@ -230,20 +230,24 @@ def run_plain(case: dict) -> dict:
             prompt = tokenizer(rows[start:start + micro], padding=True, add_special_tokens=False, return_tensors="pt")
             completion = torch.randint(len(tokenizer), (prompt.input_ids.shape[0], L), generator=generator)
             mask = torch.cat([prompt.attention_mask, torch.ones_like(completion)], 1)
-            prompt_tokens.extend(prompt.attention_mask.sum(1).tolist())
+            if step < case["steps"]:  # the timed updates' tokens (what their TFLOP/s count)
+                prompt_tokens.extend(prompt.attention_mask.sum(1).tolist())
             micro_batches.append(tuple(t.to(device) for t in (torch.cat([prompt.input_ids, completion], 1), mask,
                                                               position_ids_from_mask(mask), completion)))
         batches.append(micro_batches)
 
     def update(micro_batches) -> None:
-        for ids, mask, positions, completion in micro_batches:
-            with compute:
+        # one compute context over the update, as grpo's trainer holds its own: autocast's bf16 copies of the
+        # weights are cast once per update, not once per micro-batch (and cleared after the step, as there)
+        with compute:
+            for ids, mask, positions, completion in micro_batches:
                 logits = policy(input_ids=ids, attention_mask=mask, position_ids=positions,
                                 logits_to_keep=L + 1).logits[:, :-1]  # [b, L, V]: position t predicts token t + 1
-            logprobs = torch.log_softmax(logits.float(), -1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
-            (-logprobs.mean() * ids.shape[0] / (P * G)).backward()
-        torch.nn.utils.clip_grad_norm_(trainable, cfg.optim.max_grad_norm)
-        optimizer.step()
+                logprobs = torch.log_softmax(logits.float(), -1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+                (-logprobs.mean() * ids.shape[0] / (P * G)).backward()
+            torch.nn.utils.clip_grad_norm_(trainable, cfg.optim.max_grad_norm)
+            optimizer.step()
+            torch.clear_autocast_cache()
         optimizer.zero_grad(set_to_none=True)
 
     train_s, result = [], {}
