@@ -29,7 +29,7 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError
 
-from grpo.durable import fsync_dir
+from grpo.durable import fsync_dir, fsync_file, replace_dir, settle_leftover
 from grpo import rng_state
 from grpo.tracking import json_safe
 
@@ -162,10 +162,9 @@ def _write_dir_atomically(final: Path, write: Callable[[Path], None]) -> Path:
     try:
         write(tmp)
         for file in sorted(p for p in tmp.rglob("*") if p.is_file()):
-            with open(file, "rb") as f:
-                os.fsync(f.fileno())
+            fsync_file(file)
         fsync_dir(tmp)
-        _replace_dir(tmp, final)
+        replace_dir(tmp, final)
     except BaseException:
         # Also on KeyboardInterrupt; ignore_errors so a failing cleanup cannot hide the real error.
         shutil.rmtree(tmp, ignore_errors=True)
@@ -174,32 +173,12 @@ def _write_dir_atomically(final: Path, write: Callable[[Path], None]) -> Path:
     return final
 
 
-def _replace_dir(src: Path, dst: Path) -> None:
-    """``os.replace`` for folders, also when ``dst`` exists (re-saving a step, or ``final/``)."""
-    if not dst.exists():
-        os.replace(src, dst)
-        return
-    # A folder cannot be renamed over a non-empty one: move the old one aside first.
-    old = dst.parent / f".old-{dst.name}-{os.getpid()}"
-    os.replace(dst, old)
-    try:
-        os.replace(src, dst)
-    except OSError:
-        os.replace(old, dst)  # put the previous version back before reporting the failure
-        raise
-    shutil.rmtree(old)
-
-
 def _remove_stale_temps(parent: Path) -> None:
     """Clean up after a save that was killed (a run folder has one writer, rank 0, so none is running)."""
     for entry in parent.iterdir():
         if not ((match := _TEMP_DIR.match(entry.name)) and entry.is_dir()):
             continue
-        original = parent / match["name"]
-        if match["kind"] == "old" and not original.exists():
-            os.replace(entry, original)  # killed between the two renames of _replace_dir: put it back
-        else:
-            shutil.rmtree(entry, ignore_errors=True)
+        settle_leftover(entry, match["kind"], parent / match["name"])
 
 
 def _complete_checkpoints(checkpoints: Path) -> list[tuple[int, Path]]:

@@ -14,6 +14,7 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError
 
+from grpo.durable import replace_dir, settle_leftover
 from grpo.weight_store.files import (
     _fsync_dir,
     _fsync_file,
@@ -109,7 +110,7 @@ class WeightStore:
             (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2), encoding="utf-8")  # last
             _fsync_file(tmp / MANIFEST_FILE)
             _fsync_dir(tmp)
-            self._move_into_place(tmp, final)
+            replace_dir(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)  # ignore_errors: never hide the real error
             raise
@@ -117,20 +118,6 @@ class WeightStore:
         self._write_latest(version)
         self._prune(just_written=version, keep=keep)
         return final
-
-    def _move_into_place(self, tmp: Path, final: Path) -> None:
-        """``os.replace`` the folder; a version re-published (after a resume) replaces the old one."""
-        if not final.exists():
-            os.replace(tmp, final)
-            return
-        old = self.dir / f".old-{final.name}-{os.getpid()}"
-        os.replace(final, old)
-        try:
-            os.replace(tmp, final)
-        except OSError:
-            os.replace(old, final)  # put the previous copy back before reporting the failure
-            raise
-        shutil.rmtree(old, ignore_errors=True)
 
     def _write_latest(self, version: int) -> None:
         tmp = self.dir / f".{LATEST_FILE}-{os.getpid()}"
@@ -159,11 +146,7 @@ class WeightStore:
                 continue
             if not ((match := _TEMP_DIR.match(entry.name)) and entry.is_dir()):
                 continue
-            original = self.dir / match["name"]
-            if match["kind"] == "old" and not original.exists():
-                os.replace(entry, original)  # killed between the two renames of a re-publish: put it back
-            else:
-                shutil.rmtree(entry, ignore_errors=True)
+            settle_leftover(entry, match["kind"], self.dir / match["name"])
 
     # ------------------------------------------------------------ finding versions
 
