@@ -21,7 +21,6 @@ import os
 import pickle
 import re
 import shutil
-from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,6 +30,7 @@ from safetensors import SafetensorError
 
 from grpo.durable import fsync_dir, fsync_file, replace_dir, settle_leftover
 from grpo import rng_state
+from grpo.state_dicts import unmatched_keys
 from grpo.tracking import json_safe
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -275,22 +275,9 @@ def _read_model_weights(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _tied_aliases(own: dict[str, torch.Tensor]) -> dict[str, set[str]]:
-    """For each state-dict key, the other keys naming the same tensor (tied embeddings)."""
-    groups: dict[tuple, list[str]] = defaultdict(list)
-    for key, tensor in own.items():
-        if tensor.numel() > 0:
-            groups[(tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))].append(key)
-    return {key: set(group) - {key} for group in groups.values() for key in group}
-
-
 def _load_full_model(path: Path, model: torch.nn.Module) -> None:
     state = _read_model_weights(path)
-    own = model.state_dict()
-    aliases = _tied_aliases(own)
-    unexpected = sorted(set(state) - set(own))
-    # A tied weight is saved once: its key may be absent when an alias of it is present.
-    missing = sorted(k for k in set(own) - set(state) if not aliases.get(k, set()) & set(state))
+    missing, unexpected = unmatched_keys(model.state_dict(), state)  # a tied weight is saved once
     if missing or unexpected:
         raise CheckpointError(f"{path}: weights do not match the model ({len(missing)} missing, e.g. "
                               f"{missing[:3]}; {len(unexpected)} unexpected, e.g. {unexpected[:3]})")

@@ -3,11 +3,11 @@ loading a published version into a model in place, with errors that say what doe
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
 import torch
 
+from grpo.state_dicts import storage_key, unmatched_keys
 from grpo.weight_store.files import _json_safe
 from grpo.weight_store.layout import KINDS, Kind, LoadedWeights, WeightStoreError
 
@@ -43,7 +43,7 @@ def state_dict_for_publish(model: torch.nn.Module) -> tuple[dict[str, torch.Tens
         seen: set[tuple] = set()
         deduplicated = {}
         for name, tensor in state.items():
-            key = _storage_key(tensor)
+            key = storage_key(tensor)
             if key is not None and key in seen:
                 continue  # a tied alias of a tensor already kept
             if key is not None:
@@ -79,9 +79,7 @@ def apply_to_model(model: torch.nn.Module, loaded: LoadedWeights) -> None:
 def _apply_full(model: torch.nn.Module, loaded: LoadedWeights, where: str) -> None:
     own = model.state_dict()
     state = loaded.state_dict
-    aliases = _tied_aliases(own)
-    unexpected = sorted(set(state) - set(own))
-    missing = sorted(k for k in set(own) - set(state) if not aliases.get(k, set()) & set(state))
+    missing, unexpected = unmatched_keys(own, state)
     if missing or unexpected:
         raise WeightStoreError(f"{where} does not match the model ({len(missing)} missing, e.g. {missing[:3]}; "
                                f"{len(unexpected)} unexpected, e.g. {unexpected[:3]})")
@@ -115,19 +113,3 @@ def _apply_adapter(model: torch.nn.Module, loaded: LoadedWeights, where: str) ->
                                f"{tuple(loaded.state_dict[k].shape)} vs {tuple(own[k].shape)}")
     with torch.no_grad():
         set_peft_model_state_dict(model, loaded.state_dict)
-
-
-def _storage_key(tensor: torch.Tensor) -> tuple | None:
-    """Identity of a tensor's memory (None for empty tensors, which cannot alias anything)."""
-    if tensor.numel() == 0:
-        return None
-    return (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
-
-
-def _tied_aliases(own: dict[str, torch.Tensor]) -> dict[str, set[str]]:
-    """For each state-dict key, the other keys naming the same tensor (tied embeddings)."""
-    groups: dict[tuple, list[str]] = defaultdict(list)
-    for key, tensor in own.items():
-        if (storage := _storage_key(tensor)) is not None:
-            groups[storage].append(key)
-    return {key: set(group) - {key} for group in groups.values() for key in group}
