@@ -13,6 +13,9 @@
 #   run: bash scripts/gpu_session.sh memory    # grpo memory against max_memory_allocated (~2 min)
 #   run: bash scripts/gpu_session.sh fullsize  # grpo alone, a full-size step: 64 prompts x 8 x 512 tokens
 #                                              #   (issue 14's goal: under 60 s on one H100), 3 steps
+#   run: bash scripts/gpu_session.sh jump      # the 2x generation jump inside training, default hf engine:
+#                                              #   per-step generate times over 6 steps, as shipped and
+#                                              #   with attention backends efficient,math
 #
 # then here: python benchmarks/gpu_vs_trl.py --merge full.json lora.json --out benchmarks/results/gpu_vs_trl.json
 # Each part prints its table; the JSON files say which GPU, which commit and every setting.
@@ -20,18 +23,20 @@
 # python3), to check the script itself (tests/test_bench_gpu_script.py does); memory has no tiny form.
 set -euo pipefail
 
-part="${1:?usage: gpu_session.sh gen|full|lora|choices|memory|fullsize}"
+part="${1:?usage: gpu_session.sh gen|full|lora|choices|memory|fullsize|jump}"
 out="${OUT:-gpu-out}"
 python="${PYTHON:-python3}"
 mkdir -p "$out"
 if [ -n "${GPU_SESSION_TINY:-}" ]; then
   tiny="--tiny"
   full_size=""  # --full-size and --tiny exclude each other: the tiny preset stands in
+  jump_steps=""  # the tiny bench runs 2 steps
   bench="$python benchmarks/gpu_vs_trl.py --tiny --steps 2 --engine hf-static"
   [ "$part" != memory ] || { echo "gpu_session.sh: memory needs a GPU" >&2; exit 2; }
 else
   tiny=""
   full_size="--full-size --steps 3"
+  jump_steps="--steps 6"  # five steps after the warm-up: enough to see a jump that came every other step
   site=/tmp/grpo-site
   if [ ! -d "$site" ]; then
     "$python" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/*.whl
@@ -64,8 +69,17 @@ case "$part" in
   fullsize)
     $bench $full_size --cases full --sides grpo --no-busy --out "$out/full-size.json"
     ;;
+  jump)  # grpo's generation time jumped 2x between identical steps on the H100 (8.3-32 s, hf engine):
+         # per-step times with today's hf engine, and whether torch's attention choice (cuDNN plans) is why
+    for backends in default efficient,math; do
+      flag=""; [ "$backends" = default ] || flag="--sdpa-backends $backends"
+      $bench --engine hf $jump_steps $flag --cases full --sides grpo --no-busy --out "$out/jump-$backends.json"
+      $python -c 'import json, sys; s = json.load(open(sys.argv[1]))["cases"][0]["grpo"]["per_step"]
+print(sys.argv[2], "generate s per step:", " ".join(f"{x:.2f}" for x in s["generate_s"]))' "$out/jump-$backends.json" "$backends"
+    done
+    ;;
   *)
-    echo "gpu_session.sh: unknown part $part (gen, full, lora, choices, memory or fullsize)" >&2
+    echo "gpu_session.sh: unknown part $part (gen, full, lora, choices, memory, fullsize or jump)" >&2
     exit 2
     ;;
 esac

@@ -258,7 +258,7 @@ def test_gpu_session_script_parts_run_in_tiny_form(tmp_path):
     """scripts/gpu_session.sh (the next GPU's measurements) with GPU_SESSION_TINY=1: the same commands and
     flags with --tiny on the CPU, so a renamed flag fails here, not in a lent GPU's few minutes."""
     env = {**os.environ, "GPU_SESSION_TINY": "1", "PYTHON": sys.executable, "OUT": str(tmp_path)}
-    for part in ("gen", "choices", "fullsize"):
+    for part in ("gen", "choices", "fullsize", "jump"):
         proc = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "gpu_session.sh"), part], cwd=REPO_ROOT, env=env,
                               capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, (part, proc.stderr[-4000:])
@@ -269,6 +269,10 @@ def test_gpu_session_script_parts_run_in_tiny_form(tmp_path):
     assert settings["sdpa-efficient"]["sdpa_backends"] == "efficient,math"
     assert settings["as-shipped"]["grpo_engine"] == "hf-static"
     assert json.loads((tmp_path / "full-size.json").read_text())["cases"][0]["grpo"]["steps"] == 2
+    jump = {name: json.loads((tmp_path / f"jump-{name}.json").read_text())["settings"]
+            for name in ("default", "efficient,math")}
+    assert jump["default"]["grpo_engine"] == jump["efficient,math"]["grpo_engine"] == "hf"
+    assert jump["efficient,math"]["sdpa_backends"] == "efficient,math" and jump["default"]["sdpa_backends"] == "auto"
     proc = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "gpu_session.sh"), "nonsense"], cwd=REPO_ROOT,
                           env=env, capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown part nonsense" in proc.stderr
