@@ -11,11 +11,11 @@
 #   run: bash scripts/gpu_session.sh choices   # grpo alone, full and LoRA: as shipped / shared prompt
 #                                              #   pass off / attention backends efficient,math
 #   run: bash scripts/gpu_session.sh memory    # grpo memory against max_memory_allocated (~2 min)
-#   run: bash scripts/gpu_session.sh fullsize  # grpo alone, a full-size step: 64 prompts x 8 x 512 tokens
-#                                              #   (issue 14's goal: under 60 s on one H100), 3 steps
 #   run: bash scripts/gpu_session.sh jump      # the 2x generation jump inside training, default hf engine:
 #                                              #   per-step generate times over 6 steps, as shipped and
 #                                              #   with attention backends efficient,math
+#   run: bash scripts/gpu_session.sh fullsize  # grpo alone, a full-size step: 64 prompts x 8 x 512 tokens
+#                                              #   (issue 14's goal: under 60 s on one H100), 3 steps
 #
 # then here: python benchmarks/gpu_vs_trl.py --merge full.json lora.json --out benchmarks/results/gpu_vs_trl.json
 # Each part prints its table; the JSON files say which GPU, which commit and every setting.
@@ -23,7 +23,7 @@
 # python3), to check the script itself (tests/test_bench_gpu_script.py does); memory has no tiny form.
 set -euo pipefail
 
-part="${1:?usage: gpu_session.sh gen|full|lora|choices|memory|fullsize|jump}"
+part="${1:?usage: gpu_session.sh gen|full|lora|choices|memory|jump|fullsize}"
 out="${OUT:-gpu-out}"
 python="${PYTHON:-python3}"
 mkdir -p "$out"
@@ -71,7 +71,7 @@ case "$part" in
     ;;
   jump)  # grpo's generation time jumped 2x between identical steps on the H100 (8.3-32 s, hf engine):
          # per-step times with today's hf engine, and whether torch's attention choice (cuDNN plans) is why
-    for backends in default efficient,math; do
+    for backends in default efficient,math; do  # --engine hf after $bench's hf-static: the last one counts
       flag=""; [ "$backends" = default ] || flag="--sdpa-backends $backends"
       $bench --engine hf $jump_steps $flag --cases full --sides grpo --no-busy --out "$out/jump-$backends.json"
       $python -c 'import json, sys; s = json.load(open(sys.argv[1]))["cases"][0]["grpo"]["per_step"]
