@@ -5,7 +5,7 @@ without vLLM), one process, one model, the same prompts.
     python benchmarks/generation_speed.py --tiny          # the same code on a CPU in seconds (tested)
 
 Issue 14's target: ``hf-static`` >= 3x ``generate`` (dynamic cache) at 16 x 8 x 256 on the 1.5B shape,
-full and LoRA alike. The model is random (Qwen2.5 shape, grpo.tiny_model.build_qwen2 with the
+full and LoRA alike. The model is random (Qwen2.5 shape, grpo.models.tiny.build_qwen2 with the
 gpu_vs_trl shapes), so completions run to ``max_new_tokens`` (a random model practically never samples
 EOS: the worst case, equal for every engine). The policy is held as training holds it (fp32 weights,
 on CUDA under bf16 autocast for the engines that sample from it directly); ``generate`` runs over a bf16
@@ -53,9 +53,9 @@ def timed(fn, device: str, reps: int) -> tuple[list[float], object]:
 
 def build(shape: str, device: str, lora: bool):
     import torch
-
     from gpu_vs_trl import SHAPES
-    from grpo.tiny_model import build_qwen2, build_tokenizer
+
+    from grpo.models.tiny import build_qwen2, build_tokenizer
 
     tokenizer = build_tokenizer()
     policy = build_qwen2(tokenizer, seed=0, rope_theta=1e6, max_position_embeddings=4096, **SHAPES[shape]).to(device)
@@ -131,8 +131,8 @@ def _under(context, fn, *args, **kwargs):
 
 
 def attention_context(names: str):
-    """``--sdpa-backends``: those attention backends in that order (grpo.models.sdpa_backends), or torch's choice."""
-    from grpo.models import sdpa_backends, sdpa_context
+    """``--sdpa-backends``: those attention backends in that order (grpo.models.loading.sdpa_backends), or torch's choice."""
+    from grpo.models.loading import sdpa_backends, sdpa_context
 
     return sdpa_context(sdpa_backends(names))
 

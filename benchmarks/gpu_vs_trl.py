@@ -23,7 +23,7 @@ with the same model setup (``runners.run_plain``), the floor issue 15 holds grpo
 1.25x); on CUDA grpo and plain each run two more updates under ``torch.profiler``: the share of one the GPU is
 busy (>= 85% is the target) and the other's operator tables, by host and by GPU time (in the JSON and
 a ``.profiles.txt`` beside it: why an update is slow, from the same run); ``--no-busy`` skips both. ``--shared-prompt-pass on|off``
-overrides ``grpo.logprobs.SHARED_PROMPT_PASS`` for grpo (run both to decide the GPU's default).
+overrides ``grpo.step.logprobs.SHARED_PROMPT_PASS`` for grpo (run both to decide the GPU's default).
 Results: benchmarks/results/gpu_vs_trl.json (``gpu_report``) and a markdown table.
 
     python benchmarks/gpu_vs_trl.py                       # all four cases (an estimated 12-15 min on an H100)
@@ -55,13 +55,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_report import (git_commit, markdown_table, merge, plain_summary, profile_tables,  # noqa: E402
-                        progress_line, side_summary)
+from gpu_report import git_commit, markdown_table, merge, plain_summary, profile_tables, progress_line, side_summary  # noqa: E402
 from harness import ROOT, ChildFailed, make_case, prompt_token_counts, run_once  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "src"))  # this checkout's grpo, as the trainers' processes get (harness.run_once)
-from grpo.models import sdpa_backends  # noqa: E402
-
+from grpo.models.loading import sdpa_backends  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 TOKENIZER_QUESTIONS, TOKENIZER_VOCAB = 3000, 8192
@@ -106,11 +104,11 @@ def find_gsm8k(given: str | None) -> Path:
 
 
 def gsm8k_tokenizer(gsm8k: Path):
-    """The project's byte-level BPE (grpo.tiny_model.build_tokenizer) trained to 8192 tokens on the first
+    """The project's byte-level BPE (grpo.models.tiny.build_tokenizer) trained to 8192 tokens on the first
     3,000 GSM8K train questions (padded if the merges stop short), plus its 6 answer-tag tokens: 8198;
     deterministic."""
     from grpo.data import load_gsm8k
-    from grpo.tiny_model import build_tokenizer
+    from grpo.models.tiny import build_tokenizer
 
     questions = [e.messages[-1]["content"] for e in load_gsm8k(gsm8k, "train", limit=TOKENIZER_QUESTIONS)]
     tokenizer = build_tokenizer(questions, vocab_size=TOKENIZER_VOCAB)
@@ -124,7 +122,7 @@ def build_model(shape: str, tokenizer, path: Path) -> Path:
     """A random-weight Qwen2 of ``shape`` with ``tokenizer``, saved in bf16 (both sides load it as fp32)."""
     import torch
 
-    from grpo.tiny_model import build_qwen2
+    from grpo.models.tiny import build_qwen2
 
     model = build_qwen2(tokenizer, seed=0, rope_theta=1e6, max_position_embeddings=32768, **SHAPES[shape])
     model.to(torch.bfloat16).save_pretrained(path)
@@ -233,10 +231,10 @@ def parse_args() -> argparse.Namespace:
                         help="skip the extra profiled update that measures how busy the GPU is (grpo and plain)")
     parser.add_argument("--shared-prompt-pass", choices=("auto", "on", "off"), default="auto",
                         help="grpo: each group's prompt run once in the log-prob passes (on), or not (off); auto: "
-                             "grpo.logprobs.SHARED_PROMPT_PASS")
+                             "grpo.step.logprobs.SHARED_PROMPT_PASS")
     parser.add_argument("--sdpa-backends", default="auto",
                         help="grpo and plain: attention backends in order, e.g. efficient,math or cudnn,efficient "
-                             "(flash takes no padding mask); auto: grpo.models.SDPA_BACKENDS (torch's choice)")
+                             "(flash takes no padding mask); auto: grpo.models.loading.SDPA_BACKENDS (torch's choice)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of each trainer")
     parser.add_argument("--gsm8k", help="GSM8K folder holding train.jsonl (default: see find_gsm8k)")
     parser.add_argument("--out", help="results JSON (default results/gpu_vs_trl.json; --tiny: gpu_vs_trl-tiny.json)")

@@ -82,8 +82,8 @@ def prompt_token_counts(model: str, prompts: str, count: int) -> list[int]:
     """Chat-templated lengths (system prompt + question) of the first ``count`` prompts, which are the
     ones the runs trained on, step by step (``data.shuffle`` false, TRL ``shuffle_dataset=False``: in order)."""
     from grpo.data import load_dataset_source, resolve_system_prompt
-    from grpo.experience import render_prompts
-    from grpo.models import load_tokenizer
+    from grpo.models.loading import load_tokenizer
+    from grpo.step.experience import render_prompts
 
     tokenizer = load_tokenizer(model)
     examples = load_dataset_source(prompts)[:count]

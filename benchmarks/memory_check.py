@@ -2,11 +2,11 @@
 
 Tiny random Qwen2 models (8192-token vocabulary, hidden 256 and 512, 4 layers) in fp32: full
 fine-tuning and LoRA r=16, with and without gradient checkpointing. Each case runs one GRPO step of
-``grpo.trainer.train`` in a fresh process: 4 prompts x G=2, micro-batch 4, ``loss.num_iterations``
+``grpo.training.colocated.train`` in a fresh process: 4 prompts x G=2, micro-batch 4, ``loss.num_iterations``
 2, so the second update's second micro-batch holds weights, AdamW states, gradients, activations
 and logits at once, beside the reference copy (beta 0.04) - the sum the estimate models. Each
 micro-batch holds two groups (the long and the short prompt), so its prompt is the longest length
-the estimate assumes, and each group's rows share one prompt pass, as grpo.logprobs runs them.
+the estimate assumes, and each group's rows share one prompt pass, as grpo.step.logprobs runs them.
 
 Measured: the peak of the process's anonymous memory (``RssAnon`` in /proc/self/status, read every
 5 ms by a thread) minus its value right after the policy was loaded (imports, tokenizer and data
@@ -52,7 +52,7 @@ QUESTIONS = [  # one long, one short: each step's two prompts are padded to the 
 def build_models(workdir: Path) -> dict[str, Path]:
     """Tiny random Qwen2 models over one 8192-token byte-level BPE tokenizer."""
     from grpo.data import generate_problems
-    from grpo.tiny_model import build_qwen2, build_tokenizer
+    from grpo.models.tiny import build_qwen2, build_tokenizer
 
     corpus = [e.question for e in generate_problems(3000, seed=7)] + [e.solution or "" for e in
                                                                       generate_problems(3000, seed=8)]
@@ -82,8 +82,8 @@ def write_prompts(workdir: Path) -> Path:
 def longest_prompt(model_dir: Path, prompts: Path) -> int:
     """Tokens of the longest rendered prompt (system prompt + chat template), the estimate's prompt length."""
     from grpo.data import load_dataset_source, resolve_system_prompt
-    from grpo.experience import render_prompts
-    from grpo.models import load_tokenizer
+    from grpo.models.loading import load_tokenizer
+    from grpo.step.experience import render_prompts
 
     tokenizer = load_tokenizer(str(model_dir))
     texts = render_prompts(tokenizer, load_dataset_source(str(prompts)), resolve_system_prompt(None, "think"), 10**6)
@@ -149,11 +149,11 @@ def child(case_file: str) -> None:
     import torch  # noqa: F401
     import transformers  # noqa: F401
 
-    import grpo.checkpoint
-    import grpo.plots
-    import grpo.progress
-    import grpo.tracking
-    import grpo.trainer
+    import grpo.run.checkpoint
+    import grpo.run.plots
+    import grpo.run.progress
+    import grpo.run.tracking
+    import grpo.training.colocated
     from grpo.config import load_config
 
     case = json.loads(Path(case_file).read_text())
@@ -175,22 +175,22 @@ def child(case_file: str) -> None:
 
 
 def train_with_baseline(cfg, baseline) -> None:
-    """``grpo.trainer.train(cfg)``, calling ``baseline()`` right after the policy is loaded: what a
+    """``grpo.training.colocated.train(cfg)``, calling ``baseline()`` right after the policy is loaded: what a
     check measures is the memory above that point."""
-    import grpo.trainer
+    import grpo.training.colocated
 
-    load_policy = grpo.trainer.load_policy
+    load_policy = grpo.training.colocated.load_policy
 
     def load_policy_then_baseline(*args, **kwargs):
         policy = load_policy(*args, **kwargs)
         baseline()
         return policy
 
-    grpo.trainer.load_policy = load_policy_then_baseline
+    grpo.training.colocated.load_policy = load_policy_then_baseline
     try:
-        grpo.trainer.train(cfg)
+        grpo.training.colocated.train(cfg)
     finally:
-        grpo.trainer.load_policy = load_policy
+        grpo.training.colocated.load_policy = load_policy
 
 
 def run_child(script: str, case: dict, case_file: Path, env: dict) -> dict:
@@ -222,7 +222,7 @@ def compare(case: dict, measured: dict) -> dict:
     file-backed pages (the mapped checkpoint, library code paged in during the step).
     """
     from grpo.config import load_config
-    from grpo.memory import estimate_memory
+    from grpo.tools.memory import estimate_memory
 
     cfg = load_config(None, case["overrides"])
     model_config = json.loads((Path(cfg.model.name_or_path) / "config.json").read_text())

@@ -4,7 +4,7 @@ The CUDA counterpart of ``memory_check.py`` (same prompts, tokenizer and step sh
 micro-batch 4 of two groups, ``loss.num_iterations`` 2, beta 0.04 with a reference copy), on a model with the body
 of Qwen2.5-0.5B (hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864; random weights, the 8192-token
 test vocabulary) and longer completions. Cases: full fine-tuning fp32 and bf16, LoRA r=16 over a bf16
-base, and full fp32 with gradient checkpointing. Each case runs ``grpo.trainer.train`` in a fresh
+base, and full fp32 with gradient checkpointing. Each case runs ``grpo.training.colocated.train`` in a fresh
 process; measured = peak allocated bytes minus the bytes allocated right after the policy was loaded
 (the policy's weights), estimated = the estimate's tensors at its peak phase (without the CUDA
 context/fragmentation allowance, which ``max_memory_allocated`` does not see) minus the same weights.
@@ -37,7 +37,7 @@ QWEN05_BODY = dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
 
 def build_model(workdir: Path) -> Path:
     from grpo.data import generate_problems
-    from grpo.tiny_model import build_qwen2, build_tokenizer
+    from grpo.models.tiny import build_qwen2, build_tokenizer
 
     corpus = [e.question for e in generate_problems(3000, seed=7)] + [e.solution or "" for e in
                                                                       generate_problems(3000, seed=8)]
@@ -82,12 +82,12 @@ class PhasePeaks:
 
 
 def train_with_phase_peaks(cfg, peaks: PhasePeaks) -> None:
-    """``grpo.trainer.train(cfg)`` with ``peaks`` marked at its phase boundaries (see ``PhasePeaks``)."""
+    """``grpo.training.colocated.train(cfg)`` with ``peaks`` marked at its phase boundaries (see ``PhasePeaks``)."""
     import torch.optim.optimizer as optim_hooks
 
-    import grpo.trainer
+    import grpo.training.colocated
 
-    load_policy, train_on_batch = grpo.trainer.load_policy, grpo.trainer.train_on_batch
+    load_policy, train_on_batch = grpo.training.colocated.load_policy, grpo.training.colocated.train_on_batch
 
     def load_policy_then_start(*args, **kwargs):
         policy = load_policy(*args, **kwargs)
@@ -100,12 +100,12 @@ def train_with_phase_peaks(cfg, peaks: PhasePeaks) -> None:
 
     hooks = [optim_hooks.register_optimizer_step_pre_hook(lambda *_: peaks.mark("update")),
              optim_hooks.register_optimizer_step_post_hook(lambda *_: peaks.mark("optimizer_step"))]
-    grpo.trainer.load_policy, grpo.trainer.train_on_batch = load_policy_then_start, update
+    grpo.training.colocated.load_policy, grpo.training.colocated.train_on_batch = load_policy_then_start, update
     try:
-        grpo.trainer.train(cfg)
+        grpo.training.colocated.train(cfg)
         peaks.mark("after_training")
     finally:
-        grpo.trainer.load_policy, grpo.trainer.train_on_batch = load_policy, train_on_batch
+        grpo.training.colocated.load_policy, grpo.training.colocated.train_on_batch = load_policy, train_on_batch
         for hook in hooks:
             hook.remove()
 
@@ -136,7 +136,7 @@ def run_case(case: dict, workdir: Path) -> dict:
 
 def compare(case: dict, measured: dict) -> dict:
     from grpo.config import load_config
-    from grpo.memory import estimate_memory
+    from grpo.tools.memory import estimate_memory
 
     cfg = load_config(None, case["overrides"])
     model_config = json.loads((Path(cfg.model.name_or_path) / "config.json").read_text())

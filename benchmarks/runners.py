@@ -37,7 +37,6 @@ import sys
 import time
 from pathlib import Path
 
-
 # --vllm: the share of the GPU each trainer's colocated vLLM reserves (weights + KV cache), the rest trains.
 VLLM_GPU_SHARE = 0.3
 
@@ -146,30 +145,30 @@ def ours_config(case: dict):
         overrides["train.max_steps"] = case["steps"] + PROFILED_UPDATES
     cfg = load_config(None, [f"{k}={'null' if v is None else v}" for k, v in overrides.items()])
     if case.get("sdpa_backends", "auto") != "auto":  # the attention backends, instead of torch's own choice
-        import grpo.models
+        import grpo.models.loading
 
-        grpo.models.SDPA_BACKENDS[cfg.train.device.split(":")[0]] = grpo.models.sdpa_backends(case["sdpa_backends"])
+        grpo.models.loading.SDPA_BACKENDS[cfg.train.device.split(":")[0]] = grpo.models.loading.sdpa_backends(case["sdpa_backends"])
     return cfg
 
 
 def run_ours(case: dict) -> dict:
-    import grpo.logprobs
-    import grpo.trainer
+    import grpo.step.logprobs
+    import grpo.training.colocated
 
     cfg = ours_config(case)
     if case.get("shared_prompt_pass", "auto") != "auto":  # the library's automatic choice, overridden
-        grpo.logprobs.SHARED_PROMPT_PASS[cfg.train.device.split(":")[0]] = case["shared_prompt_pass"] == "on"
-    rank_experience = grpo.trainer.rank_experience
+        grpo.step.logprobs.SHARED_PROMPT_PASS[cfg.train.device.split(":")[0]] = case["shared_prompt_pass"] == "on"
+    rank_experience = grpo.training.colocated.rank_experience
 
     def rank_experience_synced(*args, **kwargs):
         made = rank_experience(*args, **kwargs)
         sync(case["device"])
         return made
 
-    grpo.trainer.rank_experience = rank_experience_synced  # the loop's rollout_done then follows the GPU
+    grpo.training.colocated.rank_experience = rank_experience_synced  # the loop's rollout_done then follows the GPU
     profile = {}
     if case.get("profile_update"):
-        train_on_batch, calls = grpo.trainer.train_on_batch, [0]
+        train_on_batch, calls = grpo.training.colocated.train_on_batch, [0]
 
         def train_on_batch_profiling_the_extra(*args, **kwargs):
             calls[0] += 1
@@ -179,8 +178,8 @@ def run_ours(case: dict) -> dict:
             profile.update(found)
             return stats
 
-        grpo.trainer.train_on_batch = train_on_batch_profiling_the_extra
-    grpo.trainer.train(cfg)
+        grpo.training.colocated.train_on_batch = train_on_batch_profiling_the_extra
+    grpo.training.colocated.train(cfg)
     rows = [json.loads(line) for line in (Path(cfg.train.output_dir) / "metrics.jsonl").read_text().splitlines()
             if "loss" in line][:case["steps"]]
     return {**profile,
@@ -205,10 +204,10 @@ def run_plain(case: dict) -> dict:
     import torch
 
     from grpo.data import load_dataset_source, resolve_system_prompt
-    from grpo.experience import render_prompts
-    from grpo.logprobs import position_ids_from_mask
-    from grpo.models import compute_context, load_policy, load_tokenizer, resolve_device, uses_autocast
-    from grpo.optimization import build_optimizer
+    from grpo.models.loading import compute_context, load_policy, load_tokenizer, resolve_device, uses_autocast
+    from grpo.step.experience import render_prompts
+    from grpo.step.logprobs import position_ids_from_mask
+    from grpo.training.optim import build_optimizer
 
     cfg = ours_config(case)
     device = resolve_device(cfg.train.device)

@@ -44,7 +44,7 @@ def matmul_gflops(threads: int, size: int = 1024, seconds: float = 2.0) -> float
 def build_models(workdir: Path) -> dict[str, Path]:
     """The shipped tiny default model (when present) and a tiny random Qwen2 with an 8192-token vocabulary."""
     from grpo.data import generate_problems
-    from grpo.tiny_model import build_qwen2, build_tokenizer
+    from grpo.models.tiny import build_qwen2, build_tokenizer
 
     models = {}
     shipped = ROOT / "assets" / "tiny-math"

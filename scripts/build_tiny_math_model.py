@@ -20,7 +20,7 @@ on a GPU, up to the kernels' own nondeterminism (atomic adds in backward). ``--m
 until a wall-clock budget is spent (the step count then depends on the machine).
 
 What is built, and why (measured on a 2-core CPU: /work/shared/notes/tiny-math-findings.md):
-1. **Tokenizer** — byte-level BPE (``grpo.tiny_model.build_tokenizer``) trained on the generator's own
+1. **Tokenizer** — byte-level BPE (``grpo.models.tiny.build_tokenizer``) trained on the generator's own
    text: rendered prompts, completions, bare arithmetic. Digits are one token each, the tag tokens
    and Qwen's special tokens are single tokens, the chat template is Qwen's, EOS is ``<|im_end|>``.
 2. **Model** — Qwen2, hidden 192, 4 layers, 4 heads (4 KV heads), MLP 768, tied embeddings, fp32.
@@ -62,11 +62,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
-
-from grpo.data import Example, generate_problems, load_dataset_source, resolve_system_prompt  # noqa: E402
-from grpo.data.synthetic import MIXES  # noqa: E402
-from grpo.evaluate import evaluate  # noqa: E402
-from grpo.tiny_model import build_qwen2, build_tokenizer  # noqa: E402
 from tiny_math_sft_data import (  # noqa: E402  (this folder: sys.path[0] when run as a script)
     EQUATION,
     HELD_OUT_SEED,
@@ -79,6 +74,11 @@ from tiny_math_sft_data import (  # noqa: E402  (this folder: sys.path[0] when r
     training_problem_seed,
     with_text_tags,
 )
+
+from grpo.data import Example, generate_problems, load_dataset_source, resolve_system_prompt  # noqa: E402
+from grpo.data.synthetic import MIXES  # noqa: E402
+from grpo.models.tiny import build_qwen2, build_tokenizer  # noqa: E402
+from grpo.tools.evaluate import evaluate  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

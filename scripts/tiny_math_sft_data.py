@@ -15,7 +15,7 @@ import re
 
 from grpo.data import Example, generate_problems, render_example
 from grpo.data.synthetic import MIXES, solution_chain
-from grpo.tiny_model import TAG_TOKENS, build_tokenizer
+from grpo.models.tiny import TAG_TOKENS, build_tokenizer
 
 TAG_STYLE = "think"
 PLANTED_FRACTION = 0.6  # share of multi-step SFT examples whose chain stops after the first step

@@ -27,7 +27,7 @@ def _sigint_is_delivered():
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     """Byte-level BPE with single-digit tokens, Qwen chat template, eos <|im_end|>, pad <|endoftext|>."""
-    from grpo.tiny_model import build_tokenizer
+    from grpo.models.tiny import build_tokenizer
 
     return build_tokenizer()
 
@@ -44,7 +44,7 @@ def gsm8k_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     """A tiny random Qwen2 + tokenizer saved in HF format (loaded back with from_pretrained by the code under test)."""
-    from grpo.tiny_model import build_qwen2
+    from grpo.models.tiny import build_qwen2
 
     path = tmp_path_factory.mktemp("tiny-qwen2")
     build_qwen2(tiny_tokenizer, hidden_size=64, num_layers=2, seed=0).save_pretrained(path)

@@ -99,21 +99,21 @@ def test_plain_floor_trains_what_grpo_trains(tmp_path, tiny_model_dir, gsm8k_dir
                                  threads=2, prompts_per_step=2, num_generations=2, max_completion_length=4,
                                  micro_batch_size=2, gradient_checkpointing=gradient_checkpointing)
         case["workdir"] = str(tmp_path / f"run-{lora_r}")
-        import grpo.models
+        import grpo.models.loading
 
         loaded = []
-        load_policy = grpo.models.load_policy
+        load_policy = grpo.models.loading.load_policy
 
         def keep(*args, **kwargs):
             model = load_policy(*args, **kwargs)
             loaded.append((model, {n: p.detach().clone() for n, p in model.named_parameters()}))
             return model
 
-        grpo.models.load_policy = keep
+        grpo.models.loading.load_policy = keep
         try:
             result = runners.run_plain(case)
         finally:
-            grpo.models.load_policy = load_policy
+            grpo.models.loading.load_policy = load_policy
         assert len(result["train_s"]) == 2 and result["completion_tokens"] == 4 and result["mean_prompt_tokens"] > 4
         (model, before), = loaded
         moved = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
@@ -148,7 +148,7 @@ def test_profiled_sees_a_busy_and_an_idle_gpu():
 def test_shapes_have_the_published_qwen25_parameter_counts(tiny_tokenizer):
     """Counted on the meta device (no memory); the totals the Qwen2.5 model cards give (tied heads counted
     once), which pins every dimension of the table at once."""
-    from grpo.tiny_model import build_qwen2
+    from grpo.models.tiny import build_qwen2
 
     expected = {"0.5b": 494_032_768, "1.5b": 1_543_714_304, "3b": 3_085_938_688, "7b": 7_615_616_512}
     for shape, total in expected.items():
@@ -231,8 +231,8 @@ def test_memory_check_gpu_takes_each_phase_peak_at_its_boundaries(tmp_path, tiny
     import memory_check
     import memory_check_gpu
 
-    import grpo.optimization
-    import grpo.trainer
+    import grpo.step.policy_update
+    import grpo.training.colocated
     from grpo.config import load_config
 
     prompts = memory_check.write_prompts(tmp_path)
@@ -246,7 +246,7 @@ def test_memory_check_gpu_takes_each_phase_peak_at_its_boundaries(tmp_path, tiny
     assert peaks.order == one_step * 2 + ["after_training"]
     assert peaks.baseline == -1
     assert peaks.phases == {"rollout": 5, "update": 8, "optimizer_step": 9, "after_training": 10}
-    assert grpo.trainer.train_on_batch is grpo.optimization.train_on_batch
+    assert grpo.training.colocated.train_on_batch is grpo.step.policy_update.train_on_batch
     weight = torch.nn.Parameter(torch.ones(2))
     weight.grad = torch.ones(2)
     torch.optim.SGD([weight], lr=0.1).step()  # the hooks were removed: no more marks

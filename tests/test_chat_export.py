@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from grpo.config import ConfigError, dump_config, load_config
-from grpo.model_source import load_model_for_inference, resolve_model_source
-from grpo.tags import get_tag_style
+from grpo.data.tags import get_tag_style
+from grpo.models.source import load_model_for_inference, resolve_model_source
 
 
 def fake_model(folder):
@@ -29,7 +29,7 @@ def write_run_config(run_dir, *overrides):
 @pytest.fixture(scope="module")
 def saved_tiny(tmp_path_factory, tiny_tokenizer):
     """A saved random tiny Qwen2 (model + tokenizer)."""
-    from grpo.tiny_model import build_qwen2
+    from grpo.models.tiny import build_qwen2
 
     folder = tmp_path_factory.mktemp("base")
     build_qwen2(tiny_tokenizer, seed=1).save_pretrained(folder)
@@ -103,8 +103,8 @@ def test_adapter_source_reads_base_from_adapter_config(lora_checkpoint, saved_ti
 def test_chat_prompt_uses_run_system_prompt(saved_tiny, tmp_path, monkeypatch, capsys):
     import shutil
 
-    from grpo import chat
     from grpo.rollout import LeanEngine
+    from grpo.tools import chat
 
     run = tmp_path / "run"
     shutil.copytree(saved_tiny, run / "final")
@@ -127,8 +127,8 @@ def test_chat_prompt_uses_run_system_prompt(saved_tiny, tmp_path, monkeypatch, c
 
 
 def test_chat_loop_keeps_history(saved_tiny, monkeypatch, capsys):
-    from grpo import chat
     from grpo.rollout import LeanEngine
+    from grpo.tools import chat
 
     rendered = []
     original = LeanEngine.generate
@@ -165,7 +165,7 @@ def test_export_lora_checkpoint_merges_into_plain_model(lora_checkpoint, tmp_pat
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from grpo.export import export_model
+    from grpo.tools.export import export_model
 
     source = resolve_model_source(lora_checkpoint)
     unmerged, tokenizer = load_model_for_inference(source, "cpu", merge=False)
@@ -188,7 +188,7 @@ def test_export_lora_checkpoint_merges_into_plain_model(lora_checkpoint, tmp_pat
 def test_export_full_model_round_trip_and_overwrite(saved_tiny, tmp_path, tiny_tokenizer):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo.export import export_model
+    from grpo.tools.export import export_model
 
     out = tmp_path / "out"
     export_model(saved_tiny, out)

@@ -1,4 +1,4 @@
-"""grpo.checkpoint: exact round trips (full model, LoRA, optimizer, scheduler, RNG) and failure paths."""
+"""grpo.run.checkpoint: exact round trips (full model, LoRA, optimizer, scheduler, RNG) and failure paths."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from grpo.checkpoint import (
+from grpo.models.tiny import build_qwen2
+from grpo.run.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
     save_final,
 )
-from grpo.tiny_model import build_qwen2
 
 
 def make_optimizer(model):

@@ -8,19 +8,28 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-
-from algorithm_references import (ragged_mask, ref_gae, ref_kl_token_rewards, ref_policy_loss, ref_value_loss,
-                                  ref_whiten)
-from grpo.algorithm import policy_loss
-from grpo.config import ConfigError, CriticConfig, ModelConfig, load_config
-from grpo.critic import (Critic, CriticSettings, ValueModel, completion_values, generation_values, load_critic,
-                         load_value_model, ppo_advantages, save_critic, train_critic, value_fit)
-from grpo.checkpoint import CheckpointError
-from grpo.optimization import build_optimizer, build_scheduler
-from grpo.config import OptimConfig
-from grpo.learners import TorchLearner
-from grpo.tiny_model import build_qwen2
+from algorithm_references import ragged_mask, ref_gae, ref_kl_token_rewards, ref_policy_loss, ref_value_loss, ref_whiten
 from test_optimization import RecordingLearner
+
+from grpo.algorithm import policy_loss
+from grpo.algorithm.ppo import ppo_advantages
+from grpo.config import ConfigError, CriticConfig, ModelConfig, OptimConfig, load_config
+from grpo.critic import (
+    Critic,
+    CriticSettings,
+    ValueModel,
+    completion_values,
+    generation_values,
+    load_critic,
+    load_value_model,
+    save_critic,
+    train_critic,
+    value_fit,
+)
+from grpo.models.tiny import build_qwen2
+from grpo.run.checkpoint import CheckpointError
+from grpo.training.learners import TorchLearner
+from grpo.training.optim import build_optimizer, build_scheduler
 
 TOL = 1e-6
 
@@ -169,7 +178,7 @@ def test_a_missing_critic_path_names_the_key():
 
 
 def rollout_with_values(tokenizer, N: int = 4, seed: int = 0):
-    from grpo.records import Generation, RolloutBatch
+    from grpo.step.records import Generation, RolloutBatch
 
     gen = torch.Generator().manual_seed(seed)
     Lp, Lc = 4, 6

@@ -1,6 +1,6 @@
 """The per-device-type choices the GPU benchmarks switch (issue 15): which SDPA backends the trainer's
-passes use (``grpo.models.SDPA_BACKENDS``) and whether the log-prob passes share prompts
-(``grpo.logprobs.SHARED_PROMPT_PASS``). Their CUDA values are to be decided by measurement; here, that
+passes use (``grpo.models.loading.SDPA_BACKENDS``) and whether the log-prob passes share prompts
+(``grpo.step.logprobs.SHARED_PROMPT_PASS``). Their CUDA values are to be decided by measurement; here, that
 each switch does what it says (on the CPU) and that the defaults leave today's behaviour alone."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import grpo.logprobs
-import grpo.models
+import grpo.models.loading
+import grpo.step.logprobs
 from grpo.config import load_config
-from grpo.models import compute_context, sdpa_backends
+from grpo.models.loading import compute_context, sdpa_backends
 
 
 def attention(q: torch.Tensor) -> torch.Tensor:
@@ -36,12 +36,12 @@ def test_compute_context_applies_the_device_types_backends(monkeypatch):
     q = torch.randn(1, 2, 5, 8)
     expected = attention(q)
     assert isinstance(compute_context(cfg, torch.device("cpu"), False), nullcontext)  # nothing set: as before
-    monkeypatch.setitem(grpo.models.SDPA_BACKENDS, "cpu", ("EFFICIENT_ATTENTION",))  # no CPU kernel of its own
+    monkeypatch.setitem(grpo.models.loading.SDPA_BACKENDS, "cpu", ("EFFICIENT_ATTENTION",))  # no CPU kernel of its own
     only_efficient = compute_context(cfg, torch.device("cpu"), False)
     with only_efficient, pytest.raises(RuntimeError, match="[Nn]o (available kernel|viable backend)"):
         attention(q)
     assert torch.equal(attention(q), expected)  # left: torch's choice again
-    monkeypatch.setitem(grpo.models.SDPA_BACKENDS, "cpu", ("MATH",))
+    monkeypatch.setitem(grpo.models.loading.SDPA_BACKENDS, "cpu", ("MATH",))
     math_only = compute_context(cfg, torch.device("cpu"), False)
     with math_only:  # re-enterable and nestable, as the trainer enters its context more than once
         with math_only:
@@ -56,7 +56,7 @@ def test_backends_and_autocast_together(monkeypatch):
     a = torch.randn(4, 4)
     with compute_context(cfg, torch.device("cpu"), False):
         assert (a @ a).dtype == torch.bfloat16
-    monkeypatch.setitem(grpo.models.SDPA_BACKENDS, "cpu", ("MATH",))
+    monkeypatch.setitem(grpo.models.loading.SDPA_BACKENDS, "cpu", ("MATH",))
     with compute_context(cfg, torch.device("cpu"), False):
         assert (a @ a).dtype == torch.bfloat16
         attention(torch.randn(1, 2, 5, 8))
@@ -72,15 +72,15 @@ def test_shared_prompt_pass_follows_the_device_types_choice(monkeypatch, tiny_mo
     completion = torch.randint(5, 100, (4, 5), generator=g)
     args = (model, prompt, torch.ones_like(prompt), completion, torch.ones_like(completion), 1.0)
     calls = []
-    shared = grpo.logprobs._shared_prompt_logits
-    monkeypatch.setattr(grpo.logprobs, "_shared_prompt_logits", lambda *a: calls.append(1) or shared(*a))
+    shared = grpo.step.logprobs._shared_prompt_logits
+    monkeypatch.setattr(grpo.step.logprobs, "_shared_prompt_logits", lambda *a: calls.append(1) or shared(*a))
     with torch.no_grad():
-        on = grpo.logprobs.completion_logprobs(*args)
+        on = grpo.step.logprobs.completion_logprobs(*args)
         assert len(calls) == 1  # the CPU's default: shared
-        monkeypatch.setitem(grpo.logprobs.SHARED_PROMPT_PASS, "cpu", False)
-        off = grpo.logprobs.completion_logprobs(*args)
+        monkeypatch.setitem(grpo.step.logprobs.SHARED_PROMPT_PASS, "cpu", False)
+        off = grpo.step.logprobs.completion_logprobs(*args)
         assert len(calls) == 1  # the plain pass
-        forced = grpo.logprobs.completion_logprobs(*args, share_prompts=True)  # an explicit argument wins
+        forced = grpo.step.logprobs.completion_logprobs(*args, share_prompts=True)  # an explicit argument wins
         assert len(calls) == 2
     torch.testing.assert_close(on, off, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(forced, on)

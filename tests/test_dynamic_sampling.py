@@ -1,4 +1,4 @@
-"""Dynamic sampling (grpo.dynamic_sampling): the zero-spread filter, the choice and merge of groups over
+"""Dynamic sampling (grpo.step.dynamic_sampling): the zero-spread filter, the choice and merge of groups over
 rounds, the cap; the rounds' prompts and seeds as functions of (seed, step, rank, round); the config rules."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo.batching import select_groups
 from grpo.config import ConfigError, load_config
-from grpo.dynamic_sampling import choose_groups, merge_rounds, sample_until_full, zero_spread_groups
-from grpo.prompt_sampler import PromptSampler, step_seed
-from grpo.records import Generation, RolloutBatch
+from grpo.data.prompt_sampler import PromptSampler, step_seed
+from grpo.step.batching import select_groups
+from grpo.step.dynamic_sampling import choose_groups, merge_rounds, sample_until_full, zero_spread_groups
+from grpo.step.records import Generation, RolloutBatch
 
 G = 3
 

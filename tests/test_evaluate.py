@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from grpo.data import Example, write_gsm8k_jsonl
-from grpo.evaluate import evaluate, pass_at_k, run_eval_command
-from grpo.records import Generation
-from grpo.tags import get_tag_style
+from grpo.data.tags import get_tag_style
+from grpo.step.records import Generation
+from grpo.tools.evaluate import evaluate, pass_at_k, run_eval_command
 
 
 def example(question: str, answer: str | None, index: int) -> Example:
@@ -128,7 +128,7 @@ def test_evaluate_refuses_bad_input(tiny_tokenizer):
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
-    from grpo.tiny_model import build_qwen2
+    from grpo.models.tiny import build_qwen2
 
     folder = tmp_path_factory.mktemp("tiny-model")
     build_qwen2(tiny_tokenizer, seed=3).save_pretrained(folder)

@@ -13,15 +13,15 @@ from collections import Counter
 
 import pytest
 import torch
+from test_optimization import random_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import grpo.logprobs
-from grpo.distributed import DistInfo
-from grpo.learners import TorchLearner
-from grpo.logprobs import position_ids_from_mask
-from grpo.optimization import LossSettings, train_on_batch
-from grpo.tiny_model import build_qwen2
-from test_optimization import random_batch
+import grpo.step.logprobs
+from grpo.models.tiny import build_qwen2
+from grpo.step.logprobs import position_ids_from_mask
+from grpo.step.policy_update import LossSettings, train_on_batch
+from grpo.training.distributed import DistInfo
+from grpo.training.learners import TorchLearner
 
 N, LP, LC = 8, 6, 7  # two groups of 4 sharing their prompt
 
@@ -96,7 +96,7 @@ def plain_update_ops(tokenizer, layers: int, lora: bool) -> int:
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_update_adds_no_host_work_per_layer_over_a_plain_loop(tiny_tokenizer, monkeypatch, lora):
-    monkeypatch.setitem(grpo.logprobs.SHARED_PROMPT_PASS, "cpu", False)  # the plain pass, as the loop runs
+    monkeypatch.setitem(grpo.step.logprobs.SHARED_PROMPT_PASS, "cpu", False)  # the plain pass, as the loop runs
     grpo_ops = {layers: grpo_update_ops(tiny_tokenizer, layers, lora) for layers in (1, 3)}
     plain_ops = {layers: plain_update_ops(tiny_tokenizer, layers, lora) for layers in (1, 3)}
     # two more layers (and their parameters): exactly the plain loop's extra operators
@@ -110,9 +110,9 @@ def test_shared_prompt_pass_is_a_second_forward(tiny_tokenizer, monkeypatch):
     """What the shared prompt pass costs the host: a prompt forward (and its backward) beside the
     completions', i.e. about 1.7x the plain update's operators at 28 layers (measured 18006 vs 10616 for
     full fine-tuning, 27291 vs 15529 for LoRA, 16 rows). It saves the prompts' FLOPs (G-1 of G copies);
-    which wins on a GPU is grpo.logprobs.SHARED_PROMPT_PASS's to-be-measured choice."""
+    which wins on a GPU is grpo.step.logprobs.SHARED_PROMPT_PASS's to-be-measured choice."""
     shared = {layers: grpo_update_ops(tiny_tokenizer, layers, False) for layers in (1, 3)}
-    monkeypatch.setitem(grpo.logprobs.SHARED_PROMPT_PASS, "cpu", False)
+    monkeypatch.setitem(grpo.step.logprobs.SHARED_PROMPT_PASS, "cpu", False)
     plain = {layers: grpo_update_ops(tiny_tokenizer, layers, False) for layers in (1, 3)}
     per_layer_shared, per_layer_plain = (shared[3] - shared[1]) / 2, (plain[3] - plain[1]) / 2
     assert 1.5 < per_layer_shared / per_layer_plain < 2.5, (shared, plain)
@@ -121,7 +121,7 @@ def test_shared_prompt_pass_is_a_second_forward(tiny_tokenizer, monkeypatch):
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_reference_pass_adds_no_host_work_per_layer_over_a_plain_forward(tiny_tokenizer, monkeypatch, lora):
     """The no-grad log-prob passes (reference, old policy) against one plain forward over the same rows."""
-    monkeypatch.setitem(grpo.logprobs.SHARED_PROMPT_PASS, "cpu", False)
+    monkeypatch.setitem(grpo.step.logprobs.SHARED_PROMPT_PASS, "cpu", False)
     gen = batch(tiny_tokenizer).generation
     ids = torch.cat([gen.prompt_ids, gen.completion_ids], 1)
     mask = torch.cat([gen.prompt_mask, gen.completion_mask], 1)
@@ -130,7 +130,7 @@ def test_reference_pass_adds_no_host_work_per_layer_over_a_plain_forward(tiny_to
     for layers in (1, 3):
         policy = model(tiny_tokenizer, layers, lora)
         with torch.no_grad():
-            grpo_ops[layers] = counted(lambda: grpo.logprobs.completion_logprobs(
+            grpo_ops[layers] = counted(lambda: grpo.step.logprobs.completion_logprobs(
                 policy, gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask, 1.0, N))
             plain_ops[layers] = counted(lambda: torch.log_softmax(policy(
                 input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,

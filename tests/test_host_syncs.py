@@ -14,16 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_optimization import random_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo
-from grpo.distributed import DistInfo
-from grpo.learners import TorchLearner
-from grpo.optimization import LossSettings, train_on_batch
-from grpo.ptx import TokenizedPair, collate
-from grpo.tiny_model import build_qwen2
-
-from test_optimization import random_batch
+from grpo.data.sft_tokens import TokenizedPair
+from grpo.models.tiny import build_qwen2
+from grpo.step.policy_update import LossSettings, train_on_batch
+from grpo.step.ptx import collate
+from grpo.training.distributed import DistInfo
+from grpo.training.learners import TorchLearner
 
 GRPO_DIR = Path(grpo.__file__).parent
 SYNC_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
@@ -91,14 +91,14 @@ def test_no_host_sync_per_micro_batch(tiny_tokenizer, monkeypatch, loss_type, wi
     pairs = [TokenizedPair([5, 6, 7], [8, 9, 2], "p:1"), TokenizedPair([10], [12, 2], "p:2")]
     ptx = collate(pairs, pad_id=0) if with_ptx else None
     one, four = (count_syncs(tiny_tokenizer, loss_type, micro, monkeypatch, processing, ptx) for micro in (8, 2))
-    # grpo/logprobs.py is left out: its column trimming reads the rollout's masks, which live on the CPU
+    # grpo/step/logprobs.py is left out: its column trimming reads the rollout's masks, which live on the CPU
     # (every engine returns them there), so those reads wait for no GPU. Everything else must not grow.
     for counts in (one, four):
-        counts.pop("logprobs.py", None)
+        counts.pop("step/logprobs.py", None)
     assert four == one, f"syncs with 1 micro-batch per update: {dict(one)}; with 4: {dict(four)}"
     # The learner's one sync per update (2 updates: num_iterations=2): reading the gradient norm, which
     # decides whether the update is skipped.
-    assert four["learners.py"] == 2, dict(four)
+    assert four["training/learners.py"] == 2, dict(four)
     # And the statistics come to the host once per step; the PTX loss reads nothing on the host.
-    assert four["optimization.py"] == 1, dict(four)
-    assert "ptx.py" not in four and "algorithm/losses.py" not in four, dict(four)
+    assert four["step/policy_update.py"] == 1, dict(four)
+    assert "step/ptx.py" not in four and "algorithm/losses.py" not in four, dict(four)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo.logprobs import completion_logprobs
+from grpo.models.tiny import build_qwen2
 from grpo.rollout import HFEngine, SamplingParams
 from grpo.rollout.lean import LeanEngine, draw_tokens, filter_logits
-from grpo.tiny_model import build_qwen2
+from grpo.step.logprobs import completion_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +34,12 @@ def test_greedy_equals_generate(model, tiny_tokenizer):
 
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 1.0), (0, 0.7), (20, 0.9)])
 def test_filter_matches_transformers_warpers(top_k, top_p):
-    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
-                                                        TopKLogitsWarper, TopPLogitsWarper)
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
     warpers = LogitsProcessorList([TemperatureLogitsWarper(0.8)])
@@ -124,7 +128,7 @@ def test_lora_policy_samples_with_the_adapter_folded_in(model, tiny_tokenizer):
 def test_sliding_window_layers_keep_their_own_cache(tiny_tokenizer):
     # A model with sliding-window attention: its cache layers drop old positions, so they are repeated
     # as they are instead of being replaced by the preallocated layer; greedy still equals generate.
-    from grpo.tiny_model import build_qwen2
+    from grpo.models.tiny import build_qwen2
 
     model = build_qwen2(tiny_tokenizer, seed=3)
     model.config.use_sliding_window, model.config.sliding_window = True, 8

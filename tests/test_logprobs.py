@@ -6,9 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo.logprobs import (_shared_prompt_logits, can_share_prompt_cache, checkpointing_paused, completion_logprobs,
-                           shared_prompt_index)
-from grpo.tiny_model import build_qwen2
+from grpo.models.tiny import build_qwen2
+from grpo.step.logprobs import (
+    _shared_prompt_logits,
+    can_share_prompt_cache,
+    checkpointing_paused,
+    completion_logprobs,
+    shared_prompt_index,
+)
 
 
 def grouped_rows(vocab: int, prompt_lengths: list[int], G: int, Lc: int = 9, seed: int = 0):

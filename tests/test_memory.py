@@ -9,10 +9,14 @@ import pytest
 import torch
 
 from grpo.config import ConfigError, load_config
-from grpo.memory import BUILTIN_CONFIGS, ModelShape, estimate_memory, format_table, run_memory_command
-from grpo.memory.formulas import (activation_bytes, logits_bytes, prompts_per_micro_batch,
-                                  shared_prompt_activation_bytes)
-from grpo.memory.shapes import lora_params, lora_targets
+from grpo.tools.memory import BUILTIN_CONFIGS, ModelShape, estimate_memory, format_table, run_memory_command
+from grpo.tools.memory.formulas import (
+    activation_bytes,
+    logits_bytes,
+    prompts_per_micro_batch,
+    shared_prompt_activation_bytes,
+)
+from grpo.tools.memory.shapes import lora_params, lora_targets
 
 QWEN3B = "Qwen/Qwen2.5-3B-Instruct"
 # The seeds' setting: one GPU, bf16, gradient checkpointing, micro-batch 4 of 256 + 512 tokens.
@@ -154,7 +158,7 @@ def test_json_output_shape(capsys):
 
 
 def test_local_config_json_folder_is_read(tiny_tokenizer, tmp_path):
-    from grpo.tiny_model import build_qwen2
+    from grpo.models.tiny import build_qwen2
 
     model = build_qwen2(tiny_tokenizer, hidden_size=64, num_layers=2, seed=0)
     model.save_pretrained(tmp_path / "model")
@@ -180,12 +184,12 @@ def test_unknown_model_and_lora_targets_are_configuration_errors(tmp_path):
 
 
 def _tiny(tokenizer, dtype, lora: bool, targets, gradient_checkpointing: bool = False):
-    from grpo.tiny_model import build_qwen2
+    from grpo.models.tiny import build_qwen2
 
     model = build_qwen2(tokenizer, hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=352,
                         seed=0).to(dtype)
     shape = ModelShape.from_config(model.config.to_dict(), "tiny")
-    if gradient_checkpointing:  # as grpo.models.load_policy
+    if gradient_checkpointing:  # as grpo.models.loading.load_policy
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
@@ -228,7 +232,7 @@ def _backward_peak_bytes(model, rows) -> int:
     backward through grpo's own log-prob path, after a first one so that gradients already exist."""
     from torch.profiler import ProfilerActivity, profile
 
-    from grpo.logprobs import completion_logprobs
+    from grpo.step.logprobs import completion_logprobs
 
     def step():
         logprobs = completion_logprobs(model, *rows, 1.0)
@@ -309,9 +313,9 @@ def _shared_kwargs(shape, p, lora):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lora", [False, True])
 def test_shared_prompt_saved_activations_match_autograd(tiny_tokenizer, dtype, lora):
-    # grpo.logprobs runs each distinct prompt once and the completions over its cache: what autograd
+    # grpo.step.logprobs runs each distinct prompt once and the completions over its cache: what autograd
     # keeps then (two prompt passes, eight completion rows with their own prompt K/V) is counted.
-    from grpo.logprobs import _shared_prompt_logits, shared_prompt_index
+    from grpo.step.logprobs import _shared_prompt_logits, shared_prompt_index
 
     model, shape = _tiny(tiny_tokenizer, dtype, lora, "all-linear")
     prompt_ids, prompt_mask, completion_ids, completion_mask = _grouped_batch(shape.vocab_size)
@@ -370,8 +374,8 @@ def test_ppo_counts_the_critic_body_head_and_adamw_states_and_its_own_update_pha
 def test_critic_states_equal_the_real_value_models_weights_and_adamw_states(tiny_model_dir, lora_r):
     # The estimate's parameter counts against a loaded grpo.critic.ValueModel after one AdamW step
     # (fp32 here: weights 4 B, m and v 4 B each per trained parameter; frozen LoRA body 4 B).
-    from grpo.critic.model import load_value_model
-    from grpo.memory.critic import critic_memory
+    from grpo.critic.value_model import load_value_model
+    from grpo.tools.memory.critic import critic_memory
 
     cfg = load_config(None, [f"model.name_or_path={tiny_model_dir}", "algorithm.advantage_estimator=gae",
                              "loss.scale_rewards=null", f"critic.lora_r={lora_r}"])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from grpo.config import ConfigError, load_config
-from grpo.models import check_memory_savers
+from grpo.models.loading import check_memory_savers
 
 
 def test_4bit_without_lora_is_an_invalid_combination():
@@ -31,7 +31,7 @@ def test_bitsandbytes_options_are_refused_on_cpu(overrides, key):
 
 
 def test_a_refused_run_writes_nothing(tiny_model_dir, tmp_path):
-    from grpo.trainer import train
+    from grpo.training.colocated import train
 
     out = tmp_path / "run"
     cfg = load_config(None, [f"model.name_or_path={tiny_model_dir}", "optim.optimizer=adamw_8bit",
@@ -53,7 +53,7 @@ def characters_reward(prompts, completions, **kwargs):
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("bitsandbytes") is None,
                     reason="needs CUDA and bitsandbytes")
 def test_qlora_with_8bit_adamw_trains_the_adapter_on_a_gpu(tiny_model_dir, tmp_path):
-    from grpo.trainer import train
+    from grpo.training.colocated import train
 
     out = tmp_path / "run"
     cfg = load_config(None, [

@@ -8,10 +8,11 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from grpo.distributed import DistInfo
-from grpo.optimization import LossSettings, lr_multiplier, rows_by_length, train_on_batch
-from grpo.records import Generation, RolloutBatch
-from grpo.tiny_model import build_qwen2
+from grpo.models.tiny import build_qwen2
+from grpo.step.policy_update import LossSettings, rows_by_length, train_on_batch
+from grpo.step.records import Generation, RolloutBatch
+from grpo.training.distributed import DistInfo
+from grpo.training.optim import lr_multiplier
 
 
 class RecordingLearner:
@@ -108,7 +109,7 @@ def test_old_logprobs_taken_from_the_first_iteration_equal_a_separate_pass(tiny_
     # Colocated runs with num_iterations > 1 no longer compute old log-probs in a pass of their own:
     # train_on_batch keeps the first iteration's (the weights have not moved since sampling). Both
     # ways must give the same updates, also in the second iteration where the ratio departs from 1.
-    from grpo.logprobs import completion_logprobs
+    from grpo.step.logprobs import completion_logprobs
 
     results = []
     for precomputed in (True, False):
@@ -136,7 +137,7 @@ def test_old_logprobs_taken_from_the_first_iteration_equal_a_separate_pass(tiny_
 def test_torch_learner_drops_autocasts_stale_weight_copies_after_each_update():
     # Training runs inside one long bf16 autocast context (fp32 master weights); autocast caches the
     # bf16 copy of each weight and would keep serving it after the optimizer changed the weight.
-    from grpo.learners import TorchLearner
+    from grpo.training.learners import TorchLearner
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(8, 8)
@@ -158,7 +159,7 @@ def test_torch_learner_drops_autocasts_stale_weight_copies_after_each_update():
 def test_adamw_is_fused_only_on_cuda():
     # Fused AdamW is a CUDA kernel: a CPU model keeps torch's default (for-each) AdamW.
     from grpo.config.schema import OptimConfig
-    from grpo.optimization import build_optimizer
+    from grpo.training.optim import build_optimizer
 
     model = torch.nn.Linear(4, 4)
     optimizer = build_optimizer(model, OptimConfig(), lora=False)
@@ -169,7 +170,7 @@ def test_adamw_is_fused_only_on_cuda():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_adamw_is_fused_on_cuda_but_not_for_deepspeed():
     from grpo.config.schema import OptimConfig
-    from grpo.optimization import build_optimizer
+    from grpo.training.optim import build_optimizer
 
     model = torch.nn.Linear(4, 4).cuda()
     assert build_optimizer(model, OptimConfig(), lora=False).defaults["fused"] is True
@@ -225,7 +226,7 @@ def test_sequence_level_ratios_reach_the_loss(tiny_tokenizer):
     # The batch's old log-probs are not the model's: ratios differ from 1. At the sequence level every
     # token carries its row's exp(mean log-ratio), so ratio_mean is their token-weighted mean (one
     # micro-batch: with several, grpo weighs each one's token mean by its rows).
-    from grpo.logprobs import completion_logprobs
+    from grpo.step.logprobs import completion_logprobs
 
     model = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=1, seed=0)
     batch = random_batch(len(tiny_tokenizer))

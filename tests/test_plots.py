@@ -1,4 +1,4 @@
-"""grpo.plots: PNGs from a synthetic metrics.jsonl, partial metrics, nulls and missing files."""
+"""grpo.run.plots: PNGs from a synthetic metrics.jsonl, partial metrics, nulls and missing files."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from grpo.plots import plot_run
+from grpo.run.plots import plot_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

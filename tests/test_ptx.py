@@ -10,16 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from algorithm_references import ref_sft_loss
+from test_optimization import RecordingLearner, random_batch, settings_with
+
 from grpo.algorithm import sft_loss
 from grpo.data import DataError, build_prompt_messages, load_sft_pairs, render_prompt
-from grpo.distributed import DistInfo
-from grpo.optimization import train_on_batch
-from grpo.ptx import PtxData, TokenizedPair, collate, ptx_nll, tokenize_pairs
+from grpo.data.sft_tokens import TokenizedPair, tokenize_pairs
+from grpo.models.tiny import build_qwen2
 from grpo.rewards import extract_answer, is_well_formatted
-from grpo.tiny_model import build_qwen2
-from test_optimization import RecordingLearner, random_batch, settings_with
+from grpo.step.policy_update import train_on_batch
+from grpo.step.ptx import PtxData, collate, ptx_nll
+from grpo.training.distributed import DistInfo
 
 PAIRS = Path(__file__).parent / "data" / "ptx_pairs.jsonl"
 SYSTEM = "Answer briefly."

@@ -1,4 +1,4 @@
-"""grpo.ref_server: log-probs over HTTP equal the local ones; auth, protocol and size checks; a fuzzed decoder."""
+"""grpo.decoupled.ref_server: log-probs over HTTP equal the local ones; auth, protocol and size checks; a fuzzed decoder."""
 
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from grpo.config import ConfigError
-from grpo.logprobs import completion_logprobs
-from grpo.ref_server import (
+from grpo.decoupled.ref_server import (
     CONTENT_TYPE,
     PROTOCOL_HEADER,
     RefProtocolError,
@@ -30,7 +29,8 @@ from grpo.ref_server import (
     is_loopback,
     make_server,
 )
-from grpo.tiny_model import build_qwen2
+from grpo.models.tiny import build_qwen2
+from grpo.step.logprobs import completion_logprobs
 
 TEMPERATURE = 0.7
 TOKEN = "s3cret-token"
@@ -123,7 +123,7 @@ def test_health_and_logprobs_match_local_computation(open_url, model, tiny_token
 def test_token_is_required_and_the_server_keeps_serving(auth_url, caplog):
     batch = make_batch()
     body = encode_request(*batch)
-    with caplog.at_level(logging.WARNING, logger="grpo.ref_server"):
+    with caplog.at_level(logging.WARNING, logger="grpo.decoupled.ref_server"):
         missing = post(auth_url, body)
         wrong = post(auth_url, body, Authorization="Bearer not-the-token")
     assert missing.status_code == 401 and "bearer token" in missing.json()["error"]

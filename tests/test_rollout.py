@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo.logprobs import completion_logprobs
-from grpo.prompt_sampler import PromptSampler
+from grpo.data.prompt_sampler import PromptSampler
+from grpo.models.tiny import build_qwen2
 from grpo.rollout import HFEngine, SamplingParams, completion_mask_from_ids
-from grpo.tiny_model import build_qwen2
+from grpo.step.logprobs import completion_logprobs
 
 
 def test_completion_mask_up_to_and_including_first_eos():

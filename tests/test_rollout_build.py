@@ -8,9 +8,9 @@ import importlib.util
 import pytest
 
 from grpo.config import ConfigError, load_config
+from grpo.models.tiny import build_qwen2, build_tokenizer
 from grpo.rollout import HFEngine, LeanEngine
 from grpo.rollout.build import build_engine, check_engine_available, holds_own_weights
-from grpo.tiny_model import build_qwen2, build_tokenizer
 
 
 def test_hf_engines_by_name_sample_from_the_policy_itself():

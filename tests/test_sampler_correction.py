@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from algorithm_references import ragged_mask, ref_sampler_weights
+from test_optimization import RecordingLearner, random_batch
+
 from grpo.algorithm import SAMPLER_CORRECTIONS, policy_loss, sampler_importance_weights
 from grpo.config import ConfigError, load_config
-from grpo.distributed import DistInfo
-from grpo.experience import generation_logprobs
-from grpo.optimization import LossSettings, train_on_batch
-from grpo.tiny_model import build_qwen2
-from test_optimization import RecordingLearner, random_batch
+from grpo.models.tiny import build_qwen2
+from grpo.step.experience import generation_logprobs
+from grpo.step.policy_update import LossSettings, train_on_batch
+from grpo.training.distributed import DistInfo
 
 TOL = 1e-9
 
@@ -113,7 +113,7 @@ def settings(**extra) -> LossSettings:
 
 def capture_policy_loss(monkeypatch) -> list[dict]:
     """Records the old log-probs and sampler weights train_on_batch hands policy_loss, per micro-batch."""
-    import grpo.optimization as optimization
+    import grpo.step.policy_update as optimization
 
     real, calls = optimization.policy_loss, []
 
@@ -141,7 +141,7 @@ def test_a_stale_samplers_logprobs_weight_each_token_by_the_capped_ratio(tiny_to
     stats = train_on_batch(RecordingLearner(model), batch, settings(sampler_is_mode="token_truncate",
                                                                     sampler_is_cap=cap, sampler_is_min=floor),
                            DistInfo())
-    from grpo.optimization import rows_by_length
+    from grpo.step.policy_update import rows_by_length
 
     order = rows_by_length(gen.completion_mask, 2)
     got = torch.cat([c["weights"] for c in calls])[torch.argsort(order)]  # back in row order
@@ -194,7 +194,7 @@ def test_the_correction_without_sampler_logprobs_is_an_error(tiny_tokenizer):
 
 
 def test_the_decoupled_sampler_hands_over_its_own_logprobs():
-    from grpo.decoupled.sampler import for_correction
+    from grpo.decoupled.sampler_role import for_correction
 
     batch = random_batch(100)
     old = batch.old_logprobs
@@ -225,11 +225,12 @@ def test_a_vllm_like_engine_with_dynamic_sampling_gets_its_tokens_weighted(monke
     # A fake vLLM engine (the policy's own log-probs + drift, see test_sampler_guard) under `grpo train`,
     # with dynamic sampling, so the sampler log-probs of several rounds are merged with their groups: every
     # real token's weight is min(exp(-drift), C) only if each row kept its own log-probs.
-    import grpo.trainer
     from test_sampler_guard import logged, run_train
 
+    import grpo.training.colocated
+
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "integration"))
-    monkeypatch.setattr(grpo.trainer, "check_engine_available", lambda cfg: None)
+    monkeypatch.setattr(grpo.training.colocated, "check_engine_available", lambda cfg: None)
     box = {"kwargs": {"drift": drift}}
     out = tmp_path / "run"
     assert run_train(monkeypatch, tiny_model_dir, out, box, "train.max_steps=2", "rollout.engine=vllm",

@@ -1,4 +1,4 @@
-"""The off-policy guard (grpo.rollout.guard): its math, its schedule, its error, and a real `grpo train` run
+"""The off-policy guard (grpo.rollout.offpolicy_guard): its math, its schedule, its error, and a real `grpo train` run
 driven by a stand-in engine that holds "its own weights" (as vLLM does) and whose log-probs can be made
 to drift from the policy's at a chosen step."""
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from grpo.algorithm import logprob_mismatch
-from grpo.distributed import DistInfo
 from grpo.errors import OffPolicySampling
-from grpo.rollout.guard import check_sampler_logprobs, is_check_step
+from grpo.rollout.offpolicy_guard import check_sampler_logprobs, is_check_step
+from grpo.training.distributed import DistInfo
 
 
 def test_logprob_mismatch_is_the_masked_sum_and_count():
@@ -75,7 +75,7 @@ class DriftingEngine:
         self.calls, self.pushed, self.last_logprobs = 0, [], None
 
     def generate(self, prompts, params, seed=None):
-        from grpo.experience import generation_logprobs
+        from grpo.step.experience import generation_logprobs
 
         self.calls += 1
         gen = self.inner.generate(prompts, params, seed=seed)
@@ -90,14 +90,14 @@ class DriftingEngine:
 
 def run_train(monkeypatch, model_dir, out, engine_box: dict, *extra: str) -> int:
     """`grpo train` (the CLI, exit status and all) with the run's engine replaced by a DriftingEngine."""
-    import grpo.trainer
+    import grpo.training.colocated
     from grpo.cli import main
 
     def build(cfg, policy, tokenizer):
         engine_box["engine"] = DriftingEngine(policy, tokenizer, **engine_box.get("kwargs", {}))
         return engine_box["engine"]
 
-    monkeypatch.setattr(grpo.trainer, "build_engine", build)
+    monkeypatch.setattr(grpo.training.colocated, "build_engine", build)
     return main(["train", f"model.name_or_path={model_dir}", "data.train=synthetic:seed=1,n=64",
                  "rollout.num_generations=4", "rollout.max_completion_length=8", "train.prompts_per_step=2",
                  "train.micro_batch_size=8", "train.save_steps=100", f"train.output_dir={out}",

@@ -12,21 +12,20 @@ import types
 
 import pytest
 import torch
-
-from grpo.algorithm import LogprobProcessing
-from grpo.distributed import DistInfo
-from grpo.experience import generation_logprobs
-from grpo.logprobs import completion_logprobs
-from grpo.optimization import train_on_batch
-from grpo.records import RolloutBatch
-from grpo.rollout import HFEngine, SamplingParams
-from grpo.rollout.lean import LeanEngine
-from grpo.rollout.static import StaticEngine
-from grpo.tiny_model import build_qwen2
-
 from test_host_syncs import CountSyncs
 from test_lean_engine import chat
 from test_optimization import RecordingLearner, settings_with
+
+from grpo.algorithm import LogprobProcessing
+from grpo.models.tiny import build_qwen2
+from grpo.rollout import HFEngine, SamplingParams
+from grpo.rollout.lean import LeanEngine
+from grpo.rollout.static import StaticEngine
+from grpo.step.experience import generation_logprobs
+from grpo.step.logprobs import completion_logprobs
+from grpo.step.policy_update import train_on_batch
+from grpo.step.records import RolloutBatch
+from grpo.training.distributed import DistInfo
 
 ENGINES = [LeanEngine, StaticEngine, HFEngine]  # hf, hf-static (eager decode_graph on a CPU), hf-generate
 
@@ -85,8 +84,11 @@ def test_samples_follow_the_processed_distribution(engine_cls, peaked, tiny_toke
     # then the second token's after the most frequent first one (drawn in the static engine's decode
     # step, with that token now seen). Sampling noise in total variation is ~0.015; dropping the
     # penalty or min_p moves the expected distribution by ~0.38 / 0.40 (checked below).
-    from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
-                                                        TemperatureLogitsWarper)
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+    )
 
     T, penalty, min_p, n = 0.8, 1.5, 0.1, 4000
     gen = engine_cls(peaked, tiny_tokenizer).generate(

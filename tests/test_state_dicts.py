@@ -1,8 +1,8 @@
-"""grpo.state_dicts: tied keys found by storage, and key matching that lets a tied weight be saved once."""
+"""grpo.models.state_dicts: tied keys found by storage, and key matching that lets a tied weight be saved once."""
 
 import torch
 
-from grpo.state_dicts import tied_aliases, unmatched_keys
+from grpo.models.state_dicts import tied_aliases, unmatched_keys
 
 
 def _tied_model() -> torch.nn.Module:

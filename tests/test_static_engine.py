@@ -9,14 +9,13 @@ import copy
 
 import pytest
 import torch
+from test_host_syncs import CountSyncs
+from test_lean_engine import chat
 
+from grpo.models.tiny import build_qwen2
 from grpo.rollout import HFEngine, SamplingParams
 from grpo.rollout.lean import LeanEngine
 from grpo.rollout.static import StaticEngine
-from grpo.tiny_model import build_qwen2
-
-from test_host_syncs import CountSyncs
-from test_lean_engine import chat
 
 
 @pytest.fixture(scope="module")

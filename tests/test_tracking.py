@@ -1,4 +1,4 @@
-"""grpo.tracking: JSON-lines content, NaN handling, resume truncation, torn lines, trackers."""
+"""grpo.run.tracking: JSON-lines content, NaN handling, resume truncation, torn lines, trackers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from grpo.tracking import MetricsLogger, json_safe, read_metrics
+from grpo.run.tracking import MetricsLogger, json_safe, read_metrics
 
 
 def lines(path):

@@ -1,4 +1,4 @@
-"""grpo.transport over real ZeroMQ sockets on 127.0.0.1 (random free ports): exactly-once delivery, order,
+"""grpo.decoupled.transport over real ZeroMQ sockets on 127.0.0.1 (random free ports): exactly-once delivery, order,
 backpressure, restarts and stale drops (bad messages and lost peers: test_transport_failures.py).
 
 Every wait is bounded; a helper thread that fails reports its exception to the test."""
@@ -8,10 +8,10 @@ from __future__ import annotations
 import threading
 
 import pytest
-
-from grpo.transport import PeerTimeout, RolloutReceiver
-from grpo.wire import PROTOCOL_VERSION
 from transport_helpers import ANY_PORT, WAIT, Trainer, make_batch, sender, wait_until
+
+from grpo.decoupled.transport import PeerTimeout, RolloutReceiver
+from grpo.decoupled.wire import PROTOCOL_VERSION
 
 
 @pytest.fixture

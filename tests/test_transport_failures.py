@@ -1,4 +1,4 @@
-"""grpo.transport over real ZeroMQ sockets on 127.0.0.1: every kind of bad message refused without stopping
+"""grpo.decoupled.transport over real ZeroMQ sockets on 127.0.0.1: every kind of bad message refused without stopping
 the receiver, peers that are gone or never came, timeouts, heartbeats, bind-address policy, argument checks.
 
 Every wait is bounded; a helper thread that fails reports its exception to the test."""
@@ -13,8 +13,9 @@ import threading
 import time
 
 import pytest
+from transport_helpers import ANY_PORT, WAIT, free_port, make_batch, raw_dealer, sender, wait_until
 
-from grpo.transport import (
+from grpo.decoupled.transport import (
     PeerClosed,
     PeerTimeout,
     RolloutReceiver,
@@ -22,8 +23,7 @@ from grpo.transport import (
     TransportError,
     check_bind_address,
 )
-from grpo.wire import PROTOCOL_VERSION, WireError, decode, encode
-from transport_helpers import ANY_PORT, WAIT, free_port, make_batch, raw_dealer, sender, wait_until
+from grpo.decoupled.wire import PROTOCOL_VERSION, WireError, decode, encode
 
 SEND_ONE_FRAME = """
 import sys, time, zmq

@@ -13,9 +13,9 @@ import torch
 
 vllm = pytest.importorskip("vllm")
 
+from grpo.models.tiny import build_qwen2, build_tokenizer  # noqa: E402
 from grpo.rollout import LeanEngine, SamplingParams  # noqa: E402
 from grpo.rollout.vllm_engine import VLLMEngine  # noqa: E402
-from grpo.tiny_model import build_qwen2, build_tokenizer  # noqa: E402
 from grpo.weight_store import WeightStore, state_dict_for_publish  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -217,7 +217,7 @@ def test_colocated_training_with_vllm_pushes_the_lora_adapter_every_step(tiny, t
     # to move the policy visibly, the sampler's log-probs still match the trainer's at every step,
     # which they could not if vLLM kept sampling from stale weights.
     from grpo.config import load_config
-    from grpo.trainer import train
+    from grpo.training.colocated import train
 
     folder, _, _ = tiny
     out = tmp_path / "run"
@@ -262,7 +262,7 @@ def test_colocated_full_fine_tuning_with_vllm_stays_on_policy(tiny, tmp_path):
     import json
 
     from grpo.config import load_config
-    from grpo.trainer import train
+    from grpo.training.colocated import train
 
     folder, _, _ = tiny
     out = tmp_path / "run"
@@ -277,14 +277,14 @@ def test_colocated_full_fine_tuning_with_vllm_stays_on_policy(tiny, tmp_path):
 def test_the_guard_stops_a_full_fine_tuning_run_whose_weights_are_not_pushed(tiny, tmp_path, monkeypatch):
     # The failure the guard exists for: vLLM keeps sampling from the initial weights while the policy
     # trains. Step 1 is on-policy (nothing trained yet); step 2's batch comes from stale weights.
-    import grpo.trainer
+    import grpo.training.colocated
     from grpo.config import load_config
     from grpo.errors import OffPolicySampling
 
-    monkeypatch.setattr(grpo.trainer, "push_policy_weights", lambda engine, policy, version: None)
+    monkeypatch.setattr(grpo.training.colocated, "push_policy_weights", lambda engine, policy, version: None)
     folder, _, _ = tiny
     with pytest.raises(OffPolicySampling, match=r"step 2: .* differ from the trainer's by") as stopped:
-        grpo.trainer.train(load_config(None, full_training_overrides(folder, tmp_path / "run")))
+        grpo.training.colocated.train(load_config(None, full_training_overrides(folder, tmp_path / "run")))
     print("MEASURED", stopped.value)
 
 
@@ -293,7 +293,7 @@ def test_sampling_controls_follow_hf_semantics_and_the_trainers_processed_logpro
     # equal the trainer's (grpo.algorithm.processing through completion_logprobs) for the same controls,
     # while the unprocessed log-probs differ: the ratio starts at 1 for a vLLM rollout with the controls on.
     from grpo.algorithm import LogprobProcessing
-    from grpo.logprobs import completion_logprobs
+    from grpo.step.logprobs import completion_logprobs
 
     _, tokenizer, model = tiny
     params = SamplingParams(n=3, max_tokens=12, temperature=0.7, repetition_penalty=1.5, min_new_tokens=6, min_p=0.05)

@@ -11,7 +11,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from grpo.tiny_model import build_qwen2
+from grpo.models.tiny import build_qwen2
 from grpo.weight_store import (
     LATEST_FILE,
     MANIFEST_FILE,

@@ -1,4 +1,4 @@
-"""grpo.wire: exact round trips of every message and of rollout batches; every rejection; fuzzing shows that
+"""grpo.decoupled.wire: exact round trips of every message and of rollout batches; every rejection; fuzzing shows that
 decode / message_to_batch / unpack_bytes raise WireError and nothing else, whatever bytes arrive."""
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from grpo.records import Generation, RolloutBatch
-from grpo.wire import (
+from grpo.decoupled.wire import (
     KINDS,
     MAX_PACKED_FRAMES,
     PROTOCOL_VERSION,
@@ -26,6 +25,7 @@ from grpo.wire import (
     pack_bytes,
     unpack_bytes,
 )
+from grpo.step.records import Generation, RolloutBatch
 
 MAX = 1 << 20
 META = {"batch_id": "s0:0:7", "sampler_id": "s0", "policy_version": 3, "step": 12, "seed": [1, 2], "note": None}

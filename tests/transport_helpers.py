@@ -1,4 +1,4 @@
-"""Helpers shared by the grpo.transport tests (test_transport*.py): a small batch, a sender with short
+"""Helpers shared by the grpo.decoupled.transport tests (test_transport*.py): a small batch, a sender with short
 timeouts, a trainer thread, a bare ZeroMQ DEALER, bounded waits and a free port.
 
 Every wait is bounded by ``WAIT``; a helper thread that fails reports its exception to the test."""
@@ -13,8 +13,8 @@ from contextlib import contextmanager
 import torch
 import zmq
 
-from grpo.records import Generation, RolloutBatch
-from grpo.transport import RolloutReceiver, RolloutSender
+from grpo.decoupled.transport import RolloutReceiver, RolloutSender
+from grpo.step.records import Generation, RolloutBatch
 
 ANY_PORT = "tcp://127.0.0.1:*"
 WAIT = 10.0  # upper bound of any wait that should finish in milliseconds

@@ -21,7 +21,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from grpo.config import load_config
-    from grpo.trainer import train
+    from grpo.training.colocated import train
 
     overrides = list(args.overrides)
     if args.resume:
@@ -48,9 +48,9 @@ def _cmd_role(args: argparse.Namespace) -> int:
     if args.command == "trainer":
         _check_listen_address(cfg)
     if args.command == "sampler":
-        from grpo.decoupled.sampler import main as role_main
+        from grpo.decoupled.sampler_role import main as role_main
     elif args.command == "trainer":
-        from grpo.decoupled.trainer import main as role_main
+        from grpo.decoupled.trainer_role import main as role_main
     else:
         return _ref_server(cfg)
     return role_main(cfg)
@@ -60,8 +60,8 @@ def _check_listen_address(cfg) -> None:
     """Refuse a trainer address beyond this machine without a token before anything starts. The receiver
     refuses it too, but only after the models are loaded and the run folder claimed, with a traceback."""
     from grpo.config import ConfigError
-    from grpo.decoupled.common import shared_token
-    from grpo.transport import check_bind_address
+    from grpo.decoupled.link_settings import shared_token
+    from grpo.decoupled.transport import check_bind_address
 
     token = shared_token(cfg)  # a ConfigError of its own when decoupled.token_env names an unset variable
     try:
@@ -71,7 +71,7 @@ def _check_listen_address(cfg) -> None:
 
 
 def _ref_server(cfg) -> int:
-    from grpo.ref_server import run_ref_server
+    from grpo.decoupled.ref_server import run_ref_server
 
     run_ref_server(cfg.model.ref_name_or_path or cfg.model.name_or_path, host="127.0.0.1",
                    port=cfg.decoupled.ref_server_port, temperature=cfg.rollout.temperature,
@@ -99,7 +99,7 @@ def _print_summary(result) -> None:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from grpo.plots import plot_run
+    from grpo.run.plots import plot_run
 
     for path in plot_run(args.run_dir):
         print(path)
@@ -107,7 +107,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from grpo.evaluate import run_eval_command
+    from grpo.tools.evaluate import run_eval_command
 
     run_eval_command(args.model, data=args.data, split=args.split, limit=args.limit, samples=args.samples,
                      temperature=args.temperature, output=args.output, batch_size=args.batch_size,
@@ -118,7 +118,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
-    from grpo.chat import run_chat
+    from grpo.tools.chat import run_chat
 
     run_chat(args.model, prompt=args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
              device=args.device, system_prompt=args.system_prompt, base_model=args.base_model, dtype=args.dtype,
@@ -127,7 +127,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from grpo.export import export_model
+    from grpo.tools.export import export_model
 
     print(export_model(args.checkpoint, args.out_dir, dtype=args.dtype, overwrite=args.overwrite,
                        base_model=args.base_model))
@@ -135,7 +135,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_memory(args: argparse.Namespace) -> int:
-    from grpo.memory import run_memory_command
+    from grpo.tools.memory import run_memory_command
 
     return run_memory_command(args.config, args.overrides, gpus=args.gpus, gpu_gb=args.gpu_gb,
                               json_output=args.json, mixed_precision=args.mixed_precision,
@@ -284,9 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except RuntimeError as err:
         # A checkpoint that cannot be loaded (torn, corrupt, not this model's) names its file: report it
-        # like other bad input instead of a traceback. grpo.checkpoint (torch) is looked up, not imported:
+        # like other bad input instead of a traceback. grpo.run.checkpoint (torch) is looked up, not imported:
         # if it was never imported, it raised nothing.
-        checkpoint = sys.modules.get("grpo.checkpoint")
+        checkpoint = sys.modules.get("grpo.run.checkpoint")
         if checkpoint is None or not isinstance(err, checkpoint.CheckpointError):
             raise
         print(f"grpo: checkpoint error: {err}", file=sys.stderr)

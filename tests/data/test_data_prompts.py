@@ -12,7 +12,7 @@ from grpo.data import (
     render_prompt,
     resolve_system_prompt,
 )
-from grpo.tags import get_tag_style
+from grpo.data.tags import get_tag_style
 
 EXAMPLE = Example(
     messages=[

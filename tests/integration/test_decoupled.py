@@ -72,7 +72,7 @@ def wait_for_steps(out: Path, n: int, proc: subprocess.Popen, timeout: float = 2
 
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory, tiny_tokenizer) -> Path:
-    from grpo.tiny_model import build_qwen2
+    from grpo.models.tiny import build_qwen2
 
     path = tmp_path_factory.mktemp("teacher")
     build_qwen2(tiny_tokenizer, hidden_size=96, num_layers=3, seed=5).save_pretrained(path)
@@ -192,7 +192,7 @@ def test_trainer_killed_and_resumed(tiny_model_dir, tmp_path, save_steps):
     # save_steps 3: the kill lands after step 5, two steps past the checkpoint; those steps' batches were
     # acknowledged provisionally, so the sampler still holds them, resends them, and they are trained
     # again after the resume: no acknowledged batch is lost and none is trained twice in the final run.
-    from grpo.checkpoint import latest_checkpoint
+    from grpo.run.checkpoint import latest_checkpoint
 
     out = tmp_path / "run"
     settings = {"train.max_steps": 8, "train.save_steps": save_steps, "train.mode": "decoupled"}

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from grpo.config import load_config
-from grpo.trainer import train
+from grpo.training.colocated import train
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

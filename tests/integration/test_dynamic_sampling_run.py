@@ -7,11 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from test_train_colocated import base_overrides, read_metrics, resume_matches_uninterrupted
 
 from grpo.config import load_config
-from grpo.dynamic_sampling import zero_spread_groups
-from grpo.trainer import train
-from test_train_colocated import base_overrides, read_metrics, resume_matches_uninterrupted
+from grpo.step.dynamic_sampling import zero_spread_groups
+from grpo.training.colocated import train
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 TESTS_DIR = Path(__file__).resolve().parent
@@ -23,7 +23,7 @@ HALF_SIGNAL_REWARDS = "[{name: 'rewards_for_tests:letters_on_even_answers'}]"
 
 def record_trained_batches(monkeypatch) -> list:
     """Every batch the colocated loop hands to train_on_batch, in order."""
-    import grpo.trainer as trainer_module
+    import grpo.training.colocated as trainer_module
 
     real, seen = trainer_module.train_on_batch, []
 

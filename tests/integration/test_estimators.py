@@ -7,10 +7,10 @@ import math
 from pathlib import Path
 
 import pytest
+from test_train_colocated import REQUIRED_KEYS, SIGNAL_REWARDS, base_overrides, read_metrics
 
 from grpo.config import load_config
-from grpo.trainer import train
-from test_train_colocated import REQUIRED_KEYS, SIGNAL_REWARDS, base_overrides, read_metrics
+from grpo.training.colocated import train
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 TESTS_DIR = Path(__file__).resolve().parent

@@ -22,7 +22,7 @@ import torch
 
 from grpo.config import load_config
 from grpo.rollout import lean
-from grpo.trainer import train
+from grpo.training.colocated import train
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

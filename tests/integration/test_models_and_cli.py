@@ -15,7 +15,7 @@ import torch
 
 from grpo.cli import main
 from grpo.config import ConfigError, load_config
-from grpo.trainer import train
+from grpo.training.colocated import train
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -54,7 +54,7 @@ def test_llama_architecture_trains(tiny_tokenizer, tmp_path, test_rewards_on_pat
 
 
 def test_teacher_reference_and_gradient_checkpointing(tiny_model_dir, tiny_tokenizer, tmp_path, test_rewards_on_path):
-    from grpo.tiny_model import build_qwen2
+    from grpo.models.tiny import build_qwen2
 
     teacher = tmp_path / "teacher"  # larger model, same tokenizer: a valid reference
     build_qwen2(tiny_tokenizer, hidden_size=96, num_layers=3, seed=5).save_pretrained(teacher)
@@ -68,7 +68,7 @@ def test_teacher_reference_and_gradient_checkpointing(tiny_model_dir, tiny_token
 
 
 def test_reference_with_another_vocabulary_is_refused(tiny_model_dir, tmp_path, test_rewards_on_path):
-    from grpo.tiny_model import build_qwen2, build_tokenizer
+    from grpo.models.tiny import build_qwen2, build_tokenizer
 
     other_tok = build_tokenizer(["completely different corpus", "with other merges 123"], vocab_size=300)
     other = tmp_path / "other"
@@ -80,7 +80,7 @@ def test_reference_with_another_vocabulary_is_refused(tiny_model_dir, tmp_path, 
 
 
 def test_model_without_chat_template_is_refused(tiny_tokenizer, tmp_path, test_rewards_on_path):
-    from grpo.tiny_model import build_qwen2
+    from grpo.models.tiny import build_qwen2
 
     bare = tmp_path / "bare"
     build_qwen2(tiny_tokenizer).save_pretrained(bare)

@@ -11,11 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_train_colocated import (
+    REQUIRED_KEYS,
+    SIGNAL_REWARDS,
+    _cli_env,
+    base_overrides,
+    read_metrics,
+    resume_matches_uninterrupted,
+)
 
 from grpo.config import load_config
-from grpo.trainer import train
-from test_train_colocated import (REQUIRED_KEYS, SIGNAL_REWARDS, _cli_env, base_overrides, read_metrics,
-                                  resume_matches_uninterrupted)
+from grpo.training.colocated import train
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 TESTS_DIR = Path(__file__).resolve().parent
@@ -62,7 +68,7 @@ def test_ppo_resume_from_a_checkpoint_without_a_critic_is_refused(tiny_model_dir
     out = tmp_path / "grpo-then-ppo"
     common = {"train.max_steps": 1, "log.report_to": "[]", "rewards": SIGNAL_REWARDS}
     train(load_config(None, base_overrides(tiny_model_dir, out, **common)))
-    from grpo.checkpoint import CheckpointError
+    from grpo.run.checkpoint import CheckpointError
 
     with pytest.raises(CheckpointError, match="saved without a critic"):
         train(load_config(None, base_overrides(tiny_model_dir, out, **{**common, **PPO, "train.max_steps": 2})

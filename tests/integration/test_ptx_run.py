@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_train_colocated import base_overrides, read_metrics, resume_matches_uninterrupted
 
 from grpo.config import load_config
-from grpo.trainer import train
-from test_train_colocated import base_overrides, read_metrics, resume_matches_uninterrupted
+from grpo.training.colocated import train
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 TESTS_DIR = Path(__file__).resolve().parent
@@ -79,7 +79,8 @@ def test_resume_trains_on_the_same_ptx_batches_as_an_uninterrupted_run(tiny_mode
 
 
 def _ptx_rows(rank: int):
-    from grpo.ptx import TokenizedPair, collate
+    from grpo.data.sft_tokens import TokenizedPair
+    from grpo.step.ptx import collate
 
     pairs = [[TokenizedPair([5, 6, 7], [8, 9, 2], "r0:1"), TokenizedPair([10], [11, 12, 13, 2], "r0:2")],
              [TokenizedPair([14, 15], [16, 2], "r1:1"), TokenizedPair([17, 18, 19], [20, 21, 2], "r1:2")]]
@@ -89,12 +90,12 @@ def _ptx_rows(rank: int):
 def _ddp_rank(rank: int, port: int, model_dir: str, out: str) -> None:
     """One DDP rank: a zero-advantage rollout batch (no policy gradient) and this rank's own PTX pairs."""
     import torch.distributed as dist
+    from test_optimization import random_batch, settings_with
     from transformers import AutoModelForCausalLM
 
-    from grpo.distributed import DistInfo, keep_until_exit
-    from grpo.learners import TorchLearner
-    from grpo.optimization import train_on_batch
-    from test_optimization import random_batch, settings_with
+    from grpo.step.policy_update import train_on_batch
+    from grpo.training.distributed import DistInfo, keep_until_exit
+    from grpo.training.learners import TorchLearner
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -109,7 +110,7 @@ def _ddp_rank(rank: int, port: int, model_dir: str, out: str) -> None:
     save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, Path(out) / f"rank{rank}.safetensors")
     dist.barrier()
     # As a torchrun rank of `python -m grpo` does: exit without tearing the DDP wrapper and its gloo group
-    # down, whose destructors can deadlock on the GIL (grpo.distributed.keep_until_exit; this test hung
+    # down, whose destructors can deadlock on the GIL (grpo.training.distributed.keep_until_exit; this test hung
     # there once, a rank stuck in ~ProcessGroupGloo under the Reducer's dealloc as the rank returned).
     sys.stdout.flush()
     sys.stderr.flush()
@@ -123,7 +124,7 @@ def test_ddp_ranks_average_their_ptx_gradients(tiny_model_dir, tmp_path):
     import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM
 
-    from grpo.ptx import ptx_nll
+    from grpo.step.ptx import ptx_nll
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -23,8 +23,8 @@ from grpo.cli import main
 from grpo.config import load_config
 from grpo.data import generate_problems, write_gsm8k_jsonl
 from grpo.data.locations import looks_like_hub_id
-from grpo.memory.shapes import load_model_config
-from grpo.tiny_model import build_qwen2
+from grpo.models.tiny import build_qwen2
+from grpo.tools.memory.shapes import load_model_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from grpo.config import load_config
-from grpo.trainer import train
+from grpo.training.colocated import train
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 TESTS_DIR = Path(__file__).resolve().parent
@@ -117,7 +117,7 @@ def test_reward_rises_on_an_easy_task(tiny_model_dir, tmp_path, monkeypatch):
 
 def interrupt_at_third_update(model_dir, out, overrides: dict, monkeypatch) -> None:
     """Train into ``out`` and press Ctrl-C in the third update (the trainer saves step 2 and re-raises)."""
-    import grpo.trainer as trainer_module
+    import grpo.training.colocated as trainer_module
 
     real = trainer_module.train_on_batch
     calls = {"n": 0}
@@ -186,7 +186,7 @@ def test_kill_9_mid_run_loses_at_most_the_step_in_flight(tiny_model_dir, tmp_pat
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     steps_logged = [r["step"] for r in read_metrics(out)]
-    from grpo.checkpoint import latest_checkpoint
+    from grpo.run.checkpoint import latest_checkpoint
 
     saved = int(latest_checkpoint(out).name.split("-")[1])
     assert saved >= max(steps_logged) - 1  # a checkpoint every step: at most the step in flight is lost

@@ -30,7 +30,7 @@ def existing_run(tiny_model_dir, recipe, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory, tiny_tokenizer) -> Path:
     """Bad files: data, recipes, a model without a chat template, a model of another vocabulary."""
-    from grpo.tiny_model import build_qwen2, build_tokenizer
+    from grpo.models.tiny import build_qwen2, build_tokenizer
 
     root = tmp_path_factory.mktemp("bad-inputs")
     good = json.dumps({"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"})

@@ -12,7 +12,7 @@ import time
 import pytest
 from reliability_helpers import cli_env, grpo_cmd, logged_steps, run_args, train_rows, wait_until
 
-from grpo.checkpoint import latest_checkpoint
+from grpo.run.checkpoint import latest_checkpoint
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.integration]
 

@@ -22,9 +22,9 @@ from reliability_helpers import (
 )
 from safetensors.torch import load_file
 
-import grpo.trainer as trainer_module
-from grpo.checkpoint import latest_checkpoint
+import grpo.training.colocated as trainer_module
 from grpo.cli import main
+from grpo.run.checkpoint import latest_checkpoint
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 TWO_PASSES = {"train.max_steps": 4, "loss.num_iterations": 2}  # two updates per step: a step is not atomic

@@ -24,8 +24,8 @@ from reliability_helpers import (
 )
 from safetensors.torch import load_file
 
-from grpo.checkpoint import latest_checkpoint, load_checkpoint
 from grpo.cli import main
+from grpo.run.checkpoint import latest_checkpoint, load_checkpoint
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.integration]
 STEPS = 12

@@ -12,11 +12,11 @@ import torch
 from reliability_helpers import metrics, run_args, snapshot, train_rows, without_timings
 from safetensors.torch import load_file
 
-import grpo.checkpoint as checkpoint_module
-import grpo.trainer as trainer_module
-from grpo import optimization
-from grpo.checkpoint import complete_checkpoints, latest_checkpoint, load_checkpoint
+import grpo.run.checkpoint as checkpoint_module
+import grpo.training.colocated as trainer_module
 from grpo.cli import main
+from grpo.run.checkpoint import complete_checkpoints, latest_checkpoint, load_checkpoint
+from grpo.step import policy_update as optimization
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 

@@ -109,7 +109,7 @@ from pickle import loads
 
 @pytest.mark.parametrize("address", ["tcp://0.0.0.0:5555", "tcp://*:5555", "tcp://192.168.1.7:5555"])
 def test_decoupled_receiver_refuses_a_non_loopback_address_without_a_token(address):
-    from grpo.transport import check_bind_address
+    from grpo.decoupled.transport import check_bind_address
 
     with pytest.raises(ValueError, match="set a shared token"):
         check_bind_address(address, "")
@@ -122,7 +122,7 @@ def test_trainer_on_a_non_loopback_address_without_a_token_is_refused_before_any
     def must_not_start(*args, **kwargs):
         raise AssertionError("a role started before the address was checked")
 
-    monkeypatch.setattr("grpo.decoupled.trainer.main", must_not_start)
+    monkeypatch.setattr("grpo.decoupled.trainer_role.main", must_not_start)
     monkeypatch.setattr("grpo.decoupled.launcher.run_decoupled", must_not_start)
     out = tmp_path / "run"
     args = [role, "train.mode=decoupled", "decoupled.address=tcp://0.0.0.0:5555", f"train.output_dir={out}"]
@@ -138,7 +138,7 @@ def test_trainer_on_a_non_loopback_address_without_a_token_is_refused_before_any
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3"])
 def test_ref_server_refuses_a_non_loopback_host_without_a_token(host, tmp_path):
-    from grpo.ref_server import make_server
+    from grpo.decoupled.ref_server import make_server
 
     # Refused before the model is loaded: the path does not even exist.
     with pytest.raises(ConfigError, match="without authentication"):
@@ -149,6 +149,6 @@ def test_everything_listens_on_loopback_by_default(monkeypatch):
     cfg = load_config()
     assert cfg.decoupled.address.startswith("tcp://127.0.0.1:")
     served = {}
-    monkeypatch.setattr("grpo.ref_server.run_ref_server", lambda *args, **kwargs: served.update(kwargs))
+    monkeypatch.setattr("grpo.decoupled.ref_server.run_ref_server", lambda *args, **kwargs: served.update(kwargs))
     assert main(["ref-server"]) == 0
     assert served["host"] == "127.0.0.1"

@@ -7,9 +7,9 @@ from decimal import Decimal
 
 import pytest
 
+from grpo.data.tags import get_tag_style
 from grpo.rewards import answers_equal, completion_text, extract_answer, is_well_formatted
 from grpo.rewards.answers import gold_answer, parse_plain_number
-from grpo.tags import get_tag_style
 
 
 @pytest.mark.parametrize("pred", ["1,080", "1080", "1080.0", "$1,080", "1080 dollars", " 1080 ", "1080.", "$ 1080.00"])

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
+from grpo.data.tags import get_tag_style
 from grpo.rewards import get_reward_function
-from grpo.tags import get_tag_style
 
 STYLES = ["think", "reasoning"]
 

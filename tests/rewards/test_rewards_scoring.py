@@ -12,7 +12,7 @@ import torch
 from grpo.rewards import RewardError, RewardFunction, RewardScores, RewardSpec, build_reward_functions, score
 from grpo.rewards.context import RewardContext, make_trainer_state
 
-GUARD_LOGGER = "grpo.rewards.guard"
+GUARD_LOGGER = "grpo.rewards.reward_function"
 
 
 def value_of_answer(prompts, completions, answer, **kwargs):

@@ -199,7 +199,7 @@ def sft_loss(logprobs: Tensor, mask: Tensor) -> Tensor:
 
     Args:
         logprobs: ``[B, L]`` log-probs of each target token given everything before it (``token_logprobs``,
-            or ``grpo.logprobs.completion_logprobs`` of responses after their prompts).
+            or ``grpo.step.logprobs.completion_logprobs`` of responses after their prompts).
         mask: ``[B, L]`` 1 for tokens that carry the loss (a response's tokens and its EOS), 0 for the
             prompt and padding.
 

@@ -108,7 +108,7 @@ class RolloutConfig:
     dynamic_sampling: bool = opt(
         False, "DAPO: drop the groups whose G rewards are all equal (zero advantage, no gradient) and sample "
                "rounds of further prompts until each rank's batch is full of groups that differ "
-               "(grpo.dynamic_sampling; counts logged as rollout/dynamic_*). Costs extra sampling rounds as more "
+               "(grpo.step.dynamic_sampling; counts logged as rollout/dynamic_*). Costs extra sampling rounds as more "
                "prompts become solved.")
     dynamic_sampling_max_rounds: int = opt(
         4, "dynamic_sampling: sampling rounds per step and rank, the first included, each as many prompts as an "

@@ -7,10 +7,10 @@ it makes possible, its update and its part of a checkpoint.
 - ``checkpoint``: ``save_critic``/``load_critic`` into a run checkpoint's ``critic/`` folder.
 """
 
-from grpo.critic.advantages import ppo_advantages
-from grpo.critic.checkpoint import CRITIC_DIR, load_critic, save_critic
-from grpo.critic.model import ValueModel, completion_values, generation_values, load_value_model
-from grpo.critic.update import Critic, CriticSettings, build_critic, train_critic, value_fit
+from grpo.algorithm.ppo import ppo_advantages
+from grpo.critic.critic_checkpoint import CRITIC_DIR, load_critic, save_critic
+from grpo.critic.critic_update import Critic, CriticSettings, build_critic, train_critic, value_fit
+from grpo.critic.value_model import ValueModel, completion_values, generation_values, load_value_model
 
 __all__ = ["CRITIC_DIR", "Critic", "CriticSettings", "ValueModel", "build_critic", "completion_values",
            "generation_values", "load_critic", "load_value_model", "ppo_advantages", "save_critic", "train_critic",

@@ -13,7 +13,8 @@ prompts (system prompt + chat template), synthetic (+ synthetic_templates), sour
 sft (prompt/response pairs for the PTX loss).
 """
 
-from grpo.data.answers import ANSWER_FORMATS, GoldAnswer, get_answer_format, is_number, normalise_answer
+from grpo.data.example import DataError, Example
+from grpo.data.gold_formats import ANSWER_FORMATS, GoldAnswer, get_answer_format, is_number, normalise_answer
 from grpo.data.gsm8k import (
     GSM8K_HUB_CONFIG,
     GSM8K_HUB_ID,
@@ -30,7 +31,6 @@ from grpo.data.prompts import (
     render_prompt,
     resolve_system_prompt,
 )
-from grpo.data.records import DataError, Example
 from grpo.data.sft import RESPONSE_FORMATS, SftPair, load_sft_pairs
 from grpo.data.sources import SOURCE_KINDS, load_dataset_source
 from grpo.data.synthetic import DIFFICULTIES, MIXED, Difficulty, Step, generate_problems, solution_chain

@@ -11,10 +11,10 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from grpo.data.answers import GSM8K_MARKER, parse_gsm8k_answer
+from grpo.data.example import DataError, Example
+from grpo.data.gold_formats import GSM8K_MARKER, parse_gsm8k_answer
 from grpo.data.locations import check_limit, iter_rows, require
 from grpo.data.readers import Row
-from grpo.data.records import DataError, Example
 
 GSM8K_HUB_ID = "openai/gsm8k"
 GSM8K_HUB_CONFIG = "main"

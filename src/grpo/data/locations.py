@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from grpo.data.example import DataError
 from grpo.data.readers import READERS, Row, read_rows, resolve_split_files
-from grpo.data.records import DataError
 
 HUB_PREFIX = "hf:"
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")

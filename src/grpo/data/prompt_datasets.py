@@ -15,10 +15,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from grpo.data.answers import get_answer_format
+from grpo.data.example import DataError, Example, history_problem
+from grpo.data.gold_formats import get_answer_format
 from grpo.data.locations import check_limit, iter_rows, require
 from grpo.data.readers import Row
-from grpo.data.records import DataError, Example, history_problem
 
 PADDLE_SRC = "src"
 

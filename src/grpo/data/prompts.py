@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from grpo.data.records import Example
-from grpo.tags import get_tag_style
+from grpo.data.example import Example
+from grpo.data.tags import get_tag_style
 
 
 def default_system_prompt(tag_style: str = "think") -> str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo.data.records import DataError
+from grpo.data.example import DataError
 
 
 @dataclass(frozen=True)

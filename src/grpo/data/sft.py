@@ -14,12 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from grpo.data.answers import parse_gsm8k_answer
+from grpo.data.example import DataError, Example, history_problem
+from grpo.data.gold_formats import parse_gsm8k_answer
 from grpo.data.locations import iter_rows, require
 from grpo.data.prompt_datasets import row_history
 from grpo.data.readers import Row
-from grpo.data.records import DataError, Example, history_problem
-from grpo.tags import get_tag_style
+from grpo.data.tags import get_tag_style
 
 RESPONSE_FORMATS = ("plain", "gsm8k")
 

@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from grpo.data.example import DataError, Example
 from grpo.data.gsm8k import load_gsm8k
 from grpo.data.locations import check_limit
 from grpo.data.prompt_datasets import load_prompts
-from grpo.data.records import DataError, Example
 from grpo.data.synthetic import generate_problems
 
 

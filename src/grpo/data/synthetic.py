@@ -14,7 +14,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from grpo.data.records import Example
+from grpo.data.example import Example
 from grpo.data.synthetic_templates import PEOPLE, PRONOUNS, THEMES, Theme
 
 

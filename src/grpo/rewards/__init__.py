@@ -17,8 +17,6 @@ A reward function is called as TRL 1.16 calls it, by keyword (``prompts``, ``com
 """
 
 from grpo.rewards.answers import answers_equal, completion_text, extract_answer, is_well_formatted
-from grpo.rewards.base import RewardCallable, RewardError, RewardFactory
-from grpo.rewards.guard import RewardFunction
 from grpo.rewards.registry import (
     REWARD_REGISTRY,
     get_reward_function,
@@ -27,7 +25,9 @@ from grpo.rewards.registry import (
     register_reward,
 )
 from grpo.rewards.remote import RemoteRewardError
+from grpo.rewards.reward_function import RewardFunction
 from grpo.rewards.scoring import RewardScores, RewardSpec, build_reward_functions, score
+from grpo.rewards.signature import RewardCallable, RewardError, RewardFactory
 
 __all__ = [
     "REWARD_REGISTRY",

@@ -17,7 +17,7 @@ import threading
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from grpo.tags import TagStyle, get_tag_style
+from grpo.data.tags import TagStyle, get_tag_style
 
 # math-verify's own default, in seconds, for each parse and each comparison.
 MATH_VERIFY_TIMEOUT_S = 5

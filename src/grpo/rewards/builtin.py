@@ -13,6 +13,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from grpo.data.tags import TagStyle
 from grpo.rewards.answers import (
     answers_equal,
     completion_text,
@@ -21,8 +22,7 @@ from grpo.rewards.answers import (
     is_well_formatted,
     style_of,
 )
-from grpo.rewards.base import RewardCallable
-from grpo.tags import TagStyle
+from grpo.rewards.signature import RewardCallable
 
 Completion = str | list[dict[str, Any]]
 

@@ -21,11 +21,11 @@ import importlib
 import inspect
 from typing import Any
 
+from grpo.data.tags import TagStyle
 from grpo.rewards import builtin
-from grpo.rewards.base import RewardCallable, RewardFactory, named
-from grpo.rewards.model import make_model_reward
 from grpo.rewards.remote import make_remote_reward
-from grpo.tags import TagStyle
+from grpo.rewards.reward_model import make_model_reward
+from grpo.rewards.signature import RewardCallable, RewardFactory, named
 
 REWARD_REGISTRY: dict[str, RewardFactory] = {
     "answer_correct": builtin.make_answer_correct,
@@ -131,7 +131,7 @@ def check_call_signature(fn: Any, name: str, keywords: list[str]) -> None:
     """Raise ValueError if ``fn`` cannot be called with exactly ``keywords`` as keyword arguments (TRL's
     call, see ``guard.py``): a required parameter it would not get, or a keyword it would refuse. A
     callable whose signature cannot be read is left to the call itself."""
-    from grpo.rewards.guard import SIGNATURE_HINT
+    from grpo.rewards.reward_function import SIGNATURE_HINT
 
     try:
         signature = inspect.signature(fn)

@@ -28,8 +28,8 @@ from urllib.parse import urlparse
 
 import requests
 
-from grpo.rewards.base import RewardCallable, named
-from grpo.tags import TagStyle
+from grpo.data.tags import TagStyle
+from grpo.rewards.signature import RewardCallable, named
 
 WIRE_VERSION = 1
 BODY_EXCERPT_CHARS = 300

@@ -24,13 +24,12 @@ from typing import Any
 import torch
 
 from grpo.config.schema import RewardConfig
+from grpo.data.tags import TagStyle
 from grpo.rewards.async_loop import run_coroutine
-from grpo.rewards.base import RewardCallable
 from grpo.rewards.context import CONTEXT_KEYS, RewardContext
-from grpo.rewards.guard import RewardFunction
 from grpo.rewards.registry import check_call_signature, get_reward_function
-from grpo.tags import TagStyle
-
+from grpo.rewards.reward_function import RewardFunction
+from grpo.rewards.signature import RewardCallable
 
 # A configured reward (name, weight, params) is the config tree's record; one type for one thing.
 RewardSpec = RewardConfig

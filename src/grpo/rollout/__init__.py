@@ -6,7 +6,7 @@ distribution from a static cache with the decode step replayed as a CUDA graph, 
 ``hf-generate`` is ``model.generate`` itself (same distribution, more per-token overhead).
 """
 
-from grpo.rollout.base import RolloutEngine, SamplingParams, completion_mask_from_ids
+from grpo.rollout.engine import RolloutEngine, SamplingParams, completion_mask_from_ids
 from grpo.rollout.hf import HFEngine
 from grpo.rollout.lean import LeanEngine
 from grpo.rollout.static import StaticEngine

@@ -8,13 +8,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from grpo.records import Generation
-from grpo.rollout.base import SamplingParams, completion_mask_from_ids
-
-
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The module under a DDP wrapper (generation must not go through DDP's forward hooks)."""
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+from grpo.models.wrappers import eos_token_ids, unwrap_model
+from grpo.rollout.engine import SamplingParams, completion_mask_from_ids
+from grpo.step.records import Generation
 
 
 @contextmanager
@@ -38,16 +34,6 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, T
             ids[row, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
             mask[row, width - len(seq):] = 1
     return ids, mask
-
-
-def eos_token_ids(model: torch.nn.Module, tokenizer) -> list[int]:
-    """Every id that ends a completion: the tokenizer's EOS plus the model's generation_config EOS ids
-    (Qwen2.5-Instruct stops at both <|im_end|> and <|endoftext|>)."""
-    ids = {tokenizer.eos_token_id}
-    configured = getattr(unwrap_model(model).generation_config, "eos_token_id", None)
-    if configured is not None:
-        ids.update(configured if isinstance(configured, (list, tuple)) else [configured])
-    return sorted(i for i in ids if i is not None)
 
 
 class HFEngine:

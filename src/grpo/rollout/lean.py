@@ -19,13 +19,13 @@ from typing import Sequence
 
 import torch
 from torch import Tensor
-
 from transformers.cache_utils import DynamicLayer
 
 from grpo.algorithm.processing import eos_mask, min_p_removed, penalize_repeats, prompt_presence
-from grpo.records import Generation
-from grpo.rollout.base import SamplingParams, completion_mask_from_ids
-from grpo.rollout.hf import eos_token_ids, eval_mode, left_pad, unwrap_model
+from grpo.models.wrappers import eos_token_ids, unwrap_model
+from grpo.rollout.engine import SamplingParams, completion_mask_from_ids
+from grpo.rollout.hf import eval_mode, left_pad
+from grpo.step.records import Generation
 
 
 def folded_lora_weights(model: torch.nn.Module) -> dict[str, Tensor] | None:

@@ -19,7 +19,7 @@ import copy
 import torch
 from torch import Tensor
 
-from grpo.rollout.hf import unwrap_model
+from grpo.models.wrappers import unwrap_model
 
 
 def _lora_layer_type():

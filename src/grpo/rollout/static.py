@@ -46,11 +46,12 @@ from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
 from grpo.algorithm.processing import eos_mask, prompt_presence
-from grpo.records import Generation
-from grpo.rollout.base import SamplingParams
-from grpo.rollout.hf import eos_token_ids, left_pad
+from grpo.models.wrappers import eos_token_ids
+from grpo.rollout.engine import SamplingParams
+from grpo.rollout.hf import left_pad
 from grpo.rollout.lean import apply_processors, assemble_generation, filter_logits, seeded_generator
 from grpo.rollout.sampling_copy import SamplingCopy
+from grpo.step.records import Generation
 
 CACHE_BUCKET = 128  # cache lengths rounded up to this: steps with slightly different prompt widths reuse shapes
 DECODE_GRAPHS = ("cuda-graph", "compile", "eager")

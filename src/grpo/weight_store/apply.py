@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from grpo.state_dicts import storage_key, unmatched_keys
+from grpo.models.state_dicts import storage_key, unmatched_keys
 from grpo.weight_store.files import _json_safe
 from grpo.weight_store.layout import KINDS, Kind, LoadedWeights, WeightStoreError
 

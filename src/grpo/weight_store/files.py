@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from grpo.durable import fsync_dir as _fsync_dir  # noqa: F401  (shared with grpo.checkpoint)
-from grpo.durable import fsync_file as _fsync_file  # noqa: F401
+from grpo.run.durable import fsync_dir as _fsync_dir  # noqa: F401  (shared with grpo.run.checkpoint)
+from grpo.run.durable import fsync_file as _fsync_file  # noqa: F401
 from grpo.weight_store.layout import WeightStoreError
 
 _HASH_CHUNK = 1 << 20

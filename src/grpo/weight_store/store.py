@@ -14,7 +14,7 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError
 
-from grpo.durable import replace_dir, settle_leftover
+from grpo.run.durable import replace_dir, settle_leftover
 from grpo.weight_store.files import (
     _fsync_dir,
     _fsync_file,

@@ -1,0 +1,217 @@
+"""The reference server: a FastAPI app computing reference log-probs, and the uvicorn server around it."""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+import os
+import threading
+
+import torch
+from fastapi import (  # at module level: FastAPI resolves `request: Request` in module globals
+    FastAPI,
+    Request,
+)
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+from torch import Tensor
+
+from grpo.config import ConfigError
+from grpo.decoupled.ref_server.protocol import (
+    CONTENT_TYPE,
+    PROTOCOL,
+    PROTOCOL_HEADER,
+    RefProtocolError,
+    RefRequest,
+    decode_request,
+    encode_response,
+)
+from grpo.step.logprobs import completion_logprobs
+
+logger = logging.getLogger("grpo.decoupled.ref_server")  # the package's name, as before the split: log lines show it
+
+
+def build_app(
+    model: torch.nn.Module,
+    *,
+    temperature: float,
+    token: str | None,
+    max_request_bytes: int,
+    micro_batch_size: int | None,
+    model_name: str | None = None,
+):
+    """A FastAPI app serving ``model``'s log-probs (see ``grpo.decoupled.ref_server`` for the protocol).
+
+    Args:
+        model: a causal LM; put in eval mode with gradients off (the server owns it).
+        temperature: the sampling temperature the log-probs are computed at (> 0).
+        token: when set, every request needs ``Authorization: Bearer <token>``.
+        max_request_bytes: larger bodies get 413 without being parsed.
+        micro_batch_size: rows per forward pass; None = a request's rows all at once.
+        model_name: reported by /v1/health; default ``model.name_or_path``.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+    if micro_batch_size is not None and micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1 or None, got {micro_batch_size}")
+    model.eval()
+    model.requires_grad_(False)
+    vocab_size = model.get_input_embeddings().weight.shape[0]
+    name = model_name or str(getattr(model, "name_or_path", "") or type(model).__name__)
+    expected_auth = None if token is None else f"Bearer {token}".encode()
+    forward_lock = threading.Lock()  # one forward at a time: the device holds one batch's activations
+    app = FastAPI(title="grpo reference log-probs", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def error(status: int, message: str) -> JSONResponse:
+        return JSONResponse({"error": message, "protocol": PROTOCOL}, status_code=status,
+                            headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
+
+    def authorised(request: Request) -> bool:
+        if expected_auth is None:
+            return True
+        # Starlette decodes headers as latin-1; encoding back gives the bytes that were sent.
+        given = request.headers.get("authorization", "").encode("latin-1")
+        if hmac.compare_digest(given, expected_auth):
+            return True
+        client = request.client.host if request.client else "?"
+        logger.warning("ref server: refused %s %s from %s: %s bearer token", request.method, request.url.path,
+                       client, "wrong" if given else "missing")
+        return False
+
+    def compute(req: RefRequest) -> Tensor:
+        with forward_lock, torch.no_grad():
+            return completion_logprobs(model, req.prompt_ids, req.prompt_mask, req.completion_ids,
+                                       req.completion_mask, temperature, micro_batch_size)  # [N, Lc]
+
+    @app.get("/v1/health")
+    def health(request: Request):
+        if not authorised(request):
+            return error(401, "missing or wrong bearer token")
+        return {"protocol": PROTOCOL, "model": name, "temperature": temperature, "vocab_size": vocab_size,
+                "max_request_bytes": max_request_bytes}
+
+    @app.post("/v1/logprobs")
+    async def logprobs(request: Request):
+        if not authorised(request):
+            return error(401, "missing or wrong bearer token")
+        version = request.headers.get(PROTOCOL_HEADER)
+        if version is None:
+            return error(400, f"missing header {PROTOCOL_HEADER} (this server speaks protocol {PROTOCOL})")
+        if version.strip() != str(PROTOCOL):
+            return error(426, f"{PROTOCOL_HEADER}: {version[:20]!r} is not supported; this server speaks {PROTOCOL}")
+        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if content_type != CONTENT_TYPE:
+            return error(415, f"Content-Type must be {CONTENT_TYPE}, got {content_type!r}")
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not (declared.isascii() and declared.isdigit()):
+                return error(400, f"Content-Length {declared[:20]!r} is not a number")
+            if int(declared) > max_request_bytes:
+                return error(413, f"body of {declared} bytes exceeds the limit of {max_request_bytes}")
+        body = bytearray()
+        async for chunk in request.stream():  # counted as it arrives: chunked bodies have no Content-Length
+            body += chunk
+            if len(body) > max_request_bytes:
+                return error(413, f"body exceeds the limit of {max_request_bytes} bytes")
+        try:
+            req = decode_request(bytes(body), vocab_size)
+        except RefProtocolError as err:
+            return error(err.status, str(err))
+        if req.temperature is not None and req.temperature != temperature:
+            return error(400, f"the client expects temperature {req.temperature}, but this server computes "
+                              f"log-probs at {temperature}")
+        try:
+            ref_logprobs = await run_in_threadpool(compute, req)  # the event loop keeps answering /health
+        except Exception as err:  # any forward failure (OOM, ...) becomes a 500, logged; the server lives on
+            logger.exception("ref server: forward pass failed for a [%d, %d] request",
+                             req.completion_ids.shape[0], req.prompt_ids.shape[1] + req.completion_ids.shape[1])
+            return error(500, f"forward pass failed: {type(err).__name__}: {str(err)[:200]}")
+        return Response(encode_response(ref_logprobs), media_type=CONTENT_TYPE,
+                        headers={PROTOCOL_HEADER: str(PROTOCOL)})
+
+    return app
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def make_server(
+    model_path: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    temperature: float = 1.0,
+    token_env: str | None = None,
+    device: str = "auto",
+    dtype: str | None = None,
+    max_request_mb: float = 64.0,
+    micro_batch_size: int | None = None,
+):
+    """Load the reference model and return a ``uvicorn.Server`` for it (not yet running).
+
+    Args:
+        model_path: a HF checkpoint folder or hub id (AutoModelForCausalLM).
+        host, port: where to listen. A host other than loopback needs a token.
+        token_env: the name of an environment variable holding the bearer token (the token itself is
+            never a command-line argument, where ``ps`` would show it); None = no authentication.
+        device: "auto", "cpu", "cuda", "cuda:1", ...
+        dtype: float32, bfloat16, float16; None = as stored in the checkpoint.
+        max_request_mb: request bodies above this many MiB get 413.
+    Raises ConfigError (before loading anything) for a non-loopback host without a token, an unset
+    token variable, an unknown dtype or a non-positive temperature.
+    """
+    import uvicorn
+    from transformers import AutoModelForCausalLM
+
+    from grpo.models.loading import DTYPES, resolve_device
+
+    token = None
+    if token_env is not None:
+        token = os.environ.get(token_env)
+        if not token:
+            raise ConfigError(f"token_env: the environment variable {token_env!r} is unset or empty")
+    if not is_loopback(host) and token is None:
+        raise ConfigError(f"host: refusing to serve on {host!r} without authentication; bind 127.0.0.1 or set a "
+                          "token with token_env (anyone who can reach the port could use the model otherwise)")
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"dtype: {dtype!r} is not one of {sorted(DTYPES)} (or null = as stored)")
+    if temperature <= 0:
+        raise ConfigError(f"temperature: must be > 0, got {temperature}")
+    if max_request_mb <= 0:
+        raise ConfigError(f"max_request_mb: must be > 0, got {max_request_mb}")
+
+    kwargs = {"dtype": DTYPES[dtype]} if dtype is not None else {"dtype": "auto"}
+    model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs).to(resolve_device(device)).eval()
+    app = build_app(model, temperature=temperature, token=token, max_request_bytes=int(max_request_mb * 2**20),
+                    micro_batch_size=micro_batch_size, model_name=model_path)
+    shown_host = f"[{host}]" if ":" in host else host
+    logger.info("ref server: %s at temperature %g on %s, listening on http://%s:%d (auth: %s)", model_path,
+                temperature, next(model.parameters()).device, shown_host, port, "bearer token" if token else "none")
+    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
+
+
+def run_ref_server(
+    model_path: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    temperature: float = 1.0,
+    token_env: str | None = None,
+    device: str = "auto",
+    dtype: str | None = None,
+    max_request_mb: float = 64.0,
+    micro_batch_size: int | None = None,
+) -> None:
+    """Serve reference log-probs until interrupted (arguments as ``make_server``)."""
+    server = make_server(model_path, host, port, temperature, token_env, device, dtype, max_request_mb,
+                         micro_batch_size)
+    print(f"grpo ref server: http://{f'[{host}]' if ':' in host else host}:{port}/v1", flush=True)
+    server.run()

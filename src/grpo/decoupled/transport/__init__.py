@@ -1,0 +1,65 @@
+"""Rollout batches from sampler processes to the trainer's rank 0 over ZeroMQ (decoupled mode).
+
+The trainer binds one ROUTER socket (``RolloutReceiver``); each sampler connects a DEALER socket whose
+routing id is its sampler id (``RolloutSender``). Every message is a ``grpo.decoupled.wire`` message (JSON header
++ safetensors payload, shared token, size limits; never pickle). The conversation::
+
+    sampler                                   trainer (rank 0)
+    hello {sampler_id, incarnation}      ->
+                                         <-   welcome {policy_version, trained_count, pending_count,
+                                                       protocol, trainer_id, max_message_bytes, weights_path}
+    batch {batch_id, sampler_id,         ->  queued (FIFO, at most queue_size), or
+           policy_version, meta, completions, prompts, reward_names, columns} + safetensors tensors
+                                         <-   busy {batch_id, queue_depth}      queue full: resend later
+                                         <-   ack {batch_id, policy_version, weights_version, weights_path}
+                                              at once if batch_id was trained before (a resend after a restart)
+                                         <-   ack {...}                     after the trainer trained it
+                                         <-   dropped {batch_id, reason, policy_version}   stale, not trained
+                                         <-   weights {version, path}       new weights published (to every sampler)
+    heartbeat {time}                     ->
+                                         <-   heartbeat {time, policy_version, trainer_id}
+    bye {reason}                        <->   either side leaves
+                                         <-   error {reason, code, batch_id}  a rejected message; code
+                                              "hello_required" asks the sampler to say hello again
+                                              (the trainer restarted and does not know it)
+
+Each endpoint runs one background I/O thread that owns its socket, so heartbeats are answered and
+batches received while the caller trains or generates; the public methods are thread-safe. Samplers
+keep every unacknowledged batch (its encoded frames); when a trainer restarts, the sampler's next
+heartbeat is answered with ``hello_required``, it says hello again and resends what is unacked. The
+receiver acknowledges a batch it already trained without returning it again, so with ``trained_ids``
+kept in the trainer's checkpoint every batch is trained exactly once.
+
+Listening beyond this machine needs a token (``check_bind_address``). A malformed, oversized,
+wrong-version or unauthenticated message is counted in ``stats["rejected"]``, logged (at WARNING the
+first time per peer), answered with ``error`` and otherwise ignored.
+
+The code: ``common`` (constants, errors, ``check_bind_address``), ``records`` (what the endpoints hand
+their callers), ``io_thread`` (the background thread both endpoints run), ``receiver`` and
+``receiver_io`` (trainer side: its API, and what its I/O thread does), ``sender`` and ``sender_io``
+(sampler side, likewise).
+"""
+
+from grpo.decoupled.transport.common import (
+    BUSY_BACKOFF_S,
+    CONTROL_MAX_BYTES,
+    HWM,
+    LOOPBACK_HOSTS,
+    MAX_EVENTS,
+    MAX_MESSAGES_PER_WAKE,
+    MAX_WARNED_PEERS,
+    POLL_MS,
+    PeerClosed,
+    PeerTimeout,
+    TransportError,
+    check_bind_address,
+)
+from grpo.decoupled.transport.deliveries import Event, IncomingBatch, PeerStatus
+from grpo.decoupled.transport.receiver import RolloutReceiver
+from grpo.decoupled.transport.sender import RolloutSender
+
+__all__ = [
+    "BUSY_BACKOFF_S", "CONTROL_MAX_BYTES", "HWM", "LOOPBACK_HOSTS", "MAX_EVENTS", "MAX_MESSAGES_PER_WAKE",
+    "MAX_WARNED_PEERS", "POLL_MS", "Event", "IncomingBatch", "PeerClosed", "PeerStatus", "PeerTimeout",
+    "RolloutReceiver", "RolloutSender", "TransportError", "check_bind_address",
+]

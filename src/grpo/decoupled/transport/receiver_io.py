@@ -1,0 +1,204 @@
+"""The trainer side's I/O thread: checks every message from a sampler, answers it and queues its batches
+(the conversation is described in ``grpo.decoupled.transport``)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+
+import zmq
+
+from grpo.decoupled.transport.common import HWM, MAX_WARNED_PEERS, _label
+from grpo.decoupled.transport.deliveries import IncomingBatch
+from grpo.decoupled.transport.io_thread import _IOThread
+from grpo.decoupled.wire import (
+    PROTOCOL_VERSION,
+    Message,
+    WireError,
+    decode,
+    encode,
+    message_to_batch,
+)
+
+logger = logging.getLogger("grpo.decoupled.transport")  # the package's name, as before the split: log lines show it
+
+
+@dataclass
+class _Peer:
+    sampler_id: str
+    incarnation: int
+    connected_at: float
+    last_seen: float
+    last_seen_monotonic: float
+    batches_received: int = 0
+
+
+@dataclass
+class _Pending:
+    identity: bytes
+    sampler_id: str
+
+
+class _ReceiverIO(_IOThread):
+    """What ``RolloutReceiver``'s I/O thread does: check each sampler message, answer it, queue batches;
+    and the sends that the receiver's API submits to that thread."""
+
+    # set up by RolloutReceiver.__init__
+    token: str
+    max_message_bytes: int
+    queue_size: int
+    reply_errors: bool
+    trainer_id: str
+    _queue: deque[IncomingBatch]
+    _pending: dict[str, _Pending]        # queued or handed out, not yet acked or dropped
+    _not_durable: dict[str, bytes]       # trained, in no checkpoint yet (batch id -> sampler identity)
+    _trained: dict[str, str]             # batch id -> sampler id
+    _trained_per_sampler: Counter
+    _dropped: dict[str, str]             # batch id -> reason
+    _peers: dict[bytes, _Peer]
+    _warned: set[bytes]
+    _policy_version: int
+    _weights: tuple[int, str] | None     # (version, path) last announced
+    _stats: Counter
+
+    def _ack_fields(self, policy_version: int | None = None) -> dict:
+        version = self._policy_version if policy_version is None else policy_version
+        weights_version, weights_path = self._weights if self._weights is not None else (None, None)
+        return {"policy_version": version, "weights_version": weights_version, "weights_path": weights_path}
+
+    def _send(self, identity: bytes, kind: str, header: dict) -> bool:
+        return self._send_frames(identity, kind, encode(kind, header, token=self.token))
+
+    def _send_frames(self, identity: bytes, kind: str, frames: list[bytes]) -> bool:
+        """Send without blocking (I/O thread). A gone peer is forgotten; a full queue loses the message."""
+        try:
+            self._socket.send_multipart([identity, *frames], flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as exc:
+            with self._cond:
+                self._stats["send_failed"] += 1
+                if exc.errno == zmq.EHOSTUNREACH:
+                    peer = self._peers.pop(identity, None)
+                    logger.warning("cannot send %s to %s: it disconnected%s", kind, _label(identity),
+                                   " (forgotten until it says hello again)" if peer else "")
+                elif exc.errno == zmq.EAGAIN:
+                    logger.warning("cannot send %s to %s: it is not reading (%d messages queued)",
+                                   kind, _label(identity), HWM)
+                else:
+                    raise
+            return False
+
+    def _reject(self, identity: bytes, reason: str, header: dict | None = None, code: str = "bad_message") -> None:
+        with self._cond:
+            self._stats["rejected"] += 1
+            first = identity not in self._warned
+            if first:
+                if len(self._warned) >= MAX_WARNED_PEERS:
+                    self._warned.clear()
+                self._warned.add(identity)
+        if first:
+            logger.warning("rejected a message from %s: %s (later rejections from it are logged at DEBUG)",
+                           _label(identity), reason)
+        else:
+            logger.debug("rejected a message from %s: %s", _label(identity), reason)
+        if self.reply_errors:
+            batch_id = header.get("batch_id") if header else None
+            self._send(identity, "error", {"reason": reason[:500], "code": code,
+                                           "batch_id": batch_id if isinstance(batch_id, str) else None})
+
+    def _on_frames(self, frames: list[bytes], problem: str) -> None:
+        identity, body = frames[0], frames[1:]
+        try:
+            if problem:  # too many frames or bytes, read and discarded
+                raise WireError(problem)
+            message = decode(body, token=self.token, max_bytes=self.max_message_bytes)
+        except WireError as exc:
+            self._reject(identity, str(exc), exc.header)
+            return
+        with self._cond:
+            if message.kind == "hello":
+                self._on_hello(identity, message.header)
+                return
+            if message.kind not in ("batch", "heartbeat", "bye"):
+                self._reject(identity, f"a sampler does not send {message.kind} messages", message.header,
+                             code="unexpected_kind")
+                return
+            peer = self._peers.get(identity)
+            if peer is None:
+                self._stats["unknown_peer"] += 1
+                if message.kind != "bye":
+                    logger.info("%s sent %s before hello (trainer restarted?): asking it to say hello",
+                                _label(identity), message.kind)
+                    self._send(identity, "error", {"reason": "say hello first", "code": "hello_required",
+                                                   "batch_id": message.header.get("batch_id")})
+                return
+            peer.last_seen, peer.last_seen_monotonic = time.time(), time.monotonic()
+            if message.kind == "batch":
+                self._on_batch(identity, peer, message)
+            elif message.kind == "heartbeat":
+                self._send(identity, "heartbeat", {"time": message.header.get("time", 0.0),
+                                                   "policy_version": self._policy_version,
+                                                   "trainer_id": self.trainer_id})
+            else:
+                del self._peers[identity]
+                logger.info("sampler %s said bye: %s", peer.sampler_id, message.header.get("reason", ""))
+
+    def _on_hello(self, identity: bytes, header: dict) -> None:
+        sampler_id, incarnation = header["sampler_id"], header["incarnation"]
+        if sampler_id.encode("utf-8") != identity:
+            self._reject(identity, f"hello names sampler {sampler_id[:64]!r} but the connection's routing id is "
+                                   f"{_label(identity)!r}; the sampler's DEALER routing id must be its sampler id",
+                         code="wrong_sampler")
+            return
+        now, wall = time.monotonic(), time.time()
+        old = self._peers.get(identity)
+        if old is not None and old.incarnation != incarnation:
+            logger.info("sampler %s restarted (incarnation %d -> %d)", sampler_id, old.incarnation, incarnation)
+        elif old is None:
+            logger.info("sampler %s connected (incarnation %d)", sampler_id, incarnation)
+        self._peers[identity] = _Peer(sampler_id, incarnation, wall, wall, now,
+                                      old.batches_received if old is not None else 0)
+        self._send(identity, "welcome", {
+            "policy_version": self._policy_version,
+            "trained_count": self._trained_per_sampler[sampler_id],
+            "pending_count": sum(p.sampler_id == sampler_id for p in self._pending.values()),
+            "protocol": PROTOCOL_VERSION, "trainer_id": self.trainer_id,
+            "max_message_bytes": self.max_message_bytes,
+            "weights_path": self._weights[1] if self._weights is not None else None,
+        })
+
+    def _on_batch(self, identity: bytes, peer: _Peer, message: Message) -> None:
+        try:
+            batch, meta = message_to_batch(message)
+        except WireError as exc:
+            self._reject(identity, str(exc), exc.header)
+            return
+        batch_id = meta["batch_id"]
+        if meta["sampler_id"] != peer.sampler_id:
+            self._reject(identity, f"batch {batch_id[:64]!r} names sampler {meta['sampler_id'][:64]!r} but came "
+                                   f"from {peer.sampler_id!r}", message.header, code="wrong_sampler")
+            return
+        if batch_id in self._trained:
+            self._stats["duplicates"] += 1
+            logger.info("batch %s from %s was trained before: acknowledged again", batch_id, peer.sampler_id)
+            self._send(identity, "ack", {"batch_id": batch_id, **self._ack_fields(),
+                                         "durable": batch_id not in self._not_durable})
+        elif batch_id in self._dropped:
+            self._stats["duplicates"] += 1
+            self._send(identity, "dropped", {"batch_id": batch_id, "reason": self._dropped[batch_id],
+                                             "policy_version": self._policy_version})
+        elif batch_id in self._pending:
+            self._stats["duplicates"] += 1  # queued or in training already: its ack will follow
+            logger.debug("batch %s from %s is already queued or in training", batch_id, peer.sampler_id)
+        elif len(self._queue) >= self.queue_size:
+            self._stats["busy"] += 1
+            self._send(identity, "busy", {"batch_id": batch_id, "queue_depth": len(self._queue)})
+        else:
+            self._queue.append(IncomingBatch(batch_id, peer.sampler_id, meta["policy_version"], batch, meta,
+                                             time.time()))
+            self._pending[batch_id] = _Pending(identity, peer.sampler_id)
+            self._stats["received"] += 1
+            peer.batches_received += 1
+            self._cond.notify_all()

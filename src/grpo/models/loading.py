@@ -1,0 +1,238 @@
+"""Load the policy, its tokenizer and the reference model; wrap LoRA. Checks that fail early and say why."""
+
+from __future__ import annotations
+
+import copy
+from contextlib import ExitStack, contextmanager, nullcontext
+from pathlib import Path
+
+import torch
+
+from grpo.config import ConfigError, ModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> cuda when available, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"train.device: {name!r} requested but CUDA is not available on this machine")
+    return torch.device(name)
+
+
+def _looks_local(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or Path(name).exists() or name.count("/") != 1
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+    """The policy's tokenizer, left padding (for batched generation), a pad token, and a chat template."""
+    from transformers import AutoTokenizer
+
+    if _looks_local(name_or_path) and not Path(name_or_path).expanduser().exists():
+        raise ConfigError(f"model.name_or_path: {name_or_path!r} does not exist (a local folder or a hub id org/name)")
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"model.name_or_path: the tokenizer of {name_or_path!r} has no chat template; "
+                          "GRPO prompts are chat messages (use an -Instruct model or add a template)")
+    return tokenizer
+
+
+def _load_causal_lm(name_or_path: str, dtype: torch.dtype, cfg: ModelConfig, key: str):
+    from transformers import AutoModelForCausalLM
+
+    if _looks_local(name_or_path) and not Path(name_or_path).expanduser().exists():
+        raise ConfigError(f"{key}: {name_or_path!r} does not exist (a local folder or a hub id org/name)")
+    kwargs = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+
+
+def _load_4bit(cfg: ModelConfig, device: torch.device):
+    """The base in 4-bit NF4 with double quantisation (the QLoRA recipe), compute in bf16/fp32, made
+    ready for k-bit training (norms in fp32, input grads for checkpointing) by peft."""
+    from peft import prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                      bnb_4bit_compute_dtype=policy_dtype(cfg))
+    kwargs = {"quantization_config": quantization, "device_map": {"": device.index or 0},
+              "trust_remote_code": cfg.trust_remote_code}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs)
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
+
+
+def policy_dtype(cfg: ModelConfig) -> torch.dtype:
+    """bfloat16 when ``model.bf16``, else float32."""
+    return torch.bfloat16 if cfg.bf16 else torch.float32
+
+
+def check_memory_savers(model_cfg: ModelConfig, optimizer: str, device: torch.device) -> None:
+    """ConfigError (before anything is written) for bitsandbytes options where they cannot run."""
+    wanted = [key for key, on in (("model.load_in_4bit", model_cfg.load_in_4bit),
+                                  ("optim.optimizer: adamw_8bit", optimizer == "adamw_8bit")) if on]
+    if not wanted:
+        return
+    if device.type != "cuda":
+        raise ConfigError(f"{wanted[0]}: bitsandbytes' 4-bit weights and 8-bit optimizer states need a CUDA GPU; "
+                          f"this run is on {device.type} (use full precision here, or run on a GPU)")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(f"{wanted[0]}: needs the bitsandbytes package ({exc}); pip install bitsandbytes") from exc
+
+
+def uses_autocast(cfg: ModelConfig, deepspeed: bool) -> bool:
+    """bf16 full fine-tuning on grpo's torch path: fp32 master weights (AdamW updates smaller than a
+    bf16 weight's resolution are kept), bf16 compute through ``torch.autocast``. DeepSpeed keeps its
+    own fp32 master copy; LoRA trains fp32 adapters over a bf16 base."""
+    return cfg.bf16 and cfg.lora_r == 0 and not cfg.load_in_4bit and not deepspeed
+
+
+# The scaled-dot-product-attention backends the trainer's passes may use, by device type (names of
+# torch.nn.attention.SDPBackend, in order of preference); None lets torch choose per call. On the H100
+# torch chose cuDNN attention, which built a new execution plan for every new shape (14 ms of host time
+# each in the profile; decoding meets a new KV length every token), the suspected cause of generation
+# times that doubled between steps of one shape. `benchmarks/gpu_vs_trl.py --sdpa-backends` and
+# `generation_speed.py --sdpa-backends` measure a choice; until one has run on a GPU, torch's stands.
+SDPA_BACKENDS: dict[str, tuple[str, ...] | None] = {"cpu": None, "cuda": None}
+
+
+def sdpa_backends(names: str | None) -> tuple[str, ...] | None:
+    """``"flash,efficient"`` -> ``("FLASH_ATTENTION", "EFFICIENT_ATTENTION")``: names of SDPBackend, checked;
+    None or ``"auto"``: None (torch's choice)."""
+    if names in (None, "auto"):
+        return None
+    from torch.nn.attention import SDPBackend
+
+    short = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION", "math": "MATH"}
+    chosen = tuple(short.get(n.strip().lower(), n.strip().upper()) for n in names.split(",") if n.strip())
+    unknown = [n for n in chosen if not hasattr(SDPBackend, n)]
+    if unknown or not chosen:
+        raise ValueError(f"SDPA backends {names!r}: unknown {unknown or 'none given'}; known: {', '.join(short)}")
+    return chosen
+
+
+def sdpa_context(backends: tuple[str, ...] | None):
+    """A context in which scaled dot product attention uses only ``backends`` (SDPBackend names, in
+    that order of preference); a no-op context for None (torch's own choice)."""
+    if not backends:
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, name) for name in backends], set_priority=True)
+
+
+class _Contexts:
+    """Several context managers entered afresh at each ``with`` (re-enterable, nestable), as one."""
+
+    def __init__(self, *factories):
+        self.factories, self.stacks = factories, []
+
+    def __enter__(self):
+        stack = ExitStack()
+        for factory in self.factories:
+            stack.enter_context(factory())
+        self.stacks.append(stack)
+        return self
+
+    def __exit__(self, *exc):
+        return self.stacks.pop().__exit__(*exc)
+
+
+def compute_context(cfg: ModelConfig, device: torch.device, deepspeed: bool):
+    """The autocast context of ``uses_autocast`` runs (a no-op context otherwise), with the attention
+    backends of ``SDPA_BACKENDS`` where they are set for the device's type."""
+    autocast = uses_autocast(cfg, deepspeed)
+    backends = SDPA_BACKENDS.get(device.type)
+    if backends:
+        factories = [lambda: sdpa_context(backends)]
+        if autocast:
+            factories.append(lambda: torch.autocast(device.type, dtype=torch.bfloat16))
+        return _Contexts(*factories)
+    if autocast:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def load_policy(cfg: ModelConfig, device: torch.device, *, master_weights: bool = False):
+    """The trainable policy on ``device``: full model, or a peft LoRA wrapper when ``lora_r > 0``
+    (over a 4-bit NF4 base with ``load_in_4bit``: QLoRA). ``master_weights``: load in fp32 whatever
+    ``bf16`` says (compute then runs under ``compute_context``)."""
+    if cfg.load_in_4bit:
+        model = _load_4bit(cfg, device)
+    else:
+        dtype = torch.float32 if master_weights else policy_dtype(cfg)
+        model = _load_causal_lm(cfg.name_or_path, dtype, cfg, "model.name_or_path").to(device)
+    if cfg.gradient_checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if cfg.lora_r > 0:
+        from peft import LoraConfig, get_peft_model
+
+        if cfg.gradient_checkpointing:
+            model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need grads
+        lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                          target_modules=cfg.lora_target_modules, task_type="CAUSAL_LM")
+        model = get_peft_model(model, lora)
+    model.train()
+    return model
+
+
+def load_reference(cfg: ModelConfig, policy: torch.nn.Module, tokenizer, device: torch.device):
+    """The frozen reference, or None when it is the LoRA policy with its adapter disabled.
+
+    ``ref_name_or_path`` null: the policy's initial weights (a frozen copy, made before any update);
+    otherwise another checkpoint that must share the tokenizer (a larger teacher), checked here.
+    """
+    dtype = DTYPES[cfg.ref_torch_dtype] if cfg.ref_torch_dtype else policy_dtype(cfg)
+    if cfg.ref_name_or_path is None:
+        if cfg.lora_r > 0:
+            return None  # same weights with the adapter off: no second copy in memory
+        reference = copy.deepcopy(policy).to(dtype)
+    else:
+        reference = _load_causal_lm(cfg.ref_name_or_path, dtype, cfg, "model.ref_name_or_path").to(device)
+        check_same_vocabulary(cfg, tokenizer, reference)
+    reference.eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+def check_same_vocabulary(cfg: ModelConfig, tokenizer, reference: torch.nn.Module) -> None:
+    """A teacher of another tokenizer family would score other tokens: refuse it with the numbers."""
+    from transformers import AutoTokenizer
+
+    ref_tok = AutoTokenizer.from_pretrained(cfg.ref_name_or_path, trust_remote_code=cfg.trust_remote_code)
+    if ref_tok.get_vocab() != tokenizer.get_vocab():
+        raise ConfigError(
+            f"model.ref_name_or_path: {cfg.ref_name_or_path!r} has a different tokenizer from the policy "
+            f"{cfg.name_or_path!r} ({len(ref_tok)} vs {len(tokenizer)} tokens); the reference must share it")
+    rows = reference.get_input_embeddings().weight.shape[0]
+    if rows < len(tokenizer):
+        raise ConfigError(f"model.ref_name_or_path: its embedding has {rows} rows, fewer than the tokenizer's "
+                          f"{len(tokenizer)} tokens")
+
+
+@contextmanager
+def reference_context(policy: torch.nn.Module, reference: torch.nn.Module | None):
+    """Yield the module that computes reference log-probs: the reference, or the LoRA policy with the
+    adapter disabled (peft's ``disable_adapter``)."""
+    if reference is not None:
+        with nullcontext():
+            yield reference
+        return
+    from grpo.models.wrappers import unwrap_model
+
+    base = unwrap_model(policy)
+    with base.disable_adapter():
+        yield base

@@ -1,0 +1,54 @@
+"""The rollout engine interface and the helpers every engine shares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+from torch import Tensor
+
+from grpo.step.records import Generation
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How completions are drawn. ``temperature == 0`` or ``greedy`` means argmax decoding (of the logits
+    after the repetition penalty and min_new_tokens, which ``generate`` applies when greedy too)."""
+
+    n: int = 1  # completions per prompt (G)
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    greedy: bool = False
+    # Hugging Face's processors (see grpo.algorithm.processing; all engines apply them as generate does):
+    repetition_penalty: float = 1.0  # a seen token's logit x -> x / p (x >= 0) or x * p (x < 0); 1 = off
+    min_new_tokens: int = 0  # every EOS id is forbidden before this many new tokens
+    min_p: float = 0.0  # drop tokens below min_p * the top token's probability (after top-k/top-p); 0 = off
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: Sequence[str], params: SamplingParams, seed: int | None = None) -> Generation:
+        """Sample ``params.n`` completions for each rendered prompt; rows grouped per prompt."""
+        ...
+
+
+def completion_mask_from_ids(completion_ids: Tensor, eos_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """Mask of real completion tokens: up to and including the first EOS.
+
+    Args:
+        completion_ids: [N, L] generated token ids (anything after the first EOS is padding, even when
+            the pad id equals an EOS id).
+        eos_ids: token ids that end a completion.
+
+    Returns:
+        (mask [N, L] long, truncated [N] bool): truncated rows have no EOS, all L tokens count.
+    """
+    is_eos = torch.isin(completion_ids, torch.tensor(list(eos_ids), device=completion_ids.device))  # [N, L]
+    has_eos = is_eos.any(dim=1)  # [N]
+    L = completion_ids.shape[1]
+    first_eos = torch.where(has_eos, is_eos.int().argmax(dim=1), torch.full_like(has_eos, L, dtype=torch.long))
+    positions = torch.arange(L, device=completion_ids.device).unsqueeze(0)  # [1, L]
+    mask = (positions <= first_eos.unsqueeze(1)).long()  # [N, L]; the EOS itself is included
+    return mask, ~has_eos

@@ -1,0 +1,99 @@
+"""A run's checkpoints on every rank's behalf: save (DeepSpeed engine states, the HF-format checkpoint,
+PPO's critic), load, and resume from the newest checkpoint that loads."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from grpo.config import RunConfig
+from grpo.training.distributed import DistInfo, barrier
+from grpo.training.learners import zero3_full_state_dict
+
+if TYPE_CHECKING:
+    from grpo.training.setup import Trainable
+
+
+def _deepspeed_dir(out: Path, step: int) -> Path:
+    return out / "checkpoints" / f"deepspeed-step-{step}"
+
+
+def save_run_checkpoint(out: Path, step: int, trainable: Trainable, tokenizer, state: dict, cfg: RunConfig,
+                        info: DistInfo, critic=None) -> None:
+    """A checkpoint of ``step`` on every rank's behalf. Under DeepSpeed every rank first writes its
+    engine state (partitioned optimizer) to ``deepspeed-step-N/``; rank 0 then writes the HF-format
+    checkpoint, whose appearance (atomic rename) marks the whole checkpoint complete. PPO's ``critic``
+    (a ``grpo.critic.Critic``) goes into its ``critic/`` folder."""
+    from grpo.critic import CRITIC_DIR, save_critic
+    from grpo.run.checkpoint import save_checkpoint
+
+    write_critic = (lambda folder: save_critic(folder / CRITIC_DIR, critic)) if critic is not None else None
+
+    if trainable.deepspeed:
+        trainable.learner.engine.save_checkpoint(str(_deepspeed_dir(out, step)))
+        state = {**state, "deepspeed_dir": _deepspeed_dir(out, step).name}
+    gathered = zero3_full_state_dict(trainable.learner)  # a collective under ZeRO-3
+    if info.is_main:
+        save_checkpoint(out, step, trainable.policy, tokenizer, trainable.optimizer, trainable.scheduler, state,
+                        cfg.train.save_total_limit, state_dict=gathered, write_extra=write_critic)
+        if trainable.deepspeed:
+            _prune_deepspeed_dirs(out, keep=cfg.train.save_total_limit)
+    barrier(info)
+
+
+def _prune_deepspeed_dirs(out: Path, keep: int | None) -> None:
+    # Engine states whose HF checkpoint was pruned are unreachable: drop them too.
+    import shutil
+
+    live = {p.name.removeprefix("step-") for p in (out / "checkpoints").glob("step-*")}
+    for engine_dir in (out / "checkpoints").glob("deepspeed-step-*"):
+        if keep is not None and engine_dir.name.removeprefix("deepspeed-step-") not in live:
+            shutil.rmtree(engine_dir, ignore_errors=True)
+
+
+def load_run_checkpoint(checkpoint: Path, trainable: Trainable, critic=None) -> dict:
+    """Restore weights, optimizer, schedule and RNG from ``checkpoint`` (and PPO's ``critic`` from its
+    ``critic/`` folder); returns its trainer state. Under DeepSpeed the engine restores weights and its
+    partitioned optimizer itself."""
+    import json
+
+    from grpo.critic import CRITIC_DIR, load_critic
+    from grpo.run.checkpoint import load_checkpoint
+
+    if critic is not None:  # first: a checkpoint without a critic must fail before the policy is overwritten
+        load_critic(checkpoint / CRITIC_DIR, critic)
+    if trainable.deepspeed:
+        state = json.loads((checkpoint / "trainer_state.json").read_text())
+        trainable.learner.engine.load_checkpoint(str(checkpoint.parent / state["deepspeed_dir"]))
+        return state
+    return load_checkpoint(checkpoint, trainable.policy, trainable.optimizer, trainable.scheduler)
+
+
+def resume_checkpoint(out: Path, trainable: Trainable, info: DistInfo, critic=None) -> tuple[Path, dict] | None:
+    """Restore the newest checkpoint of ``out`` that loads; returns it and its trainer state, or None
+    when the folder holds no checkpoint.
+
+    A checkpoint is written to a temporary folder and renamed, so a crash cannot tear one; a torn or
+    corrupt file therefore means the disk or someone damaged it. The newest checkpoint that loads is
+    used instead, with a warning naming the bad file: a run restarted unattended (a job scheduler, the
+    decoupled launcher) then goes on losing only the steps after it, which it trains again exactly as
+    before (prompts and sampling seeds are functions of the step), and the bad folder is replaced when
+    the run saves that step again. When no checkpoint loads (e.g. the model no longer fits them) the
+    newest one's error is raised: starting from scratch would silently discard the run.
+    """
+    from grpo.run.checkpoint import CheckpointError, complete_checkpoints
+
+    candidates = complete_checkpoints(out)[::-1]  # newest first
+    first_error = None
+    for checkpoint in candidates:
+        try:
+            return checkpoint, load_run_checkpoint(checkpoint, trainable, critic)
+        except CheckpointError as err:
+            first_error = first_error or err
+            if info.is_main:  # every rank reads the same files and reaches the same checkpoint
+                print(f"grpo: warning: cannot resume from {checkpoint}: {err}; trying the checkpoint before it",
+                      file=sys.stderr, flush=True)
+    if first_error is not None:
+        raise CheckpointError(f"no checkpoint in {out / 'checkpoints'} can be loaded; the newest: {first_error}")
+    return None

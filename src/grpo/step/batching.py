@@ -1,0 +1,104 @@
+"""Join and split rollout batches along completion rows (a sampler makes one chunk per trainer rank;
+each trainer rank trains its own chunk; dynamic sampling keeps some groups of several rounds). Groups
+are never split: rows move in whole prompts."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from grpo.step.records import Generation, RolloutBatch
+
+
+def _pad(tensors: list[Tensor], width: int, value, left: bool) -> Tensor:
+    padded = [torch.nn.functional.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]), value=value)
+              for t in tensors]
+    return torch.cat(padded)
+
+
+def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
+    """Stack batches row-wise: prompts re-padded on the left, completions (and their log-probs) on the
+    right, to the widest. Padding is masked, so every row's values are unchanged."""
+    gens = [b.generation for b in batches]
+    lp = max(g.prompt_ids.shape[1] for g in gens)
+    lc = max(g.completion_ids.shape[1] for g in gens)
+
+    def optional(name: str) -> Tensor | None:
+        values = [getattr(b, name) for b in batches]
+        if any(v is None for v in values):
+            return None
+        return _pad(values, lc, 0.0, left=False)
+
+    columns: dict[str, list] = {}
+    for b in batches:
+        for key, values in b.columns.items():
+            columns.setdefault(key, []).extend(values)
+    return RolloutBatch(
+        generation=Generation(
+            prompt_ids=_pad([g.prompt_ids for g in gens], lp, pad_id, left=True),
+            prompt_mask=_pad([g.prompt_mask for g in gens], lp, 0, left=True),
+            completion_ids=_pad([g.completion_ids for g in gens], lc, pad_id, left=False),
+            completion_mask=_pad([g.completion_mask for g in gens], lc, 0, left=False),
+            truncated=torch.cat([g.truncated for g in gens]),
+            completions=[c for g in gens for c in g.completions]),
+        rewards=torch.cat([b.rewards for b in batches]),
+        reward_parts=torch.cat([b.reward_parts for b in batches]),
+        reward_names=batches[0].reward_names,
+        advantages=torch.cat([b.advantages for b in batches]),
+        old_logprobs=optional("old_logprobs"),
+        ref_logprobs=optional("ref_logprobs"),
+        sampler_logprobs=optional("sampler_logprobs"),
+        values=optional("values"),
+        returns=optional("returns"),
+        prompts=[p for b in batches for p in b.prompts],
+        columns=columns,
+        timings={k: sum(b.timings.get(k, 0.0) for b in batches) for k in batches[0].timings},
+        reward_metrics=_mean_of_present([b.reward_metrics for b in batches]),
+        reward_extras={key: [v for b in batches for v in b.reward_extras.get(key, [None] * len(b.rewards))]
+                       for key in dict.fromkeys(k for b in batches for k in b.reward_extras)},
+    )
+
+
+def _mean_of_present(dicts: list[dict[str, float]]) -> dict[str, float]:
+    """name -> mean over the dicts that have it (a reward may log a metric in some batches only)."""
+    names = dict.fromkeys(k for d in dicts for k in d)
+    return {name: sum(d[name] for d in dicts if name in d) / sum(name in d for d in dicts) for name in names}
+
+
+def rank_slice(batch: RolloutBatch, rank: int, world_size: int) -> RolloutBatch:
+    """Rows ``[rank*N/W, (rank+1)*N/W)`` with the matching prompts; N/W must be whole groups."""
+    P = len(batch.prompts)
+    if P % world_size:
+        raise ValueError(f"{P} prompts cannot be split over {world_size} ranks without splitting a group")
+    return select_groups(batch, range(rank * P // world_size, (rank + 1) * P // world_size))
+
+
+def select_groups(batch: RolloutBatch, groups: Sequence[int]) -> RolloutBatch:
+    """The batch's groups ``groups`` (prompt indices, in that order) with all their rows and texts.
+
+    Timings and the rewards' logged metrics describe how the whole batch was made and are kept as they are.
+    """
+    N, P = batch.rewards.shape[0], len(batch.prompts)
+    if P == 0 or N % P:
+        raise ValueError(f"a batch of {N} rows and {P} prompts is not made of whole groups")
+    G = N // P
+    rows = [g * G + j for g in groups for j in range(G)]
+    index = torch.tensor(rows, dtype=torch.long)
+    g = batch.generation
+
+    def cut(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t[index]
+
+    return RolloutBatch(
+        generation=Generation(prompt_ids=cut(g.prompt_ids), prompt_mask=cut(g.prompt_mask),
+                              completion_ids=cut(g.completion_ids), completion_mask=cut(g.completion_mask),
+                              truncated=cut(g.truncated), completions=[g.completions[r] for r in rows]),
+        rewards=cut(batch.rewards), reward_parts=cut(batch.reward_parts), reward_names=batch.reward_names,
+        advantages=cut(batch.advantages), old_logprobs=cut(batch.old_logprobs), ref_logprobs=cut(batch.ref_logprobs),
+        prompts=[batch.prompts[i] for i in groups], columns={k: [v[r] for r in rows] for k, v in batch.columns.items()},
+        timings=dict(batch.timings), reward_metrics=dict(batch.reward_metrics),
+        reward_extras={k: [v[r] for r in rows] for k, v in batch.reward_extras.items()},
+        values=cut(batch.values), returns=cut(batch.returns), sampler_logprobs=cut(batch.sampler_logprobs),
+    )

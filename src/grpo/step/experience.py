@@ -1,0 +1,233 @@
+"""One step's experience: prompts -> group of completions -> rewards -> advantages -> old/ref log-probs.
+
+This is the sampler's half of GRPO: ``rank_experience`` makes one rank's batch for a step, in the
+colocated loop and in the decoupled sampler (one chunk per trainer rank). It samples and scores
+(``sample_and_score``; with dynamic sampling several rounds, merged by ``grpo.step.dynamic_sampling``), then
+adds advantages and log-probs once, to the final batch (``finish_experience``). No optimisation and no
+logging here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+import torch
+
+from grpo.algorithm import LogprobProcessing, group_advantages
+from grpo.data import DataError, Example, build_prompt_messages, render_prompt
+from grpo.data.prompt_sampler import PromptSampler, step_seed
+from grpo.models.loading import reference_context
+from grpo.rewards import score
+from grpo.rewards.context import RewardContext, make_trainer_state
+from grpo.rollout import RolloutEngine, SamplingParams
+from grpo.step.dynamic_sampling import sample_until_full
+from grpo.step.logprobs import completion_logprobs
+from grpo.step.records import Generation, RolloutBatch
+
+
+@dataclass(frozen=True)
+class GaeSettings:
+    """PPO's advantages (algorithm.advantage_estimator gae): GAE over a critic's values."""
+
+    gamma: float
+    lam: float
+    kl_coef: float  # loss.beta when the KL penalty is in the reward (algorithm.kl_penalty: reward), else 0
+
+
+@dataclass(frozen=True)
+class ExperienceSettings:
+    """The inputs of a rollout step that come from the config (kept explicit, not the whole tree)."""
+
+    sampling: SamplingParams
+    system_prompt: str | None
+    tag_style: str
+    max_prompt_length: int
+    advantage_estimator: str  # a name in grpo.algorithm.ADVANTAGE_ESTIMATORS, or "gae" (PPO: then ``gae`` is set)
+    scale_rewards: str | None  # the grpo estimator's scaling; None for its default (group) and the others
+    advantage_eps: float
+    need_old_logprobs: bool  # num_iterations > 1
+    logprob_batch_size: int
+    max_steps: int = 0  # the run's length, for the rewards' trainer_state
+    processing: LogprobProcessing | None = None  # the sampling controls the old log-probs follow (None: off)
+    gae: GaeSettings | None = None  # set: token-level advantages from the critic's values (rank_experience's values_fn)
+
+
+def render_prompts(tokenizer, examples: Sequence[Example], system_prompt: str | None,
+                   max_prompt_length: int) -> list[str]:
+    """Chat-template each example; a prompt over ``max_prompt_length`` tokens is an error naming it."""
+    prompts = []
+    for example in examples:
+        text = render_prompt(tokenizer, build_prompt_messages(example, system_prompt))
+        length = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if length > max_prompt_length:
+            raise DataError(f"{example.source}: prompt is {length} tokens, over data.max_prompt_length "
+                            f"{max_prompt_length}; raise it or drop the example")
+        prompts.append(text)
+    return prompts
+
+
+RefLogprobs = Callable[[Generation], torch.Tensor]  # [N, Lc] reference log-probs of a generation
+Values = Callable[[Generation], torch.Tensor]  # [N, Lc] a critic's values of a generation's states
+
+
+def local_reference(policy: torch.nn.Module, reference: torch.nn.Module | None, temperature: float,
+                    batch_size: int, processing: LogprobProcessing | None = None) -> RefLogprobs:
+    """Reference log-probs from a model in this process (or the LoRA policy with its adapter off), of the
+    same processed distribution as the policy's (``processing``), so the KL compares like with like."""
+    def ref_logprobs(generation: Generation) -> torch.Tensor:
+        with reference_context(policy, reference) as ref_model:
+            return generation_logprobs(ref_model, generation, temperature, batch_size, processing)
+    return ref_logprobs
+
+
+def generation_logprobs(model: torch.nn.Module, generation: Generation, temperature: float,
+                        batch_size: int, processing: LogprobProcessing | None = None) -> torch.Tensor:
+    """[N, Lc] log-probs of a generation's completion tokens under ``model``, without gradients (of the
+    distribution the sampling controls in ``processing`` define; None: the tempered logits)."""
+    with torch.no_grad():
+        return completion_logprobs(model, generation.prompt_ids, generation.prompt_mask,
+                                   generation.completion_ids, generation.completion_mask, temperature, batch_size,
+                                   processing=processing)
+
+
+def rank_experience(
+    engine: RolloutEngine,
+    policy: torch.nn.Module,
+    ref_logprobs_fn: RefLogprobs | None,
+    tokenizer,
+    train_set: Sequence[Example],
+    prompts: PromptSampler,
+    reward_fns: Sequence,
+    reward_weights: Sequence[float],
+    settings: ExperienceSettings,
+    *,
+    step: int,
+    rank: int,
+    world_size: int,
+    seed: int,
+    max_rounds: int | None = None,
+    values_fn: Values | None = None,
+) -> tuple[RolloutBatch, dict[str, float]]:
+    """Rank ``rank``'s batch for ``step``: its prompts (``prompts.rank_indices``) sampled with its seed
+    (``step_seed`` of the run's ``seed``), scored and finished (``sample_and_score``, ``finish_experience``);
+    the second value is empty.
+
+    ``ref_logprobs_fn`` is None when beta == 0 (no reference needed). With ``settings.gae`` the critic's
+    ``values_fn`` gives the values after sampling and the advantages are PPO's, per token
+    (``grpo.algorithm.ppo.ppo_advantages``); with a KL coefficient there, ``old_logprobs`` must be computed
+    (``need_old_logprobs``) for the per-token KL ``logp_old - logp_ref``.
+
+    With ``max_rounds`` (dynamic sampling, ``grpo.step.dynamic_sampling``) zero-spread groups are dropped and
+    rounds of further prompts (``prompts.extra_indices``) sampled, each round's prompts and seed a function
+    of (seed, step, rank, round); the second value is the rank's counts (``sample_until_full``). Every
+    round's rewards see ``trainer_state.global_step = step - 1``: they score the same training step."""
+    check_experience_inputs(settings, ref_logprobs_fn, values_fn)
+
+    def draw(round_index: int) -> RolloutBatch:
+        indices = (prompts.rank_indices(step, rank, world_size) if round_index == 0
+                   else prompts.extra_indices(step, rank, world_size, round_index))
+        return sample_and_score(engine, tokenizer, [train_set[i] for i in indices], reward_fns, reward_weights,
+                                settings, seed=step_seed(seed, step, rank, round_index), steps_done=step - 1)
+
+    if max_rounds is None:
+        scored, stats = draw(0), {}
+    else:
+        want = len(prompts.rank_indices(step, rank, world_size))
+        scored, stats = sample_until_full(draw, want, max_rounds, tokenizer.pad_token_id)
+    return finish_experience(scored, policy, ref_logprobs_fn, settings, values_fn), stats
+
+
+def check_experience_inputs(settings: ExperienceSettings, ref_logprobs_fn: RefLogprobs | None,
+                            values_fn: Values | None) -> None:
+    """ValueError when the settings and the functions given for them do not go together."""
+    if (settings.gae is None) != (values_fn is None):
+        raise ValueError("rank_experience: settings.gae and values_fn go together (PPO's critic), got "
+                         f"gae={settings.gae} and values_fn={values_fn}")
+    if settings.gae is not None and settings.gae.kl_coef and not (settings.need_old_logprobs and ref_logprobs_fn):
+        raise ValueError("rank_experience: a KL penalty in the reward needs old and reference log-probs "
+                         "(need_old_logprobs and ref_logprobs_fn)")
+
+
+def sample_and_score(engine: RolloutEngine, tokenizer, examples: Sequence[Example], reward_fns: Sequence,
+                     reward_weights: Sequence[float], settings: ExperienceSettings, seed: int,
+                     steps_done: int = 0) -> RolloutBatch:
+    """Generate ``G`` completions per example and score them: a ``RolloutBatch`` whose advantages are
+    still 0 and which has no log-probs yet (``finish_experience`` adds both, once the batch is final:
+    dynamic sampling keeps only some groups of several of these, and the batch-statistics estimators
+    must see the batch that is trained). ``sampler_logprobs`` are the engine's ``last_logprobs`` when
+    it reports them (vLLM, or a test's fake)."""
+    G = settings.sampling.n
+    started = time.perf_counter()
+    prompts = render_prompts(tokenizer, examples, settings.system_prompt, settings.max_prompt_length)
+    generation = engine.generate(prompts, settings.sampling, seed=seed)
+    sampler_logprobs = getattr(engine, "last_logprobs", None)
+    generated = time.perf_counter()
+
+    # Rewards see chat-format prompts and completions, as TRL passes them for conversational data,
+    # so TRL reward functions (which read completion[0]["content"]) run unchanged; completion_ids are
+    # each completion's tokens up to and including EOS, as TRL's completion_ids_list.
+    chat_prompts = [build_prompt_messages(e, settings.system_prompt) for e in examples for _ in range(G)]
+    chat_completions = [[{"role": "assistant", "content": text}] for text in generation.completions]
+    completion_ids = [ids[mask.bool()].tolist()
+                      for ids, mask in zip(generation.completion_ids, generation.completion_mask)]
+    columns: dict[str, list] = {}
+    for e in examples:
+        for key, value in e.columns().items():
+            columns.setdefault(key, []).extend([value] * G)
+    context = RewardContext(make_trainer_state(steps_done, settings.max_steps))
+    scores = score(reward_fns, reward_weights, chat_prompts, chat_completions, columns, completion_ids, context)
+    return RolloutBatch(
+        generation=generation,
+        rewards=scores.total,
+        reward_parts=scores.per_function,
+        reward_names=scores.names,
+        advantages=torch.zeros_like(scores.total),  # finish_experience's
+        old_logprobs=None,
+        ref_logprobs=None,
+        prompts=prompts,
+        columns=columns,
+        reward_metrics=context.metric_means(),
+        reward_extras=context.extra_columns(len(generation.completions)),
+        timings={"generate_s": generated - started, "rewards_s": time.perf_counter() - generated},
+        sampler_logprobs=sampler_logprobs,
+    )
+
+
+def finish_experience(scored: RolloutBatch, policy: torch.nn.Module, ref_logprobs_fn: RefLogprobs | None,
+                      settings: ExperienceSettings, values_fn: Values | None = None) -> RolloutBatch:
+    """A scored batch (``sample_and_score``, or several merged) made ready for the loss: its advantages
+    (per group, or PPO's per token), old log-probs when ``settings.need_old_logprobs``, reference
+    log-probs when ``ref_logprobs_fn`` is given, and the critic's values and returns with ``settings.gae``."""
+    started = time.perf_counter()
+    generation = scored.generation
+    if settings.gae is None:
+        advantages = group_advantages(scored.rewards, settings.sampling.n, scale=settings.scale_rewards,
+                                      eps=settings.advantage_eps, estimator=settings.advantage_estimator)
+    old_logprobs = None
+    if settings.need_old_logprobs:
+        old_logprobs = generation_logprobs(policy, generation, settings.sampling.temperature,
+                                           settings.logprob_batch_size, settings.processing)
+    ref_logprobs = ref_logprobs_fn(generation) if ref_logprobs_fn is not None else None
+    values = returns = None
+    if settings.gae is not None:
+        advantages, values, returns = _ppo_advantages(scored.rewards, generation, values_fn, old_logprobs,
+                                                      ref_logprobs, settings.gae)
+    return replace(scored, advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                   values=values, returns=returns,
+                   timings={**scored.timings, "logprobs_s": time.perf_counter() - started})
+
+
+def _ppo_advantages(rewards: torch.Tensor, generation: Generation, values_fn: Values,
+                    old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None,
+                    gae: GaeSettings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """([N, Lc] whitened advantages, [N, Lc] values, [N, Lc] returns), on the CPU like the rollout's tensors."""
+    from grpo.algorithm.ppo import ppo_advantages
+
+    mask = generation.completion_mask
+    values = values_fn(generation).float().cpu()  # [N, Lc]
+    kl = (old_logprobs.cpu() - ref_logprobs.cpu()) if gae.kl_coef else None  # [N, Lc]: k1, PPO's per-token KL
+    advantages, returns = ppo_advantages(rewards.float(), values, mask, gamma=gae.gamma, lam=gae.lam, kl=kl,
+                                         kl_coef=gae.kl_coef)
+    return advantages, values, returns

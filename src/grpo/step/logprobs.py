@@ -1,0 +1,232 @@
+"""Per-token log-probs of completion tokens under a model, in micro-batches.
+
+The G completions of a group share one prompt, and in GRPO the prompt is usually the longer part
+(a chat template, a system prompt and a question against a short answer). So each micro-batch runs
+the model over every *distinct* prompt once, keeping its KV cache, and then over the completions
+alone, each reading its prompt's cache rows. Under autograd the cache rows are an index into the
+prompt pass, so the prompt's gradient is the sum over its completions, exactly as if the prompt had
+been run G times: the same log-probs and gradients up to float re-association, for G times less
+prompt compute (and prompt activation memory).
+
+Gradient checkpointing: Hugging Face drops the KV cache of a checkpointing model in training mode
+(the backward's recompute would append to it twice), so under grad such a model runs the plain pass.
+A pass without gradients (reference and old log-probs) has no backward to save memory for: it runs
+with checkpointing switched off (``checkpointing_paused``) and shares prompts like any other model.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from grpo.algorithm import (
+    LogprobProcessing,
+    processed_token_entropy,
+    processed_token_logprobs,
+    token_entropy,
+    token_logprobs,
+)
+from grpo.algorithm.processing import prompt_presence
+
+COLUMN_BUCKET = 64  # GPU micro-batch widths are multiples of this (see _micro_batched_logprobs)
+
+# Whether the log-prob passes share each group's prompt (above), by device type: the automatic choice of
+# ``completion_logprobs(share_prompts=None)``. The CPU: yes, measured (README, "Speed against TRL": the
+# update 0.82 -> 0.28 s on tiny-math). CUDA: the shared pass saves the prompt's compute but runs two
+# forwards per micro-batch, i.e. twice the kernel launches, and the H100 profile found the update
+# host-bound (GPU busy 35%); `gpu_vs_trl.py --shared-prompt-pass on|off` measures both, and until it has
+# run on a GPU the CPU's choice stands. Other device types: yes.
+SHARED_PROMPT_PASS = {"cpu": True, "cuda": True}
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _to_device(t: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on ``device``; to a GPU through pinned memory without waiting (a copy from pageable
+    memory makes the host wait for the GPU's queue first). The caching host allocator keeps the pinned
+    block until the copy has run."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """[B, T] positions that skip left padding, as ``generate`` assigns them (so log-probs of a
+    left-padded prompt match what was sampled)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def shared_prompt_index(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor] | None:
+    """Rows that repeat the row above's prompt (as a group's rows do) share one prompt pass.
+
+    Returns ``(first [U], index [N])``: the first row of each run of equal prompts, and for each row the
+    run it belongs to; None when no row repeats its predecessor (nothing to share).
+    """
+    repeats = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)  # [N]
+    repeats[1:] = (prompt_ids[1:] == prompt_ids[:-1]).all(-1) & (prompt_mask[1:] == prompt_mask[:-1]).all(-1)
+    if not bool(repeats.any()):
+        return None
+    return (~repeats).nonzero().squeeze(-1), (~repeats).long().cumsum(0) - 1
+
+
+def checkpointing_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules with gradient checkpointing on: Hugging Face keeps the switch as a boolean
+    ``gradient_checkpointing`` attribute on the base model and on each ``GradientCheckpointingLayer``."""
+    return [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+
+
+def can_share_prompt_cache(model: torch.nn.Module) -> bool:
+    """False while a checkpointing model is in training mode: Hugging Face then drops the KV cache
+    (whether or not gradients are enabled), so completions could not read their prompt's."""
+    return not (model.training and checkpointing_modules(model))
+
+
+@contextmanager
+def checkpointing_paused(model: torch.nn.Module) -> Iterator[None]:
+    """Gradient checkpointing off on every module of ``model`` that has it, for a pass that needs no
+    gradients (nothing to recompute, and the prompt's KV cache can then be kept). Train/eval mode is
+    left alone, so dropout behaves as in the pass it replaces. The exact previous state is restored on
+    exit, exceptions included (an instance attribute set back; one the module only inherited, removed)."""
+    paused = [(m, "gradient_checkpointing" in vars(m)) for m in checkpointing_modules(model)]
+    try:
+        for module, _ in paused:
+            module.gradient_checkpointing = False
+        yield
+    finally:
+        for module, own_attribute in paused:
+            if own_attribute:
+                module.gradient_checkpointing = True
+            else:
+                del module.gradient_checkpointing
+
+
+def _full_logits(model, ids: Tensor, mask: Tensor, Lc: int) -> Tensor:
+    # [b, Lc + 1, V]: positions Lp-1 .. T-1, each predicting the next token
+    return model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                 logits_to_keep=Lc + 1, use_cache=False).logits
+
+
+def _shared_prompt_logits(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
+                          completion_mask: Tensor, first: Tensor, index: Tensor) -> Tensor:
+    """[b, Lc + 1, V]: the same logits as ``_full_logits`` on the concatenation, from one pass over the
+    distinct prompts (keeping only their last position's logits) and one over the completions."""
+    prompts, prompts_mask = prompt_ids[first], prompt_mask[first]  # [U, Lp]
+    prompt_out = model(input_ids=prompts, attention_mask=prompts_mask,
+                       position_ids=position_ids_from_mask(prompts_mask), use_cache=True, logits_to_keep=1)
+    cache = prompt_out.past_key_values
+    if cache is None:  # a model that ignores use_cache=True: sharing would read no prompt at all
+        raise RuntimeError(
+            f"grpo.step.logprobs: {type(model).__name__} returned no KV cache for the shared prompt pass "
+            f"(training={model.training}, gradient checkpointing on {len(checkpointing_modules(model))} modules); "
+            "completion_logprobs(share_prompts=False) runs the plain pass")
+    cache.batch_select_indices(index)  # [U, ...] -> [b, ...]: an index, so gradients sum per prompt
+    Lc = completion_ids.shape[1]
+    positions = prompts_mask.sum(-1)[index, None] + torch.arange(Lc, device=completion_ids.device)  # [b, Lc]
+    completion_logits = model(input_ids=completion_ids, attention_mask=torch.cat([prompt_mask, completion_mask], 1),
+                              position_ids=positions, past_key_values=cache, use_cache=True).logits  # [b, Lc, V]
+    return torch.cat([prompt_out.logits[index], completion_logits], dim=1)
+
+
+def completion_logprobs(
+    model: torch.nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    temperature: float,
+    micro_batch_size: int | None = None,
+    share_prompts: bool | None = None,
+    column_bucket: int | None = None,
+    with_entropy: bool = False,
+    processing: LogprobProcessing | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Log-probs of each completion token given its prompt and the completion prefix.
+
+    Args:
+        prompt_ids, prompt_mask: [N, Lp] left-padded prompts.
+        completion_ids, completion_mask: [N, Lc] right-padded completions.
+        temperature: the sampling temperature (logits are divided by it).
+        micro_batch_size: rows per forward pass; None = all at once.
+        column_bucket: run widths rounded up to a multiple of this (padding columns, masked); None:
+            ``COLUMN_BUCKET`` on a GPU (shapes that repeat), 1 elsewhere (no extra compute on a CPU).
+        share_prompts: run each micro-batch's distinct prompts once (see the module docstring);
+            False runs every row's prompt + completion as one sequence (the plain reference); None:
+            ``SHARED_PROMPT_PASS`` for the model's device type.
+        with_entropy: also return the entropy of each completion position's sampling distribution,
+            read off the same logits (``token_entropy``: no gradient, no second pass, chunked).
+        processing: the sampling controls the completions were drawn with (repetition penalty,
+            min_new_tokens, min_p): the log-probs (and entropy) are then those of the processed
+            distribution (``grpo.algorithm.processing``). None or all off: the tempered logits as they are.
+
+    Returns:
+        [N, Lc] float32 (padding positions hold finite values, 0 past a micro-batch's longest completion,
+        that the loss masks out). Gradients flow
+        when called with grad enabled. Only the completion positions' logits (and each prompt's last)
+        are computed, never the prompt's [Lp, V] logits. Without grad, gradient checkpointing is paused
+        for the call (see the module docstring). With ``with_entropy``: ``(logprobs, entropy)``, both
+        [N, Lc] float32 (entropy 0 past a micro-batch's longest completion).
+    """
+    processing = processing if processing is not None and processing.active else None  # off: today's path
+    with nullcontext() if torch.is_grad_enabled() else checkpointing_paused(model):
+        if share_prompts is None:
+            share_prompts = SHARED_PROMPT_PASS.get(next(model.parameters()).device.type, True)
+        share_prompts = share_prompts and can_share_prompt_cache(model)
+        logprobs, entropy = _micro_batched_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                                    temperature, micro_batch_size, share_prompts, column_bucket,
+                                                    with_entropy, processing)
+    return (logprobs, entropy) if with_entropy else logprobs
+
+
+def _micro_batched_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
+                            completion_mask: Tensor, temperature: float, micro_batch_size: int | None,
+                            share_prompts: bool, column_bucket: int | None,
+                            with_entropy: bool, processing: LogprobProcessing | None) -> tuple[Tensor, Tensor | None]:
+    """``completion_logprobs``' loop over micro-batches, ``share_prompts`` already checked: ([N, Lc]
+    log-probs, [N, Lc] entropy or None)."""
+    Lc, Lp = completion_ids.shape[1], prompt_ids.shape[1]
+    step = micro_batch_size or prompt_ids.shape[0]
+    device = next(model.parameters()).device
+    bucket = column_bucket or (COLUMN_BUCKET if device.type == "cuda" else 1)
+    # Every host-side decision (which columns run, which rows share a prompt) reads CPU copies of the masks
+    # and ids: on a GPU, reading a device tensor makes the host wait for every kernel queued before it.
+    prompt_ids, prompt_mask = prompt_ids.cpu(), prompt_mask.cpu()
+    completion_ids, completion_mask = completion_ids.cpu(), completion_mask.cpu()
+    out, entropies = [], []
+    for start in range(0, prompt_ids.shape[0], step):
+        rows = slice(start, start + step)
+        # Columns that are padding in every row of this micro-batch (left of its longest prompt, right of
+        # its longest completion) are not run at all: they change no other position's value. On a GPU the
+        # widths are rounded up to a multiple of COLUMN_BUCKET so that kernels and cuDNN attention plans
+        # (built per shape, ~14 ms of host time each on an H100) are reused across micro-batches and steps.
+        prompt_cols = prompt_mask[rows].any(0).nonzero()
+        first = int(prompt_cols.min()) if prompt_cols.numel() else 0
+        first = max(0, Lp - _round_up(Lp - first, bucket))
+        completion_cols = completion_mask[rows].any(0).nonzero()
+        width = int(completion_cols.max()) + 1 if completion_cols.numel() else 1
+        width = min(Lc, _round_up(width, bucket))
+        shared = shared_prompt_index(prompt_ids[rows, first:], prompt_mask[rows, first:]) if share_prompts else None
+        p_ids, p_mask = _to_device(prompt_ids[rows, first:], device), _to_device(prompt_mask[rows, first:], device)
+        c_ids, c_mask = _to_device(completion_ids[rows, :width], device), _to_device(completion_mask[rows, :width], device)
+        if shared is None:
+            logits = _full_logits(model, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), width)
+        else:
+            first_rows, index = (_to_device(t, device) for t in shared)
+            logits = _shared_prompt_logits(model, p_ids, p_mask, c_ids, c_mask, first_rows, index)
+        if processing is None:
+            targets = torch.cat([p_ids[:, -1:], c_ids], dim=1)  # [b, width + 1]: last prompt token, then the completion
+            logprobs = token_logprobs(logits, targets, temperature)  # [b, width]
+        else:  # the processors read the prompt's tokens and the completion's before each position
+            seen = prompt_presence(p_ids, p_mask, logits.shape[-1])  # [b, V] bool
+            processed = (logits[:, :-1], c_ids, c_mask, seen, temperature, processing)  # position t predicts c_ids[:, t]
+            logprobs = processed_token_logprobs(*processed).float()  # [b, width]
+        out.append(torch.nn.functional.pad(logprobs, (0, Lc - width)))  # [b, Lc], zeros where all rows pad
+        if with_entropy:  # while this micro-batch's logits exist: no pass of its own
+            entropy = (token_entropy(logits, temperature) if processing is None
+                       else processed_token_entropy(*processed)).float()  # [b, width]
+            entropies.append(torch.nn.functional.pad(entropy, (0, Lc - width)))
+    return torch.cat(out), (torch.cat(entropies) if with_entropy else None)

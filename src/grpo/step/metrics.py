@@ -1,0 +1,136 @@
+"""What a step reports about its rollouts: reward, accuracy, lengths, signal; and sample records."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+import torch
+
+from grpo.errors import RewardError
+from grpo.rewards import answers_equal, extract_answer, is_well_formatted
+from grpo.step.records import RolloutBatch
+from grpo.training.distributed import DistInfo, all_gather_json, all_reduce_mean
+
+# Statistics only some runs have, averaged over ranks: grpo.critic.train_critic's (PPO), the PTX loss and
+# the sampler correction's.
+OPTIONAL_PREFIXES = ("critic/", "loss/value", "loss/ptx", "sampler_is/")
+
+
+def rollout_metrics(batch: RolloutBatch, correct: torch.Tensor, formatted: torch.Tensor,
+                    group_size: int) -> dict[str, float]:
+    """This rank's rollout metrics (means over its completions; rank-averaging is the caller's).
+
+    ``reward/mean_sq`` is carried so the caller can form the std over all ranks.
+    """
+    rewards = batch.rewards.double()
+    lengths = batch.generation.completion_mask.sum(dim=1).double()  # [N]
+    grouped = rewards.view(-1, group_size)  # [P, G]
+    metrics = {
+        "reward/mean": rewards.mean().item(),
+        "reward/mean_sq": (rewards ** 2).mean().item(),
+        "accuracy": correct.double().mean().item(),
+        "format_rate": formatted.double().mean().item(),
+        "completion_length/mean": lengths.mean().item(),
+        "completion_length/max": lengths.max().item(),
+        "truncated_fraction": batch.generation.truncated.double().mean().item(),
+        "zero_std_fraction": (grouped == grouped[:, :1]).all(dim=1).double().mean().item(),
+        "advantage/abs_mean": _masked_mean(batch.advantages.abs().double(), batch.generation.completion_mask),
+    }
+    for f, name in enumerate(batch.reward_names):
+        column = batch.reward_parts[:, f]
+        valid = column[~torch.isnan(column)]
+        metrics[f"reward/{name}"] = valid.double().mean().item() if valid.numel() else math.nan
+    return metrics
+
+
+def step_metrics(batch: RolloutBatch, train_stats: dict, group_size: int, tag_style: str, started: float,
+                 rollout_s: float, train_s: float, info: DistInfo,
+                 rollout_stats: dict[str, float] | None = None) -> dict[str, float]:
+    """Everything a step logs, averaged over ranks (each rank holds the same number of completions).
+
+    ``started`` is the step's ``time.perf_counter()`` start; ``rollout_s``/``train_s`` its two phases;
+    ``rollout_stats`` this rank's numbers about how its batch was made (dynamic sampling's counts), averaged
+    over ranks with the rest (every rank must give the same names).
+    """
+    correct, formatted = correctness(batch.generation.completions, batch.columns.get("answer", []), tag_style)
+    local = rollout_metrics(batch, correct, formatted, group_size)
+    local.update({k: train_stats[k] for k in ("loss", "kl", "clip_fraction", "ratio_mean", "entropy")})
+    local.update({k: v for k, v in train_stats.items() if k.startswith(OPTIONAL_PREFIXES)})  # critic, PTX, IS
+    local.update(rollout_stats or {})
+    keys = sorted(local)
+    averaged = all_reduce_mean(torch.tensor([local[k] for k in keys], dtype=torch.float64), info)
+    metrics = dict(zip(keys, averaged.tolist()))
+    # reward/std over all ranks from the averaged first and second moments
+    metrics["reward/std"] = max(metrics.pop("reward/mean_sq") - metrics["reward/mean"] ** 2, 0.0) ** 0.5
+    step_s = time.perf_counter() - started
+    completion_tokens = float(batch.generation.completion_mask.sum()) * info.world_size
+    metrics.update({
+        "learning_rate": train_stats["learning_rate"], "grad_norm": train_stats["grad_norm"],
+        "skipped_updates": train_stats["skipped_updates"],
+        "time/rollout_s": rollout_s, "time/train_s": train_s, "time/step_s": step_s,
+        "tokens_per_s": completion_tokens / step_s,
+        **{f"time/{name}": seconds for name, seconds in batch.timings.items()},
+    })
+    metrics.update(reward_logged_metrics(batch.reward_metrics, set(metrics), info))
+    return metrics
+
+
+def reward_logged_metrics(local: dict[str, float], taken: set[str], info: DistInfo) -> dict[str, float]:
+    """What reward functions gave ``log_metric``, averaged over the ranks that logged each name (ranks
+    may log different names), under the name itself as TRL logs it. A name that grpo logs itself
+    would overwrite a real metric: RewardError."""
+    clashes = sorted(set(local) & taken)
+    if clashes:
+        raise RewardError(f"a reward's log_metric used the names {clashes}, which grpo logs itself; choose "
+                          f"other names (e.g. 'rewards/{clashes[0]}')")
+    per_rank = all_gather_json(local, info)
+    names = dict.fromkeys(name for logged in per_rank for name in logged)
+    return {name: sum(r[name] for r in per_rank if name in r) / sum(name in r for r in per_rank) for name in names}
+
+
+def sample_records(batch: RolloutBatch, num_samples: int) -> list[dict]:
+    """The first ``num_samples`` completions with their prompt, gold answer and rewards."""
+    def column(name: str, row: int):
+        values = batch.columns.get(name)
+        return values[row] if values is not None else None
+
+    records = []
+    for row in range(min(num_samples, len(batch.generation.completions))):
+        records.append({
+            "source": column("source", row),
+            "prompt": column("question", row),
+            "completion": batch.generation.completions[row],
+            "answer": column("answer", row),
+            "reward": float(batch.rewards[row]),
+            "rewards": {name: _finite_or_none(batch.reward_parts[row, f])
+                        for f, name in enumerate(batch.reward_names)},
+            # A per-token advantage row (gae) is reported as its mean over the completion's tokens.
+            "advantage": _masked_mean(batch.advantages[row].double(), batch.generation.completion_mask[row]),
+            "truncated": bool(batch.generation.truncated[row]),
+            **({"extras": {k: v[row] for k, v in batch.reward_extras.items()}} if batch.reward_extras else {}),
+        })
+    return records
+
+
+def _masked_mean(advantages: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean of [N] outcome advantages, or of [N, Lc] per-token ones (gae) over the real tokens of ``mask``."""
+    if advantages.dim() == mask.dim():
+        return float((advantages * mask).sum() / mask.sum().clamp(min=1))
+    return float(advantages.mean())
+
+
+def _finite_or_none(value: torch.Tensor) -> float | None:
+    v = float(value)
+    return v if math.isfinite(v) else None
+
+
+def correctness(completions: Sequence[str], golds: Sequence[str | None],
+                tag_style: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """([N] bool answer correct, [N] bool well formatted) for logging accuracy and format rate;
+    ``golds`` has one gold answer (or None) per completion."""
+    correct = [gold is not None and answers_equal(extract_answer(c, tag_style), gold)
+               for c, gold in zip(completions, golds)]
+    formatted = [is_well_formatted(c, tag_style) for c in completions]
+    return torch.tensor(correct), torch.tensor(formatted)

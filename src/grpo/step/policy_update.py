@@ -1,0 +1,186 @@
+"""The learner's half of a step: AdamW + warm-up/decay schedule, and the clipped-surrogate update
+over a rollout batch in micro-batches with gradient accumulation (plus the PTX micro-batch, if any)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from grpo.algorithm import LogprobProcessing, policy_loss, sampler_importance_weights
+from grpo.step.logprobs import completion_logprobs
+from grpo.step.ptx import ptx_nll
+from grpo.step.records import RolloutBatch, SftBatch
+from grpo.training.distributed import DistInfo, all_reduce_sum
+from grpo.training.learners import Learner
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    epsilon: float
+    epsilon_high: float | None
+    beta: float
+    loss_type: str
+    max_completion_length: int
+    temperature: float
+    num_iterations: int
+    micro_batch_size: int
+    max_grad_norm: float | None
+    importance_sampling_level: str = "token"  # or "sequence" (GSPO), see grpo.algorithm.policy_loss
+    mask_truncated_completions: bool = False  # DAPO: completions without EOS get no loss
+    sampler_is_mode: str | None = None  # loss.sampler_is_correction on: a name in grpo.algorithm.SAMPLER_CORRECTIONS
+    sampler_is_cap: float = 3.0
+    sampler_is_min: float | None = None  # loss.sampler_is_min: the weights' lower bound (None: none)
+    processing: LogprobProcessing | None = None  # the sampling controls the log-probs follow (None: off)
+    ptx_coef: float = 0.0  # weight of the PTX micro-batch's mean NLL in each update (ptx.coef)
+
+
+def _micro_batch_weight(loss_type: str, rows: int, tokens: torch.Tensor, total_rows: int,
+                        total_tokens: torch.Tensor) -> torch.Tensor | float:
+    # Scale each micro-batch's loss so that the accumulated gradient equals the whole batch's:
+    # sequence-mean losses weigh by rows, token-mean (bnpo) by tokens; dapo gets the global count instead.
+    if loss_type in ("grpo", "dr_grpo"):
+        return rows / total_rows
+    if loss_type == "bnpo":
+        return tokens / total_tokens.clamp(min=1)
+    return 1.0
+
+
+def rows_by_length(completion_mask: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[N] row order for micro-batching: whole groups, the group whose longest completion is shortest
+    first. Micro-batches of similar lengths carry less padding (``completion_logprobs`` skips columns
+    that pad a whole micro-batch), and groups stay together so their prompt pass is still shared."""
+    longest = completion_mask.sum(-1).view(-1, group_size).amax(-1)  # [P]
+    groups = torch.argsort(longest, stable=True)  # [P]
+    return (groups[:, None] * group_size + torch.arange(group_size, device=groups.device)).flatten()
+
+
+_SUMMED = ("loss", "kl", "clip_fraction", "ratio_mean")  # statistics summed over micro-batches
+# Token means over the first iteration (the sampler correction's weights are the same in every iteration).
+_SAMPLER_IS = ("sampler_is/weight_mean", "sampler_is/capped_fraction", "sampler_is/logprob_diff")
+# [loss, kl, clip_fraction, ratio_mean, entropy, loss/ptx, *_SAMPLER_IS]: one device tensor, so the step's
+# statistics reach the host at once
+_SLOTS = _SUMMED + ("entropy", "loss/ptx") + _SAMPLER_IS
+_ENTROPY, _PTX = _SLOTS.index("entropy"), _SLOTS.index("loss/ptx")
+
+
+def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_info: DistInfo,
+                   ptx: SftBatch | None = None) -> dict[str, float]:
+    """``num_iterations`` optimizer updates on one rollout batch. Returns the step's training stats.
+
+    A skipped update (non-finite gradient norm, see the learner) is counted in ``skipped_updates``. With
+    ``s.sampler_is_mode`` each token's surrogate is weighted by ``sampler_importance_weights`` of the old
+    log-probs (the batch's, else the first iteration's own) over ``batch.sampler_logprobs``; the weights'
+    token mean, the share of tokens over the cap and the mean |old - sampler| are logged as ``sampler_is/*``.
+    With a PTX micro-batch (``grpo.step.ptx``), each update also adds ``s.ptx_coef x`` its mean response NLL to
+    the same gradient, before clipping and the optimizer step; ``loss/ptx`` is that NLL (unscaled), averaged
+    over the updates. The same PTX micro-batch serves every iteration, as the rollout batch does.
+    """
+    gen = batch.generation
+    N = gen.completion_ids.shape[0]
+    # The rollout's per-row tensors may sit on the CPU (decoupled batches always do): the loss needs
+    # them beside the log-probs, on the policy's device.
+    device = next(learner.module.parameters()).device
+    sampled = gen.completion_mask.float().to(device)  # [N, Lc]: every sampled token
+    mask = sampled  # [N, Lc]: the tokens that carry loss
+    if s.mask_truncated_completions:  # DAPO: a cut-off completion's tokens teach nothing about its end
+        mask = sampled * (~gen.truncated).to(device=device, dtype=sampled.dtype)[:, None]
+    advantages = batch.advantages.to(device)  # [N]
+    old_all = batch.old_logprobs.to(device) if batch.old_logprobs is not None else None  # [N, Lc]
+    ref_all = batch.ref_logprobs.to(device) if batch.ref_logprobs is not None else None  # [N, Lc]
+    sampler_all = None  # [N, Lc]: the sampler's own log-probs, for the correction
+    if s.sampler_is_mode is not None:
+        if batch.sampler_logprobs is None:
+            raise ValueError("loss.sampler_is_correction is on but the rollout batch has no sampler log-probs: the "
+                             "engine reported none (only a vLLM engine or a decoupled sampler does)")
+        sampler_all = batch.sampler_logprobs.to(device)
+    # dapo: the token count over all ranks; DDP averages gradients, so scale it back by the world size.
+    total_tokens = mask.sum()
+    sampled_tokens = sampled.sum().clamp(min=1)
+    # Clamped to its smallest non-zero value (1 token over all ranks): 0 when mask_truncated_completions
+    # masked every completion, and the numerators are 0 then, so the loss is 0 instead of 0/0.
+    world = dist_info.world_size
+    global_tokens = (all_reduce_sum(total_tokens, dist_info) / world).clamp(min=1 / world)
+    # The statistics stay on the device until the step ends: a float() per micro-batch would make the
+    # host wait for the GPU to finish that micro-batch before it may queue the next one (on one H100
+    # the update kept the GPU busy 35% of the time). float64, so that the sums are bit-identical to
+    # the Python floats they replace (each fp32 term converted to double, then divided and summed).
+    sums = torch.zeros(len(_SLOTS), dtype=torch.float64, device=device)  # see _SLOTS
+    learning_rate = learner.lr  # the rate of this step's first update (the schedule moves in finish_update)
+    grad_norms, skipped = [], 0
+    starts = list(range(0, N, s.micro_batch_size))
+    # The gradient is a sum over rows, so which rows share a micro-batch changes nothing but padding.
+    P = len(batch.prompts)
+    order = (rows_by_length(gen.completion_mask, N // P) if len(starts) > 1 and P and N % P == 0
+             else torch.arange(N))  # [N]
+    # One copy to the device per step: a blocking host-to-device copy per micro-batch waits for the GPU.
+    order_on_device = order.to(device)  # [N]
+    # Without old log-probs from the rollout (colocated), the first iteration's own log-probs are
+    # exactly the old policy's: no update has happened since sampling. They are kept for the later
+    # iterations, which saves the separate forward pass over the batch that would compute the same.
+    captured: list[torch.Tensor] | None = [] if old_all is None and s.num_iterations > 1 else None
+    for iteration in range(s.num_iterations):
+        for index, start in enumerate(starts):
+            rows = order[start:start + s.micro_batch_size]  # on the CPU, like the rollout's tensors
+            on_device = order_on_device[start:start + s.micro_batch_size]
+            # With PTX, its micro-batch closes the update: DDP must sync only after that last backward.
+            with learner.accumulating(last=index == len(starts) - 1 and ptx is None):
+                # The sampling policy's entropy, read off this forward's logits (no pass of its own): on
+                # the first iteration the weights are still the ones that sampled.
+                first = iteration == 0
+                result = completion_logprobs(learner.module, gen.prompt_ids[rows], gen.prompt_mask[rows],
+                                             gen.completion_ids[rows], gen.completion_mask[rows], s.temperature,
+                                             with_entropy=first, processing=s.processing)
+                logprobs, entropy = result if first else (result, None)  # [b, Lc] each
+                old = old_all[on_device] if old_all is not None else logprobs.detach()
+                if captured is not None and iteration == 0:
+                    captured.append(old)
+                ref = ref_all[on_device] if ref_all is not None else None
+                rows_mask = mask[on_device]
+                weights = outside = None
+                if sampler_all is not None:  # [b, Lc] each; old is pi_old at the weights that start the update
+                    weights, outside = sampler_importance_weights(old, sampler_all[on_device], sampled[on_device],
+                                                                   s.sampler_is_cap, s.sampler_is_mode,
+                                                                   s.sampler_is_min)
+                loss, stats = policy_loss(
+                    logprobs, old, ref, advantages[on_device], rows_mask, epsilon=s.epsilon,
+                    epsilon_high=s.epsilon_high, beta=s.beta, loss_type=s.loss_type,
+                    max_completion_length=s.max_completion_length, normalizer=global_tokens,
+                    importance_sampling_level=s.importance_sampling_level, sampler_weights=weights)
+                weight = _micro_batch_weight(s.loss_type, logprobs.shape[0], rows_mask.sum(), N, total_tokens)
+                learner.backward(loss * weight)
+            with torch.no_grad():
+                # The micro-batch's share of the step's statistics: its loss weight, or its token share (dapo).
+                share = weight if s.loss_type != "dapo" else rows_mask.sum() / total_tokens.clamp(min=1)
+                share = share.double() if isinstance(share, torch.Tensor) else share
+                terms = [(loss.detach() * weight).double()] + [stats[key].double() * share for key in _SUMMED[1:]]
+                sums[:len(_SUMMED)] += torch.stack(terms) / s.num_iterations
+                if entropy is not None:  # token mean over every sampled token of the step
+                    sums[_ENTROPY] += ((entropy * sampled[on_device]).sum() / sampled_tokens).double()
+                if weights is not None and first:
+                    real = sampled[on_device]  # [b, Lc]
+                    gap = (old - sampler_all[on_device]).abs().masked_fill(real == 0, 0.0)  # padding may hold -inf
+                    terms = torch.stack([(weights * real).sum(), (outside * real).sum(), gap.sum()])
+                    sums[-len(_SAMPLER_IS):] += (terms / sampled_tokens).double()
+        if ptx is not None:  # PaddleNLP's loss + ptx_coeff * ptx_loss, in one accumulated gradient
+            with learner.accumulating(last=True):
+                nll = ptx_nll(learner.module, ptx)
+                learner.backward(nll * s.ptx_coef)
+            sums[_PTX] += nll.detach().double() / s.num_iterations
+        if captured is not None and iteration == 0:
+            old_all = torch.cat(captured)[torch.argsort(order).to(device)]  # [N, Lc], back in row order
+        norm = learner.finish_update()  # the learner's one host sync per update (it decides the skip)
+        if norm is None:
+            skipped += 1
+        else:
+            grad_norms.append(norm)
+    totals = dict(zip(_SLOTS, sums.tolist()))  # the step's one transfer of its statistics
+    if sampler_all is None:
+        for name in _SAMPLER_IS:
+            del totals[name]
+    if ptx is None:
+        del totals["loss/ptx"]
+    totals["learning_rate"] = learning_rate
+    totals["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+    totals["skipped_updates"] = float(skipped)
+    return totals

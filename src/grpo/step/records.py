@@ -1,0 +1,91 @@
+"""Typed records passed between the stages of a step. Shapes and units here; no logic.
+
+Rows are completions; the ``G`` completions of one prompt are contiguous (rows ``i*G .. i*G+G-1``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+
+@dataclass
+class Generation:
+    """What a rollout engine returns for a batch of prompts, ``N = P * G`` rows.
+
+    prompt_ids:      [N, Lp] long, left-padded with the pad id.
+    prompt_mask:     [N, Lp] long, 1 for real prompt tokens.
+    completion_ids:  [N, Lc] long, right-padded with the pad id (Lc <= max_completion_length).
+    completion_mask: [N, Lc] long, 1 for tokens up to and including the first EOS, 0 after it.
+    truncated:       [N] bool, True when no EOS was produced within max_completion_length.
+    completions:     N decoded completion texts (special tokens removed).
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+    completion_mask: Tensor
+    truncated: Tensor
+    completions: list[str]
+
+
+@dataclass
+class RolloutBatch:
+    """One step's training data: a ``Generation`` scored and ready for the loss.
+
+    rewards:         [N] float32 total (weighted) reward per completion.
+    reward_parts:    [N, F] float32 per reward function (NaN where a function abstained).
+    reward_names:    F names, in the column order of ``reward_parts``.
+    advantages:      [N] float32 outcome advantages (one per completion, from its group), or [N, Lc]
+                     float32 per-token advantages (gae: PPO with a critic; 0 on padding).
+    old_logprobs:    [N, Lc] float32 log-probs under the sampling policy, or None when
+                     num_iterations == 1 (the detached current log-probs are then the old ones).
+    ref_logprobs:    [N, Lc] float32 reference log-probs, or None when beta == 0.
+    prompts:         P prompt texts (rendered with the chat template), one per group.
+    columns:         dataset columns per completion row (e.g. ``answer``), as reward functions get them.
+    timings:         seconds spent in each phase that made it (generate_s, rewards_s, logprobs_s).
+    reward_metrics:  name -> mean of what the reward functions gave ``log_metric`` for this batch.
+    reward_extras:   column -> N values the reward functions gave ``log_extra`` (for samples.jsonl).
+    values:          [N, Lc] float32 the critic's values of the state before each completion token at
+                     sampling, or None without a critic.
+    returns:         [N, Lc] float32 the critic's regression targets (GAE + values), or None without one.
+    sampler_logprobs: [N, Lc] float32 the sampler's own log-prob of each sampled token (0 on padding), when
+                     the sampler is not the trainer: vLLM's, or a decoupled sampler's at its (maybe stale)
+                     weights. For the off-policy guard and the truncated importance-sampling correction
+                     (loss.sampler_is_correction); None when the trainer's own model sampled.
+    """
+
+    generation: Generation
+    rewards: Tensor
+    reward_parts: Tensor
+    reward_names: list[str]
+    advantages: Tensor
+    old_logprobs: Tensor | None
+    ref_logprobs: Tensor | None
+    prompts: list[str]
+    columns: dict[str, list] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    reward_metrics: dict[str, float] = field(default_factory=dict)
+    reward_extras: dict[str, list] = field(default_factory=dict)
+    values: Tensor | None = None
+    returns: Tensor | None = None
+    sampler_logprobs: Tensor | None = None
+
+
+@dataclass
+class SftBatch:
+    """One PTX micro-batch of ``B`` prompt/response pairs (``grpo.step.ptx``), laid out as a ``Generation`` is.
+
+    prompt_ids:    [B, Lp] long, the chat-templated prompts, left-padded with the pad id.
+    prompt_mask:   [B, Lp] long, 1 for real prompt tokens.
+    response_ids:  [B, Lr] long, each response's tokens and the EOS, right-padded with the pad id.
+    response_mask: [B, Lr] long, 1 for the tokens that carry the loss (the response and its EOS).
+    sources:       B locations ("sft.jsonl:17") of the pairs.
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    response_ids: Tensor
+    response_mask: Tensor
+    sources: list[str]

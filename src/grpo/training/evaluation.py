@@ -1,0 +1,36 @@
+"""Evaluation inside a run: held-out greedy accuracy on rank 0 at start, every ``train.eval_steps`` and at
+the end, and the metrics it logs."""
+
+from __future__ import annotations
+
+from grpo.config import RunConfig
+from grpo.data import resolve_system_prompt
+from grpo.models.wrappers import unwrap_model
+from grpo.training.distributed import DistInfo, barrier
+
+
+def run_eval(cfg: RunConfig, model, tokenizer, examples, info: DistInfo) -> dict | None:
+    """Greedy held-out accuracy on rank 0 (others wait); None without a held-out set.
+
+    Without rollout.repetition_penalty / min_new_tokens / min_p: they shape exploration during training,
+    while the held-out accuracy measures the policy itself, greedily, comparable across runs that
+    sample differently (and with the before-training figure)."""
+    if not examples:
+        return None
+    from grpo.tools.evaluate import evaluate
+
+    result = None
+    if info.is_main:
+        result = evaluate(unwrap_model(model), tokenizer, examples, tag_style=cfg.data.tag_style,
+                          system_prompt=resolve_system_prompt(cfg.data.system_prompt, cfg.data.tag_style),
+                          batch_size=max(cfg.train.micro_batch_size, 16),
+                          max_new_tokens=cfg.rollout.max_completion_length, progress=False)
+    barrier(info)
+    return result
+
+
+def eval_metrics(result: dict | None) -> dict[str, float]:
+    """``eval/accuracy`` and ``eval/format_rate`` of an evaluation result (empty for None)."""
+    if not result:
+        return {}
+    return {"eval/accuracy": result["accuracy"], "eval/format_rate": result["format_rate"]}

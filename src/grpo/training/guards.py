@@ -1,0 +1,71 @@
+"""Guards of a running loop: too many non-finite steps in a row abort it (``SkipGuard``), and Ctrl-C
+waits for the step in flight to end (``DeferredInterrupt``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from grpo.errors import TrainingAborted
+
+
+class SkipGuard:
+    """Counts steps whose updates were all skipped (non-finite gradients); too many in a row aborts
+    the run, leaving the last good checkpoint as it is, instead of training on garbage for hours."""
+
+    def __init__(self, max_consecutive: int, updates_per_step: int):
+        self.max_consecutive, self.updates_per_step = max_consecutive, updates_per_step
+        self.consecutive = 0
+
+    def record(self, step: int, train_stats: dict) -> None:
+        all_skipped = train_stats["skipped_updates"] >= self.updates_per_step
+        self.consecutive = self.consecutive + 1 if all_skipped else 0
+        if self.consecutive >= self.max_consecutive:
+            raise TrainingAborted(
+                f"step {step}: the gradients were non-finite (NaN/inf) in {self.consecutive} consecutive steps "
+                f"(optim.max_skipped_steps {self.max_consecutive}); those updates were skipped and the last "
+                "checkpoint is intact. Lower the learning rate or check the rewards and data.")
+
+
+class DeferredInterrupt:
+    """Hold Ctrl-C (SIGINT) while the block runs, then raise ``KeyboardInterrupt`` at its end.
+
+    The training loop wraps each step's update, logging and checkpoint in one: an interrupt there would
+    leave weights that belong to no step (half the ``num_iterations`` updates done, or the update done
+    but not logged), and a checkpoint of them under the previous step's number would train the step's
+    batch twice after resuming. A second Ctrl-C stops at once and sets ``forced``: the caller must then
+    save nothing (the last checkpoint stays the newest). Outside the main thread (where signal handlers
+    cannot be installed, and where SIGINT is never delivered) it does nothing.
+    """
+
+    def __init__(self) -> None:
+        self.received = False
+        self.forced = False
+
+    @contextmanager
+    def holding(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def hold(signum, frame) -> None:
+            if self.received:
+                self.forced = True
+                raise KeyboardInterrupt
+            self.received = True
+            # os.write, not print: a handler that prints while the interrupted code is printing to the same
+            # buffered stream fails with "reentrant call".
+            os.write(2, b"\ngrpo: Ctrl-C: finishing this step and saving it (Ctrl-C again to stop at once, "
+                        b"without saving it)\n")
+
+        previous = signal.signal(signal.SIGINT, hold)
+        try:
+            yield
+        finally:
+            # None: the previous handler was not installed from Python; Python's own is the closest.
+            signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
+        if self.received:
+            raise KeyboardInterrupt

@@ -1,0 +1,158 @@
+"""How gradients become an update: plain torch (one process or DDP) or a DeepSpeed ZeRO engine.
+
+``train_on_batch`` drives either through the same four calls, so the update loop is written once:
+``accumulating(last)`` (a context for one micro-batch), ``backward(loss)``, ``finish_update()``
+(clip, step, schedule; returns the gradient norm or None when the update was skipped) and ``lr``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from grpo.config import ConfigError
+from grpo.training.distributed import keep_until_exit
+
+
+class Learner(Protocol):
+    module: torch.nn.Module  # what the training forward pass calls (DDP wrapper / DeepSpeed engine)
+
+    def accumulating(self, last: bool): ...
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def finish_update(self) -> float | None: ...
+    @property
+    def lr(self) -> float: ...
+
+
+class TorchLearner:
+    """AdamW (or any torch optimizer) + LambdaLR, with DDP's ``no_sync`` on all but the last micro-batch."""
+
+    def __init__(self, module: torch.nn.Module, optimizer, scheduler, max_grad_norm: float | None):
+        self.module, self.optimizer, self.scheduler = module, optimizer, scheduler
+        self.max_grad_norm = max_grad_norm
+        self.params = [p for p in module.parameters() if p.requires_grad]
+
+    def accumulating(self, last: bool):
+        return self.module.no_sync() if not last and hasattr(self.module, "no_sync") else nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def finish_update(self) -> float | None:
+        # A non-finite norm skips the update: one bad batch must not poison the weights. Deciding that
+        # needs the norm on the host: its one sync per update, read once as a float (not bool() and then
+        # float(), two). foreach (torch's default on CUDA and CPU) norms and scales all gradients in a
+        # few kernels; foreach=True would raise on devices without those kernels.
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm or float("inf"))
+        value = float(norm)
+        applied = math.isfinite(value)
+        if applied:
+            self.optimizer.step()
+            # Under bf16 autocast (fp32 master weights) the bf16 copies autocast caches of the weights
+            # are stale now: torch keeps them until the autocast context exits, which a run never does.
+            torch.clear_autocast_cache()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return value if applied else None
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+
+class DeepSpeedLearner:
+    """A DeepSpeed engine whose gradient-accumulation count is the number of micro-batches per update.
+
+    Our micro-batch weights already make the accumulated gradient equal the whole batch's, so the
+    engine's own 1/GAS scaling is turned off (``scale_wrt_gas=False``); ``engine.step()`` after each
+    backward applies the update at the accumulation boundary (and the LR schedule, and clipping from
+    the config's ``gradient_clipping``).
+    """
+
+    def __init__(self, engine):
+        self.module = engine
+        self.engine = engine
+
+    def accumulating(self, last: bool):
+        return nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)
+        self.engine.step()
+
+    def finish_update(self) -> float | None:
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    @property
+    def lr(self) -> float:
+        return self.engine.get_lr()[0]
+
+
+def deepspeed_config(path: str, *, micro_batch_size: int, accumulation_steps: int, world_size: int,
+                     max_grad_norm: float | None, bf16: bool) -> dict:
+    """Read a DeepSpeed JSON config and fill the batch fields from ours (``"auto"`` or absent).
+
+    Values the user wrote must agree with the run's; a disagreement is a configuration error, not a
+    silently different batch.
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"train.deepspeed: {path} not found")
+    try:
+        config = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"train.deepspeed: {path}:{err.lineno}: invalid JSON: {err.msg}") from None
+    ours = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": accumulation_steps,
+        "train_batch_size": micro_batch_size * accumulation_steps * world_size,
+        "gradient_clipping": max_grad_norm or 0.0,
+    }
+    for key, value in ours.items():
+        given = config.get(key, "auto")
+        if given != "auto" and given != value:
+            raise ConfigError(f"train.deepspeed: {path}: {key} is {given} but the run needs {value} "
+                              f"(set it to \"auto\" to take it from the grpo config)")
+        config[key] = value
+    config.setdefault("bf16", {"enabled": bf16})
+    config.setdefault("steps_per_print", 10**9)  # our own metrics; no DeepSpeed step logging
+    return config
+
+
+def build_learner(model: torch.nn.Module, optimizer, scheduler, *, ddp: bool, deepspeed_config_dict: dict | None,
+                  max_grad_norm: float | None) -> Learner:
+    """A DeepSpeed learner when a DeepSpeed config is given, else torch (DDP-wrapped when ``ddp``)."""
+    if deepspeed_config_dict is not None:
+        import deepspeed
+
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                               config=deepspeed_config_dict)
+        return DeepSpeedLearner(engine)
+    # keep_until_exit: tearing a DDP wrapper down can deadlock a rank (see there).
+    module = keep_until_exit(torch.nn.parallel.DistributedDataParallel(model)) if ddp else model
+    return TorchLearner(module, optimizer, scheduler, max_grad_norm)
+
+
+def zero3_full_state_dict(learner: Learner) -> dict[str, torch.Tensor] | None:
+    """The full weights under ZeRO-3, where each rank holds only a shard (a collective: every rank
+    must call it); None otherwise (the module's own parameters are complete)."""
+    engine = getattr(learner, "engine", None)
+    if engine is None or engine.zero_optimization_stage() != 3:
+        return None
+    import deepspeed
+
+    module = engine.module
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+        gathered, seen = {}, set()
+        for name, tensor in module.state_dict().items():
+            if tensor.data_ptr() in seen:  # a tied weight (lm_head = embeddings): written once, as HF does
+                continue
+            seen.add(tensor.data_ptr())
+            gathered[name] = tensor.detach().cpu().clone()
+        return gathered

@@ -1,0 +1,58 @@
+"""The optimizer and its schedule: AdamW (torch, fused on CUDA, or bitsandbytes 8-bit) with LoRA's own
+learning rate, and linear warm-up followed by a cosine, linear or constant decay."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from grpo.config import OptimConfig
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lora: bool, allow_fused: bool = True) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; no weight decay on biases and norms (as HF Trainer).
+
+    Fused (one kernel for every parameter's update, and no host-side reads of the step counters) when
+    all trainable parameters are floating-point CUDA tensors; ``allow_fused=False`` for DeepSpeed,
+    which moves the optimizer onto its own flat (maybe CPU-offloaded) copies of the parameters.
+    """
+    lr = (cfg.lora_learning_rate or cfg.learning_rate) if lora else cfg.learning_rate
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
+    groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+              if g["params"]]
+    if cfg.optimizer == "adamw_8bit":  # bitsandbytes (checked by models.check_memory_savers): 2 B of states/param
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(groups, lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
+    trainable = decay + no_decay
+    # The for-each AdamW launches several kernels per parameter group and reads each step counter on
+    # the host; the fused one does the whole update in a few kernels. It exists for CUDA (and here is
+    # only asked for there): on the CPU the default stays, so CPU runs are unchanged.
+    fused = allow_fused and bool(trainable) and all(p.is_cuda and p.is_floating_point() for p in trainable)
+    return torch.optim.AdamW(groups, lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), fused=fused or None)
+
+
+def lr_multiplier(update: int, total_updates: int, warmup_updates: int, kind: str) -> float:
+    """Learning-rate factor for optimizer update ``update`` (0-based): linear warm-up to 1, then
+    constant, linear to 0, or cosine to 0 at ``total_updates``."""
+    if update < warmup_updates:
+        return (update + 1) / warmup_updates
+    if kind == "constant":
+        return 1.0
+    progress = (update - warmup_updates) / max(1, total_updates - warmup_updates)
+    if kind == "linear":
+        return max(0.0, 1.0 - progress)
+    if kind == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+    raise ValueError(f"unknown lr_scheduler_type {kind!r}; known: ['constant', 'cosine', 'linear']")
+
+
+def build_scheduler(optimizer, cfg: OptimConfig, total_updates: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Warm-up then decay over ``total_updates`` optimizer updates (see ``lr_multiplier``)."""
+    warmup = int(round(cfg.warmup_ratio * total_updates))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda update: lr_multiplier(update, total_updates, warmup, cfg.lr_scheduler_type))

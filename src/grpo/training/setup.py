@@ -1,0 +1,112 @@
+"""Setup shared by the roles that train or sample (colocated trainer, decoupled trainer, sampler):
+the process/device, data, config-derived settings, the learner, checkpoints, and evaluation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from grpo.config import RunConfig
+from grpo.config.rules import ptx_max_length
+from grpo.data import load_dataset_source, resolve_system_prompt
+from grpo.models.loading import resolve_device
+from grpo.training.distributed import DistInfo, init_distributed, print0
+from grpo.training.learners import Learner, build_learner, deepspeed_config
+from grpo.training.optim import build_optimizer, build_scheduler
+
+
+def start_process(cfg: RunConfig) -> tuple[DistInfo, torch.device]:
+    """Join the process group (if launched with N ranks) and pick this rank's device."""
+    device = resolve_device(cfg.train.device)
+    info = init_distributed(device.type)
+    if device.type == "cuda" and info.enabled:
+        device = torch.device("cuda", info.local_rank)
+        torch.cuda.set_device(device)
+    return info, device
+
+
+def load_data(cfg: RunConfig) -> tuple[list, list]:
+    """(training examples, held-out examples or [])."""
+    train_set = load_dataset_source(cfg.data.train, split=cfg.data.split, limit=cfg.data.train_limit)
+    eval_set = (load_dataset_source(cfg.data.eval, split=cfg.data.eval_split, limit=cfg.data.eval_limit)
+                if cfg.data.eval else [])
+    return train_set, eval_set
+
+
+def build_rewards(cfg: RunConfig, examples: Sequence | None = None) -> tuple[list, list[float]]:
+    """The configured reward functions and their weights; a reward that cannot be built (unknown
+    name, a dotted path that does not import, bad params or factory_args) or, given the training
+    ``examples``, cannot take TRL's keyword call with their columns is a configuration error naming it."""
+    from grpo.config import ConfigError
+    from grpo.rewards import build_reward_functions
+
+    column_names = list(examples[0].columns()) if examples else None
+    try:
+        functions = build_reward_functions(cfg.rewards, cfg.data.tag_style, column_names)
+    except (ValueError, ImportError) as err:
+        raise ConfigError(f"rewards: {err}") from None
+    except SyntaxError as err:
+        # A user's reward module with a syntax error is not an ImportError: without this it left the
+        # command with a traceback (exit 1) instead of a configuration error naming the reward.
+        names = ", ".join(repr(r.name) for r in cfg.rewards if ":" in r.name)
+        raise ConfigError(f"rewards: reward {names} does not import: {err.filename}:{err.lineno}: "
+                          f"SyntaxError: {err.msg}") from None
+    return functions, [r.weight for r in cfg.rewards]
+
+
+def load_ptx_data(cfg: RunConfig, tokenizer, info: DistInfo):
+    """The PTX pairs tokenized (a ``grpo.step.ptx.PtxData``), or None when ``ptx.data`` is null. Every rank
+    reads the whole file (the order picks its rows); how many pairs were cut or left out to fit ptx.max_length
+    is printed once."""
+    if cfg.ptx.data is None:
+        return None
+    from grpo.data import load_sft_pairs
+    from grpo.data.sft_tokens import tokenize_pairs
+    from grpo.step.ptx import PtxData
+
+    p = cfg.ptx
+    pairs = load_sft_pairs(p.data, p.prompt_column, p.response_column, p.response_format, cfg.data.tag_style,
+                           p.split)
+    max_length = ptx_max_length(cfg)
+    tokenized = tokenize_pairs(tokenizer, pairs, resolve_system_prompt(cfg.data.system_prompt, cfg.data.tag_style),
+                               max_length)
+    print0(info, f"ptx: {len(tokenized.rows)} of {len(pairs)} pairs from {p.data}; ptx.max_length {max_length}: "
+                 f"{tokenized.cut} responses cut short, {tokenized.dropped} pairs left out (prompt too long)")
+    return PtxData(tokenized.rows, micro_batch_size=p.micro_batch_size, world_size=info.world_size,
+                   seed=cfg.train.seed, pad_id=tokenizer.pad_token_id)
+
+
+@dataclass
+class Trainable:
+    """The policy and what updates it. ``optimizer``/``scheduler`` are None under DeepSpeed (the engine owns them)."""
+
+    policy: torch.nn.Module
+    learner: Learner
+    optimizer: torch.optim.Optimizer | None
+    scheduler: object | None
+    deepspeed: bool
+
+
+def build_trainable(cfg: RunConfig, policy: torch.nn.Module, info: DistInfo) -> Trainable:
+    """Optimizer, schedule and learner (DeepSpeed when ``train.deepspeed`` names a config, else torch/DDP)."""
+    optimizer = build_optimizer(policy, cfg.optim, lora=cfg.model.lora_r > 0,
+                                allow_fused=not cfg.train.deepspeed)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps * cfg.loss.num_iterations)
+    ds_config = None
+    if cfg.train.deepspeed:
+        completions_per_rank = cfg.train.prompts_per_step * cfg.rollout.num_generations // info.world_size
+        ds_config = deepspeed_config(
+            cfg.train.deepspeed, micro_batch_size=cfg.train.micro_batch_size,
+            # + 1 with PTX: its micro-batch's backward comes before each update too (see train_on_batch), and
+            # DeepSpeed steps at its own count of backwards.
+            accumulation_steps=max(1, completions_per_rank // cfg.train.micro_batch_size) + bool(cfg.ptx.data),
+            world_size=info.world_size, max_grad_norm=cfg.optim.max_grad_norm, bf16=cfg.model.bf16)
+    learner = build_learner(policy, optimizer, scheduler, ddp=info.enabled, deepspeed_config_dict=ds_config,
+                            max_grad_norm=cfg.optim.max_grad_norm)
+    if ds_config is not None:
+        return Trainable(policy, learner, None, None, deepspeed=True)
+    return Trainable(policy, learner, optimizer, scheduler, deepspeed=False)
+
+
