@@ -131,7 +131,8 @@ def _under(context, fn, *args, **kwargs):
 
 
 def attention_context(names: str):
-    """``--sdpa-backends``: those attention backends in that order (grpo.models.loading.sdpa_backends), or torch's choice."""
+    """``--sdpa-backends``: those attention backends in that order (the values of ``model.sdpa_backends``, which a
+    training run applies to its passes), or torch's choice."""
     from grpo.models.loading import sdpa_backends, sdpa_context
 
     return sdpa_context(sdpa_backends(names))

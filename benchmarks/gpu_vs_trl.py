@@ -22,8 +22,10 @@ trainer's process). Beside them, the ``plain`` side: a plain forward+backward lo
 with the same model setup (``runners.run_plain``), the floor issue 15 holds grpo's update to (within
 1.25x); on CUDA grpo and plain each run two more updates under ``torch.profiler``: the share of one the GPU is
 busy (>= 85% is the target) and the other's operator tables, by host and by GPU time (in the JSON and
-a ``.profiles.txt`` beside it: why an update is slow, from the same run); ``--no-busy`` skips both. ``--shared-prompt-pass on|off``
-overrides ``grpo.step.logprobs.SHARED_PROMPT_PASS`` for grpo (run both to decide the GPU's default).
+a ``.profiles.txt`` beside it: why an update is slow, from the same run); ``--no-busy`` skips both.
+``--shared-prompt-pass on|off``, ``--column-bucket N`` and ``--sdpa-backends`` set grpo's
+``train.shared_prompt_pass``, ``train.column_bucket`` and ``model.sdpa_backends`` (as config overrides), to
+decide their GPU defaults (docs/device-choices.md).
 Results: benchmarks/results/gpu_vs_trl.json (``gpu_report``) and a markdown table.
 
     python benchmarks/gpu_vs_trl.py                       # all four cases (an estimated 12-15 min on an H100)
@@ -231,10 +233,13 @@ def parse_args() -> argparse.Namespace:
                         help="skip the extra profiled update that measures how busy the GPU is (grpo and plain)")
     parser.add_argument("--shared-prompt-pass", choices=("auto", "on", "off"), default="auto",
                         help="grpo: each group's prompt run once in the log-prob passes (on), or not (off); auto: "
-                             "grpo.step.logprobs.SHARED_PROMPT_PASS")
+                             "the device type's default (train.shared_prompt_pass: null)")
+    parser.add_argument("--column-bucket", type=int,
+                        help="grpo: log-prob pass widths rounded up to a multiple of this (train.column_bucket); "
+                             "default: the device type's (64 on CUDA)")
     parser.add_argument("--sdpa-backends", default="auto",
                         help="grpo and plain: attention backends in order, e.g. efficient,math or cudnn,efficient "
-                             "(flash takes no padding mask); auto: grpo.models.loading.SDPA_BACKENDS (torch's choice)")
+                             "(flash takes no padding mask); auto: torch's choice (model.sdpa_backends: null)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of each trainer")
     parser.add_argument("--gsm8k", help="GSM8K folder holding train.jsonl (default: see find_gsm8k)")
     parser.add_argument("--out", help="results JSON (default results/gpu_vs_trl.json; --tiny: gpu_vs_trl-tiny.json)")
@@ -261,6 +266,8 @@ def parse_args() -> argparse.Namespace:
         sdpa_backends(args.sdpa_backends)
     except ValueError as err:
         parser.error(f"--sdpa-backends: {err}")
+    if args.column_bucket is not None and args.column_bucket < 1:
+        parser.error(f"--column-bucket {args.column_bucket}: must be >= 1")
     preset = PRESETS["tiny" if args.tiny else "full-size" if args.full_size else "default"]
     for attr, value in zip(("prompts", "generations", "max_new_tokens", "steps", "micro_batch"), preset):
         if getattr(args, attr) is None:
@@ -317,6 +324,7 @@ def main() -> None:
                     "trl": ("use_vllm=True, vllm_mode=colocate" if args.vllm else "use_vllm=False (HF generate)"),
                     "grpo_engine": "vllm" if args.vllm else args.engine,
                     "grpo_shared_prompt_pass": args.shared_prompt_pass, "sdpa_backends": args.sdpa_backends,
+                    "grpo_column_bucket": args.column_bucket,
                     "mean_prompt_tokens": statistics.fmean(prompt_tokens)}
         rows = []
         report = {"device_name": peak["device_name"], "versions": peak["versions"], "grpo_commit": git_commit(),
@@ -330,7 +338,8 @@ def main() -> None:
                              device=device, bf16=device == "cuda", attn_implementation="sdpa", lr=1e-6,
                              engine=args.engine, vllm=args.vllm, **CASES[key])
             case.update(profile_update=device == "cuda" and not args.no_busy,
-                        shared_prompt_pass=args.shared_prompt_pass, sdpa_backends=args.sdpa_backends)
+                        shared_prompt_pass=args.shared_prompt_pass, sdpa_backends=args.sdpa_backends,
+                        column_bucket=args.column_bucket)
             if args.only and args.only not in case["name"]:
                 continue
             row = {"case": key, "name": case["name"], "lora_r": case["lora_r"],

@@ -143,21 +143,20 @@ def ours_config(case: dict):
                           "rollout.vllm_dtype": "bfloat16" if case["bf16"] else "float32"})
     if case.get("profile_update"):  # more steps, whose updates are profiled and left out of the timings
         overrides["train.max_steps"] = case["steps"] + PROFILED_UPDATES
-    cfg = load_config(None, [f"{k}={'null' if v is None else v}" for k, v in overrides.items()])
     if case.get("sdpa_backends", "auto") != "auto":  # the attention backends, instead of torch's own choice
-        import grpo.models.loading
-
-        grpo.models.loading.SDPA_BACKENDS[cfg.train.device.split(":")[0]] = grpo.models.loading.sdpa_backends(case["sdpa_backends"])
-    return cfg
+        overrides["model.sdpa_backends"] = case["sdpa_backends"]
+    if case.get("shared_prompt_pass", "auto") != "auto":  # on|off: YAML booleans, as a user writes them
+        overrides["train.shared_prompt_pass"] = case["shared_prompt_pass"]
+    if case.get("column_bucket") is not None:
+        overrides["train.column_bucket"] = case["column_bucket"]
+    return load_config(None, [f"{k}={'null' if v is None else v}" for k, v in overrides.items()])
 
 
 def run_ours(case: dict) -> dict:
-    import grpo.step.logprobs
     import grpo.training.colocated
+    import grpo.training.loop
 
     cfg = ours_config(case)
-    if case.get("shared_prompt_pass", "auto") != "auto":  # the library's automatic choice, overridden
-        grpo.step.logprobs.SHARED_PROMPT_PASS[cfg.train.device.split(":")[0]] = case["shared_prompt_pass"] == "on"
     rank_experience = grpo.training.colocated.rank_experience
 
     def rank_experience_synced(*args, **kwargs):
@@ -168,7 +167,7 @@ def run_ours(case: dict) -> dict:
     grpo.training.colocated.rank_experience = rank_experience_synced  # the loop's rollout_done then follows the GPU
     profile = {}
     if case.get("profile_update"):
-        train_on_batch, calls = grpo.training.colocated.train_on_batch, [0]
+        train_on_batch, calls = grpo.training.loop.train_on_batch, [0]
 
         def train_on_batch_profiling_the_extra(*args, **kwargs):
             calls[0] += 1
@@ -178,7 +177,7 @@ def run_ours(case: dict) -> dict:
             profile.update(found)
             return stats
 
-        grpo.training.colocated.train_on_batch = train_on_batch_profiling_the_extra
+        grpo.training.loop.train_on_batch = train_on_batch_profiling_the_extra
     grpo.training.colocated.train(cfg)
     rows = [json.loads(line) for line in (Path(cfg.train.output_dir) / "metrics.jsonl").read_text().splitlines()
             if "loss" in line][:case["steps"]]

@@ -58,7 +58,8 @@ case "$part" in
   lora)
     $bench --cases lora,lora-gc --out "$out/lora.json"
     ;;
-  choices)  # grpo alone, A/B in one call: as shipped, shared prompt pass off, other attention backends
+  choices)  # grpo alone, A/B in one call: as shipped, train.shared_prompt_pass off, model.sdpa_backends
+            # efficient,math: the CUDA defaults docs/device-choices.md says are still to be measured
     $bench --cases full,lora --sides grpo --no-busy --out "$out/as-shipped.json"
     $bench --cases full,lora --sides grpo --no-busy --shared-prompt-pass off --out "$out/shared-off.json"
     $bench --cases full,lora --sides grpo --no-busy --sdpa-backends efficient,math --out "$out/sdpa-efficient.json"

@@ -124,6 +124,23 @@ def test_plain_floor_trains_what_grpo_trains(tmp_path, tiny_model_dir, gsm8k_dir
         assert (model.is_gradient_checkpointing if checkpointing is None else checkpointing) == gradient_checkpointing
 
 
+def test_device_choice_flags_are_config_overrides(tmp_path, tiny_model_dir):
+    """--shared-prompt-pass / --column-bucket / --sdpa-backends reach grpo as a user sets them: config keys
+    (docs/device-choices.md), nothing assigned into a module; "auto" leaves each key at its default."""
+    import harness
+
+    case = harness.make_case("tiny", tiny_model_dir, tmp_path / "prompts.jsonl", lora_r=0, num_iterations=1,
+                             steps=2, threads=2, attn_implementation="sdpa")
+    case["workdir"] = str(tmp_path)
+    cfg = runners.ours_config({**case, "shared_prompt_pass": "auto", "sdpa_backends": "auto", "column_bucket": None})
+    assert (cfg.train.shared_prompt_pass, cfg.train.column_bucket, cfg.model.sdpa_backends) == (None, None, None)
+    cfg = runners.ours_config({**case, "shared_prompt_pass": "off", "sdpa_backends": "efficient,math",
+                               "column_bucket": 16})
+    assert (cfg.train.shared_prompt_pass, cfg.train.column_bucket, cfg.model.sdpa_backends) == (
+        False, 16, "efficient,math")
+    assert runners.ours_config({**case, "shared_prompt_pass": "on"}).train.shared_prompt_pass is True
+
+
 def test_busy_fraction_counts_overlapping_kernels_once():
     assert runners.busy_fraction([], 10.0) == 0.0
     assert runners.busy_fraction([(0.0, 2.0), (5.0, 6.0)], 10.0) == pytest.approx(0.3)
@@ -233,6 +250,7 @@ def test_memory_check_gpu_takes_each_phase_peak_at_its_boundaries(tmp_path, tiny
 
     import grpo.step.policy_update
     import grpo.training.colocated
+    import grpo.training.loop
     from grpo.config import load_config
 
     prompts = memory_check.write_prompts(tmp_path)
@@ -246,7 +264,7 @@ def test_memory_check_gpu_takes_each_phase_peak_at_its_boundaries(tmp_path, tiny
     assert peaks.order == one_step * 2 + ["after_training"]
     assert peaks.baseline == -1
     assert peaks.phases == {"rollout": 5, "update": 8, "optimizer_step": 9, "after_training": 10}
-    assert grpo.training.colocated.train_on_batch is grpo.step.policy_update.train_on_batch
+    assert grpo.training.loop.train_on_batch is grpo.step.policy_update.train_on_batch
     weight = torch.nn.Parameter(torch.ones(2))
     weight.grad = torch.ones(2)
     torch.optim.SGD([weight], lr=0.1).step()  # the hooks were removed: no more marks

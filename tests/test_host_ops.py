@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo.step.logprobs
 from grpo.models.tiny import build_qwen2
-from grpo.step.logprobs import position_ids_from_mask
+from grpo.step.logprobs import LogprobPass, position_ids_from_mask
 from grpo.step.policy_update import LossSettings, train_on_batch
 from grpo.training.distributed import DistInfo
 from grpo.training.learners import TorchLearner
@@ -63,12 +63,14 @@ def counted(fn) -> int:
     return sum(counter.ops.values())
 
 
-def grpo_update_ops(tokenizer, layers: int, lora: bool) -> int:
+def grpo_update_ops(tokenizer, layers: int, lora: bool, share_prompts: bool | None = None) -> int:
+    """Operators of one update; ``share_prompts`` as train.shared_prompt_pass (None: the CPU's default, shared)."""
     policy = model(tokenizer, layers, lora)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-5)
     learner = TorchLearner(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), 1.0)
     settings = LossSettings(epsilon=0.2, epsilon_high=None, beta=0.04, loss_type="grpo", max_completion_length=LC,
-                            temperature=1.0, num_iterations=1, micro_batch_size=N, max_grad_norm=1.0)
+                            temperature=1.0, num_iterations=1, micro_batch_size=N, max_grad_norm=1.0,
+                            logprob_pass=LogprobPass(share_prompts=share_prompts))
     rollout = batch(tokenizer)
     return counted(lambda: train_on_batch(learner, rollout, settings, DistInfo()))
 
@@ -95,9 +97,9 @@ def plain_update_ops(tokenizer, layers: int, lora: bool) -> int:
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_update_adds_no_host_work_per_layer_over_a_plain_loop(tiny_tokenizer, monkeypatch, lora):
-    monkeypatch.setitem(grpo.step.logprobs.SHARED_PROMPT_PASS, "cpu", False)  # the plain pass, as the loop runs
-    grpo_ops = {layers: grpo_update_ops(tiny_tokenizer, layers, lora) for layers in (1, 3)}
+def test_update_adds_no_host_work_per_layer_over_a_plain_loop(tiny_tokenizer, lora):
+    # the plain pass (train.shared_prompt_pass: false), as the loop runs
+    grpo_ops = {layers: grpo_update_ops(tiny_tokenizer, layers, lora, share_prompts=False) for layers in (1, 3)}
     plain_ops = {layers: plain_update_ops(tiny_tokenizer, layers, lora) for layers in (1, 3)}
     # two more layers (and their parameters): exactly the plain loop's extra operators
     assert grpo_ops[3] - grpo_ops[1] == plain_ops[3] - plain_ops[1], (grpo_ops, plain_ops)
@@ -106,22 +108,20 @@ def test_update_adds_no_host_work_per_layer_over_a_plain_loop(tiny_tokenizer, mo
     assert 0 < grpo_ops[1] - plain_ops[1] < 500, (grpo_ops, plain_ops)
 
 
-def test_shared_prompt_pass_is_a_second_forward(tiny_tokenizer, monkeypatch):
+def test_shared_prompt_pass_is_a_second_forward(tiny_tokenizer):
     """What the shared prompt pass costs the host: a prompt forward (and its backward) beside the
     completions', i.e. about 1.7x the plain update's operators at 28 layers (measured 18006 vs 10616 for
     full fine-tuning, 27291 vs 15529 for LoRA, 16 rows). It saves the prompts' FLOPs (G-1 of G copies);
-    which wins on a GPU is grpo.step.logprobs.SHARED_PROMPT_PASS's to-be-measured choice."""
+    which wins on a GPU is train.shared_prompt_pass's to-be-measured CUDA default (docs/device-choices.md)."""
     shared = {layers: grpo_update_ops(tiny_tokenizer, layers, False) for layers in (1, 3)}
-    monkeypatch.setitem(grpo.step.logprobs.SHARED_PROMPT_PASS, "cpu", False)
-    plain = {layers: grpo_update_ops(tiny_tokenizer, layers, False) for layers in (1, 3)}
+    plain = {layers: grpo_update_ops(tiny_tokenizer, layers, False, share_prompts=False) for layers in (1, 3)}
     per_layer_shared, per_layer_plain = (shared[3] - shared[1]) / 2, (plain[3] - plain[1]) / 2
     assert 1.5 < per_layer_shared / per_layer_plain < 2.5, (shared, plain)
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_reference_pass_adds_no_host_work_per_layer_over_a_plain_forward(tiny_tokenizer, monkeypatch, lora):
+def test_reference_pass_adds_no_host_work_per_layer_over_a_plain_forward(tiny_tokenizer, lora):
     """The no-grad log-prob passes (reference, old policy) against one plain forward over the same rows."""
-    monkeypatch.setitem(grpo.step.logprobs.SHARED_PROMPT_PASS, "cpu", False)
     gen = batch(tiny_tokenizer).generation
     ids = torch.cat([gen.prompt_ids, gen.completion_ids], 1)
     mask = torch.cat([gen.prompt_mask, gen.completion_mask], 1)
@@ -131,7 +131,8 @@ def test_reference_pass_adds_no_host_work_per_layer_over_a_plain_forward(tiny_to
         policy = model(tiny_tokenizer, layers, lora)
         with torch.no_grad():
             grpo_ops[layers] = counted(lambda: grpo.step.logprobs.completion_logprobs(
-                policy, gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask, 1.0, N))
+                policy, gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask, 1.0, N,
+                share_prompts=False))
             plain_ops[layers] = counted(lambda: torch.log_softmax(policy(
                 input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
                 logits_to_keep=LC + 1).logits[:, :-1].float(), -1).gather(-1, gen.completion_ids.unsqueeze(-1)))

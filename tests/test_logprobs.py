@@ -198,7 +198,7 @@ def test_shared_prompt_pass_equals_plain_with_sliding_window_attention(tiny_toke
 
 @pytest.mark.parametrize("share", [False, True])
 def test_bucketed_widths_repeat_shapes_and_change_no_value(tiny_tokenizer, share):
-    # On a GPU the run widths are rounded up (COLUMN_BUCKET) so kernels and attention plans are reused;
+    # On a GPU the run widths are rounded up (train.column_bucket: 64) so kernels and attention plans are reused;
     # the extra columns are padding, masked, so the real positions' log-probs and gradients are unchanged.
     model = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=2, seed=0).train()
     rows = grouped_rows(len(tiny_tokenizer), [3, 10, 5, 7], G=2, Lc=9)

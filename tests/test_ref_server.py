@@ -244,6 +244,30 @@ def test_make_server_loads_a_checkpoint_and_serves_it(tiny_model_dir, monkeypatc
         torch.testing.assert_close(client.logprobs(*batch), local, rtol=0, atol=1e-6)
 
 
+def test_the_server_runs_its_passes_as_the_run_configures_them(tiny_model_dir, monkeypatch):
+    """train.shared_prompt_pass / train.column_bucket (``grpo.training.settings.logprob_pass``) reach the
+    server's log-prob passes; the values stay the plain pass's."""
+    from transformers import AutoModelForCausalLM
+
+    import grpo.decoupled.ref_server.app
+    from grpo.step.logprobs import LogprobPass
+
+    passes = []
+    real = grpo.decoupled.ref_server.app.completion_logprobs
+    monkeypatch.setattr(grpo.decoupled.ref_server.app, "completion_logprobs",
+                        lambda *a, **kw: passes.append((kw["share_prompts"], kw["column_bucket"])) or real(*a, **kw))
+    server = make_server(str(tiny_model_dir), port=0, temperature=TEMPERATURE, device="cpu", dtype="float32",
+                         logprob_pass=LogprobPass(share_prompts=False, column_bucket=8))
+    with serve(server.config.app) as url:
+        batch = make_batch()
+        remote = RefServerClient(url).logprobs(*batch)
+    assert passes == [(False, 8)]
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        local = real(reference, *batch, temperature=TEMPERATURE, share_prompts=False)
+    torch.testing.assert_close(remote, local, rtol=0, atol=1e-6)
+
+
 def test_non_loopback_bind_needs_a_token(tiny_model_dir, monkeypatch):
     monkeypatch.delenv("GRPO_TEST_UNSET_TOKEN", raising=False)
     for host in ("0.0.0.0", "::", "192.168.1.7", "example.com"):

@@ -72,11 +72,12 @@ def _check_listen_address(cfg) -> None:
 
 def _ref_server(cfg) -> int:
     from grpo.decoupled.ref_server import run_ref_server
+    from grpo.training.settings import logprob_pass
 
     run_ref_server(cfg.model.ref_name_or_path or cfg.model.name_or_path, host="127.0.0.1",
                    port=cfg.decoupled.ref_server_port, temperature=cfg.rollout.temperature,
                    token_env=cfg.decoupled.token_env, device=cfg.decoupled.ref_server_device,
-                   dtype=cfg.model.ref_torch_dtype, micro_batch_size=cfg.train.micro_batch_size)
+                   dtype=cfg.model.ref_torch_dtype, micro_batch_size=cfg.train.micro_batch_size, logprob_pass=logprob_pass(cfg))
     return 0
 
 

@@ -23,7 +23,7 @@ HALF_SIGNAL_REWARDS = "[{name: 'rewards_for_tests:letters_on_even_answers'}]"
 
 def record_trained_batches(monkeypatch) -> list:
     """Every batch the colocated loop hands to train_on_batch, in order."""
-    import grpo.training.colocated as trainer_module
+    import grpo.training.loop as trainer_module
 
     real, seen = trainer_module.train_on_batch, []
 

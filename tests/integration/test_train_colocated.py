@@ -117,7 +117,7 @@ def test_reward_rises_on_an_easy_task(tiny_model_dir, tmp_path, monkeypatch):
 
 def interrupt_at_third_update(model_dir, out, overrides: dict, monkeypatch) -> None:
     """Train into ``out`` and press Ctrl-C in the third update (the trainer saves step 2 and re-raises)."""
-    import grpo.training.colocated as trainer_module
+    import grpo.training.loop as trainer_module
 
     real = trainer_module.train_on_batch
     calls = {"n": 0}

@@ -22,7 +22,8 @@ from reliability_helpers import (
 )
 from safetensors.torch import load_file
 
-import grpo.training.colocated as trainer_module
+import grpo.training.colocated as colocated_module
+import grpo.training.loop as loop_module
 from grpo.cli import main
 from grpo.run.checkpoint import latest_checkpoint
 
@@ -75,14 +76,15 @@ def uninterrupted(tiny_model_dir, recipe, tmp_path_factory):
 # Where in step 3 Ctrl-C lands: while sampling (the weights are still those of step 2), after the update
 # (the step must then be finished and saved as step 3: saving the updated weights as step 2 would train
 # its batch twice after resuming), or while its checkpoint is being written.
-@pytest.mark.parametrize("where", ["rank_experience", "step_metrics", "save_run_checkpoint"])
+@pytest.mark.parametrize("module,where", [(colocated_module, "rank_experience"), (loop_module, "step_metrics"),
+                                          (loop_module, "save_run_checkpoint")])
 def test_ctrl_c_anywhere_in_a_step_then_resume_equals_uninterrupted(tiny_model_dir, recipe, tmp_path, monkeypatch,
-                                                                    uninterrupted, where):
+                                                                    uninterrupted, module, where):
     out = tmp_path / "run"
     args = ["train", str(recipe), *run_args(tiny_model_dir, out, **TWO_PASSES)]
-    monkeypatch.setattr(trainer_module, where, _signal_at_step(getattr(trainer_module, where), {"n": 0}, 3))
+    monkeypatch.setattr(module, where, _signal_at_step(getattr(module, where), {"n": 0}, 3))
     assert main(args) == 130
-    monkeypatch.setattr(trainer_module, where, getattr(trainer_module, where).__wrapped__)
+    monkeypatch.setattr(module, where, getattr(module, where).__wrapped__)
     saved = latest_checkpoint(out)
     assert saved is not None
     assert [r["step"] for r in train_rows(out)] == list(range(1, int(saved.name.removeprefix("step-")) + 1))

@@ -13,7 +13,7 @@ from reliability_helpers import metrics, run_args, snapshot, train_rows, without
 from safetensors.torch import load_file
 
 import grpo.run.checkpoint as checkpoint_module
-import grpo.training.colocated as trainer_module
+import grpo.training.loop as trainer_module
 from grpo.cli import main
 from grpo.run.checkpoint import complete_checkpoints, latest_checkpoint, load_checkpoint
 from grpo.step import policy_update as optimization

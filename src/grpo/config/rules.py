@@ -84,7 +84,41 @@ def config_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
     problems.extend(sampling_control_problems(cfg))
     if cfg.train.early_stop_accuracy is not None and cfg.data.eval is None:
         problems.append(("train.early_stop_accuracy", "needs data.eval (a held-out set to measure accuracy on)"))
+    problems.extend(sdpa_problems(cfg))
     return problems
+
+
+# model.sdpa_backends' short names -> torch.nn.attention.SDPBackend's (either spelling is accepted)
+SDPA_BACKEND_NAMES = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+                      "math": "MATH"}
+
+
+def sdpa_backend_names(names: str) -> tuple[str, ...]:
+    """``"flash,efficient"`` -> ``("FLASH_ATTENTION", "EFFICIENT_ATTENTION")``; ValueError naming the unknown
+    ones and the known ones."""
+    chosen = tuple(SDPA_BACKEND_NAMES.get(n.strip().lower(), n.strip().upper()) for n in names.split(",") if n.strip())
+    unknown = [n for n in chosen if n not in SDPA_BACKEND_NAMES.values()]
+    if unknown or not chosen:
+        raise ValueError(f"{names!r}: unknown {unknown or 'none given'}; "
+                         f"known: {', '.join(SDPA_BACKEND_NAMES)}")
+    return chosen
+
+
+def sdpa_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
+    """model.sdpa_backends: known names, and an attention implementation that reads them."""
+    m = cfg.model
+    if m.sdpa_backends is None:
+        return []
+    try:
+        sdpa_backend_names(m.sdpa_backends)
+    except ValueError as err:
+        return [("model.sdpa_backends", f"is {err} (or null: torch's choice)")]
+    if m.attn_implementation not in (None, "sdpa"):
+        return [("model.sdpa_backends", (
+            f"is set but model.attn_implementation is {m.attn_implementation!r}: only the sdpa attention "
+            "calls scaled_dot_product_attention, so the choice would do nothing; set attn_implementation: sdpa "
+            "(or null) or sdpa_backends: null"))]
+    return []
 
 
 def sampler_problems(cfg: "RunConfig") -> list[tuple[str, str]]:

@@ -37,6 +37,10 @@ class ModelConfig:
     load_in_4bit: bool = opt(
         False, "QLoRA: the frozen base in 4-bit NF4 (bitsandbytes; CUDA only, refused on CPU); needs lora_r > 0.")
     attn_implementation: str | None = opt(None, "Passed to from_pretrained (e.g. sdpa, flash_attention_2, eager).")
+    sdpa_backends: str | None = opt(
+        None, "Scaled-dot-product-attention backends the trainer's passes may use, in order of preference, "
+        "comma-separated, of flash, efficient, cudnn, math (e.g. efficient,math; flash takes no padding mask); "
+        "null = torch's choice per call. Only the sdpa attention reads it (docs/device-choices.md).")
     ref_torch_dtype: str | None = opt(
         None, "dtype of the reference model (float32, bfloat16, float16); null = as the policy.",
         choices=(None, "float32", "bfloat16", "float16"))
@@ -247,6 +251,15 @@ class TrainConfig:
                     choices=("colocated", "decoupled"))
     prompts_per_step: int = opt(8, "P: prompts per optimisation step (over all ranks); P*G completions.", ge=1)
     micro_batch_size: int = opt(16, "Completions per forward/backward; gradients accumulate over a step.", ge=1)
+    shared_prompt_pass: bool | None = opt(
+        None, "Log-prob passes run each distinct prompt of a micro-batch once and its completions over the "
+        "prompt's KV cache (true), or every prompt + completion as one sequence (false): the same values, G "
+        "times less prompt compute for a second forward per micro-batch; null = the device type's default "
+        "(CPU and CUDA: true; docs/device-choices.md).")
+    column_bucket: int | None = opt(
+        None, "Log-prob passes round the columns they run (beyond the padding every row of a micro-batch shares) "
+        "up to a multiple of this, so shapes repeat and GPU kernels and attention plans are reused; the extra "
+        "columns are masked padding. null = the device type's default (CUDA: 64, others: 1).", ge=1)
     max_steps: int = opt(100, "Optimisation steps to run.", ge=1)
     output_dir: str = opt("runs/demo", "Run folder: config, metrics, samples, plots, checkpoints.")
     seed: int = opt(42, "Seed for data order, sampling and initialisation.", ge=0)

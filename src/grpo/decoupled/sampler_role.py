@@ -26,7 +26,7 @@ from grpo.rollout.build import build_engine, holds_own_weights
 from grpo.step.batching import concat_batches
 from grpo.step.experience import local_reference, rank_experience
 from grpo.step.records import RolloutBatch
-from grpo.training.settings import dynamic_rounds, experience_settings, logprob_processing
+from grpo.training.settings import dynamic_rounds, experience_settings, logprob_pass, logprob_processing
 from grpo.training.setup import build_rewards, load_data
 from grpo.weight_store import WeightStore, apply_to_model
 
@@ -46,7 +46,8 @@ def reference_logprobs_fn(cfg: RunConfig, policy, tokenizer, device, token: str,
         client.wait_ready(timeout_s=cfg.decoupled.peer_timeout_s)
         return lambda g: client.logprobs(g.prompt_ids, g.prompt_mask, g.completion_ids, g.completion_mask)
     reference = load_reference(cfg.model, policy, tokenizer, device)
-    return local_reference(policy, reference, cfg.rollout.temperature, cfg.train.micro_batch_size, processing)
+    return local_reference(policy, reference, cfg.rollout.temperature, cfg.train.micro_batch_size, processing,
+                           logprob_pass(cfg))
 
 
 def for_correction(batch: RolloutBatch, correction: bool) -> RolloutBatch:
@@ -73,16 +74,16 @@ def run_sampler(cfg: RunConfig) -> int:
     device = resolve_device(d.sampler_device)
     tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
     train_set, _ = load_data(cfg)
-    prompts = PromptSampler(len(train_set), cfg.train.prompts_per_step, cfg.train.seed, cfg.data.shuffle)
+    prompt_sampler = PromptSampler(len(train_set), cfg.train.prompts_per_step, cfg.train.seed, cfg.data.shuffle)
     policy = load_policy(cfg.model, device).eval()
     policy.requires_grad_(False)
     processing = logprob_processing(cfg, policy, tokenizer)  # old and reference log-probs follow the controls
     ref_logprobs = reference_logprobs_fn(cfg, policy, tokenizer, device, token, processing)
-    reward_fns, weights = build_rewards(cfg, train_set)
+    reward_fns, reward_weights = build_rewards(cfg, train_set)
     engine = build_engine(cfg, policy, tokenizer)
     correction = cfg.loss.sampler_is_correction
-    # The trainer's ratio needs this sampler's log-probs; with the correction, vLLM reports its own.
-    settings = experience_settings(cfg, processing, need_old_logprobs=not (correction and holds_own_weights(engine)))
+    settings = experience_settings(cfg, processing, decoupled_sampler=True,
+                                   engine_holds_weights=holds_own_weights(engine))
     store = WeightStore(cfg.train.output_dir)
     sender = RolloutSender(d.address, sampler_id, token=token, max_message_bytes=max_message_bytes(cfg),
                            max_inflight=cfg.train.max_staleness + 1, timeout_s=d.peer_timeout_s)
@@ -108,11 +109,11 @@ def run_sampler(cfg: RunConfig) -> int:
             started = time.perf_counter()
             chunks, counts = [], []
             for rank in range(W):
-                chunk, sampled = rank_experience(
-                    engine, policy, ref_logprobs, tokenizer, train_set, prompts, reward_fns, weights, settings,
-                    step=step_index, rank=rank, world_size=W, seed=cfg.train.seed, max_rounds=dynamic_rounds(cfg))
+                chunk, rollout_stats = rank_experience(
+                    engine, policy, ref_logprobs, tokenizer, train_set, prompt_sampler, reward_fns, reward_weights,
+                    settings, step=step_index, rank=rank, world_size=W, seed=cfg.train.seed, max_rounds=dynamic_rounds(cfg))
                 chunks.append(for_correction(chunk, correction))
-                counts.append(sampled)
+                counts.append(rollout_stats)
             batch = concat_batches(chunks, tokenizer.pad_token_id)
             seconds = time.perf_counter() - started
             tokens = float(batch.generation.completion_mask.sum())

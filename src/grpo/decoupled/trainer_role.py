@@ -11,24 +11,23 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from grpo.config import RunConfig, config_to_dict
+from grpo.config import RunConfig
 from grpo.decoupled.link_settings import max_message_bytes, shared_token
 from grpo.decoupled.transport import IncomingBatch, PeerTimeout
 from grpo.decoupled.wire import batch_to_message, decode, encode, message_to_batch, pack_bytes, unpack_bytes
 from grpo.models.loading import check_memory_savers, compute_context, load_policy, load_tokenizer, uses_autocast
-from grpo.run.resume import resume_checkpoint, save_run_checkpoint
-from grpo.run.run_dir import check_output_dir, claim_output_dir
+from grpo.run.progress import LineProgress
+from grpo.run.run_dir import check_output_dir
 from grpo.step.batching import rank_slice
-from grpo.step.metrics import sample_records, step_metrics
-from grpo.step.policy_update import train_on_batch
-from grpo.training.distributed import DistInfo, barrier, print0, shutdown
-from grpo.training.guards import DeferredInterrupt, SkipGuard
-from grpo.training.settings import logprob_processing, loss_settings
-from grpo.training.setup import build_trainable, load_ptx_data, start_process
+from grpo.training.distributed import DistInfo, barrier, shutdown
+from grpo.training.loop import Collected, Loop, PolicyUpdate, run_loop
+from grpo.training.settings import logprob_processing, loop_schedule, loss_settings
+from grpo.training.setup import build_trainable, load_ptx_data, open_run, start_process
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +71,10 @@ def publish_weights(store, trainable, version: int, keep: int, info: DistInfo) -
     return path
 
 
-def next_fresh_batch(receiver, step: int, cfg: RunConfig, counters: dict) -> tuple[IncomingBatch, float]:
-    """The next batch at most ``max_staleness`` versions old (older ones are dropped and counted),
-    with the seconds spent waiting. Waiting longer than the peer timeout is an error, not a hang."""
+def next_fresh_batch(receiver, step: int, cfg: RunConfig, counts) -> tuple[IncomingBatch, float]:
+    """The next batch at most ``max_staleness`` versions old (older ones are dropped and counted in
+    ``counts.dropped``), with the seconds spent waiting. Waiting longer than the peer timeout is an error,
+    not a hang."""
     started = time.perf_counter()
     last_status = started
     while True:
@@ -93,18 +93,75 @@ def next_fresh_batch(receiver, step: int, cfg: RunConfig, counters: dict) -> tup
         if staleness > cfg.train.max_staleness:
             receiver.drop(incoming.batch_id, f"stale: sampled with version {incoming.policy_version}, "
                           f"trainer at {step - 1}, max_staleness {cfg.train.max_staleness}")
-            counters["dropped"] += 1
+            counts.dropped += 1
             continue
         return incoming, now - started
+
+
+@dataclass
+class Receiving:
+    """How the trainer role gets a step's batch: rank 0 takes the next fresh one from the samplers and every
+    rank its slice; after the update, weights are published and the batch acknowledged (a
+    ``grpo.training.loop.StepSource``)."""
+
+    cfg: RunConfig
+    receiver: object | None  # grpo.decoupled.transport.RolloutReceiver on rank 0, None elsewhere
+    store: object  # grpo.weight_store.WeightStore
+    trainable: object
+    info: DistInfo
+    device: torch.device
+    version: int  # the newest published weights' version
+    dropped: int = 0  # stale batches dropped so far
+    meta: dict = field(default_factory=dict)  # the batch in hand's header (id, sampler, version, timings)
+
+    def collect(self, step: int) -> Collected:
+        started = time.perf_counter()
+        incoming, waited = next_fresh_batch(self.receiver, step, self.cfg, self) if self.info.is_main else (None, 0.0)
+        batch, self.meta = share_batch(incoming, self.info, self.device, max_message_bytes(self.cfg))
+        mine = rank_slice(batch, self.info.rank, self.info.world_size)
+        return Collected(mine, time.perf_counter() - started, metrics={"time/wait_for_rollout_s": waited})
+
+    def after_update(self, step: int, collected: Collected, checkpointing: bool) -> dict[str, float]:
+        started, meta = time.perf_counter(), self.meta
+        if step % self.cfg.train.sync_steps == 0:
+            self.version = step
+            path = publish_weights(self.store, self.trainable, self.version, self.cfg.decoupled.weights_keep, self.info)
+            if self.receiver:
+                self.receiver.announce_weights(self.version, path)
+        if not self.receiver:
+            return {}
+        # An acknowledgement is final (durable) only once a checkpoint that lists the batch as trained is on
+        # disk. Until then the sampler gets a provisional ack (its slot is freed) and keeps the batch: a kill
+        # before the next checkpoint makes it resend the batch and the restarted trainer train it again.
+        if not checkpointing:
+            self.receiver.ack(meta["batch_id"], policy_version=self.version, durable=False)
+        return {
+            "batch_id": meta["batch_id"], "sampler_id": meta["sampler_id"],
+            "staleness/mean": float((step - 1) - meta["policy_version"]),
+            "queue/depth": float(self.receiver.stats.get("queue_depth", 0)),
+            "rollouts/dropped": float(self.dropped), "time/weight_sync_s": time.perf_counter() - started,
+            "sampler/seconds_per_batch": float(meta.get("sampler_seconds", float("nan"))),
+            "sampler/tokens_per_s": float(meta.get("sampler_tokens_per_s", float("nan"))),
+            **{k: float(v) for k, v in meta.items() if k.startswith("rollout/dynamic_")},
+        }
+
+    def checkpoint_state(self, step: int, collected: Collected | None) -> dict:
+        if not self.receiver:
+            return {"trained_batch_ids": {}, "dropped_batch_ids": {}}
+        just_trained = {self.meta["batch_id"]: self.meta["sampler_id"]} if collected is not None else {}
+        return {"trained_batch_ids": {**self.receiver.trained_ids, **just_trained},
+                "dropped_batch_ids": self.receiver.dropped_ids}
+
+    def checkpoint_written(self, step: int, collected: Collected | None) -> None:
+        if self.receiver:  # the checkpoint lists every batch trained so far: their acks are now final
+            self.receiver.confirm_durable()
+            if collected is not None:
+                self.receiver.ack(self.meta["batch_id"], policy_version=self.version)
 
 
 def run_trainer(cfg: RunConfig) -> int:
     """Train ``train.max_steps`` steps on batches from the samplers; returns the exit status."""
     from grpo.decoupled.transport import RolloutReceiver
-    from grpo.run.checkpoint import save_final
-    from grpo.run.plots import plot_run
-    from grpo.run.tracking import MetricsLogger
-    from grpo.training.learners import zero3_full_state_dict
     from grpo.weight_store import WeightStore
 
     info, device = start_process(cfg)
@@ -123,112 +180,26 @@ def run_trainer(cfg: RunConfig) -> int:
         policy = load_policy(cfg.model, device, master_weights=uses_autocast(cfg.model, deepspeed))
         compute = compute_context(cfg.model, device, deepspeed)  # bf16 autocast over fp32 master weights
         trainable = build_trainable(cfg, policy, info)
-        out = claim_output_dir(cfg, info.is_main)  # setup succeeded: only now is anything written
-        barrier(info)
-        start_step, trained, dropped_ids = 0, {}, {}
-        resumed = resume_checkpoint(out, trainable, info) if cfg.train.resume else None
-        if resumed is not None:
-            checkpoint, state = resumed
-            start_step, trained = state["step"], state.get("trained_batch_ids", {})
-            dropped_ids = state.get("dropped_batch_ids", {})
-            print0(info, f"resumed from {checkpoint} (step {start_step}, {len(trained)} batches trained)")
-        store = WeightStore(out)
-        version, path = start_step, ""  # version 0: the initial weights (model.name_or_path)
-        if start_step > 0:  # samplers must continue from the checkpointed weights, not the base model
+        run = open_run(cfg, trainable, info)
+        state = run.resumed_state or {}
+        store = WeightStore(run.out)
+        version, path = run.start_step, ""  # version 0: the initial weights (model.name_or_path)
+        if run.start_step > 0:  # samplers must continue from the checkpointed weights, not the base model
             path = publish_weights(store, trainable, version, cfg.decoupled.weights_keep, info)
         if info.is_main:
             receiver = RolloutReceiver(cfg.decoupled.address, token=shared_token(cfg),
                                        max_message_bytes=max_message_bytes(cfg), queue_size=cfg.decoupled.queue_size,
-                                       trained_ids=trained, dropped_ids=dropped_ids, policy_version=version)
-            if start_step > 0:
+                                       trained_ids=state.get("trained_batch_ids", {}),
+                                       dropped_ids=state.get("dropped_batch_ids", {}), policy_version=version)
+            if run.start_step > 0:
                 receiver.announce_weights(version, path)
-        logger_ = MetricsLogger(out, cfg.log.report_to, config_to_dict(cfg), enabled=info.is_main,
-                                resume_step=start_step if resumed is not None else None,
-                                wandb_project=cfg.log.wandb_project)
-        settings = loss_settings(cfg, logprob_processing(cfg, policy, tokenizer))  # the samplers' controls
-        counters = {"dropped": 0}
-
-        # As in the colocated loop: the weights are those of step `done` except while a step's update runs
-        # (`updating`), and Ctrl-C waits from the update to the step's checkpoint (DeferredInterrupt).
-        done = saved = start_step
-        updating = False
-        interrupt = DeferredInterrupt()
-
-        def checkpoint_now(at_step: int, just_trained: dict[str, str] | None = None) -> None:
-            nonlocal saved
-            trained_ids = {**(receiver.trained_ids if receiver else {}), **(just_trained or {})}
-            state = {"step": at_step, "trained_batch_ids": trained_ids,
-                     "dropped_batch_ids": receiver.dropped_ids if receiver else {}}
-            save_run_checkpoint(out, at_step, trainable, tokenizer, state, cfg, info)
-            saved = at_step
-            if receiver:  # the checkpoint lists every batch trained so far: their acks are now final
-                receiver.confirm_durable()
-
-        step, skips = start_step, SkipGuard(cfg.optim.max_skipped_steps, cfg.loss.num_iterations)
-        try:
-            for step in range(start_step + 1, cfg.train.max_steps + 1):
-                started = time.perf_counter()
-                incoming, waited = next_fresh_batch(receiver, step, cfg, counters) if info.is_main else (None, 0.0)
-                batch, meta = share_batch(incoming, info, device, max_message_bytes(cfg))
-                mine = rank_slice(batch, info.rank, info.world_size)
-                received = time.perf_counter()
-                with interrupt.holding():
-                    updating = True
-                    ptx_batch = ptx_data.batch(step, info.rank) if ptx_data else None
-                    with compute:
-                        train_stats = train_on_batch(trainable.learner, mine, settings, info, ptx_batch)
-                    trained_at = time.perf_counter()
-                    metrics = step_metrics(mine, train_stats, cfg.rollout.num_generations, cfg.data.tag_style,
-                                           received, 0.0, trained_at - received, info)
-                    if step % cfg.train.sync_steps == 0:
-                        version = step
-                        path = publish_weights(store, trainable, version, cfg.decoupled.weights_keep, info)
-                        if receiver:
-                            receiver.announce_weights(version, path)
-                    # An acknowledgement is final (durable) only once a checkpoint that lists the batch as
-                    # trained is on disk. Until then the sampler gets a provisional ack (its slot is freed)
-                    # and keeps the batch: a kill before the next checkpoint makes it resend the batch and
-                    # the restarted trainer train it again. No acknowledged batch is lost, whatever save_steps.
-                    checkpointed = step % cfg.train.save_steps == 0 or step == cfg.train.max_steps
-                    if receiver and not checkpointed:
-                        receiver.ack(meta["batch_id"], policy_version=version, durable=False)
-                    if receiver:
-                        queue = receiver.stats
-                        metrics.update({
-                            "batch_id": meta["batch_id"], "sampler_id": meta["sampler_id"],
-                            "staleness/mean": float((step - 1) - meta["policy_version"]),
-                            "queue/depth": float(queue.get("queue_depth", 0)),
-                            "rollouts/dropped": float(counters["dropped"]),
-                            "time/wait_for_rollout_s": waited, "time/weight_sync_s": time.perf_counter() - trained_at,
-                            "time/step_s": time.perf_counter() - started,
-                            "sampler/seconds_per_batch": float(meta.get("sampler_seconds", float("nan"))),
-                            "sampler/tokens_per_s": float(meta.get("sampler_tokens_per_s", float("nan"))),
-                            **{k: float(v) for k, v in meta.items() if k.startswith("rollout/dynamic_")},
-                        })
-                    logger_.log(step, metrics)
-                    if cfg.log.num_samples and step % cfg.log.logging_steps == 0:
-                        logger_.log_samples(step, sample_records(mine, cfg.log.num_samples))
-                    print0(info, f"step {step}: reward {metrics['reward/mean']:+.3f} loss {metrics['loss']:+.4f} "
-                                 f"kl {metrics['kl']:.4f} batch {meta['batch_id']}")
-                    updating, done = False, step
-                    if checkpointed:
-                        checkpoint_now(step, just_trained={meta["batch_id"]: meta["sampler_id"]})
-                        if receiver:
-                            receiver.ack(meta["batch_id"], policy_version=version)
-                skips.record(step, train_stats)
-        except KeyboardInterrupt:
-            if updating or interrupt.forced:
-                print0(info, f"interrupted during the update of step {done + 1}: nothing saved; --resume continues "
-                             f"from step {saved}")
-            elif done > saved:
-                checkpoint_now(done)
-            raise
-        logger_.close()
-        final_weights = zero3_full_state_dict(trainable.learner)
-        if info.is_main:
-            save_final(out, trainable.policy, tokenizer, state_dict=final_weights)
-            plot_run(out)
-        barrier(info)
+        receiving = Receiving(cfg, receiver, store, trainable, info, device, version)
+        update = PolicyUpdate(trainable, loss_settings(cfg, logprob_processing(cfg, policy, tokenizer)), info,
+                              ptx_data)  # the samplers' sampling controls
+        loop = Loop(loop_schedule(cfg), update, trainable, tokenizer, run.out, info, run.logger,
+                    LineProgress(enabled=info.is_main), compute,
+                    cfg.rollout.num_generations, cfg.data.tag_style, cfg.train.save_total_limit)
+        run_loop(loop, receiving, run.start_step)
         return 0
     finally:
         if receiver is not None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from grpo.config import ConfigError, ModelConfig
+from grpo.config.rules import sdpa_backend_names
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -96,27 +97,19 @@ def uses_autocast(cfg: ModelConfig, deepspeed: bool) -> bool:
     return cfg.bf16 and cfg.lora_r == 0 and not cfg.load_in_4bit and not deepspeed
 
 
-# The scaled-dot-product-attention backends the trainer's passes may use, by device type (names of
-# torch.nn.attention.SDPBackend, in order of preference); None lets torch choose per call. On the H100
-# torch chose cuDNN attention, which built a new execution plan for every new shape (14 ms of host time
-# each in the profile; decoding meets a new KV length every token), the suspected cause of generation
-# times that doubled between steps of one shape. `benchmarks/gpu_vs_trl.py --sdpa-backends` and
-# `generation_speed.py --sdpa-backends` measure a choice; until one has run on a GPU, torch's stands.
-SDPA_BACKENDS: dict[str, tuple[str, ...] | None] = {"cpu": None, "cuda": None}
-
-
+# Attention backends are a device choice: torch's own pick may rebuild an execution plan per new shape
+# (cuDNN attention on an H100), which decoding meets every token; see docs/device-choices.md.
 def sdpa_backends(names: str | None) -> tuple[str, ...] | None:
-    """``"flash,efficient"`` -> ``("FLASH_ATTENTION", "EFFICIENT_ATTENTION")``: names of SDPBackend, checked;
-    None or ``"auto"``: None (torch's choice)."""
+    """``"flash,efficient"`` -> ``("FLASH_ATTENTION", "EFFICIENT_ATTENTION")`` (``model.sdpa_backends``, or a
+    benchmark's ``--sdpa-backends``): names of SDPBackend, checked; None or ``"auto"``: None (torch's choice)."""
     if names in (None, "auto"):
         return None
     from torch.nn.attention import SDPBackend
 
-    short = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION", "math": "MATH"}
-    chosen = tuple(short.get(n.strip().lower(), n.strip().upper()) for n in names.split(",") if n.strip())
-    unknown = [n for n in chosen if not hasattr(SDPBackend, n)]
-    if unknown or not chosen:
-        raise ValueError(f"SDPA backends {names!r}: unknown {unknown or 'none given'}; known: {', '.join(short)}")
+    chosen = sdpa_backend_names(names)
+    missing = [n for n in chosen if not hasattr(SDPBackend, n)]
+    if missing:
+        raise ValueError(f"{names!r}: torch {torch.__version__} has no SDPA backend {', '.join(missing)}")
     return chosen
 
 
@@ -149,9 +142,9 @@ class _Contexts:
 
 def compute_context(cfg: ModelConfig, device: torch.device, deepspeed: bool):
     """The autocast context of ``uses_autocast`` runs (a no-op context otherwise), with the attention
-    backends of ``SDPA_BACKENDS`` where they are set for the device's type."""
+    backends of ``model.sdpa_backends`` where they are set."""
     autocast = uses_autocast(cfg, deepspeed)
-    backends = SDPA_BACKENDS.get(device.type)
+    backends = sdpa_backends(cfg.sdpa_backends)
     if backends:
         factories = [lambda: sdpa_context(backends)]
         if autocast:

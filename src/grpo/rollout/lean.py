@@ -56,7 +56,8 @@ def apply_processors(logits: Tensor, penalty: float, seen: Tensor | None, forbid
     """``generate``'s processors on [B, V] raw logits, before temperature: the repetition penalty over
     ``seen`` ([B, V] bool: the row's prompt and completion tokens so far; None = off), then -inf on
     ``forbidden`` ([V] or [B, V] bool: the EOS ids while min_new_tokens holds; None = nothing). With
-    neither, the logits come back as they are (today's path, no copy); else a float32 copy."""
+    neither, the logits come back as they are (no copy: sampling without controls pays nothing); else a
+    float32 copy."""
     if seen is None and forbidden is None:
         return logits
     logits = logits.float()

@@ -2,7 +2,7 @@
 
 Why: on a GPU the ``hf`` engine (``LeanEngine``) is bound by the host, not the GPU: every decode token
 re-enters the model's Python, launches hundreds of small kernels, and checks the batch for EOS (a host
-sync); an H100 spent ~37 ms of host work per token for ~1.4 ms of memory traffic. Here everything that
+sync), so host time per token far exceeds the GPU's (docs/device-choices.md). Here everything that
 changes from token to token lives in tensors at fixed addresses, so the whole step (model forward over
 the static cache, temperature/top-k/top-p, the draw, writing the token) is one function of those
 buffers, captured once per ``generate`` call as a CUDA graph and replayed per token: one launch per
@@ -25,11 +25,10 @@ policy at the start of every call. The log-probs the trainer recomputes come fro
 autocast, so they differ from the bf16 sampler's by bf16 rounding (as with vLLM); ``rollout/
 logprob_diff`` is the place to see that.
 
-The graph is captured per call, not kept across calls (the issue's "graphs reused across steps"),
-on purpose: a kept graph needs its buffers kept, i.e. the static KV cache held through every update
-(128 rows x 640 slots in bf16: ~2.3 GB at the 1.5B shape, ~4.7 GB at 7B), against the target of a peak no higher
-than TRL's; a capture costs about two eager steps of host time (~75 ms at the H100's measured ~37 ms per
-eager step, ~3% of a 256-token call). To revisit if the GPU run says otherwise.
+The graph is captured per call, not kept across calls, on purpose: a kept graph needs its buffers kept,
+i.e. the static KV cache held through every update (GBs at the 1.5B-7B shapes), against the target of a
+peak no higher than TRL's, while a capture costs only about two eager steps of host time per call (the
+figures: docs/device-choices.md).
 
 On a CPU the same step runs eagerly (``decode_graph: eager``; CUDA graphs need CUDA), or through
 ``torch.compile`` (``compile``): the tests use both to prove the step has no host sync or graph break.

@@ -1,4 +1,4 @@
-"""A rich progress bar for training steps: step, reward, accuracy, KL and ETA."""
+"""Progress of the training steps: a rich bar (step, reward, accuracy, KL and ETA), or a line per step."""
 
 from __future__ import annotations
 
@@ -36,4 +36,24 @@ class StepProgress:
     def __exit__(self, *exc):
         if self._progress:
             self._progress.__exit__(*exc)
+        return False
+
+
+class LineProgress:
+    """One printed line per step (reward, loss, KL, the batch trained): for processes whose output goes to a
+    log, such as the decoupled trainer role under its launcher. Disabled -> does nothing."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+
+    def __enter__(self):
+        return self
+
+    def update(self, step: int, metrics: dict) -> None:
+        if self.enabled:
+            batch = f" batch {metrics['batch_id']}" if "batch_id" in metrics else ""
+            print(f"step {step}: reward {metrics['reward/mean']:+.3f} loss {metrics['loss']:+.4f} "
+                  f"kl {metrics['kl']:.4f}{batch}", flush=True)
+
+    def __exit__(self, *exc):
         return False

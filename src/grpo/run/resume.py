@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from grpo.config import RunConfig
 from grpo.training.distributed import DistInfo, barrier
 from grpo.training.learners import zero3_full_state_dict
 
@@ -19,8 +18,8 @@ def _deepspeed_dir(out: Path, step: int) -> Path:
     return out / "checkpoints" / f"deepspeed-step-{step}"
 
 
-def save_run_checkpoint(out: Path, step: int, trainable: Trainable, tokenizer, state: dict, cfg: RunConfig,
-                        info: DistInfo, critic=None) -> None:
+def save_run_checkpoint(out: Path, step: int, trainable: Trainable, tokenizer, state: dict,
+                        save_total_limit: int | None, info: DistInfo, critic=None) -> None:
     """A checkpoint of ``step`` on every rank's behalf. Under DeepSpeed every rank first writes its
     engine state (partitioned optimizer) to ``deepspeed-step-N/``; rank 0 then writes the HF-format
     checkpoint, whose appearance (atomic rename) marks the whole checkpoint complete. PPO's ``critic``
@@ -36,9 +35,9 @@ def save_run_checkpoint(out: Path, step: int, trainable: Trainable, tokenizer, s
     gathered = zero3_full_state_dict(trainable.learner)  # a collective under ZeRO-3
     if info.is_main:
         save_checkpoint(out, step, trainable.policy, tokenizer, trainable.optimizer, trainable.scheduler, state,
-                        cfg.train.save_total_limit, state_dict=gathered, write_extra=write_critic)
+                        save_total_limit, state_dict=gathered, write_extra=write_critic)
         if trainable.deepspeed:
-            _prune_deepspeed_dirs(out, keep=cfg.train.save_total_limit)
+            _prune_deepspeed_dirs(out, keep=save_total_limit)
     barrier(info)
 
 

@@ -23,7 +23,7 @@ from grpo.rewards import score
 from grpo.rewards.context import RewardContext, make_trainer_state
 from grpo.rollout import RolloutEngine, SamplingParams
 from grpo.step.dynamic_sampling import sample_until_full
-from grpo.step.logprobs import completion_logprobs
+from grpo.step.logprobs import DEVICE_DEFAULT_PASS, LogprobPass, completion_logprobs
 from grpo.step.records import Generation, RolloutBatch
 
 
@@ -47,10 +47,11 @@ class ExperienceSettings:
     advantage_estimator: str  # a name in grpo.algorithm.ADVANTAGE_ESTIMATORS, or "gae" (PPO: then ``gae`` is set)
     scale_rewards: str | None  # the grpo estimator's scaling; None for its default (group) and the others
     advantage_eps: float
-    need_old_logprobs: bool  # num_iterations > 1
+    need_old_logprobs: bool  # computed after sampling: grpo.training.settings.old_logprobs_after_sampling
     logprob_batch_size: int
     max_steps: int = 0  # the run's length, for the rewards' trainer_state
     processing: LogprobProcessing | None = None  # the sampling controls the old log-probs follow (None: off)
+    logprob_pass: LogprobPass = DEVICE_DEFAULT_PASS  # how the old log-prob pass runs (None fields: the device's default)
     gae: GaeSettings | None = None  # set: token-level advantages from the critic's values (rank_experience's values_fn)
 
 
@@ -73,23 +74,27 @@ Values = Callable[[Generation], torch.Tensor]  # [N, Lc] a critic's values of a 
 
 
 def local_reference(policy: torch.nn.Module, reference: torch.nn.Module | None, temperature: float,
-                    batch_size: int, processing: LogprobProcessing | None = None) -> RefLogprobs:
+                    batch_size: int, processing: LogprobProcessing | None = None,
+                    logprob_pass: LogprobPass = DEVICE_DEFAULT_PASS) -> RefLogprobs:
     """Reference log-probs from a model in this process (or the LoRA policy with its adapter off), of the
     same processed distribution as the policy's (``processing``), so the KL compares like with like."""
     def ref_logprobs(generation: Generation) -> torch.Tensor:
         with reference_context(policy, reference) as ref_model:
-            return generation_logprobs(ref_model, generation, temperature, batch_size, processing)
+            return generation_logprobs(ref_model, generation, temperature, batch_size, processing, logprob_pass)
     return ref_logprobs
 
 
 def generation_logprobs(model: torch.nn.Module, generation: Generation, temperature: float,
-                        batch_size: int, processing: LogprobProcessing | None = None) -> torch.Tensor:
+                        batch_size: int, processing: LogprobProcessing | None = None,
+                        logprob_pass: LogprobPass = DEVICE_DEFAULT_PASS) -> torch.Tensor:
     """[N, Lc] log-probs of a generation's completion tokens under ``model``, without gradients (of the
-    distribution the sampling controls in ``processing`` define; None: the tempered logits)."""
+    distribution the sampling controls in ``processing`` define; None: the tempered logits), the pass run
+    as ``logprob_pass`` says."""
     with torch.no_grad():
         return completion_logprobs(model, generation.prompt_ids, generation.prompt_mask,
                                    generation.completion_ids, generation.completion_mask, temperature, batch_size,
-                                   processing=processing)
+                                   share_prompts=logprob_pass.share_prompts,
+                                   column_bucket=logprob_pass.column_bucket, processing=processing)
 
 
 def rank_experience(
@@ -98,7 +103,7 @@ def rank_experience(
     ref_logprobs_fn: RefLogprobs | None,
     tokenizer,
     train_set: Sequence[Example],
-    prompts: PromptSampler,
+    prompt_sampler: PromptSampler,
     reward_fns: Sequence,
     reward_weights: Sequence[float],
     settings: ExperienceSettings,
@@ -110,9 +115,9 @@ def rank_experience(
     max_rounds: int | None = None,
     values_fn: Values | None = None,
 ) -> tuple[RolloutBatch, dict[str, float]]:
-    """Rank ``rank``'s batch for ``step``: its prompts (``prompts.rank_indices``) sampled with its seed
-    (``step_seed`` of the run's ``seed``), scored and finished (``sample_and_score``, ``finish_experience``);
-    the second value is empty.
+    """Rank ``rank``'s batch for ``step``: its prompts (``prompt_sampler.rank_indices``) sampled with its
+    seed (``step_seed`` of the run's ``seed``), scored and finished (``sample_and_score``,
+    ``finish_experience``); the second value is the rank's dynamic-sampling counts (empty without it).
 
     ``ref_logprobs_fn`` is None when beta == 0 (no reference needed). With ``settings.gae`` the critic's
     ``values_fn`` gives the values after sampling and the advantages are PPO's, per token
@@ -120,21 +125,21 @@ def rank_experience(
     (``need_old_logprobs``) for the per-token KL ``logp_old - logp_ref``.
 
     With ``max_rounds`` (dynamic sampling, ``grpo.step.dynamic_sampling``) zero-spread groups are dropped and
-    rounds of further prompts (``prompts.extra_indices``) sampled, each round's prompts and seed a function
-    of (seed, step, rank, round); the second value is the rank's counts (``sample_until_full``). Every
+    rounds of further prompts (``prompt_sampler.extra_indices``) sampled, each round's prompts and seed a function
+    of (seed, step, rank, round), counted by ``sample_until_full``. Every
     round's rewards see ``trainer_state.global_step = step - 1``: they score the same training step."""
     check_experience_inputs(settings, ref_logprobs_fn, values_fn)
 
     def draw(round_index: int) -> RolloutBatch:
-        indices = (prompts.rank_indices(step, rank, world_size) if round_index == 0
-                   else prompts.extra_indices(step, rank, world_size, round_index))
+        indices = (prompt_sampler.rank_indices(step, rank, world_size) if round_index == 0
+                   else prompt_sampler.extra_indices(step, rank, world_size, round_index))
         return sample_and_score(engine, tokenizer, [train_set[i] for i in indices], reward_fns, reward_weights,
                                 settings, seed=step_seed(seed, step, rank, round_index), steps_done=step - 1)
 
     if max_rounds is None:
         scored, stats = draw(0), {}
     else:
-        want = len(prompts.rank_indices(step, rank, world_size))
+        want = len(prompt_sampler.rank_indices(step, rank, world_size))
         scored, stats = sample_until_full(draw, want, max_rounds, tokenizer.pad_token_id)
     return finish_experience(scored, policy, ref_logprobs_fn, settings, values_fn), stats
 
@@ -208,7 +213,7 @@ def finish_experience(scored: RolloutBatch, policy: torch.nn.Module, ref_logprob
     old_logprobs = None
     if settings.need_old_logprobs:
         old_logprobs = generation_logprobs(policy, generation, settings.sampling.temperature,
-                                           settings.logprob_batch_size, settings.processing)
+                                           settings.logprob_batch_size, settings.processing, settings.logprob_pass)
     ref_logprobs = ref_logprobs_fn(generation) if ref_logprobs_fn is not None else None
     values = returns = None
     if settings.gae is not None:

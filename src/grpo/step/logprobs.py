@@ -16,8 +16,10 @@ with checkpointing switched off (``checkpointing_paused``) and shares prompts li
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
-from typing import Iterator
+from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 from torch import Tensor
@@ -31,15 +33,31 @@ from grpo.algorithm import (
 )
 from grpo.algorithm.processing import prompt_presence
 
-COLUMN_BUCKET = 64  # GPU micro-batch widths are multiples of this (see _micro_batched_logprobs)
 
-# Whether the log-prob passes share each group's prompt (above), by device type: the automatic choice of
-# ``completion_logprobs(share_prompts=None)``. The CPU: yes, measured (README, "Speed against TRL": the
-# update 0.82 -> 0.28 s on tiny-math). CUDA: the shared pass saves the prompt's compute but runs two
-# forwards per micro-batch, i.e. twice the kernel launches, and the H100 profile found the update
-# host-bound (GPU busy 35%); `gpu_vs_trl.py --shared-prompt-pass on|off` measures both, and until it has
-# run on a GPU the CPU's choice stands. Other device types: yes.
-SHARED_PROMPT_PASS = {"cpu": True, "cuda": True}
+@dataclass(frozen=True)
+class LogprobPass:
+    """How the log-prob passes run (``train.shared_prompt_pass``, ``train.column_bucket``); None: the
+    device type's default (``pass_choices``)."""
+
+    share_prompts: bool | None = None  # each micro-batch's distinct prompts run once (the module docstring)
+    column_bucket: int | None = None  # run widths rounded up to a multiple of this
+
+
+DEVICE_DEFAULT_PASS = LogprobPass()  # every choice the device type's default
+
+
+# The defaults by device type, (share prompts, column bucket); other types take the CPU's. Sharing saves
+# prompt compute for a second forward per micro-batch; on CUDA repeated widths let kernels and attention
+# plans be reused, on a CPU padding columns are only extra compute. Measurements: docs/device-choices.md.
+DEVICE_DEFAULTS: Mapping[str, tuple[bool, int]] = MappingProxyType({"cpu": (True, 1), "cuda": (True, 64)})
+
+
+def pass_choices(device: torch.device, share_prompts: bool | None, column_bucket: int | None) -> tuple[bool, int]:
+    """(share prompts, column bucket) for a pass on ``device``: the values given, each None replaced by
+    ``DEVICE_DEFAULTS`` for the device's type."""
+    default_share, default_bucket = DEVICE_DEFAULTS.get(device.type, DEVICE_DEFAULTS["cpu"])
+    return (default_share if share_prompts is None else share_prompts,
+            default_bucket if column_bucket is None else column_bucket)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -152,11 +170,11 @@ def completion_logprobs(
         completion_ids, completion_mask: [N, Lc] right-padded completions.
         temperature: the sampling temperature (logits are divided by it).
         micro_batch_size: rows per forward pass; None = all at once.
-        column_bucket: run widths rounded up to a multiple of this (padding columns, masked); None:
-            ``COLUMN_BUCKET`` on a GPU (shapes that repeat), 1 elsewhere (no extra compute on a CPU).
+        column_bucket: run widths rounded up to a multiple of this (padding columns, masked); None: the
+            model's device type's default (``pass_choices``: 64 on CUDA, so shapes repeat; 1 elsewhere).
         share_prompts: run each micro-batch's distinct prompts once (see the module docstring);
-            False runs every row's prompt + completion as one sequence (the plain reference); None:
-            ``SHARED_PROMPT_PASS`` for the model's device type.
+            False runs every row's prompt + completion as one sequence (the plain reference); None: the
+            model's device type's default (``pass_choices``).
         with_entropy: also return the entropy of each completion position's sampling distribution,
             read off the same logits (``token_entropy``: no gradient, no second pass, chunked).
         processing: the sampling controls the completions were drawn with (repetition penalty,
@@ -171,10 +189,9 @@ def completion_logprobs(
         for the call (see the module docstring). With ``with_entropy``: ``(logprobs, entropy)``, both
         [N, Lc] float32 (entropy 0 past a micro-batch's longest completion).
     """
-    processing = processing if processing is not None and processing.active else None  # off: today's path
+    processing = processing if processing is not None and processing.active else None  # off: the plain logits
     with nullcontext() if torch.is_grad_enabled() else checkpointing_paused(model):
-        if share_prompts is None:
-            share_prompts = SHARED_PROMPT_PASS.get(next(model.parameters()).device.type, True)
+        share_prompts, column_bucket = pass_choices(next(model.parameters()).device, share_prompts, column_bucket)
         share_prompts = share_prompts and can_share_prompt_cache(model)
         logprobs, entropy = _micro_batched_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                                     temperature, micro_batch_size, share_prompts, column_bucket,
@@ -184,14 +201,13 @@ def completion_logprobs(
 
 def _micro_batched_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                             completion_mask: Tensor, temperature: float, micro_batch_size: int | None,
-                            share_prompts: bool, column_bucket: int | None,
+                            share_prompts: bool, bucket: int,
                             with_entropy: bool, processing: LogprobProcessing | None) -> tuple[Tensor, Tensor | None]:
-    """``completion_logprobs``' loop over micro-batches, ``share_prompts`` already checked: ([N, Lc]
-    log-probs, [N, Lc] entropy or None)."""
+    """``completion_logprobs``' loop over micro-batches, ``share_prompts`` and ``bucket`` already chosen:
+    ([N, Lc] log-probs, [N, Lc] entropy or None)."""
     Lc, Lp = completion_ids.shape[1], prompt_ids.shape[1]
     step = micro_batch_size or prompt_ids.shape[0]
     device = next(model.parameters()).device
-    bucket = column_bucket or (COLUMN_BUCKET if device.type == "cuda" else 1)
     # Every host-side decision (which columns run, which rows share a prompt) reads CPU copies of the masks
     # and ids: on a GPU, reading a device tensor makes the host wait for every kernel queued before it.
     prompt_ids, prompt_mask = prompt_ids.cpu(), prompt_mask.cpu()
@@ -200,9 +216,9 @@ def _micro_batched_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, comp
     for start in range(0, prompt_ids.shape[0], step):
         rows = slice(start, start + step)
         # Columns that are padding in every row of this micro-batch (left of its longest prompt, right of
-        # its longest completion) are not run at all: they change no other position's value. On a GPU the
-        # widths are rounded up to a multiple of COLUMN_BUCKET so that kernels and cuDNN attention plans
-        # (built per shape, ~14 ms of host time each on an H100) are reused across micro-batches and steps.
+        # its longest completion) are not run at all: they change no other position's value. The widths are
+        # rounded up to a multiple of ``bucket``, so that kernels and attention plans built per shape (on a
+        # GPU) are reused across micro-batches and steps.
         prompt_cols = prompt_mask[rows].any(0).nonzero()
         first = int(prompt_cols.min()) if prompt_cols.numel() else 0
         first = max(0, Lp - _round_up(Lp - first, bucket))

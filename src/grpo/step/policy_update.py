@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo.algorithm import LogprobProcessing, policy_loss, sampler_importance_weights
-from grpo.step.logprobs import completion_logprobs
+from grpo.step.logprobs import DEVICE_DEFAULT_PASS, LogprobPass, completion_logprobs
 from grpo.step.ptx import ptx_nll
 from grpo.step.records import RolloutBatch, SftBatch
 from grpo.training.distributed import DistInfo, all_reduce_sum
@@ -33,6 +33,7 @@ class LossSettings:
     sampler_is_min: float | None = None  # loss.sampler_is_min: the weights' lower bound (None: none)
     processing: LogprobProcessing | None = None  # the sampling controls the log-probs follow (None: off)
     ptx_coef: float = 0.0  # weight of the PTX micro-batch's mean NLL in each update (ptx.coef)
+    logprob_pass: LogprobPass = DEVICE_DEFAULT_PASS  # how the update's log-prob passes run (None fields: the device's default)
 
 
 def _micro_batch_weight(loss_type: str, rows: int, tokens: torch.Tensor, total_rows: int,
@@ -102,9 +103,8 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
     world = dist_info.world_size
     global_tokens = (all_reduce_sum(total_tokens, dist_info) / world).clamp(min=1 / world)
     # The statistics stay on the device until the step ends: a float() per micro-batch would make the
-    # host wait for the GPU to finish that micro-batch before it may queue the next one (on one H100
-    # the update kept the GPU busy 35% of the time). float64, so that the sums are bit-identical to
-    # the Python floats they replace (each fp32 term converted to double, then divided and summed).
+    # host wait for the GPU to finish that micro-batch before it may queue the next one. float64, so that
+    # the sums equal Python float sums of the fp32 terms (each converted to double, divided and summed).
     sums = torch.zeros(len(_SLOTS), dtype=torch.float64, device=device)  # see _SLOTS
     learning_rate = learner.lr  # the rate of this step's first update (the schedule moves in finish_update)
     grad_norms, skipped = [], 0
@@ -130,6 +130,8 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
                 first = iteration == 0
                 result = completion_logprobs(learner.module, gen.prompt_ids[rows], gen.prompt_mask[rows],
                                              gen.completion_ids[rows], gen.completion_mask[rows], s.temperature,
+                                             share_prompts=s.logprob_pass.share_prompts,
+                                             column_bucket=s.logprob_pass.column_bucket,
                                              with_entropy=first, processing=s.processing)
                 logprobs, entropy = result if first else (result, None)  # [b, Lc] each
                 old = old_all[on_device] if old_all is not None else logprobs.detach()
@@ -164,7 +166,7 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
                     sums[-len(_SAMPLER_IS):] += (terms / sampled_tokens).double()
         if ptx is not None:  # PaddleNLP's loss + ptx_coeff * ptx_loss, in one accumulated gradient
             with learner.accumulating(last=True):
-                nll = ptx_nll(learner.module, ptx)
+                nll = ptx_nll(learner.module, ptx, s.logprob_pass)
                 learner.backward(nll * s.ptx_coef)
             sums[_PTX] += nll.detach().double() / s.num_iterations
         if captured is not None and iteration == 0:

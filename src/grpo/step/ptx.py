@@ -22,7 +22,7 @@ from torch.nn.utils.rnn import pad_sequence
 from grpo.algorithm import sft_loss
 from grpo.data.prompt_sampler import PromptSampler
 from grpo.data.sft_tokens import TokenizedPair
-from grpo.step.logprobs import _to_device, completion_logprobs
+from grpo.step.logprobs import DEVICE_DEFAULT_PASS, LogprobPass, _to_device, completion_logprobs
 from grpo.step.records import SftBatch
 
 # Added to train.seed for the PTX order: with the same file as data.train and the same seed, the PTX pairs
@@ -62,13 +62,14 @@ class PtxData:
         return collate([self.rows[i] for i in self.indices(step, rank)], self.pad_id)
 
 
-def ptx_nll(model: torch.nn.Module, batch: SftBatch) -> Tensor:
+def ptx_nll(model: torch.nn.Module, batch: SftBatch, logprob_pass: LogprobPass = DEVICE_DEFAULT_PASS) -> Tensor:
     """Scalar: the mean NLL of ``batch``'s response tokens under ``model`` (temperature 1: the data's
     likelihood, not the sampling distribution's), with gradients when grad is enabled.
 
     ``completion_logprobs`` scores the responses exactly as the RL update scores completions (the same
     positions, padding and checkpointing handling), so PTX works wherever the policy loss does."""
     logprobs = completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
-                                   batch.response_mask, temperature=1.0)  # [B, Lr]
+                                   batch.response_mask, temperature=1.0, share_prompts=logprob_pass.share_prompts,
+                                   column_bucket=logprob_pass.column_bucket)  # [B, Lr]
     # Pinned and without waiting, as completion_logprobs copies its inputs: the update queues work, never waits.
     return sft_loss(logprobs, _to_device(batch.response_mask, logprobs.device))

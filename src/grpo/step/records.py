@@ -39,8 +39,8 @@ class RolloutBatch:
     reward_names:    F names, in the column order of ``reward_parts``.
     advantages:      [N] float32 outcome advantages (one per completion, from its group), or [N, Lc]
                      float32 per-token advantages (gae: PPO with a critic; 0 on padding).
-    old_logprobs:    [N, Lc] float32 log-probs under the sampling policy, or None when
-                     num_iterations == 1 (the detached current log-probs are then the old ones).
+    old_logprobs:    [N, Lc] float32 log-probs under the sampling policy, or None when the update takes them
+                     from its first iteration (who computes them: ``old_logprobs_after_sampling``).
     ref_logprobs:    [N, Lc] float32 reference log-probs, or None when beta == 0.
     prompts:         P prompt texts (rendered with the chat template), one per group.
     columns:         dataset columns per completion row (e.g. ``answer``), as reward functions get them.

@@ -1,6 +1,7 @@
 """The config tree projected into the step's frozen settings records, in one place: what the rollout
 side reads (``ExperienceSettings``, ``grpo.step.experience``) and what the update reads (``LossSettings``,
-``grpo.step.policy_update``), plus the sampling controls every log-prob pass follows."""
+``grpo.step.policy_update``), plus the sampling controls every log-prob pass follows and how it runs
+(``logprob_pass``)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ import torch
 
 from grpo.algorithm import LogprobProcessing
 from grpo.config import RunConfig
+from grpo.critic import CriticSettings
 from grpo.data import resolve_system_prompt
 from grpo.models.wrappers import eos_token_ids
 from grpo.rollout import SamplingParams
 from grpo.step.experience import ExperienceSettings, GaeSettings
+from grpo.step.logprobs import LogprobPass
 from grpo.step.policy_update import LossSettings
+from grpo.training.loop import Schedule
 
 
 def kl_in_reward(cfg: RunConfig) -> bool:
@@ -22,24 +26,49 @@ def kl_in_reward(cfg: RunConfig) -> bool:
 
 def logprob_processing(cfg: RunConfig, policy: torch.nn.Module, tokenizer) -> LogprobProcessing | None:
     """The sampling controls every log-prob pass must follow (rollout.repetition_penalty, min_new_tokens,
-    min_p; min_new_tokens holds back the engines' EOS ids), or None when all are off (today's path)."""
+    min_p; min_new_tokens holds back the engines' EOS ids), or None when all are off."""
     r = cfg.rollout
     processing = LogprobProcessing(repetition_penalty=r.repetition_penalty, min_new_tokens=r.min_new_tokens,
                                    min_p=r.min_p, eos_ids=tuple(eos_token_ids(policy, tokenizer)))
     return processing if processing.active else None
 
 
-def experience_settings(cfg: RunConfig, processing: LogprobProcessing | None,
-                        need_old_logprobs: bool | None = None) -> ExperienceSettings:
-    """The rollout-side settings from the config tree (old log-probs when num_iterations > 1, unless told;
-    always when the KL penalty is in the reward, which needs them). ``processing``: ``logprob_processing``'s
-    (a required argument, so that no role can compute raw log-probs of processed samples by omission)."""
+def logprob_pass(cfg: RunConfig) -> LogprobPass:
+    """How every log-prob pass runs (train.shared_prompt_pass, train.column_bucket; null: the device type's
+    default, chosen where the pass runs: ``grpo.step.logprobs.pass_choices``)."""
+    return LogprobPass(share_prompts=cfg.train.shared_prompt_pass, column_bucket=cfg.train.column_bucket)
+
+
+def old_logprobs_after_sampling(cfg: RunConfig, *, decoupled_sampler: bool, engine_holds_weights: bool) -> bool:
+    """The one rule for who computes ``old_logprobs``: True when the rollout side computes them right after
+    sampling; False when the update takes them from its own first iteration (``train_on_batch``), where the
+    weights are still the sampling policy's, at no extra pass.
+
+    - The KL in the reward (PPO) needs them for the token rewards, before any update: always.
+    - A decoupled sampler's weights may be stale, so the trainer cannot take them: the sampler does, unless
+      the sampler correction is on and the engine reports its own log-probs (vLLM); those then travel as
+      ``sampler_logprobs`` and the trainer takes old ones at the update's start.
+    - Colocated, with the trainer's own model sampling: never needed after sampling. With an engine that holds
+      its own weights (vLLM) and ``loss.num_iterations`` > 1: after sampling (they also serve the off-policy
+      guard); with one iteration the update's own pass is the old policy.
+    """
+    if kl_in_reward(cfg):
+        return True
+    if decoupled_sampler:
+        return not (cfg.loss.sampler_is_correction and engine_holds_weights)
+    return engine_holds_weights and cfg.loss.num_iterations > 1
+
+
+def experience_settings(cfg: RunConfig, processing: LogprobProcessing | None, *, decoupled_sampler: bool,
+                        engine_holds_weights: bool) -> ExperienceSettings:
+    """The rollout-side settings from the config tree; old log-probs as ``old_logprobs_after_sampling`` rules.
+    ``processing``: ``logprob_processing``'s (a required argument, so that no role can compute raw log-probs
+    of processed samples by omission)."""
     r = cfg.rollout
     gae = None
     if cfg.algorithm.advantage_estimator == "gae":
         gae = GaeSettings(gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
                           kl_coef=cfg.loss.beta if kl_in_reward(cfg) else 0.0)
-    need_old_logprobs = cfg.loss.num_iterations > 1 if need_old_logprobs is None else need_old_logprobs
     return ExperienceSettings(
         sampling=SamplingParams(n=r.num_generations, max_tokens=r.max_completion_length,
                                 temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
@@ -49,8 +78,10 @@ def experience_settings(cfg: RunConfig, processing: LogprobProcessing | None,
         tag_style=cfg.data.tag_style, max_prompt_length=cfg.data.max_prompt_length,
         advantage_estimator=cfg.algorithm.advantage_estimator, scale_rewards=cfg.loss.scale_rewards,
         advantage_eps=cfg.loss.advantage_eps,
-        need_old_logprobs=need_old_logprobs or kl_in_reward(cfg),
-        logprob_batch_size=cfg.train.micro_batch_size, max_steps=cfg.train.max_steps, gae=gae, processing=processing)
+        need_old_logprobs=old_logprobs_after_sampling(cfg, decoupled_sampler=decoupled_sampler,
+                                                      engine_holds_weights=engine_holds_weights),
+        logprob_batch_size=cfg.train.micro_batch_size, max_steps=cfg.train.max_steps, gae=gae, processing=processing,
+        logprob_pass=logprob_pass(cfg))
 
 
 def loss_settings(cfg: RunConfig, processing: LogprobProcessing | None) -> LossSettings:
@@ -65,9 +96,23 @@ def loss_settings(cfg: RunConfig, processing: LogprobProcessing | None) -> LossS
         mask_truncated_completions=cfg.loss.mask_truncated_completions,
         sampler_is_mode=cfg.loss.sampler_is_mode if cfg.loss.sampler_is_correction else None,
         sampler_is_cap=cfg.loss.sampler_is_cap, sampler_is_min=cfg.loss.sampler_is_min, processing=processing,
-        ptx_coef=cfg.ptx.coef if cfg.ptx.data else 0.0)
+        ptx_coef=cfg.ptx.coef if cfg.ptx.data else 0.0, logprob_pass=logprob_pass(cfg))
 
 
 def dynamic_rounds(cfg: RunConfig) -> int | None:
-    """The cap on dynamic sampling's rounds (``grpo.step.experience.rank_experience``'s ``max_rounds``); None when off."""
+    """The cap on dynamic sampling's rounds (``rank_experience``'s ``max_rounds``); None when off."""
     return cfg.rollout.dynamic_sampling_max_rounds if cfg.rollout.dynamic_sampling else None
+
+
+def loop_schedule(cfg: RunConfig) -> Schedule:
+    """When the loop checkpoints, evaluates, writes samples and stops."""
+    return Schedule(max_steps=cfg.train.max_steps, save_steps=cfg.train.save_steps, eval_steps=cfg.train.eval_steps,
+                    logging_steps=cfg.log.logging_steps, num_samples=cfg.log.num_samples,
+                    early_stop_accuracy=cfg.train.early_stop_accuracy, max_skipped_steps=cfg.optim.max_skipped_steps,
+                    updates_per_step=cfg.loss.num_iterations)
+
+
+def critic_settings(cfg: RunConfig) -> CriticSettings:
+    """PPO's critic update: the same micro-batches and number of passes as the policy's."""
+    return CriticSettings(value_clip=cfg.loss.value_clip, micro_batch_size=cfg.train.micro_batch_size,
+                          num_iterations=cfg.loss.num_iterations)

@@ -1,18 +1,22 @@
-"""Setup shared by the roles that train or sample (colocated trainer, decoupled trainer, sampler):
-the process/device, data, config-derived settings, the learner, checkpoints, and evaluation."""
+"""Setup shared by the roles that train or sample (colocated loop, decoupled trainer and sampler): the
+process and its device, data, rewards, PTX pairs, the learner, and the run folder (claim, resume, logger)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from grpo.config import RunConfig
+from grpo.config import RunConfig, config_to_dict
 from grpo.config.rules import ptx_max_length
 from grpo.data import load_dataset_source, resolve_system_prompt
 from grpo.models.loading import resolve_device
-from grpo.training.distributed import DistInfo, init_distributed, print0
+from grpo.run.resume import resume_checkpoint
+from grpo.run.run_dir import claim_output_dir
+from grpo.run.tracking import MetricsLogger
+from grpo.training.distributed import DistInfo, barrier, init_distributed, print0
 from grpo.training.learners import Learner, build_learner, deepspeed_config
 from grpo.training.optim import build_optimizer, build_scheduler
 
@@ -110,3 +114,32 @@ def build_trainable(cfg: RunConfig, policy: torch.nn.Module, info: DistInfo) -> 
     return Trainable(policy, learner, optimizer, scheduler, deepspeed=False)
 
 
+
+
+@dataclass
+class OpenedRun:
+    """The claimed run folder, where the run starts (after a resume) and its metrics logger."""
+
+    out: Path
+    start_step: int
+    resumed_state: dict | None  # the checkpoint's trainer state, None for a new run
+    logger: MetricsLogger
+
+
+def open_run(cfg: RunConfig, trainable: Trainable, info: DistInfo, critic=None) -> OpenedRun:
+    """Claim the run folder (setup succeeded: only now is anything written), resume from its newest
+    checkpoint that loads when ``train.resume``, and open the metrics logger."""
+    out = claim_output_dir(cfg, info.is_main)
+    barrier(info)
+    resumed = resume_checkpoint(out, trainable, info, critic) if cfg.train.resume else None
+    start_step, state = 0, None
+    if resumed is not None:
+        checkpoint, state = resumed
+        start_step = state["step"]
+        print0(info, f"resumed from {checkpoint} (step {start_step})")
+    # A resume that found no checkpoint starts over, and so do its metrics (resume_step 0 would keep the
+    # killed run's step-0 evaluation and log it a second time).
+    logger = MetricsLogger(out, cfg.log.report_to, config_to_dict(cfg), enabled=info.is_main,
+                           resume_step=start_step if resumed is not None else None,
+                           wandb_project=cfg.log.wandb_project)
+    return OpenedRun(out, start_step, state, logger)

@@ -27,7 +27,7 @@ from grpo.decoupled.ref_server.protocol import (
     decode_request,
     encode_response,
 )
-from grpo.step.logprobs import completion_logprobs
+from grpo.step.logprobs import DEVICE_DEFAULT_PASS, LogprobPass, completion_logprobs
 
 logger = logging.getLogger("grpo.decoupled.ref_server")  # the package's name, as before the split: log lines show it
 
@@ -40,6 +40,7 @@ def build_app(
     max_request_bytes: int,
     micro_batch_size: int | None,
     model_name: str | None = None,
+    logprob_pass: LogprobPass = DEVICE_DEFAULT_PASS,
 ):
     """A FastAPI app serving ``model``'s log-probs (see ``grpo.decoupled.ref_server`` for the protocol).
 
@@ -50,6 +51,8 @@ def build_app(
         max_request_bytes: larger bodies get 413 without being parsed.
         micro_batch_size: rows per forward pass; None = a request's rows all at once.
         model_name: reported by /v1/health; default ``model.name_or_path``.
+        logprob_pass: how the log-prob passes run (``grpo.training.settings.logprob_pass``: the run's
+            train.shared_prompt_pass and train.column_bucket); default: the device type's choices.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -84,7 +87,9 @@ def build_app(
     def compute(req: RefRequest) -> Tensor:
         with forward_lock, torch.no_grad():
             return completion_logprobs(model, req.prompt_ids, req.prompt_mask, req.completion_ids,
-                                       req.completion_mask, temperature, micro_batch_size)  # [N, Lc]
+                                       req.completion_mask, temperature, micro_batch_size,
+                                       share_prompts=logprob_pass.share_prompts,
+                                       column_bucket=logprob_pass.column_bucket)  # [N, Lc]
 
     @app.get("/v1/health")
     def health(request: Request):
@@ -155,6 +160,7 @@ def make_server(
     dtype: str | None = None,
     max_request_mb: float = 64.0,
     micro_batch_size: int | None = None,
+    logprob_pass: LogprobPass = DEVICE_DEFAULT_PASS,
 ):
     """Load the reference model and return a ``uvicorn.Server`` for it (not yet running).
 
@@ -166,6 +172,7 @@ def make_server(
         device: "auto", "cpu", "cuda", "cuda:1", ...
         dtype: float32, bfloat16, float16; None = as stored in the checkpoint.
         max_request_mb: request bodies above this many MiB get 413.
+        micro_batch_size, logprob_pass: as ``build_app``.
     Raises ConfigError (before loading anything) for a non-loopback host without a token, an unset
     token variable, an unknown dtype or a non-positive temperature.
     """
@@ -192,7 +199,7 @@ def make_server(
     kwargs = {"dtype": DTYPES[dtype]} if dtype is not None else {"dtype": "auto"}
     model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs).to(resolve_device(device)).eval()
     app = build_app(model, temperature=temperature, token=token, max_request_bytes=int(max_request_mb * 2**20),
-                    micro_batch_size=micro_batch_size, model_name=model_path)
+                    micro_batch_size=micro_batch_size, model_name=model_path, logprob_pass=logprob_pass)
     shown_host = f"[{host}]" if ":" in host else host
     logger.info("ref server: %s at temperature %g on %s, listening on http://%s:%d (auth: %s)", model_path,
                 temperature, next(model.parameters()).device, shown_host, port, "bearer token" if token else "none")
@@ -209,9 +216,10 @@ def run_ref_server(
     dtype: str | None = None,
     max_request_mb: float = 64.0,
     micro_batch_size: int | None = None,
+    logprob_pass: LogprobPass = DEVICE_DEFAULT_PASS,
 ) -> None:
     """Serve reference log-probs until interrupted (arguments as ``make_server``)."""
     server = make_server(model_path, host, port, temperature, token_env, device, dtype, max_request_mb,
-                         micro_batch_size)
+                         micro_batch_size, logprob_pass)
     print(f"grpo ref server: http://{f'[{host}]' if ':' in host else host}:{port}/v1", flush=True)
     server.run()

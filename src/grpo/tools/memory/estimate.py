@@ -200,7 +200,7 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
     how["logits"] = f"(4 + {p}) B x {b} x {completion_len + 1} x {shape.vocab_size}: fp32 log-softmax rows + grad"
     # grpo.step.logprobs runs each distinct prompt of a micro-batch once (not under gradient checkpointing)
     prompts, prompt_len = prompts_per_micro_batch(b, cfg.rollout.num_generations), cfg.data.max_prompt_length
-    shared = prompts < b and not cfg.model.gradient_checkpointing
+    shared = prompts < b and not cfg.model.gradient_checkpointing and cfg.train.shared_prompt_pass is not False
     if shared:
         activations = shared_prompt_activation_bytes(
             shape, micro_batch=b, prompts=prompts, prompt_len=prompt_len, completion_len=completion_len, p=p,

@@ -1,0 +1,231 @@
+"""The loop both training modes run, written once: ``collect`` a step's batch, ``update``, ``record``.
+
+A mode supplies a ``StepSource``: how this rank gets a step's batch (the colocated loop samples it, the
+decoupled trainer role receives it) and what it does after the update (push weights to an engine, publish
+them to samplers, acknowledge the batch) and around a checkpoint. The rest is here: which step the
+weights belong to, when to checkpoint, Ctrl-C (a step's update, logging and checkpoint finish first; then
+the last finished step is saved), evaluation, logging, early stopping, the NaN guard and the final save.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol
+
+from grpo.critic import CriticSettings, train_critic
+from grpo.run.checkpoint import save_final
+from grpo.run.plots import plot_run
+from grpo.run.resume import save_run_checkpoint
+from grpo.run.tracking import MetricsLogger
+from grpo.step.metrics import sample_records, step_metrics
+from grpo.step.policy_update import LossSettings, train_on_batch
+from grpo.step.records import RolloutBatch
+from grpo.training.distributed import DistInfo, barrier, print0
+from grpo.training.evaluation import eval_metrics
+from grpo.training.guards import DeferredInterrupt, SkipGuard
+from grpo.training.learners import zero3_full_state_dict
+from grpo.training.setup import Trainable
+
+
+@dataclass
+class Collected:
+    """This rank's batch for one step, and what getting it measured."""
+
+    batch: RolloutBatch
+    rollout_s: float  # seconds spent getting the batch (sampling, or waiting for a sampler's)
+    rollout_stats: dict[str, float] = field(default_factory=dict)  # this rank's; averaged over ranks
+    metrics: dict[str, float] = field(default_factory=dict)  # logged as they are (the off-policy guard's)
+
+
+class StepSource(Protocol):
+    """What a mode adds to the loop."""
+
+    def collect(self, step: int) -> Collected:
+        """This rank's batch for ``step``."""
+
+    def after_update(self, step: int, collected: Collected, checkpointing: bool) -> dict[str, float]:
+        """Runs once the step's update is done (weights pushed or published); returns metrics to log.
+        ``checkpointing``: this step will be checkpointed next."""
+
+    def checkpoint_state(self, step: int, collected: Collected | None) -> dict:
+        """The mode's part of the trainer state saved with the checkpoint of ``step`` (``collected``: the
+        step's own batch when the checkpoint follows its update, None for an earlier finished step)."""
+
+    def checkpoint_written(self, step: int, collected: Collected | None) -> None:
+        """Runs once that checkpoint is on disk."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When the loop checkpoints, evaluates, writes samples, stops (``train.*``, ``log.*``)."""
+
+    max_steps: int
+    save_steps: int
+    eval_steps: int | None = None
+    logging_steps: int = 1
+    num_samples: int = 0
+    early_stop_accuracy: float | None = None
+    max_skipped_steps: int = 3
+    updates_per_step: int = 1  # loss.num_iterations: a step whose every update was skipped counts as skipped
+
+    def checkpoints(self, step: int) -> bool:
+        return step % self.save_steps == 0 or step == self.max_steps
+
+    def evaluates(self, step: int) -> bool:  # the last step is evaluated once, after the loop
+        return bool(self.eval_steps) and step % self.eval_steps == 0 and step < self.max_steps
+
+    def writes_samples(self, step: int) -> bool:
+        return bool(self.num_samples) and step % self.logging_steps == 0
+
+    def stops_early(self, metrics: dict[str, float]) -> bool:
+        target = self.early_stop_accuracy
+        return target is not None and metrics.get("eval/accuracy", -1.0) >= target
+
+
+@dataclass
+class PolicyUpdate:
+    """A step's update on this rank: the policy (with the step's PTX micro-batch), then PPO's critic."""
+
+    trainable: Trainable
+    settings: LossSettings
+    info: DistInfo
+    ptx_data: object | None = None  # grpo.step.ptx.PtxData
+    critic: object | None = None  # grpo.critic.Critic
+    critic_settings: CriticSettings | None = None
+
+    def __call__(self, step: int, batch: RolloutBatch) -> dict:
+        ptx_batch = self.ptx_data.batch(step, self.info.rank) if self.ptx_data else None
+        stats = train_on_batch(self.trainable.learner, batch, self.settings, self.info, ptx_batch)
+        if self.critic is not None:
+            stats.update(train_critic(self.critic.learner, batch, self.critic_settings))
+        return stats
+
+
+@dataclass
+class Loop:
+    """What the skeleton drives, built once by a mode's setup."""
+
+    schedule: Schedule
+    update: Callable[[int, RolloutBatch], dict]  # (step, this rank's batch) -> train statistics
+    trainable: Trainable
+    tokenizer: object
+    out: Path
+    info: DistInfo
+    logger: MetricsLogger
+    progress: AbstractContextManager  # with update(step, metrics): grpo.run.progress
+    compute: AbstractContextManager  # the trainer's autocast/attention context (grpo.models.loading)
+    group_size: int
+    tag_style: str
+    save_total_limit: int | None
+    evaluate: Callable[[], dict | None] | None = None  # held-out evaluation, None without a held-out set
+    critic: object | None = None  # saved in every checkpoint (PPO)
+
+
+@dataclass
+class RunState:
+    """The weights are those of step ``done``, except while a step's update runs (``updating``);
+    ``saved`` is the newest checkpoint's step."""
+
+    done: int
+    saved: int
+    updating: bool = False
+
+
+@dataclass
+class LoopResult:
+    last_step: int
+    eval_before: dict | None
+    eval_after: dict | None
+
+
+def run_loop(loop: Loop, source: StepSource, start_step: int, eval_before: dict | None = None) -> LoopResult:
+    """Train steps ``start_step + 1 .. max_steps`` (evaluating before the first step of a new run and after
+    the last), then save the final weights. Ctrl-C: ``KeyboardInterrupt`` after the last finished step is
+    checkpointed (unless a second Ctrl-C stopped a step's update midway: then nothing is saved)."""
+    with loop.compute:
+        if start_step == 0 and loop.evaluate is not None:
+            eval_before = loop.evaluate()
+            loop.logger.log(0, eval_metrics(eval_before))
+        last_step = _steps(loop, source, start_step, eval_before)
+        eval_after = loop.evaluate() if loop.evaluate is not None else None
+    if eval_after is not None:
+        loop.logger.log(last_step, eval_metrics(eval_after))
+    loop.logger.close()
+    final_weights = zero3_full_state_dict(loop.trainable.learner)  # a collective under ZeRO-3
+    if loop.info.is_main:
+        save_final(loop.out, loop.trainable.policy, loop.tokenizer, state_dict=final_weights)
+        plot_run(loop.out)
+    barrier(loop.info)
+    return LoopResult(last_step, eval_before, eval_after)
+
+
+def _steps(loop: Loop, source: StepSource, start_step: int, eval_before: dict | None) -> int:
+    schedule, info = loop.schedule, loop.info
+    state = RunState(done=start_step, saved=start_step)
+    interrupt = DeferredInterrupt()
+    skips = SkipGuard(schedule.max_skipped_steps, schedule.updates_per_step)
+
+    def checkpoint(step: int, collected: Collected | None) -> None:
+        trainer_state = {"step": step, "eval_before": eval_before, **source.checkpoint_state(step, collected)}
+        save_run_checkpoint(loop.out, step, loop.trainable, loop.tokenizer, trainer_state, loop.save_total_limit,
+                            info, loop.critic)
+        state.saved = step
+        source.checkpoint_written(step, collected)
+
+    step = start_step
+    try:
+        with loop.progress:
+            for step in range(start_step + 1, schedule.max_steps + 1):
+                started = time.perf_counter()
+                collected = source.collect(step)
+                # From the update to the step's checkpoint, Ctrl-C waits for the step to end: the weights then
+                # match the step that is logged and saved.
+                with interrupt.holding():
+                    state.updating = True
+                    update_started = time.perf_counter()
+                    stats = loop.update(step, collected.batch)
+                    update_s = time.perf_counter() - update_started
+                    checkpointing = schedule.checkpoints(step)
+                    metrics = _record(loop, source, step, collected, stats, started, update_s, checkpointing)
+                    state.updating, state.done = False, step
+                    if checkpointing:
+                        checkpoint(step, collected)
+                skips.record(step, stats)
+                if schedule.stops_early(metrics):
+                    print0(info, f"eval/accuracy {metrics['eval/accuracy']:.3f} reached "
+                                 f"{schedule.early_stop_accuracy}: stopping")
+                    if not checkpointing:
+                        checkpoint(step, None)
+                    break
+    except KeyboardInterrupt:
+        # The step in flight is lost, never saved under another step's number (its batch would then be
+        # trained twice after resuming).
+        if state.updating or interrupt.forced:
+            print0(info, f"\ninterrupted during the update of step {state.done + 1}: nothing saved; --resume "
+                         f"continues from step {state.saved}")
+        elif state.done > state.saved:
+            print0(info, f"\ninterrupted: saving a checkpoint of step {state.done}")
+            checkpoint(state.done, None)
+        loop.logger.close()
+        raise
+    return step
+
+
+def _record(loop: Loop, source: StepSource, step: int, collected: Collected, stats: dict, started: float,
+            update_s: float, checkpointing: bool) -> dict[str, float]:
+    """After a step's update: the mode's own work (``after_update``), evaluation when due, then the step's
+    metrics and samples logged and the progress shown. Returns the metrics."""
+    metrics = step_metrics(collected.batch, stats, loop.group_size, loop.tag_style, started, collected.rollout_s,
+                           update_s, loop.info, collected.rollout_stats)
+    metrics.update(collected.metrics)
+    metrics.update(source.after_update(step, collected, checkpointing))
+    if loop.schedule.evaluates(step) and loop.evaluate is not None:
+        metrics.update(eval_metrics(loop.evaluate()))
+    loop.logger.log(step, metrics)
+    if loop.schedule.writes_samples(step):
+        loop.logger.log_samples(step, sample_records(collected.batch, loop.schedule.num_samples))
+    loop.progress.update(step, metrics)
+    return metrics
