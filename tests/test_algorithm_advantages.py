@@ -41,7 +41,7 @@ def discrete_rewards(P: int, G: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("G", [1, 2, 3, 4, 8])
-@pytest.mark.parametrize("estimator", sorted(ADVANTAGE_ESTIMATORS))
+@pytest.mark.parametrize("estimator", sorted(n for n, e in ADVANTAGE_ESTIMATORS.items() if e.group_baseline))
 def test_estimators_match_loop_references(seed, G, estimator):
     rewards = discrete_rewards(5, G, seed)
     want = {"grpo": lambda r: ref_group_advantages(r, G, "group", 1e-4),
@@ -81,8 +81,10 @@ def test_reinforce_pp_hand_computed():
 
 
 def test_estimator_errors():
-    known = r"known: \['grpo', 'reinforce_pp', 'rloo'\]"
-    with pytest.raises(ValueError, match=r"unknown advantage estimator 'gae'; " + known):
+    known = r"known: \['gae', 'grpo', 'reinforce_pp', 'rloo'\]"
+    with pytest.raises(ValueError, match=r"unknown advantage estimator 'ppo'; " + known):
+        group_advantages(torch.zeros(4), 2, estimator="ppo")
+    with pytest.raises(ValueError, match=r"'gae' works per token from a critic's values"):
         group_advantages(torch.zeros(4), 2, estimator="gae")
     with pytest.raises(ValueError, match=r"'rloo' has its own scaling; scale 'group' applies to the 'grpo'"):
         group_advantages(torch.zeros(4), 2, scale="group", estimator="rloo")
@@ -185,3 +187,49 @@ def test_kl_token_rewards_errors():
         kl_penalized_token_rewards(torch.zeros(2), torch.zeros(2, 3), torch.tensor([[1, 0, 0], [0, 0, 0]]), 0.1)
     with pytest.raises(ValueError, match=r"sequence_rewards must be \[N\]=2"):
         kl_penalized_token_rewards(torch.zeros(3), torch.zeros(2, 3), torch.ones(2, 3), 0.1)
+
+
+# ---------------------------------------------------------------- group_advantages
+
+from grpo.algorithm import ADVANTAGE_SCALES  # noqa: E402  (appended block; may join the imports at the top)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("G", [1, 2, 4, 8])
+@pytest.mark.parametrize("scale", sorted(ADVANTAGE_SCALES))
+def test_group_advantages_matches_loop_reference(seed, G, scale):
+    gen = torch.Generator().manual_seed(seed)
+    P = 5
+    # Discrete rewards as real reward functions give: equal groups happen and must give 0.
+    rewards = torch.randint(-2, 3, (P * G,), generator=gen).double() * 0.75
+    rewards[:G] = 1.0  # one group with no signal
+    got = group_advantages(rewards, G, scale=scale, eps=1e-4)
+    want = ref_group_advantages(rewards.tolist(), G, scale, 1e-4)
+    assert got.shape == (P * G,)
+    assert torch.allclose(got, torch.tensor(want, dtype=got.dtype), atol=TOL, rtol=0)
+    assert (got[:G] == 0).all()
+
+
+def test_group_advantages_hand_computed():
+    # Group [1, 0, 0, 1]: mean 0.5, Bessel std = sqrt(4 * 0.25 / 3) = 0.57735; eps 0 -> +-0.866025.
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 4, eps=0.0)
+    assert torch.allclose(adv, torch.tensor([0.8660254, -0.8660254, -0.8660254, 0.8660254]), atol=1e-6)
+    # "none" only centres: [3, 1] -> [1, -1]; "batch" with one group equals "group".
+    assert group_advantages(torch.tensor([3.0, 1.0]), 2, scale="none").tolist() == [1.0, -1.0]
+
+
+def test_group_advantages_all_equal_groups_are_exact_zero():
+    # 0.1 repeated: its float mean may differ by an ulp; advantages must still be exactly 0.
+    rewards = torch.tensor([0.1] * 3 + [0.7] * 3, dtype=torch.float32)
+    for scale in ADVANTAGE_SCALES:
+        assert (group_advantages(rewards, 3, scale=scale) == 0).all()
+    assert (group_advantages(torch.tensor([2.0, -1.0, 5.0]), 1) == 0).all()  # G = 1
+
+
+def test_group_advantages_errors():
+    with pytest.raises(ValueError, match="not a multiple"):
+        group_advantages(torch.zeros(7), 4)
+    with pytest.raises(ValueError, match="NaN"):
+        group_advantages(torch.tensor([1.0, float("nan")]), 2)
+    with pytest.raises(ValueError, match=r"known: \['batch', 'group', 'none'\]"):
+        group_advantages(torch.zeros(4), 2, scale="rloo")

@@ -9,16 +9,42 @@ import pytest
 
 from grpo.config import ConfigError, load_config
 from grpo.models.tiny import build_qwen2, build_tokenizer
-from grpo.rollout import HFEngine, LeanEngine
-from grpo.rollout.build import build_engine, check_engine_available, holds_own_weights
+from grpo.rollout import HFEngine, LeanEngine, StaticEngine
+from grpo.rollout.build import ENGINES, build_engine, check_engine_available, holds_own_weights
 
 
 def test_hf_engines_by_name_sample_from_the_policy_itself():
     tokenizer = build_tokenizer()
     model = build_qwen2(tokenizer, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
-    for name, kind in (("hf", LeanEngine), ("hf-generate", HFEngine)):
+    for name, kind in (("hf", LeanEngine), ("hf-static", StaticEngine), ("hf-generate", HFEngine)):
         engine = build_engine(load_config(None, [f"rollout.engine={name}"]), model, tokenizer)
         assert isinstance(engine, kind) and not holds_own_weights(engine)
+        assert not ENGINES[name].own_weights
+
+
+def test_the_config_offers_exactly_the_registered_engines():
+    from dataclasses import fields
+
+    from grpo.config.schema import RolloutConfig
+
+    engine = next(f for f in fields(RolloutConfig) if f.name == "engine")
+    assert set(engine.metadata["choices"]) == set(ENGINES)
+    assert [n for n, k in ENGINES.items() if k.own_weights] == ["vllm"]
+
+
+def test_an_engine_with_update_weights_is_an_own_weights_engine():
+    from grpo.rollout import OwnWeightsEngine
+
+    class Pushed:
+        def generate(self, prompts, params, seed=None): ...
+
+        def update_weights(self, weights) -> None: ...
+
+    class Plain:
+        def generate(self, prompts, params, seed=None): ...
+
+    assert isinstance(Pushed(), OwnWeightsEngine) and holds_own_weights(Pushed())
+    assert not holds_own_weights(Plain())
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")

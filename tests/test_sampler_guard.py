@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -64,7 +66,7 @@ def test_top_p_with_the_check_on_is_a_config_error_naming_the_key():
 
 class DriftingEngine:
     """Samples from the policy itself (the HF lean engine) but, like vLLM, "holds its own weights"
-    (``update_weights``) and reports ``last_logprobs``: the policy's own, plus ``drift`` from the
+    (``update_weights``) and reports ``sampler_logprobs``: the policy's own, plus ``drift`` from the
     ``drift_from_call``-th generate call on (1-based: call k samples step k)."""
 
     def __init__(self, policy, tokenizer, drift: float = 0.0, drift_from_call: int = 1):
@@ -72,7 +74,7 @@ class DriftingEngine:
 
         self.inner, self.policy = LeanEngine(policy, tokenizer), policy
         self.drift, self.drift_from_call = drift, drift_from_call
-        self.calls, self.pushed, self.last_logprobs = 0, [], None
+        self.calls, self.pushed = 0, []
 
     def generate(self, prompts, params, seed=None):
         from grpo.step.experience import generation_logprobs
@@ -81,8 +83,7 @@ class DriftingEngine:
         gen = self.inner.generate(prompts, params, seed=seed)
         own = generation_logprobs(self.policy, gen, params.temperature, 64).float().cpu()  # [N, Lc]
         drift = self.drift if self.calls >= self.drift_from_call else 0.0
-        self.last_logprobs = (own + drift) * gen.completion_mask
-        return gen
+        return replace(gen, sampler_logprobs=(own + drift) * gen.completion_mask)
 
     def update_weights(self, loaded) -> None:
         self.pushed.append(loaded.version)

@@ -75,7 +75,7 @@ def test_generation_shapes_grouping_and_masks(engine, tiny):
     again = engine.generate(PROMPTS, params, seed=7)
     assert torch.equal(again.completion_ids, gen.completion_ids)
     assert not torch.equal(gen.completion_ids[0], gen.completion_ids[1])
-    lp = engine.last_logprobs
+    lp = again.sampler_logprobs
     assert lp.shape == gen.completion_ids.shape and lp.dtype == torch.float32
     assert (lp[gen.completion_mask.bool()] < 0).all() and (lp[~gen.completion_mask.bool()] == 0).all()
 
@@ -105,7 +105,7 @@ def test_greedy_matches_lean_hf_engine_and_logprobs_match_the_trainer(engine, ti
     sampled = SamplingParams(n=2, max_tokens=10, temperature=0.7)
     gen = engine.generate(PROMPTS, sampled, seed=3)
     expected = hf_logprobs(model, gen, sampled.temperature)
-    torch.testing.assert_close(engine.last_logprobs, expected, atol=2e-4, rtol=0)
+    torch.testing.assert_close(gen.sampler_logprobs, expected, atol=2e-4, rtol=0)
 
 
 def sampled_logprob_gap(engine, model, seed: int = 3) -> float:
@@ -114,7 +114,7 @@ def sampled_logprob_gap(engine, model, seed: int = 3) -> float:
     sampled = SamplingParams(n=2, max_tokens=10, temperature=0.7)
     gen = engine.generate(PROMPTS, sampled, seed=seed)
     mask = gen.completion_mask.bool()
-    return float((engine.last_logprobs - hf_logprobs(model, gen, sampled.temperature)).abs()[mask].max())
+    return float((gen.sampler_logprobs - hf_logprobs(model, gen, sampled.temperature)).abs()[mask].max())
 
 
 def test_full_weight_update_gives_the_new_weights_log_probs(engine, tiny, tmp_path):
@@ -305,6 +305,6 @@ def test_sampling_controls_follow_hf_semantics_and_the_trainers_processed_logpro
         ours = completion_logprobs(model, gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask,
                                    params.temperature, processing=processing)
     mask = gen.completion_mask.bool()
-    torch.testing.assert_close(engine.last_logprobs[mask], ours[mask], atol=2e-4, rtol=0)
+    torch.testing.assert_close(gen.sampler_logprobs[mask], ours[mask], atol=2e-4, rtol=0)
     plain = hf_logprobs(model, gen, params.temperature)
     assert float((plain - ours).abs()[mask].max()) > 1e-2  # the controls changed the distribution

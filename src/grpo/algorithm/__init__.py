@@ -21,6 +21,8 @@ raises a ``ValueError`` listing the known ones.
 from grpo.algorithm.advantages import (
     ADVANTAGE_ESTIMATORS,
     ADVANTAGE_SCALES,
+    AdvantageEstimator,
+    advantage_estimator,
     gae_advantages,
     group_advantages,
     kl_penalized_token_rewards,
@@ -29,9 +31,11 @@ from grpo.algorithm.advantages import (
 from grpo.algorithm.losses import (
     IMPORTANCE_SAMPLING_LEVELS,
     LOSS_AGGREGATIONS,
+    LossAggregation,
     SAMPLER_CORRECTIONS,
     aggregate_loss,
     kl_k3,
+    loss_aggregation,
     logprob_mismatch,
     policy_loss,
     sampler_importance_weights,
@@ -44,7 +48,7 @@ from grpo.algorithm.tokens import token_entropy, token_logprobs
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "ADVANTAGE_SCALES", "IMPORTANCE_SAMPLING_LEVELS", "LOSS_AGGREGATIONS", "LogprobProcessing",
-    "SAMPLER_CORRECTIONS",
+    "SAMPLER_CORRECTIONS", "AdvantageEstimator", "LossAggregation", "advantage_estimator", "loss_aggregation",
     "aggregate_loss", "gae_advantages", "group_advantages", "kl_k3", "kl_penalized_token_rewards", "logprob_mismatch",
     "policy_loss", "processed_token_entropy", "processed_token_logprobs", "sampler_importance_weights", "sft_loss",
     "token_entropy", "token_logprobs", "truncated_importance_weights", "value_loss", "whiten",

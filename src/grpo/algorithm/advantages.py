@@ -8,6 +8,7 @@ Masks are ``[N, L]``, 1 for real completion tokens (a prefix of each row: right 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -79,11 +80,37 @@ def _reinforce_pp(grouped: Tensor, scale: str | None, eps: float) -> Tensor:
     return centred / (std + eps)
 
 
-ADVANTAGE_ESTIMATORS: dict[str, Callable[[Tensor, str | None, float], Tensor]] = {
-    "grpo": _grpo,
-    "rloo": _rloo,
-    "reinforce_pp": _reinforce_pp,
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """An estimator and what a run needs for it.
+
+    from_group: (grouped [P, G] rewards, scale name or None, eps) -> [P, G] advantages; None for an
+        estimator that does not work from group rewards (``gae``: ``grpo.algorithm.ppo.ppo_advantages``).
+    needs_critic: a value model is trained beside the policy (``grpo.critic``).
+    token_level: advantages are ``[N, L]`` per token, not ``[N]`` per completion.
+    """
+
+    from_group: Callable[[Tensor, str | None, float], Tensor] | None
+    needs_critic: bool = False
+    token_level: bool = False
+
+    @property
+    def group_baseline(self) -> bool:
+        """The group is the baseline: G >= 2 is needed, and an all-equal group carries no signal."""
+        return self.from_group is not None
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
+    "grpo": AdvantageEstimator(_grpo),
+    "rloo": AdvantageEstimator(_rloo),
+    "reinforce_pp": AdvantageEstimator(_reinforce_pp),
+    "gae": AdvantageEstimator(None, needs_critic=True, token_level=True),  # PPO
 }
+
+
+def advantage_estimator(name: str) -> AdvantageEstimator:
+    """The estimator called ``name``; ValueError listing the known ones."""
+    return lookup(ADVANTAGE_ESTIMATORS, "advantage estimator", name)
 
 
 def group_advantages(rewards: Tensor, group_size: int, scale: str | None = None, eps: float = 1e-4,
@@ -108,9 +135,12 @@ def group_advantages(rewards: Tensor, group_size: int, scale: str | None = None,
 
     Raises:
         ValueError: ``N`` is not a multiple of ``G``, a reward is NaN, the estimator or scale is
-            unknown, or a scale is given to an estimator other than ``grpo``.
+            unknown or not a group estimator, or a scale is given to an estimator other than ``grpo``.
     """
-    estimate = lookup(ADVANTAGE_ESTIMATORS, "advantage estimator", estimator)
+    estimate = advantage_estimator(estimator).from_group
+    if estimate is None:
+        raise ValueError(f"advantage estimator {estimator!r} works per token from a critic's values "
+                         "(grpo.algorithm.ppo.ppo_advantages), not from group rewards")
     if scale is not None:
         lookup(ADVANTAGE_SCALES, "advantage scale", scale)
     if rewards.dim() != 1:

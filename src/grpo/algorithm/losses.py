@@ -7,6 +7,7 @@ not the trainer.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -52,12 +53,39 @@ def _agg_dapo(per_token: Tensor, mask: Tensor, normalizer, max_len) -> Tensor:
     return (per_token * mask).sum() / denom
 
 
-LOSS_AGGREGATIONS: dict[str, Callable[..., Tensor]] = {
-    "grpo": _agg_grpo,
-    "bnpo": _agg_bnpo,
-    "dr_grpo": _agg_dr_grpo,
-    "dapo": _agg_dapo,
+@dataclass(frozen=True)
+class LossAggregation:
+    """A loss_type: how a micro-batch's per-token loss becomes a scalar (``reduce``), and how micro-batches
+    add up to the whole batch's loss under gradient accumulation (``micro_batch_weights``).
+
+    per_row: the loss is a mean over rows (a micro-batch weighs by its rows), not over tokens (by its tokens).
+    global_normalizer: ``reduce`` already divides by the whole batch's token count (the ``normalizer``
+        over ranks and micro-batches), so a micro-batch's loss is added with weight 1.
+    """
+
+    reduce: Callable[..., Tensor]
+    per_row: bool
+    global_normalizer: bool = False
+
+    def micro_batch_weights(self, rows: int, tokens: Tensor, total_rows: int,
+                            total_tokens: Tensor) -> tuple[Tensor | float, Tensor | float]:
+        """(the weight of a micro-batch's loss, so that the accumulated gradient equals the batch's; its
+        share of the batch, which weighs its statistics). ``tokens``/``total_tokens``: 0-d counts."""
+        share = rows / total_rows if self.per_row else tokens / total_tokens.clamp(min=1)
+        return (1.0 if self.global_normalizer else share), share
+
+
+LOSS_AGGREGATIONS: dict[str, LossAggregation] = {
+    "grpo": LossAggregation(_agg_grpo, per_row=True),
+    "bnpo": LossAggregation(_agg_bnpo, per_row=False),
+    "dr_grpo": LossAggregation(_agg_dr_grpo, per_row=True),
+    "dapo": LossAggregation(_agg_dapo, per_row=False, global_normalizer=True),
 }
+
+
+def loss_aggregation(loss_type: str) -> LossAggregation:
+    """``LOSS_AGGREGATIONS[loss_type]``; ValueError listing the known ones."""
+    return lookup(LOSS_AGGREGATIONS, "loss_type", loss_type)
 
 
 def aggregate_loss(
@@ -74,8 +102,7 @@ def aggregate_loss(
     ``dr_grpo``: masked sum / (N * max_completion_length); ``dapo``: masked sum / ``normalizer``
     (the global token count over ranks and micro-batches), or the local count when it is None.
     """
-    agg = lookup(LOSS_AGGREGATIONS, "loss_type", loss_type)
-    return agg(per_token, mask.to(per_token.dtype), normalizer, max_completion_length)
+    return loss_aggregation(loss_type).reduce(per_token, mask.to(per_token.dtype), normalizer, max_completion_length)
 
 
 

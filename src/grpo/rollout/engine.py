@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor
 
 from grpo.step.records import Generation
+
+if TYPE_CHECKING:
+    from grpo.weight_store.layout import LoadedWeights
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,16 @@ class SamplingParams:
 class RolloutEngine(Protocol):
     def generate(self, prompts: Sequence[str], params: SamplingParams, seed: int | None = None) -> Generation:
         """Sample ``params.n`` completions for each rendered prompt; rows grouped per prompt."""
+        ...
+
+
+@runtime_checkable
+class OwnWeightsEngine(RolloutEngine, Protocol):
+    """An engine that samples from its own copy of the weights (vLLM), not from the policy module: the
+    trainer hands it every new version, and its generations carry its own ``sampler_logprobs``."""
+
+    def update_weights(self, weights: LoadedWeights) -> None:
+        """Sample from ``weights`` (a full state dict, or a LoRA adapter over the base) from now on."""
         ...
 
 

@@ -6,7 +6,7 @@ trainer's), the ids go to ``vllm.LLM.generate`` as ``{"prompt_token_ids": ...}``
 max_tokens, seed), and the ``RequestOutput`` objects come back as a ``grpo.step.records.Generation``
 (rows grouped per prompt, completions right-padded with the pad id).
 
-Log-probs: vLLM also returns the sampler's log-prob of each sampled token (``last_logprobs``, [N, Lc]),
+Log-probs: vLLM also returns the sampler's log-prob of each sampled token (the generation's ``sampler_logprobs``, [N, Lc]),
 which become the batch's ``sampler_logprobs``: for the train/inference mismatch check
 (``rollout/logprob_diff``) and the optional truncated importance-sampling correction
 (``loss.sampler_is_correction``). The trainer always recomputes its own old log-probs at the same
@@ -153,7 +153,6 @@ class VLLMEngine:
         self.enable_sleep_mode = enable_sleep_mode
         self.asleep = False
         self.weights_version: int | None = None  # the last version loaded by update_weights
-        self.last_logprobs: Tensor | None = None  # [N, Lc] float32 sampler log-probs, 0 where masked
         self._lora_request = None
         self._lora_dir: Path | None = None
         self._next_lora_id = 1
@@ -164,8 +163,8 @@ class VLLMEngine:
         """``params.n`` completions per rendered prompt, rows grouped per prompt (``Generation``).
 
         ``seed`` makes the draws reproducible: prompt ``i`` is requested with seed ``seed + i * n`` and
-        vLLM gives its ``j``-th sample ``seed + i * n + j``, so no two rows share a stream. Also sets
-        ``last_logprobs`` ([N, Lc] float32, the sampler's log-prob of each completion token).
+        vLLM gives its ``j``-th sample ``seed + i * n + j``, so no two rows share a stream. The
+        generation's ``sampler_logprobs`` are vLLM's log-prob of each completion token ([N, Lc] float32).
         """
         if self.asleep:
             raise RuntimeError("the vLLM engine is asleep; call wake_up() before generate()")
@@ -202,14 +201,14 @@ class VLLMEngine:
         lengths = torch.tensor([len(r) for r in rows])  # [N]
         completion_mask = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).long()  # [N, Lc]
         truncated = ~torch.tensor(stopped, dtype=torch.bool)  # [N]
-        self.last_logprobs = logprobs * completion_mask
         prompt_ids, prompt_mask = left_pad(encoded, pad_id)
         return Generation(
             prompt_ids=prompt_ids.repeat_interleave(n, dim=0),
             prompt_mask=prompt_mask.repeat_interleave(n, dim=0),
             completion_ids=completion_ids, completion_mask=completion_mask, truncated=truncated,
             completions=self.tokenizer.batch_decode(completion_ids.masked_fill(completion_mask == 0, pad_id),
-                                                    skip_special_tokens=True))
+                                                    skip_special_tokens=True),
+            sampler_logprobs=logprobs * completion_mask)
 
     # ---------------------------------------------------------------- weights
 

@@ -161,13 +161,12 @@ def sample_and_score(engine: RolloutEngine, tokenizer, examples: Sequence[Exampl
     """Generate ``G`` completions per example and score them: a ``RolloutBatch`` whose advantages are
     still 0 and which has no log-probs yet (``finish_experience`` adds both, once the batch is final:
     dynamic sampling keeps only some groups of several of these, and the batch-statistics estimators
-    must see the batch that is trained). ``sampler_logprobs`` are the engine's ``last_logprobs`` when
-    it reports them (vLLM, or a test's fake)."""
+    must see the batch that is trained). ``sampler_logprobs`` are the generation's, when the engine
+    reports them (vLLM, or a test's fake)."""
     G = settings.sampling.n
     started = time.perf_counter()
     prompts = render_prompts(tokenizer, examples, settings.system_prompt, settings.max_prompt_length)
     generation = engine.generate(prompts, settings.sampling, seed=seed)
-    sampler_logprobs = getattr(engine, "last_logprobs", None)
     generated = time.perf_counter()
 
     # Rewards see chat-format prompts and completions, as TRL passes them for conversational data,
@@ -196,7 +195,7 @@ def sample_and_score(engine: RolloutEngine, tokenizer, examples: Sequence[Exampl
         reward_metrics=context.metric_means(),
         reward_extras=context.extra_columns(len(generation.completions)),
         timings={"generate_s": generated - started, "rewards_s": time.perf_counter() - generated},
-        sampler_logprobs=sampler_logprobs,
+        sampler_logprobs=generation.sampler_logprobs,
     )
 
 

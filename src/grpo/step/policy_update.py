@@ -1,5 +1,6 @@
-"""The learner's half of a step: AdamW + warm-up/decay schedule, and the clipped-surrogate update
-over a rollout batch in micro-batches with gradient accumulation (plus the PTX micro-batch, if any)."""
+"""The learner's half of a step: the clipped-surrogate update over a rollout batch in micro-batches with
+gradient accumulation (plus the PTX micro-batch, if any); the optimizer and schedule it steps are
+``grpo.training.optim``'s."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo.algorithm import LogprobProcessing, policy_loss, sampler_importance_weights
+from grpo.algorithm import LogprobProcessing, loss_aggregation, policy_loss, sampler_importance_weights
 from grpo.step.logprobs import DEVICE_DEFAULT_PASS, LogprobPass, completion_logprobs
 from grpo.step.ptx import ptx_nll
 from grpo.step.records import RolloutBatch, SftBatch
@@ -34,17 +35,6 @@ class LossSettings:
     processing: LogprobProcessing | None = None  # the sampling controls the log-probs follow (None: off)
     ptx_coef: float = 0.0  # weight of the PTX micro-batch's mean NLL in each update (ptx.coef)
     logprob_pass: LogprobPass = DEVICE_DEFAULT_PASS  # how the update's log-prob passes run (None fields: the device's default)
-
-
-def _micro_batch_weight(loss_type: str, rows: int, tokens: torch.Tensor, total_rows: int,
-                        total_tokens: torch.Tensor) -> torch.Tensor | float:
-    # Scale each micro-batch's loss so that the accumulated gradient equals the whole batch's:
-    # sequence-mean losses weigh by rows, token-mean (bnpo) by tokens; dapo gets the global count instead.
-    if loss_type in ("grpo", "dr_grpo"):
-        return rows / total_rows
-    if loss_type == "bnpo":
-        return tokens / total_tokens.clamp(min=1)
-    return 1.0
 
 
 def rows_by_length(completion_mask: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -97,6 +87,7 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
         sampler_all = batch.sampler_logprobs.to(device)
     # dapo: the token count over all ranks; DDP averages gradients, so scale it back by the world size.
     total_tokens = mask.sum()
+    aggregation = loss_aggregation(s.loss_type)  # how micro-batches add up to the batch's loss
     sampled_tokens = sampled.sum().clamp(min=1)
     # Clamped to its smallest non-zero value (1 token over all ranks): 0 when mask_truncated_completions
     # masked every completion, and the numerators are 0 then, so the loss is 0 instead of 0/0.
@@ -149,11 +140,9 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
                     epsilon_high=s.epsilon_high, beta=s.beta, loss_type=s.loss_type,
                     max_completion_length=s.max_completion_length, normalizer=global_tokens,
                     importance_sampling_level=s.importance_sampling_level, sampler_weights=weights)
-                weight = _micro_batch_weight(s.loss_type, logprobs.shape[0], rows_mask.sum(), N, total_tokens)
+                weight, share = aggregation.micro_batch_weights(logprobs.shape[0], rows_mask.sum(), N, total_tokens)
                 learner.backward(loss * weight)
             with torch.no_grad():
-                # The micro-batch's share of the step's statistics: its loss weight, or its token share (dapo).
-                share = weight if s.loss_type != "dapo" else rows_mask.sum() / total_tokens.clamp(min=1)
                 share = share.double() if isinstance(share, torch.Tensor) else share
                 terms = [(loss.detach() * weight).double()] + [stats[key].double() * share for key in _SUMMED[1:]]
                 sums[:len(_SUMMED)] += torch.stack(terms) / s.num_iterations

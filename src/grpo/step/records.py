@@ -20,6 +20,9 @@ class Generation:
     completion_mask: [N, Lc] long, 1 for tokens up to and including the first EOS, 0 after it.
     truncated:       [N] bool, True when no EOS was produced within max_completion_length.
     completions:     N decoded completion texts (special tokens removed).
+    sampler_logprobs: [N, Lc] float32 the engine's own log-prob of each sampled token (0 on padding), from
+                     an engine whose weights are not the trainer's (vLLM); None when it samples from the
+                     policy itself. ``sample_and_score`` carries it into ``RolloutBatch.sampler_logprobs``.
     """
 
     prompt_ids: Tensor
@@ -28,6 +31,7 @@ class Generation:
     completion_mask: Tensor
     truncated: Tensor
     completions: list[str]
+    sampler_logprobs: Tensor | None = None
 
 
 @dataclass

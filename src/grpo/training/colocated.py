@@ -30,7 +30,7 @@ from grpo.training.distributed import shutdown
 from grpo.training.evaluation import run_eval
 from grpo.training.loop import Collected, Loop, PolicyUpdate, run_loop
 from grpo.training.settings import (critic_settings, dynamic_rounds, experience_settings, logprob_pass,
-                                    logprob_processing, loop_schedule, loss_settings)
+                                    logprob_processing, loop_schedule, loss_settings, needs_critic)
 from grpo.training.setup import build_rewards, build_trainable, load_data, load_ptx_data, open_run, start_process
 
 
@@ -137,8 +137,7 @@ def train(cfg: RunConfig) -> TrainResult:
         ref_logprobs = (local_reference(policy, reference, cfg.rollout.temperature, cfg.train.micro_batch_size,
                                         processing, logprob_pass(cfg)) if cfg.loss.beta > 0 else None)
         trainable = build_trainable(cfg, policy, info)
-        needs_critic = cfg.algorithm.advantage_estimator == "gae"  # SWITCH-TO-REGISTRY
-        critic = build_critic(cfg, info, device) if needs_critic else None
+        critic = build_critic(cfg, info, device) if needs_critic(cfg) else None
         run = open_run(cfg, trainable, info, critic)
         eval_before = run.resumed_state.get("eval_before") if run.resumed_state else None
 

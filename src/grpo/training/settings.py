@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo.algorithm import LogprobProcessing
+from grpo.algorithm import LogprobProcessing, advantage_estimator
 from grpo.config import RunConfig
 from grpo.critic import CriticSettings
 from grpo.data import resolve_system_prompt
@@ -66,7 +66,7 @@ def experience_settings(cfg: RunConfig, processing: LogprobProcessing | None, *,
     of processed samples by omission)."""
     r = cfg.rollout
     gae = None
-    if cfg.algorithm.advantage_estimator == "gae":
+    if needs_critic(cfg):  # GAE over the critic's values
         gae = GaeSettings(gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
                           kl_coef=cfg.loss.beta if kl_in_reward(cfg) else 0.0)
     return ExperienceSettings(
@@ -110,6 +110,11 @@ def loop_schedule(cfg: RunConfig) -> Schedule:
                     logging_steps=cfg.log.logging_steps, num_samples=cfg.log.num_samples,
                     early_stop_accuracy=cfg.train.early_stop_accuracy, max_skipped_steps=cfg.optim.max_skipped_steps,
                     updates_per_step=cfg.loss.num_iterations)
+
+
+def needs_critic(cfg: RunConfig) -> bool:
+    """The run's advantage estimator trains a critic beside the policy (gae: PPO)."""
+    return advantage_estimator(cfg.algorithm.advantage_estimator).needs_critic
 
 
 def critic_settings(cfg: RunConfig) -> CriticSettings:

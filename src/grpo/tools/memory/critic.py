@@ -33,9 +33,11 @@ class CriticMemory:
 
 def critic_memory(cfg: RunConfig, *, policy_shape: ModelShape, gpus: int, attention: str,
                   critic_config: dict | None = None) -> CriticMemory | None:
-    """The critic of a ``gae`` run (None for the other estimators). ``critic_config``: the config.json
+    """The critic of a run whose estimator needs one (gae; None for the others). ``critic_config``: the config.json
     of ``critic.name_or_path`` (default: read it; the policy's shape when that key is null)."""
-    if cfg.algorithm.advantage_estimator != "gae":
+    from grpo.algorithm import advantage_estimator  # here: the estimate itself needs no torch
+
+    if not advantage_estimator(cfg.algorithm.advantage_estimator).needs_critic:
         return None
     c = cfg.critic
     shape = policy_shape
