@@ -3,7 +3,7 @@ random-qwen2-8k] [--lora] [--mu 2]``.
 
 Runs the benchmark's case (the same model, prompts and settings as ``vs_trl.py``) for a few steps under
 ``torch.profiler`` and prints the operators by self CPU time and the per-phase split from the run's
-metrics. This is how the issue-6 speed work found its targets (see the README's "Speed against TRL").
+metrics. This is how the issue-6 speed work found its targets (see docs/benchmarks.md, "Speed against TRL").
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from pathlib import Path
 from grpo.config.docs import BEGIN, END, config_keys_markdown
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "grpo"
 
 
 def test_config_table_is_generated_from_the_config_tree():
@@ -53,3 +54,42 @@ def test_the_reward_example_runs_as_documented(tmp_path, monkeypatch):
     assert scores.per_function[:, 2].tolist() == approx([0.1, 0.0], rel=1e-6)
     assert scores.per_function[:, 4].tolist() == approx([0.0, (224 - 250) / 32], rel=1e-6)
     assert context.metric_means() == {"brevity/mean_tokens": 135.0}
+
+
+def _section(text: str, heading: str) -> str:
+    start = text.index(heading)
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end != -1 else len(text)]
+
+
+def test_layout_names_every_module():
+    """The README's Layout names every module of src/grpo (by its path under src/grpo), and every dotted
+    ``grpo.x.y`` the README names is a module that exists (or an attribute of one)."""
+    import importlib
+    import importlib.util
+    import re
+
+    text = README.read_text()
+    layout = _section(text, "## Layout")
+    modules = sorted(p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")
+                     if p.name not in ("__init__.py", "__main__.py"))
+    assert modules
+    missing = [m for m in modules if not re.search(rf"(?<![\w/.]){re.escape(m)}(?!\w)", layout)]
+    assert not missing, f"modules missing from the README's Layout section: {missing}"
+
+    unresolved = []
+    for name in sorted(set(re.findall(r"(?<![\w./-])grpo(?:\.[A-Za-z_]\w*)+", text))):
+        parts = name.split(".")
+        for i in range(len(parts), 0, -1):  # the longest prefix that is a module
+            try:
+                if importlib.util.find_spec(".".join(parts[:i])) is not None:
+                    break
+            except (ImportError, AttributeError, ValueError):  # a prefix that is not a package
+                continue
+        obj = importlib.import_module(".".join(parts[:i]))
+        for attribute in parts[i:]:
+            if not hasattr(obj, attribute):
+                unresolved.append(name)
+                break
+            obj = getattr(obj, attribute)
+    assert not unresolved, f"the README names modules or attributes that do not exist: {unresolved}"

@@ -1,10 +1,10 @@
 """PPO's critic (``algorithm.advantage_estimator: gae``): a value model, the token-level advantages
 it makes possible, its update and its part of a checkpoint.
 
-- ``model``: ``ValueModel`` (causal LM body + scalar head), loading, values of a generation's tokens.
-- ``advantages``: ``ppo_advantages``: token rewards (KL in the reward) -> GAE -> whitened advantages, returns.
-- ``update``: ``build_critic`` (AdamW, schedule, DDP) and ``train_critic`` (clipped value loss).
-- ``checkpoint``: ``save_critic``/``load_critic`` into a run checkpoint's ``critic/`` folder.
+- ``value_model``: ``ValueModel`` (causal LM body + scalar head), loading, values of a generation's tokens.
+- ``critic_update``: ``build_critic`` (AdamW, schedule, DDP) and ``train_critic`` (clipped value loss).
+- ``critic_checkpoint``: ``save_critic``/``load_critic`` into a run checkpoint's ``critic/`` folder.
+The token-level advantages it makes possible are pure math: ``grpo.algorithm.ppo.ppo_advantages``.
 """
 
 from grpo.algorithm.ppo import ppo_advantages

@@ -7,10 +7,11 @@ prompt, gold answer, location); `build_prompt_messages` adds the run's system pr
 functions receive as keyword arguments. Every malformed input raises `DataError` naming the file
 and 1-based line.
 
-Modules: records (Example, DataError), readers (jsonl/json/parquet rows), locations (file /
-folder / hub id), answers (gold formats), gsm8k, prompt_datasets (other prompt files, src/tgt),
-prompts (system prompt + chat template), synthetic (+ synthetic_templates), sources (spec strings),
-sft (prompt/response pairs for the PTX loss).
+Modules: example (Example, DataError), readers (jsonl/json/parquet rows), locations (file /
+folder / hub id), gold_formats (gold answer formats), gsm8k, prompt_datasets (other prompt files,
+src/tgt), prompts (system prompt + chat template), tags (the answer tag styles), synthetic (+
+synthetic_templates), sources (spec strings), prompt_sampler (which prompts each step and rank
+gets), sft (prompt/response pairs for the PTX loss) and sft_tokens (their tokenisation).
 """
 
 from grpo.data.example import DataError, Example

@@ -2,16 +2,17 @@
 
 A reward function is called as TRL 1.16 calls it, by keyword (``prompts``, ``completions``,
 ``completion_ids``, the dataset columns, ``trainer_state``, ``log_extra``, ``log_metric``) and returns
-``list[float | None]`` (see ``base.py``), so TRL reward functions run unchanged. Modules:
+``list[float | None]`` (see ``signature.py``), so TRL reward functions run unchanged. Modules:
 
 - ``answers``:  completion text, ``extract_answer``, ``is_well_formatted``, ``answers_equal``
 - ``builtin``:  ``answer_correct``, ``format_think_answer`` and the Unsloth GSM8K five
-- ``model``:    a local sequence-classification reward model (``"model"``, params ``path``)
+- ``signature``: what a reward function is called with and returns
+- ``reward_model``: a local sequence-classification reward model (``"model"``, params ``path``)
 - ``remote``:   an HTTP reward endpoint (``"remote"``, params ``url``)
 - ``registry``: names -> factories, and user functions by ``"package.module:function"``
 - ``context``:  ``RewardContext``: ``trainer_state`` and the ``log_metric`` / ``log_extra`` hooks
 - ``async_loop``: the event loop async rewards are awaited on
-- ``guard``:    ``RewardFunction``: the keyword call; a failing sample abstains, a reward failing on
+- ``reward_function``: ``RewardFunction``: the keyword call; a failing sample abstains, a reward failing on
                 every sample is an error
 - ``scoring``:  ``RewardSpec``, ``build_reward_functions``, ``score`` -> ``RewardScores``
 """

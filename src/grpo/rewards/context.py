@@ -15,7 +15,7 @@
   and land in ``metrics.jsonl`` under that name (TRL averages them per logging step too).
 - ``log_extra(column, values)``: one value per completion, extra columns for the completions table;
   here they land in ``samples.jsonl`` under ``extras``. TRL extends a list per call, so a reward that
-  is retried sample by sample (see ``guard.py``) still adds up to one value per completion.
+  is retried sample by sample (see ``reward_function.py``) still adds up to one value per completion.
 """
 
 from __future__ import annotations
