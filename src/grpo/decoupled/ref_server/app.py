@@ -206,20 +206,8 @@ def make_server(
     return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
 
 
-def run_ref_server(
-    model_path: str,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    temperature: float = 1.0,
-    token_env: str | None = None,
-    device: str = "auto",
-    dtype: str | None = None,
-    max_request_mb: float = 64.0,
-    micro_batch_size: int | None = None,
-    logprob_pass: LogprobPass = DEVICE_DEFAULT_PASS,
-) -> None:
-    """Serve reference log-probs until interrupted (arguments as ``make_server``)."""
-    server = make_server(model_path, host, port, temperature, token_env, device, dtype, max_request_mb,
-                         micro_batch_size, logprob_pass)
+def run_ref_server(model_path: str, host: str = "127.0.0.1", port: int = 8000, **options) -> None:
+    """Serve reference log-probs until interrupted (``options``: the rest of ``make_server``'s arguments)."""
+    server = make_server(model_path, host, port, **options)
     print(f"grpo ref server: http://{f'[{host}]' if ':' in host else host}:{port}/v1", flush=True)
     server.run()
