@@ -19,6 +19,7 @@ from algorithm_references import (
 )
 from grpo.algorithm import (
     ADVANTAGE_ESTIMATORS,
+    ADVANTAGE_SCALES,
     gae_advantages,
     group_advantages,
     kl_penalized_token_rewards,
@@ -191,7 +192,6 @@ def test_kl_token_rewards_errors():
 
 # ---------------------------------------------------------------- group_advantages
 
-from grpo.algorithm import ADVANTAGE_SCALES  # noqa: E402  (appended block; may join the imports at the top)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -4,12 +4,11 @@ references, the value model's positions, the critic update and its checkpoint, t
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 
 import pytest
 import torch
 from algorithm_references import ragged_mask, ref_gae, ref_kl_token_rewards, ref_policy_loss, ref_value_loss, ref_whiten
-from test_optimization import RecordingLearner
+from step_helpers import RecordingLearner
 
 from grpo.algorithm import policy_loss
 from grpo.algorithm.ppo import ppo_advantages

@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 import torch
-from test_optimization import random_batch
+from step_helpers import random_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo.step.logprobs

@@ -8,50 +8,18 @@ micro-batch makes the count grow with the number of micro-batches.
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
-from test_optimization import random_batch
-from torch.utils._python_dispatch import TorchDispatchMode
+from step_helpers import CountSyncs, grpo_caller, random_batch
 
-import grpo
 from grpo.data.sft_tokens import TokenizedPair
 from grpo.models.tiny import build_qwen2
 from grpo.step.policy_update import LossSettings, train_on_batch
 from grpo.step.ptx import collate
 from grpo.training.distributed import DistInfo
 from grpo.training.learners import TorchLearner
-
-GRPO_DIR = Path(grpo.__file__).parent
-SYNC_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
-            torch.ops.aten.masked_select.default}
-
-
-def _grpo_caller() -> str:
-    """The innermost grpo source file on the stack ('' when none): who asked for the sync."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        path = Path(frame.f_code.co_filename)
-        if GRPO_DIR in path.parents:
-            return str(path.relative_to(GRPO_DIR))
-        frame = frame.f_back
-    return ""
-
-
-class CountSyncs(TorchDispatchMode):
-    """Counts would-be host syncs by the grpo file that caused them."""
-
-    def __init__(self):
-        super().__init__()
-        self.by_file: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in SYNC_OPS:
-            self.by_file[_grpo_caller()] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def count_syncs(tiny_tokenizer, loss_type: str, micro_batch_size: int, monkeypatch, processing=None,
@@ -69,7 +37,7 @@ def count_syncs(tiny_tokenizer, loss_type: str, micro_batch_size: int, monkeypat
     real_tolist = torch.Tensor.tolist
 
     def tolist(tensor):
-        counter.by_file[_grpo_caller()] += 1
+        counter.by_file[grpo_caller()] += 1
         return real_tolist(tensor)
 
     monkeypatch.setattr(torch.Tensor, "tolist", tolist)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from step_helpers import chat
 
 from grpo.models.tiny import build_qwen2
 from grpo.rollout import HFEngine, SamplingParams
@@ -14,11 +15,6 @@ from grpo.step.logprobs import completion_logprobs
 @pytest.fixture(scope="module")
 def model(tiny_tokenizer):
     return build_qwen2(tiny_tokenizer, seed=3).eval()
-
-
-def chat(tokenizer, text):
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                         add_generation_prompt=True)
 
 
 def test_greedy_equals_generate(model, tiny_tokenizer):

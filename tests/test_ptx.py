@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from algorithm_references import ref_sft_loss
-from test_optimization import RecordingLearner, random_batch, settings_with
+from step_helpers import RecordingLearner, random_batch, settings_with
 
 from grpo.algorithm import sft_loss
 from grpo.data import DataError, build_prompt_messages, load_sft_pairs, render_prompt

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from step_helpers import chat
 
 from grpo.data.prompt_sampler import PromptSampler
 from grpo.models.tiny import build_qwen2
@@ -29,11 +30,6 @@ def test_completion_mask_up_to_and_including_first_eos():
 @pytest.fixture(scope="module")
 def tiny_model(tiny_tokenizer):
     return build_qwen2(tiny_tokenizer, seed=1).eval()
-
-
-def chat(tokenizer, question: str) -> str:
-    return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                         add_generation_prompt=True)
 
 
 def test_engine_groups_rows_and_masks(tiny_model, tiny_tokenizer):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from algorithm_references import ragged_mask, ref_sampler_weights
-from test_optimization import RecordingLearner, random_batch
+from step_helpers import RecordingLearner, random_batch
 
 from grpo.algorithm import SAMPLER_CORRECTIONS, policy_loss, sampler_importance_weights
 from grpo.config import ConfigError, load_config
@@ -222,10 +222,10 @@ def test_the_correction_is_refused_where_the_trainer_samples():
                                                         (-0.05, 1.02, 1.02, 1.0)])
 def test_a_vllm_like_engine_with_dynamic_sampling_gets_its_tokens_weighted(monkeypatch, tiny_model_dir, tmp_path,
                                                                            drift, cap, weight, capped):
-    # A fake vLLM engine (the policy's own log-probs + drift, see test_sampler_guard) under `grpo train`,
+    # A fake vLLM engine (the policy's own log-probs + drift, step_helpers.DriftingEngine) under `grpo train`,
     # with dynamic sampling, so the sampler log-probs of several rounds are merged with their groups: every
     # real token's weight is min(exp(-drift), C) only if each row kept its own log-probs.
-    from test_sampler_guard import logged, run_train
+    from step_helpers import logged, run_train
 
     import grpo.training.colocated
 

@@ -4,12 +4,10 @@ to drift from the policy's at a chosen step."""
 
 from __future__ import annotations
 
-import json
 import math
 
-from dataclasses import replace
-
 import pytest
+from step_helpers import logged, run_train
 import torch
 
 from grpo.algorithm import logprob_mismatch
@@ -62,51 +60,6 @@ def test_top_p_with_the_check_on_is_a_config_error_naming_the_key():
     with pytest.raises(ConfigError, match=r"rollout.vllm_check_steps .*renormalised over the kept tokens"):
         load_config(None, ["rollout.engine=vllm", "rollout.top_p=0.9"])
     load_config(None, ["rollout.engine=vllm", "rollout.top_p=0.9", "rollout.vllm_check_steps=0"])
-
-
-class DriftingEngine:
-    """Samples from the policy itself (the HF lean engine) but, like vLLM, "holds its own weights"
-    (``update_weights``) and reports ``sampler_logprobs``: the policy's own, plus ``drift`` from the
-    ``drift_from_call``-th generate call on (1-based: call k samples step k)."""
-
-    def __init__(self, policy, tokenizer, drift: float = 0.0, drift_from_call: int = 1):
-        from grpo.rollout import LeanEngine
-
-        self.inner, self.policy = LeanEngine(policy, tokenizer), policy
-        self.drift, self.drift_from_call = drift, drift_from_call
-        self.calls, self.pushed = 0, []
-
-    def generate(self, prompts, params, seed=None):
-        from grpo.step.experience import generation_logprobs
-
-        self.calls += 1
-        gen = self.inner.generate(prompts, params, seed=seed)
-        own = generation_logprobs(self.policy, gen, params.temperature, 64).float().cpu()  # [N, Lc]
-        drift = self.drift if self.calls >= self.drift_from_call else 0.0
-        return replace(gen, sampler_logprobs=(own + drift) * gen.completion_mask)
-
-    def update_weights(self, loaded) -> None:
-        self.pushed.append(loaded.version)
-
-
-def run_train(monkeypatch, model_dir, out, engine_box: dict, *extra: str) -> int:
-    """`grpo train` (the CLI, exit status and all) with the run's engine replaced by a DriftingEngine."""
-    import grpo.training.colocated
-    from grpo.cli import main
-
-    def build(cfg, policy, tokenizer):
-        engine_box["engine"] = DriftingEngine(policy, tokenizer, **engine_box.get("kwargs", {}))
-        return engine_box["engine"]
-
-    monkeypatch.setattr(grpo.training.colocated, "build_engine", build)
-    return main(["train", f"model.name_or_path={model_dir}", "data.train=synthetic:seed=1,n=64",
-                 "rollout.num_generations=4", "rollout.max_completion_length=8", "train.prompts_per_step=2",
-                 "train.micro_batch_size=8", "train.save_steps=100", f"train.output_dir={out}",
-                 "loss.beta=0", "log.report_to=[]", "log.progress_bar=false", *extra])
-
-
-def logged(out) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 @pytest.mark.slow

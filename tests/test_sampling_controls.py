@@ -12,9 +12,7 @@ import types
 
 import pytest
 import torch
-from test_host_syncs import CountSyncs
-from test_lean_engine import chat
-from test_optimization import RecordingLearner, settings_with
+from step_helpers import CountSyncs, RecordingLearner, chat, settings_with
 
 from grpo.algorithm import LogprobProcessing
 from grpo.models.tiny import build_qwen2

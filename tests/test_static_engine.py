@@ -9,8 +9,7 @@ import copy
 
 import pytest
 import torch
-from test_host_syncs import CountSyncs
-from test_lean_engine import chat
+from step_helpers import CountSyncs, chat
 
 from grpo.models.tiny import build_qwen2
 from grpo.rollout import HFEngine, SamplingParams

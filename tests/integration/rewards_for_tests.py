@@ -35,3 +35,10 @@ def zero(prompts, completions, **kwargs):
     """Reward 0 for everything: every advantage is 0, so with loss.beta 0 the policy loss has no gradient
     and only an auxiliary loss (PTX) can move the weights."""
     return [0.0] * len(completions)
+
+
+def characters_reward(prompts, completions, **kwargs):
+    """The completion's length in characters."""
+    from grpo.rewards.answers import completion_text
+
+    return [float(len(completion_text(c))) for c in completions]

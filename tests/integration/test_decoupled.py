@@ -3,71 +3,28 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from run_helpers import (
+    REPO,
+    SMOKE,
+    cli_env,
+    colocated_and_decoupled,
+    decoupled_overrides,
+    each_batch_once,
+    free_port,
+    grpo_cmd,
+    logged_steps,
+    start,
+    stop_all,
+    train_rows,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-TESTS_DIR = Path(__file__).resolve().parent
-REPO = TESTS_DIR.parents[1]
-SMOKE = str(REPO / "configs" / "smoke-cpu.yaml")
-REWARDS = "[{name: 'rewards_for_tests:letters'}, {name: answer_correct}]"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def env() -> dict:
-    # The caller's PYTHONPATH is kept (as tests/reliability does): a checkout tested with PYTHONPATH=src
-    # beside another's editable install must run its own grpo in the child processes too.
-    path = os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])
-    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
-
-
-def overrides(model_dir: Path, out: Path, **extra) -> list[str]:
-    values = {
-        "model.name_or_path": model_dir, "data.train": "synthetic:seed=1,n=64", "data.eval": None,
-        "rollout.num_generations": 4, "rollout.max_completion_length": 10, "train.prompts_per_step": 4,
-        "train.micro_batch_size": 8, "train.max_steps": 3, "train.save_steps": 10, "train.output_dir": out,
-        "train.seed": 0, "optim.learning_rate": 1e-3, "log.report_to": "[]", "log.progress_bar": False,
-        "rewards": REWARDS, "decoupled.address": f"tcp://127.0.0.1:{free_port()}",
-        "decoupled.peer_timeout_s": 120,
-    }
-    values.update(extra)
-    return [f"{k}={'null' if v is None else v}" for k, v in values.items()]
-
-
-def grpo(*args: str) -> list[str]:
-    return [sys.executable, "-m", "grpo", *args]
-
-
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def train_rows(out: Path) -> list[dict]:
-    return [r for r in metrics(out) if "loss" in r]
-
-
-def wait_for_steps(out: Path, n: int, proc: subprocess.Popen, timeout: float = 240) -> None:
-    """Wait until ``n`` steps are logged; fail at once if ``proc`` exits first (they never will be then)."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        exited = proc.poll() is not None  # read first: a run that logs step n and exits is not "early"
-        if (out / "metrics.jsonl").exists() and len(train_rows(out)) >= n:
-            return
-        assert not exited, f"process exited with {proc.returncode} before {n} logged steps"
-        time.sleep(0.05)
-    raise AssertionError(f"fewer than {n} steps after {timeout} s")
 
 
 @pytest.fixture(scope="module")
@@ -78,21 +35,6 @@ def teacher_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     build_qwen2(tiny_tokenizer, hidden_size=96, num_layers=3, seed=5).save_pretrained(path)
     tiny_tokenizer.save_pretrained(path)
     return path
-
-
-def colocated_and_decoupled(model_dir, tmp_path, common: dict, decoupled_extra: dict) -> tuple[Path, Path]:
-    """The same settings run colocated over 2 torchrun ranks and in decoupled mode; both run folders."""
-    colocated = tmp_path / "colocated"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), "-m", "grpo", "train", SMOKE, *overrides(model_dir, colocated, **common)]
-    result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    decoupled = tmp_path / "decoupled"
-    cmd = grpo("train", SMOKE, *overrides(model_dir, decoupled, **common, **{"train.mode": "decoupled",
-                                                                           **decoupled_extra}))
-    result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return colocated, decoupled
 
 
 def test_first_step_equals_colocated(tiny_model_dir, teacher_dir, tmp_path):
@@ -126,10 +68,10 @@ def test_new_estimator_and_loss_settings_reach_every_rank(tiny_model_dir, tmp_pa
 def test_deepspeed_zero_trainer_ranks(tiny_model_dir, tmp_path, stage):
     pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed (make install installs it)")
     out = tmp_path / f"zero{stage}"
-    cmd = grpo("train", SMOKE, *overrides(tiny_model_dir, out, **{
+    cmd = grpo_cmd("train", SMOKE, *decoupled_overrides(tiny_model_dir, out, **{
         "train.mode": "decoupled", "decoupled.trainer_ranks": 2, "train.max_steps": 2, "train.save_steps": 1,
         "train.deepspeed": REPO / "configs" / f"ds_zero{stage}.json"}))
-    result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
+    result = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert [r["step"] for r in train_rows(out)] == [1, 2]
     assert (out / "checkpoints" / "deepspeed-step-2").is_dir()
@@ -144,17 +86,6 @@ def test_deepspeed_zero_trainer_ranks(tiny_model_dir, tmp_path, stage):
     assert all(torch.equal(published[k], final[k]) for k in published)
 
 
-def start(role: str, args: list[str], stderr=subprocess.DEVNULL) -> subprocess.Popen:
-    """``grpo ROLE`` as its own process (output discarded; stderr piped when asked)."""
-    return subprocess.Popen(grpo(role, SMOKE, *args), env=env(), stdout=subprocess.DEVNULL, stderr=stderr, text=True)
-
-
-def stop_all(*procs: subprocess.Popen) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-
-
 def finish(trainer: subprocess.Popen, sampler: subprocess.Popen) -> None:
     """Wait for the trainer to finish cleanly; its bye ends the sampler."""
     _, err = trainer.communicate(timeout=300)
@@ -162,25 +93,16 @@ def finish(trainer: subprocess.Popen, sampler: subprocess.Popen) -> None:
     sampler.wait(timeout=120)
 
 
-def each_batch_once(out: Path, steps: int) -> list[dict]:
-    """The run's step rows, checked: steps 1..steps once each, every batch id once."""
-    rows = train_rows(out)
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    ids = [r["batch_id"] for r in rows]
-    assert len(set(ids)) == len(ids), f"a batch was trained twice: {ids}"
-    return rows
-
-
 def test_sampler_killed_and_restarted(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
-    args = overrides(tiny_model_dir, out, **{"train.max_steps": 8, "train.mode": "decoupled"})
-    trainer, sampler = start("trainer", args, stderr=subprocess.PIPE), start("sampler", args)
+    args = decoupled_overrides(tiny_model_dir, out, **{"train.max_steps": 8, "train.mode": "decoupled"})
+    trainer, sampler = start("trainer", SMOKE, *args, stderr=subprocess.PIPE), start("sampler", SMOKE, *args)
     try:
-        wait_for_steps(out, 2, trainer)
+        wait_until(lambda: logged_steps(out) >= 2, "2 logged steps", timeout=240, proc=trainer)
         sampler.send_signal(signal.SIGKILL)  # mid-batch: it samples continuously
         sampler.wait()
         assert sampler.returncode == -signal.SIGKILL, f"the sampler exited with {sampler.returncode} before the kill"
-        sampler = start("sampler", args)
+        sampler = start("sampler", SMOKE, *args)
         finish(trainer, sampler)
     finally:
         stop_all(trainer, sampler)
@@ -196,17 +118,18 @@ def test_trainer_killed_and_resumed(tiny_model_dir, tmp_path, save_steps):
 
     out = tmp_path / "run"
     settings = {"train.max_steps": 8, "train.save_steps": save_steps, "train.mode": "decoupled"}
-    args = overrides(tiny_model_dir, out, **settings)
-    trainer, sampler = start("trainer", args), start("sampler", args, stderr=subprocess.PIPE)
+    args = decoupled_overrides(tiny_model_dir, out, **settings)
+    trainer, sampler = start("trainer", SMOKE, *args), start("sampler", SMOKE, *args, stderr=subprocess.PIPE)
     try:
-        wait_for_steps(out, 3 if save_steps == 1 else 5, trainer)
+        steps = 3 if save_steps == 1 else 5
+        wait_until(lambda: logged_steps(out) >= steps, f"{steps} logged steps", timeout=240, proc=trainer)
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()
         assert trainer.returncode == -signal.SIGKILL, f"the trainer exited with {trainer.returncode} before the kill"
         before_kill = {r["batch_id"] for r in train_rows(out)}
         state = json.loads((latest_checkpoint(out) / "trainer_state.json").read_text())
         trained_before = set(state["trained_batch_ids"])
-        trainer = start("trainer", [*args, "train.resume=true"], stderr=subprocess.PIPE)
+        trainer = start("trainer", SMOKE, *args, "train.resume=true", stderr=subprocess.PIPE)
         finish(trainer, sampler)
         assert sampler.returncode == 0
     finally:
@@ -218,8 +141,9 @@ def test_trainer_killed_and_resumed(tiny_model_dir, tmp_path, save_steps):
     if save_steps == 3:
         # On-policy (max_staleness 0) with fixed seeds, the killed-and-resumed run is the uninterrupted one.
         clean = tmp_path / "uninterrupted"
-        clean_args = overrides(tiny_model_dir, clean, **settings)
-        trainer, sampler = start("trainer", clean_args, stderr=subprocess.PIPE), start("sampler", clean_args)
+        clean_args = decoupled_overrides(tiny_model_dir, clean, **settings)
+        trainer = start("trainer", SMOKE, *clean_args, stderr=subprocess.PIPE)
+        sampler = start("sampler", SMOKE, *clean_args)
         try:
             finish(trainer, sampler)
         finally:

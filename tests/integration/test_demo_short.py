@@ -8,11 +8,11 @@ and accuracy does not fall.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from run_helpers import read_metrics
 
 from grpo.config import load_config
 from grpo.training.colocated import train
@@ -51,7 +51,7 @@ def test_short_demo_run_keeps_accuracy_and_writes_its_outputs(tmp_path, monkeypa
     assert after["accuracy"] >= before["accuracy"] - TOLERANCE, (before, after)
     assert after["format_rate"] >= before["format_rate"] - TOLERANCE, (before, after)
     assert result.last_step == SHORT_STEPS
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_metrics(out)
     assert [r["step"] for r in rows if "reward/mean" in r] == list(range(1, SHORT_STEPS + 1))
     assert list((out / "plots").glob("*.png"))
     assert (out / "final" / "model.safetensors").exists() and (out / "final" / "tokenizer.json").exists()

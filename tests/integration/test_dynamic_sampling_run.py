@@ -4,18 +4,20 @@ uninterrupted one, and a run that hits the cap fills its batch and says so."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from test_train_colocated import base_overrides, read_metrics, resume_matches_uninterrupted
+from run_helpers import (
+    REPO,
+    base_overrides,
+    colocated_and_decoupled,
+    resume_matches_uninterrupted,
+    train_rows,
+)
 
 from grpo.config import load_config
 from grpo.step.dynamic_sampling import zero_spread_groups
 from grpo.training.colocated import train
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-TESTS_DIR = Path(__file__).resolve().parent
-REPO_ROOT = TESTS_DIR.parents[1]
 DYNAMIC_KEYS = {"rollout/dynamic_rounds", "rollout/dynamic_prompts_drawn", "rollout/dynamic_groups_dropped",
                 "rollout/dynamic_groups_surplus", "rollout/dynamic_groups_filled", "rollout/dynamic_cap_hit"}
 HALF_SIGNAL_REWARDS = "[{name: 'rewards_for_tests:letters_on_even_answers'}]"
@@ -38,16 +40,16 @@ def record_trained_batches(monkeypatch) -> list:
 def test_demo_recipe_trains_only_groups_whose_rewards_differ(tmp_path, monkeypatch):
     # The shipped model answers about 40% of the demo problems at the start: with G=4 and the answer reward
     # alone, some groups are all right or all wrong.
-    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.chdir(REPO)
     out, P, G = tmp_path / "demo", 4, 4
     trained = record_trained_batches(monkeypatch)
-    cfg = load_config(REPO_ROOT / "configs" / "demo-cpu.yaml", [
+    cfg = load_config(REPO / "configs" / "demo-cpu.yaml", [
         "train.max_steps=3", f"train.prompts_per_step={P}", f"rollout.num_generations={G}",
         "train.micro_batch_size=16", "train.save_steps=3", "data.eval=null", f"train.output_dir={out}",
         "log.report_to=[]", "log.progress_bar=false", "rewards=[{name: answer_correct}]",
         "rollout.dynamic_sampling=true", "rollout.dynamic_sampling_max_rounds=6"])
     train(cfg)
-    rows = [r for r in read_metrics(out) if "loss" in r]
+    rows = train_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3] and len(trained) == 3
     assert all(DYNAMIC_KEYS <= set(r) for r in rows)
     assert sum(r["rollout/dynamic_groups_dropped"] for r in rows) > 0  # there was something to drop
@@ -62,7 +64,6 @@ def test_demo_recipe_trains_only_groups_whose_rewards_differ(tmp_path, monkeypat
 
 
 def test_resume_draws_the_same_rounds_as_an_uninterrupted_run(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(TESTS_DIR))
     overrides = {"train.max_steps": 4, "train.save_steps": 1, "train.prompts_per_step": 4, "train.micro_batch_size": 8,
                  "rewards": HALF_SIGNAL_REWARDS, "rollout.dynamic_sampling": True, "loss.beta": 0.0}
     a, _ = resume_matches_uninterrupted(tiny_model_dir, tmp_path, overrides, monkeypatch)
@@ -78,7 +79,7 @@ def test_at_the_cap_a_run_fills_its_batch_with_zero_spread_groups_and_counts_the
         "rollout.dynamic_sampling": True, "rollout.dynamic_sampling_max_rounds": 3, "log.report_to": "[]"}))
     with pytest.warns(RuntimeWarning, match="filled with zero-spread groups"):
         train(cfg)
-    rows = [r for r in read_metrics(out) if "loss" in r]
+    rows = train_rows(out)
     for row in rows:
         assert row["rollout/dynamic_rounds"] == 3 and row["rollout/dynamic_cap_hit"] == 1.0
         assert row["rollout/dynamic_groups_filled"] == 2 and row["rollout/dynamic_groups_dropped"] == 6
@@ -91,8 +92,6 @@ def test_two_ranks_colocated_and_decoupled_run_the_same_rounds(tiny_model_dir, t
     # seeds, so the first step's counts, rewards and loss agree. The decoupled run also has the sampler
     # correction on: with max_staleness 0 the sampler's weights are the trainer's, so every weight is 1
     # (up to float noise) and the loss must not move.
-    from test_decoupled import colocated_and_decoupled, train_rows
-
     common = {"rewards": HALF_SIGNAL_REWARDS, "rollout.dynamic_sampling": True, "loss.beta": 0.0,
               "train.max_steps": 1}
     colocated, decoupled = colocated_and_decoupled(tiny_model_dir, tmp_path, common, {

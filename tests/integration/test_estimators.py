@@ -4,16 +4,14 @@ the config tree (the path a recipe takes), logging finite metrics."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
-from test_train_colocated import REQUIRED_KEYS, SIGNAL_REWARDS, base_overrides, read_metrics
+from run_helpers import REQUIRED_KEYS, SIGNAL_REWARDS, base_overrides, read_metrics
 
 from grpo.config import load_config
 from grpo.training.colocated import train
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-TESTS_DIR = Path(__file__).resolve().parent
 
 VARIANTS = {
     "rloo": {"algorithm.advantage_estimator": "rloo"},
@@ -25,11 +23,10 @@ VARIANTS = {
 }
 
 
-def test_mask_truncated_completions_masks_every_cut_off_completion(tiny_model_dir, tmp_path, monkeypatch):
+def test_mask_truncated_completions_masks_every_cut_off_completion(tiny_model_dir, tmp_path):
     # A random model almost never samples EOS within 12 tokens: every completion is cut off, so with the
     # DAPO mask no token carries loss. The step must still run, with a loss and gradient of exactly 0
     # (dapo's global token count is then 0, and 0/0 must not become NaN).
-    monkeypatch.syspath_prepend(str(TESTS_DIR))
     out = tmp_path / "masked"
     cfg = load_config(None, base_overrides(tiny_model_dir, out, **{
         "train.max_steps": 2, "train.save_steps": 100, "log.report_to": "[]", "rewards": SIGNAL_REWARDS,
@@ -42,8 +39,8 @@ def test_mask_truncated_completions_masks_every_cut_off_completion(tiny_model_di
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_variant_trains_with_finite_metrics(variant, tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(TESTS_DIR))  # the letters reward varies within groups: advantages are not 0
+def test_variant_trains_with_finite_metrics(variant, tiny_model_dir, tmp_path):
+    # SIGNAL_REWARDS: the letters reward varies within groups, so advantages are not 0
     out = tmp_path / variant
     cfg = load_config(None, base_overrides(tiny_model_dir, out, **{"train.max_steps": 2, "train.save_steps": 100,
                                                                    "log.report_to": "[]", "rewards": SIGNAL_REWARDS,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_helpers import as_overrides, read_metrics
 
 from grpo.config import load_config
 from grpo.rollout import lean
@@ -58,8 +59,8 @@ def run_case(tmp_path: Path, extra: dict) -> list[dict]:
         "log.report_to": "[]", "log.progress_bar": False, "log.num_samples": 0,
         **extra,
     }
-    train(load_config(None, [f"{k}={'null' if v is None else v}" for k, v in values.items()]))
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train(load_config(None, as_overrides(values)))
+    rows = read_metrics(tmp_path / "run")
     return [{k: r[k] for k in KEYS} for r in rows if "loss" in r]
 
 

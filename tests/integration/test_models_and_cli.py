@@ -3,43 +3,33 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from run_helpers import REPO, SIGNAL_REWARDS, as_overrides, cli_env, grpo_cmd, read_metrics
 
 from grpo.cli import main
 from grpo.config import ConfigError, load_config
 from grpo.training.colocated import train
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-REPO = Path(__file__).resolve().parents[2]
-TESTS_DIR = Path(__file__).resolve().parent
-SIGNAL_REWARDS = "[{name: 'rewards_for_tests:letters'}, {name: answer_correct}, {name: format_think_answer}]"
 
 
 def overrides(model_dir: Path, out: Path, **extra) -> list[str]:
-    values = {
+    return as_overrides({
         "model.name_or_path": str(model_dir), "data.train": "synthetic:seed=1,n=32",
         "rollout.num_generations": 4, "rollout.max_completion_length": 8, "train.prompts_per_step": 2,
         "train.micro_batch_size": 4, "train.max_steps": 2, "train.save_steps": 2, "train.output_dir": str(out),
         "optim.learning_rate": 1e-3, "log.report_to": "[]", "log.progress_bar": False, "rewards": SIGNAL_REWARDS,
-    }
-    values.update(extra)
-    return [f"{k}={v}" for k, v in values.items()]
+        **extra,
+    })
 
 
-@pytest.fixture()
-def test_rewards_on_path(monkeypatch):
-    monkeypatch.syspath_prepend(str(TESTS_DIR))
-
-
-def test_llama_architecture_trains(tiny_tokenizer, tmp_path, test_rewards_on_path):
+def test_llama_architecture_trains(tiny_tokenizer, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     model_dir = tmp_path / "tiny-llama"
@@ -53,7 +43,7 @@ def test_llama_architecture_trains(tiny_tokenizer, tmp_path, test_rewards_on_pat
     assert result.last_step == 2 and (tmp_path / "run" / "final" / "model.safetensors").exists()
 
 
-def test_teacher_reference_and_gradient_checkpointing(tiny_model_dir, tiny_tokenizer, tmp_path, test_rewards_on_path):
+def test_teacher_reference_and_gradient_checkpointing(tiny_model_dir, tiny_tokenizer, tmp_path):
     from grpo.models.tiny import build_qwen2
 
     teacher = tmp_path / "teacher"  # larger model, same tokenizer: a valid reference
@@ -62,12 +52,12 @@ def test_teacher_reference_and_gradient_checkpointing(tiny_model_dir, tiny_token
     out = tmp_path / "run"
     train(load_config(None, overrides(tiny_model_dir, out, **{
         "model.ref_name_or_path": str(teacher), "model.gradient_checkpointing": True, "loss.beta": 0.5})))
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(out)
     # A different model as reference: KL is clearly positive from the first step (a copy would give 0).
     assert rows[0]["kl"] > 1e-3
 
 
-def test_reference_with_another_vocabulary_is_refused(tiny_model_dir, tmp_path, test_rewards_on_path):
+def test_reference_with_another_vocabulary_is_refused(tiny_model_dir, tmp_path):
     from grpo.models.tiny import build_qwen2, build_tokenizer
 
     other_tok = build_tokenizer(["completely different corpus", "with other merges 123"], vocab_size=300)
@@ -79,7 +69,7 @@ def test_reference_with_another_vocabulary_is_refused(tiny_model_dir, tmp_path, 
         train(cfg)
 
 
-def test_model_without_chat_template_is_refused(tiny_tokenizer, tmp_path, test_rewards_on_path):
+def test_model_without_chat_template_is_refused(tiny_tokenizer, tmp_path):
     from grpo.models.tiny import build_qwen2
 
     bare = tmp_path / "bare"
@@ -93,7 +83,7 @@ def test_model_without_chat_template_is_refused(tiny_tokenizer, tmp_path, test_r
         train(load_config(None, overrides(bare, tmp_path / "run")))
 
 
-def test_cli_train_eval_chat_export_and_exit_codes(tiny_model_dir, tmp_path, capsys, test_rewards_on_path):
+def test_cli_train_eval_chat_export_and_exit_codes(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "run"
     smoke = str(REPO / "configs" / "smoke-cpu.yaml")
     args = overrides(tiny_model_dir, out, **{"data.eval": "synthetic:seed=123,n=4", "train.max_steps": 2})
@@ -102,7 +92,7 @@ def test_cli_train_eval_chat_export_and_exit_codes(tiny_model_dir, tmp_path, cap
     assert main(["train", smoke, *args]) == 2  # the folder holds a run: refused without --resume/--overwrite
     assert "already holds a run" in capsys.readouterr().err
     assert main(["train", smoke, *args, "train.max_steps=3", "--resume"]) == 0
-    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in read_metrics(out)]
     assert [s for s in steps if s > 0] == [1, 2, 2, 3, 3]  # steps 1-2, resumed 3 (eval rows repeat the step)
 
     report = tmp_path / "eval.json"
@@ -123,10 +113,8 @@ def test_cli_train_eval_chat_export_and_exit_codes(tiny_model_dir, tmp_path, cap
 
 def test_ctrl_c_writes_a_checkpoint_and_exits_130(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(TESTS_DIR), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "grpo", "train", *overrides(
-        tiny_model_dir, out, **{"train.max_steps": 500, "train.save_steps": 1000})]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    cmd = grpo_cmd("train", *overrides(tiny_model_dir, out, **{"train.max_steps": 500, "train.save_steps": 1000}))
+    proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline:
         if (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3:
@@ -137,17 +125,17 @@ def test_ctrl_c_writes_a_checkpoint_and_exits_130(tiny_model_dir, tmp_path):
     assert proc.returncode == 130, err[-2000:]
     checkpoints = list((out / "checkpoints").glob("step-*"))
     assert len(checkpoints) == 1, "Ctrl-C saved the last finished step"
-    logged = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["step"] for r in read_metrics(out)]
     assert int(checkpoints[0].name.split("-")[1]) == max(logged)
 
 
-def test_eval_steps_and_early_stop(tiny_model_dir, tmp_path, test_rewards_on_path):
+def test_eval_steps_and_early_stop(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     # Any accuracy reaches a target of 0: the run stops after the first periodic evaluation.
     result = train(load_config(None, overrides(tiny_model_dir, out, **{
         "data.eval": "synthetic:seed=123,n=4", "train.eval_steps": 1, "train.early_stop_accuracy": 0.0,
         "train.max_steps": 5, "train.save_steps": 10})))
     assert result.last_step == 1
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(out)
     assert [r["step"] for r in rows if "eval/accuracy" in r][:2] == [0, 1]
     assert (out / "checkpoints" / "step-1").exists() and (out / "final").exists()

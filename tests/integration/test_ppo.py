@@ -10,28 +10,26 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from test_train_colocated import (
+from run_helpers import (
     REQUIRED_KEYS,
     SIGNAL_REWARDS,
-    _cli_env,
     base_overrides,
+    cli_env,
     read_metrics,
     resume_matches_uninterrupted,
 )
+from safetensors.torch import load_file
 
 from grpo.config import load_config
 from grpo.training.colocated import train
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-TESTS_DIR = Path(__file__).resolve().parent
 PPO = {"algorithm.advantage_estimator": "gae", "rewards": SIGNAL_REWARDS, "critic.learning_rate": 1e-3}
 CRITIC_KEYS = {"loss/value", "critic/value_mean", "critic/return_mean", "critic/explained_variance", "critic/lr",
                "critic/grad_norm", "critic/value_clip_fraction", "critic/skipped_updates"}
 
 
-def test_ppo_trains_policy_and_every_critic_parameter_and_checkpoints_the_critic(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(TESTS_DIR))
+def test_ppo_trains_policy_and_every_critic_parameter_and_checkpoints_the_critic(tiny_model_dir, tmp_path):
     out = tmp_path / "ppo"
     train(load_config(None, base_overrides(tiny_model_dir, out, **PPO, **{"train.max_steps": 3, "log.report_to": "[]"})))
     rows = [r for r in read_metrics(out) if "reward/mean" in r]
@@ -53,7 +51,6 @@ def test_ppo_trains_policy_and_every_critic_parameter_and_checkpoints_the_critic
 def test_ppo_resume_equals_uninterrupted_with_the_critics_state(tiny_model_dir, tmp_path, monkeypatch):
     # The critic's weights, optimizer and schedule must come back: its values feed the next step's
     # advantages, so a critic restarted from scratch would change every metric of steps 3-4.
-    monkeypatch.syspath_prepend(str(TESTS_DIR))
     overrides = {**PPO, "train.max_steps": 4, "train.save_steps": 1, "loss.num_iterations": 2, "data.eval": None,
                  "log.report_to": "[]", "critic.lr_scheduler_type": "cosine"}
     resume_matches_uninterrupted(tiny_model_dir, tmp_path, overrides, monkeypatch, same_weights=False)
@@ -63,8 +60,7 @@ def test_ppo_resume_equals_uninterrupted_with_the_critics_state(tiny_model_dir, 
     assert all(torch.equal(head_a[k], head_b[k]) for k in head_a)
 
 
-def test_ppo_resume_from_a_checkpoint_without_a_critic_is_refused(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(TESTS_DIR))
+def test_ppo_resume_from_a_checkpoint_without_a_critic_is_refused(tiny_model_dir, tmp_path):
     out = tmp_path / "grpo-then-ppo"
     common = {"train.max_steps": 1, "log.report_to": "[]", "rewards": SIGNAL_REWARDS}
     train(load_config(None, base_overrides(tiny_model_dir, out, **common)))
@@ -75,10 +71,9 @@ def test_ppo_resume_from_a_checkpoint_without_a_critic_is_refused(tiny_model_dir
                           + ["train.resume=true"]))
 
 
-def test_ppo_with_one_completion_per_prompt_and_the_kl_in_the_reward(tiny_model_dir, tmp_path, monkeypatch):
+def test_ppo_with_one_completion_per_prompt_and_the_kl_in_the_reward(tiny_model_dir, tmp_path):
     # G = 1 (no group, the critic is the baseline) and r_t = -beta * KL_t: the run needs old log-probs
     # from the rollout for the KL and puts no KL in the loss.
-    monkeypatch.syspath_prepend(str(TESTS_DIR))
     out = tmp_path / "g1"
     train(load_config(None, base_overrides(tiny_model_dir, out, **PPO, **{
         "rollout.num_generations": 1, "train.prompts_per_step": 4, "train.max_steps": 2, "log.report_to": "[]",
@@ -98,7 +93,7 @@ def test_two_rank_torchrun_ppo(tiny_model_dir, tmp_path):
            "--master_port", "29541", "-m", "grpo", "train",
            *base_overrides(tiny_model_dir, out, **PPO, **{"train.max_steps": 2, "train.prompts_per_step": 4,
                                                           "train.save_steps": 2, "log.report_to": "[]"})]
-    result = subprocess.run(cmd, env=_cli_env(), capture_output=True, text=True, timeout=300)
+    result = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [r for r in read_metrics(out) if "reward/mean" in r]
     assert [r["step"] for r in rows] == [1, 2] and CRITIC_KEYS <= set(rows[0])

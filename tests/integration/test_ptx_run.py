@@ -6,15 +6,24 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from run_helpers import (
+    REPO,
+    SMOKE,
+    base_overrides,
+    cli_env,
+    decoupled_overrides,
+    free_port,
+    grpo_cmd,
+    read_metrics,
+    resume_matches_uninterrupted,
+)
 from safetensors.torch import load_file, save_file
-from test_train_colocated import base_overrides, read_metrics, resume_matches_uninterrupted
 
 from grpo.config import load_config
 from grpo.training.colocated import train
@@ -30,9 +39,8 @@ def train_rows(out: Path) -> list[dict]:
     return [r for r in read_metrics(out) if "reward/mean" in r]
 
 
-def test_ptx_alone_moves_every_parameter_and_its_nll_falls(tiny_model_dir, tmp_path, monkeypatch):
+def test_ptx_alone_moves_every_parameter_and_its_nll_falls(tiny_model_dir, tmp_path):
     # The whole 32-pair file in every step's micro-batch: a fixed SFT set, so its NLL must fall step by step.
-    monkeypatch.syspath_prepend(str(TESTS_DIR))
     out = tmp_path / "ptx"
     train(load_config(None, base_overrides(tiny_model_dir, out, **PTX_ONLY, **{
         "train.max_steps": 4, "train.save_steps": 10, "ptx.micro_batch_size": 32, "ptx.coef": 1.0,
@@ -49,9 +57,8 @@ def test_ptx_alone_moves_every_parameter_and_its_nll_falls(tiny_model_dir, tmp_p
     assert not [k for k in initial if torch.equal(initial[k], final[k])], "PTX left parameters unchanged"
 
 
-def test_ptx_trains_a_lora_adapter_under_ppo_with_gradient_checkpointing(tiny_model_dir, tmp_path, monkeypatch):
+def test_ptx_trains_a_lora_adapter_under_ppo_with_gradient_checkpointing(tiny_model_dir, tmp_path):
     # PPO's critic starts at 0 and every reward is 0: its advantages are 0 too, so only PTX moves the adapter.
-    monkeypatch.syspath_prepend(str(TESTS_DIR))
     out = tmp_path / "lora"
     train(load_config(None, base_overrides(tiny_model_dir, out, **PTX_ONLY, **{
         "algorithm.advantage_estimator": "gae", "model.lora_r": 4, "optim.lora_learning_rate": 1e-2,
@@ -67,7 +74,6 @@ def test_ptx_trains_a_lora_adapter_under_ppo_with_gradient_checkpointing(tiny_mo
 def test_resume_trains_on_the_same_ptx_batches_as_an_uninterrupted_run(tiny_model_dir, tmp_path, monkeypatch):
     # Policy and PTX both train here (signal rewards), over two iterations per step; the PTX pairs of steps
     # 3-4 come from (seed, step, rank) alone, so the resumed run's metrics and weights equal the full run's.
-    monkeypatch.syspath_prepend(str(TESTS_DIR))
     overrides = {"train.max_steps": 4, "train.save_steps": 1, "loss.num_iterations": 2, "data.eval": None,
                  "rewards": "[{name: 'rewards_for_tests:letters'}]", "ptx.data": PAIRS, "ptx.micro_batch_size": 3,
                  "log.report_to": "[]"}
@@ -90,7 +96,7 @@ def _ptx_rows(rank: int):
 def _ddp_rank(rank: int, port: int, model_dir: str, out: str) -> None:
     """One DDP rank: a zero-advantage rollout batch (no policy gradient) and this rank's own PTX pairs."""
     import torch.distributed as dist
-    from test_optimization import random_batch, settings_with
+    from step_helpers import random_batch, settings_with
     from transformers import AutoModelForCausalLM
 
     from grpo.step.policy_update import train_on_batch
@@ -126,9 +132,7 @@ def test_ddp_ranks_average_their_ptx_gradients(tiny_model_dir, tmp_path):
 
     from grpo.step.ptx import ptx_nll
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(_ddp_rank, args=(port, str(tiny_model_dir), str(tmp_path)), nprocs=2, join=True)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     grads = []
@@ -152,13 +156,11 @@ def test_deepspeed_trainer_ranks_count_the_ptx_backward_in_their_accumulation(ti
     # become an update of its own. Cosine over 2 updates: the second step's rate is half the first's;
     # one extra update per step would have taken it to 0.
     pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed (make install installs it)")
-    from test_decoupled import REPO, SMOKE, env, grpo, overrides
-
     out = tmp_path / "zero2"
-    cmd = grpo("train", SMOKE, *overrides(tiny_model_dir, out, **{
+    cmd = grpo_cmd("train", SMOKE, *decoupled_overrides(tiny_model_dir, out, **{
         "train.mode": "decoupled", "decoupled.trainer_ranks": 2, "train.max_steps": 2,
         "train.deepspeed": REPO / "configs" / "ds_zero2.json", "ptx.data": PAIRS, "ptx.micro_batch_size": 2}))
-    result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
+    result = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [r for r in read_metrics(out) if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss/ptx"]) for r in rows)

@@ -13,11 +13,11 @@ A new recipe is covered by adding its file; a new model family needs a builder i
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from run_helpers import read_metrics
 
 from grpo.cli import main
 from grpo.config import load_config
@@ -116,6 +116,6 @@ def test_recipe_trains_two_steps(recipe, tiny_tokenizer, tmp_path, monkeypatch):
     overrides = recipe_overrides(recipe, tiny_tokenizer, tmp_path)
     monkeypatch.chdir(REPO)  # as the recipes' launch lines run: their relative paths resolve here
     assert main(["train", str(recipe), *overrides]) == 0, f"{recipe.name}: {' '.join(overrides)}"
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path / "run")
     trained = [row["step"] for row in rows if "loss" in row]
     assert trained == list(range(1, STEPS + 1)), f"{recipe.name}: training rows for steps {trained}"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -13,50 +12,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_helpers import (
+    REQUIRED_KEYS,
+    SIGNAL_REWARDS,
+    base_overrides,
+    cli_env,
+    grpo_cmd,
+    read_metrics,
+    resume_matches_uninterrupted,
+)
 from safetensors.torch import load_file
 
 from grpo.config import load_config
 from grpo.training.colocated import train
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-TESTS_DIR = Path(__file__).resolve().parent
-REQUIRED_KEYS = {
-    "step", "reward/mean", "reward/std", "accuracy", "format_rate", "kl", "loss", "clip_fraction", "entropy",
-    "completion_length/mean", "truncated_fraction", "zero_std_fraction", "learning_rate", "grad_norm",
-    "time/rollout_s", "time/train_s", "time/step_s", "tokens_per_s",
-}
 
 
-def base_overrides(model_dir: Path, out: Path, **extra) -> list[str]:
-    values = {
-        "model.name_or_path": str(model_dir),
-        "data.train": "synthetic:seed=1,n=64",
-        "rollout.num_generations": 4,
-        "rollout.max_completion_length": 12,
-        "train.prompts_per_step": 2,
-        "train.micro_batch_size": 4,
-        "train.max_steps": 3,
-        "train.save_steps": 2,
-        "train.output_dir": str(out),
-        "train.seed": 0,
-        "optim.learning_rate": 1e-3,
-        "log.report_to": "[tensorboard]",
-        "log.progress_bar": False,
-    }
-    values.update(extra)
-    return [f"{k}={'null' if v is None else v}" for k, v in values.items()]
-
-
-def read_metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-SIGNAL_REWARDS = "[{name: 'rewards_for_tests:letters'}, {name: answer_correct}, {name: format_think_answer}]"
-
-
-def test_full_finetune_changes_every_parameter_and_writes_outputs(tiny_model_dir, tmp_path, monkeypatch):
-    # A random model fails answer and format alike (no signal); the letters reward varies within groups.
-    monkeypatch.syspath_prepend(str(TESTS_DIR))
+def test_full_finetune_changes_every_parameter_and_writes_outputs(tiny_model_dir, tmp_path):
     out = tmp_path / "full"
     cfg = load_config(None, base_overrides(tiny_model_dir, out, **{"data.eval": "synthetic:seed=123,n=4",
                                                                    "rewards": SIGNAL_REWARDS}))
@@ -77,8 +50,7 @@ def test_full_finetune_changes_every_parameter_and_writes_outputs(tiny_model_dir
     assert any((out / "tensorboard").iterdir())
 
 
-def test_lora_trains_adapter_and_leaves_base_untouched(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(TESTS_DIR))
+def test_lora_trains_adapter_and_leaves_base_untouched(tiny_model_dir, tmp_path):
     out = tmp_path / "lora"
     cfg = load_config(None, base_overrides(tiny_model_dir, out, **{"model.lora_r": 4, "train.max_steps": 2,
                                                                    "optim.lora_learning_rate": 1e-2,
@@ -101,8 +73,7 @@ def test_lora_trains_adapter_and_leaves_base_untouched(tiny_model_dir, tmp_path,
             assert torch.equal(tensor, base_state[clean]), name
 
 
-def test_reward_rises_on_an_easy_task(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(TESTS_DIR))
+def test_reward_rises_on_an_easy_task(tiny_model_dir, tmp_path):
     out = tmp_path / "easy"
     cfg = load_config(None, base_overrides(
         tiny_model_dir, out, **{"train.max_steps": 20, "train.prompts_per_step": 4, "train.micro_batch_size": 32,
@@ -115,68 +86,17 @@ def test_reward_rises_on_an_easy_task(tiny_model_dir, tmp_path, monkeypatch):
     assert last > first + 0.2, rewards
 
 
-def interrupt_at_third_update(model_dir, out, overrides: dict, monkeypatch) -> None:
-    """Train into ``out`` and press Ctrl-C in the third update (the trainer saves step 2 and re-raises)."""
-    import grpo.training.loop as trainer_module
-
-    real = trainer_module.train_on_batch
-    calls = {"n": 0}
-
-    def interrupt_at_third_step(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(trainer_module, "train_on_batch", interrupt_at_third_step)
-    with pytest.raises(KeyboardInterrupt):
-        train(load_config(None, base_overrides(model_dir, out, **overrides)))
-    monkeypatch.setattr(trainer_module, "train_on_batch", real)
-
-
-def resume_matches_uninterrupted(model_dir, tmp_path, overrides: dict, monkeypatch,
-                                 same_weights: bool = True) -> tuple[list[dict], list[dict]]:
-    """Run ``overrides`` for 4 steps (``train.max_steps: 4``, ``save_steps: 1``) uninterrupted
-    (``tmp_path/full``) and interrupted in step 3 then resumed (``tmp_path/part``); assert every metric but
-    the timings (and, with ``same_weights``, the final weights) agree; return both runs' metrics."""
-    full, part = tmp_path / "full", tmp_path / "part"
-    train(load_config(None, base_overrides(model_dir, full, **overrides)))
-    # Interrupt (Ctrl-C) in step 3: a checkpoint of step 2 is written, then resume to the end.
-    interrupt_at_third_update(model_dir, part, overrides, monkeypatch)
-    assert [r["step"] for r in read_metrics(part)] == [1, 2]
-    train(load_config(None, base_overrides(model_dir, part, **overrides) + ["train.resume=true"]))
-    a, b = read_metrics(full), read_metrics(part)
-    assert [r["step"] for r in b] == [1, 2, 3, 4]
-    for row_a, row_b in zip(a, b):
-        for key, value in row_a.items():
-            if not key.startswith(("time/", "tokens_per_s")):
-                assert value == pytest.approx(row_b[key], abs=1e-6, rel=0), (row_a["step"], key)
-    if same_weights:
-        final_a = load_file(full / "final" / "model.safetensors")
-        final_b = load_file(part / "final" / "model.safetensors")
-        assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
-    return a, b
-
-
 def test_resume_equals_uninterrupted(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(TESTS_DIR))
     overrides = {"train.max_steps": 4, "train.save_steps": 1, "loss.num_iterations": 2, "data.eval": None,
                  "rewards": SIGNAL_REWARDS}
     resume_matches_uninterrupted(tiny_model_dir, tmp_path, overrides, monkeypatch)
 
 
-def _cli_env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 def test_kill_9_mid_run_loses_at_most_the_step_in_flight(tiny_model_dir, tmp_path):
     out = tmp_path / "killed"
-    args = [sys.executable, "-m", "grpo", "train", *base_overrides(
-        tiny_model_dir, out, **{"train.max_steps": 30, "train.save_steps": 1, "log.report_to": "[]"})]
-    proc = subprocess.Popen(args, env=_cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    args = grpo_cmd("train", *base_overrides(
+        tiny_model_dir, out, **{"train.max_steps": 30, "train.save_steps": 1, "log.report_to": "[]"}))
+    proc = subprocess.Popen(args, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 120
     while time.time() < deadline:
         done = [p for p in (out / "checkpoints").glob("step-*")] if (out / "checkpoints").exists() else []
@@ -190,7 +110,7 @@ def test_kill_9_mid_run_loses_at_most_the_step_in_flight(tiny_model_dir, tmp_pat
 
     saved = int(latest_checkpoint(out).name.split("-")[1])
     assert saved >= max(steps_logged) - 1  # a checkpoint every step: at most the step in flight is lost
-    resumed = subprocess.run(args[:4] + ["--resume"] + args[4:], env=_cli_env(), capture_output=True, text=True,
+    resumed = subprocess.run(args[:4] + ["--resume"] + args[4:], env=cli_env(), capture_output=True, text=True,
                              timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     steps = [r["step"] for r in read_metrics(out) if "reward/mean" in r]
@@ -201,7 +121,7 @@ def test_two_rank_torchrun_gives_each_rank_distinct_whole_groups(tiny_model_dir,
     if shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists():
         pytest.skip("torchrun not installed")
     out, log = tmp_path / "ddp", tmp_path / "prompts"
-    env = _cli_env()
+    env = cli_env()
     env["GRPO_TEST_PROMPT_LOG"] = str(log)
     torchrun = str(Path(sys.executable).parent / "torchrun")
     cmd = [torchrun, "--nproc_per_node", "2", "--master_port", "29533", "-m", "grpo", "train", *base_overrides(
@@ -238,7 +158,7 @@ def test_bf16_full_fine_tuning_keeps_fp32_master_weights_so_small_updates_are_no
         "optim.max_grad_norm=null", "data.train=synthetic:seed=1,n=64", "rollout.num_generations=4",
         "rollout.max_completion_length=12", "train.prompts_per_step=2", "train.micro_batch_size=8",
         "train.max_steps=1", "train.device=cpu", f"train.output_dir={out}", "log.report_to=[]",
-        "log.progress_bar=false", "rewards=[{name: 'test_train_colocated:characters_reward'}]"])
+        "log.progress_bar=false", "rewards=[{name: 'rewards_for_tests:characters_reward'}]"])
     train(cfg)
     before = load_file(tiny_model_dir / "model.safetensors")
     after = load_file(out / "final" / "model.safetensors")
@@ -248,8 +168,3 @@ def test_bf16_full_fine_tuning_keeps_fp32_master_weights_so_small_updates_are_no
     assert moved / total > 0.5, f"only {moved}/{total} weights moved"
     assert all(t.dtype == torch.float32 for t in after.values())  # the master weights are what is saved
 
-
-def characters_reward(prompts, completions, **kwargs):
-    from grpo.rewards.answers import completion_text
-
-    return [float(len(completion_text(c))) for c in completions]

@@ -6,15 +6,12 @@ must score every sample of every step; a reward that cannot take TRL's call exit
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
+from run_helpers import read_jsonl, train_rows
 
 from grpo.cli import main
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-TESTS_DIR = Path(__file__).resolve().parent
 STEPS = 2
 
 RECIPE = """\
@@ -50,20 +47,15 @@ NAMES = ["correctness_reward_func", "int_reward_func", "strict_format_reward_fun
          "accuracy_reward", "soft_overlong_punishment_reward"]
 
 
-def lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def test_trl_style_rewards_score_every_sample_of_a_real_run(tiny_model_dir, gsm8k_dir, tmp_path, monkeypatch):
+def test_trl_style_rewards_score_every_sample_of_a_real_run(tiny_model_dir, gsm8k_dir, tmp_path):
     pytest.importorskip("trl.rewards")
-    monkeypatch.syspath_prepend(str(TESTS_DIR))
     recipe = tmp_path / "trl-rewards.yaml"
     recipe.write_text(RECIPE)
     out = tmp_path / "run"
     assert main(["train", str(recipe), f"model.name_or_path={tiny_model_dir}", f"train.output_dir={out}",
                  f"data.train={gsm8k_dir / 'train.jsonl'}", "data.train_limit=8"]) == 0
 
-    rows = [r for r in lines(out / "metrics.jsonl") if "loss" in r]
+    rows = train_rows(out)
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         for name in NAMES:
@@ -71,7 +63,7 @@ def test_trl_style_rewards_score_every_sample_of_a_real_run(tiny_model_dir, gsm8
     # trainer_state.global_step / max_steps as the curriculum saw it: 0/2 at step 1, 1/2 at step 2
     assert [r["curriculum/progress"] for r in rows] == [0.0, 0.5]
 
-    samples = lines(out / "samples.jsonl")
+    samples = read_jsonl(out / "samples.jsonl")
     assert len(samples) == STEPS * 8
     for sample in samples:
         missing = [name for name in NAMES if sample["rewards"][name] is None]
@@ -80,9 +72,8 @@ def test_trl_style_rewards_score_every_sample_of_a_real_run(tiny_model_dir, gsm8
         assert sample["extras"]["num_tokens"] >= 1 and sample["extras"]["solution"] == sample["answer"]
 
 
-def test_a_reward_that_cannot_take_trls_call_exits_2_before_anything_is_written(tiny_model_dir, tmp_path,
-                                                                                 monkeypatch, capsys):
-    monkeypatch.syspath_prepend(str(TESTS_DIR / ".." / "reliability"))
+def test_a_reward_that_cannot_take_trls_call_exits_2_before_anything_is_written(tiny_model_dir, tmp_path, capsys):
+    # rewards_for_reliability is importable: tests/reliability is on the path (conftest.py, run_helpers.REWARD_DIRS)
     out = tmp_path / "run"
     status = main(["train", f"model.name_or_path={tiny_model_dir}", f"train.output_dir={out}",
                    "data.train=synthetic:seed=1,n=8", "train.max_steps=1", "log.report_to=[]",

@@ -1,12 +1,21 @@
-"""Fixtures of the reliability suite (helpers are in ``reliability_helpers``)."""
+"""Fixtures of the reliability suite (its own helpers are in ``reliability_helpers``, those it shares with the
+integration suite in tests/integration/run_helpers.py)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from reliability_helpers import RECIPE, rewards_on_path
+
+# pytest puts only this folder on sys.path for this suite's modules: run_helpers is found in tests/integration.
+INTEGRATION_DIR = str(Path(__file__).resolve().parents[1] / "integration")
+if INTEGRATION_DIR not in sys.path:
+    sys.path.insert(0, INTEGRATION_DIR)
+
+from reliability_helpers import RECIPE  # noqa: E402
+from run_helpers import rewards_on_path  # noqa: E402
 
 
 @pytest.fixture(scope="session")

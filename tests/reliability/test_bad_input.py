@@ -9,7 +9,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from reliability_helpers import RECIPE, rewards_on_path, run_args, snapshot
+from reliability_helpers import RECIPE, run_args, snapshot
+from run_helpers import rewards_on_path
 
 from grpo.cli import main
 

@@ -5,45 +5,21 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import time
 
 import pytest
-from reliability_helpers import cli_env, grpo_cmd, logged_steps, run_args, train_rows, wait_until
+from reliability_helpers import run_args
+from run_helpers import each_batch_once, free_port, logged_steps, start, stop_all, train_rows, wait_until
 
 from grpo.run.checkpoint import latest_checkpoint
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.integration]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(*args, stderr=subprocess.DEVNULL) -> subprocess.Popen:
-    return subprocess.Popen(grpo_cmd(*args), env=cli_env(), stdout=subprocess.DEVNULL, stderr=stderr, text=True)
-
-
-def stop_all(*procs) -> None:
-    for proc in procs:
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
 def decoupled_args(model_dir, out, **extra) -> list[str]:
     return run_args(model_dir, out, **{"train.mode": "decoupled", "decoupled.address": f"tcp://127.0.0.1:{free_port()}",
                                        "decoupled.peer_timeout_s": 120, **extra})
-
-
-def assert_each_batch_trained_once(out, steps: int) -> None:
-    rows = train_rows(out)
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    ids = [r["batch_id"] for r in rows]
-    assert len(set(ids)) == len(ids), f"a batch was trained twice: {ids}"
 
 
 @pytest.mark.parametrize("retry_s", [1, 120], ids=["after-the-retry-window", "within-the-retry-window"])
@@ -85,7 +61,7 @@ def test_ref_server_killed_and_restarted(tiny_model_dir, recipe, tmp_path, retry
         assert sampler.returncode == 0
     finally:
         stop_all(trainer, sampler, server)
-    assert_each_batch_trained_once(out, steps)
+    each_batch_once(out, steps)
     assert all(r["kl"] is not None for r in train_rows(out)), "every step had reference log-probs"
 
 
@@ -117,6 +93,6 @@ def test_stalled_sampler_times_out_with_the_checkpoint_intact_then_resume_finish
         assert trainer.returncode == 0, err[-3000:]
     finally:
         stop_all(trainer, sampler)
-    assert_each_batch_trained_once(out, steps)
+    each_batch_once(out, steps)
     state = json.loads((latest_checkpoint(out) / "trainer_state.json").read_text())
     assert len(state["trained_batch_ids"]) == steps

@@ -9,13 +9,13 @@ import subprocess
 
 import pytest
 import torch
-from reliability_helpers import (
+from reliability_helpers import run_args
+from run_helpers import (
     cli_env,
     grpo_cmd,
     logged_steps,
-    metrics,
+    read_metrics,
     rewards_on_path,
-    run_args,
     train_rows,
     wait_until,
     without_timings,
@@ -90,6 +90,7 @@ def test_ctrl_c_anywhere_in_a_step_then_resume_equals_uninterrupted(tiny_model_d
     assert [r["step"] for r in train_rows(out)] == list(range(1, int(saved.name.removeprefix("step-")) + 1))
     assert main([*args, "--resume"]) == 0
 
-    assert [without_timings(r) for r in metrics(out)] == [without_timings(r) for r in metrics(uninterrupted)]
+    assert ([without_timings(r) for r in read_metrics(out)]
+            == [without_timings(r) for r in read_metrics(uninterrupted)])
     a, b = load_file(uninterrupted / "final" / "model.safetensors"), load_file(out / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)

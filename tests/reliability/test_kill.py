@@ -11,13 +11,13 @@ import time
 
 import pytest
 import torch
-from reliability_helpers import (
+from reliability_helpers import run_args
+from run_helpers import (
     cli_env,
     grpo_cmd,
     logged_steps,
-    metrics,
+    read_metrics,
     rewards_on_path,
-    run_args,
     train_rows,
     wait_until,
     without_timings,
@@ -95,7 +95,7 @@ def test_kill_9_twice_at_random_points_then_resume_equals_uninterrupted(tiny_mod
 
     rows = train_rows(out)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), "a step was lost or trained twice"
-    assert [without_timings(r) for r in metrics(out)] == [without_timings(r) for r in metrics(reference)]
+    assert [without_timings(r) for r in read_metrics(out)] == [without_timings(r) for r in read_metrics(reference)]
     a, b = load_file(reference / "final" / "model.safetensors"), load_file(out / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not list((out / "checkpoints").glob(".tmp-*")), "a killed save's temporary folder was left behind"

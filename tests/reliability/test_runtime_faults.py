@@ -9,7 +9,8 @@ import shutil
 
 import pytest
 import torch
-from reliability_helpers import metrics, run_args, snapshot, train_rows, without_timings
+from reliability_helpers import run_args, snapshot
+from run_helpers import read_metrics, train_rows, without_timings
 from safetensors.torch import load_file
 
 import grpo.run.checkpoint as checkpoint_module
@@ -167,7 +168,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint_and_resume_finishe
 @pytest.fixture(scope="module")
 def finished_run(tiny_model_dir, recipe, tmp_path_factory):
     """4 steps, a checkpoint of each kept."""
-    from reliability_helpers import rewards_on_path
+    from run_helpers import rewards_on_path
 
     out = tmp_path_factory.mktemp("finished") / "run"
     with rewards_on_path():
@@ -193,7 +194,7 @@ def test_torn_newest_checkpoint_falls_back_to_the_previous_one(finished_run, tin
     err = capsys.readouterr().err
     assert f"grpo: warning: cannot resume from {out / 'checkpoints' / 'step-3'}: {torn} cannot be read" in err, err
     # Steps 3 and 4 were trained again from step 2's checkpoint: the same run as without the damage.
-    assert [without_timings(r) for r in metrics(out)] == [without_timings(r) for r in metrics(finished_run)]
+    assert [without_timings(r) for r in read_metrics(out)] == [without_timings(r) for r in read_metrics(finished_run)]
     assert same_weights(model_weights(out / "final"), model_weights(finished_run / "final"))
     assert same_weights(model_weights(out / "checkpoints" / "step-3"),
                         model_weights(finished_run / "checkpoints" / "step-3")), "the torn folder was replaced"

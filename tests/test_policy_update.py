@@ -1,58 +1,15 @@
-"""The update over a rollout batch: micro-batching must not change the gradient; the LR schedule."""
+"""grpo.step.policy_update: the update over a rollout batch. Micro-batching must not change the gradient; old
+log-probs, entropy, truncated-completion masking and sequence-level ratios reach the loss as they should."""
 
 from __future__ import annotations
 
-import math
-from contextlib import nullcontext
-
 import pytest
 import torch
+from step_helpers import RecordingLearner, random_batch, settings_with
 
 from grpo.models.tiny import build_qwen2
 from grpo.step.policy_update import LossSettings, rows_by_length, train_on_batch
-from grpo.step.records import Generation, RolloutBatch
 from grpo.training.distributed import DistInfo
-from grpo.training.optim import lr_multiplier
-
-
-class RecordingLearner:
-    """Runs backward like the torch learner but records the accumulated gradient instead of stepping."""
-
-    def __init__(self, module):
-        self.module = module
-        self.grads = []
-
-    def accumulating(self, last):
-        return nullcontext()
-
-    def backward(self, loss):
-        loss.backward()
-
-    def finish_update(self):
-        self.grads.append({n: p.grad.clone() for n, p in self.module.named_parameters() if p.grad is not None})
-        self.module.zero_grad(set_to_none=True)
-        return 0.0
-
-    @property
-    def lr(self):
-        return 0.0
-
-
-def random_batch(vocab: int, N: int = 6, Lp: int = 5, Lc: int = 7, seed: int = 0) -> RolloutBatch:
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, Lc + 1, (N,), generator=gen)
-    completion_mask = (torch.arange(Lc)[None] < lengths[:, None]).long()
-    prompt_mask = torch.ones(N, Lp, dtype=torch.long)
-    prompt_mask[0, :2] = 0  # a left-padded prompt
-    logp = -torch.rand(N, Lc, generator=gen)
-    return RolloutBatch(
-        generation=Generation(
-            prompt_ids=torch.randint(3, vocab, (N, Lp), generator=gen), prompt_mask=prompt_mask,
-            completion_ids=torch.randint(3, vocab, (N, Lc), generator=gen), completion_mask=completion_mask,
-            truncated=torch.zeros(N, dtype=torch.bool), completions=[""] * N),
-        rewards=torch.randn(N, generator=gen), reward_parts=torch.randn(N, 1, generator=gen), reward_names=["r"],
-        advantages=torch.randn(N, generator=gen), old_logprobs=logp - 0.1, ref_logprobs=logp + 0.2,
-        prompts=[""] * (N // 2))
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
@@ -81,17 +38,6 @@ def test_micro_batches_take_whole_groups_by_length():
     lengths = torch.tensor([5, 1, 2, 2, 3, 7, 1, 2])
     mask = (torch.arange(8)[None] < lengths[:, None]).long()
     assert rows_by_length(mask, 2).tolist() == [2, 3, 6, 7, 0, 1, 4, 5]
-
-
-def test_lr_schedule_shapes():
-    # 10 updates, 2 of warm-up: 0.5, 1.0, then cosine from 1 down towards 0.
-    factors = [lr_multiplier(u, 10, 2, "cosine") for u in range(10)]
-    assert factors[:2] == [0.5, 1.0]
-    assert factors[2] == 1.0 and all(a >= b for a, b in zip(factors[2:], factors[3:]))
-    assert math.isclose(lr_multiplier(6, 10, 2, "cosine"), 0.5)  # half-way through the decay
-    assert lr_multiplier(6, 10, 2, "linear") == 0.5 and lr_multiplier(9, 10, 2, "constant") == 1.0
-    with pytest.raises(ValueError, match="known"):
-        lr_multiplier(3, 10, 2, "step")
 
 
 class SteppingLearner(RecordingLearner):
@@ -132,57 +78,6 @@ def test_old_logprobs_taken_from_the_first_iteration_equal_a_separate_pass(tiny_
         for name, grad in update_a.items():
             assert torch.allclose(update_b[name], grad, atol=1e-6, rtol=1e-4), name
     assert stats_a["ratio_mean"] != pytest.approx(1.0, abs=1e-4)  # iteration 2 really was off-policy
-
-
-def test_torch_learner_drops_autocasts_stale_weight_copies_after_each_update():
-    # Training runs inside one long bf16 autocast context (fp32 master weights); autocast caches the
-    # bf16 copy of each weight and would keep serving it after the optimizer changed the weight.
-    from grpo.training.learners import TorchLearner
-
-    torch.manual_seed(0)
-    layer = torch.nn.Linear(8, 8)
-    optimizer = torch.optim.SGD(layer.parameters(), lr=1.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    learner = TorchLearner(layer, optimizer, scheduler, max_grad_norm=None)
-    x = torch.randn(4, 8)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        before = layer(x)
-        learner.backward(before.float().pow(2).sum())
-        learner.finish_update()
-        after = layer(x)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        fresh = layer(x)  # a new context: no cache
-    assert not torch.equal(after, before)
-    assert torch.equal(after, fresh)
-
-
-def test_adamw_is_fused_only_on_cuda():
-    # Fused AdamW is a CUDA kernel: a CPU model keeps torch's default (for-each) AdamW.
-    from grpo.config.schema import OptimConfig
-    from grpo.training.optim import build_optimizer
-
-    model = torch.nn.Linear(4, 4)
-    optimizer = build_optimizer(model, OptimConfig(), lora=False)
-    assert not optimizer.defaults["fused"]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_adamw_is_fused_on_cuda_but_not_for_deepspeed():
-    from grpo.config.schema import OptimConfig
-    from grpo.training.optim import build_optimizer
-
-    model = torch.nn.Linear(4, 4).cuda()
-    assert build_optimizer(model, OptimConfig(), lora=False).defaults["fused"] is True
-    assert not build_optimizer(model, OptimConfig(), lora=False, allow_fused=False).defaults["fused"]
-    model(torch.randn(2, 4, device="cuda")).sum().backward()
-    build_optimizer(model, OptimConfig(), lora=False).step()  # the fused kernel accepts these parameters
-
-
-def settings_with(**changes) -> LossSettings:
-    base = dict(epsilon=0.2, epsilon_high=None, beta=0.0, loss_type="grpo", max_completion_length=7,
-                temperature=0.9, num_iterations=1, micro_batch_size=2, max_grad_norm=None)
-    return LossSettings(**{**base, **changes})
 
 
 def test_entropy_is_the_token_mean_over_the_sampled_tokens(tiny_tokenizer):
