@@ -179,18 +179,18 @@ def train_with_baseline(cfg, baseline) -> None:
     check measures is the memory above that point."""
     import grpo.training.colocated
 
-    load_policy = grpo.training.colocated.load_policy
+    load_policy = grpo.training.colocated.policy_for
 
     def load_policy_then_baseline(*args, **kwargs):
         policy = load_policy(*args, **kwargs)
         baseline()
         return policy
 
-    grpo.training.colocated.load_policy = load_policy_then_baseline
+    grpo.training.colocated.policy_for = load_policy_then_baseline
     try:
         grpo.training.colocated.train(cfg)
     finally:
-        grpo.training.colocated.load_policy = load_policy
+        grpo.training.colocated.policy_for = load_policy
 
 
 def run_child(script: str, case: dict, case_file: Path, env: dict) -> dict:

@@ -47,7 +47,8 @@ def ref_token_logprobs(logits, ids, temperature):
     return out
 
 
-def ref_policy_loss(logp, old, ref, adv, mask, eps_low, eps_high, beta, loss_type, max_len, level="token"):
+def ref_policy_loss(logp, old, ref, adv, mask, eps_low, eps_high, beta, loss_type, max_len, level="token",
+                    kl_times_ratio=False):
     N, L = len(logp), len(logp[0])
     per_tok = [[0.0] * L for _ in range(N)]
     kls, clipped_count, ratios = [], 0, []
@@ -65,6 +66,8 @@ def ref_policy_loss(logp, old, ref, adv, mask, eps_low, eps_high, beta, loss_typ
             if ref is not None:
                 d = ref[i][t] - logp[i][t]
                 kl = math.exp(d) - d - 1
+                if kl_times_ratio:  # TRL's use_bias_correction_kl
+                    kl *= ratio
             per_tok[i][t] = -(obj - beta * kl)
             if mask[i][t]:
                 kls.append(kl)

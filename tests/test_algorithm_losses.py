@@ -78,6 +78,27 @@ def test_policy_loss_matches_loop_reference(seed, G, loss_type, beta, eps_high):
     assert abs(stats["ratio_mean"].item() - want_ratio) < TOL
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_kl_times_ratio_matches_loop_reference_and_trls_gradient(level):
+    # TRL's use_bias_correction_kl: ratio * k3 (the ratio keeps its gradient), at the importance-sampling level
+    gen = torch.Generator().manual_seed(3)
+    N, L = 6, 5
+    logp = (-torch.rand(N, L, generator=gen, dtype=torch.float64) * 3).requires_grad_()
+    old = logp.detach() + torch.randn(N, L, generator=gen, dtype=torch.float64) * 0.3
+    ref = logp.detach() + torch.randn(N, L, generator=gen, dtype=torch.float64) * 0.5
+    adv = torch.randn(N, generator=gen, dtype=torch.float64)
+    mask = ragged_mask(N, L, gen).double()
+    loss, stats = policy_loss(logp, old, ref, adv, mask, beta=0.1, loss_type="dapo", importance_sampling_level=level,
+                              kl_times_ratio=True)
+    want_loss, want_kl, _, _ = ref_policy_loss(logp.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(),
+                                               0.2, 0.2, 0.1, "dapo", L, level=level, kl_times_ratio=True)
+    assert abs(loss.item() - want_loss) < TOL and abs(stats["kl"].item() - want_kl) < TOL
+    plain, _ = policy_loss(logp, old, ref, adv, mask, beta=0.1, loss_type="dapo", importance_sampling_level=level)
+    (grad,) = torch.autograd.grad(loss, logp)
+    (plain_grad,) = torch.autograd.grad(plain, logp)
+    assert not torch.allclose(grad, plain_grad)  # the ratio's gradient reaches the KL term
+
+
 @pytest.mark.parametrize("loss_type", sorted(LOSS_AGGREGATIONS))
 def test_padding_values_never_reach_the_loss(loss_type):
     # Values at padded positions differ between passes (another model's log-prob of a pad token, or 0

@@ -140,6 +140,7 @@ def policy_loss(
     normalizer: float | Tensor | None = None,
     importance_sampling_level: str = "token",
     sampler_weights: Tensor | None = None,
+    kl_times_ratio: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO's clipped surrogate with a k3 KL penalty.
 
@@ -161,11 +162,13 @@ def policy_loss(
         sampler_weights: ``[N, L]`` detached per-token weights on the clipped surrogate (the sampler
             correction, ``sampler_importance_weights``), applied before aggregation; the KL term is not
             weighted (as TRL). None = 1.
+        kl_times_ratio: the KL term is ratio * k3 (the ratio with its gradient, at the importance-sampling
+            level): TRL's ``use_bias_correction_kl``, since the tokens were sampled from pi_old, not pi.
 
     Returns:
         ``(loss, stats)``: scalar loss = aggregate of -(w * min(ratio*A, clip(ratio)*A) - beta*k3) (w = 1 without
-        ``sampler_weights``);
-        stats (detached scalars): ``kl`` (masked mean k3, 0 when no reference), ``clip_fraction``
+        ``sampler_weights``; k3 times the ratio with ``kl_times_ratio``);
+        stats (detached scalars): ``kl`` (masked mean of that KL term, 0 when no reference), ``clip_fraction``
         (share of masked tokens where clipping changed the objective), ``ratio_mean`` (masked mean),
         ``ratio_max``; at the sequence level a row's ratio counts once per real token.
     """
@@ -200,6 +203,8 @@ def policy_loss(
         objective = objective * sampler_weights.detach().to(objective.dtype)
     if ref_logprobs is not None:
         kl = kl_k3(logprobs, ref_logprobs.detach())  # [N, L]
+        if kl_times_ratio:  # TRL's use_bias_correction_kl: k3 estimates KL under pi_old's samples, not pi's
+            kl = kl * ratio
         if beta != 0:
             objective = objective - beta * kl
     else:

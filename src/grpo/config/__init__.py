@@ -2,6 +2,7 @@
 
 from grpo.config.loader import (
     ConfigError,
+    config_from_dict,
     config_to_dict,
     dump_config,
     iter_config_keys,
@@ -25,7 +26,7 @@ from grpo.config.schema import (
 )
 
 __all__ = [
-    "ConfigError", "config_to_dict", "dump_config", "iter_config_keys", "load_config", "parse_override",
+    "ConfigError", "config_from_dict", "config_to_dict", "dump_config", "iter_config_keys", "load_config", "parse_override",
     "AlgorithmConfig", "CriticConfig", "DataConfig", "DecoupledConfig", "LogConfig", "LossConfig", "ModelConfig",
     "OptimConfig", "PtxConfig", "RewardConfig", "RolloutConfig", "RunConfig", "TrainConfig",
 ]

@@ -6,6 +6,7 @@ text), the dotted key, and what is allowed; unknown keys get a "did you mean".
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import types
@@ -232,6 +233,18 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
         key, why = problems[0]
         more = "".join(f"\n  also: {k} {w}" for k, w in problems[1:])
         raise ConfigError(f"{where(key)}{key} {why}{more}")
+    return config
+
+
+def config_from_dict(tree: dict, source: str) -> RunConfig:
+    """The checked ``RunConfig`` of a nested dict (``config_to_dict``'s shape; missing keys keep their
+    defaults); errors name ``source`` and the key, e.g. ``GRPOConfig: loss.beta ...``."""
+    config = _build(RunConfig, copy.deepcopy(tree), "", lambda key: f"{source}: ")
+    problems = config.check()
+    if problems:
+        key, why = problems[0]
+        more = "".join(f"\n  also: {k} {w}" for k, w in problems[1:])
+        raise ConfigError(f"{source}: {key} {why}{more}")
     return config
 
 

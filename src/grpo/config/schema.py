@@ -59,6 +59,9 @@ class DataConfig:
     tag_style: str = opt("think", "Answer tags: think (<think>/<answer>) or reasoning (<reasoning>/<answer>).",
                          choices=("think", "reasoning"))
     system_prompt: str | None = opt(None, "System prompt; null = the tag style's default.")
+    add_system_prompt: bool = opt(True, "Add the system prompt to every prompt; false: no system turn from the run "
+                                        "(the chat template's own default, if any; the Python API's datasets carry "
+                                        "their own, as TRL's).")
     max_prompt_length: int = opt(512, "Prompts longer than this many tokens are an error.", ge=1)
     train_limit: int | None = opt(None, "Use only the first N training examples.", ge=1)
     eval_limit: int | None = opt(None, "Evaluate only the first N held-out examples.", ge=1)
@@ -162,6 +165,8 @@ class CriticConfig:
 @dataclass
 class LossConfig:
     beta: float = opt(0.04, "KL coefficient (k3 estimator against the reference); 0 = no reference model.", ge=0)
+    kl_times_ratio: bool = opt(False, "The KL term is ratio x k3 (the tokens come from the old policy): TRL's "
+                                      "use_bias_correction_kl (its default); false: plain k3.")
     epsilon: float = opt(0.2, "Lower clip: ratio >= 1 - epsilon.", gt=0, le=1)
     epsilon_high: float | None = opt(None, "Upper clip: ratio <= 1 + epsilon_high (DAPO); null = epsilon.", gt=0)
     loss_type: str = opt("grpo", "Aggregation: grpo (per-sequence mean), bnpo, dr_grpo, dapo.",
@@ -267,6 +272,7 @@ class TrainConfig:
     save_total_limit: int | None = opt(2, "Keep only the newest N checkpoints; null = all.", ge=1)
     eval_steps: int | None = opt(
         None, "Evaluate data.eval every N steps (and at start and end); null = start/end only.", ge=1)
+    eval_on_start: bool = opt(True, "Evaluate before the first step of a new run (when data.eval is set).")
     early_stop_accuracy: float | None = opt(None, "Stop when eval/accuracy reaches this value.", ge=0, le=1)
     resume: bool = opt(False, "Continue from the newest checkpoint in output_dir.")
     overwrite: bool = opt(False, "Allow writing into an output_dir that holds another run.")

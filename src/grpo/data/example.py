@@ -31,6 +31,13 @@ class Example:
     answer_raw: the gold answer as written in the file (e.g. "1,080"), or None.
     source:     where the example came from, e.g. "data/train.jsonl:17" or "synthetic:seed=1#4".
     solution:   reference worked solution (GSM8K text before "####"), or None; used for SFT.
+
+    The Python API's datasets (``grpo.api``) are TRL's, and three fields keep what TRL does with them
+    (file loaders leave them at their defaults):
+    system:     the row's own system turn, used instead of the run's system prompt.
+    row:        the row's columns but ``prompt``, passed to reward functions verbatim (``columns()``).
+    plain_text: the prompt is text, not a chat: used as written (no chat template), and rewards get
+                prompts and completions as strings; ``messages`` is then its one user turn.
     """
 
     messages: list[dict[str, str]]
@@ -38,6 +45,9 @@ class Example:
     answer_raw: str | None
     source: str
     solution: str | None = None
+    system: str | None = None
+    row: dict[str, Any] | None = None
+    plain_text: bool = False
 
     def __post_init__(self) -> None:
         # Checked here so that no code path (loader, generator, test) can build a prompt the
@@ -53,6 +63,8 @@ class Example:
 
     def columns(self) -> dict[str, Any]:
         """The dataset columns passed to reward functions as keyword arguments."""
+        if self.row is not None:
+            return dict(self.row)
         return {
             "question": self.question,
             "answer": self.answer,

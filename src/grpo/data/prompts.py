@@ -17,8 +17,12 @@ def default_system_prompt(tag_style: str = "think") -> str:
     return get_tag_style(tag_style).system_prompt
 
 
-def resolve_system_prompt(system_prompt: str | None, tag_style: str = "think") -> str:
-    """The config's `data.system_prompt` if set, else the tag style's default (config null = default)."""
+def resolve_system_prompt(system_prompt: str | None, tag_style: str = "think", add: bool = True) -> str | None:
+    """The config's `data.system_prompt` if set, else the tag style's default (config null = default);
+    None when ``add`` is False (`data.add_system_prompt: false`: no system turn from the run, as TRL renders
+    its prompts; a row's own system turn, `Example.system`, still applies)."""
+    if not add:
+        return None
     return default_system_prompt(tag_style) if system_prompt is None else system_prompt
 
 
@@ -31,6 +35,8 @@ def build_prompt_messages(example: Example, system_prompt: str | None) -> list[d
     The example's messages are copied, never shared.
     """
     history = [dict(message) for message in example.messages]
+    if example.system is not None:  # the row's own (the Python API's datasets)
+        system_prompt = example.system
     if system_prompt is None:
         return history
     return [{"role": "system", "content": system_prompt}, *history]
@@ -56,5 +62,8 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
 
 
 def render_example(tokenizer: Any, example: Example, system_prompt: str | None) -> str:
-    """Shortcut for ``render_prompt(tokenizer, build_prompt_messages(example, system_prompt))``."""
+    """``render_prompt(tokenizer, build_prompt_messages(example, system_prompt))``; a plain-text example's
+    text as it is (TRL's non-conversational prompts get no chat template)."""
+    if example.plain_text:
+        return example.question
     return render_prompt(tokenizer, build_prompt_messages(example, system_prompt))

@@ -164,17 +164,31 @@ def load_policy(cfg: ModelConfig, device: torch.device, *, master_weights: bool 
     else:
         dtype = torch.float32 if master_weights else policy_dtype(cfg)
         model = _load_causal_lm(cfg.name_or_path, dtype, cfg, "model.name_or_path").to(device)
+    return prepare_policy(model, cfg)
+
+
+def prepare_policy(model: torch.nn.Module, cfg: ModelConfig, device: torch.device | None = None,
+                   dtype: torch.dtype | None = None):
+    """Make a loaded model the trainable policy, in place where it can: moved to ``device`` in ``dtype``
+    (when given), gradient checkpointing as configured, and a LoRA adapter added when ``lora_r > 0``
+    unless ``model`` is already a peft model (whose own adapter is then trained). The Python API hands
+    its user's model here, so that the user's object ends up holding the trained weights."""
+    if device is not None or dtype is not None:
+        model.to(device=device, dtype=dtype)
+    from peft import PeftModel
+
+    already_peft = isinstance(model, PeftModel)
     if cfg.gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x name
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    if cfg.lora_r > 0:
+        if cfg.lora_r > 0 or already_peft:
+            model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need grads
+    if cfg.lora_r > 0 and not already_peft:
         from peft import LoraConfig, get_peft_model
 
-        if cfg.gradient_checkpointing:
-            model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need grads
         lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                           target_modules=cfg.lora_target_modules, task_type="CAUSAL_LM")
         model = get_peft_model(model, lora)

@@ -55,12 +55,14 @@ class ModelSource:
         return self.config.data.tag_style if self.config is not None else "think"
 
     @property
-    def system_prompt(self) -> str:
-        """The system prompt the model was trained with: the run's, else its tag style's default."""
+    def system_prompt(self) -> str | None:
+        """The system prompt the model was trained with: the run's, else its tag style's default (None: the
+        run added none, ``data.add_system_prompt: false``)."""
         from grpo.data import resolve_system_prompt
 
-        return resolve_system_prompt(self.config.data.system_prompt if self.config is not None else None,
-                                     self.tag_style)
+        data = self.config.data if self.config is not None else None
+        return resolve_system_prompt(data.system_prompt if data else None, self.tag_style,
+                                     data.add_system_prompt if data else True)
 
     def describe(self) -> str:
         """One line saying what will be loaded, for logs and reports."""

@@ -129,7 +129,7 @@ def build_from_factory(path: str, factory_args: dict[str, Any]) -> RewardCallabl
 
 def check_call_signature(fn: Any, name: str, keywords: list[str]) -> None:
     """Raise ValueError if ``fn`` cannot be called with exactly ``keywords`` as keyword arguments (TRL's
-    call, see ``guard.py``): a required parameter it would not get, or a keyword it would refuse. A
+    call, see ``reward_function.py``): a required parameter it would not get, or a keyword it would refuse. A
     callable whose signature cannot be read is left to the call itself."""
     from grpo.rewards.reward_function import SIGNATURE_HINT
 

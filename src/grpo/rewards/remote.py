@@ -155,6 +155,6 @@ def make_remote_reward(
                 raise fail(f"bad answer: {error}", response) from error
         raise AssertionError("unreachable: the last attempt returns or raises")
 
-    remote_reward.per_sample_fallback = False  # type: ignore[attr-defined]  # see guard.py
+    remote_reward.per_sample_fallback = False  # type: ignore[attr-defined]  # see reward_function.py
     return named(remote_reward, reward_name)
 

@@ -74,10 +74,22 @@ def make_model_reward(
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForSequenceClassification.from_pretrained(path, dtype=getattr(torch, dtype))
+    return model_reward_from(model, tokenizer, batch_size=batch_size, device=device, max_length=max_length,
+                             name=name or _default_name(path))
+
+
+def model_reward_from(model: Any, tokenizer: Any, *, batch_size: int = 8, device: str | None = None,
+                      max_length: int | None = None, name: str) -> RewardCallable:
+    """A reward function scoring with a loaded sequence-classification ``model`` and its ``tokenizer`` (the
+    Python API's reward models; ``make_model_reward`` loads them from a path): ``logits[:, 0]`` of prompt +
+    completion, right-padded."""
+    if batch_size < 1:
+        raise ValueError(f"reward model batch_size must be >= 1, got {batch_size}")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device).eval()
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
-            raise ValueError(f"reward model tokenizer at {path} has neither a pad nor an eos token")
+            raise ValueError(f"reward model {name!r}: its tokenizer has neither a pad nor an eos token")
         tokenizer.pad_token = tokenizer.eos_token  # as TRL does
     if model.config.pad_token_id is None:
         # The classification head finds each row's last real token by this id; without it batch > 1 fails.
@@ -108,7 +120,7 @@ def make_model_reward(
                 rewards.extend(logits[:, 0].float().cpu().tolist())
         return rewards
 
-    model_reward.per_sample_fallback = False  # type: ignore[attr-defined]  # see guard.py
+    model_reward.per_sample_fallback = False  # type: ignore[attr-defined]  # see reward_function.py
     model_reward.model = model  # type: ignore[attr-defined]  # for tests and device moves
     model_reward.tokenizer = tokenizer  # type: ignore[attr-defined]
-    return named(model_reward, name or _default_name(path))
+    return named(model_reward, name)

@@ -19,11 +19,11 @@ def _deepspeed_dir(out: Path, step: int) -> Path:
 
 
 def save_run_checkpoint(out: Path, step: int, trainable: Trainable, tokenizer, state: dict,
-                        save_total_limit: int | None, info: DistInfo, critic=None) -> None:
+                        save_total_limit: int | None, info: DistInfo, critic=None) -> Path:
     """A checkpoint of ``step`` on every rank's behalf. Under DeepSpeed every rank first writes its
     engine state (partitioned optimizer) to ``deepspeed-step-N/``; rank 0 then writes the HF-format
     checkpoint, whose appearance (atomic rename) marks the whole checkpoint complete. PPO's ``critic``
-    (a ``grpo.critic.Critic``) goes into its ``critic/`` folder."""
+    (a ``grpo.critic.Critic``) goes into its ``critic/`` folder. Returns the checkpoint's folder."""
     from grpo.critic import CRITIC_DIR, save_critic
     from grpo.run.checkpoint import save_checkpoint
 
@@ -39,6 +39,7 @@ def save_run_checkpoint(out: Path, step: int, trainable: Trainable, tokenizer, s
         if trainable.deepspeed:
             _prune_deepspeed_dirs(out, keep=save_total_limit)
     barrier(info)
+    return out / "checkpoints" / f"step-{step}"
 
 
 def _prune_deepspeed_dirs(out: Path, keep: int | None) -> None:

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 from grpo.algorithm import LogprobProcessing, group_advantages
-from grpo.data import DataError, Example, build_prompt_messages, render_prompt
+from grpo.data import DataError, Example, build_prompt_messages, render_example
 from grpo.data.prompt_sampler import PromptSampler, step_seed
 from grpo.models.loading import reference_context
 from grpo.rewards import score
@@ -60,7 +60,7 @@ def render_prompts(tokenizer, examples: Sequence[Example], system_prompt: str | 
     """Chat-template each example; a prompt over ``max_prompt_length`` tokens is an error naming it."""
     prompts = []
     for example in examples:
-        text = render_prompt(tokenizer, build_prompt_messages(example, system_prompt))
+        text = render_example(tokenizer, example, system_prompt)
         length = len(tokenizer(text, add_special_tokens=False)["input_ids"])
         if length > max_prompt_length:
             raise DataError(f"{example.source}: prompt is {length} tokens, over data.max_prompt_length "
@@ -172,8 +172,11 @@ def sample_and_score(engine: RolloutEngine, tokenizer, examples: Sequence[Exampl
     # Rewards see chat-format prompts and completions, as TRL passes them for conversational data,
     # so TRL reward functions (which read completion[0]["content"]) run unchanged; completion_ids are
     # each completion's tokens up to and including EOS, as TRL's completion_ids_list.
-    chat_prompts = [build_prompt_messages(e, settings.system_prompt) for e in examples for _ in range(G)]
-    chat_completions = [[{"role": "assistant", "content": text}] for text in generation.completions]
+    # Plain-text prompts (the Python API's, as TRL's) give the rewards strings instead.
+    chat_prompts = [e.question if e.plain_text else build_prompt_messages(e, settings.system_prompt)
+                    for e in examples for _ in range(G)]
+    chat_completions = [text if examples[i // G].plain_text else [{"role": "assistant", "content": text}]
+                        for i, text in enumerate(generation.completions)]
     completion_ids = [ids[mask.bool()].tolist()
                       for ids, mask in zip(generation.completion_ids, generation.completion_mask)]
     columns: dict[str, list] = {}

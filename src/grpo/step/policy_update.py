@@ -29,6 +29,7 @@ class LossSettings:
     max_grad_norm: float | None
     importance_sampling_level: str = "token"  # or "sequence" (GSPO), see grpo.algorithm.policy_loss
     mask_truncated_completions: bool = False  # DAPO: completions without EOS get no loss
+    kl_times_ratio: bool = False  # loss.kl_times_ratio (TRL's use_bias_correction_kl)
     sampler_is_mode: str | None = None  # loss.sampler_is_correction on: a name in grpo.algorithm.SAMPLER_CORRECTIONS
     sampler_is_cap: float = 3.0
     sampler_is_min: float | None = None  # loss.sampler_is_min: the weights' lower bound (None: none)
@@ -139,7 +140,8 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
                     logprobs, old, ref, advantages[on_device], rows_mask, epsilon=s.epsilon,
                     epsilon_high=s.epsilon_high, beta=s.beta, loss_type=s.loss_type,
                     max_completion_length=s.max_completion_length, normalizer=global_tokens,
-                    importance_sampling_level=s.importance_sampling_level, sampler_weights=weights)
+                    importance_sampling_level=s.importance_sampling_level, sampler_weights=weights,
+                    kl_times_ratio=s.kl_times_ratio)
                 weight, share = aggregation.micro_batch_weights(logprobs.shape[0], rows_mask.sum(), N, total_tokens)
                 learner.backward(loss * weight)
             with torch.no_grad():

@@ -62,7 +62,7 @@ def run_chat(
     engine = LeanEngine(model, tokenizer)
     if seed is not None:
         torch.manual_seed(seed)
-    system = [{"role": "system", "content": system_prompt}]
+    system = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
     if prompt is not None:
         messages = [*system, {"role": "user", "content": prompt}]
         reply = generate_reply(engine, tokenizer, messages, params)

@@ -85,6 +85,7 @@ def evaluate(
     *,
     tag_style: str = "think",
     system_prompt: str | None = None,
+    add_system_prompt: bool = True,
     batch_size: int = 32,
     max_new_tokens: int = 256,
     samples: int = 1,
@@ -101,6 +102,7 @@ def evaluate(
         examples: Examples whose ``answer`` is set.
         tag_style: "think" | "reasoning": which tags the answer is read from and the format checked.
         system_prompt: the system turn; None = the tag style's default.
+        add_system_prompt: False: no system turn (the run's ``data.add_system_prompt``).
         batch_size: completions per generate() call.
         max_new_tokens: completion length limit (a completion that hits it counts as truncated).
         samples: k; when k > 1, k completions per problem are also sampled at ``temperature``.
@@ -128,7 +130,7 @@ def evaluate(
         raise ValueError(f"evaluate: {len(unanswered)} example(s) have no gold answer, e.g. {unanswered[0]}; "
                          "accuracy needs an answer column")
     get_tag_style(tag_style)  # an unknown style fails here, listing the known ones
-    system_prompt = resolve_system_prompt(system_prompt, tag_style)
+    system_prompt = resolve_system_prompt(system_prompt, tag_style, add_system_prompt)
     if engine is None:
         engine = LeanEngine(model, tokenizer, batch_size=batch_size)
     prompts = [render_example(tokenizer, e, system_prompt) for e in examples]
@@ -234,6 +236,7 @@ def run_eval_command(
     examples = load_dataset_source(data, split=split, limit=limit)
     model, tokenizer = load_model_for_inference(source, device, dtype)
     result = evaluate(model, tokenizer, examples, tag_style=source.tag_style, system_prompt=source.system_prompt,
+                      add_system_prompt=source.system_prompt is not None,
                       batch_size=batch_size, max_new_tokens=max_new_tokens, samples=samples,
                       temperature=temperature, seed=seed, progress=progress,
                       return_records=records_output is not None)

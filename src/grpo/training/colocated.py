@@ -19,8 +19,7 @@ import torch
 from grpo.config import RunConfig
 from grpo.critic import build_critic, generation_values
 from grpo.data.prompt_sampler import PromptSampler
-from grpo.models.loading import (check_memory_savers, compute_context, load_policy, load_reference, load_tokenizer,
-                                 uses_autocast)
+from grpo.models.loading import check_memory_savers, compute_context, load_reference
 from grpo.rollout.build import build_engine, check_engine_available, holds_own_weights, push_policy_weights
 from grpo.rollout.offpolicy_guard import check_sampler_logprobs, is_check_step
 from grpo.run.progress import StepProgress
@@ -31,7 +30,8 @@ from grpo.training.evaluation import run_eval
 from grpo.training.loop import Collected, Loop, PolicyUpdate, run_loop
 from grpo.training.settings import (critic_settings, dynamic_rounds, experience_settings, logprob_pass,
                                     logprob_processing, loop_schedule, loss_settings, needs_critic)
-from grpo.training.setup import build_rewards, build_trainable, load_data, load_ptx_data, open_run, start_process
+from grpo.training.inputs import GivenInputs, policy_for, tokenizer_and_data
+from grpo.training.setup import build_trainable, load_ptx_data, open_run, start_process
 
 
 @dataclass
@@ -113,24 +113,25 @@ class Sampling:
         pass
 
 
-def train(cfg: RunConfig) -> TrainResult:
-    """Run GRPO as configured; returns where the run went and its before/after evaluation."""
+def train(cfg: RunConfig, given: GivenInputs | None = None) -> TrainResult:
+    """Run GRPO as configured (with ``given``'s objects in place of what the config names: the Python API's
+    model, data and rewards); returns where the run went and its before/after evaluation."""
+    given = given or GivenInputs()
     info, device = start_process(cfg)
     try:
         if info.is_main:
             check_output_dir(cfg)
         torch.manual_seed(cfg.train.seed)
-        tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
-        train_set, eval_set = load_data(cfg)
+        inputs = tokenizer_and_data(cfg, given)
+        tokenizer, train_set, eval_set = inputs.tokenizer, inputs.train_set, inputs.eval_set
+        reward_fns, reward_weights = inputs.reward_fns, inputs.reward_weights
         ptx_data = load_ptx_data(cfg, tokenizer, info)  # PTX pairs (ptx.data), or None
-        # A broken reward stops the run before any model loads.
-        reward_fns, reward_weights = build_rewards(cfg, train_set)
         prompt_sampler = PromptSampler(len(train_set), cfg.train.prompts_per_step, cfg.train.seed, cfg.data.shuffle)
         prompt_sampler.rank_indices(1, info.rank, info.world_size)  # checks P is divisible by the ranks, early
         check_memory_savers(cfg.model, cfg.optim.optimizer, device)
         check_engine_available(cfg)
         deepspeed = bool(cfg.train.deepspeed)
-        policy = load_policy(cfg.model, device, master_weights=uses_autocast(cfg.model, deepspeed))
+        policy = policy_for(cfg, given, device, deepspeed)
         compute = compute_context(cfg.model, device, deepspeed)  # bf16 autocast over fp32 master weights
         reference = load_reference(cfg.model, policy, tokenizer, device) if cfg.loss.beta > 0 else None
         processing = logprob_processing(cfg, policy, tokenizer)  # every log-prob pass follows the sampling controls
@@ -155,7 +156,7 @@ def train(cfg: RunConfig) -> TrainResult:
         loop = Loop(loop_schedule(cfg), update, trainable, tokenizer, run.out, info, run.logger,
                     StepProgress(cfg.train.max_steps, run.start_step, enabled=info.is_main and cfg.log.progress_bar),
                     compute, cfg.rollout.num_generations, cfg.data.tag_style, cfg.train.save_total_limit,
-                    evaluate=evaluate, critic=critic)
+                    evaluate=evaluate, critic=critic, hooks=inputs.hooks)
         result = run_loop(loop, sampling, run.start_step, eval_before)
         return TrainResult(run.out, result.last_step, result.eval_before, result.eval_after)
     finally:

@@ -23,6 +23,7 @@ def run_eval(cfg: RunConfig, model, tokenizer, examples, info: DistInfo) -> dict
     if info.is_main:
         result = evaluate(unwrap_model(model), tokenizer, examples, tag_style=cfg.data.tag_style,
                           system_prompt=resolve_system_prompt(cfg.data.system_prompt, cfg.data.tag_style),
+                          add_system_prompt=cfg.data.add_system_prompt,
                           batch_size=max(cfg.train.micro_batch_size, 16),
                           max_new_tokens=cfg.rollout.max_completion_length, progress=False)
     barrier(info)

@@ -65,6 +65,7 @@ class Schedule:
     max_steps: int
     save_steps: int
     eval_steps: int | None = None
+    eval_on_start: bool = True
     logging_steps: int = 1
     num_samples: int = 0
     early_stop_accuracy: float | None = None
@@ -104,6 +105,29 @@ class PolicyUpdate:
         return stats
 
 
+class LoopHooks:
+    """Where the loop calls out (the Python API's callbacks, ``grpo.api``); here every call does nothing."""
+
+    def train_begin(self, start_step: int, max_steps: int) -> None:
+        """Before the first step (and before the evaluation that precedes it)."""
+
+    def step_begin(self, step: int) -> None:
+        """Before step ``step`` collects its batch."""
+
+    def evaluated(self, step: int, metrics: dict[str, float]) -> None:
+        """After a held-out evaluation at ``step`` (0: before training); ``metrics``: ``eval/*`` names."""
+
+    def step_end(self, step: int, metrics: dict[str, float]) -> bool:
+        """After step ``step`` is logged; True stops training after it (checkpointed first)."""
+        return False
+
+    def saved(self, step: int, path: Path) -> None:
+        """After the checkpoint of ``step`` is on disk at ``path``."""
+
+    def train_end(self, last_step: int) -> None:
+        """After the final weights are saved."""
+
+
 @dataclass
 class Loop:
     """What the skeleton drives, built once by a mode's setup."""
@@ -122,6 +146,7 @@ class Loop:
     save_total_limit: int | None
     evaluate: Callable[[], dict | None] | None = None  # held-out evaluation, None without a held-out set
     critic: object | None = None  # saved in every checkpoint (PPO)
+    hooks: LoopHooks = field(default_factory=LoopHooks)
 
 
 @dataclass
@@ -145,20 +170,24 @@ def run_loop(loop: Loop, source: StepSource, start_step: int, eval_before: dict 
     """Train steps ``start_step + 1 .. max_steps`` (evaluating before the first step of a new run and after
     the last), then save the final weights. Ctrl-C: ``KeyboardInterrupt`` after the last finished step is
     checkpointed (unless a second Ctrl-C stopped a step's update midway: then nothing is saved)."""
+    loop.hooks.train_begin(start_step, loop.schedule.max_steps)
     with loop.compute:
-        if start_step == 0 and loop.evaluate is not None:
+        if start_step == 0 and loop.evaluate is not None and loop.schedule.eval_on_start:
             eval_before = loop.evaluate()
             loop.logger.log(0, eval_metrics(eval_before))
+            loop.hooks.evaluated(0, eval_metrics(eval_before))
         last_step = _steps(loop, source, start_step, eval_before)
         eval_after = loop.evaluate() if loop.evaluate is not None else None
     if eval_after is not None:
         loop.logger.log(last_step, eval_metrics(eval_after))
+        loop.hooks.evaluated(last_step, eval_metrics(eval_after))
     loop.logger.close()
     final_weights = zero3_full_state_dict(loop.trainable.learner)  # a collective under ZeRO-3
     if loop.info.is_main:
         save_final(loop.out, loop.trainable.policy, loop.tokenizer, state_dict=final_weights)
         plot_run(loop.out)
     barrier(loop.info)
+    loop.hooks.train_end(last_step)
     return LoopResult(last_step, eval_before, eval_after)
 
 
@@ -170,16 +199,18 @@ def _steps(loop: Loop, source: StepSource, start_step: int, eval_before: dict | 
 
     def checkpoint(step: int, collected: Collected | None) -> None:
         trainer_state = {"step": step, "eval_before": eval_before, **source.checkpoint_state(step, collected)}
-        save_run_checkpoint(loop.out, step, loop.trainable, loop.tokenizer, trainer_state, loop.save_total_limit,
-                            info, loop.critic)
+        path = save_run_checkpoint(loop.out, step, loop.trainable, loop.tokenizer, trainer_state,
+                                   loop.save_total_limit, info, loop.critic)
         state.saved = step
         source.checkpoint_written(step, collected)
+        loop.hooks.saved(step, path)
 
     step = start_step
     try:
         with loop.progress:
             for step in range(start_step + 1, schedule.max_steps + 1):
                 started = time.perf_counter()
+                loop.hooks.step_begin(step)
                 collected = source.collect(step)
                 # From the update to the step's checkpoint, Ctrl-C waits for the step to end: the weights then
                 # match the step that is logged and saved.
@@ -194,9 +225,11 @@ def _steps(loop: Loop, source: StepSource, start_step: int, eval_before: dict | 
                     if checkpointing:
                         checkpoint(step, collected)
                 skips.record(step, stats)
+                stop = loop.hooks.step_end(step, metrics)
                 if schedule.stops_early(metrics):
                     print0(info, f"eval/accuracy {metrics['eval/accuracy']:.3f} reached "
                                  f"{schedule.early_stop_accuracy}: stopping")
+                if stop or schedule.stops_early(metrics):
                     if not checkpointing:
                         checkpoint(step, None)
                     break
@@ -223,7 +256,9 @@ def _record(loop: Loop, source: StepSource, step: int, collected: Collected, sta
     metrics.update(collected.metrics)
     metrics.update(source.after_update(step, collected, checkpointing))
     if loop.schedule.evaluates(step) and loop.evaluate is not None:
-        metrics.update(eval_metrics(loop.evaluate()))
+        evaluated = eval_metrics(loop.evaluate())
+        metrics.update(evaluated)
+        loop.hooks.evaluated(step, evaluated)
     loop.logger.log(step, metrics)
     if loop.schedule.writes_samples(step):
         loop.logger.log_samples(step, sample_records(collected.batch, loop.schedule.num_samples))

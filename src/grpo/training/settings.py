@@ -74,7 +74,7 @@ def experience_settings(cfg: RunConfig, processing: LogprobProcessing | None, *,
                                 temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                 repetition_penalty=r.repetition_penalty, min_new_tokens=r.min_new_tokens,
                                 min_p=r.min_p),
-        system_prompt=resolve_system_prompt(cfg.data.system_prompt, cfg.data.tag_style),
+        system_prompt=resolve_system_prompt(cfg.data.system_prompt, cfg.data.tag_style, cfg.data.add_system_prompt),
         tag_style=cfg.data.tag_style, max_prompt_length=cfg.data.max_prompt_length,
         advantage_estimator=cfg.algorithm.advantage_estimator, scale_rewards=cfg.loss.scale_rewards,
         advantage_eps=cfg.loss.advantage_eps,
@@ -89,6 +89,7 @@ def loss_settings(cfg: RunConfig, processing: LogprobProcessing | None) -> LossS
     return LossSettings(
         # With the KL in the reward, the loss has none (the reference log-probs still give the kl metric).
         epsilon=cfg.loss.epsilon, epsilon_high=cfg.loss.epsilon_high, beta=0.0 if kl_in_reward(cfg) else cfg.loss.beta,
+        kl_times_ratio=cfg.loss.kl_times_ratio,
         loss_type=cfg.loss.loss_type, max_completion_length=cfg.rollout.max_completion_length,
         temperature=cfg.rollout.temperature, num_iterations=cfg.loss.num_iterations,
         micro_batch_size=cfg.train.micro_batch_size, max_grad_norm=cfg.optim.max_grad_norm,
@@ -107,6 +108,7 @@ def dynamic_rounds(cfg: RunConfig) -> int | None:
 def loop_schedule(cfg: RunConfig) -> Schedule:
     """When the loop checkpoints, evaluates, writes samples and stops."""
     return Schedule(max_steps=cfg.train.max_steps, save_steps=cfg.train.save_steps, eval_steps=cfg.train.eval_steps,
+                    eval_on_start=cfg.train.eval_on_start,
                     logging_steps=cfg.log.logging_steps, num_samples=cfg.log.num_samples,
                     early_stop_accuracy=cfg.train.early_stop_accuracy, max_skipped_steps=cfg.optim.max_skipped_steps,
                     updates_per_step=cfg.loss.num_iterations)

@@ -74,7 +74,8 @@ def load_ptx_data(cfg: RunConfig, tokenizer, info: DistInfo):
     pairs = load_sft_pairs(p.data, p.prompt_column, p.response_column, p.response_format, cfg.data.tag_style,
                            p.split)
     max_length = ptx_max_length(cfg)
-    tokenized = tokenize_pairs(tokenizer, pairs, resolve_system_prompt(cfg.data.system_prompt, cfg.data.tag_style),
+    tokenized = tokenize_pairs(tokenizer, pairs, resolve_system_prompt(cfg.data.system_prompt, cfg.data.tag_style,
+                                                                  cfg.data.add_system_prompt),
                                max_length)
     print0(info, f"ptx: {len(tokenized.rows)} of {len(pairs)} pairs from {p.data}; ptx.max_length {max_length}: "
                  f"{tokenized.cut} responses cut short, {tokenized.dropped} pairs left out (prompt too long)")

@@ -1,0 +1,74 @@
+"""TRL's datasets as grpo's ``Example`` records: a ``prompt`` column (text, or chat messages) and any other
+columns, which reward functions get verbatim, as TRL passes them.
+
+A chat prompt's leading system turn stays the row's own (``Example.system``; the run adds none), and a text
+prompt is used as written, without the chat template (``Example.plain_text``), as TRL renders them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from grpo.data import DataError, Example
+from grpo.data.gold_formats import normalise_answer
+
+NOT_PASSED = ("prompt", "completion", "completion_ids")  # the columns TRL keeps from reward functions
+
+
+def dataset_rows(dataset: Any, name: str, limit: int | None = None) -> list[dict]:
+    """The rows of a ``datasets.Dataset``, an ``IterableDataset`` (its first ``limit`` rows) or a list of dicts."""
+    if isinstance(dataset, dict):
+        raise TypeError(f"{name} is a dict: a dict of named datasets is for eval_dataset only")
+    if hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
+        rows = [dataset[i] for i in range(len(dataset))]
+    elif hasattr(dataset, "__iter__"):
+        if limit is None:
+            raise ValueError(f"{name} is an IterableDataset: set max_steps > 0, which says how many rows to take")
+        rows = list(itertools.islice(iter(dataset), limit))
+    else:
+        raise TypeError(f"{name} must be a datasets.Dataset, IterableDataset or a list of dicts, got "
+                        f"{type(dataset).__name__}")
+    for index, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise TypeError(f"{name}[{index}] is a {type(row).__name__}, not a dict of columns")
+    return rows
+
+
+def to_examples(dataset: Any, name: str, *, pass_columns: bool = True, limit: int | None = None) -> list[Example]:
+    """One ``Example`` per row. ``pass_columns`` False (TRL's remove_unused_columns=True): rewards get no
+    dataset columns. ``answer``, when a column, also feeds grpo's accuracy metric. Errors name the row."""
+    rows = dataset_rows(dataset, name, limit)
+    if not rows:
+        raise ValueError(f"{name} has no rows")
+    chat = None
+    examples = []
+    for index, row in enumerate(rows):
+        source = f"{name}[{index}]"
+        if "prompt" not in row:
+            raise DataError(f"{source}: no 'prompt' column (its columns: {sorted(row)}); TRL's GRPO datasets "
+                            "carry the prompt as text or as chat messages in 'prompt'")
+        prompt = row["prompt"]
+        is_chat = isinstance(prompt, list)
+        if not is_chat and not isinstance(prompt, str):
+            raise DataError(f"{source}: 'prompt' must be text or a list of chat messages, got {type(prompt).__name__}")
+        chat = is_chat if chat is None else chat
+        if is_chat != chat:
+            raise DataError(f"{source}: 'prompt' is {'chat messages' if is_chat else 'text'} but the first row's is "
+                            f"{'chat messages' if chat else 'text'}; one dataset holds one kind")
+        columns = {k: v for k, v in row.items() if k not in NOT_PASSED} if pass_columns else {}
+        gold = row.get("answer")
+        answer = normalise_answer(str(gold)) if gold is not None else None
+        raw = None if gold is None else str(gold)
+        if not is_chat:
+            examples.append(Example([{"role": "user", "content": prompt}], answer, raw, source, row=columns,
+                                    plain_text=True))
+            continue
+        system = None
+        if prompt and isinstance(prompt[0], dict) and prompt[0].get("role") == "system":
+            system, prompt = prompt[0].get("content"), prompt[1:]
+            if not isinstance(system, str):
+                raise DataError(f"{source}: the system message's content must be text, got {type(system).__name__}")
+        messages = [{"role": m.get("role"), "content": m.get("content")} if isinstance(m, dict) else m for m in prompt]
+        examples.append(Example(messages, answer, raw, source, system=system, row=columns))
+    return examples

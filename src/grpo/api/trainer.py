@@ -1,0 +1,246 @@
+"""``GRPOTrainer``: TRL 1.16's ``GRPOTrainer`` interface over grpo's training run.
+
+The constructor checks everything and writes nothing: the model (a path/hub id, a ``PreTrainedModel`` or a
+``PeftModel``, trained in place), ``peft_config``, the datasets, the rewards and the arguments, mapped once
+to the config tree ``grpo train`` runs (``grpo.api.mapping``). ``train()`` then runs
+``grpo.training.colocated.train`` with those objects (``GivenInputs``), the same path as the command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from grpo.api.arguments import GRPOConfig
+from grpo.api.callbacks import CallbackHooks
+from grpo.api.datasets import to_examples
+from grpo.api.mapping import batch_shape, grpo_steps, to_run_config
+from grpo.api.rewards import build_reward_functions, reward_name
+
+LORA_FIELDS = {"r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout", "target_modules": "target_modules"}
+PEFT_MODEL_AND_CONFIG = (
+    "You passed a `PeftModel` instance together with a `peft_config` to the trainer. Please first merge and unload "
+    "the existing adapter, save the resulting base model, and then pass that base model along with the new "
+    "`peft_config` to the trainer.")  # TRL's words
+
+
+def lora_keys(peft_config: Any) -> dict:
+    """``model.lora_*`` keys of a peft ``LoraConfig``; a field grpo does not implement, set away from peft's
+    default, is a ValueError naming it."""
+    from peft import LoraConfig
+
+    if not isinstance(peft_config, LoraConfig):
+        raise TypeError(f"peft_config must be a peft LoraConfig, got {type(peft_config).__name__}")
+    default = LoraConfig()
+    ignored = {"task_type", "base_model_name_or_path", "revision", "inference_mode", "peft_type", "auto_mapping",
+               *LORA_FIELDS}
+    for f in dataclasses.fields(LoraConfig):
+        if f.name not in ignored and getattr(peft_config, f.name) != getattr(default, f.name):
+            raise ValueError(f"peft_config.{f.name}={getattr(peft_config, f.name)!r} is not supported by grpo, "
+                             "which builds LoRA from r, lora_alpha, lora_dropout and target_modules")
+    targets = peft_config.target_modules
+    targets = sorted(targets) if isinstance(targets, (set, list, tuple)) else targets or "all-linear"
+    return {"r": peft_config.r, "alpha": float(peft_config.lora_alpha), "dropout": peft_config.lora_dropout,
+            "target_modules": targets}
+
+
+def _eval_sets(eval_dataset: Any, pass_columns: bool) -> dict[str, list]:
+    if eval_dataset is None:
+        return {}
+    if isinstance(eval_dataset, dict):
+        return {name: to_examples(d, f"eval_dataset[{name!r}]", pass_columns=pass_columns)
+                for name, d in eval_dataset.items()}
+    return {"": to_examples(eval_dataset, "eval_dataset", pass_columns=pass_columns)}
+
+
+class GRPOTrainer:
+    """TRL's ``GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
+    reward_processing_classes, callbacks, peft_config)``; see the module docstring."""
+
+    def __init__(self, model: Any, reward_funcs: Any = None, args: GRPOConfig | None = None,
+                 train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
+                 reward_processing_classes: Any = None, callbacks: list | None = None, peft_config: Any = None,
+                 optimizers: tuple = (None, None)):
+        from transformers import TrainerControl, TrainerState
+
+        if optimizers != (None, None):
+            raise ValueError("optimizers is not supported: grpo builds AdamW and its schedule from the arguments")
+        name_or_path = self._model_name(model)
+        args = args or GRPOConfig(output_dir=f"{Path(name_or_path).name}-GRPO")
+        if not isinstance(args, GRPOConfig):
+            raise TypeError(f"args must be a grpo.GRPOConfig, got {type(args).__name__}")
+        lora = self._lora(model, peft_config)
+        self.args, self.num_processes = args, int(os.environ.get("WORLD_SIZE", "1"))
+        prompts_per_step, _ = batch_shape(args, self.num_processes)
+        limit = None if args.max_steps <= 0 else args.max_steps // max(args.num_iterations, 1) * prompts_per_step
+        pass_columns = not args.extra.get("remove_unused_columns", args.remove_unused_columns)
+        self.train_set = (to_examples(train_dataset, "train_dataset", pass_columns=pass_columns, limit=limit)
+                          if train_dataset is not None else None)
+        self.eval_sets = _eval_sets(eval_dataset, pass_columns)
+        if self.train_set is None and "data.train" not in args.grpo_overrides:
+            raise ValueError("train_dataset is required (or name grpo's data in grpo_overrides['data.train'])")
+        if self.train_set is not None:
+            grpo_steps(args, prompts_per_step, len(self.train_set))  # max_steps/epochs fit the dataset
+        self.processing_class = processing_class or self._load_tokenizer(name_or_path, args)
+        columns = sorted(self.train_set[0].columns()) if self.train_set else []
+        self.reward_fns, self.reward_weights = build_reward_functions(
+            reward_funcs, args.reward_weights, reward_processing_classes, columns)
+        data = {"add_system_prompt": False, "max_prompt_length": self._longest_prompt()} if self.train_set else {}
+        if self.train_set:
+            data["train"] = f"python:train_dataset ({len(self.train_set)} rows)"
+        self.config = to_run_config(args, num_processes=self.num_processes,
+                                    train_size=len(self.train_set) if self.train_set else None,
+                                    model=name_or_path, lora=lora, data=data, rewards=self._reward_specs())
+        self.model = self._prepare_model(model)
+        self.state, self.control = TrainerState(), TrainerControl()
+        self.callbacks = [c() if isinstance(c, type) else c for c in (callbacks or [])]
+        for callback in self.callbacks:
+            callback.on_init_end(self.args, self.state, self.control)
+
+    # ---------------------------------------------------------------- construction
+
+    @staticmethod
+    def _model_name(model: Any) -> str:
+        if isinstance(model, (str, Path)):
+            path = str(model)
+            if (path.startswith((".", "/", "~")) or path.count("/") != 1) and not Path(path).expanduser().exists():
+                raise ValueError(f"model {path!r} does not exist (a local folder or a hub id org/name)")
+            return path
+        if not hasattr(model, "config") or not hasattr(model, "forward"):
+            raise TypeError(f"model must be a path, a hub id, a PreTrainedModel or a PeftModel, got "
+                            f"{type(model).__name__}")
+        return str(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "") or "model")
+
+    @staticmethod
+    def _lora(model: Any, peft_config: Any) -> dict | None:
+        from peft import PeftModel
+
+        if isinstance(model, PeftModel):
+            if peft_config is not None:
+                raise ValueError(PEFT_MODEL_AND_CONFIG)
+            return lora_keys(model.peft_config[model.active_adapter])
+        return lora_keys(peft_config) if peft_config is not None else None
+
+    @staticmethod
+    def _load_tokenizer(name_or_path: str, args: GRPOConfig):
+        from grpo.models.loading import load_tokenizer
+
+        return load_tokenizer(name_or_path, args.trust_remote_code)
+
+    def _longest_prompt(self) -> int:
+        """TRL never cuts a prompt: grpo's data.max_prompt_length becomes the longest rendered one."""
+        from grpo.data import render_example
+
+        examples = list(self.train_set) + [e for s in self.eval_sets.values() for e in s]
+        lengths = [len(self.processing_class(render_example(self.processing_class, e, None),
+                                             add_special_tokens=False)["input_ids"]) for e in examples]
+        return max(lengths)
+
+    def _reward_specs(self) -> list[dict]:
+        """The run config's ``rewards``: a dotted path where the function has one (so that ``to_yaml`` gives
+        a recipe ``grpo train`` can run), else its name."""
+        specs = []
+        for fn, weight in zip(self.reward_fns, self.reward_weights):
+            inner = fn.fn
+            module, qualname = getattr(inner, "__module__", None), getattr(inner, "__qualname__", "")
+            dotted = module and module != "__main__" and "<" not in qualname and "." not in qualname
+            specs.append({"name": f"{module}:{qualname}" if dotted else fn.name, "weight": weight})
+        return specs
+
+    def _prepare_model(self, model: Any):
+        from grpo.models.loading import load_policy, prepare_policy, resolve_device, uses_autocast
+
+        if isinstance(model, (str, Path)):
+            device = resolve_device(self.config.train.device)
+            return load_policy(self.config.model, device, master_weights=uses_autocast(self.config.model, False))
+        return prepare_policy(model, self.config.model)  # LoRA added in place when peft_config is given
+
+    # ---------------------------------------------------------------- TRL's methods
+
+    def train(self, resume_from_checkpoint: bool | str | None = None):
+        """Train (``resume_from_checkpoint``: True or the run folder's checkpoint to continue from the newest
+        checkpoint in ``args.output_dir``). Returns ``TrainOutput(global_step, training_loss, metrics)``.
+        Ctrl-C saves the last finished step and returns here."""
+        from transformers.trainer_utils import TrainOutput
+
+        from grpo.training.colocated import train
+        from grpo.training.inputs import GivenInputs
+
+        cfg = self._run_config(resume_from_checkpoint)
+        hooks = CallbackHooks(self.args, self.state, self.control, self.callbacks, model=self.model,
+                              tokenizer=self.processing_class, reward_names=[f.name for f in self.reward_fns],
+                              completions_per_step=cfg.train.prompts_per_step * cfg.rollout.num_generations,
+                              updates_per_step=cfg.loss.num_iterations,
+                              logging_steps=self._logging_updates(cfg))
+        evaluating = self.args.eval_strategy != "no" and self.eval_sets
+        given = GivenInputs(policy=self.model, tokenizer=self.processing_class, train_set=self.train_set,
+                            eval_set=next(iter(self.eval_sets.values())) if evaluating else None,
+                            reward_fns=self.reward_fns, reward_weights=self.reward_weights, hooks=hooks)
+        try:
+            train(cfg, given)
+        except KeyboardInterrupt:
+            print(f"\ngrpo: interrupted at step {self.state.global_step}; the last finished step is saved in "
+                  f"{cfg.train.output_dir}/checkpoints (train(resume_from_checkpoint=True) continues)")
+        summary = hooks.summary()
+        return TrainOutput(self.state.global_step, summary.get("train_loss", 0.0), summary)
+
+    def _logging_updates(self, cfg) -> int:
+        """TRL's logging_steps in updates (a float below 1: that share of max_steps, rounded up)."""
+        steps = self.args.logging_steps
+        return max(1, math.ceil(steps * cfg.train.max_steps * cfg.loss.num_iterations) if steps < 1 else int(steps))
+
+    def _run_config(self, resume: bool | str | None):
+        if isinstance(resume, (str, Path)):
+            folder = Path(resume).resolve()
+            if Path(self.config.train.output_dir).resolve() not in (folder, *folder.parents):
+                raise ValueError(f"resume_from_checkpoint={str(resume)!r}: grpo resumes from the newest checkpoint of "
+                                 f"args.output_dir ({self.config.train.output_dir}); pass True")
+        return dataclasses.replace(self.config, train=dataclasses.replace(self.config.train, resume=bool(resume)))
+
+    def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """grpo's held-out evaluation (greedy answer accuracy and format rate) on each eval set, as
+        ``{prefix}_accuracy`` / ``{prefix}_{name}_accuracy`` for a dict of sets; logged and ``on_evaluate``."""
+        from grpo.tools.evaluate import evaluate
+        from grpo.training.evaluation import eval_metrics
+
+        sets = _eval_sets(eval_dataset, True) if eval_dataset is not None else self.eval_sets
+        if not sets:
+            raise ValueError("evaluate() needs an eval_dataset (here or in the constructor)")
+        cfg, metrics = self.config, {}
+        for name, examples in sets.items():
+            result = evaluate(self.model, self.processing_class, examples, tag_style=cfg.data.tag_style,
+                              system_prompt=cfg.data.system_prompt, add_system_prompt=cfg.data.add_system_prompt,
+                              batch_size=max(cfg.train.micro_batch_size, 16),
+                              max_new_tokens=cfg.rollout.max_completion_length, progress=False)
+            prefix = f"{metric_key_prefix}_{name}_" if name else f"{metric_key_prefix}_"
+            metrics.update({prefix + k.split("/", 1)[-1]: v for k, v in eval_metrics(result).items()})
+        self.state.log_history.append({**metrics, "step": self.state.global_step})
+        for callback in self.callbacks:
+            callback.on_evaluate(self.args, self.state, self.control, metrics=metrics)
+        return metrics
+
+    def save_model(self, output_dir: str | None = None) -> None:
+        """The adapter (a PEFT model) or the full model, with the tokenizer, as TRL writes them."""
+        from grpo.config import dump_config
+        from grpo.models.wrappers import unwrap_model
+
+        if int(os.environ.get("RANK", "0")) != 0:  # under torchrun one rank writes, as TRL's should_save
+            return
+        folder = Path(output_dir or self.args.output_dir or "trainer_output")
+        folder.mkdir(parents=True, exist_ok=True)
+        unwrap_model(self.model).save_pretrained(folder)
+        self.processing_class.save_pretrained(folder)
+        dump_config(self.config, folder / "grpo_config.yaml")
+
+    def add_callback(self, callback: Any) -> None:
+        self.callbacks.append(callback() if isinstance(callback, type) else callback)
+
+    @property
+    def reward_func_names(self) -> list[str]:
+        return [f.name for f in self.reward_fns]
+
+
+__all__ = ["GRPOTrainer", "lora_keys", "reward_name"]

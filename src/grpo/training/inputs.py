@@ -1,0 +1,77 @@
+"""What a run trains with: the policy, its tokenizer, the prompts and the rewards. ``grpo train`` names them
+in the config and the run loads them; the Python API (``grpo.api``) hands them over as objects. Either way
+the run gets one ``RunInputs``, so both take the same path from here on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from grpo.config import RunConfig
+from grpo.models.loading import load_policy, load_tokenizer, policy_dtype, prepare_policy, uses_autocast
+from grpo.training.loop import LoopHooks
+from grpo.training.setup import build_rewards, load_data
+
+
+@dataclass
+class GivenInputs:
+    """Objects a caller gives instead of config keys; None: load as the config says.
+
+    policy:        a loaded causal LM (``PreTrainedModel`` or peft ``PeftModel``), trained in place (moved to
+                   the run's device and dtype; LoRA added when ``model.lora_r > 0`` and it has no adapter yet).
+    tokenizer:     its tokenizer (padding side and pad token are set as ``load_tokenizer`` sets them).
+    train_set:     ``grpo.data.Example`` records (``data.train`` otherwise); ``eval_set`` likewise (``data.eval``).
+    reward_fns:    callables with TRL's reward signature, wrapped (``grpo.rewards.RewardFunction``), and
+                   ``reward_weights`` one per function.
+    hooks:         the loop's callouts (``grpo.training.loop.LoopHooks``).
+    """
+
+    policy: torch.nn.Module | None = None
+    tokenizer: object | None = None
+    train_set: list | None = None
+    eval_set: list | None = None
+    reward_fns: list | None = None
+    reward_weights: list[float] | None = None
+    hooks: LoopHooks = field(default_factory=LoopHooks)
+
+
+@dataclass
+class RunInputs:
+    """Everything a run trains with, loaded or given (``tokenizer_and_data`` then ``policy_for``)."""
+
+    tokenizer: object
+    train_set: list
+    eval_set: list
+    reward_fns: list
+    reward_weights: list[float]
+    hooks: LoopHooks
+
+
+def tokenizer_and_data(cfg: RunConfig, given: GivenInputs) -> RunInputs:
+    """The tokenizer, data and rewards: given ones as they are, the rest loaded from the config. A broken
+    reward stops the run here, before any model loads."""
+    tokenizer = given.tokenizer or load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
+    if given.tokenizer is not None:
+        tokenizer.padding_side = "left"  # batched generation pads prompts on the left
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+    if given.train_set is not None:
+        train_set, eval_set = given.train_set, given.eval_set or []
+    else:
+        train_set, eval_set = load_data(cfg)
+    if given.reward_fns is not None:
+        reward_fns, reward_weights = given.reward_fns, list(given.reward_weights or [1.0] * len(given.reward_fns))
+    else:
+        reward_fns, reward_weights = build_rewards(cfg, train_set)
+    return RunInputs(tokenizer, train_set, eval_set, reward_fns, reward_weights, given.hooks)
+
+
+def policy_for(cfg: RunConfig, given: GivenInputs, device: torch.device, deepspeed: bool) -> torch.nn.Module:
+    """The trainable policy on ``device``: the given model made ready in place, or ``model.name_or_path``
+    loaded (fp32 master weights when the compute runs under bf16 autocast, as ``load_policy``)."""
+    master_weights = uses_autocast(cfg.model, deepspeed)
+    if given.policy is None:
+        return load_policy(cfg.model, device, master_weights=master_weights)
+    dtype = torch.float32 if master_weights else policy_dtype(cfg.model)
+    return prepare_policy(given.policy, cfg.model, device, dtype)

@@ -1,0 +1,153 @@
+"""grpo.api.trainer: GRPOTrainer as a TRL user drives it from Python: bad input refused before anything is
+written, TRL's log names and callback events, Ctrl-C, resume, several trainers in one process, save_model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo import GRPOConfig, GRPOTrainer
+from grpo.data import DataError
+
+
+def rows(n=32):
+    return [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}], "answer": str(2 * i)} for i in range(n)]
+
+
+def digit_reward(completions, answer, **kwargs):
+    return [1.0 if a in c[0]["content"] else 0.0 for c, a in zip(completions, answer)]
+
+
+def length_reward(completions, **kwargs):
+    return [-len(c[0]["content"]) / 100 for c in completions]
+
+
+def args_for(out, **kwargs):
+    defaults = dict(output_dir=str(out), per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
+                    max_steps=4, learning_rate=1e-3, logging_steps=1, save_steps=2, use_cpu=True, bf16=False,
+                    gradient_checkpointing=False, report_to="none", disable_tqdm=True, seed=3)
+    return GRPOConfig(**{**defaults, **kwargs})
+
+
+def load(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir)
+
+
+def test_bad_input_is_an_exception_naming_it_before_anything_is_written(tiny_model_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    out = tmp_path / "run"
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    cases = [
+        (ValueError, "does not exist", dict(model=str(tmp_path / "no-model"))),
+        (ValueError, "PeftModel` instance together with a `peft_config",
+         dict(model=get_peft_model(load(tiny_model_dir), lora), peft_config=lora)),
+        (DataError, r"train_dataset\[0\]: no 'prompt' column", dict(train_dataset=[{"question": "?"}])),
+        (ValueError, "reward 'needs_solution' cannot be called",
+         dict(reward_funcs=lambda completions, solution: [0.0] * len(completions))),
+        (ValueError, "reward_funcs: give at least one reward", dict(reward_funcs=[])),
+        (ValueError, "peft_config.use_dora=True is not supported",
+         dict(peft_config=LoraConfig(r=4, use_dora=True, task_type="CAUSAL_LM"))),
+    ]
+    for error, match, given in cases:
+        kwargs = dict(model=str(tiny_model_dir), reward_funcs=digit_reward, args=args_for(out), train_dataset=rows())
+        kwargs.update(given)
+        if "reward_funcs" in given and callable(given["reward_funcs"]):
+            kwargs["reward_funcs"].__name__ = "needs_solution"
+        with pytest.raises(error, match=match):
+            GRPOTrainer(**kwargs)
+        assert not out.exists(), match
+    with pytest.raises(ValueError, match="GRPOConfig.delta=0.5 is not supported"):
+        GRPOConfig(output_dir=str(out), delta=0.5)
+    assert not out.exists()
+
+
+class Recorder:
+    """A TrainerCallback (duck-typed as Trainer calls it) that records events and stops at ``stop_at``."""
+
+    def __init__(self, stop_at=None):
+        from transformers import TrainerCallback
+
+        self.base, self.events, self.stop_at = TrainerCallback(), [], stop_at
+
+    def __getattr__(self, event):
+        def record(args, state, control, **kwargs):
+            self.events.append((event, state.global_step))
+            if event == "on_step_end" and state.global_step == self.stop_at:
+                control.should_training_stop = True
+            return control
+
+        return record
+
+
+def test_train_logs_trl_names_fires_callbacks_and_a_callback_stops_it(tiny_model_dir, tmp_path):
+    model = load(tiny_model_dir)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    recorder = Recorder(stop_at=3)
+    trainer = GRPOTrainer(model, [digit_reward, length_reward], args_for(tmp_path / "run", save_steps=100),
+                          train_dataset=rows(), callbacks=[recorder])
+    output = trainer.train()
+    assert trainer.model is model and trainer.state.global_step == output.global_step == 3
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())  # trained in place
+    steps = [e for e in trainer.state.log_history if "loss" in e]
+    assert [e["step"] for e in steps] == [1, 2, 3]
+    for name in ("reward", "reward_std", "rewards/digit_reward/mean", "rewards/length_reward/mean", "entropy",
+                 "completions/mean_length", "clip_ratio/region_mean", "learning_rate", "grad_norm"):
+        assert all(name in e for e in steps), name
+    assert "kl" not in steps[0]  # beta 0: TRL logs no kl
+    assert "train_runtime" in trainer.state.log_history[-1]
+    names = [event for event, _ in recorder.events]
+    assert names[:2] == ["on_init_end", "on_train_begin"] and names[-2:] == ["on_log", "on_train_end"]
+    assert names[2:6] == ["on_step_begin", "on_step_end", "on_log", "on_step_begin"]
+    assert ("on_save", 3) in recorder.events  # stopping writes the step's checkpoint first
+    assert (tmp_path / "run" / "checkpoints" / "step-3").is_dir()
+
+
+def test_ctrl_c_saves_the_last_finished_step_and_returns(tiny_model_dir, tmp_path):
+    calls = []
+
+    def interrupting(completions, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return [0.0] * len(completions)
+
+    trainer = GRPOTrainer(str(tiny_model_dir), interrupting, args_for(tmp_path / "run", save_steps=100),
+                          train_dataset=rows())
+    output = trainer.train()  # returns: a notebook keeps its kernel and its trainer
+    assert output.global_step == 2
+    assert (tmp_path / "run" / "checkpoints" / "step-2").is_dir()
+
+
+def test_resume_equals_an_uninterrupted_run_with_three_trainers_in_one_process(tiny_model_dir, tmp_path):
+    straight = GRPOTrainer(load(tiny_model_dir), digit_reward, args_for(tmp_path / "a"), train_dataset=rows())
+    straight.train()
+    first = GRPOTrainer(load(tiny_model_dir), digit_reward, args_for(tmp_path / "b"), train_dataset=rows(),
+                        callbacks=[Recorder(stop_at=2)])
+    first.train()
+    resumed = GRPOTrainer(load(tiny_model_dir), digit_reward, args_for(tmp_path / "b"), train_dataset=rows())
+    output = resumed.train(resume_from_checkpoint=True)
+    assert output.global_step == 4
+    want, got = straight.model.state_dict(), resumed.model.state_dict()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    with pytest.raises(ValueError, match="grpo resumes from the newest checkpoint of args.output_dir"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "elsewhere"))
+
+
+def test_peft_config_trains_an_adapter_that_save_model_writes_loadably(tiny_model_dir, tmp_path):
+    from peft import LoraConfig, PeftModel
+
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(load(tiny_model_dir), [digit_reward, length_reward], args_for(tmp_path / "run", max_steps=2),
+                          train_dataset=rows(), peft_config=lora)
+    assert trainer.config.model.lora_r == 4
+    trainer.train()
+    trainer.save_model(str(tmp_path / "adapter"))
+    assert (tmp_path / "adapter" / "adapter_config.json").exists()
+    assert (tmp_path / "adapter" / "tokenizer_config.json").exists()
+    loaded = PeftModel.from_pretrained(load(tiny_model_dir), tmp_path / "adapter")
+    trained = {k: v for k, v in trainer.model.state_dict().items() if "lora_B" in k}
+    assert trained and all(torch.equal(v, loaded.state_dict()[k]) for k, v in trained.items())
+    assert any(v.abs().sum() > 0 for v in trained.values())  # lora_B starts at 0: it learned
