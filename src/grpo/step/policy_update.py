@@ -131,16 +131,16 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
                     captured.append(old)
                 ref = ref_all[on_device] if ref_all is not None else None
                 rows_mask = mask[on_device]
-                weights = outside = None
+                is_weights = outside = None
                 if sampler_all is not None:  # [b, Lc] each; old is pi_old at the weights that start the update
-                    weights, outside = sampler_importance_weights(old, sampler_all[on_device], sampled[on_device],
-                                                                   s.sampler_is_cap, s.sampler_is_mode,
-                                                                   s.sampler_is_min)
+                    is_weights, outside = sampler_importance_weights(old, sampler_all[on_device],
+                                                                      sampled[on_device], s.sampler_is_cap,
+                                                                      s.sampler_is_mode, s.sampler_is_min)
                 loss, stats = policy_loss(
                     logprobs, old, ref, advantages[on_device], rows_mask, epsilon=s.epsilon,
                     epsilon_high=s.epsilon_high, beta=s.beta, loss_type=s.loss_type,
                     max_completion_length=s.max_completion_length, normalizer=global_tokens,
-                    importance_sampling_level=s.importance_sampling_level, sampler_weights=weights,
+                    importance_sampling_level=s.importance_sampling_level, sampler_weights=is_weights,
                     kl_times_ratio=s.kl_times_ratio)
                 weight, share = aggregation.micro_batch_weights(logprobs.shape[0], rows_mask.sum(), N, total_tokens)
                 learner.backward(loss * weight)
@@ -150,10 +150,10 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
                 sums[:len(_SUMMED)] += torch.stack(terms) / s.num_iterations
                 if entropy is not None:  # token mean over every sampled token of the step
                     sums[_ENTROPY] += ((entropy * sampled[on_device]).sum() / sampled_tokens).double()
-                if weights is not None and first:
+                if is_weights is not None and first:
                     real = sampled[on_device]  # [b, Lc]
                     gap = (old - sampler_all[on_device]).abs().masked_fill(real == 0, 0.0)  # padding may hold -inf
-                    terms = torch.stack([(weights * real).sum(), (outside * real).sum(), gap.sum()])
+                    terms = torch.stack([(is_weights * real).sum(), (outside * real).sum(), gap.sum()])
                     sums[-len(_SAMPLER_IS):] += (terms / sampled_tokens).double()
         if ptx is not None:  # PaddleNLP's loss + ptx_coeff * ptx_loss, in one accumulated gradient
             with learner.accumulating(last=True):
