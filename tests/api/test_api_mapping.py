@@ -109,3 +109,11 @@ def test_to_yaml_writes_the_recipe_grpo_train_runs(tmp_path):
     text = args.to_yaml(tmp_path / "recipe.yaml")
     assert "prompts_per_step: 1" in text
     assert load_config(tmp_path / "recipe.yaml") == args.to_run_config()
+
+
+def test_the_readme_table_names_every_refused_field():
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Python API"):]
+    section = section[:section.index("\n## ", 1)]
+    missing = [name for name in UNSUPPORTED if f"`{name}`" not in section]
+    assert not missing, f"README's Python API section does not name {missing}"

@@ -43,7 +43,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "logging_strategy": ("steps", "grpo logs by steps"),
     "deepspeed": (None, "grpo's DeepSpeed is for the decoupled trainer ranks (grpo_overrides train.deepspeed)"),
     "fsdp": (None, "grpo has no FSDP"),
-    "tools": (None, "tool calling is not implemented yet"),
     "optim_args": (None, "grpo's optimizers take their settings from the fields (adam_beta1, ...)"),
     "optim_target_modules": (None, "grpo's optimizers apply to every trainable parameter"),
     "torch_compile_backend": (None, "grpo does not compile the model"),

@@ -63,11 +63,18 @@ class GRPOTrainer:
     def __init__(self, model: Any, reward_funcs: Any = None, args: GRPOConfig | None = None,
                  train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
                  reward_processing_classes: Any = None, callbacks: list | None = None, peft_config: Any = None,
-                 optimizers: tuple = (None, None)):
+                 optimizers: tuple = (None, None), quantization_config: Any = None, tools: Any = None,
+                 rollout_func: Any = None, environment_factory: Any = None):
         from transformers import TrainerControl, TrainerState
 
-        if optimizers != (None, None):
-            raise ValueError("optimizers is not supported: grpo builds AdamW and its schedule from the arguments")
+        refused = {"optimizers": (optimizers != (None, None), "grpo builds AdamW and its schedule from the arguments"),
+                   "quantization_config": (quantization_config is not None, "use grpo_overrides model.load_in_4bit"),
+                   "tools": (tools is not None, "tool calling is not implemented yet"),
+                   "rollout_func": (rollout_func is not None, "grpo's rollouts are its engines'"),
+                   "environment_factory": (environment_factory is not None, "environments are not implemented yet")}
+        for name, (given, why) in refused.items():
+            if given:
+                raise ValueError(f"GRPOTrainer({name}=...) is not supported: {why}")
         name_or_path = self._model_name(model)
         args = args or GRPOConfig(output_dir=f"{Path(name_or_path).name}-GRPO")
         if not isinstance(args, GRPOConfig):
