@@ -272,10 +272,12 @@ def test_memory_check_gpu_takes_each_phase_peak_at_its_boundaries(tmp_path, tiny
 
 
 @pytest.mark.slow
-def test_gpu_session_script_parts_run_in_tiny_form(tmp_path):
+def test_gpu_session_script_parts_run_in_tiny_form(tmp_path, gsm8k_dir):
     """scripts/gpu_session.sh (the next GPU's measurements) with GPU_SESSION_TINY=1: the same commands and
-    flags with --tiny on the CPU, so a renamed flag fails here, not in a lent GPU's few minutes."""
-    env = {**os.environ, "GPU_SESSION_TINY": "1", "PYTHON": sys.executable, "OUT": str(tmp_path)}
+    flags with --tiny on the CPU, so a renamed flag fails here, not in a lent GPU's few minutes. The bench
+    parts read GSM8K's prompts (skipped without the shared files, like every GSM8K test)."""
+    env = {**os.environ, "GPU_SESSION_TINY": "1", "PYTHON": sys.executable, "OUT": str(tmp_path),
+           "GRPO_GSM8K_DIR": str(gsm8k_dir)}
     for part in ("gen", "choices", "fullsize", "jump"):
         proc = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "gpu_session.sh"), part], cwd=REPO_ROOT, env=env,
                               capture_output=True, text=True, timeout=900)

@@ -83,7 +83,7 @@ class GRPOTrainer:
         self.args, self.num_processes = args, int(os.environ.get("WORLD_SIZE", "1"))
         prompts_per_step, _ = batch_shape(args, self.num_processes)
         limit = None if args.max_steps <= 0 else args.max_steps // max(args.num_iterations, 1) * prompts_per_step
-        pass_columns = not args.extra.get("remove_unused_columns", args.remove_unused_columns)
+        pass_columns = not args.remove_unused_columns
         self.train_set = (to_examples(train_dataset, "train_dataset", pass_columns=pass_columns, limit=limit)
                           if train_dataset is not None else None)
         self.eval_sets = _eval_sets(eval_dataset, pass_columns)
@@ -176,13 +176,19 @@ class GRPOTrainer:
         from grpo.training.colocated import train
         from grpo.training.inputs import GivenInputs
 
+        from transformers import TrainerState
+
         cfg = self._run_config(resume_from_checkpoint)
+        self.state = TrainerState()  # a fresh state per train(), as Trainer's
         hooks = CallbackHooks(self.args, self.state, self.control, self.callbacks, model=self.model,
                               tokenizer=self.processing_class, reward_names=[f.name for f in self.reward_fns],
                               completions_per_step=cfg.train.prompts_per_step * cfg.rollout.num_generations,
                               updates_per_step=cfg.loss.num_iterations,
                               logging_steps=self._logging_updates(cfg))
         evaluating = self.args.eval_strategy != "no" and self.eval_sets
+        if evaluating and len(self.eval_sets) > 1:
+            raise ValueError(f"eval_dataset has {len(self.eval_sets)} named sets: grpo evaluates one during training; "
+                             "pass one (trainer.evaluate(eval_dataset) scores any number afterwards)")
         given = GivenInputs(policy=self.model, tokenizer=self.processing_class, train_set=self.train_set,
                             eval_set=next(iter(self.eval_sets.values())) if evaluating else None,
                             reward_fns=self.reward_fns, reward_weights=self.reward_weights, hooks=hooks)
