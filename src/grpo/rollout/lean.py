@@ -14,7 +14,7 @@ matmuls per layer per token; the base weights themselves are never modified).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Sequence
 
 import torch
@@ -30,8 +30,8 @@ from grpo.step.records import Generation
 
 def folded_lora_weights(model: torch.nn.Module) -> dict[str, Tensor] | None:
     """For a peft LoRA model: ``{parameter name: W + delta}`` for every adapted base weight (active
-    adapters folded in, as peft's own merge computes them), to be used through ``functional_call``
-    with the adapter layers disabled; None for any other model."""
+    adapters folded in, as peft's own merge computes them), to sample with in place of those weights
+    (``weights_swapped``) with the adapter layers disabled; None for any other model."""
     try:
         from peft import PeftModel
         from peft.tuners.lora import LoraLayer
@@ -50,6 +50,22 @@ def folded_lora_weights(model: torch.nn.Module) -> dict[str, Tensor] | None:
                 delta = sum(module.get_delta_weight(a) for a in adapters)
                 folded[f"{name}.base_layer.weight"] = weight + delta.to(weight.dtype)  # a bf16 base stays bf16
     return folded or None
+
+
+@contextmanager
+def weights_swapped(model: torch.nn.Module, values: dict[str, Tensor]):
+    """Run the block with ``values`` as those parameters' data, then put the original tensors back (they are
+    never written, so frozen base weights cannot drift). Cheaper than ``functional_call``, which re-binds the
+    whole module tree on every forward: 40% of a LoRA sampling step on a 2-core CPU."""
+    params = {name: model.get_parameter(name) for name in values}
+    originals = {name: param.data for name, param in params.items()}
+    try:
+        for name, param in params.items():
+            param.data = values[name]
+        yield
+    finally:
+        for name, param in params.items():
+            param.data = originals[name]
 
 
 def apply_processors(logits: Tensor, penalty: float, seen: Tensor | None, forbidden: Tensor | None) -> Tensor:
@@ -183,13 +199,11 @@ class LeanEngine:
         chunks = []
         with eval_mode(model), torch.no_grad():
             folded = folded_lora_weights(model)
-            forward = model
-            if folded is not None:  # the adapter layers off, their base weights replaced by W + delta
-                def forward(**kwargs):
-                    return torch.func.functional_call(model, folded, args=(), kwargs=kwargs)
-            with model.disable_adapter() if folded is not None else nullcontext():
+            # LoRA: the adapter layers off, their base weights replaced by W + delta for the call
+            with (model.disable_adapter() if folded is not None else nullcontext(),
+                  weights_swapped(model, folded) if folded is not None else nullcontext()):
                 for start in range(0, len(encoded), per_call):
-                    chunks.append(self._sample(forward, model, encoded[start:start + per_call], params, eos_ids,
+                    chunks.append(self._sample(model, model, encoded[start:start + per_call], params, eos_ids,
                                                pad_id, generator))
         return assemble_generation(chunks, encoded, params.n, eos_ids, pad_id, self.tokenizer)
 
