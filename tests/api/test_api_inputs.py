@@ -95,3 +95,21 @@ def test_reward_errors_name_the_reward():
         build_reward_functions(["./no/such/model"], None, None, [])
     with pytest.raises(TypeError, match="is not a callable"):
         build_reward_functions([42], None, None, [])
+
+
+def test_a_loaded_reward_model_scores_prompt_and_completion(tiny_tokenizer):
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    config = Qwen2Config(vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, num_labels=1,
+                         pad_token_id=tiny_tokenizer.pad_token_id)
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    judge = Qwen2ForSequenceClassification(config)
+    judge.config._name_or_path = "org/tiny-judge"
+    (fn,), _ = build_reward_functions([judge], None, [tiny_tokenizer], [])
+    assert fn.name == "tiny-judge"
+    prompts = [[{"role": "user", "content": "1 + 1?"}]] * 2
+    completions = [[{"role": "assistant", "content": "2"}], [{"role": "assistant", "content": "three"}]]
+    scores = fn(prompts, completions)
+    assert len(scores) == 2 and scores[0] != scores[1]

@@ -151,3 +151,14 @@ def test_peft_config_trains_an_adapter_that_save_model_writes_loadably(tiny_mode
     trained = {k: v for k, v in trainer.model.state_dict().items() if "lora_B" in k}
     assert trained and all(torch.equal(v, loaded.state_dict()[k]) for k, v in trained.items())
     assert any(v.abs().sum() > 0 for v in trained.values())  # lora_B starts at 0: it learned
+
+
+def test_a_reward_returning_the_wrong_count_is_an_exception_naming_it(tiny_model_dir, tmp_path):
+    from grpo.rewards import RewardError
+
+    def one_short(completions, **kwargs):
+        return [0.0] * (len(completions) - 1)
+
+    trainer = GRPOTrainer(str(tiny_model_dir), one_short, args_for(tmp_path / "run"), train_dataset=rows())
+    with pytest.raises(RewardError, match="one_short"):
+        trainer.train()
