@@ -227,24 +227,26 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
                 return f"{path}:{lines[candidate]}: "
         return f"{path}: " if path is not None else ""
 
-    config = _build(RunConfig, tree, "", where)
-    problems = config.check()
-    if problems:
-        key, why = problems[0]
-        more = "".join(f"\n  also: {k} {w}" for k, w in problems[1:])
-        raise ConfigError(f"{where(key)}{key} {why}{more}")
-    return config
+    return _checked(_build(RunConfig, tree, "", where), where)
 
 
 def config_from_dict(tree: dict, source: str) -> RunConfig:
     """The checked ``RunConfig`` of a nested dict (``config_to_dict``'s shape; missing keys keep their
     defaults); errors name ``source`` and the key, e.g. ``GRPOConfig: loss.beta ...``."""
-    config = _build(RunConfig, copy.deepcopy(tree), "", lambda key: f"{source}: ")
+    def where(key: str) -> str:
+        return f"{source}: "
+
+    return _checked(_build(RunConfig, copy.deepcopy(tree), "", where), where)
+
+
+def _checked(config: RunConfig, where) -> RunConfig:
+    """``config`` once its cross-field rules hold; else a ConfigError on the first broken one (``where(key)``
+    says where the key was set), listing the others."""
     problems = config.check()
     if problems:
         key, why = problems[0]
         more = "".join(f"\n  also: {k} {w}" for k, w in problems[1:])
-        raise ConfigError(f"{source}: {key} {why}{more}")
+        raise ConfigError(f"{where(key)}{key} {why}{more}")
     return config
 
 
