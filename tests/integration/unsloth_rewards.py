@@ -1,63 +1,24 @@
 """The Unsloth / willccbb GSM8K GRPO reward functions, written the way users copy them into their
 scripts (keyword-style TRL signatures, ``completion[0]['content']``, ``**kwargs``): grpo must run them
-unchanged, by dotted path. Only the print in ``correctness_reward_func`` is left out."""
+unchanged, by dotted path (``unsloth_rewards:correctness_reward_func``). They are the ones of
+examples/grpo_gsm8k_unsloth.py (the Python API's example), loaded from that file so there is one copy;
+below them, rewards that use the rest of TRL's call."""
 
-import re
+import importlib.util
+from pathlib import Path
 
+_spec = importlib.util.spec_from_file_location(
+    "grpo_gsm8k_unsloth", Path(__file__).resolve().parents[2] / "examples" / "grpo_gsm8k_unsloth.py")
+_example = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_example)
 
-def extract_xml_answer(text: str) -> str:
-    answer = text.split("<answer>")[-1]
-    answer = answer.split("</answer>")[0]
-    return answer.strip()
-
-
-def correctness_reward_func(prompts, completions, answer, **kwargs) -> list[float]:
-    responses = [completion[0]["content"] for completion in completions]
-    q = prompts[0][-1]["content"]  # noqa: F841  (the original prints it)
-    extracted_responses = [extract_xml_answer(r) for r in responses]
-    return [2.0 if r == a else 0.0 for r, a in zip(extracted_responses, answer)]
-
-
-def int_reward_func(completions, **kwargs) -> list[float]:
-    responses = [completion[0]["content"] for completion in completions]
-    extracted_responses = [extract_xml_answer(r) for r in responses]
-    return [0.5 if r.isdigit() else 0.0 for r in extracted_responses]
-
-
-def strict_format_reward_func(completions, **kwargs) -> list[float]:
-    """Reward function that checks if the completion has a specific format."""
-    pattern = r"^<reasoning>\n.*?\n</reasoning>\n<answer>\n.*?\n</answer>\n$"
-    responses = [completion[0]["content"] for completion in completions]
-    matches = [re.match(pattern, r) for r in responses]
-    return [0.5 if match else 0.0 for match in matches]
-
-
-def soft_format_reward_func(completions, **kwargs) -> list[float]:
-    """Reward function that checks if the completion has a specific format."""
-    pattern = r"<reasoning>.*?</reasoning>\s*<answer>.*?</answer>"
-    responses = [completion[0]["content"] for completion in completions]
-    matches = [re.match(pattern, r) for r in responses]
-    return [0.5 if match else 0.0 for match in matches]
-
-
-def count_xml(text) -> float:
-    count = 0.0
-    if text.count("<reasoning>\n") == 1:
-        count += 0.125
-    if text.count("\n</reasoning>\n") == 1:
-        count += 0.125
-    if text.count("\n<answer>\n") == 1:
-        count += 0.125
-        count -= len(text.split("\n</answer>\n")[-1]) * 0.001
-    if text.count("\n</answer>") == 1:
-        count += 0.125
-        count -= (len(text.split("\n</answer>")[-1]) - 1) * 0.001
-    return count
-
-
-def xmlcount_reward_func(completions, **kwargs) -> list[float]:
-    contents = [completion[0]["content"] for completion in completions]
-    return [count_xml(c) for c in contents]
+extract_xml_answer = _example.extract_xml_answer
+correctness_reward_func = _example.correctness_reward_func
+int_reward_func = _example.int_reward_func
+strict_format_reward_func = _example.strict_format_reward_func
+soft_format_reward_func = _example.soft_format_reward_func
+count_xml = _example.count_xml
+xmlcount_reward_func = _example.xmlcount_reward_func
 
 
 # --- rewards that use the rest of TRL's call: completion_ids, trainer_state, log_metric, log_extra ---
