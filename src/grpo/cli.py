@@ -7,6 +7,7 @@ loaded counts as input), 1 when training cannot go on (aborted, a peer timed out
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from grpo import __version__
@@ -44,7 +45,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_role(args: argparse.Namespace) -> int:
     from grpo.config import load_config
 
-    cfg = load_config(args.config, args.overrides)
+    overrides = list(args.overrides)
+    if getattr(args, "host", None):
+        overrides.append(f"decoupled.ref_server_host={args.host}")
+    cfg = load_config(args.config, overrides)
     if args.command == "trainer":
         _check_listen_address(cfg)
     if args.command == "sampler":
@@ -74,7 +78,7 @@ def _ref_server(cfg) -> int:
     from grpo.decoupled.ref_server import run_ref_server
     from grpo.training.settings import logprob_pass
 
-    run_ref_server(cfg.model.ref_name_or_path or cfg.model.name_or_path, host="127.0.0.1",
+    run_ref_server(cfg.model.ref_name_or_path or cfg.model.name_or_path, host=cfg.decoupled.ref_server_host,
                    port=cfg.decoupled.ref_server_port, temperature=cfg.rollout.temperature,
                    token_env=cfg.decoupled.token_env, device=cfg.decoupled.ref_server_device,
                    dtype=cfg.model.ref_torch_dtype, micro_batch_size=cfg.train.micro_batch_size, logprob_pass=logprob_pass(cfg))
@@ -156,6 +160,11 @@ def _cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launcher_arguments(parser: argparse.ArgumentParser) -> None:
+    # DeepSpeed's launcher passes --local_rank=N to every rank it starts (torchrun sets LOCAL_RANK instead).
+    parser.add_argument("--local_rank", "--local-rank", type=int, dest="local_rank", help=argparse.SUPPRESS)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand (each sets ``func``, the function that runs it)."""
     parser = argparse.ArgumentParser(prog="grpo", description="GRPO fine-tuning for causal language models.")
@@ -172,14 +181,20 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="section.key=value (value parsed as YAML)")
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
     train.add_argument("--overwrite", action="store_true", help="replace a previous run in output_dir")
+    _launcher_arguments(train)
     train.set_defaults(func=_cmd_train)
 
     for role, text in (("sampler", "decoupled mode: sample rollout batches and send them to the trainer"),
                        ("trainer", "decoupled mode: train on the samplers' batches (one per rank under torchrun)"),
-                       ("ref-server", "serve reference log-probs over HTTP (binds 127.0.0.1)")):
+                       ("ref-server", "serve reference log-probs over HTTP (decoupled.ref_server_host)")):
         role_parser = sub.add_parser(role, help=text)
         role_parser.add_argument("config", nargs="?", help="YAML recipe")
         role_parser.add_argument("overrides", nargs="*", help="section.key=value")
+        if role == "ref-server":
+            role_parser.add_argument("--host", help="address to bind (decoupled.ref_server_host; a non-loopback "
+                                                    "one needs decoupled.token_env)")
+        else:
+            _launcher_arguments(role_parser)
         role_parser.set_defaults(func=_cmd_role)
 
     plot = sub.add_parser("plot", help="write plots/*.png of a run's metrics")
@@ -258,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     from grpo.errors import RewardError, TrainingAborted
 
     args = build_parser().parse_args(argv)
+    if getattr(args, "local_rank", None) is not None:  # the launcher's own variable wins where it set one
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     _split_config_and_overrides(args)
     try:
         return args.func(args)

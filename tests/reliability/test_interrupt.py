@@ -31,14 +31,16 @@ pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 TWO_PASSES = {"train.max_steps": 4, "loss.num_iterations": 2}  # two updates per step: a step is not atomic
 
 
-def test_ctrl_c_writes_a_checkpoint_exits_130_and_resume_finishes(tiny_model_dir, recipe, tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_writes_a_checkpoint_exits_130_and_resume_finishes(tiny_model_dir, recipe, tmp_path, stop):
+    # SIGTERM (what SLURM and torchrun send before a kill) is handled as Ctrl-C is
     out = tmp_path / "run"
     args = run_args(tiny_model_dir, out, **{"train.max_steps": 200, "train.save_steps": 1000})
     proc = subprocess.Popen(grpo_cmd("train", recipe, *args), env=cli_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     try:
         wait_until(lambda: logged_steps(out) >= 2, "two logged steps", proc=proc)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

@@ -294,8 +294,10 @@ class DecoupledConfig:
     ref_server_url: str | None = opt(
         None, "URL of a running reference server (set by the launcher when it starts one).")
     ref_server_port: int = opt(
-        8431, "Port of the reference server the launcher starts (binds 127.0.0.1).", ge=1, le=65535)
+        8431, "Port of the reference server (on decoupled.ref_server_host).", ge=1, le=65535)
     ref_server_device: str = opt("auto", "Device of the reference server.")
+    ref_server_host: str = opt("127.0.0.1", "Address `grpo ref-server` binds; another host's samplers need a "
+                                            "reachable one (e.g. 0.0.0.0), which needs decoupled.token_env.")
     ref_server_retry_s: float = opt(
         60.0, "A sampler keeps retrying an unreachable reference server this long (a restart) before it exits.",
         ge=0)

@@ -6,6 +6,7 @@ created with gloo on CPU and NCCL on CUDA.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 from dataclasses import dataclass
@@ -30,13 +31,15 @@ class DistInfo:
         return self.world_size > 1
 
 
-def init_distributed(device_kind: str = "cpu") -> DistInfo:
-    """Join the process group torchrun describes in the environment (no-op for one process)."""
+def init_distributed(device_kind: str = "cpu", timeout_s: float = 1800.0) -> DistInfo:
+    """Join the process group torchrun describes in the environment (no-op for one process). ``timeout_s``:
+    how long a collective may wait for the slowest rank before it fails."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= 1:
         return DistInfo()
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device_kind == "cuda" else "gloo")
+        dist.init_process_group(backend="nccl" if device_kind == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_s))
     return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(),
                     local_rank=int(os.environ.get("LOCAL_RANK", "0")))
 

@@ -30,8 +30,26 @@ class SkipGuard:
                 "checkpoint is intact. Lower the learning rate or check the rewards and data.")
 
 
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (what SLURM and torchrun send before a kill) raises ``KeyboardInterrupt`` in the block, so a
+    run stopped that way saves its last finished step as Ctrl-C does. Main thread only (elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
 class DeferredInterrupt:
-    """Hold Ctrl-C (SIGINT) while the block runs, then raise ``KeyboardInterrupt`` at its end.
+    """Hold Ctrl-C (SIGINT) and SIGTERM while the block runs, then raise ``KeyboardInterrupt`` at its end.
 
     The training loop wraps each step's update, logging and checkpoint in one: an interrupt there would
     leave weights that belong to no step (half the ``num_iterations`` updates done, or the update done
@@ -58,14 +76,16 @@ class DeferredInterrupt:
             self.received = True
             # os.write, not print: a handler that prints while the interrupted code is printing to the same
             # buffered stream fails with "reentrant call".
-            os.write(2, b"\ngrpo: Ctrl-C: finishing this step and saving it (Ctrl-C again to stop at once, "
-                        b"without saving it)\n")
+            os.write(2, f"\ngrpo: {signal.Signals(signum).name}: finishing this step and saving it (Ctrl-C again to "
+                        f"stop at once, without saving it)\n".encode())
 
-        previous = signal.signal(signal.SIGINT, hold)
+        previous = {sig: signal.signal(sig, hold) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             yield
         finally:
             # None: the previous handler was not installed from Python; Python's own is the closest.
-            signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
+            for sig, handler in previous.items():
+                fallback = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+                signal.signal(sig, fallback if handler is None else handler)
         if self.received:
             raise KeyboardInterrupt

@@ -25,7 +25,7 @@ from grpo.step.policy_update import LossSettings, train_on_batch
 from grpo.step.records import RolloutBatch
 from grpo.training.distributed import DistInfo, barrier, print0
 from grpo.training.evaluation import eval_metrics
-from grpo.training.guards import DeferredInterrupt, SkipGuard
+from grpo.training.guards import DeferredInterrupt, SkipGuard, sigterm_as_interrupt
 from grpo.training.learners import zero3_full_state_dict
 from grpo.training.setup import Trainable
 
@@ -171,7 +171,7 @@ def run_loop(loop: Loop, source: StepSource, start_step: int, eval_before: dict 
     the last), then save the final weights. Ctrl-C: ``KeyboardInterrupt`` after the last finished step is
     checkpointed (unless a second Ctrl-C stopped a step's update midway: then nothing is saved)."""
     loop.hooks.train_begin(start_step, loop.schedule.max_steps)
-    with loop.compute:
+    with loop.compute, sigterm_as_interrupt():
         if start_step == 0 and loop.evaluate is not None and loop.schedule.eval_on_start:
             eval_before = loop.evaluate()
             loop.logger.log(0, eval_metrics(eval_before))

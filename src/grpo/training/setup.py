@@ -24,7 +24,10 @@ from grpo.training.optim import build_optimizer, build_scheduler
 def start_process(cfg: RunConfig) -> tuple[DistInfo, torch.device]:
     """Join the process group (if launched with N ranks) and pick this rank's device."""
     device = resolve_device(cfg.train.device)
-    info = init_distributed(device.type)
+    # Collectives must outwait the longest wait a rank can make: rank 0 waiting decoupled.peer_timeout_s for a
+    # batch while the others wait in a broadcast (NCCL's default 10 min is no longer than that wait's 600 s,
+    # so the other ranks crashed first instead of rank 0's clean timeout), or an evaluation on rank 0.
+    info = init_distributed(device.type, timeout_s=max(1800.0, 2 * cfg.decoupled.peer_timeout_s))
     if device.type == "cuda" and info.enabled:
         device = torch.device("cuda", info.local_rank)
         torch.cuda.set_device(device)

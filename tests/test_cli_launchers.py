@@ -1,0 +1,29 @@
+"""The command line under launchers and on other hosts: DeepSpeed's --local_rank, ref-server --host."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from grpo.cli import build_parser, main
+
+
+@pytest.mark.parametrize("flag", ["--local_rank=3", "--local-rank=3"])
+def test_deepspeeds_local_rank_argument_is_accepted(flag, monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert build_parser().parse_args(["train", flag, "x.yaml"]).local_rank == 3
+    assert build_parser().parse_args(["trainer", "x.yaml", flag]).local_rank == 3
+    assert main(["train", flag, "no-such-recipe.yaml"]) == 2  # a clear config error, not argparse's exit 2
+    assert os.environ["LOCAL_RANK"] == "3"
+
+
+def test_ref_server_host_reaches_the_server(monkeypatch):
+    import grpo.decoupled.ref_server as ref_server
+
+    calls = []
+    monkeypatch.setattr(ref_server, "run_ref_server", lambda path, **kwargs: calls.append(kwargs))
+    assert main(["ref-server", "--host", "10.0.0.2", "decoupled.token_env=GRPO_TOKEN"]) == 0
+    assert main(["ref-server", "decoupled.ref_server_host=0.0.0.0"]) == 0
+    assert [c["host"] for c in calls] == ["10.0.0.2", "0.0.0.0"]
+    assert main(["ref-server"]) == 0 and calls[-1]["host"] == "127.0.0.1"  # the default stays loopback
