@@ -16,7 +16,7 @@ from grpo.models.loading import resolve_device
 from grpo.run.resume import resume_checkpoint
 from grpo.run.run_dir import claim_output_dir
 from grpo.run.tracking import MetricsLogger
-from grpo.training.distributed import DistInfo, barrier, init_distributed, print0
+from grpo.training.distributed import DistInfo, all_gather_json, barrier, init_distributed, print0
 from grpo.training.learners import Learner, build_learner, deepspeed_config
 from grpo.training.optim import build_optimizer, build_scheduler
 
@@ -130,11 +130,42 @@ class OpenedRun:
     logger: MetricsLogger
 
 
+def check_shared_run_folder(out: Path, info: DistInfo) -> None:
+    """Every rank must see the run folder rank 0 claimed: checkpoints, resume and metrics live there, and a
+    node with its own copy would resume at another step (a hang or a silent divergence). Rank 0 writes a
+    random token there, every rank reads it back; a ConfigError on every rank names the hosts that cannot."""
+    if not info.enabled:
+        return
+    import secrets
+    import socket
+
+    from grpo.config import ConfigError
+
+    marker = out / ".grpo-shared-check"
+    if info.is_main:
+        marker.write_text(secrets.token_hex(16))
+    token = all_gather_json(marker.read_text() if info.is_main else None, info)[0]  # after rank 0 wrote it
+    try:
+        seen = marker.read_text() == token
+    except OSError:
+        seen = False
+    ranks = all_gather_json({"rank": info.rank, "host": socket.gethostname(), "seen": seen}, info)
+    if info.is_main:
+        marker.unlink(missing_ok=True)
+    blind = [r for r in ranks if not r["seen"]]
+    if blind:
+        who = ", ".join(f"rank {r['rank']} on {r['host']}" for r in blind)
+        raise ConfigError(f"train.output_dir: {out} is not one folder for every rank: {who} cannot see the files "
+                          f"rank 0 ({ranks[0]['host']}) writes there; put the run folder on a filesystem every node "
+                          "mounts at the same path (NFS, Lustre, ...)")
+
+
 def open_run(cfg: RunConfig, trainable: Trainable, info: DistInfo, critic=None) -> OpenedRun:
     """Claim the run folder (setup succeeded: only now is anything written), resume from its newest
     checkpoint that loads when ``train.resume``, and open the metrics logger."""
     out = claim_output_dir(cfg, info.is_main)
     barrier(info)
+    check_shared_run_folder(out, info)
     resumed = resume_checkpoint(out, trainable, info, critic) if cfg.train.resume else None
     start_step, state = 0, None
     if resumed is not None:
