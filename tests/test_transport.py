@@ -182,3 +182,36 @@ def test_stale_batch_dropped_and_resend_is_dropped_again(receiver):
         s.send_batch(make_batch(), {"policy_version": 1, "batch_id": batch_id})
         wait_until(lambda: s.inflight == 0, "the second dropped notice")
         assert receiver.stats["duplicates"] == 1 and receiver.next_batch(timeout_s=0.1) is None
+
+
+def test_a_host_name_that_resolves_only_to_loopback_is_refused_as_a_bind_address(monkeypatch):
+    # /etc/hosts often maps the machine's own name to 127.0.1.1: binding it looks remote but is not
+    import socket
+
+    from grpo.decoupled.transport.common import check_bind_address, hidden_loopback
+
+    real = socket.getaddrinfo
+
+    def resolve(host, *args, **kwargs):
+        if host == "trainer-host":
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.1.1", 0))]
+        if host == "gpu-node-3":
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.3", 0))]
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    assert hidden_loopback("trainer-host") == ["127.0.1.1"]
+    assert hidden_loopback("gpu-node-3") == hidden_loopback("127.0.0.1") == hidden_loopback("*") == []
+    with pytest.raises(ValueError, match=r"'trainer-host' resolves only to loopback \(127.0.1.1\)"):
+        check_bind_address("tcp://trainer-host:5555", "token")
+    check_bind_address("tcp://gpu-node-3:5555", "token")
+    check_bind_address("tcp://0.0.0.0:5555", "token")
+    with pytest.raises(ValueError, match="does not resolve"):
+        hidden_loopback("no-such-host.invalid")
+    pytest.importorskip("fastapi")
+    from grpo.config import ConfigError
+    from grpo.decoupled.ref_server import make_server
+
+    monkeypatch.setenv("GRPO_TEST_TOKEN", "secret")
+    with pytest.raises(ConfigError, match="resolves only to loopback"):  # before any model is loaded
+        make_server("/no/such/model", host="trainer-host", token_env="GRPO_TEST_TOKEN")

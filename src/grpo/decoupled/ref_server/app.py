@@ -189,6 +189,15 @@ def make_server(
     if not is_loopback(host) and token is None:
         raise ConfigError(f"host: refusing to serve on {host!r} without authentication; bind 127.0.0.1 or set a "
                           "token with token_env (anyone who can reach the port could use the model otherwise)")
+    from grpo.decoupled.transport.common import hidden_loopback
+
+    try:
+        hidden = hidden_loopback(host)
+    except ValueError as err:
+        raise ConfigError(f"host: {err}") from None
+    if hidden:
+        raise ConfigError(f"host: {host!r} resolves only to loopback ({', '.join(hidden)}), so samplers on other "
+                          "machines could never connect; bind the machine's network address, or 0.0.0.0 for all")
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"dtype: {dtype!r} is not one of {sorted(DTYPES)} (or null = as stored)")
     if temperature <= 0:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 from typing import Any
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
@@ -39,6 +41,32 @@ def check_bind_address(address: str, token: str) -> None:
     if host not in LOOPBACK_HOSTS and not token:
         raise ValueError(f"listening on {address} reaches beyond this machine: set a shared token "
                          f"(or bind tcp://127.0.0.1:PORT)")
+    hidden = hidden_loopback(host)
+    if hidden:
+        raise ValueError(f"listening on {address}: {host!r} resolves only to loopback ({', '.join(hidden)}), so "
+                         "peers on other machines could never connect (an /etc/hosts entry mapping the host name "
+                         "to 127.0.1.1 does this); bind the machine's network address, or * / 0.0.0.0 for all")
+
+
+WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]"})
+
+
+def hidden_loopback(host: str) -> list[str]:
+    """The loopback addresses a host *name* resolves to when it resolves to nothing else ([] for loopback
+    spelled as such, wildcards, or a name with a reachable address): a name that means "this machine's
+    address to the others" but binds where no other machine reaches. ValueError when it does not resolve."""
+    if host in LOOPBACK_HOSTS or host in WILDCARD_HOSTS:
+        return []
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return []  # a literal address means what it says
+    except ValueError:
+        pass
+    try:
+        resolved = sorted({info[4][0] for info in socket.getaddrinfo(host, None)})
+    except socket.gaierror as err:
+        raise ValueError(f"host {host!r} does not resolve: {err.strerror}") from None
+    return resolved if all(ipaddress.ip_address(a).is_loopback for a in resolved) else []
 
 
 def _check_version(version: Any) -> None:
