@@ -280,3 +280,26 @@ def test_argument_checks(receiver):
             s.send_batch(make_batch(), {"policy_version": 0, "sampler_id": "other"})
         with pytest.raises(WireError, match="policy_version"):
             s.send_batch(make_batch(), {})
+
+
+def test_a_sampler_on_another_config_is_refused_at_once_naming_both_hashes():
+    import time
+
+    from grpo.config import load_config
+    from grpo.decoupled.link_settings import config_fingerprint
+    from grpo.decoupled.transport import TransportError
+
+    trainer_cfg = load_config(None, ["train.mode=decoupled"])
+    same = load_config(None, ["train.mode=decoupled", "decoupled.sampler_index=1", "decoupled.sampler_device=cpu"])
+    other = load_config(None, ["train.mode=decoupled", "rollout.temperature=0.7"])
+    assert config_fingerprint(same) == config_fingerprint(trainer_cfg) != config_fingerprint(other)
+    with RolloutReceiver(ANY_PORT, config_hash=config_fingerprint(trainer_cfg)) as receiver:
+        with sender(receiver.address, "s1", config_hash=config_fingerprint(same)) as ok:
+            ok.connect(timeout_s=WAIT)
+        started = time.monotonic()
+        with sender(receiver.address, "s2", config_hash=config_fingerprint(other)) as wrong:
+            with pytest.raises(TransportError, match=r"refused sampler s2: sampler s2 runs another config \(hash "
+                                                     + config_fingerprint(other)[:12]):
+                wrong.connect(timeout_s=WAIT)
+        assert time.monotonic() - started < 5  # at once, not after peer_timeout_s
+        assert "s2" not in receiver.peers() and receiver.stats["rejected"] >= 1

@@ -19,7 +19,7 @@ import torch
 
 from grpo.config import RunConfig
 from grpo.data.prompt_sampler import PromptSampler
-from grpo.decoupled.link_settings import max_message_bytes, shared_token
+from grpo.decoupled.link_settings import config_fingerprint, max_message_bytes, shared_token
 from grpo.decoupled.transport import PeerClosed, RolloutSender
 from grpo.models.loading import load_policy, load_reference, load_tokenizer, resolve_device
 from grpo.rollout.build import build_engine, holds_own_weights
@@ -86,7 +86,8 @@ def run_sampler(cfg: RunConfig) -> int:
                                    engine_holds_weights=holds_own_weights(engine))
     store = WeightStore(cfg.train.output_dir)
     sender = RolloutSender(d.address, sampler_id, token=token, max_message_bytes=max_message_bytes(cfg),
-                           max_inflight=cfg.train.max_staleness + 1, timeout_s=d.peer_timeout_s)
+                           max_inflight=cfg.train.max_staleness + 1, timeout_s=d.peer_timeout_s,
+                           config_hash=config_fingerprint(cfg))
     welcome = sender.connect(incarnation=int(time.time()))
     loaded_version = 0  # the initial weights (model.name_or_path) are version 0
     j = int(welcome.get("trained_count", 0))

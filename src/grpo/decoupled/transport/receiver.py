@@ -38,7 +38,7 @@ class RolloutReceiver(_ReceiverIO):
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, queue_size: int = 4,
                  trained_ids: Mapping[str, str] | Iterable[str] | None = None,
                  dropped_ids: Mapping[str, str] | Iterable[str] | None = None, *,
-                 policy_version: int = 0, reply_errors: bool = True):
+                 policy_version: int = 0, reply_errors: bool = True, config_hash: str = ""):
         check_bind_address(address, token)
         if queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")
@@ -49,6 +49,7 @@ class RolloutReceiver(_ReceiverIO):
         self.max_message_bytes = max_message_bytes
         self.queue_size = queue_size
         self.reply_errors = reply_errors
+        self.config_hash = config_hash  # a sampler whose hello carries another one is refused
         self.trainer_id = secrets.token_hex(8)  # tells samplers that a trainer restarted
         self._max_frames = 1 + NUM_FRAMES       # routing id + message
         self._max_incoming_bytes = max_message_bytes + 256  # a routing id has at most 255 bytes

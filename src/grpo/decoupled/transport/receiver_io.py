@@ -152,6 +152,12 @@ class _ReceiverIO(_IOThread):
                                    f"{_label(identity)!r}; the sampler's DEALER routing id must be its sampler id",
                          code="wrong_sampler")
             return
+        theirs = header.get("config_hash")
+        if self.config_hash and theirs and theirs != self.config_hash:
+            self._reject(identity, f"sampler {sampler_id[:64]} runs another config (hash {theirs[:12]}, the trainer's "
+                                   f"{self.config_hash[:12]}): start every role with the same recipe and overrides",
+                         code="config_mismatch")
+            return
         now, wall = time.monotonic(), time.time()
         old = self._peers.get(identity)
         if old is not None and old.incarnation != incarnation:

@@ -44,7 +44,7 @@ class RolloutSender(_SenderIO):
 
     def __init__(self, address: str, sampler_id: str, token: str = "",
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_inflight: int = 1,
-                 timeout_s: float = 60.0, *, heartbeat_s: float | None = None):
+                 timeout_s: float = 60.0, *, heartbeat_s: float | None = None, config_hash: str = ""):
         raw_id = sampler_id.encode("utf-8") if isinstance(sampler_id, str) else b""
         if not 1 <= len(raw_id) <= 255 or raw_id.startswith(b"\0"):
             raise ValueError(f"sampler_id must be 1 to 255 UTF-8 bytes not starting with NUL, got {sampler_id!r}")
@@ -56,6 +56,7 @@ class RolloutSender(_SenderIO):
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.address = address
         self.sampler_id = sampler_id
+        self.config_hash = config_hash  # sent in the hello: a trainer on another config refuses this sampler
         self.token = token
         self.max_message_bytes = max_message_bytes
         self.max_inflight = max_inflight

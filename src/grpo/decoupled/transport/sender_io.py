@@ -73,8 +73,9 @@ class _SenderIO(_IOThread):
         with self._cond:
             if not self._welcomed:
                 if now >= self._next_hello_at:
-                    hello = encode("hello", {"sampler_id": self.sampler_id, "incarnation": self.incarnation},
-                                   token=self.token)
+                    fields = {"sampler_id": self.sampler_id, "incarnation": self.incarnation}
+                    hello = encode("hello", {**fields, **({"config_hash": self.config_hash} if self.config_hash
+                                                          else {})}, token=self.token)
                     # A sent hello may still be lost (a trainer restarting): ask again after a while.
                     sent = self._send_now(hello)
                     self._next_hello_at = now + (min(1.0, self.heartbeat_s) if sent else 0.05)
@@ -195,6 +196,10 @@ class _SenderIO(_IOThread):
                             self.address, self.sampler_id)
             self._welcomed = False
             self._next_hello_at = 0.0
+            return
+        if header.get("code") == "config_mismatch":  # saying hello again cannot help: stop and say why
+            self._next_hello_at = time.monotonic() + 1e9  # never again
+            self._refusal = f"trainer at {self.address} refused sampler {self.sampler_id}: {header['reason']}"
             return
         batch_id = header.get("batch_id")
         logger.error("trainer at %s refused %s: %s", self.address,

@@ -73,7 +73,7 @@ class MessageKind:
 
 
 KINDS: dict[str, MessageKind] = {k.name: k for k in (
-    MessageKind("hello", "sampler -> trainer", {"sampler_id": "str", "incarnation": "int"}),
+    MessageKind("hello", "sampler -> trainer", {"sampler_id": "str", "incarnation": "int"}, {"config_hash": "str"}),
     MessageKind("welcome", "trainer -> sampler",
                 {"policy_version": "int", "trained_count": "int", "pending_count": "int", "protocol": "int",
                  "trainer_id": "str", "max_message_bytes": "int"},
