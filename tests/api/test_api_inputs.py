@@ -113,3 +113,16 @@ def test_a_loaded_reward_model_scores_prompt_and_completion(tiny_tokenizer):
     completions = [[{"role": "assistant", "content": "2"}], [{"role": "assistant", "content": "three"}]]
     scores = fn(prompts, completions)
     assert len(scores) == 2 and scores[0] != scores[1]
+
+
+def test_a_callers_tokenizer_is_not_changed(tiny_tokenizer):
+    import copy
+
+    from grpo.config import load_config
+    from grpo.training.inputs import GivenInputs, tokenizer_and_data
+
+    mine = copy.deepcopy(tiny_tokenizer)
+    mine.padding_side = "right"
+    inputs = tokenizer_and_data(load_config(None), GivenInputs(tokenizer=mine, train_set=to_examples(chat_rows(), "t"),
+                                                               reward_fns=[base]))
+    assert inputs.tokenizer.padding_side == "left" and mine.padding_side == "right"

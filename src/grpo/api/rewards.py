@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 from pathlib import Path
 from typing import Any, Sequence
@@ -80,4 +81,5 @@ def _model_reward(model: Any, tokenizer: Any, name: str):
 
         tokenizer = AutoTokenizer.from_pretrained(path)
     device = next(model.parameters()).device
-    return model_reward_from(model, tokenizer, device=str(device), name=name)
+    # A copy: scoring pads on the right, and the caller's tokenizer (often the policy's) must not change.
+    return model_reward_from(model, copy.deepcopy(tokenizer), device=str(device), name=name)

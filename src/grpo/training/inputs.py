@@ -4,6 +4,7 @@ the run gets one ``RunInputs``, so both take the same path from here on."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -52,7 +53,8 @@ def tokenizer_and_data(cfg: RunConfig, given: GivenInputs) -> RunInputs:
     """The tokenizer, data and rewards: given ones as they are, the rest loaded from the config. A broken
     reward stops the run here, before any model loads."""
     tokenizer = given.tokenizer or load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
-    if given.tokenizer is not None:
+    if given.tokenizer is not None and (tokenizer.padding_side != "left" or tokenizer.pad_token is None):
+        tokenizer = copy.deepcopy(tokenizer)  # set up as load_tokenizer's, leaving the caller's object as it was
         tokenizer.padding_side = "left"  # batched generation pads prompts on the left
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
