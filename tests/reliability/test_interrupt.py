@@ -31,6 +31,41 @@ pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 TWO_PASSES = {"train.max_steps": 4, "loss.num_iterations": 2}  # two updates per step: a step is not atomic
 
 
+def test_sigterm_to_a_two_rank_run_stops_every_rank_after_one_step_and_resume_continues(tiny_model_dir, recipe,
+                                                                                          tmp_path):
+    # torchrun forwards SIGTERM to both ranks, which reach it at different points of a step: they agree to
+    # stop after the same finished step (a rank stopping alone would leave the other in a collective).
+    import sys
+
+    from transport_helpers import free_port
+
+    out = tmp_path / "run"
+
+    def torchrun(*args) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                str(free_port()), "-m", "grpo", "train", str(recipe), *args]
+
+    args = run_args(tiny_model_dir, out, **{"train.max_steps": 200, "train.save_steps": 1000})
+    proc = subprocess.Popen(torchrun(*args), env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        wait_until(lambda: logged_steps(out) >= 2, "two logged steps", proc=proc)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "every rank stops after this step" in err, err[-3000:]
+    checkpoint = latest_checkpoint(out)
+    assert checkpoint is not None, err[-3000:]
+    saved = int(checkpoint.name.removeprefix("step-"))
+    assert saved == logged_steps(out), "the checkpoint is of the last logged (finished) step"
+    result = subprocess.run(torchrun(*run_args(tiny_model_dir, out, **{"train.max_steps": saved + 2}), "--resume"),
+                            env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [r["step"] for r in train_rows(out)] == list(range(1, saved + 3))
+
+
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_ctrl_c_writes_a_checkpoint_exits_130_and_resume_finishes(tiny_model_dir, recipe, tmp_path, stop):
     # SIGTERM (what SLURM and torchrun send before a kill) is handled as Ctrl-C is

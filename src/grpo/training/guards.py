@@ -48,6 +48,37 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
+class RankAgreedStop:
+    """Ctrl-C or SIGTERM in a run of several ranks: note it, and let every rank stop after the same step
+    (``requested`` is compared at each step's end by the loop): a rank that stopped alone would leave the
+    others waiting in a collective. A second signal stops at once (``forced``: nothing is saved then)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.forced = False
+        self._previous: dict = {}
+
+    def __enter__(self) -> "RankAgreedStop":
+        if threading.current_thread() is not threading.main_thread():
+            return self
+
+        def note(signum, frame) -> None:
+            if self.requested:
+                self.forced = True
+                raise KeyboardInterrupt
+            self.requested = True
+            os.write(2, f"\ngrpo: {signal.Signals(signum).name}: every rank stops after this step and saves it "
+                        f"(again to stop at once, without saving)\n".encode())
+
+        self._previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            fallback = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+            signal.signal(sig, fallback if handler is None else handler)
+
+
 class DeferredInterrupt:
     """Hold Ctrl-C (SIGINT) and SIGTERM while the block runs, then raise ``KeyboardInterrupt`` at its end.
 

@@ -10,7 +10,7 @@ the last finished step is saved), evaluation, logging, early stopping, the NaN g
 from __future__ import annotations
 
 import time
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
@@ -23,9 +23,9 @@ from grpo.run.tracking import MetricsLogger
 from grpo.step.metrics import sample_records, step_metrics
 from grpo.step.policy_update import LossSettings, train_on_batch
 from grpo.step.records import RolloutBatch
-from grpo.training.distributed import DistInfo, barrier, print0
+from grpo.training.distributed import DistInfo, all_gather_json, barrier, print0
 from grpo.training.evaluation import eval_metrics
-from grpo.training.guards import DeferredInterrupt, SkipGuard, sigterm_as_interrupt
+from grpo.training.guards import DeferredInterrupt, RankAgreedStop, SkipGuard, sigterm_as_interrupt
 from grpo.training.learners import zero3_full_state_dict
 from grpo.training.setup import Trainable
 
@@ -195,6 +195,9 @@ def _steps(loop: Loop, source: StepSource, start_step: int, eval_before: dict | 
     schedule, info = loop.schedule, loop.info
     state = RunState(done=start_step, saved=start_step)
     interrupt = DeferredInterrupt()
+    # Several ranks stop together, after a step every rank finished (see RankAgreedStop); one rank stops at once.
+    agreed = RankAgreedStop() if info.enabled else None
+    holding = interrupt.holding if agreed is None else nullcontext
     skips = SkipGuard(schedule.max_skipped_steps, schedule.updates_per_step)
 
     def checkpoint(step: int, collected: Collected | None) -> None:
@@ -207,14 +210,14 @@ def _steps(loop: Loop, source: StepSource, start_step: int, eval_before: dict | 
 
     step = start_step
     try:
-        with loop.progress:
+        with loop.progress, agreed or nullcontext():
             for step in range(start_step + 1, schedule.max_steps + 1):
                 started = time.perf_counter()
                 loop.hooks.step_begin(step)
                 collected = source.collect(step)
                 # From the update to the step's checkpoint, Ctrl-C waits for the step to end: the weights then
                 # match the step that is logged and saved.
-                with interrupt.holding():
+                with holding():
                     state.updating = True
                     update_started = time.perf_counter()
                     stats = loop.update(step, collected.batch)
@@ -233,10 +236,15 @@ def _steps(loop: Loop, source: StepSource, start_step: int, eval_before: dict | 
                     if not checkpointing:
                         checkpoint(step, None)
                     break
+                if agreed is not None and any(all_gather_json(agreed.requested, info)):
+                    print0(info, f"\ninterrupted: every rank stops after step {step}, saved")
+                    if not checkpointing:
+                        checkpoint(step, None)
+                    raise KeyboardInterrupt
     except KeyboardInterrupt:
         # The step in flight is lost, never saved under another step's number (its batch would then be
         # trained twice after resuming).
-        if state.updating or interrupt.forced:
+        if state.updating or interrupt.forced or (agreed is not None and agreed.forced):
             print0(info, f"\ninterrupted during the update of step {state.done + 1}: nothing saved; --resume "
                          f"continues from step {state.saved}")
         elif state.done > state.saved:
