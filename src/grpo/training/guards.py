@@ -31,21 +31,51 @@ class SkipGuard:
 
 
 @contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM (what SLURM and torchrun send before a kill) raises ``KeyboardInterrupt`` in the block, so a
-    run stopped that way saves its last finished step as Ctrl-C does. Main thread only (elsewhere a no-op)."""
+def _handling(handler, signals=(signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
+    """``handler`` for ``signals`` while the block runs, then the previous handlers back. Main thread only
+    (handlers cannot be installed elsewhere, and signals are delivered to it): elsewhere a no-op."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def interrupt(signum, frame) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        # None: the previous handler was not installed from Python; Python's own is the closest.
+        for sig, old in previous.items():
+            fallback = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+            signal.signal(sig, fallback if old is None else old)
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (what SLURM and torchrun send before a kill) raises ``KeyboardInterrupt`` in the block, so a
+    run stopped that way saves its last finished step as Ctrl-C does."""
+    def interrupt(signum, frame) -> None:
+        raise KeyboardInterrupt
+
+    with _handling(interrupt, (signal.SIGTERM,)):
+        yield
+
+
+class _NotedSignal:
+    """A SIGINT/SIGTERM handler: the first signal is noted (``received``) and said on stderr; a second
+    stops at once (``forced``, then ``KeyboardInterrupt``)."""
+
+    def __init__(self, then: str) -> None:
+        self.then = then
+        self.received = False
+        self.forced = False
+
+    def __call__(self, signum, frame) -> None:
+        if self.received:
+            self.forced = True
+            raise KeyboardInterrupt
+        self.received = True
+        # os.write, not print: a handler that prints while the interrupted code is printing to the same
+        # buffered stream fails with "reentrant call".
+        os.write(2, f"\ngrpo: {signal.Signals(signum).name}: {self.then} (again to stop at once, without "
+                    f"saving)\n".encode())
 
 
 class RankAgreedStop:
@@ -54,29 +84,18 @@ class RankAgreedStop:
     others waiting in a collective. A second signal stops at once (``forced``: nothing is saved then)."""
 
     def __init__(self) -> None:
-        self.requested = False
-        self.forced = False
-        self._previous: dict = {}
+        self._noted = _NotedSignal("every rank stops after this step and saves it")
+        self._handling = _handling(self._noted)
+
+    requested = property(lambda self: self._noted.received)
+    forced = property(lambda self: self._noted.forced)
 
     def __enter__(self) -> "RankAgreedStop":
-        if threading.current_thread() is not threading.main_thread():
-            return self
-
-        def note(signum, frame) -> None:
-            if self.requested:
-                self.forced = True
-                raise KeyboardInterrupt
-            self.requested = True
-            os.write(2, f"\ngrpo: {signal.Signals(signum).name}: every rank stops after this step and saves it "
-                        f"(again to stop at once, without saving)\n".encode())
-
-        self._previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
+        self._handling.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            fallback = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
-            signal.signal(sig, fallback if handler is None else handler)
+        self._handling.__exit__(*exc)
 
 
 class DeferredInterrupt:
@@ -91,32 +110,14 @@ class DeferredInterrupt:
     """
 
     def __init__(self) -> None:
-        self.received = False
-        self.forced = False
+        self._noted = _NotedSignal("finishing this step and saving it")
+
+    received = property(lambda self: self._noted.received)
+    forced = property(lambda self: self._noted.forced)
 
     @contextmanager
     def holding(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
+        with _handling(self._noted):
             yield
-            return
-
-        def hold(signum, frame) -> None:
-            if self.received:
-                self.forced = True
-                raise KeyboardInterrupt
-            self.received = True
-            # os.write, not print: a handler that prints while the interrupted code is printing to the same
-            # buffered stream fails with "reentrant call".
-            os.write(2, f"\ngrpo: {signal.Signals(signum).name}: finishing this step and saving it (Ctrl-C again to "
-                        f"stop at once, without saving it)\n".encode())
-
-        previous = {sig: signal.signal(sig, hold) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            # None: the previous handler was not installed from Python; Python's own is the closest.
-            for sig, handler in previous.items():
-                fallback = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
-                signal.signal(sig, fallback if handler is None else handler)
         if self.received:
             raise KeyboardInterrupt
