@@ -223,7 +223,9 @@ def test_crash_while_writing_leaves_the_previous_version(tmp_path, tiny_tokenize
     # A publish killed outright leaves its temp folder; the next publish removes it.
     (tmp_path / "weights" / ".tmp-v2-99999").mkdir()
     store.publish(2, state, kind=kind)
-    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == [LATEST_FILE, "v1", "v2"]
+    # leases/: made by the load above (a reader's lease on v1, already released)
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == [LATEST_FILE, "leases", "v1", "v2"]
+    assert not any((tmp_path / "weights" / "leases").iterdir())
 
 
 def test_wait_for_version(tmp_path, tiny_tokenizer):

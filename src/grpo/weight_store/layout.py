@@ -1,5 +1,5 @@
 """What a published weights version is: the file names under ``weights/``, the manifest format, the
-parsed version (``LoadedWeights``) and the error for one that is missing, torn or corrupt."""
+parsed version (``LoadedWeights``) and the errors for one that is missing, torn, corrupt or pruned."""
 
 from __future__ import annotations
 
@@ -14,17 +14,23 @@ LATEST_FILE = "LATEST"
 MANIFEST_FILE = "manifest.json"
 MODEL_FILE = "model.safetensors"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
+LEASES_DIR = "leases"
 MANIFEST_FORMAT = "grpo-weights/1"
 KINDS = ("full", "lora")
 
 _VERSION_DIR = re.compile(r"^v(\d+)$")
-_TEMP_DIR = re.compile(r"^\.(?P<kind>tmp|old)-(?P<name>v\d+)-\d+$")  # ".tmp-v{N}-{pid}", ".old-v{N}-{pid}"
+# ".tmp-v{N}-{pid}" (being written), ".old-v{N}-{pid}" (being replaced), ".prune-v{N}-{pid}" (being pruned)
+_TEMP_DIR = re.compile(r"^\.(?P<kind>tmp|old|prune)-(?P<name>v\d+)-\d+$")
 
 Kind = Literal["full", "lora"]
 
 
 class WeightStoreError(RuntimeError):
     """A published version is missing, torn, corrupt, or does not fit the model it is loaded into."""
+
+
+class VersionPrunedError(WeightStoreError):
+    """The version was pruned by the writer while it was being read: a newer one is (or will be) published."""
 
 
 @dataclass(frozen=True)
