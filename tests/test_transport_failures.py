@@ -303,3 +303,23 @@ def test_a_sampler_on_another_config_is_refused_at_once_naming_both_hashes():
                 wrong.connect(timeout_s=WAIT)
         assert time.monotonic() - started < 5  # at once, not after peer_timeout_s
         assert "s2" not in receiver.peers() and receiver.stats["rejected"] >= 1
+
+
+def test_two_samplers_with_one_index_are_detected_and_the_older_is_refused():
+    import time
+
+    from grpo.decoupled.transport import TransportError
+
+    with RolloutReceiver(ANY_PORT) as receiver:
+        with sender(receiver.address, "sampler-1") as first, sender(receiver.address, "sampler-1") as second:
+            first.connect(incarnation=11, timeout_s=WAIT)
+            second.connect(incarnation=22, timeout_s=WAIT)  # another host started with the same index
+            started = time.monotonic()
+            with pytest.raises(TransportError, match=r"two processes run as sampler-1: incarnation 11 is still "
+                                                     r"running after incarnation 22 \(host .*\) said hello; give "
+                                                     r"every sampler its own decoupled.sampler_index"):
+                first.request_work(timeout_s=WAIT)  # its next heartbeat (or question) is refused
+            assert time.monotonic() - started < 5  # within seconds (heartbeats), not after a peer timeout
+            assert receiver.peers()["sampler-1"].incarnation == 22
+            second.poll(timeout_s=0.5)  # the one that said hello last carries on
+            assert not [e for e in second.poll() if e.kind == "error"]

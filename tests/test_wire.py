@@ -148,6 +148,8 @@ CONTROL_HEADERS = {
     "dropped": {"batch_id": "b", "reason": "stale", "policy_version": 5},
     "busy": {"batch_id": "b", "queue_depth": 4},
     "weights": {"version": 6, "path": "/w/v6"},
+    "want": {},
+    "work": {"batch_id": "step-3/rank-1", "step": 3, "rank": 1, "min_version": 2},
     "heartbeat": {"time": 1.5},
     "bye": {"reason": "done"},
     "error": {"reason": "bad", "code": "bad_message", "batch_id": None},
@@ -186,7 +188,7 @@ REJECTIONS = {
                       "not valid JSON"),
     "duplicate key": (lambda f: [f[0], f[1][:-1] + b',"kind":"hello"}', f[2]], "duplicate key"),
     "deep nesting": (lambda f: [f[0], b"[" * 100_000 + b"]" * 100_000, f[2]], "not valid JSON"),
-    "wrong version": (lambda f: with_header(f, v=PROTOCOL_VERSION + 1), "protocol version 2"),
+    "wrong version": (lambda f: with_header(f, v=PROTOCOL_VERSION + 1), f"protocol version {PROTOCOL_VERSION + 1}"),
     "version as string": (lambda f: with_header(f, v="1"), "integer protocol version"),
     "unknown kind": (lambda f: with_header(f, kind="gimme"), "unknown message kind 'gimme'; known: ack, batch"),
     "missing field": (lambda f: {**dict(enumerate(f)), 1: json.dumps(

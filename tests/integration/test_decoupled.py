@@ -51,17 +51,20 @@ def test_first_step_equals_colocated(tiny_model_dir, teacher_dir, tmp_path):
     assert (decoupled / "weights").is_dir() and (decoupled / "final" / "model.safetensors").exists()
 
 
-def test_new_estimator_and_loss_settings_reach_every_rank(tiny_model_dir, tmp_path):
+def test_new_estimator_and_loss_settings_reach_every_rank_and_two_samplers_share_the_steps(tiny_model_dir, tmp_path):
     # rloo advantages (the sampler's), GSPO ratios over two iterations and the entropy (the trainer ranks'):
-    # colocated over 2 ranks and decoupled with 2 trainer ranks must log the same first step.
+    # colocated over 2 ranks and decoupled with 2 trainer ranks must log the same steps. Two samplers share
+    # each step's chunks (whichever makes which): at max_staleness 0 the run is still the colocated one.
     common = {"algorithm.advantage_estimator": "rloo", "loss.importance_sampling_level": "sequence",
-              "loss.num_iterations": 2, "loss.beta": 0.0, "train.max_steps": 1}
+              "loss.num_iterations": 2, "loss.beta": 0.0, "train.max_steps": 2}
     colocated, decoupled = colocated_and_decoupled(tiny_model_dir, tmp_path, common,
-                                                   {"decoupled.trainer_ranks": 2})
-    a, b = train_rows(colocated)[0], train_rows(decoupled)[0]
-    assert a["advantage/abs_mean"] > 0 and a["entropy"] > 0 and a["ratio_mean"] != 1.0
-    for key in ("loss", "advantage/abs_mean", "entropy", "ratio_mean", "clip_fraction"):
-        assert abs(a[key] - b[key]) < 1e-5, (key, a[key], b[key])
+                                                   {"decoupled.trainer_ranks": 2, "decoupled.num_samplers": 2})
+    for a, b in zip(train_rows(colocated), each_batch_once(decoupled, 2), strict=True):
+        assert a["advantage/abs_mean"] > 0 and a["entropy"] > 0 and a["ratio_mean"] != 1.0
+        for key in ("loss", "advantage/abs_mean", "entropy", "ratio_mean", "clip_fraction", "reward/mean"):
+            assert abs(a[key] - b[key]) < 1e-5, (a["step"], key, a[key], b[key])
+        assert b["batch_id"] == f"step-{b['step']}/rank-0,step-{b['step']}/rank-1"
+        assert set(b["sampler_id"].split(",")) <= {"sampler-0", "sampler-1"}
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -99,7 +102,7 @@ def test_sampler_killed_and_restarted(tiny_model_dir, tmp_path):
     trainer, sampler = start("trainer", SMOKE, *args, stderr=subprocess.PIPE), start("sampler", SMOKE, *args)
     try:
         wait_until(lambda: logged_steps(out) >= 2, "2 logged steps", timeout=240, proc=trainer)
-        sampler.send_signal(signal.SIGKILL)  # mid-batch: it samples continuously
+        sampler.send_signal(signal.SIGKILL)  # mid-chunk, or waiting for work while the trainer trains
         sampler.wait()
         assert sampler.returncode == -signal.SIGKILL, f"the sampler exited with {sampler.returncode} before the kill"
         sampler = start("sampler", SMOKE, *args)
@@ -107,6 +110,27 @@ def test_sampler_killed_and_restarted(tiny_model_dir, tmp_path):
     finally:
         stop_all(trainer, sampler)
     each_batch_once(out, 8)
+
+
+def test_one_of_two_samplers_killed_the_other_finishes_the_run(tiny_model_dir, tmp_path):
+    # The killed sampler's chunk (if it held one) goes to the other once it has been silent for LOST_AFTER_S;
+    # every step is trained once, from chunks of that step.
+    out = tmp_path / "run"
+    args = decoupled_overrides(tiny_model_dir, out, **{"train.max_steps": 6, "train.mode": "decoupled",
+                                                       "decoupled.trainer_ranks": 1, "decoupled.num_samplers": 2})
+    trainer = start("trainer", SMOKE, *args, stderr=subprocess.PIPE)
+    samplers = [start("sampler", SMOKE, *args, f"decoupled.sampler_index={k}") for k in (0, 1)]
+    try:
+        wait_until(lambda: logged_steps(out) >= 2, "2 logged steps", timeout=240, proc=trainer)
+        samplers[0].send_signal(signal.SIGKILL)
+        samplers[0].wait()
+        finish(trainer, samplers[1])
+        assert samplers[1].returncode == 0
+    finally:
+        stop_all(trainer, *samplers)
+    rows = each_batch_once(out, 6)
+    assert [r["batch_id"] for r in rows] == [f"step-{s}/rank-0" for s in range(1, 7)]
+    assert rows[-1]["sampler_id"] == "sampler-1"
 
 
 @pytest.mark.parametrize("save_steps", [1, 3])

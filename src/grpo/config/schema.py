@@ -284,7 +284,11 @@ class TrainConfig:
 
 @dataclass
 class DecoupledConfig:
-    address: str = opt("tcp://127.0.0.1:5555", "ZeroMQ address the trainer's rank 0 binds and samplers connect to.")
+    address: str = opt("tcp://127.0.0.1:5555", "ZeroMQ address the trainer's rank 0 binds and samplers connect to; "
+                                               "with host 0.0.0.0 samplers read the trainer's address from the run "
+                                               "folder (decoupled/trainer_address.json).")
+    advertise_host: str | None = opt(None, "Host samplers on other machines reach trainer rank 0 at, published in the "
+                                           "run folder (null: this host's name, if it resolves beyond loopback).")
     trainer_ranks: int = opt(1, "Trainer processes (data-parallel ranks) the launcher starts with torchrun.", ge=1)
     num_samplers: int = opt(1, "Sampler processes the launcher starts (each its own data shard and seed).", ge=1)
     sampler_index: int = opt(0, "This sampler's index (set by the launcher for each sampler process).", ge=0)

@@ -22,7 +22,7 @@ def shared_token(cfg: RunConfig) -> str:
 # are the trainer's), device choices that give the same values; everything else must match across roles.
 ROLE_LOCAL_KEYS = frozenset({
     "decoupled.sampler_index", "decoupled.sampler_device", "decoupled.ref_server_device", "decoupled.ref_server_url",
-    "decoupled.ref_server_host", "train.resume", "train.overwrite", "train.device", "log.progress_bar",
+    "decoupled.ref_server_host", "decoupled.advertise_host", "train.resume", "train.overwrite", "train.device", "log.progress_bar",
     "model.sdpa_backends", "train.shared_prompt_pass", "train.column_bucket"})
 
 

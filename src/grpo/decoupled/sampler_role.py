@@ -1,17 +1,17 @@
-"""The sampler role: newest weights -> G completions per prompt -> rewards -> advantages -> old and
-reference log-probs -> one rollout batch to the trainer, again and again.
+"""The sampler role: ask the trainer for work -> newest weights -> G completions per prompt -> rewards ->
+advantages -> old and reference log-probs -> one chunk to the trainer, again and again.
 
-Sampler ``k`` of ``K`` makes batches ``j = 0, 1, ...`` for global step indices ``j*K + k + 1``, with
-the colocated trainer's prompts and seeds for that step (one chunk per trainer rank), so one sampler
-with ``max_staleness = 0`` reproduces colocated training (dynamic sampling included: each chunk runs the
-rounds that trainer rank would). Batch ids are ``sampler-k:j``: a restarted
-sampler regenerates from the count the trainer says it trained, and an id trained before is only
-acknowledged, never trained twice.
+A chunk is trainer rank ``r``'s share of step ``s`` (``grpo.decoupled.work_plan``), made with the prompts and
+seeds that rank would sample colocated, so at ``max_staleness = 0`` any number of samplers reproduce
+colocated training (dynamic sampling included: a chunk runs the rounds its rank would), and K samplers
+share one step's W chunks. The trainer says which chunk to make and from which weights at least; a
+restarted sampler simply asks again, and a chunk's id (``step-s/rank-r``) is trained at most once.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from dataclasses import replace
 
@@ -20,10 +20,10 @@ import torch
 from grpo.config import RunConfig
 from grpo.data.prompt_sampler import PromptSampler
 from grpo.decoupled.link_settings import config_fingerprint, max_message_bytes, shared_token
-from grpo.decoupled.transport import PeerClosed, RolloutSender
+from grpo.decoupled.rendezvous import is_wildcard, read_trainer_address
+from grpo.decoupled.transport import PeerClosed, PeerTimeout, RolloutSender
 from grpo.models.loading import load_policy, load_reference, load_tokenizer, resolve_device
 from grpo.rollout.build import build_engine, holds_own_weights
-from grpo.step.batching import concat_batches
 from grpo.step.experience import local_reference, rank_experience
 from grpo.step.records import RolloutBatch
 from grpo.training.settings import dynamic_rounds, experience_settings, logprob_pass, logprob_processing
@@ -66,10 +66,10 @@ def for_correction(batch: RolloutBatch, correction: bool) -> RolloutBatch:
 
 
 def run_sampler(cfg: RunConfig) -> int:
-    """Produce batches until the trainer says bye (exit 0) or stays silent past the peer timeout."""
+    """Make the chunks the trainer asks for until it says bye (exit 0) or stays silent past the peer timeout."""
     d = cfg.decoupled
-    k, K, W = d.sampler_index, d.num_samplers, d.trainer_ranks
-    sampler_id = f"sampler-{k}"
+    W = d.trainer_ranks
+    sampler_id = f"sampler-{d.sampler_index}"
     token = shared_token(cfg)
     device = resolve_device(d.sampler_device)
     tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
@@ -84,51 +84,74 @@ def run_sampler(cfg: RunConfig) -> int:
     correction = cfg.loss.sampler_is_correction
     settings = experience_settings(cfg, processing, decoupled_sampler=True,
                                    engine_holds_weights=holds_own_weights(engine))
-    store = WeightStore(cfg.train.output_dir)
-    sender = RolloutSender(d.address, sampler_id, token=token, max_message_bytes=max_message_bytes(cfg),
-                           max_inflight=cfg.train.max_staleness + 1, timeout_s=d.peer_timeout_s,
-                           config_hash=config_fingerprint(cfg))
-    welcome = sender.connect(incarnation=int(time.time()))
-    loaded_version = 0  # the initial weights (model.name_or_path) are version 0
-    j = int(welcome.get("trained_count", 0))
-    logger.info("%s connected to %s: policy version %s, resuming at batch %d", sampler_id, d.address,
-                welcome.get("policy_version"), j)
+    weights = SamplerWeights(WeightStore(cfg.train.output_dir), policy, engine, d.peer_timeout_s)
+    sender, welcome = connect_to_trainer(cfg, sampler_id, token)
+    logger.info("%s connected to %s: policy version %s", sampler_id, sender.address, welcome.get("policy_version"))
     try:
         while True:
-            # Run at most max_staleness batches ahead of the trainer, then take the newest weights.
-            while sender.inflight > cfg.train.max_staleness:
-                sender.poll(timeout_s=1.0)
-            newest = max(welcome.get("policy_version", 0), (sender.latest_weights or (0, ""))[0])
-            if newest > loaded_version:
-                version = store.wait_for_version(newest, timeout_s=d.peer_timeout_s)
-                loaded = store.load(version)  # checksums verified before anything is loaded
-                apply_to_model(policy, loaded)  # the sampler's old log-probs come from this HF copy
-                if holds_own_weights(engine):
-                    engine.update_weights(loaded)
-                loaded_version = version
-            step_index = j * K + k + 1
+            work = sender.request_work()
+            version = weights.at_least(work["min_version"], sender)
             started = time.perf_counter()
-            chunks, counts = [], []
-            for rank in range(W):
-                chunk, rollout_stats = rank_experience(
-                    engine, policy, ref_logprobs, tokenizer, train_set, prompt_sampler, reward_fns, reward_weights,
-                    settings, step=step_index, rank=rank, world_size=W, seed=cfg.train.seed, max_rounds=dynamic_rounds(cfg))
-                chunks.append(for_correction(chunk, correction))
-                counts.append(rollout_stats)
-            batch = concat_batches(chunks, tokenizer.pad_token_id)
+            chunk, dynamic = rank_experience(
+                engine, policy, ref_logprobs, tokenizer, train_set, prompt_sampler, reward_fns, reward_weights,
+                settings, step=work["step"], rank=work["rank"], world_size=W, seed=cfg.train.seed,
+                max_rounds=dynamic_rounds(cfg))
             seconds = time.perf_counter() - started
-            tokens = float(batch.generation.completion_mask.sum())
-            # Dynamic sampling's counts per trainer rank's chunk, averaged (as the colocated ranks' are).
-            dynamic = {name: sum(c[name] for c in counts) / W for name in counts[0]}
-            sender.send_batch(batch, {"batch_id": f"{sampler_id}:{j}", "policy_version": loaded_version,
-                                      "step_index": step_index, "sampler_seconds": seconds,
-                                      "sampler_tokens_per_s": tokens / max(seconds, 1e-9), **dynamic})
-            j += 1
+            tokens = float(chunk.generation.completion_mask.sum())
+            sender.send_batch(for_correction(chunk, correction), {
+                "batch_id": work["batch_id"], "policy_version": version, "step_index": work["step"],
+                "rank": work["rank"], "sampler_seconds": seconds, "sampler_tokens": tokens, **dynamic})
     except PeerClosed:
         logger.info("%s: the trainer finished; exiting", sampler_id)
         return 0
     finally:
         sender.close(bye=False)
+
+
+def connect_to_trainer(cfg: RunConfig, sampler_id: str, token: str) -> tuple[RolloutSender, dict]:
+    """A sender welcomed by the trainer, and the welcome. With a wildcard ``decoupled.address`` the trainer's
+    address comes from the run folder; when no trainer answers there within a while, the file is read again
+    (a trainer restarted on another host rewrites it) until the peer timeout."""
+    d = cfg.decoupled
+    find = is_wildcard(d.address)
+    deadline = time.monotonic() + d.peer_timeout_s
+    while True:
+        left = max(1.0, deadline - time.monotonic())
+        address = read_trainer_address(cfg.train.output_dir, left) if find else d.address
+        # Every chunk the trainer may wait for can be in flight: W ranks' chunks of max_staleness + 1 steps.
+        sender = RolloutSender(address, sampler_id, token=token, max_message_bytes=max_message_bytes(cfg),
+                               max_inflight=d.trainer_ranks * (cfg.train.max_staleness + 1),
+                               timeout_s=d.peer_timeout_s, config_hash=config_fingerprint(cfg))
+        try:
+            return sender, sender.connect(incarnation=secrets.randbits(52), timeout_s=min(left, 30.0) if find else None)
+        except PeerTimeout:
+            if not find or time.monotonic() >= deadline:
+                raise
+            logger.warning("%s: no trainer answers at %s; reading its address again", sampler_id, address)
+
+
+class SamplerWeights:
+    """The weights a sampler generates with: the newest the trainer announced, loaded (checksums verified)
+    into the HF policy (old log-probs come from it) and into an engine that holds its own copy."""
+
+    def __init__(self, store: WeightStore, policy, engine, timeout_s: float):
+        self.store, self.policy, self.engine, self.timeout_s = store, policy, engine, timeout_s
+        self.version = 0  # the initial weights (model.name_or_path) are version 0
+
+    def at_least(self, min_version: int, sender: RolloutSender) -> int:
+        """Load the newest announced weights when newer than the loaded ones (waiting for version
+        ``min_version`` if none that new was announced yet); returns the loaded version."""
+        announced = sender.latest_weights[0] if sender.latest_weights else 0
+        if announced < min_version:
+            announced = sender.wait_for_weights(min_version)[0]
+        if announced > self.version:
+            # Checksums verified before anything is loaded; a version pruned meanwhile gives way to the newest.
+            loaded = self.store.load_newest(announced, timeout_s=self.timeout_s)
+            apply_to_model(self.policy, loaded)
+            if holds_own_weights(self.engine):
+                self.engine.update_weights(loaded)
+            self.version = loaded.version
+        return self.version
 
 
 def main(cfg: RunConfig) -> int:

@@ -1,10 +1,12 @@
-"""The trainer role: receive rollout batches (rank 0), give each rank its slice, update, publish weights.
+"""The trainer role: gather each step's chunks from the samplers (rank 0), give each rank its own, update,
+publish weights.
 
-Rank 0 owns the ZeroMQ receiver and the weight store; it hands every batch to the other ranks as
-wire-format bytes over the process group (never pickle). A batch is acknowledged after it was trained,
-provisionally until a checkpoint lists it (the sampler keeps it until then, to resend after a crash);
-the trained batch ids go into every checkpoint, so a restarted trainer only acknowledges a batch it
-trained before. A batch more than ``train.max_staleness`` versions behind is dropped and counted.
+Rank 0 owns the ZeroMQ receiver, its work plan (which sampler makes which chunk, ``grpo.decoupled.work_plan``)
+and the weight store; it hands every step's batch to the other ranks as wire-format bytes over the process
+group (never pickle). A chunk is acknowledged after it was trained, provisionally until a checkpoint lists it
+(the sampler keeps it until then, to resend after a crash); the trained chunk ids go into every checkpoint,
+so a restarted trainer only acknowledges a chunk it trained before. A chunk more than ``train.max_staleness``
+versions behind its step (possible only across a restart) is dropped, counted and made again.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from grpo.decoupled.wire import batch_to_message, decode, encode, message_to_bat
 from grpo.models.loading import check_memory_savers, compute_context, load_policy, load_tokenizer, uses_autocast
 from grpo.run.progress import LineProgress
 from grpo.run.run_dir import check_output_dir
-from grpo.step.batching import rank_slice
+from grpo.decoupled.rendezvous import advertised_address, publish_trainer_address
+from grpo.decoupled.work_plan import Chunk, WorkPlan, chunk_of
+from grpo.step.batching import concat_batches, rank_slice
 from grpo.training.distributed import DistInfo, barrier, shutdown
 from grpo.training.loop import Collected, Loop, PolicyUpdate, run_loop
 from grpo.training.settings import logprob_processing, loop_schedule, loss_settings
@@ -32,12 +36,12 @@ from grpo.training.setup import build_trainable, load_ptx_data, open_run, start_
 logger = logging.getLogger(__name__)
 
 
-def share_batch(incoming: IncomingBatch | None, info: DistInfo, device: torch.device, max_bytes: int):
-    """Rank 0's batch on every rank: wire-format bytes broadcast as a uint8 tensor (length first)."""
+def share_batch(batch, meta: dict | None, info: DistInfo, device: torch.device, max_bytes: int):
+    """Rank 0's batch and header on every rank: wire-format bytes broadcast as a uint8 tensor (length first)."""
     if not info.enabled:
-        return incoming.batch, incoming.meta
+        return batch, meta
     if info.is_main:
-        header, tensors = batch_to_message(incoming.batch, incoming.meta)
+        header, tensors = batch_to_message(batch, meta)
         data = torch.frombuffer(bytearray(pack_bytes(encode("batch", header, tensors))), dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.long)
     else:
@@ -71,38 +75,66 @@ def publish_weights(store, trainable, version: int, keep: int, info: DistInfo) -
     return path
 
 
-def next_fresh_batch(receiver, step: int, cfg: RunConfig, counts) -> tuple[IncomingBatch, float]:
-    """The next batch at most ``max_staleness`` versions old (older ones are dropped and counted in
-    ``counts.dropped``), with the seconds spent waiting. Waiting longer than the peer timeout is an error,
-    not a hang."""
-    started = time.perf_counter()
-    last_status = started
-    while True:
+def is_fresh(incoming: IncomingBatch, chunk: Chunk, max_staleness: int) -> bool:
+    """Whether a chunk for step ``chunk.step`` was made from weights new enough (the work plan asks for
+    them; older ones come only from before a trainer restart)."""
+    return (chunk.step - 1) - incoming.policy_version <= max_staleness
+
+
+def step_chunks(receiver, step: int, cfg: RunConfig, held: dict, counts) -> tuple[list[IncomingBatch], float]:
+    """Step ``step``'s W chunks, in rank order, with the seconds spent waiting. Chunks of later steps that
+    arrive meanwhile are kept in ``held``; a stale one is dropped (counted in ``counts.dropped``) and made
+    again. Waiting longer than the peer timeout for any chunk is an error, not a hang."""
+    started = last_arrival = last_status = time.perf_counter()
+    wanted = [Chunk(step, rank) for rank in range(cfg.decoupled.trainer_ranks)]
+    while not all(c in held for c in wanted):
         incoming = receiver.next_batch(timeout_s=1.0)
         now = time.perf_counter()
         if incoming is None:
-            if now - started > cfg.decoupled.peer_timeout_s:
-                raise PeerTimeout(f"no rollout batch from any sampler for {now - started:.0f} s "
-                                  f"(decoupled.peer_timeout_s); samplers: {list(receiver.peers())}")
+            if now - last_arrival > cfg.decoupled.peer_timeout_s:
+                missing = [c.id for c in wanted if c not in held]
+                raise PeerTimeout(f"no rollout chunk from any sampler for {now - last_arrival:.0f} s "
+                                  f"(decoupled.peer_timeout_s); step {step} misses {missing}; "
+                                  f"samplers: {list(receiver.peers())}")
             if now - last_status > 30:
                 logger.warning("step %d: waiting for rollouts for %.0f s (samplers: %s)", step, now - started,
                                list(receiver.peers()) or "none connected")
                 last_status = now
             continue
-        staleness = (step - 1) - incoming.policy_version
-        if staleness > cfg.train.max_staleness:
-            receiver.drop(incoming.batch_id, f"stale: sampled with version {incoming.policy_version}, "
-                          f"trainer at {step - 1}, max_staleness {cfg.train.max_staleness}")
+        last_arrival = now
+        chunk = chunk_of(incoming.batch_id)
+        if chunk.step < step:  # a copy from before a restart of a step trained since
+            receiver.drop(incoming.batch_id, f"step {chunk.step} is trained already", final=False)
+        elif not is_fresh(incoming, chunk, cfg.train.max_staleness):
+            receiver.drop(incoming.batch_id, f"stale: made with version {incoming.policy_version} for step "
+                          f"{chunk.step}, max_staleness {cfg.train.max_staleness}", final=False)
             counts.dropped += 1
-            continue
-        return incoming, now - started
+        else:
+            held[chunk] = incoming
+    return [held.pop(c) for c in wanted], time.perf_counter() - started
+
+
+def step_meta(chunks: list[IncomingBatch]) -> dict:
+    """One header for a step made of chunks: their ids and samplers joined, the oldest weights' version,
+    the dynamic-sampling counts averaged over the chunks (as the colocated ranks' are)."""
+    metas = [c.meta for c in chunks]
+    dynamic = {k for m in metas for k in m if k.startswith("rollout/dynamic_")}
+    return {"batch_id": ",".join(c.batch_id for c in chunks),
+            "sampler_id": ",".join(sorted({c.sampler_id for c in chunks})),
+            "samplers": len({c.sampler_id for c in chunks}),
+            "policy_version": min(c.policy_version for c in chunks),
+            "chunk_ids": [c.batch_id for c in chunks], "chunk_samplers": [c.sampler_id for c in chunks],
+            "sampler_seconds": sum(float(m.get("sampler_seconds", float("nan"))) for m in metas) / len(metas),
+            "sampler_tokens_per_s": sum(float(m.get("sampler_tokens", float("nan"))) for m in metas)
+            / max(max(float(m.get("sampler_seconds", float("nan"))) for m in metas), 1e-9),
+            **{k: sum(float(m.get(k, 0.0)) for m in metas) / len(metas) for k in dynamic}}
 
 
 @dataclass
 class Receiving:
-    """How the trainer role gets a step's batch: rank 0 takes the next fresh one from the samplers and every
-    rank its slice; after the update, weights are published and the batch acknowledged (a
-    ``grpo.training.loop.StepSource``)."""
+    """How the trainer role gets a step's batch: rank 0 gathers the step's chunks from the samplers (the work
+    plan in its receiver tells them which to make) and every rank takes its own; after the update, weights
+    are published and the chunks acknowledged (a ``grpo.training.loop.StepSource``)."""
 
     cfg: RunConfig
     receiver: object | None  # grpo.decoupled.transport.RolloutReceiver on rank 0, None elsewhere
@@ -111,18 +143,25 @@ class Receiving:
     info: DistInfo
     device: torch.device
     version: int  # the newest published weights' version
-    dropped: int = 0  # stale batches dropped so far
-    meta: dict = field(default_factory=dict)  # the batch in hand's header (id, sampler, version, timings)
+    pad_token_id: int
+    dropped: int = 0  # stale chunks dropped so far
+    meta: dict = field(default_factory=dict)  # the step in hand's header (chunk ids, samplers, version, timings)
+    held: dict = field(default_factory=dict)  # chunks of later steps that arrived early (rank 0)
 
     def collect(self, step: int) -> Collected:
         started = time.perf_counter()
-        incoming, waited = next_fresh_batch(self.receiver, step, self.cfg, self) if self.info.is_main else (None, 0.0)
-        batch, self.meta = share_batch(incoming, self.info, self.device, max_message_bytes(self.cfg))
+        batch, meta, waited = None, None, 0.0
+        if self.info.is_main:
+            chunks, waited = step_chunks(self.receiver, step, self.cfg, self.held, self)
+            batch, meta = concat_batches([c.batch for c in chunks], self.pad_token_id), step_meta(chunks)
+        batch, self.meta = share_batch(batch, meta, self.info, self.device, max_message_bytes(self.cfg))
         mine = rank_slice(batch, self.info.rank, self.info.world_size)
         return Collected(mine, time.perf_counter() - started, metrics={"time/wait_for_rollout_s": waited})
 
     def after_update(self, step: int, collected: Collected, checkpointing: bool) -> dict[str, float]:
         started, meta = time.perf_counter(), self.meta
+        if self.receiver:
+            self.receiver.step_trained(step)
         if step % self.cfg.train.sync_steps == 0:
             self.version = step
             path = publish_weights(self.store, self.trainable, self.version, self.cfg.decoupled.weights_keep, self.info)
@@ -130,33 +169,35 @@ class Receiving:
                 self.receiver.announce_weights(self.version, path)
         if not self.receiver:
             return {}
-        # An acknowledgement is final (durable) only once a checkpoint that lists the batch as trained is on
-        # disk. Until then the sampler gets a provisional ack (its slot is freed) and keeps the batch: a kill
-        # before the next checkpoint makes it resend the batch and the restarted trainer train it again.
+        # An acknowledgement is final (durable) only once a checkpoint that lists the chunk as trained is on
+        # disk. Until then the sampler gets a provisional ack (its slot is freed) and keeps the chunk: a kill
+        # before the next checkpoint makes it resend the chunk and the restarted trainer train it again.
         if not checkpointing:
-            self.receiver.ack(meta["batch_id"], policy_version=self.version, durable=False)
+            for chunk_id in meta["chunk_ids"]:
+                self.receiver.ack(chunk_id, policy_version=self.version, durable=False)
         return {
-            "batch_id": meta["batch_id"], "sampler_id": meta["sampler_id"],
+            "batch_id": meta["batch_id"], "sampler_id": meta["sampler_id"], "samplers/per_step": float(meta["samplers"]),
             "staleness/mean": float((step - 1) - meta["policy_version"]),
             "queue/depth": float(self.receiver.stats.get("queue_depth", 0)),
             "rollouts/dropped": float(self.dropped), "time/weight_sync_s": time.perf_counter() - started,
-            "sampler/seconds_per_batch": float(meta.get("sampler_seconds", float("nan"))),
-            "sampler/tokens_per_s": float(meta.get("sampler_tokens_per_s", float("nan"))),
+            "sampler/seconds_per_chunk": float(meta["sampler_seconds"]),
+            "sampler/tokens_per_s": float(meta["sampler_tokens_per_s"]),
             **{k: float(v) for k, v in meta.items() if k.startswith("rollout/dynamic_")},
         }
 
     def checkpoint_state(self, step: int, collected: Collected | None) -> dict:
         if not self.receiver:
             return {"trained_batch_ids": {}, "dropped_batch_ids": {}}
-        just_trained = {self.meta["batch_id"]: self.meta["sampler_id"]} if collected is not None else {}
+        just_trained = dict(zip(self.meta["chunk_ids"], self.meta["chunk_samplers"])) if collected is not None else {}
         return {"trained_batch_ids": {**self.receiver.trained_ids, **just_trained},
                 "dropped_batch_ids": self.receiver.dropped_ids}
 
     def checkpoint_written(self, step: int, collected: Collected | None) -> None:
-        if self.receiver:  # the checkpoint lists every batch trained so far: their acks are now final
+        if self.receiver:  # the checkpoint lists every chunk trained so far: their acks are now final
             self.receiver.confirm_durable()
             if collected is not None:
-                self.receiver.ack(self.meta["batch_id"], policy_version=self.version)
+                for chunk_id in self.meta["chunk_ids"]:
+                    self.receiver.ack(chunk_id, policy_version=self.version)
 
 
 def run_trainer(cfg: RunConfig) -> int:
@@ -172,6 +213,7 @@ def run_trainer(cfg: RunConfig) -> int:
                              "ranks were launched; samplers cut batches by trainer_ranks")
         if info.is_main:
             check_output_dir(cfg)
+            advertised_address(cfg.decoupled.address, cfg.decoupled.advertise_host)  # a bad one fails before a write
         torch.manual_seed(cfg.train.seed)
         tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
         ptx_data = load_ptx_data(cfg, tokenizer, info)  # PTX pairs (ptx.data): the trainer ranks' own data
@@ -187,14 +229,20 @@ def run_trainer(cfg: RunConfig) -> int:
         if run.start_step > 0:  # samplers must continue from the checkpointed weights, not the base model
             path = publish_weights(store, trainable, version, cfg.decoupled.weights_keep, info)
         if info.is_main:
+            # The queue holds chunks: every rank's of max_staleness + 1 steps may wait in it.
+            queue_size = cfg.decoupled.trainer_ranks * max(cfg.decoupled.queue_size, cfg.train.max_staleness + 1)
             receiver = RolloutReceiver(cfg.decoupled.address, token=shared_token(cfg),
-                                       max_message_bytes=max_message_bytes(cfg), queue_size=cfg.decoupled.queue_size,
+                                       max_message_bytes=max_message_bytes(cfg), queue_size=queue_size,
                                        trained_ids=state.get("trained_batch_ids", {}),
                                        dropped_ids=state.get("dropped_batch_ids", {}), policy_version=version,
-                                       config_hash=config_fingerprint(cfg))
+                                       config_hash=config_fingerprint(cfg),
+                                       work_plan=WorkPlan(cfg.decoupled.trainer_ranks, cfg.train.max_staleness,
+                                                          trained_steps=run.start_step, version=version))
+            publish_trainer_address(run.out, advertised_address(receiver.address, cfg.decoupled.advertise_host),
+                                    receiver.trainer_id)
             if run.start_step > 0:
                 receiver.announce_weights(version, path)
-        receiving = Receiving(cfg, receiver, store, trainable, info, device, version)
+        receiving = Receiving(cfg, receiver, store, trainable, info, device, version, tokenizer.pad_token_id)
         update = PolicyUpdate(trainable, loss_settings(cfg, logprob_processing(cfg, policy, tokenizer)), info,
                               ptx_data)  # the samplers' sampling controls
         loop = Loop(loop_schedule(cfg), update, trainable, tokenizer, run.out, info, run.logger,

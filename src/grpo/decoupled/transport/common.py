@@ -10,6 +10,7 @@ LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 HWM = 1000                      # messages queued per peer and direction before sends fail / reads stop
 POLL_MS = 100                   # longest sleep of an I/O thread (it also wakes on commands and messages)
 MAX_MESSAGES_PER_WAKE = 64      # an I/O thread then runs its commands and timers again
+LOST_AFTER_S = 30.0             # a sampler silent this long (it heartbeats every <= 5 s) loses its chunk
 MAX_WARNED_PEERS = 4096         # bound on the "already warned about this peer" memory
 BUSY_BACKOFF_S = (0.1, 2.0)     # first and longest wait before a sampler resends a batch refused as busy
 MAX_EVENTS = 10_000             # events kept for poll(); the oldest go first (state is kept separately)
@@ -67,6 +68,12 @@ def hidden_loopback(host: str) -> list[str]:
     except socket.gaierror as err:
         raise ValueError(f"host {host!r} does not resolve: {err.strerror}") from None
     return resolved if all(ipaddress.ip_address(a).is_loopback for a in resolved) else []
+
+
+def routing_id(sampler_id: str, incarnation: int) -> bytes:
+    """A sampler process's ZeroMQ routing id: its sampler id and incarnation, so a restarted sampler and a
+    second process started with the same index are told apart (the trainer refuses the older one)."""
+    return f"{sampler_id}#{incarnation}".encode()
 
 
 def _check_version(version: Any) -> None:

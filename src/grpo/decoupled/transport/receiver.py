@@ -21,6 +21,7 @@ from grpo.decoupled.transport.common import (
 from grpo.decoupled.transport.deliveries import IncomingBatch, PeerStatus
 from grpo.decoupled.transport.receiver_io import _Peer, _Pending, _ReceiverIO
 from grpo.decoupled.wire import DEFAULT_MAX_MESSAGE_BYTES, NUM_FRAMES, encode
+from grpo.decoupled.work_plan import WorkPlan, chunk_of
 
 logger = logging.getLogger("grpo.decoupled.transport")  # the package's name, as before the split: log lines show it
 
@@ -32,13 +33,18 @@ class RolloutReceiver(_ReceiverIO):
     is among them is answered (ack / dropped) at once and never returned by ``next_batch``. Pass the
     ``trained_ids`` mapping (batch id -> sampler id) saved from this property to keep per-sampler counts
     in ``welcome``; a plain set of ids works but those batches count for no sampler.
+
+    With a ``work_plan`` the trainer decides what samplers make: they ask (``want``), it answers with an
+    open chunk (``work``), and batches must be chunks (``grpo.decoupled.work_plan``); ``announce_weights``
+    opens more steps, ``ack`` closes trained ones, and ``drop(..., final=False)`` has a chunk made again.
     """
 
     def __init__(self, address: str = "tcp://127.0.0.1:5555", token: str = "",
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, queue_size: int = 4,
                  trained_ids: Mapping[str, str] | Iterable[str] | None = None,
                  dropped_ids: Mapping[str, str] | Iterable[str] | None = None, *,
-                 policy_version: int = 0, reply_errors: bool = True, config_hash: str = ""):
+                 policy_version: int = 0, reply_errors: bool = True, config_hash: str = "",
+                 work_plan: WorkPlan | None = None):
         check_bind_address(address, token)
         if queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")
@@ -50,6 +56,7 @@ class RolloutReceiver(_ReceiverIO):
         self.queue_size = queue_size
         self.reply_errors = reply_errors
         self.config_hash = config_hash  # a sampler whose hello carries another one is refused
+        self._work_plan = work_plan
         self.trainer_id = secrets.token_hex(8)  # tells samplers that a trainer restarted
         self._max_frames = 1 + NUM_FRAMES       # routing id + message
         self._max_incoming_bytes = max_message_bytes + 256  # a routing id has at most 255 bytes
@@ -63,6 +70,7 @@ class RolloutReceiver(_ReceiverIO):
         self._dropped: dict[str, str] = (dict(dropped_ids) if isinstance(dropped_ids, Mapping)
                                          else dict.fromkeys(dropped_ids or (), "dropped before a restart"))
         self._peers: dict[bytes, _Peer] = {}
+        self._superseded: dict[bytes, tuple] = {}
         self._warned: set[bytes] = set()
         self._policy_version = policy_version
         self._weights: tuple[int, str] | None = None
@@ -73,7 +81,6 @@ class RolloutReceiver(_ReceiverIO):
         socket = self._context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone peer raises instead of vanishing
-        socket.setsockopt(zmq.ROUTER_HANDOVER, 1)   # a restarted sampler takes over its routing id
         socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)  # ZeroMQ disconnects a peer sending a larger frame
         socket.setsockopt(zmq.RCVHWM, HWM)
         socket.setsockopt(zmq.SNDHWM, HWM)
@@ -136,17 +143,29 @@ class RolloutReceiver(_ReceiverIO):
             self._submit(lambda identity=identity, frames=frames: self._send_frames(identity, "ack", frames))
         return len(messages)
 
-    def drop(self, batch_id: str, reason: str, policy_version: int | None = None) -> None:
-        """Discard ``batch_id`` untrained (e.g. too stale) and tell its sampler why."""
+    def drop(self, batch_id: str, reason: str, policy_version: int | None = None, final: bool = True) -> None:
+        """Discard ``batch_id`` untrained (e.g. too stale) and tell its sampler why. ``final``: a later copy
+        is dropped too; else (a chunk of the work plan) the chunk is handed out to be made again."""
         self._check_open()
         with self._cond:
             version = self._policy_version if policy_version is None else policy_version
             frames = encode("dropped", {"batch_id": batch_id, "reason": reason, "policy_version": version},
                             token=self.token)
             pending = self._finish(batch_id)
-            self._dropped[batch_id] = reason
+            if final:
+                self._dropped[batch_id] = reason
             self._stats["dropped"] += 1
-        self._submit(lambda: self._send_frames(pending.identity, "dropped", frames))
+            work = []
+            if self._work_plan is not None and (chunk := chunk_of(batch_id)) is not None:
+                self._work_plan.reopen(chunk)
+                work = self._work_plan.serve_waiting(self._alive_samplers())
+        self._submit(lambda: (self._send_frames(pending.identity, "dropped", frames), self._serve_waiting(work)))
+
+    def step_trained(self, step: int) -> None:
+        """Every chunk of ``step`` is trained (the work plan forgets them)."""
+        with self._cond:
+            if self._work_plan is not None:
+                self._work_plan.trained(step)
 
     def set_policy_version(self, version: int) -> None:
         """The policy version announced in welcome, ack and heartbeat replies."""
@@ -161,10 +180,12 @@ class RolloutReceiver(_ReceiverIO):
         with self._cond:
             self._policy_version = version
             self._weights = (version, path)
+            work = self._work_plan.published(version, self._alive_samplers()) if self._work_plan is not None else []
 
         def send_all() -> None:
             for identity in list(self._peers):
                 self._send_frames(identity, "weights", frames)
+            self._serve_waiting(work)  # after the weights: a sampler told to use them knows where they are
 
         self._submit(send_all)
 

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import zmq
 
-from grpo.decoupled.transport.common import HWM, MAX_WARNED_PEERS, _label
+from grpo.decoupled.transport.common import HWM, LOST_AFTER_S, MAX_WARNED_PEERS, _label, routing_id
 from grpo.decoupled.transport.deliveries import IncomingBatch
 from grpo.decoupled.transport.io_thread import _IOThread
+from grpo.decoupled.work_plan import Assignment, WorkPlan, chunk_of
 from grpo.decoupled.wire import (
     PROTOCOL_VERSION,
     Message,
@@ -33,6 +34,7 @@ class _Peer:
     last_seen: float
     last_seen_monotonic: float
     batches_received: int = 0
+    host: str = "?"
 
 
 @dataclass
@@ -57,11 +59,14 @@ class _ReceiverIO(_IOThread):
     _trained: dict[str, str]             # batch id -> sampler id
     _trained_per_sampler: Counter
     _dropped: dict[str, str]             # batch id -> reason
-    _peers: dict[bytes, _Peer]
+    _peers: dict[bytes, _Peer]           # by routing id (one per sampler process)
+    _superseded: dict[bytes, tuple]      # routing id of a replaced process -> (sampler id, its incarnation,
+                                         # the newer one's, the newer one's host)
     _warned: set[bytes]
     _policy_version: int
     _weights: tuple[int, str] | None     # (version, path) last announced
     _stats: Counter
+    _work_plan: WorkPlan | None          # who makes which chunk; None: samplers send what they like
 
     def _ack_fields(self, policy_version: int | None = None) -> dict:
         version = self._policy_version if policy_version is None else policy_version
@@ -121,11 +126,17 @@ class _ReceiverIO(_IOThread):
             if message.kind == "hello":
                 self._on_hello(identity, message.header)
                 return
-            if message.kind not in ("batch", "heartbeat", "bye"):
+            if message.kind not in ("batch", "heartbeat", "bye", "want"):
                 self._reject(identity, f"a sampler does not send {message.kind} messages", message.header,
                              code="unexpected_kind")
                 return
             peer = self._peers.get(identity)
+            if peer is None and identity in self._superseded and message.kind != "bye":
+                sampler_id, older, newer, host = self._superseded[identity]
+                self._reject(identity, f"two processes run as {sampler_id}: incarnation {older} is still running "
+                                       f"after incarnation {newer} (host {host}) said hello; give every sampler its "
+                                       "own decoupled.sampler_index", message.header, code="duplicate_sampler")
+                return
             if peer is None:
                 self._stats["unknown_peer"] += 1
                 if message.kind != "bye":
@@ -137,20 +148,49 @@ class _ReceiverIO(_IOThread):
             peer.last_seen, peer.last_seen_monotonic = time.time(), time.monotonic()
             if message.kind == "batch":
                 self._on_batch(identity, peer, message)
+            elif message.kind == "want":
+                self._on_want(identity, peer)
             elif message.kind == "heartbeat":
                 self._send(identity, "heartbeat", {"time": message.header.get("time", 0.0),
                                                    "policy_version": self._policy_version,
                                                    "trainer_id": self.trainer_id})
             else:
                 del self._peers[identity]
+                if self._work_plan is not None:
+                    self._work_plan.forget_sampler(peer.sampler_id)
                 logger.info("sampler %s said bye: %s", peer.sampler_id, message.header.get("reason", ""))
+
+    # --- the work plan (caller holds the lock) --------------------------------------------------
+
+    def _alive_samplers(self) -> set[str]:
+        """Samplers heard from lately: a chunk held by any other is given to the next sampler that asks."""
+        now = time.monotonic()
+        return {p.sampler_id for p in self._peers.values() if now - p.last_seen_monotonic <= LOST_AFTER_S}
+
+    def _on_want(self, identity: bytes, peer: _Peer) -> None:
+        if self._work_plan is None:
+            self._reject(identity, "this trainer hands out no work (no work plan)", code="unexpected_kind")
+            return
+        assignment = self._work_plan.want(peer.sampler_id, self._alive_samplers())
+        if assignment is not None:
+            self._send_work(identity, assignment)
+
+    def _send_work(self, identity: bytes, assignment: Assignment) -> None:
+        self._send(identity, "work", assignment.header())
+
+    def _serve_waiting(self, work: list[tuple[str, Assignment]]) -> None:
+        """Send work found for waiting samplers (from the I/O thread)."""
+        for sampler_id, assignment in work:
+            identity = next((i for i, p in self._peers.items() if p.sampler_id == sampler_id), None)
+            if identity is not None:
+                self._send_work(identity, assignment)
 
     def _on_hello(self, identity: bytes, header: dict) -> None:
         sampler_id, incarnation = header["sampler_id"], header["incarnation"]
-        if sampler_id.encode("utf-8") != identity:
-            self._reject(identity, f"hello names sampler {sampler_id[:64]!r} but the connection's routing id is "
-                                   f"{_label(identity)!r}; the sampler's DEALER routing id must be its sampler id",
-                         code="wrong_sampler")
+        if routing_id(sampler_id, incarnation) != identity:
+            self._reject(identity, f"hello names sampler {sampler_id[:64]!r} (incarnation {incarnation}) but the "
+                                   f"connection's routing id is {_label(identity)!r}; a sampler's DEALER routing id "
+                                   "must be routing_id(sampler id, incarnation)", code="wrong_sampler")
             return
         theirs = header.get("config_hash")
         if self.config_hash and theirs and theirs != self.config_hash:
@@ -159,13 +199,19 @@ class _ReceiverIO(_IOThread):
                          code="config_mismatch")
             return
         now, wall = time.monotonic(), time.time()
-        old = self._peers.get(identity)
-        if old is not None and old.incarnation != incarnation:
+        old_identity, old = next(((i, p) for i, p in self._peers.items() if p.sampler_id == sampler_id), (None, None))
+        if old_identity is not None and old_identity != identity:
+            # A restart, or a second process with the same index: the older one is replaced, and should it
+            # speak again it is refused (a restarted sampler's dead predecessor never does).
+            del self._peers[old_identity]
+            self._superseded[old_identity] = (sampler_id, old.incarnation, incarnation, header.get("host", "?")[:64])
             logger.info("sampler %s restarted (incarnation %d -> %d)", sampler_id, old.incarnation, incarnation)
         elif old is None:
             logger.info("sampler %s connected (incarnation %d)", sampler_id, incarnation)
+        if self._work_plan is not None and (old is None or old.incarnation != incarnation):
+            self._work_plan.forget_sampler(sampler_id)  # a restarted sampler makes nothing it was given before
         self._peers[identity] = _Peer(sampler_id, incarnation, wall, wall, now,
-                                      old.batches_received if old is not None else 0)
+                                      old.batches_received if old is not None else 0, header.get("host", "?")[:64])
         self._send(identity, "welcome", {
             "policy_version": self._policy_version,
             "trained_count": self._trained_per_sampler[sampler_id],
@@ -198,13 +244,29 @@ class _ReceiverIO(_IOThread):
         elif batch_id in self._pending:
             self._stats["duplicates"] += 1  # queued or in training already: its ack will follow
             logger.debug("batch %s from %s is already queued or in training", batch_id, peer.sampler_id)
+            if self._pending[batch_id].sampler_id != peer.sampler_id:  # the ack goes to the first: free this one
+                self._send(identity, "dropped", {"batch_id": batch_id, "policy_version": self._policy_version,
+                                                 "reason": "another sampler's copy of this chunk came first"})
+        elif self._work_plan is not None and not self._wanted_chunk(batch_id, peer):
+            self._reject(identity, f"batch id {batch_id[:64]!r} names no chunk this trainer waits for "
+                                   f"(chunk ids are step-S/rank-R, ranks < {self._work_plan.ranks})",
+                         message.header, code="unknown_chunk")
         elif len(self._queue) >= self.queue_size:
             self._stats["busy"] += 1
             self._send(identity, "busy", {"batch_id": batch_id, "queue_depth": len(self._queue)})
         else:
+            if self._work_plan is not None:
+                self._work_plan.arrived_from(chunk_of(batch_id), peer.sampler_id)
             self._queue.append(IncomingBatch(batch_id, peer.sampler_id, meta["policy_version"], batch, meta,
                                              time.time()))
             self._pending[batch_id] = _Pending(identity, peer.sampler_id)
             self._stats["received"] += 1
             peer.batches_received += 1
             self._cond.notify_all()
+
+    def _wanted_chunk(self, batch_id: str, peer: _Peer) -> bool:
+        """Whether a batch (not trained, not queued) is a chunk the plan waits for."""
+        chunk = chunk_of(batch_id)
+        plan = self._work_plan
+        return (chunk is not None and chunk.step > plan.trained_steps and chunk not in plan.arrived
+                and chunk.rank < plan.ranks)

@@ -19,6 +19,7 @@ from grpo.decoupled.transport.common import (
     PeerClosed,
     PeerTimeout,
     TransportError,
+    routing_id,
 )
 from grpo.decoupled.transport.deliveries import Event
 from grpo.decoupled.transport.sender_io import _Outgoing, _SenderIO
@@ -46,8 +47,8 @@ class RolloutSender(_SenderIO):
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_inflight: int = 1,
                  timeout_s: float = 60.0, *, heartbeat_s: float | None = None, config_hash: str = ""):
         raw_id = sampler_id.encode("utf-8") if isinstance(sampler_id, str) else b""
-        if not 1 <= len(raw_id) <= 255 or raw_id.startswith(b"\0"):
-            raise ValueError(f"sampler_id must be 1 to 255 UTF-8 bytes not starting with NUL, got {sampler_id!r}")
+        if not 1 <= len(raw_id) <= 200 or raw_id.startswith(b"\0"):  # the routing id adds "#incarnation"
+            raise ValueError(f"sampler_id must be 1 to 200 UTF-8 bytes not starting with NUL, got {sampler_id!r}")
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         if max_message_bytes < 1024:
@@ -86,6 +87,8 @@ class RolloutSender(_SenderIO):
         self._last_heard = time.monotonic()
         self._next_hello_at = 0.0
         self._next_heartbeat_at = 0.0
+        self._work: dict | None = None                  # the trainer's last "work" answer, not taken yet
+        self._next_want_at: float | None = None         # while asking for work: when to ask again
 
     # --- the sampler's API ----------------------------------------------------------------------
 
@@ -98,7 +101,7 @@ class RolloutSender(_SenderIO):
         self.incarnation = incarnation
         self._context = zmq.Context()
         socket = self._context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.ROUTING_ID, self.sampler_id.encode("utf-8"))
+        socket.setsockopt(zmq.ROUTING_ID, routing_id(self.sampler_id, incarnation))
         socket.setsockopt(zmq.LINGER, 0)
         # IMMEDIATE stays 0: with 1, ZeroMQ discards messages already received but not yet read when the
         # connection drops (a trainer's last ack or bye). What queues meanwhile reaches the next trainer,
@@ -190,6 +193,22 @@ class RolloutSender(_SenderIO):
             events = list(self._events)
             self._events.clear()
             return events
+
+    def request_work(self, timeout_s: float | None = None) -> dict:
+        """Ask the trainer for a chunk to make and wait for its answer: ``{batch_id, step, rank,
+        min_version}`` (a ``grpo.decoupled.work_plan.Assignment`` header). The question is repeated every
+        second until answered, so a lost message or a restarted trainer only delays it."""
+        self._require_connected()
+        with self._cond:
+            self._work, self._next_want_at = None, 0.0
+        self._wakeup.set()
+        with self._cond:
+            try:
+                self._wait(lambda: self._work is not None, "waiting for work", timeout_s)
+            finally:
+                self._next_want_at = None
+            work, self._work = self._work, None
+            return work
 
     def wait_for_weights(self, min_version: int, timeout_s: float | None = None) -> tuple[int, str]:
         """The latest announced weights once their version is >= ``min_version``: (version, path)."""

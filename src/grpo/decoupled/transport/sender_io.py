@@ -4,6 +4,7 @@ trainer's answers (the conversation is described in ``grpo.decoupled.transport``
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -53,6 +54,8 @@ class _SenderIO(_IOThread):
     _last_heard: float
     _next_hello_at: float
     _next_heartbeat_at: float
+    _work: dict | None
+    _next_want_at: float | None
 
     def _send_now(self, frames: list[bytes]) -> bool:
         """Send without blocking (I/O thread); False when the outgoing queue is full (HWM messages)."""
@@ -65,6 +68,8 @@ class _SenderIO(_IOThread):
     def _poll_ms(self) -> int:
         with self._cond:
             times = [self._next_heartbeat_at if self._welcomed else self._next_hello_at]
+            if self._welcomed and self._next_want_at is not None:
+                times.append(self._next_want_at)
             times += [o.next_send_at for o in self._unacked.values() if o.next_send_at is not None]
         wait_s = min(times) - time.monotonic()
         return max(0, min(POLL_MS, int(wait_s * 1000) + 1))
@@ -73,7 +78,8 @@ class _SenderIO(_IOThread):
         with self._cond:
             if not self._welcomed:
                 if now >= self._next_hello_at:
-                    fields = {"sampler_id": self.sampler_id, "incarnation": self.incarnation}
+                    fields = {"sampler_id": self.sampler_id, "incarnation": self.incarnation,
+                              "host": socket.gethostname()}
                     hello = encode("hello", {**fields, **({"config_hash": self.config_hash} if self.config_hash
                                                           else {})}, token=self.token)
                     # A sent hello may still be lost (a trainer restarting): ask again after a while.
@@ -89,6 +95,9 @@ class _SenderIO(_IOThread):
             if now >= self._next_heartbeat_at:
                 self._send_now(encode("heartbeat", {"time": time.time()}, token=self.token))
                 self._next_heartbeat_at = now + self.heartbeat_s
+            if self._next_want_at is not None and now >= self._next_want_at:
+                sent = self._send_now(encode("want", {}, token=self.token))
+                self._next_want_at = now + (1.0 if sent else 0.05)
 
     def _on_frames(self, frames: list[bytes], problem: str) -> None:
         try:
@@ -107,6 +116,7 @@ class _SenderIO(_IOThread):
             self._last_rejection = ""
             handler = {"welcome": self._on_welcome, "ack": self._on_ack, "dropped": self._on_dropped,
                        "busy": self._on_busy, "weights": self._on_weights, "heartbeat": self._on_heartbeat,
+                       "work": self._on_work,
                        "bye": self._on_bye, "error": self._on_error}.get(kind)
             if handler is None:
                 logger.warning("sampler %s ignored an unexpected %s message from the trainer", self.sampler_id, kind)
@@ -181,6 +191,13 @@ class _SenderIO(_IOThread):
     def _on_weights(self, header: dict) -> None:
         self.latest_weights = (header["version"], header["path"])
 
+    def _on_work(self, header: dict) -> None:
+        # The answer to an earlier question may come late; a chunk still unacked here is being sent already
+        # (the trainer has not read it yet): ask again rather than make it twice.
+        if (self._next_want_at is not None and header["batch_id"] not in self._unacked
+                and header["batch_id"] not in self._trained_not_durable):
+            self._work = header
+
     def _on_heartbeat(self, header: dict) -> None:
         if "policy_version" in header:
             self.trainer_policy_version = header["policy_version"]
@@ -197,7 +214,7 @@ class _SenderIO(_IOThread):
             self._welcomed = False
             self._next_hello_at = 0.0
             return
-        if header.get("code") == "config_mismatch":  # saying hello again cannot help: stop and say why
+        if header.get("code") in ("config_mismatch", "duplicate_sampler"):  # hello again cannot help: say why
             self._next_hello_at = time.monotonic() + 1e9  # never again
             self._refusal = f"trainer at {self.address} refused sampler {self.sampler_id}: {header['reason']}"
             return

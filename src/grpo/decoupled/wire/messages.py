@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load as load_safetensors_bytes  # parses, never unpickles
 from torch import Tensor
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: samplers ask for work (want / work): a chunk of a step each
 
 # The header holds a batch's texts (prompts, completions, dataset columns), so it is allowed to be
 # larger than a control message needs: a 1 MiB cap would refuse a batch of 512 completions of 1k
@@ -73,7 +73,8 @@ class MessageKind:
 
 
 KINDS: dict[str, MessageKind] = {k.name: k for k in (
-    MessageKind("hello", "sampler -> trainer", {"sampler_id": "str", "incarnation": "int"}, {"config_hash": "str"}),
+    MessageKind("hello", "sampler -> trainer", {"sampler_id": "str", "incarnation": "int"},
+                {"config_hash": "str", "host": "str"}),
     MessageKind("welcome", "trainer -> sampler",
                 {"policy_version": "int", "trained_count": "int", "pending_count": "int", "protocol": "int",
                  "trainer_id": "str", "max_message_bytes": "int"},
@@ -89,6 +90,10 @@ KINDS: dict[str, MessageKind] = {k.name: k for k in (
     MessageKind("dropped", "trainer -> sampler", {"batch_id": "str", "reason": "str", "policy_version": "int"}),
     MessageKind("busy", "trainer -> sampler", {"batch_id": "str", "queue_depth": "int"}),
     MessageKind("weights", "trainer -> sampler", {"version": "int", "path": "str"}),
+    # A sampler asks for a chunk to make (again every few seconds while it waits: asking twice is safe);
+    # the trainer answers with work as soon as a chunk is open (grpo.decoupled.work_plan).
+    MessageKind("want", "sampler -> trainer", {}),
+    MessageKind("work", "trainer -> sampler", {"batch_id": "str", "step": "int", "rank": "int", "min_version": "int"}),
     MessageKind("heartbeat", "both", {}, {"time": "number", "policy_version": "int", "trainer_id": "str"}),
     MessageKind("bye", "both", {}, {"reason": "str"}),
     MessageKind("error", "trainer -> sampler", {"reason": "str"}, {"code": "str", "batch_id": "str|null"}),

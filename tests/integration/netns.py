@@ -1,0 +1,88 @@
+"""Several "hosts" on one machine: Linux network namespaces on a bridge, each with its own address and no
+route to the others but through the bridge, so a process that quietly relies on loopback to reach a peer
+fails here as it would across machines. Needs root and iproute2; ``hosts`` skips the test otherwise."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import pytest
+
+SUBNET = "10.77"  # 10.77.<net>.<host>/24: private, and only on the interfaces these helpers create
+
+
+@dataclass(frozen=True)
+class Host:
+    """One network namespace: its name, address and interface (GLOO_SOCKET_IFNAME for torch.distributed)."""
+
+    name: str
+    address: str
+    interface: str
+
+    def command(self, argv: list[str]) -> list[str]:
+        """``argv`` run inside this host's network namespace."""
+        return ["ip", "netns", "exec", self.name, *map(str, argv)]
+
+    def kill_all(self, sig: int = signal.SIGKILL) -> None:
+        """Every process of this host (``kill -9`` of a machine, as far as its processes go)."""
+        result = subprocess.run(["ip", "netns", "pids", self.name], capture_output=True, text=True)
+        for pid in result.stdout.split():
+            try:
+                os.kill(int(pid), sig)
+            except ProcessLookupError:
+                pass
+
+
+def _run(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True, text=True)
+
+
+def _can_make_namespaces() -> str:
+    """Why this machine cannot run the tests ("" when it can)."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "iproute2 (ip) is not installed"
+    return ""
+
+
+@contextmanager
+def hosts(count: int) -> Iterator[list[Host]]:
+    """``count`` hosts on a fresh bridge (10.77.N.1 .. 10.77.N.count); all removed afterwards."""
+    reason = _can_make_namespaces()
+    if reason:
+        pytest.skip(reason)
+    tag = f"g{os.getpid() % 100000}"
+    net = os.getpid() % 250 + 1
+    bridge = f"br{tag}"
+    made: list[Host] = []
+    try:
+        try:
+            _run("ip", "link", "add", bridge, "type", "bridge")
+        except subprocess.CalledProcessError as err:
+            pytest.skip(f"cannot create a bridge: {err.stderr.strip()}")
+        _run("ip", "link", "set", bridge, "up")
+        for i in range(1, count + 1):
+            host = Host(f"{tag}h{i}", f"{SUBNET}.{net}.{i}", f"v{tag}h{i}")
+            outside = f"o{tag}h{i}"
+            _run("ip", "netns", "add", host.name)
+            made.append(host)
+            _run("ip", "link", "add", host.interface, "type", "veth", "peer", "name", outside)
+            _run("ip", "link", "set", outside, "master", bridge)
+            _run("ip", "link", "set", outside, "up")
+            _run("ip", "link", "set", host.interface, "netns", host.name)
+            _run(*host.command(["ip", "addr", "add", f"{host.address}/24", "dev", host.interface]))
+            _run(*host.command(["ip", "link", "set", host.interface, "up"]))
+            _run(*host.command(["ip", "link", "set", "lo", "up"]))
+        yield made
+    finally:
+        for host in made:
+            host.kill_all()
+            subprocess.run(["ip", "netns", "del", host.name], capture_output=True)
+        subprocess.run(["ip", "link", "del", bridge], capture_output=True)
