@@ -19,7 +19,7 @@ import torch
 
 from grpo.config import RunConfig
 from grpo.data.prompt_sampler import PromptSampler
-from grpo.decoupled.link_settings import config_fingerprint, max_message_bytes, shared_token
+from grpo.decoupled.link_settings import config_fingerprint, max_message_bytes, sampler_curve_key, shared_token
 from grpo.decoupled.transport import PeerClosed, RolloutSender
 from grpo.models.loading import load_policy, load_reference, load_tokenizer, resolve_device
 from grpo.rollout.build import build_engine, holds_own_weights
@@ -85,9 +85,11 @@ def run_sampler(cfg: RunConfig) -> int:
     settings = experience_settings(cfg, processing, decoupled_sampler=True,
                                    engine_holds_weights=holds_own_weights(engine))
     store = WeightStore(cfg.train.output_dir)
+    curve_key, curve_key_file = sampler_curve_key(cfg)  # None unless decoupled.encrypt
     sender = RolloutSender(d.address, sampler_id, token=token, max_message_bytes=max_message_bytes(cfg),
                            max_inflight=cfg.train.max_staleness + 1, timeout_s=d.peer_timeout_s,
-                           config_hash=config_fingerprint(cfg))
+                           config_hash=config_fingerprint(cfg), curve_server_key=curve_key,
+                           curve_key_file=curve_key_file)
     welcome = sender.connect(incarnation=int(time.time()))
     loaded_version = 0  # the initial weights (model.name_or_path) are version 0
     j = int(welcome.get("trained_count", 0))
