@@ -118,6 +118,8 @@ def test_bad_overrides_name_the_override_and_key(override, expected):
     (["train.mode=decoupled", "decoupled.ref_server=true", "rollout.min_p=0.05"], "decoupled.ref_server",
      "its protocol carries only a temperature"),
     (["ptx.coef=0.5"], "ptx", "ptx.data is null"),
+    (["decoupled.encrypt=true", "decoupled.address=inproc://rollouts"], "decoupled.encrypt",
+     "inproc skips ZeroMQ's security handshake"),
     (["ptx.data=sft.jsonl", "ptx.coef=0"], "ptx.coef", "> 0"),
 ])
 def test_invalid_combinations_say_why(overrides, key, why):

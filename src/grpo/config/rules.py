@@ -81,6 +81,7 @@ def config_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
             "renormalised over the kept tokens while the trainer's are not, so the check would measure the "
             "truncation, not the weights; sample without top_p/top_k or set rollout.vllm_check_steps: 0")))
     problems.extend(sampler_problems(cfg))
+    problems.extend(encryption_problems(cfg))
     problems.extend(sampling_control_problems(cfg))
     if cfg.train.early_stop_accuracy is not None and cfg.data.eval is None:
         problems.append(("train.early_stop_accuracy", "needs data.eval (a held-out set to measure accuracy on)"))
@@ -145,6 +146,25 @@ def sampler_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
             f"is on with rollout.engine {cfg.rollout.engine} in colocated mode, where the trainer's own model "
             "samples: pi_sampler is pi_old, every weight would be exactly 1 and the correction would do nothing; "
             "it is for rollout.engine vllm or train.mode decoupled")))
+    return problems
+
+
+def encryption_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
+    """decoupled.encrypt needs CURVE in libzmq and a transport that runs ZeroMQ's handshake. ipc:// does
+    (encrypted, if redundant on one machine); inproc:// does not, so nothing would be encrypted."""
+    if not cfg.decoupled.encrypt:
+        return []
+    import zmq  # here: only a config that asks for encryption needs it
+
+    problems = []
+    if not zmq.has("curve"):
+        problems.append(("decoupled.encrypt", (
+            f"needs CURVE, which this libzmq ({zmq.zmq_version()}) was built without; install a pyzmq wheel "
+            "(its bundled libzmq has CURVE) or set decoupled.encrypt: false")))
+    if cfg.decoupled.address.startswith("inproc://"):
+        problems.append(("decoupled.encrypt", (
+            f"is true but decoupled.address is {cfg.decoupled.address}: inproc skips ZeroMQ's security "
+            "handshake, so nothing would be encrypted; use tcp:// (or ipc://) or decoupled.encrypt: false")))
     return problems
 
 

@@ -306,6 +306,10 @@ class DecoupledConfig:
         60.0, "A sampler keeps retrying an unreachable reference server this long (a restart) before it exits.",
         ge=0)
     token_env: str | None = opt(None, "Environment variable holding the shared token for ZeroMQ and the ref server.")
+    encrypt: bool = opt(False, "Encrypt the ZeroMQ link with CURVE (the batches hold prompts and completions); "
+                               "every role must agree. The token still says who may send.")
+    curve_dir: str | None = opt(None, "Folder of the trainer's CURVE key pair (server.key, server.key_secret), "
+                                      "seen by every role; null = decoupled/curve in train.output_dir.")
     queue_size: int = opt(4, "Rollout batches the trainer holds before samplers are told to wait (backpressure).", ge=1)
     peer_timeout_s: float = opt(600.0, "Give up (with a clear error) after waiting this long for a peer.", gt=0)
     max_message_mb: int = opt(1024, "Largest accepted message (MiB); larger ones are rejected.", ge=1)

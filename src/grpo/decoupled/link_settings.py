@@ -1,8 +1,9 @@
-"""Small settings the decoupled roles share: the shared token and message limits."""
+"""Small settings the decoupled roles share: the shared token, the CURVE keys and message limits."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from grpo.config import ConfigError, RunConfig
 
@@ -16,6 +17,31 @@ def shared_token(cfg: RunConfig) -> str:
     if not token:
         raise ConfigError(f"decoupled.token_env: environment variable {name} is empty or not set")
     return token
+
+
+def curve_dir(cfg: RunConfig) -> Path:
+    """The folder of the trainer's CURVE key pair (``decoupled.curve_dir``, by default in the run folder)."""
+    return Path(cfg.decoupled.curve_dir or Path(cfg.train.output_dir) / "decoupled" / "curve")
+
+
+def trainer_curve_key(cfg: RunConfig) -> bytes | None:
+    """The trainer's CURVE secret key, its pair made on the first start and kept for resumes (a sampler
+    holding the public key keeps working); None when ``decoupled.encrypt`` is off."""
+    # Imported here: the transport package loads torch, which this module's other readers do not need.
+    from grpo.decoupled.transport.curve_keys import server_secret_key
+
+    return server_secret_key(curve_dir(cfg)) if cfg.decoupled.encrypt else None
+
+
+def sampler_curve_key(cfg: RunConfig) -> tuple[bytes | None, str]:
+    """The trainer's CURVE public key and the file it came from, waiting up to ``decoupled.peer_timeout_s``
+    for the trainer to write it; ``(None, "")`` when ``decoupled.encrypt`` is off."""
+    from grpo.decoupled.transport.curve_keys import PUBLIC_KEY_FILE, read_server_key
+
+    if not cfg.decoupled.encrypt:
+        return None, ""
+    folder = curve_dir(cfg)
+    return read_server_key(folder, cfg.decoupled.peer_timeout_s), str(folder / PUBLIC_KEY_FILE)
 
 
 # Keys a role may set for itself: which sampler it is, where it runs, how it was started (resume/overwrite

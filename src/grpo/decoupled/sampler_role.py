@@ -19,7 +19,7 @@ import torch
 
 from grpo.config import RunConfig
 from grpo.data.prompt_sampler import PromptSampler
-from grpo.decoupled.link_settings import config_fingerprint, max_message_bytes, shared_token
+from grpo.decoupled.link_settings import config_fingerprint, max_message_bytes, sampler_curve_key, shared_token
 from grpo.decoupled.rendezvous import is_wildcard, read_trainer_address
 from grpo.decoupled.transport import PeerClosed, PeerTimeout, RolloutSender
 from grpo.models.loading import load_policy, load_reference, load_tokenizer, resolve_device
@@ -119,9 +119,11 @@ def connect_to_trainer(cfg: RunConfig, sampler_id: str, token: str) -> tuple[Rol
         left = max(1.0, deadline - time.monotonic())
         address = read_trainer_address(cfg.train.output_dir, left) if find else d.address
         # Every chunk the trainer may wait for can be in flight: W ranks' chunks of max_staleness + 1 steps.
+        curve_key, curve_key_file = sampler_curve_key(cfg)  # None unless decoupled.encrypt
         sender = RolloutSender(address, sampler_id, token=token, max_message_bytes=max_message_bytes(cfg),
                                max_inflight=d.trainer_ranks * (cfg.train.max_staleness + 1),
-                               timeout_s=d.peer_timeout_s, config_hash=config_fingerprint(cfg))
+                               timeout_s=d.peer_timeout_s, config_hash=config_fingerprint(cfg),
+                               curve_server_key=curve_key, curve_key_file=curve_key_file)
         try:
             return sender, sender.connect(incarnation=secrets.randbits(52), timeout_s=min(left, 30.0) if find else None)
         except PeerTimeout:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from grpo.config import RunConfig
-from grpo.decoupled.link_settings import config_fingerprint, max_message_bytes, shared_token
+from grpo.decoupled.link_settings import config_fingerprint, max_message_bytes, shared_token, trainer_curve_key
 from grpo.decoupled.transport import IncomingBatch, PeerTimeout
 from grpo.decoupled.wire import batch_to_message, decode, encode, message_to_batch, pack_bytes, unpack_bytes
 from grpo.models.loading import check_memory_savers, compute_context, load_policy, load_tokenizer, uses_autocast
@@ -235,7 +235,7 @@ def run_trainer(cfg: RunConfig) -> int:
                                        max_message_bytes=max_message_bytes(cfg), queue_size=queue_size,
                                        trained_ids=state.get("trained_batch_ids", {}),
                                        dropped_ids=state.get("dropped_batch_ids", {}), policy_version=version,
-                                       config_hash=config_fingerprint(cfg),
+                                       config_hash=config_fingerprint(cfg), curve_secret_key=trainer_curve_key(cfg),
                                        work_plan=WorkPlan(cfg.decoupled.trainer_ranks, cfg.train.max_staleness,
                                                           trained_steps=run.start_step, version=version))
             publish_trainer_address(run.out, advertised_address(receiver.address, cfg.decoupled.advertise_host),

@@ -44,12 +44,15 @@ should the older one speak again, both are alive, and it is refused with ``dupli
 
 Listening beyond this machine needs a token (``check_bind_address``). A malformed, oversized,
 wrong-version or unauthenticated message is counted in ``stats["rejected"]``, logged (at WARNING the
-first time per peer), answered with ``error`` and otherwise ignored.
+first time per peer), answered with ``error`` and otherwise ignored. With a CURVE key pair (the
+receiver's ``curve_secret_key``, the senders' ``curve_server_key``) every frame is encrypted; a sampler
+whose handshake fails (another key, one side not encrypting) gets a TransportError within a second.
 
 The code: ``common`` (constants, errors, ``check_bind_address``), ``records`` (what the endpoints hand
 their callers), ``io_thread`` (the background thread both endpoints run), ``receiver`` and
 ``receiver_io`` (trainer side: its API, and what its I/O thread does), ``sender`` and ``sender_io``
-(sampler side, likewise).
+(sampler side, likewise), ``curve_keys`` (the trainer's key pair on the run folder, the CURVE socket
+options, why a handshake failed).
 """
 
 from grpo.decoupled.transport.common import (

@@ -124,7 +124,7 @@ class _IOThread:
                 self._failure = exc
                 self._cond.notify_all()
         finally:
-            self._socket.close(linger=self._close_linger_ms)
+            self._close_sockets()
 
     def _receive_some(self) -> None:
         for _ in range(MAX_MESSAGES_PER_WAKE):
@@ -173,3 +173,7 @@ class _IOThread:
 
     def _on_timer(self, now: float) -> None:
         pass
+
+    def _close_sockets(self) -> None:
+        """Close what the I/O thread owns (before the context is terminated, which waits for it)."""
+        self._socket.close(linger=self._close_linger_ms)

@@ -18,6 +18,7 @@ from grpo.decoupled.transport.common import (
     _check_version,
     check_bind_address,
 )
+from grpo.decoupled.transport.curve_keys import make_curve_server
 from grpo.decoupled.transport.deliveries import IncomingBatch, PeerStatus
 from grpo.decoupled.transport.receiver_io import _Peer, _Pending, _ReceiverIO
 from grpo.decoupled.wire import DEFAULT_MAX_MESSAGE_BYTES, NUM_FRAMES, encode
@@ -37,6 +38,9 @@ class RolloutReceiver(_ReceiverIO):
     With a ``work_plan`` the trainer decides what samplers make: they ask (``want``), it answers with an
     open chunk (``work``), and batches must be chunks (``grpo.decoupled.work_plan``); ``announce_weights``
     opens more steps, ``ack`` closes trained ones, and ``drop(..., final=False)`` has a chunk made again.
+
+    ``curve_secret_key``: the trainer's CURVE secret key (``curve_keys.server_secret_key``); with it only
+    samplers that encrypt to its public key can connect. None: plaintext.
     """
 
     def __init__(self, address: str = "tcp://127.0.0.1:5555", token: str = "",
@@ -44,7 +48,7 @@ class RolloutReceiver(_ReceiverIO):
                  trained_ids: Mapping[str, str] | Iterable[str] | None = None,
                  dropped_ids: Mapping[str, str] | Iterable[str] | None = None, *,
                  policy_version: int = 0, reply_errors: bool = True, config_hash: str = "",
-                 work_plan: WorkPlan | None = None):
+                 work_plan: WorkPlan | None = None, curve_secret_key: bytes | None = None):
         check_bind_address(address, token)
         if queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")
@@ -84,6 +88,8 @@ class RolloutReceiver(_ReceiverIO):
         socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)  # ZeroMQ disconnects a peer sending a larger frame
         socket.setsockopt(zmq.RCVHWM, HWM)
         socket.setsockopt(zmq.SNDHWM, HWM)
+        if curve_secret_key is not None:
+            make_curve_server(socket, curve_secret_key)
         try:
             socket.bind(address)
         except zmq.ZMQError as exc:
@@ -91,7 +97,8 @@ class RolloutReceiver(_ReceiverIO):
             self._context.term()
             raise TransportError(f"cannot listen on {address}: {exc}") from exc
         self.address = socket.getsockopt_string(zmq.LAST_ENDPOINT)  # the real port when bound to ":*"
-        logger.info("rollout receiver listening on %s (trainer id %s)", self.address, self.trainer_id)
+        logger.info("rollout receiver listening on %s (trainer id %s, %s)", self.address, self.trainer_id,
+                    "CURVE-encrypted" if curve_secret_key is not None else "plaintext")
         self._start_io(socket, f"rollout-receiver {self.address}")
 
     # --- the trainer's API ----------------------------------------------------------------------

@@ -21,6 +21,7 @@ from grpo.decoupled.transport.common import (
     TransportError,
     routing_id,
 )
+from grpo.decoupled.transport.curve_keys import HANDSHAKE_EVENTS, make_curve_client
 from grpo.decoupled.transport.deliveries import Event
 from grpo.decoupled.transport.sender_io import _Outgoing, _SenderIO
 from grpo.decoupled.wire import (
@@ -41,11 +42,16 @@ class RolloutSender(_SenderIO):
 
     ``timeout_s`` is how long the trainer may stay silent (not even answering heartbeats) before a wait
     raises PeerTimeout; a wait logs a WARNING status line every ``timeout_s / 2`` meanwhile.
+
+    ``curve_server_key``: the trainer's CURVE public key (``curve_keys.read_server_key``), to encrypt the
+    link; None: plaintext. ``curve_key_file`` names where it was read, for errors. A failed handshake (one
+    side encrypting, or another key) raises TransportError at the next wait instead of a silent timeout.
     """
 
     def __init__(self, address: str, sampler_id: str, token: str = "",
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_inflight: int = 1,
-                 timeout_s: float = 60.0, *, heartbeat_s: float | None = None, config_hash: str = ""):
+                 timeout_s: float = 60.0, *, heartbeat_s: float | None = None, config_hash: str = "",
+                 curve_server_key: bytes | None = None, curve_key_file: str = ""):
         raw_id = sampler_id.encode("utf-8") if isinstance(sampler_id, str) else b""
         if not 1 <= len(raw_id) <= 200 or raw_id.startswith(b"\0"):  # the routing id adds "#incarnation"
             raise ValueError(f"sampler_id must be 1 to 200 UTF-8 bytes not starting with NUL, got {sampler_id!r}")
@@ -59,6 +65,9 @@ class RolloutSender(_SenderIO):
         self.sampler_id = sampler_id
         self.config_hash = config_hash  # sent in the hello: a trainer on another config refuses this sampler
         self.token = token
+        self.curve_server_key = curve_server_key
+        self.curve_key_file = curve_key_file
+        self._handshake_failures = 0  # in a row, since the last handshake that succeeded
         self.max_message_bytes = max_message_bytes
         self.max_inflight = max_inflight
         self.timeout_s = timeout_s
@@ -109,9 +118,13 @@ class RolloutSender(_SenderIO):
         socket.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_BYTES)  # the trainer sends control messages only
         socket.setsockopt(zmq.RCVHWM, HWM)
         socket.setsockopt(zmq.SNDHWM, HWM)
+        if self.curve_server_key is not None:
+            make_curve_client(socket, self.curve_server_key)
+        self._monitor = socket.get_monitor_socket(HANDSHAKE_EVENTS)  # read by the I/O thread
         try:
             socket.connect(self.address)
         except zmq.ZMQError as exc:
+            self._monitor.close(linger=0)
             socket.close()
             self._context.term()
             raise TransportError(f"cannot connect to {self.address}: {exc}") from exc

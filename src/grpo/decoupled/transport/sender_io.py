@@ -1,5 +1,5 @@
-"""The sampler side's I/O thread: hello until welcomed, heartbeats, (re)sends of unacked batches, and the
-trainer's answers (the conversation is described in ``grpo.decoupled.transport``)."""
+"""The sampler side's I/O thread: hello until welcomed, heartbeats, (re)sends of unacked batches, the
+trainer's answers (the conversation is described in ``grpo.decoupled.transport``), and failed handshakes."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from grpo.decoupled.transport.common import BUSY_BACKOFF_S, CONTROL_MAX_BYTES, POLL_MS
+from grpo.decoupled.transport.curve_keys import CLOSED_HANDSHAKES_TO_FAIL, handshake_failure
 from grpo.decoupled.transport.deliveries import Event
 from grpo.decoupled.transport.io_thread import _IOThread
 from grpo.decoupled.wire import WireError, decode, encode
@@ -34,6 +36,10 @@ class _SenderIO(_IOThread):
     address: str
     sampler_id: str
     token: str
+    curve_server_key: bytes | None
+    curve_key_file: str
+    _monitor: zmq.Socket  # the socket's monitor: handshake events (curve_keys.HANDSHAKE_EVENTS)
+    _handshake_failures: int
     max_message_bytes: int
     heartbeat_s: float
     incarnation: int
@@ -75,6 +81,7 @@ class _SenderIO(_IOThread):
         return max(0, min(POLL_MS, int(wait_s * 1000) + 1))
 
     def _on_timer(self, now: float) -> None:
+        self._check_handshakes()
         with self._cond:
             if not self._welcomed:
                 if now >= self._next_hello_at:
@@ -98,6 +105,37 @@ class _SenderIO(_IOThread):
             if self._next_want_at is not None and now >= self._next_want_at:
                 sent = self._send_now(encode("want", {}, token=self.token))
                 self._next_want_at = now + (1.0 if sent else 0.05)
+
+    def _check_handshakes(self) -> None:
+        """Read the socket monitor's handshake events: a failure becomes the next wait's TransportError.
+
+        The monitor is not in the I/O thread's poller: reading it at every wake (at most ``POLL_MS``
+        apart) is soon enough for an error that would otherwise wait for the peer timeout.
+        """
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._handshake_failures = 0
+                continue
+            self._handshake_failures += 1
+            if (event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                    and self._handshake_failures < CLOSED_HANDSHAKES_TO_FAIL):
+                continue  # maybe a trainer that died mid-handshake: only a repeat is a refusal
+            reason = handshake_failure(event["event"], event["value"], self.address,
+                                       self.curve_server_key is not None, self.curve_key_file)
+            with self._cond:
+                log = logger.debug if self._refusal == reason else logger.error  # a repeat not yet raised: quiet
+                log("sampler %s: %s", self.sampler_id, reason)
+                self._refusal = reason
+                self._cond.notify_all()
+
+    def _close_sockets(self) -> None:
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
+        super()._close_sockets()
 
     def _on_frames(self, frames: list[bytes], problem: str) -> None:
         try:
