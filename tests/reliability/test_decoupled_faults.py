@@ -81,7 +81,7 @@ def test_stalled_sampler_times_out_with_the_checkpoint_intact_then_resume_finish
                                          f"its batches may all be sent, and the trainer would finish")
         _, err = trainer.communicate(timeout=120)
         assert trainer.returncode == 1, err[-3000:]
-        assert "grpo: timed out: no rollout batch from any sampler for" in err, err[-3000:]
+        assert "grpo: timed out: no rollout chunk from any sampler for" in err, err[-3000:]
         trained = logged_steps(out)
         assert latest_checkpoint(out).name == f"step-{trained}", "the last trained step is checkpointed"
         sampler.send_signal(signal.SIGCONT)
