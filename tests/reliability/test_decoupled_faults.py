@@ -10,7 +10,7 @@ import time
 
 import pytest
 from reliability_helpers import run_args
-from run_helpers import each_batch_once, free_port, logged_steps, start, stop_all, train_rows, wait_until
+from run_helpers import cli_env, each_batch_once, free_port, logged_steps, start, stop_all, train_rows, wait_until
 
 from grpo.run.checkpoint import latest_checkpoint
 
@@ -96,3 +96,33 @@ def test_stalled_sampler_times_out_with_the_checkpoint_intact_then_resume_finish
     each_batch_once(out, steps)
     state = json.loads((latest_checkpoint(out) / "trainer_state.json").read_text())
     assert len(state["trained_batch_ids"]) == steps
+
+
+def test_sigterm_to_two_trainer_ranks_waiting_for_gone_samplers_saves_the_last_step_at_once(
+        tiny_model_dir, recipe, tmp_path):
+    # A preempted job: the samplers are gone, and rank 0 waits for chunks (the other rank in the broadcast of
+    # the step's batch). SIGTERM must not wait out decoupled.peer_timeout_s (600 s here): rank 0 stops
+    # waiting, tells the other rank, and both save the last finished step.
+    import sys
+
+    out, steps = tmp_path / "run", 50
+    args = [recipe, *decoupled_args(tiny_model_dir, out, **{"train.max_steps": steps, "decoupled.trainer_ranks": 2,
+                                                              "decoupled.peer_timeout_s": 600})]
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         "-m", "grpo", "trainer", *map(str, args)], env=cli_env(), stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+    sampler = start("sampler", *args)
+    try:
+        wait_until(lambda: logged_steps(out) >= 2, "two trained steps", proc=trainer)
+        sampler.send_signal(signal.SIGKILL)
+        sampler.wait()
+        time.sleep(2)  # the trainer is waiting for chunks now (after the chunk the sampler may have sent)
+        started = time.monotonic()
+        trainer.send_signal(signal.SIGTERM)
+        _, err = trainer.communicate(timeout=120)
+        assert time.monotonic() - started < 60, "the ranks waited for the gone samplers"
+        assert trainer.returncode != 0, err[-3000:]
+        assert latest_checkpoint(out).name == f"step-{logged_steps(out)}", err[-3000:]  # the last logged step
+    finally:
+        stop_all(trainer, sampler)

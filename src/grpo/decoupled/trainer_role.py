@@ -37,18 +37,23 @@ logger = logging.getLogger(__name__)
 
 
 def share_batch(batch, meta: dict | None, info: DistInfo, device: torch.device, max_bytes: int):
-    """Rank 0's batch and header on every rank: wire-format bytes broadcast as a uint8 tensor (length first)."""
+    """Rank 0's batch and header on every rank: wire-format bytes broadcast as a uint8 tensor (length first).
+    No batch on rank 0 (it was asked to stop while waiting): KeyboardInterrupt on every rank."""
     if not info.enabled:
         return batch, meta
     if info.is_main:
-        header, tensors = batch_to_message(batch, meta)
-        data = torch.frombuffer(bytearray(pack_bytes(encode("batch", header, tensors))), dtype=torch.uint8)
-        size = torch.tensor([data.numel()], dtype=torch.long)
+        data = None
+        if batch is not None:
+            header, tensors = batch_to_message(batch, meta)
+            data = torch.frombuffer(bytearray(pack_bytes(encode("batch", header, tensors))), dtype=torch.uint8)
+        size = torch.tensor([data.numel() if data is not None else -1], dtype=torch.long)
     else:
         size = torch.zeros(1, dtype=torch.long)
     comm_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
     size = size.to(comm_device)
     dist.broadcast(size, src=0)
+    if int(size.item()) < 0:
+        raise KeyboardInterrupt  # every rank stops after the last finished step (grpo.training.loop)
     if not info.is_main:
         data = torch.empty(int(size.item()), dtype=torch.uint8)
     data = data.to(comm_device)
@@ -81,16 +86,20 @@ def is_fresh(incoming: IncomingBatch, chunk: Chunk, max_staleness: int) -> bool:
     return (chunk.step - 1) - incoming.policy_version <= max_staleness
 
 
-def step_chunks(receiver, step: int, cfg: RunConfig, held: dict, counts) -> tuple[list[IncomingBatch], float]:
+def step_chunks(receiver, step: int, cfg: RunConfig, held: dict, counts,
+                stop_requested=lambda: False) -> tuple[list[IncomingBatch] | None, float]:
     """Step ``step``'s W chunks, in rank order, with the seconds spent waiting. Chunks of later steps that
     arrive meanwhile are kept in ``held``; a stale one is dropped (counted in ``counts.dropped``) and made
-    again. Waiting longer than the peer timeout for any chunk is an error, not a hang."""
+    again. Waiting longer than the peer timeout for any chunk is an error, not a hang; None when
+    ``stop_requested()`` turns true meanwhile (SIGTERM while the samplers are gone must not wait that long)."""
     started = last_arrival = last_status = time.perf_counter()
     wanted = [Chunk(step, rank) for rank in range(cfg.decoupled.trainer_ranks)]
     while not all(c in held for c in wanted):
         incoming = receiver.next_batch(timeout_s=1.0)
         now = time.perf_counter()
         if incoming is None:
+            if stop_requested():
+                return None, now - started
             if now - last_arrival > cfg.decoupled.peer_timeout_s:
                 missing = [c.id for c in wanted if c not in held]
                 raise PeerTimeout(f"no rollout chunk from any sampler for {now - last_arrival:.0f} s "
@@ -148,12 +157,13 @@ class Receiving:
     meta: dict = field(default_factory=dict)  # the step in hand's header (chunk ids, samplers, version, timings)
     held: dict = field(default_factory=dict)  # chunks of later steps that arrived early (rank 0)
 
-    def collect(self, step: int) -> Collected:
+    def collect(self, step: int, stop_requested=lambda: False) -> Collected:
         started = time.perf_counter()
         batch, meta, waited = None, None, 0.0
         if self.info.is_main:
-            chunks, waited = step_chunks(self.receiver, step, self.cfg, self.held, self)
-            batch, meta = concat_batches([c.batch for c in chunks], self.pad_token_id), step_meta(chunks)
+            chunks, waited = step_chunks(self.receiver, step, self.cfg, self.held, self, stop_requested)
+            if chunks is not None:
+                batch, meta = concat_batches([c.batch for c in chunks], self.pad_token_id), step_meta(chunks)
         batch, self.meta = share_batch(batch, meta, self.info, self.device, max_message_bytes(self.cfg))
         mine = rank_slice(batch, self.info.rank, self.info.world_size)
         return Collected(mine, time.perf_counter() - started, metrics={"time/wait_for_rollout_s": waited})

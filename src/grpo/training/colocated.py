@@ -67,7 +67,7 @@ class Sampling:
         self.check_every = self.cfg.rollout.vllm_check_steps if self.own_weights else 0
         self.sleeps = self.own_weights and self.cfg.rollout.vllm_enable_sleep_mode
 
-    def collect(self, step: int) -> Collected:
+    def collect(self, step: int, stop_requested=None) -> Collected:  # sampling here ends on its own
         started = time.perf_counter()
         batch, rollout_stats = rank_experience(
             self.engine, self.policy, self.ref_logprobs, self.tokenizer, self.train_set, self.prompt_sampler,

@@ -43,8 +43,9 @@ class Collected:
 class StepSource(Protocol):
     """What a mode adds to the loop."""
 
-    def collect(self, step: int) -> Collected:
-        """This rank's batch for ``step``."""
+    def collect(self, step: int, stop_requested: Callable[[], bool]) -> Collected:
+        """This rank's batch for ``step``. A source that may wait long (for other processes) checks
+        ``stop_requested`` meanwhile and raises KeyboardInterrupt on every rank alike when it turns true."""
 
     def after_update(self, step: int, collected: Collected, checkpointing: bool) -> dict[str, float]:
         """Runs once the step's update is done (weights pushed or published); returns metrics to log.
@@ -214,7 +215,7 @@ def _steps(loop: Loop, source: StepSource, start_step: int, eval_before: dict | 
             for step in range(start_step + 1, schedule.max_steps + 1):
                 started = time.perf_counter()
                 loop.hooks.step_begin(step)
-                collected = source.collect(step)
+                collected = source.collect(step, (lambda: agreed.requested) if agreed else (lambda: False))
                 # From the update to the step's checkpoint, Ctrl-C waits for the step to end: the weights then
                 # match the step that is logged and saved.
                 with holding():
