@@ -28,14 +28,22 @@ DECOUPLED = SLURM_DIR / "decoupled.sbatch"
 
 # Every srun option in the scripts is written --option=value, so the command starts at the first word
 # without a leading dash.
+# Records its call. The script stops the reference server and leaves when the trainer's srun returns, while
+# other sruns run in the background: the trainer's record waits until SRUN_EXPECT calls are on file, so every
+# call is recorded whatever the order the processes run in.
 RECORDING_SRUN = """#!{python}
-import json, os, sys
+import json, os, sys, time
 args = sys.argv[1:]
 options = []
 while args and args[0].startswith("-"):
     options.append(args.pop(0))
-with open(os.environ["SRUN_LOG"], "a") as log:
+log_path = os.environ["SRUN_LOG"]
+with open(log_path, "a") as log:
     log.write(json.dumps({{"options": options, "command": args, "token": os.environ.get("GRPO_TOKEN")}}) + "\\n")
+if "trainer" in args:
+    deadline = time.monotonic() + 60
+    while sum(1 for _ in open(log_path)) < int(os.environ.get("SRUN_EXPECT", "1")) and time.monotonic() < deadline:
+        time.sleep(0.02)
 """
 EXEC_SRUN = """#!/bin/bash
 while [ $# -gt 0 ] && [[ $1 == -* ]]; do shift; done
@@ -144,7 +152,8 @@ def test_decoupled_roles_share_one_config_token_and_addresses(tmp_path, monkeypa
     stale.parent.mkdir(parents=True)
     stale.write_text('{"address": "tcp://gone:5555"}')
     hosts = ["node0", "node1", "node2", "node3"]
-    calls = recorded(DECOUPLED, tmp_path, hosts, RUN_DIR=str(run_dir), REF_SERVER=str(int(ref_server)))
+    calls = recorded(DECOUPLED, tmp_path, hosts, RUN_DIR=str(run_dir), REF_SERVER=str(int(ref_server)),
+                     SRUN_EXPECT=str(len(hosts)))  # one srun per node
     assert not stale.exists(), "samplers would read the previous trainer's address"
 
     roles: dict[str, list[tuple[dict, RunConfig]]] = {}
