@@ -139,20 +139,40 @@ def build_learner(model: torch.nn.Module, optimizer, scheduler, *, ddp: bool, de
     return TorchLearner(module, optimizer, scheduler, max_grad_norm)
 
 
-def zero3_full_state_dict(learner: Learner) -> dict[str, torch.Tensor] | None:
-    """The full weights under ZeRO-3, where each rank holds only a shard (a collective: every rank
-    must call it); None otherwise (the module's own parameters are complete)."""
+def zero3_full_state_dict(learner: Learner, bucket_numel: int = 1 << 25) -> dict[str, torch.Tensor] | None:
+    """The full weights under ZeRO-3, where each rank holds only a shard (a collective: every rank must call
+    it): on rank 0 a CPU copy, {} on the others; None without ZeRO-3 (the module's own parameters are
+    complete). Parameters are gathered ``bucket_numel`` elements at a time, and only rank 0 copies them, so
+    no rank holds the whole model unsharded and no other node makes a CPU copy of it."""
     engine = getattr(learner, "engine", None)
     if engine is None or engine.zero_optimization_stage() != 3:
         return None
     import deepspeed
+    import torch.distributed as dist
 
     module = engine.module
-    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-        gathered, seen = {}, set()
-        for name, tensor in module.state_dict().items():
-            if tensor.data_ptr() in seen:  # a tied weight (lm_head = embeddings): written once, as HF does
-                continue
-            seen.add(tensor.data_ptr())
-            gathered[name] = tensor.detach().cpu().clone()
-        return gathered
+    keep = not dist.is_initialized() or dist.get_rank() == 0
+    saved = set(module.state_dict())  # names only: the tensors are empty shards here
+    # named_parameters yields a tied weight (lm_head = embeddings) once, under its first name, as HF saves it.
+    parameters = [(n, p) for n, p in module.named_parameters() if n in saved]
+    gathered: dict[str, torch.Tensor] = {}
+    for bucket in _buckets(parameters, bucket_numel):
+        with deepspeed.zero.GatheredParameters([p for _, p in bucket], modifier_rank=None):
+            if keep:
+                gathered.update((n, p.detach().cpu().clone()) for n, p in bucket)
+    if keep:  # buffers are not partitioned
+        gathered.update((n, b.detach().cpu().clone()) for n, b in module.named_buffers() if n in saved)
+    return gathered
+
+
+def _buckets(named: list[tuple[str, torch.nn.Parameter]], numel: int) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    """Consecutive groups of parameters of about ``numel`` elements (a larger parameter alone)."""
+    buckets, current, size = [], [], 0
+    for name, param in named:
+        n = getattr(param, "ds_numel", param.numel())  # a ZeRO-3 parameter's full size
+        if current and size + n > numel:
+            buckets.append(current)
+            current, size = [], 0
+        current.append((name, param))
+        size += n
+    return buckets + ([current] if current else [])
