@@ -11,6 +11,7 @@ import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +29,13 @@ class Host:
     def command(self, argv: list[str]) -> list[str]:
         """``argv`` run inside this host's network namespace."""
         return ["ip", "netns", "exec", self.name, *map(str, argv)]
+
+    def resolve_as(self, lines: str) -> None:
+        """This host's /etc/hosts (``ip netns exec`` mounts /etc/netns/NAME/hosts over it), e.g. a name mapped
+        to 127.0.1.1 as Debian's installer does."""
+        folder = Path("/etc/netns") / self.name
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "hosts").write_text(lines)
 
     def kill_all(self, sig: int = signal.SIGKILL) -> None:
         """Every process of this host (``kill -9`` of a machine, as far as its processes go)."""
@@ -85,4 +93,5 @@ def hosts(count: int) -> Iterator[list[Host]]:
         for host in made:
             host.kill_all()
             subprocess.run(["ip", "netns", "del", host.name], capture_output=True)
+            shutil.rmtree(Path("/etc/netns") / host.name, ignore_errors=True)
         subprocess.run(["ip", "link", "del", bridge], capture_output=True)

@@ -153,6 +153,23 @@ def test_decoupled_roles_on_four_hosts_match_the_one_host_run_and_misconfigurati
     assert [r["step"] for r in train_rows(out)] == [1, 2]
 
 
+def test_a_trainer_whose_name_binds_only_loopback_is_refused_at_once(tiny_model_dir, tmp_path):
+    # The machine's name mapped to 127.0.1.1 (Debian's installer writes such a line): a trainer told to bind
+    # that name, or to bind every interface and publish that name, would be unreachable from other hosts.
+    import socket
+
+    with hosts(1) as (host,):
+        host.resolve_as(f"127.0.0.1 localhost\n127.0.1.1 trainer-node {socket.gethostname()} {socket.getfqdn()}\n")
+        base = decoupled_overrides(tiny_model_dir, tmp_path / "run", **{
+            "train.mode": "decoupled", "decoupled.token_env": "GRPO_NS_TOKEN"})
+        for address, needle in ((f"tcp://trainer-node:{free_port()}", "resolves only to loopback"),
+                                (f"tcp://0.0.0.0:{free_port()}", "set decoupled.advertise_host")):
+            trainer = role(host, "trainer", [*base, f"decoupled.address={address}"], "t" * 32, tmp_path,
+                           address.split(":")[1].strip("/"))
+            fails_within(trainer, 60, needle)
+            assert trainer.returncode == 2, output(trainer)
+
+
 def test_hosts_helper_has_no_path_between_hosts_but_the_bridge(tmp_path):
     # The premise of the tests above: a host cannot reach another's service over its own loopback.
     code = ("import socket, sys; s = socket.socket(); s.settimeout(3); "
