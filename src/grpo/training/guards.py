@@ -50,17 +50,23 @@ def _handling(handler, signals=(signal.SIGINT, signal.SIGTERM)) -> Iterator[None
 @contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
     """SIGTERM (what SLURM and torchrun send before a kill) raises ``KeyboardInterrupt`` in the block, so a
-    run stopped that way saves its last finished step as Ctrl-C does."""
+    run stopped that way saves its last finished step as Ctrl-C does. Only the first: a scheduler may signal
+    every process of a job and torchrun forward it as well, and a repeat must not cut the save short."""
+    raised = []
+
     def interrupt(signum, frame) -> None:
-        raise KeyboardInterrupt
+        if not raised:
+            raised.append(signum)
+            raise KeyboardInterrupt
 
     with _handling(interrupt, (signal.SIGTERM,)):
         yield
 
 
 class _NotedSignal:
-    """A SIGINT/SIGTERM handler: the first signal is noted (``received``) and said on stderr; a second
-    stops at once (``forced``, then ``KeyboardInterrupt``)."""
+    """A SIGINT/SIGTERM handler: the first signal is noted (``received``) and said on stderr; a Ctrl-C after
+    it stops at once (``forced``, then ``KeyboardInterrupt``). A repeated SIGTERM is the same request: SLURM
+    may signal every process of a job step while torchrun forwards the signal too."""
 
     def __init__(self, then: str) -> None:
         self.then = then
@@ -69,13 +75,15 @@ class _NotedSignal:
 
     def __call__(self, signum, frame) -> None:
         if self.received:
+            if signum == signal.SIGTERM:
+                return
             self.forced = True
             raise KeyboardInterrupt
         self.received = True
         # os.write, not print: a handler that prints while the interrupted code is printing to the same
         # buffered stream fails with "reentrant call".
-        os.write(2, f"\ngrpo: {signal.Signals(signum).name}: {self.then} (again to stop at once, without "
-                    f"saving)\n".encode())
+        os.write(2, f"\ngrpo: {signal.Signals(signum).name}: {self.then} (Ctrl-C again to stop at once, "
+                    f"without saving)\n".encode())
 
 
 class RankAgreedStop:
