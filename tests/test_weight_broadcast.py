@@ -1,0 +1,119 @@
+"""The weight broadcast (grpo.weight_store.broadcast): rank 0 in the test process, receivers in spawned
+processes on 127.0.0.1. What arrives is bit for bit what the file store gives; a receiver killed makes
+rank 0's next send raise instead of hang."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import safetensors.torch
+import torch
+
+from grpo.weight_store import WeightStore
+from grpo.weight_store.broadcast import BroadcastError, WeightBroadcast, pack_buckets, unpack_buckets
+from transport_helpers import free_port
+
+TIMEOUT_S = 60.0  # a bound against hangs only; no assertion reads a time
+
+
+def receive_into_files(port: int, rank: int, size: int, out_dir: str) -> None:
+    """A receiver: every version it gets goes to ``out_dir/rank{rank}-v{version}.safetensors`` (written
+    to a temporary name first, so the test sees only whole files); exits when rank 0 closes the group."""
+    group = WeightBroadcast("127.0.0.1", port, rank, size, join_timeout_s=TIMEOUT_S, op_timeout_s=TIMEOUT_S)
+    while (received := group.receive()) is not None:
+        version, state = received
+        path = os.path.join(out_dir, f"rank{rank}-v{version}.safetensors")
+        safetensors.torch.save_file(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+
+def start_receivers(tmp_path, size: int) -> tuple[int, list]:
+    port = free_port()
+    spawn = multiprocessing.get_context("spawn")
+    receivers = [spawn.Process(target=receive_into_files, args=(port, rank, size, str(tmp_path)), daemon=True)
+                 for rank in range(1, size)]
+    for process in receivers:
+        process.start()
+    return port, receivers
+
+
+def wait_for_file(path, process) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not path.exists():
+        assert process.is_alive(), f"receiver exited with {process.exitcode} before writing {path.name}"
+        assert time.monotonic() < deadline, f"no {path.name}"
+        time.sleep(0.05)
+
+
+def tiny_state(seed: int) -> dict[str, torch.Tensor]:
+    from grpo.models.tiny import build_qwen2, build_tokenizer
+    from grpo.weight_store import state_dict_for_publish
+
+    model = build_qwen2(build_tokenizer(), hidden_size=64, num_layers=2, seed=0)
+    with torch.no_grad():  # a different version: every weight moved
+        generator = torch.Generator().manual_seed(seed)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * 0.01)
+    return state_dict_for_publish(model)[0]
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(want) or sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert torch.equal(got[name], tensor), name
+
+
+def test_pack_and_unpack_keep_every_dtype_and_shape_in_small_buckets():
+    state = {"f32": torch.randn(3, 5), "bf16": torch.randn(7).to(torch.bfloat16), "scalar": torch.tensor(2.5),
+             "i64": torch.arange(4), "flag": torch.tensor([True, False, True]), "empty": torch.zeros(0, 3)}
+    header, buckets = pack_buckets(state, bucket_bytes=16)  # small buckets: most tensors alone, odd offsets
+    assert len(buckets) > 1 and sum(b.numel() for b in buckets) == sum(e[3] for e in header["tensors"])
+    assert_same(unpack_buckets(header, buckets), state)
+
+
+def test_two_receivers_get_two_versions_bit_for_bit_as_the_file_store_gives_them(tmp_path):
+    port, receivers = start_receivers(tmp_path, size=3)
+    group = WeightBroadcast("127.0.0.1", port, 0, 3, join_timeout_s=TIMEOUT_S, op_timeout_s=TIMEOUT_S)
+    store = WeightStore(tmp_path / "run")
+    try:
+        for version, seed in ((1, 1), (2, 2)):
+            state = tiny_state(seed)
+            group.send(version, state)
+            store.publish(version, state, kind="full")
+            from_files = store.load(version).state_dict
+            for rank, process in enumerate(receivers, start=1):
+                path = tmp_path / f"rank{rank}-v{version}.safetensors"
+                wait_for_file(path, process)
+                assert_same(safetensors.torch.load_file(path), from_files)
+        first = next(iter(state))
+        assert not torch.equal(store.load(1).state_dict[first], store.load(2).state_dict[first])  # two versions
+    finally:
+        group.close()
+    for process in receivers:
+        process.join(TIMEOUT_S)
+        assert process.exitcode == 0  # the close ends their loop
+
+
+def test_a_killed_receiver_makes_the_next_send_raise_instead_of_hang(tmp_path):
+    port, receivers = start_receivers(tmp_path, size=3)
+    group = WeightBroadcast("127.0.0.1", port, 0, 3, join_timeout_s=TIMEOUT_S, op_timeout_s=TIMEOUT_S)
+    state = tiny_state(1)
+    group.send(1, state)
+    for rank, process in enumerate(receivers, start=1):
+        wait_for_file(tmp_path / f"rank{rank}-v1.safetensors", process)
+    os.kill(receivers[1].pid, signal.SIGKILL)
+    receivers[1].join(TIMEOUT_S)
+    with pytest.raises(BroadcastError, match="failed"):
+        group.send(2, tiny_state(2))
+    receivers[0].kill()
+    receivers[0].join(TIMEOUT_S)
+
+
+def test_a_group_whose_members_never_join_fails_within_the_join_bound():
+    with pytest.raises(BroadcastError, match="did not form"):
+        WeightBroadcast("127.0.0.1", free_port(), 0, 2, join_timeout_s=1.0, op_timeout_s=1.0)
