@@ -176,3 +176,23 @@ def test_trainer_killed_and_resumed(tiny_model_dir, tmp_path, save_steps):
             assert resumed["batch_id"] == uninterrupted["batch_id"]
             for key in ("loss", "reward/mean", "kl", "grad_norm", "completion_length/mean"):
                 assert resumed[key] == pytest.approx(uninterrupted[key], abs=1e-5), (resumed["step"], key)
+
+
+def test_broadcast_weight_sync_gives_the_files_run(tiny_model_dir, tmp_path):
+    # Two samplers on-policy (max_staleness 0) take weights versions 1 and 2 by broadcast: the run must log
+    # what the same run with weights through files logs (the same bits arrive either way).
+    runs = {}
+    for sync in ("files", "broadcast"):
+        out = tmp_path / sync
+        cmd = grpo_cmd("train", SMOKE, *decoupled_overrides(tiny_model_dir, out, **{
+            "train.mode": "decoupled", "decoupled.num_samplers": 2, "train.max_staleness": 0, "loss.beta": 0.1,
+            "decoupled.weight_sync": sync, "decoupled.weight_sync_port": free_port()}))
+        result = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[sync] = (each_batch_once(out, 3), result.stderr)
+    (files, _), (broadcast, log) = runs["files"], runs["broadcast"]
+    assert "weights version 2 broadcast to 2 samplers" in log and "weight broadcast failed" not in log, log[-3000:]
+    assert files[-1]["kl"] > 0  # the policy moved away from the reference: a real KL term from step 2
+    for a, b in zip(files, broadcast, strict=True):
+        for key in ("loss", "reward/mean", "kl"):
+            assert abs(a[key] - b[key]) < 1e-6, (a["step"], key, a[key], b[key])

@@ -70,6 +70,10 @@ def config_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
         problems.append(("train.max_staleness", (
             f"{cfg.train.max_staleness} < train.sync_steps - 1 = {cfg.train.sync_steps - 1}: weights are "
             "published only every sync_steps, so rollouts are that stale by construction")))
+    if cfg.decoupled.weight_sync == "broadcast" and cfg.model.lora_r > 0:
+        problems.append(("decoupled.weight_sync", (
+            f"broadcast sends full model weights, but model.lora_r is {cfg.model.lora_r}: a LoRA adapter "
+            "travels through files with its adapter config; set decoupled.weight_sync: files")))
     if (cfg.train.prompts_per_step % cfg.decoupled.trainer_ranks) != 0:
         problems.append(("decoupled.trainer_ranks", (
             f"{cfg.decoupled.trainer_ranks} does not divide train.prompts_per_step "

@@ -314,6 +314,12 @@ class DecoupledConfig:
     peer_timeout_s: float = opt(600.0, "Give up (with a clear error) after waiting this long for a peer.", gt=0)
     max_message_mb: int = opt(1024, "Largest accepted message (MiB); larger ones are rejected.", ge=1)
     weights_keep: int = opt(3, "Published weight versions kept on disk.", ge=1)
+    weight_sync: str = opt(
+        "files", "How samplers get new weights: files (the weight store in the run folder) or broadcast (full "
+                 "fine-tuning only: a gloo group of trainer rank 0 and the samplers; files after a failure).",
+        choices=("files", "broadcast"))
+    weight_sync_port: int = opt(29600, "Port of trainer rank 0's TCPStore for decoupled.weight_sync: broadcast "
+                                       "(samplers use the trainer's host from decoupled.address).", ge=1, le=65535)
     restart_samplers: bool = opt(True, "The launcher restarts a sampler that dies.")
 
 

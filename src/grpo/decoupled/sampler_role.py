@@ -20,7 +20,8 @@ import torch
 from grpo.config import RunConfig
 from grpo.data.prompt_sampler import PromptSampler
 from grpo.decoupled.link_settings import config_fingerprint, max_message_bytes, sampler_curve_key, shared_token
-from grpo.decoupled.rendezvous import is_wildcard, read_trainer_address
+from grpo.decoupled.rendezvous import is_wildcard, read_trainer_address, split_tcp
+from grpo.decoupled.weight_sync import ReceivedWeights, is_broadcast
 from grpo.decoupled.transport import PeerClosed, PeerTimeout, RolloutSender
 from grpo.models.loading import load_policy, load_reference, load_tokenizer, resolve_device
 from grpo.rollout.build import build_engine, holds_own_weights
@@ -29,6 +30,7 @@ from grpo.step.records import RolloutBatch
 from grpo.training.settings import dynamic_rounds, experience_settings, logprob_pass, logprob_processing
 from grpo.training.setup import build_rewards, load_data
 from grpo.weight_store import WeightStore, apply_to_model
+from grpo.weight_store.broadcast import WeightBroadcast
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +86,9 @@ def run_sampler(cfg: RunConfig) -> int:
     correction = cfg.loss.sampler_is_correction
     settings = experience_settings(cfg, processing, decoupled_sampler=True,
                                    engine_holds_weights=holds_own_weights(engine))
-    weights = SamplerWeights(WeightStore(cfg.train.output_dir), policy, engine, d.peer_timeout_s)
     sender, welcome = connect_to_trainer(cfg, sampler_id, token)
+    weights = SamplerWeights(WeightStore(cfg.train.output_dir), policy, engine, d.peer_timeout_s,
+                             join_broadcast(cfg, sender.address))
     logger.info("%s connected to %s: policy version %s", sampler_id, sender.address, welcome.get("policy_version"))
     try:
         while True:
@@ -132,23 +135,40 @@ def connect_to_trainer(cfg: RunConfig, sampler_id: str, token: str) -> tuple[Rol
             logger.warning("%s: no trainer answers at %s; reading its address again", sampler_id, address)
 
 
-class SamplerWeights:
-    """The weights a sampler generates with: the newest the trainer announced, loaded (checksums verified)
-    into the HF policy (old log-probs come from it) and into an engine that holds its own copy."""
+def join_broadcast(cfg: RunConfig, trainer_address: str) -> ReceivedWeights | None:
+    """This sampler's receiving thread of ``decoupled.weight_sync: broadcast`` (None for files): it joins
+    the group at the trainer's host (the one ``trainer_address`` names) as rank sampler_index + 1."""
+    d = cfg.decoupled
+    if d.weight_sync != "broadcast":
+        return None
+    host = (split_tcp(trainer_address) or ("127.0.0.1", ""))[0]  # ipc:// is one host
+    return ReceivedWeights(lambda: WeightBroadcast(
+        host, d.weight_sync_port, d.sampler_index + 1, d.num_samplers + 1, join_timeout_s=d.peer_timeout_s,
+        op_timeout_s=d.peer_timeout_s))
 
-    def __init__(self, store: WeightStore, policy, engine, timeout_s: float):
+
+class SamplerWeights:
+    """The weights a sampler generates with: the newest the trainer announced, received by broadcast or
+    loaded from files (checksums verified), into the HF policy (old log-probs come from it) and into an
+    engine that holds its own copy."""
+
+    def __init__(self, store: WeightStore, policy, engine, timeout_s: float, received: ReceivedWeights | None = None):
         self.store, self.policy, self.engine, self.timeout_s = store, policy, engine, timeout_s
+        self.received = received  # None: files only
         self.version = 0  # the initial weights (model.name_or_path) are version 0
 
     def at_least(self, min_version: int, sender: RolloutSender) -> int:
         """Load the newest announced weights when newer than the loaded ones (waiting for version
         ``min_version`` if none that new was announced yet); returns the loaded version."""
-        announced = sender.latest_weights[0] if sender.latest_weights else 0
+        announced, path = sender.latest_weights or (0, "")
         if announced < min_version:
-            announced = sender.wait_for_weights(min_version)[0]
+            announced, path = sender.wait_for_weights(min_version)
         if announced > self.version:
-            # Checksums verified before anything is loaded; a version pruned meanwhile gives way to the newest.
-            loaded = self.store.load_newest(announced, timeout_s=self.timeout_s)
+            loaded = None
+            if self.received is not None and is_broadcast(path):
+                loaded = self.received.newest(announced, timeout_s=self.timeout_s)
+            if loaded is None:  # files: checksums verified first; a version pruned meanwhile gives way to the newest
+                loaded = self.store.load_newest(announced, timeout_s=self.timeout_s)
             apply_to_model(self.policy, loaded)
             if holds_own_weights(self.engine):
                 self.engine.update_weights(loaded)

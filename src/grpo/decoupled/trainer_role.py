@@ -26,12 +26,14 @@ from grpo.models.loading import check_memory_savers, compute_context, load_polic
 from grpo.run.progress import LineProgress
 from grpo.run.run_dir import check_output_dir
 from grpo.decoupled.rendezvous import advertised_address, publish_trainer_address
+from grpo.decoupled.weight_sync import BroadcastPublisher
 from grpo.decoupled.work_plan import Chunk, WorkPlan, chunk_of
 from grpo.step.batching import concat_batches, rank_slice
 from grpo.training.distributed import DistInfo, barrier, shutdown
 from grpo.training.loop import Collected, Loop, PolicyUpdate, run_loop
 from grpo.training.settings import logprob_processing, loop_schedule, loss_settings
 from grpo.training.setup import build_trainable, load_ptx_data, open_run, start_process
+from grpo.weight_store.broadcast import WeightBroadcast
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +64,10 @@ def share_batch(batch, meta: dict | None, info: DistInfo, device: torch.device, 
     return message_to_batch(message)
 
 
-def publish_weights(store, trainable, version: int, keep: int, info: DistInfo) -> str:
-    """Write weights ``version`` (rank 0; gathered from every rank first under ZeRO-3)."""
+def publish_weights(store, trainable, version: int, keep: int, info: DistInfo, publisher=None) -> str:
+    """Write weights ``version`` (rank 0; gathered from every rank first under ZeRO-3); returns the path to
+    announce. With a ``BroadcastPublisher`` (rank 0, ``decoupled.weight_sync: broadcast``) full weights are
+    broadcast to the samplers first (``grpo.decoupled.weight_sync``)."""
     from grpo.training.learners import zero3_full_state_dict
     from grpo.weight_store import state_dict_for_publish
 
@@ -75,7 +79,10 @@ def publish_weights(store, trainable, version: int, keep: int, info: DistInfo) -
             state = gathered  # ZeRO-3: the local parameters are empty shards
         # Own copies: DeepSpeed keeps parameters as views of one flat buffer (shared storage).
         state = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
-        path = str(store.publish(version, state, kind=kind, adapter_config=adapter_config, keep=keep))
+        if publisher is not None and kind == "full":
+            path = publisher.publish(version, state)
+        else:
+            path = str(store.publish(version, state, kind=kind, adapter_config=adapter_config, keep=keep))
     barrier(info)
     return path
 
@@ -153,6 +160,7 @@ class Receiving:
     device: torch.device
     version: int  # the newest published weights' version
     pad_token_id: int
+    publisher: object | None = None  # grpo.decoupled.weight_sync.BroadcastPublisher (rank 0, broadcast)
     dropped: int = 0  # stale chunks dropped so far
     meta: dict = field(default_factory=dict)  # the step in hand's header (chunk ids, samplers, version, timings)
     held: dict = field(default_factory=dict)  # chunks of later steps that arrived early (rank 0)
@@ -174,7 +182,8 @@ class Receiving:
             self.receiver.step_trained(step)
         if step % self.cfg.train.sync_steps == 0:
             self.version = step
-            path = publish_weights(self.store, self.trainable, self.version, self.cfg.decoupled.weights_keep, self.info)
+            path = publish_weights(self.store, self.trainable, self.version, self.cfg.decoupled.weights_keep,
+                                   self.info, self.publisher)
             if self.receiver:
                 self.receiver.announce_weights(self.version, path)
         if not self.receiver:
@@ -210,13 +219,24 @@ class Receiving:
                     self.receiver.ack(chunk_id, policy_version=self.version)
 
 
+def start_broadcast(cfg: RunConfig, store) -> BroadcastPublisher | None:
+    """Rank 0's side of ``decoupled.weight_sync: broadcast`` (None for files): a TCPStore at
+    ``decoupled.weight_sync_port`` that the samplers join, as group ranks 1..num_samplers, within the peer timeout."""
+    d = cfg.decoupled
+    if d.weight_sync != "broadcast":
+        return None
+    return BroadcastPublisher(store, d.weights_keep, lambda: WeightBroadcast(
+        "127.0.0.1", d.weight_sync_port, 0, d.num_samplers + 1, join_timeout_s=d.peer_timeout_s,
+        op_timeout_s=d.peer_timeout_s))  # the store's server listens on every interface; this is its own client
+
+
 def run_trainer(cfg: RunConfig) -> int:
     """Train ``train.max_steps`` steps on batches from the samplers; returns the exit status."""
     from grpo.decoupled.transport import RolloutReceiver
     from grpo.weight_store import WeightStore
 
     info, device = start_process(cfg)
-    receiver = None
+    receiver = publisher = None
     try:
         if info.world_size != cfg.decoupled.trainer_ranks:
             raise ValueError(f"decoupled.trainer_ranks is {cfg.decoupled.trainer_ranks} but {info.world_size} "
@@ -252,7 +272,9 @@ def run_trainer(cfg: RunConfig) -> int:
                                     receiver.trainer_id)
             if run.start_step > 0:
                 receiver.announce_weights(version, path)
-        receiving = Receiving(cfg, receiver, store, trainable, info, device, version, tokenizer.pad_token_id)
+            publisher = start_broadcast(cfg, store)
+        receiving = Receiving(cfg, receiver, store, trainable, info, device, version, tokenizer.pad_token_id,
+                              publisher=publisher)
         update = PolicyUpdate(trainable, loss_settings(cfg, logprob_processing(cfg, policy, tokenizer)), info,
                               ptx_data)  # the samplers' sampling controls
         loop = Loop(loop_schedule(cfg), update, trainable, tokenizer, run.out, info, run.logger,
@@ -261,8 +283,12 @@ def run_trainer(cfg: RunConfig) -> int:
         run_loop(loop, receiving, run.start_step)
         return 0
     finally:
-        if receiver is not None:
-            receiver.close(bye_reason="training finished")
+        try:
+            if publisher is not None:
+                publisher.close()
+        finally:
+            if receiver is not None:
+                receiver.close(bye_reason="training finished")
         shutdown(info)
 
 
