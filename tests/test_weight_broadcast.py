@@ -4,6 +4,7 @@ rank 0's next send raise instead of hang."""
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import signal
@@ -49,6 +50,7 @@ def wait_for_file(path, process) -> None:
         time.sleep(0.05)
 
 
+@functools.lru_cache(maxsize=None)  # building the model dominates; nothing mutates the state
 def tiny_state(seed: int) -> dict[str, torch.Tensor]:
     from grpo.models.tiny import build_qwen2, build_tokenizer
     from grpo.weight_store import state_dict_for_publish
@@ -99,21 +101,50 @@ def test_two_receivers_get_two_versions_bit_for_bit_as_the_file_store_gives_them
         assert process.exitcode == 0  # the close ends their loop
 
 
-def test_a_killed_receiver_makes_the_next_send_raise_instead_of_hang(tmp_path):
-    port, receivers = start_receivers(tmp_path, size=3)
-    group = WeightBroadcast("127.0.0.1", port, 0, 3, join_timeout_s=TIMEOUT_S, op_timeout_s=TIMEOUT_S)
-    state = tiny_state(1)
-    group.send(1, state)
-    for rank, process in enumerate(receivers, start=1):
-        wait_for_file(tmp_path / f"rank{rank}-v1.safetensors", process)
-    os.kill(receivers[1].pid, signal.SIGKILL)
-    receivers[1].join(TIMEOUT_S)
-    with pytest.raises(BroadcastError, match="failed"):
-        group.send(2, tiny_state(2))
-    receivers[0].kill()
-    receivers[0].join(TIMEOUT_S)
-
-
 def test_a_group_whose_members_never_join_fails_within_the_join_bound():
     with pytest.raises(BroadcastError, match="did not form"):
         WeightBroadcast("127.0.0.1", free_port(), 0, 2, join_timeout_s=1.0, op_timeout_s=1.0)
+
+
+def test_a_killed_receiver_makes_the_next_send_raise_and_the_publisher_fall_back_to_files(tmp_path, caplog):
+    # grpo.decoupled.weight_sync: version 1 goes by broadcast (and to files behind it); a receiver killed
+    # makes version 2's send raise BroadcastError (gloo sees the reset connection, no timeout is waited
+    # out), so version 2 and every later one go to files only, announced with their file paths.
+    from grpo.decoupled.weight_sync import BroadcastPublisher, is_broadcast
+
+    port, receivers = start_receivers(tmp_path, size=3)
+    store = WeightStore(tmp_path / "run")
+    publisher = BroadcastPublisher(store, 3, lambda: WeightBroadcast(
+        "127.0.0.1", port, 0, 3, join_timeout_s=TIMEOUT_S, op_timeout_s=TIMEOUT_S))
+    try:
+        assert is_broadcast(publisher.publish(1, tiny_state(1)))
+        for rank, process in enumerate(receivers, start=1):
+            wait_for_file(tmp_path / f"rank{rank}-v1.safetensors", process)
+        os.kill(receivers[1].pid, signal.SIGKILL)
+        receivers[1].join(TIMEOUT_S)
+        for version in (2, 3):
+            path = publisher.publish(version, tiny_state(version))
+            assert not is_broadcast(path) and path == str(store.version_dir(version))
+        failures = [r.getMessage() for r in caplog.records if "weight broadcast failed" in r.getMessage()]
+        assert len(failures) == 1 and "BroadcastError" not in failures[0] and "rank 0 of 3" in failures[0]
+        assert store.versions() == [1, 2, 3]  # version 1's files were written behind its broadcast
+        assert_same(store.load(3).state_dict, tiny_state(3))
+    finally:
+        publisher.close()
+        receivers[0].kill()
+        receivers[0].join(TIMEOUT_S)
+
+
+def test_the_publisher_uses_files_when_the_group_does_not_form(tmp_path):
+    from grpo.decoupled.weight_sync import BroadcastPublisher, ReceivedWeights
+
+    store = WeightStore(tmp_path / "run")
+    port = free_port()
+    publisher = BroadcastPublisher(store, 3, lambda: WeightBroadcast(
+        "127.0.0.1", port, 0, 2, join_timeout_s=1.0, op_timeout_s=1.0))
+    assert publisher.publish(1, tiny_state(1)) == str(store.version_dir(1))
+    publisher.close()
+    # A sampler that is not (yet) a member loads from files: it is never kept waiting for the group.
+    not_joined = ReceivedWeights(lambda: WeightBroadcast("127.0.0.1", free_port(), 1, 2, join_timeout_s=TIMEOUT_S,
+                                                         op_timeout_s=TIMEOUT_S))
+    assert not_joined.newest(1, timeout_s=TIMEOUT_S) is None
