@@ -121,6 +121,9 @@ def test_bad_overrides_name_the_override_and_key(override, expected):
     (["decoupled.encrypt=true", "decoupled.address=inproc://rollouts"], "decoupled.encrypt",
      "inproc skips ZeroMQ's security handshake"),
     (["ptx.data=sft.jsonl", "ptx.coef=0"], "ptx.coef", "> 0"),
+    (["decoupled.weight_sync=broadcast", "model.lora_r=8"], "decoupled.weight_sync",
+     "a LoRA adapter travels through files"),
+    (["decoupled.weight_sync=nccl"], "decoupled.weight_sync", "broadcast"),
 ])
 def test_invalid_combinations_say_why(overrides, key, why):
     with pytest.raises(ConfigError) as info:
