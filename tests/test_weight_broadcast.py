@@ -13,10 +13,15 @@ import time
 import pytest
 import safetensors.torch
 import torch
+from transport_helpers import free_port
 
 from grpo.weight_store import WeightStore
-from grpo.weight_store.broadcast import BroadcastError, WeightBroadcast, pack_buckets, unpack_buckets
-from transport_helpers import free_port
+from grpo.weight_store.broadcast import (
+    BroadcastError,
+    WeightBroadcast,
+    pack_buckets,
+    unpack_buckets,
+)
 
 TIMEOUT_S = 60.0  # a bound against hangs only; no assertion reads a time
 
@@ -50,7 +55,7 @@ def wait_for_file(path, process) -> None:
         time.sleep(0.05)
 
 
-@functools.lru_cache(maxsize=None)  # building the model dominates; nothing mutates the state
+@functools.cache  # building the model dominates; nothing mutates the state
 def tiny_state(seed: int) -> dict[str, torch.Tensor]:
     from grpo.models.tiny import build_qwen2, build_tokenizer
     from grpo.weight_store import state_dict_for_publish

@@ -20,6 +20,8 @@ Limits (the caller falls back to files, ``grpo.decoupled.weight_sync``):
   next send when the connection was reset; a member alive but stuck stalls it until ``op_timeout_s``);
 - gloo connects every pair of members, so samplers on different hosts must reach each other too
   (``GLOO_SOCKET_IFNAME`` picks the interface);
+- the store listens on every interface and the group has no token: keep ``decoupled.weight_sync_port``
+  inside the cluster's network (what arrives is only parsed as JSON and raw bytes, never unpickled);
 - full weights only: a LoRA adapter goes through files with its config.
 """
 
