@@ -28,7 +28,7 @@ def is_async_callable(fn: Any) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
-def _event_loop() -> asyncio.AbstractEventLoop:
+def event_loop() -> asyncio.AbstractEventLoop:
     global _loop
     with _lock:
         if _loop is None or _loop.is_closed():
@@ -42,4 +42,4 @@ def run_coroutine(awaitable: Awaitable[T]) -> T:
     async def wrapper() -> T:
         return await awaitable
 
-    return asyncio.run_coroutine_threadsafe(wrapper(), _event_loop()).result()
+    return asyncio.run_coroutine_threadsafe(wrapper(), event_loop()).result()

@@ -1,0 +1,228 @@
+"""Multi-turn rollouts: the model's turns alternate with tool results in one token sequence per row.
+
+Turn 1 samples ``G`` completions per prompt (each row's prompt rendered with its tools' schemas). After each
+turn the row's tool calls are parsed from its text, run (all rows' calls of a turn together), and their
+results appended as ``tool`` messages rendered by the chat template (``conversation.tool_suffix_ids``: the
+sampled tokens stay as they were); every row with calls then continues from its own exact token ids. A row
+stops at a turn without calls, at ``max_iterations`` tool rounds, or at the completion budget
+(``params.max_tokens``: tool tokens count toward it; a tool result that does not fit ends the row, marked
+truncated). Every row's turn is sampled in one engine call, so a row waits at most a turn for the others.
+
+The result is one ``Generation``: ``completion_ids`` are all tokens after the prompt (sampled and inserted),
+``loss_mask`` is 1 on sampled ones only, ``messages`` the completion as chat messages for rewards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+import torch
+
+from grpo.multiturn.conversation import check_tool_template, tool_suffix_ids
+from grpo.multiturn.environments import Environments, environment_methods
+from grpo.multiturn.tool_calls import TOOL_CALL_FORMATS, ToolCall, detect_format
+from grpo.multiturn.tools import PendingCall, Toolbox, ToolOutcome
+from grpo.rollout.engine import SamplingParams
+from grpo.rollout.hf import left_pad
+from grpo.step.records import Generation
+
+
+def environment_row(example) -> dict:
+    """What ``reset(**row)`` gets: the row's columns and its ``prompt`` messages, as TRL passes a dataset row."""
+    return {**example.columns(), "prompt": [dict(m) for m in example.messages]}
+
+
+@dataclass
+class Row:
+    """One rollout in progress."""
+
+    prompt_ids: list[int]
+    toolbox: Toolbox
+    environment: Any = None
+    ids: list[int] = field(default_factory=list)  # completion tokens so far (sampled and inserted)
+    loss: list[int] = field(default_factory=list)  # 1 where sampled
+    logprobs: list[float] = field(default_factory=list)  # the engine's, 0.0 on inserted tokens
+    messages: list[dict] = field(default_factory=list)
+    calls: int = 0
+    failures: int = 0
+    turns: int = 0
+    truncated: bool = False
+    pending: list[ToolCall] = field(default_factory=list)  # the last turn's calls, not yet run
+
+
+@dataclass
+class TurnsResult:
+    """What a multi-turn rollout gives ``sample_and_score``."""
+
+    generation: Generation
+    prompts: list[str]  # P rendered prompts, one per group (its first row's)
+    chat_prompts: list[Any]  # N prompts as rewards get them (message lists, the environment's text appended)
+    environments: list[Any] | None  # N instances, for their get_reward and the rewards' ``environments``
+
+
+class MultiTurnRollout:
+    """Wraps a rollout engine that has ``generate_ids`` with tool calling and environments.
+
+    Args:
+        engine: the run's engine (its own weights, if any, are updated through ``engine``).
+        tools: standalone tool callables. environments: ``Environments`` or None.
+        max_iterations: tool rounds after the first turn (None: until the budget).
+        tool_timeout_s: bound of one call. tool_call_format: "auto" or a ``TOOL_CALL_FORMATS`` name.
+    """
+
+    def __init__(self, engine, tokenizer, tools: Sequence, environments: Environments | None,
+                 max_iterations: int | None, tool_timeout_s: float, tool_call_format: str = "auto"):
+        if not hasattr(engine, "generate_ids"):
+            raise ValueError(f"rollout engine {type(engine).__name__} cannot continue from token ids, so it cannot "
+                             "run multi-turn rollouts")
+        self.engine, self.tokenizer, self.tools = engine, tokenizer, list(tools)
+        self.environments, self.max_iterations, self.tool_timeout_s = environments, max_iterations, tool_timeout_s
+        self.parse = TOOL_CALL_FORMATS[detect_format(getattr(tokenizer, "chat_template", None), tool_call_format)]
+        probe = Toolbox(self.tools + self._probe_methods(), tool_timeout_s)  # every schema checked now
+        check_tool_template(tokenizer, probe.schemas)
+
+    def _probe_methods(self) -> list:
+        if self.environments is None:
+            return []
+        return [m for pool in self.environments.pool.values() for m in environment_methods(pool[0])]
+
+    def __getattr__(self, name: str):  # update_weights, sleep, ... reach the wrapped engine
+        return getattr(self.__dict__["engine"], name)
+
+    def rollout(self, examples: Sequence, system_prompt: str | None, max_prompt_length: int,
+                params: SamplingParams, seed: int | None, eos_ids: list[int]) -> TurnsResult:
+        """``params.n`` multi-turn rollouts per example, rows grouped per example."""
+        from grpo.data import DataError, build_prompt_messages
+
+        G = params.n
+        rows, chat_prompts, texts = [], [], []
+        envs = (self.environments.instances([environment_row(e) for e in examples for _ in range(G)])
+                if self.environments else None)
+        for i, example in enumerate(examples):
+            if example.plain_text:
+                raise DataError(f"{example.source}: tools need conversational prompts (chat messages), not plain text")
+            for g in range(G):
+                k = i * G + g
+                env = envs[k] if envs else None
+                messages = build_prompt_messages(example, system_prompt)
+                if env is not None:
+                    observation = self.environments.reset(env, environment_row(example))
+                    if observation:
+                        messages[-1] = {**messages[-1], "content": messages[-1]["content"] + observation}
+                toolbox = Toolbox(self.tools + (environment_methods(env) if env is not None else []),
+                                  self.tool_timeout_s)
+                text = self.tokenizer.apply_chat_template(messages, tools=toolbox.schemas or None, tokenize=False,
+                                                          add_generation_prompt=True)
+                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                if len(ids) > max_prompt_length:
+                    raise DataError(f"{example.source}: prompt with its tools is {len(ids)} tokens, over "
+                                    f"data.max_prompt_length {max_prompt_length}; raise it or drop the example")
+                rows.append(Row(ids, toolbox, env))
+                chat_prompts.append(messages)
+                texts.append(text)
+        self._turns(rows, params, seed, eos_ids)
+        return TurnsResult(self._generation(rows, eos_ids), texts[::G], chat_prompts, envs)
+
+    def _turns(self, rows: list[Row], params: SamplingParams, seed: int | None, eos_ids: list[int]) -> None:
+        budget, G = params.max_tokens, params.n
+        shared = all(rows[i].prompt_ids == rows[i - i % G].prompt_ids for i in range(len(rows)))
+        if shared:  # one prefill per prompt, G samples each
+            first = self.engine.generate_ids([r.prompt_ids for r in rows[::G]], params, seed=seed)
+        else:
+            first = self.engine.generate_ids([r.prompt_ids for r in rows], replace(params, n=1), seed=seed)
+        self._sampler_logprobs = first.sampler_logprobs is not None  # an engine with its own weights (vLLM)
+        active = list(range(len(rows)))
+        self._take(rows, active, first, eos_ids, budget)
+        iteration = 0
+        while True:
+            calling = [k for k in active if self._has_calls(rows[k])]
+            if not calling or (self.max_iterations is not None and iteration >= self.max_iterations):
+                return
+            continuing = self._run_tools(rows, calling, eos_ids, budget)
+            if not continuing:
+                return
+            iteration += 1
+            room = max(budget - len(rows[k].ids) for k in continuing)
+            turn_seed = None if seed is None else seed + 7919 * iteration
+            out = self.engine.generate_ids([rows[k].prompt_ids + rows[k].ids for k in continuing],
+                                           replace(params, n=1, max_tokens=room, min_new_tokens=0), seed=turn_seed)
+            self._take(rows, continuing, out, eos_ids, budget)
+            active = continuing
+
+    def _take(self, rows: list[Row], which: list[int], out: Generation, eos_ids: list[int], budget: int) -> None:
+        """Append each row's sampled turn (cut to its remaining budget) and its assistant message."""
+        for j, k in enumerate(which):
+            row = rows[k]
+            tokens = out.completion_ids[j][out.completion_mask[j].bool()].tolist()
+            tokens = tokens[:budget - len(row.ids)]
+            lps = (out.sampler_logprobs[j, :len(tokens)].tolist() if out.sampler_logprobs is not None
+                   else [0.0] * len(tokens))
+            row.ids += tokens
+            row.loss += [1] * len(tokens)
+            row.logprobs += lps
+            row.turns += 1
+            row.truncated = not tokens or tokens[-1] not in eos_ids
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            content, calls = self.parse(text)
+            message = {"role": "assistant", "content": content if calls else text}
+            if calls:
+                message["tool_calls"] = [c.message() for c in calls]
+            row.pending = calls
+            row.messages.append(message)
+
+    @staticmethod
+    def _has_calls(row: Row) -> bool:
+        return bool(row.pending) and not row.truncated
+
+    def _run_tools(self, rows: list[Row], calling: list[int], eos_ids: list[int], budget: int) -> list[int]:
+        """Run every calling row's calls together; append the results that fit. The rows that go on."""
+        started = {k: [self._start(rows[k].toolbox, c) for c in rows[k].pending] for k in calling}
+        continuing = []
+        for k in calling:
+            row = rows[k]
+            row.pending = []
+            outcomes: list[ToolOutcome] = [p.outcome() for p in started[k]]
+            row.calls += len(outcomes)
+            row.failures += sum(o.failed for o in outcomes)
+            tool_messages = [{"role": "tool", "name": o.name, "content": o.text} for o in outcomes]
+            suffix = tool_suffix_ids(self.tokenizer, tool_messages, eos_ids)
+            if len(row.ids) + len(suffix) >= budget:  # no room for the results and a reply: the row ends here
+                row.truncated = True
+                continue
+            row.ids += suffix
+            row.loss += [0] * len(suffix)
+            row.logprobs += [0.0] * len(suffix)
+            row.messages += tool_messages
+            continuing.append(k)
+        return continuing
+
+    @staticmethod
+    def _start(toolbox: Toolbox, call: ToolCall) -> PendingCall:
+        if call.error is not None:  # malformed: answered with the parse error
+            return PendingCall(toolbox, call.name or "unknown", None, error=call.error)
+        return toolbox.start(call.name, call.arguments)
+
+    def _generation(self, rows: list[Row], eos_ids: list[int]) -> Generation:
+        pad = self.tokenizer.pad_token_id
+        prompt_ids, prompt_mask = left_pad([r.prompt_ids for r in rows], pad)
+        width = max(1, max(len(r.ids) for r in rows))
+
+        def right(values: list, fill) -> list:
+            return values + [fill] * (width - len(values))
+
+        completion_ids = torch.tensor([right(r.ids, pad) for r in rows], dtype=torch.long)
+        completion_mask = torch.tensor([right([1] * len(r.ids), 0) for r in rows], dtype=torch.long)
+        loss_mask = torch.tensor([right(r.loss, 0) for r in rows], dtype=torch.long)
+        sampler = torch.tensor([right(r.logprobs, 0.0) for r in rows], dtype=torch.float32)
+        n = len(rows)
+        calls = sum(r.calls for r in rows)
+        metrics = {"tools/calls_per_completion": calls / n,
+                   "tools/failure_rate": sum(r.failures for r in rows) / calls if calls else 0.0,
+                   "tools/turns": sum(r.turns for r in rows) / n}
+        return Generation(
+            prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+            completion_mask=completion_mask, truncated=torch.tensor([r.truncated for r in rows]),
+            completions=self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
+            sampler_logprobs=sampler if self._sampler_logprobs else None,
+            loss_mask=loss_mask, messages=[r.messages for r in rows], rollout_metrics=metrics)
