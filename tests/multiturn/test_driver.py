@@ -90,9 +90,9 @@ def example(question: str, answer: str = "5") -> Example:
 def run(tokenizer, script, tools, examples, n=2, max_tokens=200, max_iterations=None, environments=None,
         timeout_s=5.0):
     engine = ScriptedEngine(tokenizer, script)
-    driver = MultiTurnRollout(engine, tokenizer, tools, environments, max_iterations, timeout_s)
     eos = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    result = driver.rollout(examples, "Use tools.", 4096, SamplingParams(n=n, max_tokens=max_tokens), 0, eos)
+    driver = MultiTurnRollout(engine, tokenizer, eos, tools, environments, max_iterations, timeout_s)
+    result = driver.rollout(examples, "Use tools.", 4096, SamplingParams(n=n, max_tokens=max_tokens), 0)
     return engine, result
 
 
@@ -202,7 +202,7 @@ def test_an_environment_resets_per_rollout_and_exposes_its_methods_and_reward(to
 
 def test_a_template_without_tools_is_refused(tiny_tokenizer):
     with pytest.raises(ValueError, match="tool"):
-        MultiTurnRollout(ScriptedEngine(tiny_tokenizer, None), tiny_tokenizer, [calculator], None, None, 1.0)
+        MultiTurnRollout(ScriptedEngine(tiny_tokenizer, None), tiny_tokenizer, [2], [calculator], None, None, 1.0)
 
 
 def test_a_tool_without_a_docstring_is_refused(tool_tokenizer):
@@ -210,4 +210,4 @@ def test_a_tool_without_a_docstring_is_refused(tool_tokenizer):
         return x
 
     with pytest.raises(ValueError, match="bare"):
-        MultiTurnRollout(ScriptedEngine(tool_tokenizer, None), tool_tokenizer, [bare], None, None, 1.0)
+        MultiTurnRollout(ScriptedEngine(tool_tokenizer, None), tool_tokenizer, [2], [bare], None, None, 1.0)

@@ -28,7 +28,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "top_entropy_quantile": (1.0, "grpo trains on every completion token"),
     "entropy_coef": (0.0, "grpo has no entropy bonus"),
     "use_adaptive_entropy": (False, "grpo has no entropy bonus"),
-    "max_tool_calling_iterations": (None, "tool calling is not implemented yet"),
     "off_policy_mask_threshold": (None, "grpo guards off-policy samples with rollout.vllm_max_logprob_diff"),
     "log_completions_hub_repo": (None, "grpo writes samples to samples.jsonl, never to the Hub"),
     "fp16": (False, "grpo trains in fp32 or bf16 (bf16=True)"),
@@ -149,6 +148,7 @@ class GRPOConfig:
     eval_strategy: str = "no"
     eval_steps: float | None = None
     eval_on_start: bool = False
+    max_tool_calling_iterations: int | None = None  # tool rounds after the first turn; None: until the length budget
     # -- grpo's own options (not TRL's)
     advantage_estimator: str = "grpo"  # grpo, rloo, reinforce_pp, gae (PPO with a critic)
     rollout_engine: str | None = None  # hf, hf-static, hf-generate; None: hf (vllm with use_vllm=True)

@@ -68,10 +68,7 @@ class GRPOTrainer:
         from transformers import TrainerControl, TrainerState
 
         refused = {"optimizers": (optimizers != (None, None), "grpo builds AdamW and its schedule from the arguments"),
-                   "quantization_config": (quantization_config is not None, "use grpo_overrides model.load_in_4bit"),
-                   "tools": (tools is not None, "tool calling is not implemented yet"),
-                   "rollout_func": (rollout_func is not None, "grpo's rollouts are its engines'"),
-                   "environment_factory": (environment_factory is not None, "environments are not implemented yet")}
+                   "quantization_config": (quantization_config is not None, "use grpo_overrides model.load_in_4bit")}
         for name, (given, why) in refused.items():
             if given:
                 raise ValueError(f"GRPOTrainer({name}=...) is not supported: {why}")
@@ -92,6 +89,9 @@ class GRPOTrainer:
         if self.train_set is not None:
             grpo_steps(args, prompts_per_step, len(self.train_set))  # max_steps/epochs fit the dataset
         self.processing_class = processing_class or self._load_tokenizer(name_or_path, args)
+        self.tools, self.environment_factory, self.rollout_func = tools, environment_factory, rollout_func
+        if tools is not None and not isinstance(tools, (list, tuple)):
+            raise TypeError(f"tools must be a list of functions, got {type(tools).__name__}")
         columns = sorted(self.train_set[0].columns()) if self.train_set else []
         self.reward_fns, self.reward_weights = build_reward_functions(
             reward_funcs, args.reward_weights, reward_processing_classes, columns)
@@ -142,9 +142,28 @@ class GRPOTrainer:
         from grpo.data import render_example
 
         examples = list(self.train_set) + [e for s in self.eval_sets.values() for e in s]
-        lengths = [len(self.processing_class(render_example(self.processing_class, e, None),
-                                             add_special_tokens=False)["input_ids"]) for e in examples]
-        return max(lengths)
+        schemas = self._tool_schemas()
+        if schemas:  # the multi-turn driver renders every prompt with its tools' schemas
+            def render(e):
+                return self.processing_class.apply_chat_template(e.messages, tools=schemas, tokenize=False,
+                                                                 add_generation_prompt=True)
+        else:
+            def render(e):
+                return render_example(self.processing_class, e, None)
+        lengths = [len(self.processing_class(render(e), add_special_tokens=False)["input_ids"]) for e in examples]
+        # An environment's reset() may append text to the prompt, unknown until the rollout: TRL never refuses it.
+        return max(lengths) + (4096 if self.environment_factory is not None else 0)
+
+    def _tool_schemas(self) -> list[dict]:
+        """Every tool's schema (the standalone tools and each environment's methods), for the prompt length."""
+        from grpo.multiturn.environments import Environments, environment_methods
+        from grpo.multiturn.tools import tool_schema
+
+        tools = list(self.tools or [])
+        if self.environment_factory is not None:
+            pools = Environments(self.environment_factory).pool.values()
+            tools += [m for pool in pools for m in environment_methods(pool[0])]
+        return [tool_schema(fn) for fn in tools]
 
     def _reward_specs(self) -> list[dict]:
         """The run config's ``rewards``: a dotted path where the function has one (so that ``to_yaml`` gives
@@ -191,7 +210,9 @@ class GRPOTrainer:
                              "pass one (trainer.evaluate(eval_dataset) scores any number afterwards)")
         given = GivenInputs(policy=self.model, tokenizer=self.processing_class, train_set=self.train_set,
                             eval_set=next(iter(self.eval_sets.values())) if evaluating else None,
-                            reward_fns=self.reward_fns, reward_weights=self.reward_weights, hooks=hooks)
+                            reward_fns=self.reward_fns, reward_weights=self.reward_weights, hooks=hooks,
+                            tools=list(self.tools) if self.tools is not None else None,
+                            environment_factory=self.environment_factory, rollout_func=self.rollout_func)
         try:
             train(cfg, given)
         except KeyboardInterrupt:

@@ -121,6 +121,25 @@ class RolloutConfig:
         4, "dynamic_sampling: sampling rounds per step and rank, the first included, each as many prompts as an "
            "ordinary step's (verl's max_num_gen_batches counts the same, with 0 = unlimited, refused here). At the "
            "cap a short batch is filled with zero-spread groups, counted in rollout/dynamic_groups_filled.", ge=1)
+    tools: list[str] = opt(
+        [], "Tools the model may call, as 'module:function' (TRL's convention: typed, with a Google-style docstring; "
+            "the chat template renders their schemas). Non-empty: multi-turn rollouts (grpo.multiturn): after each "
+            "turn the tool calls are run and their results appended as tool messages (no loss on them), then "
+            "generation continues.")
+    environment: str | None = opt(
+        None, "An environment class or factory, 'module:Class' (TRL's environment_factory): one instance per "
+              "rollout, reset(**row) before it, its public methods the tools, its get_reward() an extra reward.")
+    max_tool_calling_iterations: int | None = opt(
+        None, "Tool rounds after the first turn; null = until max_completion_length (tool tokens count toward it).",
+        ge=0)
+    tool_timeout_s: float = opt(30.0, "A tool call running longer is answered with a timeout error.", gt=0)
+    tool_call_format: str = opt("auto", "How tool calls are read from a turn: auto (from the chat template) or "
+                                        "hermes (<tool_call>{json}</tool_call>, Qwen2.5/Qwen3).",
+                                choices=("auto", "hermes"))
+    rollout_func: str | None = opt(
+        None, "'module:function' that makes the rollouts instead of grpo's engines (TRL's rollout_func): called with "
+              "the step's prompts (each repeated num_generations times) and a context, it returns prompt_ids, "
+              "completion_ids, logprobs and optionally env_mask (1 on sampled tokens).")
 
 
 @dataclass

@@ -23,6 +23,7 @@ from grpo.decoupled.link_settings import config_fingerprint, max_message_bytes, 
 from grpo.decoupled.rendezvous import is_wildcard, read_trainer_address, split_tcp
 from grpo.decoupled.weight_sync import ReceivedWeights, is_broadcast
 from grpo.decoupled.transport import PeerClosed, PeerTimeout, RolloutSender
+from grpo.multiturn.setup import turn_spec, with_turns
 from grpo.models.loading import load_policy, load_reference, load_tokenizer, resolve_device
 from grpo.rollout.build import build_engine, holds_own_weights
 from grpo.step.experience import local_reference, rank_experience
@@ -81,8 +82,9 @@ def run_sampler(cfg: RunConfig) -> int:
     policy.requires_grad_(False)
     processing = logprob_processing(cfg, policy, tokenizer)  # old and reference log-probs follow the controls
     ref_logprobs = reference_logprobs_fn(cfg, policy, tokenizer, device, token, processing)
-    reward_fns, reward_weights = build_rewards(cfg, train_set)
-    engine = build_engine(cfg, policy, tokenizer)
+    turns = turn_spec(cfg)  # tools, an environment or a rollout hook, named in the recipe
+    reward_fns, reward_weights = turns.with_environment_rewards(*build_rewards(cfg, train_set))
+    engine = with_turns(build_engine(cfg, policy, tokenizer), turns, cfg, policy, tokenizer)
     correction = cfg.loss.sampler_is_correction
     settings = experience_settings(cfg, processing, decoupled_sampler=True,
                                    engine_holds_weights=holds_own_weights(engine))

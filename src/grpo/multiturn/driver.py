@@ -15,7 +15,7 @@ The result is one ``Generation``: ``completion_ids`` are all tokens after the pr
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -61,22 +61,33 @@ class TurnsResult:
     environments: list[Any] | None  # N instances, for their get_reward and the rewards' ``environments``
 
 
+@runtime_checkable
+class ExampleRollout(Protocol):
+    """An engine wrapper that makes a step's rollouts from the examples themselves (it renders their prompts:
+    tools' schemas, environments' observations): ``MultiTurnRollout`` and ``rollout_hook.RolloutHook``."""
+
+    def rollout(self, examples: Sequence, system_prompt: str | None, max_prompt_length: int,
+                params: SamplingParams, seed: int | None) -> TurnsResult:
+        ...
+
+
 class MultiTurnRollout:
     """Wraps a rollout engine that has ``generate_ids`` with tool calling and environments.
 
     Args:
         engine: the run's engine (its own weights, if any, are updated through ``engine``).
+        eos_ids: the ids that end a turn (``grpo.models.wrappers.eos_token_ids``).
         tools: standalone tool callables. environments: ``Environments`` or None.
         max_iterations: tool rounds after the first turn (None: until the budget).
         tool_timeout_s: bound of one call. tool_call_format: "auto" or a ``TOOL_CALL_FORMATS`` name.
     """
 
-    def __init__(self, engine, tokenizer, tools: Sequence, environments: Environments | None,
+    def __init__(self, engine, tokenizer, eos_ids: list[int], tools: Sequence, environments: Environments | None,
                  max_iterations: int | None, tool_timeout_s: float, tool_call_format: str = "auto"):
         if not hasattr(engine, "generate_ids"):
             raise ValueError(f"rollout engine {type(engine).__name__} cannot continue from token ids, so it cannot "
                              "run multi-turn rollouts")
-        self.engine, self.tokenizer, self.tools = engine, tokenizer, list(tools)
+        self.engine, self.tokenizer, self.eos_ids, self.tools = engine, tokenizer, list(eos_ids), list(tools)
         self.environments, self.max_iterations, self.tool_timeout_s = environments, max_iterations, tool_timeout_s
         self.parse = TOOL_CALL_FORMATS[detect_format(getattr(tokenizer, "chat_template", None), tool_call_format)]
         probe = Toolbox(self.tools + self._probe_methods(), tool_timeout_s)  # every schema checked now
@@ -91,7 +102,7 @@ class MultiTurnRollout:
         return getattr(self.__dict__["engine"], name)
 
     def rollout(self, examples: Sequence, system_prompt: str | None, max_prompt_length: int,
-                params: SamplingParams, seed: int | None, eos_ids: list[int]) -> TurnsResult:
+                params: SamplingParams, seed: int | None) -> TurnsResult:
         """``params.n`` multi-turn rollouts per example, rows grouped per example."""
         from grpo.data import DataError, build_prompt_messages
 
@@ -121,8 +132,8 @@ class MultiTurnRollout:
                 rows.append(Row(ids, toolbox, env))
                 chat_prompts.append(messages)
                 texts.append(text)
-        self._turns(rows, params, seed, eos_ids)
-        return TurnsResult(self._generation(rows, eos_ids), texts[::G], chat_prompts, envs)
+        self._turns(rows, params, seed, self.eos_ids)
+        return TurnsResult(self._generation(rows), texts[::G], chat_prompts, envs)
 
     def _turns(self, rows: list[Row], params: SamplingParams, seed: int | None, eos_ids: list[int]) -> None:
         budget, G = params.max_tokens, params.n
@@ -203,7 +214,7 @@ class MultiTurnRollout:
             return PendingCall(toolbox, call.name or "unknown", None, error=call.error)
         return toolbox.start(call.name, call.arguments)
 
-    def _generation(self, rows: list[Row], eos_ids: list[int]) -> Generation:
+    def _generation(self, rows: list[Row]) -> Generation:
         pad = self.tokenizer.pad_token_id
         prompt_ids, prompt_mask = left_pad([r.prompt_ids for r in rows], pad)
         width = max(1, max(len(r.ids) for r in rows))

@@ -19,6 +19,7 @@ from grpo.algorithm import LogprobProcessing, group_advantages
 from grpo.data import DataError, Example, build_prompt_messages, render_example
 from grpo.data.prompt_sampler import PromptSampler, step_seed
 from grpo.models.loading import reference_context
+from grpo.multiturn.driver import ExampleRollout
 from grpo.rewards import score
 from grpo.rewards.context import RewardContext, make_trainer_state
 from grpo.rollout import RolloutEngine, SamplingParams
@@ -165,18 +166,30 @@ def sample_and_score(engine: RolloutEngine, tokenizer, examples: Sequence[Exampl
     reports them (vLLM, or a test's fake)."""
     G = settings.sampling.n
     started = time.perf_counter()
-    prompts = render_prompts(tokenizer, examples, settings.system_prompt, settings.max_prompt_length)
-    generation = engine.generate(prompts, settings.sampling, seed=seed)
+    reward_only: dict[str, list] = {}  # per-row keywords for the rewards that are not dataset columns
+    if isinstance(engine, ExampleRollout):  # tools, environments or a rollout hook (grpo.multiturn)
+        turns = engine.rollout(examples, settings.system_prompt, settings.max_prompt_length, settings.sampling, seed)
+        prompts, generation, chat_prompts = turns.prompts, turns.generation, turns.chat_prompts
+        if turns.environments is not None:
+            reward_only["environments"] = turns.environments
+        reward_only.update(getattr(engine, "extra_columns", {}))  # a hook's extra outputs, as TRL passes them
+    else:
+        prompts = render_prompts(tokenizer, examples, settings.system_prompt, settings.max_prompt_length)
+        generation = engine.generate(prompts, settings.sampling, seed=seed)
+        # Rewards see chat-format prompts and completions, as TRL passes them for conversational data,
+        # so TRL reward functions (which read completion[0]["content"]) run unchanged.
+        # Plain-text prompts (the Python API's, as TRL's) give the rewards strings instead.
+        chat_prompts = [e.question if e.plain_text else build_prompt_messages(e, settings.system_prompt)
+                        for e in examples for _ in range(G)]
     generated = time.perf_counter()
 
-    # Rewards see chat-format prompts and completions, as TRL passes them for conversational data,
-    # so TRL reward functions (which read completion[0]["content"]) run unchanged; completion_ids are
-    # each completion's tokens up to and including EOS, as TRL's completion_ids_list.
-    # Plain-text prompts (the Python API's, as TRL's) give the rewards strings instead.
-    chat_prompts = [e.question if e.plain_text else build_prompt_messages(e, settings.system_prompt)
-                    for e in examples for _ in range(G)]
-    chat_completions = [text if examples[i // G].plain_text else [{"role": "assistant", "content": text}]
-                        for i, text in enumerate(generation.completions)]
+    # A multi-turn completion is its messages (assistant turns with tool_calls, tool results), as TRL passes it;
+    # completion_ids are each completion's tokens up to and including EOS (the tool results' too, as TRL's).
+    if generation.messages is not None:
+        chat_completions = generation.messages
+    else:
+        chat_completions = [text if examples[i // G].plain_text else [{"role": "assistant", "content": text}]
+                            for i, text in enumerate(generation.completions)]
     completion_ids = [ids[mask.bool()].tolist()
                       for ids, mask in zip(generation.completion_ids, generation.completion_mask)]
     columns: dict[str, list] = {}
@@ -184,7 +197,8 @@ def sample_and_score(engine: RolloutEngine, tokenizer, examples: Sequence[Exampl
         for key, value in e.columns().items():
             columns.setdefault(key, []).extend([value] * G)
     context = RewardContext(make_trainer_state(steps_done, settings.max_steps))
-    scores = score(reward_fns, reward_weights, chat_prompts, chat_completions, columns, completion_ids, context)
+    scores = score(reward_fns, reward_weights, chat_prompts, chat_completions, {**columns, **reward_only},
+                   completion_ids, context)
     return RolloutBatch(
         generation=generation,
         rewards=scores.total,

@@ -59,6 +59,7 @@ def step_metrics(batch: RolloutBatch, train_stats: dict, group_size: int, tag_st
     local.update({k: train_stats[k] for k in ("loss", "kl", "clip_fraction", "ratio_mean", "entropy")})
     local.update({k: v for k, v in train_stats.items() if k.startswith(OPTIONAL_PREFIXES)})  # critic, PTX, IS
     local.update(rollout_stats or {})
+    local.update(batch.generation.rollout_metrics)  # multi-turn: tools/calls_per_completion, ... (every rank)
     keys = sorted(local)
     averaged = all_reduce_mean(torch.tensor([local[k] for k in keys], dtype=torch.float64), info)
     metrics = dict(zip(keys, averaged.tolist()))

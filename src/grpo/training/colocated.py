@@ -20,6 +20,7 @@ from grpo.config import RunConfig
 from grpo.critic import build_critic, generation_values
 from grpo.data.prompt_sampler import PromptSampler
 from grpo.models.loading import check_memory_savers, compute_context, load_reference
+from grpo.multiturn.setup import with_turns
 from grpo.rollout.build import build_engine, check_engine_available, holds_own_weights, push_policy_weights
 from grpo.rollout.offpolicy_guard import check_sampler_logprobs, is_check_step
 from grpo.run.progress import StepProgress
@@ -142,7 +143,7 @@ def train(cfg: RunConfig, given: GivenInputs | None = None) -> TrainResult:
         run = open_run(cfg, trainable, info, critic)
         eval_before = run.resumed_state.get("eval_before") if run.resumed_state else None
 
-        engine = build_engine(cfg, policy, tokenizer)
+        engine = with_turns(build_engine(cfg, policy, tokenizer), inputs.turns, cfg, policy, tokenizer)
         if holds_own_weights(engine) and run.start_step > 0:
             push_policy_weights(engine, policy, run.start_step)
         exp_settings = experience_settings(cfg, processing, decoupled_sampler=False,

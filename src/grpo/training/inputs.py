@@ -11,6 +11,7 @@ import torch
 
 from grpo.config import RunConfig
 from grpo.models.loading import load_policy, load_tokenizer, policy_dtype, prepare_policy, uses_autocast
+from grpo.multiturn.setup import TurnSpec, turn_spec
 from grpo.training.loop import LoopHooks
 from grpo.training.setup import build_rewards, load_data
 
@@ -26,6 +27,8 @@ class GivenInputs:
     reward_fns:    callables with TRL's reward signature, wrapped (``grpo.rewards.RewardFunction``), and
                    ``reward_weights`` one per function.
     hooks:         the loop's callouts (``grpo.training.loop.LoopHooks``).
+    tools, environment_factory, rollout_func: TRL's objects for multi-turn or hooked rollouts
+                   (``rollout.tools``/``rollout.environment``/``rollout.rollout_func`` otherwise).
     """
 
     policy: torch.nn.Module | None = None
@@ -35,6 +38,9 @@ class GivenInputs:
     reward_fns: list | None = None
     reward_weights: list[float] | None = None
     hooks: LoopHooks = field(default_factory=LoopHooks)
+    tools: list | None = None
+    environment_factory: object | None = None
+    rollout_func: object | None = None
 
 
 @dataclass
@@ -47,6 +53,7 @@ class RunInputs:
     reward_fns: list
     reward_weights: list[float]
     hooks: LoopHooks
+    turns: TurnSpec  # tools, environments, a rollout hook (``grpo.multiturn.setup.with_turns`` wraps the engine)
 
 
 def tokenizer_and_data(cfg: RunConfig, given: GivenInputs) -> RunInputs:
@@ -66,7 +73,9 @@ def tokenizer_and_data(cfg: RunConfig, given: GivenInputs) -> RunInputs:
         reward_fns, reward_weights = given.reward_fns, list(given.reward_weights or [1.0] * len(given.reward_fns))
     else:
         reward_fns, reward_weights = build_rewards(cfg, train_set)
-    return RunInputs(tokenizer, train_set, eval_set, reward_fns, reward_weights, given.hooks)
+    turns = turn_spec(cfg, given.tools, given.environment_factory, given.rollout_func)
+    reward_fns, reward_weights = turns.with_environment_rewards(reward_fns, reward_weights)
+    return RunInputs(tokenizer, train_set, eval_set, reward_fns, reward_weights, given.hooks, turns)
 
 
 def policy_for(cfg: RunConfig, given: GivenInputs, device: torch.device, deepspeed: bool) -> torch.nn.Module:

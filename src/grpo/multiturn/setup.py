@@ -1,0 +1,79 @@
+"""What a run's rollouts act with: tools, an environment factory and a rollout hook, named in the config
+(``rollout.tools``, ``rollout.environment``, ``rollout.rollout_func``) or given as objects (the Python API's
+``tools=``, ``environment_factory=``, ``rollout_func=``); and the engine wrapped to use them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from grpo.multiturn.environments import Environments
+from grpo.multiturn.tools import load_callable
+
+
+@dataclass
+class TurnSpec:
+    """The resolved objects; ``active`` when any is set (the run then makes multi-turn or hooked rollouts)."""
+
+    tools: list[Callable] = field(default_factory=list)
+    environments: Environments | None = None
+    rollout_func: Callable | None = None
+
+    @property
+    def active(self) -> bool:
+        return bool(self.tools) or self.environments is not None or self.rollout_func is not None
+
+    def with_environment_rewards(self, reward_fns: list, reward_weights: list[float]) -> tuple[list, list[float]]:
+        """The run's rewards plus each environment class's ``get_reward`` (weight 1, named after the class, as TRL)."""
+        if self.environments is None:
+            return reward_fns, reward_weights
+        from grpo.rewards import RewardFunction
+
+        extra = [RewardFunction(fn) for fn in self.environments.reward_functions()]
+        return [*reward_fns, *extra], [*reward_weights, *[1.0] * len(extra)]
+
+
+def turn_spec(cfg, tools: list | None = None, environment_factory: Any = None,
+              rollout_func: Callable | None = None) -> TurnSpec:
+    """Given objects win over config names; a name that does not import is a ConfigError naming the key."""
+    from grpo.config import ConfigError
+
+    r = cfg.rollout
+    try:
+        if tools is None:
+            tools = [load_callable(spec, f"rollout.tools[{i}]") for i, spec in enumerate(r.tools)]
+        if environment_factory is None and r.environment:
+            environment_factory = load_callable(r.environment, "rollout.environment")
+        if rollout_func is None and r.rollout_func:
+            rollout_func = load_callable(r.rollout_func, "rollout.rollout_func")
+        environments = Environments(environment_factory) if environment_factory is not None else None
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if rollout_func is not None and (tools or environments is not None):
+        raise ConfigError("rollout.rollout_func makes the rollouts itself: it cannot be combined with rollout.tools "
+                          "or rollout.environment (run your tools inside it)")
+    for tool in tools:
+        if not callable(tool):
+            raise ConfigError(f"tools: {tool!r} is not callable")
+    return TurnSpec(list(tools), environments, rollout_func)
+
+
+def with_turns(engine, spec: TurnSpec, cfg, policy, tokenizer):
+    """The run's engine, wrapped for tools/environments (``MultiTurnRollout``) or a hook (``RolloutHook``);
+    the engine itself when ``spec`` is not active. A chat template or tool that cannot work is a ConfigError."""
+    if not spec.active:
+        return engine
+    from grpo.config import ConfigError
+    from grpo.models.wrappers import eos_token_ids, unwrap_model
+    from grpo.multiturn.driver import MultiTurnRollout
+    from grpo.multiturn.rollout_hook import RolloutHook
+
+    eos_ids = eos_token_ids(unwrap_model(policy), tokenizer)
+    if spec.rollout_func is not None:
+        return RolloutHook(spec.rollout_func, engine, tokenizer, eos_ids)
+    r = cfg.rollout
+    try:
+        return MultiTurnRollout(engine, tokenizer, eos_ids, spec.tools, spec.environments,
+                                r.max_tool_calling_iterations, r.tool_timeout_s, r.tool_call_format)
+    except ValueError as err:
+        raise ConfigError(f"rollout.tools: {err}") from None
