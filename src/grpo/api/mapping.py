@@ -74,10 +74,11 @@ def _bf16(args: GRPOConfig) -> bool:
 
 def to_run_config(args: GRPOConfig, *, num_processes: int = 1, train_size: int | None = None,
                   model: str | None = None, lora: dict | None = None, data: dict | None = None,
-                  rewards: list[dict] | None = None) -> RunConfig:
+                  rewards: list[dict] | None = None, rollout: dict | None = None) -> RunConfig:
     """The checked ``RunConfig`` of ``args``. ``model``: the policy's path or hub id; ``lora``: ``model.lora_*``
     keys (a peft config's); ``data``: ``data.*`` keys the trainer derives from its datasets; ``rewards``: the
-    ``rewards`` list. A value grpo cannot take is a ``ValueError`` naming the argument."""
+    ``rewards`` list; ``rollout``: ``rollout.*`` keys naming the trainer's tools/environment/rollout hook. A value
+    grpo cannot take is a ``ValueError`` naming the argument."""
     P, B = batch_shape(args, num_processes)
     ni = args.num_iterations
     steps = grpo_steps(args, P, train_size)
@@ -140,6 +141,7 @@ def to_run_config(args: GRPOConfig, *, num_processes: int = 1, train_size: int |
     }
     if rewards is not None:
         tree["rewards"] = rewards
+    tree["rollout"].update(rollout or {})
     for key, value in args.grpo_overrides.items():
         _set(tree, key, value)
     return config_from_dict(tree, "GRPOConfig")

@@ -93,14 +93,18 @@ class GRPOTrainer:
         if tools is not None and not isinstance(tools, (list, tuple)):
             raise TypeError(f"tools must be a list of functions, got {type(tools).__name__}")
         columns = sorted(self.train_set[0].columns()) if self.train_set else []
-        self.reward_fns, self.reward_weights = build_reward_functions(
-            reward_funcs, args.reward_weights, reward_processing_classes, columns)
+        if reward_funcs is None and self._environment_owns_reward():  # TRL: get_reward may be the only source
+            self.reward_fns, self.reward_weights = [], []
+        else:
+            self.reward_fns, self.reward_weights = build_reward_functions(
+                reward_funcs, args.reward_weights, reward_processing_classes, columns)
         data = {"add_system_prompt": False, "max_prompt_length": self._longest_prompt()} if self.train_set else {}
         if self.train_set:
             data["train"] = f"python:train_dataset ({len(self.train_set)} rows)"
         self.config = to_run_config(args, num_processes=self.num_processes,
                                     train_size=len(self.train_set) if self.train_set else None,
-                                    model=name_or_path, lora=lora, data=data, rewards=self._reward_specs())
+                                    model=name_or_path, lora=lora, data=data, rewards=self._reward_specs(),
+                                    rollout=self._turn_keys())
         self.model = self._prepare_model(model)
         self.state, self.control = TrainerState(), TrainerControl()
         self.callbacks = [c() if isinstance(c, type) else c for c in (callbacks or [])]
@@ -165,16 +169,33 @@ class GRPOTrainer:
             tools += [m for pool in pools for m in environment_methods(pool[0])]
         return [tool_schema(fn) for fn in tools]
 
+    def _environment_owns_reward(self) -> bool:
+        from grpo.multiturn.environments import Environments
+
+        return self.environment_factory is not None and bool(Environments(self.environment_factory).reward_types)
+
     def _reward_specs(self) -> list[dict]:
         """The run config's ``rewards``: a dotted path where the function has one (so that ``to_yaml`` gives
         a recipe ``grpo train`` can run), else its name."""
-        specs = []
-        for fn, weight in zip(self.reward_fns, self.reward_weights):
-            inner = fn.fn
-            module, qualname = getattr(inner, "__module__", None), getattr(inner, "__qualname__", "")
-            dotted = module and module != "__main__" and "<" not in qualname and "." not in qualname
-            specs.append({"name": f"{module}:{qualname}" if dotted else fn.name, "weight": weight})
-        return specs
+        return [{"name": _dotted(fn.fn) or fn.name, "weight": weight}
+                for fn, weight in zip(self.reward_fns, self.reward_weights)]
+
+    def _turn_keys(self) -> dict:
+        """``rollout.tools``/``environment``/``rollout_func`` naming the given objects (dotted paths where they
+        have one, so that ``to_yaml`` is a runnable recipe; ``python:<name>`` otherwise)."""
+        def name(obj):
+            return _dotted(obj) or f"python:{getattr(obj, '__name__', type(obj).__name__)}"
+
+        keys = {}
+        if self.tools:
+            keys["tools"] = [name(fn) for fn in self.tools]
+        if self.environment_factory is not None:
+            factory = self.environment_factory
+            keys["environment"] = (name(factory) if not isinstance(factory, dict)
+                                   else "python:{" + ", ".join(map(str, factory)) + "}")
+        if self.rollout_func is not None:
+            keys["rollout_func"] = name(self.rollout_func)
+        return keys
 
     def _prepare_model(self, model: Any):
         from grpo.models.loading import load_policy, prepare_policy, resolve_device, uses_autocast
@@ -278,3 +299,12 @@ class GRPOTrainer:
 
 
 __all__ = ["GRPOTrainer", "lora_keys", "reward_name"]
+
+
+def _dotted(obj: Any) -> str | None:
+    """``module:qualname`` of a module-level function or class, importable by ``grpo.multiturn.tools.load_callable``
+    and the reward loader; None for lambdas, closures, methods and ``__main__``'s objects."""
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", "")
+    if module and module != "__main__" and qualname and "<" not in qualname and "." not in qualname:
+        return f"{module}:{qualname}"
+    return None

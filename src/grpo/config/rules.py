@@ -49,7 +49,7 @@ def config_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
     if cfg.optim.lora_learning_rate is not None and cfg.model.lora_r == 0:
         problems.append(("optim.lora_learning_rate",
                          "is set but model.lora_r is 0 (full fine-tuning has no LoRA parameters)"))
-    if not cfg.rewards:
+    if not cfg.rewards and not cfg.rollout.environment:  # an environment's get_reward may be the only reward
         problems.append(("rewards", "is empty: GRPO needs at least one reward function"))
     for i, r in enumerate(cfg.rewards):
         if not r.name:

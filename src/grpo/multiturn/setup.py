@@ -25,11 +25,13 @@ class TurnSpec:
 
     def with_environment_rewards(self, reward_fns: list, reward_weights: list[float]) -> tuple[list, list[float]]:
         """The run's rewards plus each environment class's ``get_reward`` (weight 1, named after the class, as TRL)."""
-        if self.environments is None:
-            return reward_fns, reward_weights
+        from grpo.config import ConfigError
         from grpo.rewards import RewardFunction
 
-        extra = [RewardFunction(fn) for fn in self.environments.reward_functions()]
+        extra = [RewardFunction(fn) for fn in self.environments.reward_functions()] if self.environments else []
+        if not reward_fns and not extra:
+            raise ConfigError("rewards: none given, and the environment's classes define no get_reward; "
+                              "name a reward function (rewards / reward_funcs) or give the environment get_reward()")
         return [*reward_fns, *extra], [*reward_weights, *[1.0] * len(extra)]
 
 
