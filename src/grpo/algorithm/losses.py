@@ -2,7 +2,8 @@
 PTX next-token loss, and the (truncated or masked) importance weights that correct for a sampler that is
 not the trainer.
 
-``N`` completions of padded length ``L``; masks are ``[N, L]``, 1 for real completion tokens.
+``N`` completions of padded length ``L``; masks are ``[N, L]``, 1 for the tokens that carry the loss: the sampled
+ones (``Generation.sampled_mask``: a multi-turn row's environment tokens are 0, like padding).
 """
 
 from __future__ import annotations
@@ -150,7 +151,8 @@ def policy_loss(
         ref_logprobs: ``[N, L]`` reference log-probs, or None only when ``beta == 0``.
         advantages: ``[N]`` one advantage per completion, broadcast over its tokens (outcome estimators),
             or ``[N, L]`` one per token (GAE with a critic).
-        mask: ``[N, L]`` 1 for completion tokens (up to and including EOS), 0 for padding.
+        mask: ``[N, L]`` 1 for sampled completion tokens (up to and including EOS), 0 for padding and for
+            tokens an environment inserted; every sum, count and sequence-level ratio runs over it.
         epsilon, epsilon_high: ratio clipped to ``[1 - epsilon, 1 + (epsilon_high or epsilon)]``.
         beta: KL coefficient.
         loss_type: aggregation, see ``aggregate_loss``.

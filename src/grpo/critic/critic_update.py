@@ -71,7 +71,7 @@ def value_fit(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -
 def train_critic(learner: Learner, batch: RolloutBatch, s: CriticSettings) -> dict[str, float]:
     """``num_iterations`` critic updates on ``batch`` (which must carry ``values`` and ``returns``).
 
-    Each micro-batch's value loss (a token mean) is weighted by its share of the batch's real tokens,
+    Each micro-batch's value loss (a token mean over sampled tokens) is weighted by its share of them,
     so the accumulated gradient is the batch's token mean (averaged over ranks by DDP). Returns this
     rank's ``loss/value``, ``critic/value_clip_fraction``, ``critic/lr``, ``critic/grad_norm``,
     ``critic/skipped_updates`` and ``value_fit``'s metrics.
@@ -82,7 +82,8 @@ def train_critic(learner: Learner, batch: RolloutBatch, s: CriticSettings) -> di
     gen = batch.generation
     N = gen.completion_ids.shape[0]
     device = next(learner.module.parameters()).device
-    mask = gen.completion_mask.float().to(device)  # [N, Lc]
+    # The value loss is over the actions (sampled tokens): environment tokens have no return (grpo.algorithm.ppo).
+    mask = gen.sampled_mask.float().to(device)  # [N, Lc]
     old_values, returns = batch.values.to(device), batch.returns.to(device)  # [N, Lc] each
     total_tokens = mask.sum().clamp(min=1)
     starts = list(range(0, N, s.micro_batch_size))
@@ -114,4 +115,4 @@ def train_critic(learner: Learner, batch: RolloutBatch, s: CriticSettings) -> di
     loss_sum, clip_sum = sums.tolist()
     return {"loss/value": loss_sum, "critic/value_clip_fraction": clip_sum, "critic/lr": learning_rate,
             "critic/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
-            "critic/skipped_updates": float(skipped), **value_fit(batch.values, batch.returns, gen.completion_mask)}
+            "critic/skipped_updates": float(skipped), **value_fit(batch.values, batch.returns, gen.sampled_mask)}

@@ -102,7 +102,7 @@ def run_sampler(cfg: RunConfig) -> int:
                 settings, step=work["step"], rank=work["rank"], world_size=W, seed=cfg.train.seed,
                 max_rounds=dynamic_rounds(cfg))
             seconds = time.perf_counter() - started
-            tokens = float(chunk.generation.completion_mask.sum())
+            tokens = float(chunk.generation.sampled_mask.sum())  # generated: environment tokens are not
             sender.send_batch(for_correction(chunk, correction), {
                 "batch_id": work["batch_id"], "policy_version": version, "step_index": work["step"],
                 "rank": work["rank"], "sampler_seconds": seconds, "sampler_tokens": tokens, **dynamic})

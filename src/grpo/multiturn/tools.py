@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import importlib
-import inspect
 import json
 import logging
 import time

@@ -38,7 +38,8 @@ def check_sampler_logprobs(step: int, sampler_logprobs: Tensor, trainer_logprobs
     Args:
         sampler_logprobs: ``[N, L]`` the engine's log-probs of this rank's sampled tokens (any device).
         trainer_logprobs: ``[N, L]`` the trainer's, from the weights that sampled them (before the update).
-        mask: ``[N, L]`` completion mask.
+        mask: ``[N, L]`` the sampled tokens (``Generation.sampled_mask``): an environment's tokens have no
+            sampler log-prob to compare.
     All ranks get the same mean (sums and counts are added over ranks first), so they stop together.
     """
     device = trainer_logprobs.device

@@ -42,7 +42,15 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
             completion_ids=_pad([g.completion_ids for g in gens], lc, pad_id, left=False),
             completion_mask=_pad([g.completion_mask for g in gens], lc, 0, left=False),
             truncated=torch.cat([g.truncated for g in gens]),
-            completions=[c for g in gens for c in g.completions]),
+            completions=[c for g in gens for c in g.completions],
+            sampler_logprobs=(None if any(g.sampler_logprobs is None for g in gens)
+                              else _pad([g.sampler_logprobs for g in gens], lc, 0.0, left=False)),
+            # A single-turn part's sampled tokens are its completion_mask (what sampled_mask says it means).
+            loss_mask=(None if all(g.loss_mask is None for g in gens)
+                       else _pad([g.sampled_mask for g in gens], lc, 0, left=False)),
+            messages=_concat_messages(gens),
+            rollout_metrics=mean_of_present([g.rollout_metrics for g in gens],
+                                             [g.completion_ids.shape[0] for g in gens])),
         rewards=torch.cat([b.rewards for b in batches]),
         reward_parts=torch.cat([b.reward_parts for b in batches]),
         reward_names=batches[0].reward_names,
@@ -55,16 +63,29 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         prompts=[p for b in batches for p in b.prompts],
         columns=columns,
         timings={k: sum(b.timings.get(k, 0.0) for b in batches) for k in batches[0].timings},
-        reward_metrics=_mean_of_present([b.reward_metrics for b in batches]),
+        reward_metrics=mean_of_present([b.reward_metrics for b in batches]),
         reward_extras={key: [v for b in batches for v in b.reward_extras.get(key, [None] * len(b.rewards))]
                        for key in dict.fromkeys(k for b in batches for k in b.reward_extras)},
     )
 
 
-def _mean_of_present(dicts: list[dict[str, float]]) -> dict[str, float]:
-    """name -> mean over the dicts that have it (a reward may log a metric in some batches only)."""
+def mean_of_present(dicts: list[dict[str, float]], weights: Sequence[float] | None = None) -> dict[str, float]:
+    """name -> mean over the dicts that have it (a reward may log a metric in some batches only), weighted
+    by ``weights`` (e.g. each batch's rows, for means over rows) when given."""
+    weights = [1.0] * len(dicts) if weights is None else weights
     names = dict.fromkeys(k for d in dicts for k in d)
-    return {name: sum(d[name] for d in dicts if name in d) / sum(name in d for d in dicts) for name in names}
+    return {name: sum(w * d[name] for d, w in zip(dicts, weights) if name in d)
+            / sum(w for d, w in zip(dicts, weights) if name in d) for name in names}
+
+
+def _concat_messages(gens: list[Generation]) -> list[list[dict]] | None:
+    """The rows' chat messages, or None when no part is multi-turn; a single-turn part's rows become the one
+    assistant message their text is (what ``sample_and_score`` gives the rewards for them)."""
+    if all(g.messages is None for g in gens):
+        return None
+    return [m for g in gens
+            for m in (g.messages if g.messages is not None
+                      else [[{"role": "assistant", "content": c}] for c in g.completions])]
 
 
 def rank_slice(batch: RolloutBatch, rank: int, world_size: int) -> RolloutBatch:
@@ -78,7 +99,8 @@ def rank_slice(batch: RolloutBatch, rank: int, world_size: int) -> RolloutBatch:
 def select_groups(batch: RolloutBatch, groups: Sequence[int]) -> RolloutBatch:
     """The batch's groups ``groups`` (prompt indices, in that order) with all their rows and texts.
 
-    Timings and the rewards' logged metrics describe how the whole batch was made and are kept as they are.
+    Timings, the rewards' logged metrics and the rollout's (``Generation.rollout_metrics``) describe how the
+    whole batch was made and are kept as they are.
     """
     N, P = batch.rewards.shape[0], len(batch.prompts)
     if P == 0 or N % P:
@@ -94,7 +116,10 @@ def select_groups(batch: RolloutBatch, groups: Sequence[int]) -> RolloutBatch:
     return RolloutBatch(
         generation=Generation(prompt_ids=cut(g.prompt_ids), prompt_mask=cut(g.prompt_mask),
                               completion_ids=cut(g.completion_ids), completion_mask=cut(g.completion_mask),
-                              truncated=cut(g.truncated), completions=[g.completions[r] for r in rows]),
+                              truncated=cut(g.truncated), completions=[g.completions[r] for r in rows],
+                              sampler_logprobs=cut(g.sampler_logprobs), loss_mask=cut(g.loss_mask),
+                              messages=None if g.messages is None else [g.messages[r] for r in rows],
+                              rollout_metrics=dict(g.rollout_metrics)),
         rewards=cut(batch.rewards), reward_parts=cut(batch.reward_parts), reward_names=batch.reward_names,
         advantages=cut(batch.advantages), old_logprobs=cut(batch.old_logprobs), ref_logprobs=cut(batch.ref_logprobs),
         prompts=[batch.prompts[i] for i in groups], columns={k: [v[r] for r in rows] for k, v in batch.columns.items()},

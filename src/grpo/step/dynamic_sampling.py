@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 
 from torch import Tensor
 
-from grpo.step.batching import concat_batches, select_groups
+from grpo.step.batching import concat_batches, mean_of_present, select_groups
 from grpo.step.records import RolloutBatch
 
 
@@ -63,8 +63,9 @@ def choose_groups(zero_spread: Sequence[Tensor], want: int) -> tuple[list[tuple[
 def merge_rounds(rounds: Sequence[RolloutBatch], chosen: Sequence[tuple[int, int]], pad_id: int) -> RolloutBatch:
     """The ``chosen`` ``(round, group)`` groups, in that order, as one batch.
 
-    Timings are the sum over every round and the rewards' ``log_metric`` values their mean over every
-    round, dropped groups included: they describe the work done and what the rewards saw."""
+    Timings are the sum over every round, the rewards' ``log_metric`` values their mean over every round and
+    the rollout's metrics their mean over every round's rows, dropped groups included: they describe the
+    work done and what the rewards saw. Rows keep their ``loss_mask`` and messages (``select_groups``)."""
     pieces = [select_groups(rounds[r], [g for _, g in run])
               for r, run in itertools.groupby(chosen, key=lambda pair: pair[0])]
     merged = concat_batches(pieces, pad_id)
@@ -72,6 +73,9 @@ def merge_rounds(rounds: Sequence[RolloutBatch], chosen: Sequence[tuple[int, int
     names = dict.fromkeys(name for b in rounds for name in b.reward_metrics)
     merged.reward_metrics = {name: sum(b.reward_metrics[name] for b in rounds if name in b.reward_metrics)
                              / sum(name in b.reward_metrics for b in rounds) for name in names}
+    # The multi-turn driver's means (tool calls per completion...), likewise over every round's rows.
+    merged.generation.rollout_metrics = mean_of_present([b.generation.rollout_metrics for b in rounds],
+                                                        [len(b.generation.completions) for b in rounds])
     return merged
 
 

@@ -246,7 +246,9 @@ def _ppo_advantages(rewards: torch.Tensor, generation: Generation, values_fn: Va
     """([N, Lc] whitened advantages, [N, Lc] values, [N, Lc] returns), on the CPU like the rollout's tensors."""
     from grpo.algorithm.ppo import ppo_advantages
 
-    mask = generation.completion_mask
+    # The critic's values come from a pass over every completion token (environment tokens are context);
+    # the actions, the rewards' chain and the whitening are the sampled tokens' (grpo.algorithm.ppo).
+    mask = generation.sampled_mask  # [N, Lc]
     values = values_fn(generation).float().cpu()  # [N, Lc]
     kl = (old_logprobs.cpu() - ref_logprobs.cpu()) if gae.kl_coef else None  # [N, Lc]: k1, PPO's per-token KL
     advantages, returns = ppo_advantages(rewards.float(), values, mask, gamma=gae.gamma, lam=gae.lam, kl=kl,

@@ -22,10 +22,13 @@ def rollout_metrics(batch: RolloutBatch, correct: torch.Tensor, formatted: torch
                     group_size: int) -> dict[str, float]:
     """This rank's rollout metrics (means over its completions; rank-averaging is the caller's).
 
-    ``reward/mean_sq`` is carried so the caller can form the std over all ranks.
+    ``reward/mean_sq`` is carried so the caller can form the std over all ranks. A multi-turn batch
+    (``loss_mask`` set) also reports ``sampled_length/*``: the model's own tokens per completion, where
+    ``completion_length/*`` counts the environment's too.
     """
     rewards = batch.rewards.double()
-    lengths = batch.generation.completion_mask.sum(dim=1).double()  # [N]
+    generation = batch.generation
+    lengths = generation.completion_mask.sum(dim=1).double()  # [N]
     grouped = rewards.view(-1, group_size)  # [P, G]
     metrics = {
         "reward/mean": rewards.mean().item(),
@@ -36,8 +39,11 @@ def rollout_metrics(batch: RolloutBatch, correct: torch.Tensor, formatted: torch
         "completion_length/max": lengths.max().item(),
         "truncated_fraction": batch.generation.truncated.double().mean().item(),
         "zero_std_fraction": (grouped == grouped[:, :1]).all(dim=1).double().mean().item(),
-        "advantage/abs_mean": _masked_mean(batch.advantages.abs().double(), batch.generation.completion_mask),
+        "advantage/abs_mean": _masked_mean(batch.advantages.abs().double(), generation.sampled_mask),
     }
+    if generation.loss_mask is not None:
+        sampled = generation.loss_mask.sum(dim=1).double()  # [N]
+        metrics.update({"sampled_length/mean": sampled.mean().item(), "sampled_length/max": sampled.max().item()})
     for f, name in enumerate(batch.reward_names):
         column = batch.reward_parts[:, f]
         valid = column[~torch.isnan(column)]
@@ -108,7 +114,7 @@ def sample_records(batch: RolloutBatch, num_samples: int) -> list[dict]:
             "rewards": {name: _finite_or_none(batch.reward_parts[row, f])
                         for f, name in enumerate(batch.reward_names)},
             # A per-token advantage row (gae) is reported as its mean over the completion's tokens.
-            "advantage": _masked_mean(batch.advantages[row].double(), batch.generation.completion_mask[row]),
+            "advantage": _masked_mean(batch.advantages[row].double(), batch.generation.sampled_mask[row]),
             "truncated": bool(batch.generation.truncated[row]),
             **({"extras": {k: v[row] for k, v in batch.reward_extras.items()}} if batch.reward_extras else {}),
         })
@@ -116,7 +122,7 @@ def sample_records(batch: RolloutBatch, num_samples: int) -> list[dict]:
 
 
 def _masked_mean(advantages: torch.Tensor, mask: torch.Tensor) -> float:
-    """Mean of [N] outcome advantages, or of [N, Lc] per-token ones (gae) over the real tokens of ``mask``."""
+    """Mean of [N] outcome advantages, or of [N, Lc] per-token ones (gae) over the sampled tokens of ``mask``."""
     if advantages.dim() == mask.dim():
         return float((advantages * mask).sum() / mask.sum().clamp(min=1))
     return float(advantages.mean())

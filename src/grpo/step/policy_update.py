@@ -73,7 +73,9 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
     # The rollout's per-row tensors may sit on the CPU (decoupled batches always do): the loss needs
     # them beside the log-probs, on the policy's device.
     device = next(learner.module.parameters()).device
-    sampled = gen.completion_mask.float().to(device)  # [N, Lc]: every sampled token
+    # [N, Lc]: every sampled token. Multi-turn, environment tokens are 0 (issue 27): the forward passes see
+    # them (completion_mask), but the loss, its token counts, the KL, the entropy and the correction do not.
+    sampled = gen.sampled_mask.float().to(device)
     mask = sampled  # [N, Lc]: the tokens that carry loss
     if s.mask_truncated_completions:  # DAPO: a cut-off completion's tokens teach nothing about its end
         mask = sampled * (~gen.truncated).to(device=device, dtype=sampled.dtype)[:, None]

@@ -59,7 +59,8 @@ class RolloutBatch:
     reward_parts:    [N, F] float32 per reward function (NaN where a function abstained).
     reward_names:    F names, in the column order of ``reward_parts``.
     advantages:      [N] float32 outcome advantages (one per completion, from its group), or [N, Lc]
-                     float32 per-token advantages (gae: PPO with a critic; 0 on padding).
+                     float32 per-token advantages (gae: PPO with a critic; 0 on padding and, multi-turn, on the
+                     environment's tokens, which are not actions: ``grpo.algorithm.ppo``).
     old_logprobs:    [N, Lc] float32 log-probs under the sampling policy, or None when the update takes them
                      from its first iteration (who computes them: ``old_logprobs_after_sampling``).
     ref_logprobs:    [N, Lc] float32 reference log-probs, or None when beta == 0.
@@ -70,7 +71,8 @@ class RolloutBatch:
     reward_extras:   column -> N values the reward functions gave ``log_extra`` (for samples.jsonl).
     values:          [N, Lc] float32 the critic's values of the state before each completion token at
                      sampling, or None without a critic.
-    returns:         [N, Lc] float32 the critic's regression targets (GAE + values), or None without one.
+    returns:         [N, Lc] float32 the critic's regression targets (GAE + values) on the sampled tokens
+                     (``Generation.sampled_mask``), or None without one.
     sampler_logprobs: [N, Lc] float32 the sampler's own log-prob of each sampled token (0 on padding), when
                      the sampler is not the trainer: vLLM's, or a decoupled sampler's at its (maybe stale)
                      weights. For the off-policy guard and the truncated importance-sampling correction

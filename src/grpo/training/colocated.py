@@ -94,7 +94,7 @@ class Sampling:
                                                    self.cfg.train.micro_batch_size, self.processing,
                                                    logprob_pass(self.cfg))
         return check_sampler_logprobs(step, batch.sampler_logprobs, trainer_logprobs,
-                                      batch.generation.completion_mask, self.cfg.rollout.vllm_max_logprob_diff,
+                                      batch.generation.sampled_mask, self.cfg.rollout.vllm_max_logprob_diff,
                                       self.info)
 
     def after_update(self, step: int, collected: Collected, checkpointing: bool) -> dict[str, float]:

@@ -9,7 +9,10 @@ Protocol, version 1 (``PROTOCOL``)::
                    prompt_ids      int64       [N, Lp]  left-padded prompts
                    prompt_mask     int64|bool  [N, Lp]  1 for real prompt tokens
                    completion_ids  int64       [N, Lc]  right-padded completions
-                   completion_mask int64|bool  [N, Lc]  1 for completion tokens
+                   completion_mask int64|bool  [N, Lc]  1 for completion tokens (in a multi-turn row the
+                                                        environment's tokens too: they are context, and the
+                                                        trainer's loss_mask keeps them out of the KL, so the
+                                                        server needs no loss_mask and the protocol stays 1)
                  and optionally the safetensors metadata {"temperature": repr(float)}: the temperature the
                  client expects; the server refuses a request whose temperature is not its own.
         200:     safetensors bytes of {ref_logprobs: float32 [N, Lc]} (padding positions hold finite

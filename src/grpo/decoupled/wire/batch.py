@@ -27,8 +27,9 @@ BATCH_TENSORS: dict[str, tuple[str, frozenset, tuple[str, ...]]] = {
     "old_logprobs": ("floating", _FLOAT, ("N", "Lc")),
     "ref_logprobs": ("floating", _FLOAT, ("N", "Lc")),
     "sampler_logprobs": ("floating", _FLOAT, ("N", "Lc")),  # for loss.sampler_is_correction
+    "loss_mask": ("integer or bool", _INTEGER | {torch.bool}, ("N", "Lc")),  # multi-turn: the sampled tokens
 }
-OPTIONAL_BATCH_TENSORS = ("old_logprobs", "ref_logprobs", "sampler_logprobs")
+OPTIONAL_BATCH_TENSORS = ("old_logprobs", "ref_logprobs", "sampler_logprobs", "loss_mask")
 META_FIELDS = {"batch_id": "str", "sampler_id": "str", "policy_version": "int"}
 
 
@@ -57,6 +58,9 @@ def _check_batch(tensors: Mapping[str, Tensor], completions: list, prompts: list
             if size != expected:
                 raise WireError(f"batch tensor {name} has shape {list(tensor.shape)}: {dim_name} is {size} here "
                                 f"but {expected} elsewhere (reward_names gives F)")
+    if "loss_mask" in tensors and bool((tensors["loss_mask"].long() > tensors["completion_mask"].long()).any()):
+        raise WireError("batch tensor loss_mask is 1 where completion_mask is 0: a sampled token must be a "
+                        "completion token")
     n = dims["N"]
     if len(completions) != n:
         raise WireError(f"batch has {len(completions)} completion texts for N={n} rows")
@@ -71,13 +75,19 @@ def _check_batch(tensors: Mapping[str, Tensor], completions: list, prompts: list
 
 
 def _check_reward_logs(header: Mapping[str, Any], n: int) -> None:
-    """What rewards logged (optional fields): metrics are name -> number, extras name -> N values."""
-    for name, value in header.get("reward_metrics", {}).items():
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise WireError(f"batch reward_metrics[{name[:64]!r}] must be a number, got {type(value).__name__}")
+    """What rewards and the multi-turn driver logged (optional fields): metrics are name -> number, extras
+    name -> N values, messages N lists of message objects (or null: single-turn)."""
+    for field_name in ("reward_metrics", "rollout_metrics"):
+        for name, value in header.get(field_name, {}).items():
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise WireError(f"batch {field_name}[{name[:64]!r}] must be a number, got {type(value).__name__}")
     for name, values in header.get("reward_extras", {}).items():
         if not isinstance(values, list) or len(values) != n:
             raise WireError(f"batch reward_extras[{name[:64]!r}] must be a list of N={n} values")
+    messages = header.get("messages")
+    if messages is not None and not (isinstance(messages, list) and len(messages) == n and all(
+            isinstance(row, list) and all(isinstance(m, dict) for m in row) for row in messages)):
+        raise WireError(f"batch messages must be null or a list of N={n} lists of message objects")
 
 
 def batch_to_message(batch: RolloutBatch, meta: Mapping[str, Any]) -> tuple[dict, dict[str, Tensor]]:
@@ -98,8 +108,9 @@ def batch_to_message(batch: RolloutBatch, meta: Mapping[str, Any]) -> tuple[dict
         "rewards": batch.rewards, "reward_parts": batch.reward_parts, "advantages": batch.advantages,
     }
     for name in OPTIONAL_BATCH_TENSORS:
-        if getattr(batch, name) is not None:
-            tensors[name] = getattr(batch, name)
+        value = gen.loss_mask if name == "loss_mask" else getattr(batch, name)
+        if value is not None:  # absent on the wire: None again on the other side
+            tensors[name] = value
     header = {
         **{name: meta[name] for name in META_FIELDS},
         "meta": {k: v for k, v in meta.items() if k not in META_FIELDS},
@@ -108,6 +119,7 @@ def batch_to_message(batch: RolloutBatch, meta: Mapping[str, Any]) -> tuple[dict
         "columns": {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in batch.columns.items()},
         "reward_metrics": dict(batch.reward_metrics),
         "reward_extras": {k: list(v) for k, v in batch.reward_extras.items()},
+        "messages": gen.messages, "rollout_metrics": dict(gen.rollout_metrics),
     }
     _check_fields(KINDS["batch"], header)
     _check_batch(tensors, header["completions"], header["prompts"], header["reward_names"], header["columns"])
@@ -130,7 +142,9 @@ def message_to_batch(message: Message) -> tuple[RolloutBatch, dict]:
         generation=Generation(
             prompt_ids=tensors["prompt_ids"], prompt_mask=tensors["prompt_mask"],
             completion_ids=tensors["completion_ids"], completion_mask=tensors["completion_mask"],
-            truncated=tensors["truncated"], completions=list(header["completions"])),
+            truncated=tensors["truncated"], completions=list(header["completions"]),
+            loss_mask=tensors.get("loss_mask"), messages=header.get("messages"),
+            rollout_metrics=dict(header.get("rollout_metrics", {}))),
         rewards=tensors["rewards"], reward_parts=tensors["reward_parts"], reward_names=list(header["reward_names"]),
         advantages=tensors["advantages"], old_logprobs=tensors.get("old_logprobs"),
         ref_logprobs=tensors.get("ref_logprobs"), sampler_logprobs=tensors.get("sampler_logprobs"),

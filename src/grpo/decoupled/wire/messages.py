@@ -14,7 +14,9 @@ import torch
 from safetensors.torch import load as load_safetensors_bytes  # parses, never unpickles
 from torch import Tensor
 
-PROTOCOL_VERSION = 2  # 2: samplers ask for work (want / work): a chunk of a step each
+# 2: samplers ask for work (want / work): a chunk of a step each. 3: a batch carries multi-turn rows
+# (loss_mask, messages, rollout_metrics; issue 27): a version-2 trainer would train on environment tokens.
+PROTOCOL_VERSION = 3
 
 # The header holds a batch's texts (prompts, completions, dataset columns), so it is allowed to be
 # larger than a control message needs: a 1 MiB cap would refuse a batch of 512 completions of 1k
@@ -58,6 +60,7 @@ FIELD_TYPES: dict[str, Callable[[Any], bool]] = {
     "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
     "str|null": lambda v: v is None or isinstance(v, str),
     "int|null": lambda v: v is None or _is_int(v),
+    "list|null": lambda v: v is None or isinstance(v, list),
 }
 
 
@@ -82,7 +85,8 @@ KINDS: dict[str, MessageKind] = {k.name: k for k in (
     MessageKind("batch", "sampler -> trainer",
                 {"batch_id": "str", "sampler_id": "str", "policy_version": "int", "completions": "list[str]",
                  "prompts": "list[str]", "reward_names": "list[str]", "columns": "object", "meta": "object"},
-                {"reward_metrics": "object", "reward_extras": "object"}, carries_tensors=True),
+                {"reward_metrics": "object", "reward_extras": "object", "messages": "list|null",
+                 "rollout_metrics": "object"}, carries_tensors=True),
     # durable false: trained, but the checkpoint that lists it is not on disk yet; the sampler frees
     # the slot and keeps the batch to resend should the trainer restart (a durable ack follows).
     MessageKind("ack", "trainer -> sampler", {"batch_id": "str", "policy_version": "int"},
@@ -223,7 +227,8 @@ def decode(frames: Sequence[Any], *, token: str = "", max_bytes: int,
     if not _is_int(version):
         raise WireError("header has no integer protocol version 'v'")
     if version != PROTOCOL_VERSION:
-        raise WireError(f"protocol version {version} is not this endpoint's version {PROTOCOL_VERSION}")
+        raise WireError(f"protocol version {version} is not this endpoint's version {PROTOCOL_VERSION}: samplers "
+                        "and the trainer must run the same grpo release")
     spec = _kind(header.pop("kind", None))
     try:
         _check_fields(spec, header)
