@@ -4,7 +4,7 @@ conversation again, far fewer tokens fed, and a cache that cannot outlive its ro
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest

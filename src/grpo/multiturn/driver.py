@@ -7,6 +7,8 @@ sampled tokens stay as they were); every row with calls then continues from its 
 stops at a turn without calls, at ``max_iterations`` tool rounds, or at the completion budget
 (``params.max_tokens``: tool tokens count toward it; a tool result that does not fit ends the row, marked
 truncated). Every row's turn is sampled in one engine call, so a row waits at most a turn for the others.
+An engine that can keep the rows' keys/values (``PrefixCachingEngine``: ``hf``, ``hf-static``) keeps them for
+the rollout, so a turn prefills only the row's new tokens; vLLM's own prefix caching does the same for it.
 
 The result is one ``Generation``: ``completion_ids`` are all tokens after the prompt (sampled and inserted),
 ``loss_mask`` is 1 on sampled ones only, ``messages`` the completion as chat messages for rewards.

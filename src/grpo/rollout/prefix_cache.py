@@ -81,13 +81,17 @@ class PrefixCache:
         """Keep rows ``rows`` ([r] long) of a batch's cache ``layers`` (each with ``keys``/``values``
         [B, heads, W, d]): row i's real slots are where ``slots[i]`` ([r, W] bool) is True, holding ``ids[i]``."""
         self.check_open()
-        gathered = [(layer.keys[rows], layer.values[rows]) for layer in layers]  # [r, h, W, d] each
-        for i, row_ids in enumerate(ids):
-            where = slots[i].nonzero().squeeze(-1)  # [T]
+        wheres = [slots[i].nonzero().squeeze(-1) for i in range(len(ids))]  # [T_i] each
+        for where, row_ids in zip(wheres, ids):
             if len(where) != len(row_ids):
                 raise RuntimeError(f"prefix cache: {len(where)} filled slots for {len(row_ids)} tokens")
-            self.entries.append(CachedPrefix(list(row_ids), [k[i][:, where] for k, _ in gathered],
-                                             [v[i][:, where] for _, v in gathered]))
+        keys: list[list[Tensor]] = [[] for _ in ids]
+        values: list[list[Tensor]] = [[] for _ in ids]
+        for layer in layers:  # row by row: only the kept slots are copied, never a whole batch's cache
+            for i, (row, where) in enumerate(zip(rows.tolist(), wheres)):
+                keys[i].append(layer.keys[row][:, where])  # [h, T_i, d]
+                values[i].append(layer.values[row][:, where])
+        self.entries += [CachedPrefix(list(row_ids), k, v) for row_ids, k, v in zip(ids, keys, values)]
 
     def clear(self) -> None:
         self.entries = []
