@@ -5,6 +5,7 @@ import asyncio
 import copy
 import json
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -211,3 +212,43 @@ def test_a_tool_without_a_docstring_is_refused(tool_tokenizer):
 
     with pytest.raises(ValueError, match="bare"):
         MultiTurnRollout(ScriptedEngine(tool_tokenizer, None), tool_tokenizer, [2], [bare], None, None, 1.0)
+
+
+class CachingScriptedEngine(ScriptedEngine):
+    """A ``PrefixCachingEngine``: records when the driver opens and closes its per-rollout cache."""
+
+    def __init__(self, tokenizer, script):
+        super().__init__(tokenizer, script)
+        self.events = []
+
+    @contextmanager
+    def cached_turns(self):
+        self.events.append("open")
+        try:
+            yield self
+        finally:
+            self.events.append("closed")
+
+
+def test_the_driver_keeps_an_engine_s_cache_for_one_rollout_only(tool_tokenizer):
+    # Every turn goes through the rollout's cache context, which is closed when the rollout ends, also when a
+    # turn raises: keys/values from this step's weights can never reach the next step.
+    def script(context, j):
+        if "<tool_response>" not in context:
+            return call("calculator", expression="2+3")
+        return "<answer>5</answer><|im_end|>"
+
+    engine = CachingScriptedEngine(tool_tokenizer, script)
+    eos = [tool_tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    driver = MultiTurnRollout(engine, tool_tokenizer, eos, [calculator], None, None, 5.0)
+    params = SamplingParams(n=2, max_tokens=200)
+    driver.rollout([example("2+3?")], "Use tools.", 4096, params, 0)
+    assert engine.events == ["open", "closed"] and len(engine.calls) == 2
+
+    def broken(context, j):
+        raise RuntimeError("engine failed")
+
+    engine.script = broken
+    with pytest.raises(RuntimeError, match="engine failed"):
+        driver.rollout([example("2+3?")], "Use tools.", 4096, params, 0)
+    assert engine.events == ["open", "closed", "open", "closed"]

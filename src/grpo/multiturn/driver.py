@@ -7,6 +7,8 @@ sampled tokens stay as they were); every row with calls then continues from its 
 stops at a turn without calls, at ``max_iterations`` tool rounds, or at the completion budget
 (``params.max_tokens``: tool tokens count toward it; a tool result that does not fit ends the row, marked
 truncated). Every row's turn is sampled in one engine call, so a row waits at most a turn for the others.
+An engine that can keep the rows' keys/values (``PrefixCachingEngine``: ``hf``, ``hf-static``) keeps them for
+the rollout, so a turn prefills only the row's new tokens; vLLM's own prefix caching does the same for it.
 
 The result is one ``Generation``: ``completion_ids`` are all tokens after the prompt (sampled and inserted),
 ``loss_mask`` is 1 on sampled ones only, ``messages`` the completion as chat messages for rewards.
@@ -14,6 +16,7 @@ The result is one ``Generation``: ``completion_ids`` are all tokens after the pr
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, Sequence, runtime_checkable
 
@@ -23,7 +26,7 @@ from grpo.multiturn.conversation import check_tool_template, tool_suffix_ids
 from grpo.multiturn.environments import Environments, environment_methods
 from grpo.multiturn.tool_calls import TOOL_CALL_FORMATS, ToolCall, detect_format
 from grpo.multiturn.tools import PendingCall, Toolbox, ToolOutcome
-from grpo.rollout.engine import SamplingParams
+from grpo.rollout.engine import PrefixCachingEngine, SamplingParams, TokenIdsEngine
 from grpo.rollout.hf import left_pad
 from grpo.step.records import Generation
 
@@ -84,7 +87,7 @@ class MultiTurnRollout:
 
     def __init__(self, engine, tokenizer, eos_ids: list[int], tools: Sequence, environments: Environments | None,
                  max_iterations: int | None, tool_timeout_s: float, tool_call_format: str = "auto"):
-        if not hasattr(engine, "generate_ids"):
+        if not isinstance(engine, TokenIdsEngine):
             raise ValueError(f"rollout engine {type(engine).__name__} cannot continue from token ids, so it cannot "
                              "run multi-turn rollouts")
         self.engine, self.tokenizer, self.eos_ids, self.tools = engine, tokenizer, list(eos_ids), list(tools)
@@ -132,16 +135,20 @@ class MultiTurnRollout:
                 rows.append(Row(ids, toolbox, env))
                 chat_prompts.append(messages)
                 texts.append(text)
-        self._turns(rows, params, seed, self.eos_ids)
+        # An engine that can keep the rows' keys/values does so for this rollout only (the weights change after)
+        with (self.engine.cached_turns() if isinstance(self.engine, PrefixCachingEngine)
+              else nullcontext(self.engine)) as engine:
+            self._turns(engine, rows, params, seed, self.eos_ids)
         return TurnsResult(self._generation(rows), texts[::G], chat_prompts, envs)
 
-    def _turns(self, rows: list[Row], params: SamplingParams, seed: int | None, eos_ids: list[int]) -> None:
+    def _turns(self, engine: TokenIdsEngine, rows: list[Row], params: SamplingParams, seed: int | None,
+               eos_ids: list[int]) -> None:
         budget, G = params.max_tokens, params.n
         shared = all(rows[i].prompt_ids == rows[i - i % G].prompt_ids for i in range(len(rows)))
         if shared:  # one prefill per prompt, G samples each
-            first = self.engine.generate_ids([r.prompt_ids for r in rows[::G]], params, seed=seed)
+            first = engine.generate_ids([r.prompt_ids for r in rows[::G]], params, seed=seed)
         else:
-            first = self.engine.generate_ids([r.prompt_ids for r in rows], replace(params, n=1), seed=seed)
+            first = engine.generate_ids([r.prompt_ids for r in rows], replace(params, n=1), seed=seed)
         self._sampler_logprobs = first.sampler_logprobs is not None  # an engine with its own weights (vLLM)
         active = list(range(len(rows)))
         self._take(rows, active, first, eos_ids, budget)
@@ -156,8 +163,8 @@ class MultiTurnRollout:
             iteration += 1
             room = max(budget - len(rows[k].ids) for k in continuing)
             turn_seed = None if seed is None else seed + 7919 * iteration
-            out = self.engine.generate_ids([rows[k].prompt_ids + rows[k].ids for k in continuing],
-                                           replace(params, n=1, max_tokens=room, min_new_tokens=0), seed=turn_seed)
+            out = engine.generate_ids([rows[k].prompt_ids + rows[k].ids for k in continuing],
+                                      replace(params, n=1, max_tokens=room, min_new_tokens=0), seed=turn_seed)
             self._take(rows, continuing, out, eos_ids, budget)
             active = continuing
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -34,6 +35,30 @@ class SamplingParams:
 class RolloutEngine(Protocol):
     def generate(self, prompts: Sequence[str], params: SamplingParams, seed: int | None = None) -> Generation:
         """Sample ``params.n`` completions for each rendered prompt; rows grouped per prompt."""
+        ...
+
+
+@runtime_checkable
+class TokenIdsEngine(Protocol):
+    """An engine that samples from token ids as they are (no re-tokenising), so that a multi-turn row
+    continues from its exact ids (``grpo.multiturn.driver``). Every grpo engine has it; its ``generate``
+    is tokenising then ``generate_ids``, so the two give the same rows for the same seed."""
+
+    def generate_ids(self, prompt_ids: Sequence[list[int]], params: SamplingParams,
+                     seed: int | None = None) -> Generation:
+        """``generate`` for prompts given as [P] lists of token ids; the ``Generation`` is the same record."""
+        ...
+
+
+@runtime_checkable
+class PrefixCachingEngine(TokenIdsEngine, Protocol):
+    """An engine that can keep the rows' keys/values from one ``generate_ids`` call to the next, so that a
+    multi-turn row's next turn prefills only its new tokens (the sampled turn's last token and the tool
+    result), not the whole conversation again (``grpo.rollout.prefix_cache``)."""
+
+    def cached_turns(self) -> AbstractContextManager[TokenIdsEngine]:
+        """A context whose engine continues each prompt from the longest cached row it extends. The cache
+        is freed when the context exits, so it cannot outlive the rollout (the weights change after it)."""
         ...
 
 

@@ -53,11 +53,18 @@ class HFEngine:
     def generate(self, prompts: Sequence[str], params: SamplingParams, seed: int | None = None) -> Generation:
         """``params.n`` completions per rendered prompt, rows grouped per prompt (see ``Generation``).
         ``seed`` seeds torch's RNG first, so the same seed gives the same completions."""
+        return self.generate_ids([self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts],
+                                 params, seed)
+
+    def generate_ids(self, prompt_ids: Sequence[list[int]], params: SamplingParams,
+                     seed: int | None = None) -> Generation:
+        """``generate`` from token ids. Every call prefills its prompts whole: ``generate`` keeps no cache
+        between calls (a multi-turn row's next turn re-reads its conversation; the ``hf`` engine does not)."""
         model = unwrap_model(self.model)
         pad_id = self.tokenizer.pad_token_id
         eos_ids = eos_token_ids(model, self.tokenizer)
-        encoded = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        prompts_per_call = max(1, (self.batch_size or len(prompts) * params.n) // params.n)
+        encoded = [list(ids) for ids in prompt_ids]
+        prompts_per_call = max(1, (self.batch_size or len(encoded) * params.n) // params.n)
         config = self._generation_config(params, pad_id, eos_ids)
         if seed is not None:
             torch.manual_seed(seed)

@@ -14,7 +14,7 @@ matmuls per layer per token; the base weights themselves are never modified).
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Sequence
 
 import torch
@@ -25,6 +25,7 @@ from grpo.algorithm.processing import eos_mask, min_p_removed, penalize_repeats,
 from grpo.models.wrappers import eos_token_ids, unwrap_model
 from grpo.rollout.engine import SamplingParams, completion_mask_from_ids
 from grpo.rollout.hf import eval_mode, left_pad
+from grpo.rollout.prefix_cache import CachedTurns, PrefixCache, cached_turns, prefill
 from grpo.step.records import Generation
 
 
@@ -190,12 +191,19 @@ class LeanEngine:
 
     def generate(self, prompts: Sequence[str], params: SamplingParams, seed: int | None = None) -> Generation:
         """``params.n`` completions per rendered prompt, rows grouped per prompt. ``seed`` fixes the draws."""
+        return self.generate_ids([self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts],
+                                 params, seed)
+
+    def generate_ids(self, prompt_ids: Sequence[list[int]], params: SamplingParams, seed: int | None = None, *,
+                     prefix_cache: PrefixCache | None = None) -> Generation:
+        """``generate`` from token ids. ``prefix_cache`` (from ``cached_turns()``): each prompt continues from
+        the longest stored row it extends, and every row's keys/values are stored when it stops."""
         model = unwrap_model(self.model)
         pad_id = self.tokenizer.pad_token_id
         eos_ids = eos_token_ids(model, self.tokenizer)
-        encoded = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        encoded = [list(ids) for ids in prompt_ids]
         generator = seeded_generator(params, seed, next(model.parameters()).device)
-        per_call = max(1, (self.batch_size or len(prompts) * params.n) // params.n)
+        per_call = max(1, (self.batch_size or len(encoded) * params.n) // params.n)
         chunks = []
         with eval_mode(model), torch.no_grad():
             folded = folded_lora_weights(model)
@@ -204,32 +212,35 @@ class LeanEngine:
                   weights_swapped(model, folded) if folded is not None else nullcontext()):
                 for start in range(0, len(encoded), per_call):
                     chunks.append(self._sample(model, model, encoded[start:start + per_call], params, eos_ids,
-                                               pad_id, generator))
+                                               pad_id, generator, prefix_cache))
         return assemble_generation(chunks, encoded, params.n, eos_ids, pad_id, self.tokenizer)
+
+    def cached_turns(self) -> AbstractContextManager[CachedTurns]:
+        """See ``grpo.rollout.engine.PrefixCachingEngine``: the rows' keys/values kept between calls."""
+        return cached_turns(self)
 
     @staticmethod
     def _sample(forward, model, encoded: list[list[int]], params: SamplingParams, eos_ids: list[int], pad_id: int,
-                generator: torch.Generator) -> Tensor:
+                generator: torch.Generator, prefix_cache: PrefixCache | None = None) -> Tensor:
         device = next(model.parameters()).device
-        ids, mask = left_pad(encoded, pad_id)
-        ids, mask = ids.to(device), mask.to(device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = forward(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values
+        first = prefill(forward, encoded, pad_id, device, prefix_cache)
+        cache, width = first.cache, first.key_mask.shape[1]
         n = params.n
         # One prefill per prompt, its cache repeated for the G samples with room for their tokens. Other
         # layer kinds (sliding windows drop old positions) keep their own semantics, repeated as they are.
-        cache.layers = [PreallocatedLayer(layer.keys, layer.values, n, ids.shape[1] + params.max_tokens)
+        cache.layers = [PreallocatedLayer(layer.keys, layer.values, n, width + params.max_tokens)
                         if type(layer) is DynamicLayer else layer for layer in cache.layers]
         for layer in cache.layers:
             if not isinstance(layer, PreallocatedLayer):
                 layer.batch_repeat_interleave(n)
-        prompt_mask, mask = mask, mask.repeat_interleave(n, dim=0)  # [B, Lp] with B = prompts * n
-        next_pos = positions[:, -1:].repeat_interleave(n, dim=0) + 1  # [B, 1]
-        logits = out.logits[:, -1].repeat_interleave(n, dim=0)  # [B, V]
+        if not all(isinstance(layer, PreallocatedLayer) for layer in cache.layers):
+            prefix_cache = None  # a sliding window has dropped positions: such rows are prefilled whole next turn
+        mask = first.key_mask.repeat_interleave(n, dim=0)  # [B, W] with B = prompts * n
+        next_pos = first.last_position.repeat_interleave(n, dim=0) + 1  # [B, 1]
+        logits = first.logits.repeat_interleave(n, dim=0)  # [B, V]
         B, V = logits.shape
         # The processors' state: the tokens each row has seen (prompt, then each drawn one) and the EOS ids
-        seen = (prompt_presence(ids, prompt_mask, V).repeat_interleave(n, dim=0)  # [B, V] bool
+        seen = (prompt_presence(first.prompt_ids, first.prompt_mask, V).repeat_interleave(n, dim=0)  # [B, V] bool
                 if params.repetition_penalty != 1.0 else None)
         eos_forbidden = eos_mask(eos_ids, V, device) if params.min_new_tokens > 0 else None  # [V]
         result = torch.full((B, params.max_tokens), pad_id, dtype=torch.long, device=device)
@@ -249,8 +260,13 @@ class LeanEngine:
                 seen.scatter_(1, tokens[:, None], True)
             done = torch.isin(tokens, eos)
             if done.all() or t == params.max_tokens - 1:
+                if prefix_cache is not None:
+                    _store_rows(prefix_cache, cache, torch.arange(len(active), device=device), mask, active,
+                                result, t, encoded, n)
                 break
             if done.any():  # finished rows leave the batch (their cache rows too)
+                if prefix_cache is not None:  # ... after their keys/values are kept for their next turn
+                    _store_rows(prefix_cache, cache, done.nonzero().squeeze(-1), mask, active, result, t, encoded, n)
                 keep = (~done).nonzero().squeeze(-1)
                 cache.batch_select_indices(keep)
                 active, tokens, mask, next_pos = active[keep], tokens[keep], mask[keep], next_pos[keep]
@@ -261,3 +277,12 @@ class LeanEngine:
             logits = out.logits[:, -1]
             next_pos = next_pos + 1
         return result[:, : t + 1].cpu()
+
+
+def _store_rows(prefix_cache: PrefixCache, cache, rows: Tensor, mask: Tensor, active: Tensor, result: Tensor, t: int,
+                encoded: list[list[int]], n: int) -> None:
+    """Keep batch rows ``rows`` at token ``t``: their cache holds the prompt and tokens 0..t-1 (token t was
+    drawn, not fed), in the slots ``mask`` [b, W + t] marks."""
+    fed = result[active[rows], :t].tolist()
+    ids = [encoded[int(r) // n] + tokens for r, tokens in zip(active[rows].tolist(), fed)]
+    prefix_cache.store(cache.layers, rows, mask[rows].bool(), ids)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from contextlib import AbstractContextManager
 from typing import Sequence
 
 import torch
@@ -47,8 +48,8 @@ from transformers.cache_utils import DynamicLayer
 from grpo.algorithm.processing import eos_mask, prompt_presence
 from grpo.models.wrappers import eos_token_ids
 from grpo.rollout.engine import SamplingParams
-from grpo.rollout.hf import left_pad
 from grpo.rollout.lean import apply_processors, assemble_generation, filter_logits, seeded_generator
+from grpo.rollout.prefix_cache import CachedTurns, PrefixCache, cached_turns, prefill
 from grpo.rollout.sampling_copy import SamplingCopy
 from grpo.step.records import Generation
 
@@ -110,45 +111,57 @@ class StaticEngine:
 
     def generate(self, prompts: Sequence[str], params: SamplingParams, seed: int | None = None) -> Generation:
         """``params.n`` completions per rendered prompt, rows grouped per prompt. ``seed`` fixes the draws."""
+        return self.generate_ids([self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts],
+                                 params, seed)
+
+    def generate_ids(self, prompt_ids: Sequence[list[int]], params: SamplingParams, seed: int | None = None, *,
+                     prefix_cache: PrefixCache | None = None) -> Generation:
+        """``generate`` from token ids. ``prefix_cache`` (from ``cached_turns()``): each prompt continues from
+        the longest stored row it extends, and every row's keys/values up to its first EOS are stored."""
+        if prefix_cache is not None:
+            prefix_cache.check_open()
         self.copy.refresh()  # the policy may have been updated since the last call
         model = self.copy.model
         device = next(model.parameters()).device
         pad_id = self.tokenizer.pad_token_id
         eos_ids = eos_token_ids(self.policy, self.tokenizer)
-        encoded = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        encoded = [list(ids) for ids in prompt_ids]
         generator = seeded_generator(params, seed, device)
-        per_call = max(1, (self.batch_size or len(prompts) * params.n) // params.n)
+        per_call = max(1, (self.batch_size or len(encoded) * params.n) // params.n)
         with torch.no_grad():
-            chunks = [self._sample(model, encoded[start:start + per_call], params, eos_ids, pad_id, generator)
+            chunks = [self._sample(model, encoded[start:start + per_call], params, eos_ids, pad_id, generator,
+                                   prefix_cache)
                       for start in range(0, len(encoded), per_call)]
         return assemble_generation(chunks, encoded, params.n, eos_ids, pad_id, self.tokenizer)
 
+    def cached_turns(self) -> AbstractContextManager[CachedTurns]:
+        """See ``grpo.rollout.engine.PrefixCachingEngine``: the rows' keys/values kept between calls."""
+        return cached_turns(self)
+
     def _sample(self, model, encoded: list[list[int]], params: SamplingParams, eos_ids: list[int], pad_id: int,
-                generator: torch.Generator) -> Tensor:
+                generator: torch.Generator, prefix_cache: PrefixCache | None = None) -> Tensor:
         """[B, t] sampled tokens (anything after a row's first EOS is unused) for one batch of prompts."""
         device = next(model.parameters()).device
         n, steps = params.n, params.max_tokens
-        ids, mask = left_pad(encoded, pad_id)
-        ids, mask = ids.to(device), mask.to(device)
-        Lp = ids.shape[1]
+        first = prefill(model, encoded, pad_id, device, prefix_cache)
+        mask = first.key_mask  # [U, Lp]: Lp the prefill's slots (a cached prefix and the fed rest)
+        Lp = mask.shape[1]
         capacity = math.ceil((Lp + steps) / CACHE_BUCKET) * CACHE_BUCKET
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values
+        cache = first.cache
         if any(type(layer) is not DynamicLayer for layer in cache.layers):
             raise ValueError("rollout engine hf-static supports full-attention models only (this one has "
                              f"{sorted({type(layer).__name__ for layer in cache.layers})}); use rollout.engine: hf")
         write_pos = torch.tensor(Lp, device=device)  # [] the cache slot the next token goes to
         cache.layers = [StaticKVLayer(layer.keys, layer.values, n, capacity, write_pos) for layer in cache.layers]
-        B = ids.shape[0] * n
-        V = out.logits.shape[-1]
+        B = len(encoded) * n
+        V = first.logits.shape[-1]
         greedy = params.greedy or params.temperature == 0
         state = _StepState(
             cache=cache, write_pos=write_pos, prompt_len=Lp,
             # attention: the prompt's real tokens and every generated slot; the causal part (slot <= the
             # one being written) is applied in the step
             key_mask=torch.cat([mask, mask.new_ones(mask.shape[0], capacity - Lp)], 1).bool().repeat_interleave(n, 0),
-            first_position=positions[:, -1:].repeat_interleave(n, dim=0) + 1,  # [B, 1]
+            first_position=first.last_position.repeat_interleave(n, dim=0) + 1,  # [B, 1]
             slots=torch.arange(capacity, device=device),  # [C]
             uniforms=(None if greedy else
                       torch.rand(B, steps, generator=generator, dtype=torch.float64, device=device)),  # [B, steps]
@@ -156,17 +169,19 @@ class StaticEngine:
             finished=torch.zeros(B, dtype=torch.bool, device=device),  # [B]
             eos=torch.tensor(eos_ids, device=device), params=params,
             # the processors' state (None when off): tokens seen per row [B, V], the EOS ids [V]
-            seen=(prompt_presence(ids, mask, V).repeat_interleave(n, 0) if params.repetition_penalty != 1.0
-                  else None),
+            seen=(prompt_presence(first.prompt_ids, first.prompt_mask, V).repeat_interleave(n, 0)
+                  if params.repetition_penalty != 1.0 else None),
             eos_forbidden=eos_mask(eos_ids, V, device) if params.min_new_tokens > 0 else None)
         # Token 0 comes from the prefill's logits (eagerly); the graph covers tokens 1 .. steps-1.
-        state.first_token(out.logits[:, -1].repeat_interleave(n, 0))
+        state.first_token(first.logits.repeat_interleave(n, 0))
         step = self._decode_step(model, state)
         t = 0
         for t in range(1, steps):
             step()
             if t % self.eos_check_every == 0 and bool(state.finished.all()):  # the one host sync, every k tokens
                 break
+        if prefix_cache is not None:
+            _store_rows(prefix_cache, state, encoded, n, t)
         return state.result[:, : t + 1].cpu()
 
     def _decode_step(self, model, state: "_StepState"):
@@ -232,6 +247,19 @@ class _StepState:
                     attention_mask=visible[:, None, None, :], past_key_values=self.cache, use_cache=True)
         self.record(self.draw(out.logits[:, -1], t), t)
         self.write_pos.add_(1)
+
+
+def _store_rows(prefix_cache: PrefixCache, state: "_StepState", encoded: list[list[int]], n: int, t: int) -> None:
+    """Keep every row's keys/values after ``t`` decode steps: tokens 0..t-1 have been fed (slots Lp..Lp+t-1),
+    but a row that ended keeps only those before its first EOS (it went on decoding, unused, after it)."""
+    Lp, result = state.prompt_len, state.result[:, :t + 1]
+    is_eos = torch.isin(result, state.eos)  # [B, t+1]
+    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], t, dtype=torch.long))
+    kept = first_eos.clamp(max=t)  # [B] generated tokens kept per row
+    slots = state.slots[: Lp + t]  # [Lp + t]
+    real = state.key_mask[:, : Lp + t] & (slots < Lp + kept[:, None])  # [B, Lp + t]
+    ids = [encoded[r // n] + result[r, :k].tolist() for r, k in enumerate(kept.tolist())]
+    prefix_cache.store(state.cache.layers, torch.arange(len(ids), device=result.device), real, ids)
 
 
 def _capture(step, state: _StepState):

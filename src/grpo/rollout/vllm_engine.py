@@ -1,7 +1,7 @@
 """vLLM as a rollout engine (``rollout.engine: vllm``), behind the same ``RolloutEngine`` protocol.
 
 Data flow: rendered prompts are tokenized with the run's HF tokenizer (so prompt ids are exactly the
-trainer's), the ids go to ``vllm.LLM.generate`` as ``{"prompt_token_ids": ...}`` with one
+trainer's; ``generate_ids`` takes ids directly, for multi-turn rows), the ids go to ``vllm.LLM.generate`` as ``{"prompt_token_ids": ...}`` with one
 ``vllm.SamplingParams`` whose fields map one to one from ours (n, temperature, top_p, top_k,
 max_tokens, seed), and the ``RequestOutput`` objects come back as a ``grpo.step.records.Generation``
 (rows grouped per prompt, completions right-padded with the pad id).
@@ -166,16 +166,25 @@ class VLLMEngine:
         vLLM gives its ``j``-th sample ``seed + i * n + j``, so no two rows share a stream. The
         generation's ``sampler_logprobs`` are vLLM's log-prob of each completion token ([N, Lc] float32).
         """
+        return self.generate_ids([self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts],
+                                 params, seed)
+
+    def generate_ids(self, prompt_ids: Sequence[list[int]], params: SamplingParams,
+                     seed: int | None = None) -> Generation:
+        """``generate`` from token ids, which go to vLLM as they are (``{"prompt_token_ids": ids}``, vLLM's
+        ``TokensPrompt``). A multi-turn row's next turn reuses its conversation's keys/values through vLLM's
+        automatic prefix caching (on by default in the V1 engine; block-granular), not through grpo;
+        ``load_weights_from_dir`` resets that cache, and a new LoRA request never matches the old one's blocks."""
         if self.asleep:
             raise RuntimeError("the vLLM engine is asleep; call wake_up() before generate()")
         pad_id = self.tokenizer.pad_token_id
-        encoded = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        encoded = [list(ids) for ids in prompt_ids]
         if any(len(ids) == 0 for ids in encoded):
-            raise ValueError("an empty prompt cannot be sampled from (it tokenizes to no ids)")
+            raise ValueError("an empty prompt cannot be sampled from (it has no token ids)")
         n = params.n
         requests = [{"prompt_token_ids": ids} for ids in encoded]
         sampling = [to_vllm_sampling_params(params, None if seed is None else seed + i * n)
-                    for i in range(len(prompts))]
+                    for i in range(len(encoded))]
         outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self._lora_request)
 
         rows: list[list[int]] = []

@@ -1,0 +1,177 @@
+"""Keys/values kept between the turns of one multi-turn rollout (issue 27), for the ``hf`` and ``hf-static``
+engines: a row's next turn prefills only the tokens its cached prefix lacks.
+
+A multi-turn row's next prompt is its previous prompt + the turn it sampled + the tool result. When a row
+stops sampling, the engine stores the keys/values of every token it fed the model (the prompt and the sampled
+tokens but the last one, which was drawn and never fed) as a ``CachedPrefix``, compacted: left padding and
+other rows' slots dropped. The next call looks each prompt up (the longest stored prefix of its ids) and feeds
+the model only the rest: the last sampled token, then the tool result. Causal attention makes that exact: a
+position's keys/values depend only on the tokens up to it, and they were computed at the same positions
+(rotary embeddings included), so only the float order of the attention sums differs from a full prefill.
+
+Lifetime: a ``PrefixCache`` lives inside one ``engine.cached_turns()`` context (``CachedTurns``), which the
+multi-turn driver opens around one rollout; leaving it (normally or by an exception) drops every entry and
+closes the cache, and a closed cache refuses to be used. So keys/values computed with one step's weights
+can never be read after the optimizer has changed them. Inside the context the weights must not change
+(nothing in a rollout changes them). A matched entry is dropped once it has been continued (the row's new
+entry holds it), so the cache holds about one entry per row.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import DynamicCache
+
+from grpo.rollout.engine import SamplingParams
+from grpo.rollout.hf import left_pad
+from grpo.step.records import Generation
+
+
+@dataclass
+class CachedPrefix:
+    """One row's keys/values: ``ids`` [T] the tokens they belong to (position i holds token ids[i]);
+    ``keys``/``values`` one [heads, T, head_dim] tensor per layer."""
+
+    ids: list[int]
+    keys: list[Tensor]
+    values: list[Tensor]
+
+
+class PrefixCache:
+    """The stored rows of one rollout. ``fed_tokens``/``reused_tokens``: prompt tokens the prefills fed the
+    model (left padding included) and those a cached prefix spared it."""
+
+    def __init__(self):
+        self.entries: list[CachedPrefix] = []
+        self.closed = False
+        self.fed_tokens = 0
+        self.reused_tokens = 0
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this prefix cache was cleared when its rollout ended (its keys/values belong to "
+                               "weights that have changed since); open a new engine.cached_turns() context")
+
+    def take(self, prompts: Sequence[list[int]]) -> list[CachedPrefix | None]:
+        """Per prompt, the longest entry whose ids are a proper prefix of it (at least one token must be fed to
+        get the next logits), or None. The matched entries leave the cache."""
+        self.check_open()
+        found: list[CachedPrefix | None] = []
+        used: set[int] = set()
+        for prompt in prompts:
+            best, best_key = None, None
+            for entry in self.entries:
+                n = len(entry.ids)
+                # of equal entries (greedy samples of one prompt), one not yet matched: each then leaves
+                key = (n, id(entry) not in used)
+                if n < len(prompt) and (best_key is None or key > best_key) and prompt[:n] == entry.ids:
+                    best, best_key = entry, key
+            found.append(best)
+            if best is not None:
+                used.add(id(best))
+        self.entries = [entry for entry in self.entries if id(entry) not in used]
+        return found
+
+    def store(self, layers: Sequence, rows: Tensor, slots: Tensor, ids: Sequence[list[int]]) -> None:
+        """Keep rows ``rows`` ([r] long) of a batch's cache ``layers`` (each with ``keys``/``values``
+        [B, heads, W, d]): row i's real slots are where ``slots[i]`` ([r, W] bool) is True, holding ``ids[i]``."""
+        self.check_open()
+        wheres = [slots[i].nonzero().squeeze(-1) for i in range(len(ids))]  # [T_i] each
+        for where, row_ids in zip(wheres, ids):
+            if len(where) != len(row_ids):
+                raise RuntimeError(f"prefix cache: {len(where)} filled slots for {len(row_ids)} tokens")
+        keys: list[list[Tensor]] = [[] for _ in ids]
+        values: list[list[Tensor]] = [[] for _ in ids]
+        for layer in layers:  # row by row: only the kept slots are copied, never a whole batch's cache
+            for i, (row, where) in enumerate(zip(rows.tolist(), wheres)):
+                keys[i].append(layer.keys[row][:, where])  # [h, T_i, d]
+                values[i].append(layer.values[row][:, where])
+        self.entries += [CachedPrefix(list(row_ids), k, v) for row_ids, k, v in zip(ids, keys, values)]
+
+    def clear(self) -> None:
+        self.entries = []
+        self.closed = True
+
+
+class CachedTurns:
+    """The engine a ``cached_turns()`` context yields: ``generate_ids`` through one ``PrefixCache``."""
+
+    def __init__(self, engine, cache: PrefixCache):
+        self.engine, self.cache = engine, cache
+
+    def generate_ids(self, prompt_ids: Sequence[list[int]], params: SamplingParams,
+                     seed: int | None = None) -> Generation:
+        return self.engine.generate_ids(prompt_ids, params, seed, prefix_cache=self.cache)
+
+
+@contextmanager
+def cached_turns(engine) -> Iterator[CachedTurns]:
+    """``engine.cached_turns()``: a fresh cache for the block, cleared and closed when it exits."""
+    cache = PrefixCache()
+    try:
+        yield CachedTurns(engine, cache)
+    finally:
+        cache.clear()
+
+
+@dataclass
+class Prefill:
+    """What a prefill of ``U`` prompts gives the decode loop.
+
+    logits:        [U, V] each prompt's next-token logits.
+    cache:         a ``DynamicCache`` of [U, heads, W, d] per layer.
+    key_mask:      [U, W] long, 1 on the slots holding a prompt token (a cached prefix and the fed rest,
+                   each left-padded: a row may have a gap of padding between the two).
+    last_position: [U, 1] long, each prompt's last position (its length - 1).
+    prompt_ids:    [U, Lp] the whole prompts, left-padded; prompt_mask [U, Lp] (the repetition penalty's).
+    """
+
+    logits: Tensor
+    cache: DynamicCache
+    key_mask: Tensor
+    last_position: Tensor
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+
+
+def prefill(model, encoded: list[list[int]], pad_id: int, device, prefix_cache: PrefixCache | None) -> Prefill:
+    """One forward over the prompts (left-padded, true positions), continuing from their cached prefixes."""
+    ids, mask = left_pad(encoded, pad_id)
+    ids, mask = ids.to(device), mask.to(device)
+    hits = prefix_cache.take(encoded) if prefix_cache is not None else [None] * len(encoded)
+    if all(hit is None for hit in hits):
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        if prefix_cache is not None:
+            prefix_cache.fed_tokens += ids.numel()
+        return Prefill(out.logits[:, -1], out.past_key_values, mask, positions[:, -1:], ids, mask)
+    cached = torch.tensor([len(hit.ids) if hit is not None else 0 for hit in hits], device=device)  # [U]
+    C = int(cached.max())
+    rest_ids, rest_mask = left_pad([prompt[len(hit.ids) if hit is not None else 0:]
+                                    for prompt, hit in zip(encoded, hits)], pad_id)
+    rest_ids, rest_mask = rest_ids.to(device), rest_mask.to(device)  # [U, S]
+    # The cached prefixes right-aligned in C slots (a row without one: C masked zeros)
+    past_mask = (torch.arange(C, device=device) >= C - cached[:, None]).long()  # [U, C]
+    template = next(hit for hit in hits if hit is not None)
+    past = []
+    for layer in range(len(template.keys)):
+        k0, v0 = template.keys[layer], template.values[layer]
+        keys = k0.new_zeros(len(hits), k0.shape[0], C, k0.shape[-1])  # [U, h, C, d]
+        values = v0.new_zeros(len(hits), v0.shape[0], C, v0.shape[-1])
+        for u, hit in enumerate(hits):
+            if hit is not None:
+                keys[u, :, C - len(hit.ids):] = hit.keys[layer]
+                values[u, :, C - len(hit.ids):] = hit.values[layer]
+        past.append((keys, values))
+    key_mask = torch.cat([past_mask, rest_mask], dim=1)  # [U, C + S]
+    positions = (rest_mask.cumsum(-1) - 1).clamp(min=0) + cached[:, None]  # [U, S] true positions
+    out = model(input_ids=rest_ids, attention_mask=key_mask, position_ids=positions,
+                past_key_values=DynamicCache(ddp_cache_data=past), use_cache=True, logits_to_keep=1)
+    prefix_cache.fed_tokens += rest_ids.numel()
+    prefix_cache.reused_tokens += int(cached.sum())
+    return Prefill(out.logits[:, -1], out.past_key_values, key_mask, positions[:, -1:], ids, mask)
