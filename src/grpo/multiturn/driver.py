@@ -94,6 +94,7 @@ class MultiTurnRollout:
         self.environments, self.max_iterations, self.tool_timeout_s = environments, max_iterations, tool_timeout_s
         self.parse = TOOL_CALL_FORMATS[detect_format(getattr(tokenizer, "chat_template", None), tool_call_format)]
         probe = Toolbox(self.tools + self._probe_methods(), tool_timeout_s)  # every schema checked now
+        self.warned: set = set()  # the run's tool warnings already given (see Toolbox)
         check_tool_template(tokenizer, probe.schemas)
 
     def _probe_methods(self) -> list:
@@ -125,7 +126,7 @@ class MultiTurnRollout:
                     if observation:
                         messages[-1] = {**messages[-1], "content": messages[-1]["content"] + observation}
                 toolbox = Toolbox(self.tools + (environment_methods(env) if env is not None else []),
-                                  self.tool_timeout_s)
+                                  self.tool_timeout_s, self.warned)
                 text = self.tokenizer.apply_chat_template(messages, tools=toolbox.schemas or None, tokenize=False,
                                                           add_generation_prompt=True)
                 ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]

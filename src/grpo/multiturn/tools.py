@@ -90,7 +90,7 @@ def result_text(name: str, result: Any, warned: set[str]) -> str:
 class Toolbox:
     """The tools of one rollout row: name -> callable, and their schemas for the chat template."""
 
-    def __init__(self, tools: Sequence[Callable], timeout_s: float):
+    def __init__(self, tools: Sequence[Callable], timeout_s: float, warned: set | None = None):
         self.timeout_s = timeout_s
         self.tools: dict[str, Callable] = {}
         for fn in tools:
@@ -101,7 +101,9 @@ class Toolbox:
                 raise ValueError(f"two tools are named {name!r}; tool names must be unique")
             self.tools[name] = fn
         self.schemas = [tool_schema(fn) for fn in self.tools.values()]
-        self.warned: set[str] = set()  # tools already warned about for a non-text result
+        # (tool, kind) already warned about: the first failure of each kind is a warning, the rest are info
+        # lines (one set for the whole run, shared by every row's toolbox, so a flaky tool does not flood stderr)
+        self.warned: set = warned if warned is not None else set()
 
     def start(self, name: str, arguments: Any) -> "PendingCall":
         """Start one call without waiting (a turn's calls, across rows, run together)."""
@@ -136,15 +138,23 @@ class PendingCall:
     def outcome(self) -> ToolOutcome:
         name, timeout_s = self.name, self.toolbox.timeout_s
         if self.future is None:
+            self._log("refused", "call to %r refused (answered with an error): %s", name, self.error)
             return ToolOutcome(name, json.dumps({"error": self.error}), failed=True)
         try:
             result = self.future.result(timeout=max(0.0, self.deadline - time.monotonic()) + 0.05)
         except (concurrent.futures.TimeoutError, asyncio.TimeoutError):
             self.future.cancel()  # an async call is cancelled; a sync thread cannot be, it is abandoned
-            logger.warning("tool %r took longer than rollout.tool_timeout_s = %g s; its call is an error",
-                           name, timeout_s)
+            self._log("timeout", "tool %r took longer than rollout.tool_timeout_s = %g s; its call is an error",
+                      name, timeout_s)
             return ToolOutcome(name, json.dumps({"error": f"timed out after {timeout_s:g} s"}), failed=True)
         except Exception as exc:  # the model reads the error and the run goes on, as in TRL
-            logger.info("tool %r raised %s: %s", name, type(exc).__name__, exc)
+            self._log("raised", "tool %r raised %s: %s (the model gets the error)", name, type(exc).__name__, exc)
             return ToolOutcome(name, json.dumps({"error": str(exc) or type(exc).__name__}), failed=True)
         return ToolOutcome(name, result_text(name, result, self.toolbox.warned), failed=False)
+
+    def _log(self, kind: str, message: str, *args) -> None:
+        key = (self.name, kind)
+        first = key not in self.toolbox.warned
+        self.toolbox.warned.add(key)
+        logger.log(logging.WARNING if first else logging.INFO,
+                   message + (" (further ones are logged at INFO level)" if first else ""), *args)

@@ -50,6 +50,8 @@ def build_rewards(cfg: RunConfig, examples: Sequence | None = None) -> tuple[lis
     from grpo.rewards import build_reward_functions
 
     column_names = list(examples[0].columns()) if examples else None
+    if not cfg.rewards:  # allowed by the rules only with rollout.environment: its get_reward (multiturn.setup)
+        return [], []
     try:
         functions = build_reward_functions(cfg.rewards, cfg.data.tag_style, column_names)
     except (ValueError, ImportError) as err:
