@@ -118,7 +118,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                      temperature=args.temperature, output=args.output, batch_size=args.batch_size,
                      max_new_tokens=args.max_new_tokens, device=args.device, seed=args.seed,
                      base_model=args.base_model, dtype=args.dtype, records_output=args.save_completions,
-                     progress=not args.no_progress)
+                     progress=not args.no_progress, tools=args.tools)
     return 0
 
 
@@ -218,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--base-model", help="base model of a LoRA checkpoint (default: from adapter_config.json)")
     ev.add_argument("--dtype", choices=dtypes)
     ev.add_argument("--no-progress", action="store_true")
+    ev.add_argument("--tools", nargs="*", metavar="MODULE:FN",
+                    help="tools the model may call, as in rollout.tools (default: the run's rollout.tools and "
+                         "rollout.environment; --tools with no name: none)")
     ev.set_defaults(func=_cmd_eval)
 
     chat = sub.add_parser("chat", help="talk to a model with the training system prompt")

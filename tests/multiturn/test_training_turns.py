@@ -148,3 +148,18 @@ def test_no_reward_at_all_is_a_configuration_error_naming_both_sources(tmp_path,
     with pytest.raises(ConfigError, match="define no get_reward"):
         turn_spec(load_config(recipe)).with_environment_rewards([], [])
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_grpo_eval_answers_with_the_tools_and_reports_their_metrics(tmp_path):
+    report = tmp_path / "report.json"
+    args = ["eval", str(TINY_TOOLS), "--data", "arithmetic-tools:seed=123,n=16,size=large", "--samples", "4",
+            "--max-new-tokens", "96", "--no-progress", "--output", str(report)]
+    assert main([*args, "--tools", "grpo.multiturn.calculator:calculator"]) == 0
+    with_tools = json.loads(report.read_text())
+    assert with_tools["tools"] == ["grpo.multiturn.calculator:calculator"]
+    assert "tools/calls_per_completion" in with_tools and with_tools["tools/turns"] >= 1.0
+    # sampled answers that called the calculator are right; alone the model cannot multiply large numbers
+    assert with_tools["mean_sample_accuracy"] > 0
+    assert main([*args, "--tools"]) == 0  # none: the model answers alone, no tool metrics
+    alone = json.loads(report.read_text())
+    assert alone["tools"] == [] and "tools/calls_per_completion" not in alone

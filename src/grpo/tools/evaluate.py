@@ -50,24 +50,50 @@ def score_completion(text: str, gold: str, tag_style: str) -> dict[str, Any]:
 
 
 def _generate_all(engine: RolloutEngine, prompts: list[str], params: SamplingParams, batch_size: int,
-                  seed: int | None, progress, description: str) -> tuple[list[str], list[bool]]:
+                  seed: int | None, progress, description: str,
+                  turns: tuple | None = None) -> tuple[list[str], list[bool], list[dict]]:
     """Completions (``len(prompts) * params.n``, grouped per prompt) in calls of at most ``batch_size``
-    completions, advancing a progress task by the prompts done."""
+    completions, advancing a progress task by the prompts done; and each call's rollout metrics.
+
+    ``turns``: ``(examples, system_prompt, max_prompt_length)`` when ``engine`` makes multi-turn rollouts
+    (``grpo.multiturn``: tools run as in training); a completion is then its last assistant message (the
+    final answer; the tool calls and results before it are in the records' messages)."""
     prompts_per_call = max(1, batch_size // params.n)
     task = progress.add_task(description, total=len(prompts))
     texts: list[str] = []
     truncated: list[bool] = []
+    rollout_metrics: list[dict] = []
     for call, start in enumerate(range(0, len(prompts), prompts_per_call)):
         chunk = prompts[start:start + prompts_per_call]
         # One seed per call, so a chunk's samples do not depend on how many calls came before it.
-        generation: Generation = engine.generate(chunk, params, seed=None if seed is None else seed + call)
-        if len(generation.completions) != len(chunk) * params.n:
-            raise RuntimeError(f"rollout engine returned {len(generation.completions)} completions for "
+        call_seed = None if seed is None else seed + call
+        if turns is not None:
+            examples, system_prompt, max_prompt_length = turns
+            generation: Generation = engine.rollout(examples[start:start + prompts_per_call], system_prompt,
+                                                    max_prompt_length, params, call_seed).generation
+            texts.extend(_last_assistant(m) for m in generation.messages)
+            rollout_metrics.append({**generation.rollout_metrics, "rows": len(generation.messages)})
+        else:
+            generation = engine.generate(chunk, params, seed=call_seed)
+            texts.extend(generation.completions)
+        if len(texts) - len(truncated) != len(chunk) * params.n:
+            raise RuntimeError(f"rollout engine returned {len(texts) - len(truncated)} completions for "
                                f"{len(chunk)} prompts x {params.n}")
-        texts.extend(generation.completions)
         truncated.extend(bool(t) for t in generation.truncated.tolist())
         progress.advance(task, len(chunk))
-    return texts, truncated
+    return texts, truncated, rollout_metrics
+
+
+def _last_assistant(messages: list[dict]) -> str:
+    contents = [m.get("content") or "" for m in messages if m.get("role") == "assistant"]
+    return contents[-1] if contents else ""
+
+
+def _mean_rollout_metrics(chunks: list[dict]) -> dict[str, float]:
+    """Row-weighted means of the calls' rollout metrics (``tools/calls_per_completion``, ...)."""
+    rows = sum(c["rows"] for c in chunks)
+    names = sorted({k for c in chunks for k in c if k != "rows"})
+    return {k: sum(c.get(k, 0.0) * c["rows"] for c in chunks) / rows for k in names} if rows else {}
 
 
 def _rng_fork(model: torch.nn.Module | None):
@@ -94,6 +120,7 @@ def evaluate(
     progress: bool = True,
     return_records: bool = False,
     engine: RolloutEngine | None = None,
+    max_prompt_length: int = 1 << 30,
 ) -> dict[str, Any]:
     """Evaluate a model on examples with gold answers.
 
@@ -110,7 +137,11 @@ def evaluate(
         progress: show a rich progress bar.
         return_records: add ``records``, one JSON-ready dict per example (completion, prediction, ...).
         engine: the rollout engine; default ``LeanEngine(model, tokenizer, batch_size)``
-            (its greedy output equals generate()'s).
+            (its greedy output equals generate()'s). One that makes rollouts from the examples
+            (``grpo.multiturn``: tools, environments) is used that way: the tools run as in training, the
+            answer is read from each completion's last assistant message, and the tool metrics are returned
+            (``tools/calls_per_completion``, ...; of the greedy completions).
+        max_prompt_length: longest rendered prompt (with its tools) a multi-turn engine accepts.
 
     Returns:
         ``n``; ``accuracy`` and ``format_rate`` of the greedy completions; ``truncated_rate`` (greedy
@@ -133,7 +164,11 @@ def evaluate(
     system_prompt = resolve_system_prompt(system_prompt, tag_style, add_system_prompt)
     if engine is None:
         engine = LeanEngine(model, tokenizer, batch_size=batch_size)
-    prompts = [render_example(tokenizer, e, system_prompt) for e in examples]
+    from grpo.multiturn.driver import ExampleRollout
+
+    turns = (examples, system_prompt, max_prompt_length) if isinstance(engine, ExampleRollout) else None
+    prompts = ([e.question for e in examples] if turns is not None  # rendered by the engine, with the tools
+               else [render_example(tokenizer, e, system_prompt) for e in examples])
     golds = [e.answer for e in examples]
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -142,14 +177,14 @@ def evaluate(
                    TimeElapsedColumn(), disable=not progress, transient=True)
     with bar:
         greedy_params = SamplingParams(n=1, max_tokens=max_new_tokens, greedy=True)
-        greedy_texts, greedy_truncated = _generate_all(engine, prompts, greedy_params, batch_size, None, bar,
-                                                       "greedy")
+        greedy_texts, greedy_truncated, greedy_rollouts = _generate_all(engine, prompts, greedy_params, batch_size,
+                                                                        None, bar, "greedy", turns)
         sample_texts: list[str] = []
         if samples > 1:
             sample_params = SamplingParams(n=samples, max_tokens=max_new_tokens, temperature=temperature)
             with _rng_fork(model):
-                sample_texts, _ = _generate_all(engine, prompts, sample_params, batch_size, seed, bar,
-                                                f"{samples} samples, T={temperature:g}")
+                sample_texts, _, _ = _generate_all(engine, prompts, sample_params, batch_size, seed, bar,
+                                                   f"{samples} samples, T={temperature:g}", turns)
 
     greedy_scores = [score_completion(t, g, tag_style) for t, g in zip(greedy_texts, golds)]
     n = len(examples)
@@ -158,6 +193,7 @@ def evaluate(
         "accuracy": sum(s["correct"] for s in greedy_scores) / n,
         "format_rate": sum(s["formatted"] for s in greedy_scores) / n,
         "truncated_rate": sum(greedy_truncated) / n,
+        **_mean_rollout_metrics(greedy_rollouts),
     }
     sample_scores: list[list[dict[str, Any]]] = []
     if samples > 1:
@@ -214,6 +250,7 @@ def run_eval_command(
     dtype: str | None = None,
     records_output: str | Path | None = None,
     progress: bool = True,
+    tools: list[str] | None = None,
 ) -> dict[str, Any]:
     """``grpo eval``: evaluate a model, checkpoint or run folder on a data source; print and save the report.
 
@@ -221,6 +258,8 @@ def run_eval_command(
     ``data.eval``. split: None = the run's ``data.eval_split``, else "test". The system prompt and tag
     style are the run's (config.yaml), else the "think" defaults. ``output`` gets the JSON report,
     ``records_output`` one JSON line per example (greedy completion, prediction, correctness).
+    ``tools``: 'module:function' tools the model may call (None: the run's ``rollout.tools`` and
+    ``rollout.environment``; [] none), run as in training (``grpo.multiturn``).
     """
     from grpo.config import ConfigError
     from grpo.models.source import load_model_for_inference, resolve_model_source
@@ -235,11 +274,12 @@ def run_eval_command(
         split = source.config.data.eval_split if source.config is not None else "test"
     examples = load_dataset_source(data, split=split, limit=limit)
     model, tokenizer = load_model_for_inference(source, device, dtype)
+    engine = _tool_engine(source.config, tools, model, tokenizer, batch_size)
     result = evaluate(model, tokenizer, examples, tag_style=source.tag_style, system_prompt=source.system_prompt,
                       add_system_prompt=source.system_prompt is not None,
                       batch_size=batch_size, max_new_tokens=max_new_tokens, samples=samples,
                       temperature=temperature, seed=seed, progress=progress,
-                      return_records=records_output is not None)
+                      return_records=records_output is not None, engine=engine)
     records = result.pop("records", None)
     report = {
         **result,
@@ -254,6 +294,7 @@ def run_eval_command(
         "seed": seed,
         "tag_style": source.tag_style,
         "system_prompt": source.system_prompt,
+        "tools": _tool_names(source.config, tools),
     }
     print_report(report)
     if output is not None:
@@ -267,3 +308,28 @@ def run_eval_command(
             for record in records or []:
                 handle.write(json.dumps(record, ensure_ascii=False) + "\n")
     return report
+
+
+def _tool_names(config, tools: list[str] | None) -> list[str]:
+    if tools is not None:
+        return list(tools)
+    if config is None:
+        return []
+    return [*config.rollout.tools, *([config.rollout.environment] if config.rollout.environment else [])]
+
+
+def _tool_engine(config, tools: list[str] | None, model, tokenizer, batch_size: int):
+    """A multi-turn engine over the lean one when the run (or ``tools``) names tools or an environment; else None."""
+    import dataclasses
+
+    from grpo.config import RunConfig
+    from grpo.multiturn.setup import turn_spec, with_turns
+
+    config = config or RunConfig()
+    if tools is not None:
+        rollout = dataclasses.replace(config.rollout, tools=list(tools), environment=None)
+        config = dataclasses.replace(config, rollout=rollout)
+    if not config.rollout.tools and not config.rollout.environment:
+        return None
+    return with_turns(LeanEngine(model, tokenizer, batch_size=batch_size), turn_spec(config), config, model,
+                      tokenizer)

@@ -153,7 +153,7 @@ def train(cfg: RunConfig, given: GivenInputs | None = None) -> TrainResult:
         sampling = Sampling(cfg, engine, policy, ref_logprobs, tokenizer, train_set, prompt_sampler, reward_fns,
                             reward_weights, exp_settings, info, values_fn, processing, run.start_step)
         update = PolicyUpdate(trainable, loss_settings(cfg, processing), info, ptx_data, critic, critic_settings(cfg))
-        evaluate = partial(run_eval, cfg, policy, tokenizer, eval_set, info) if eval_set else None
+        evaluate = partial(run_eval, cfg, policy, tokenizer, eval_set, info, inputs.turns) if eval_set else None
         loop = Loop(loop_schedule(cfg), update, trainable, tokenizer, run.out, info, run.logger,
                     StepProgress(cfg.train.max_steps, run.start_step, enabled=info.is_main and cfg.log.progress_bar),
                     compute, cfg.rollout.num_generations, cfg.data.tag_style, cfg.train.save_total_limit,
