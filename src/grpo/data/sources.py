@@ -3,6 +3,8 @@
 Forms, looked up by the prefix before the first ":" in `SOURCE_KINDS`:
 - ``synthetic:seed=123,n=500[,difficulty=mixed][,steps=2][,max_digits=2]``: generated problems
   (`grpo.data.synthetic`). Use different seeds for train and eval: the split is not mixed in.
+- ``arithmetic-tools:seed=123,n=500[,size=mix]``: one-step problems with large numbers (a calculator's
+  job), small ones or both (`grpo.data.arithmetic_tools`, size large|small|mix).
 - ``prompts:path=chat.jsonl[,question_column=src][,answer_column=answer][,answer_format=gsm8k]
   [,tgt_column=tgt]``: any prompt file (`grpo.data.prompt_datasets.load_prompts`).
 - anything else: GSM8K from a file, a folder (the split's file inside) or a hub id such as
@@ -16,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from grpo.data.arithmetic_tools import generate_tool_problems
 from grpo.data.example import DataError, Example
 from grpo.data.gsm8k import load_gsm8k
 from grpo.data.locations import check_limit
@@ -39,6 +42,11 @@ def _load_synthetic(options: dict[str, Any], split: str, limit: int | None) -> l
     return generate_problems(min(n, limit) if limit is not None else n, **options)
 
 
+def _load_tool_problems(options: dict[str, Any], split: str, limit: int | None) -> list[Example]:
+    n = options.pop("n")  # as synthetic: the split is ignored, problem i does not depend on later ones
+    return generate_tool_problems(min(n, limit) if limit is not None else n, **options)
+
+
 def _load_prompt_file(options: dict[str, Any], split: str, limit: int | None) -> list[Example]:
     path = options.pop("path")
     return load_prompts(path, split=split, limit=limit, **options)
@@ -49,6 +57,11 @@ SOURCE_KINDS: dict[str, SourceKind] = {
         keys={"seed": int, "n": int, "difficulty": str, "steps": int, "max_digits": int},
         required=("seed", "n"),
         load=_load_synthetic,
+    ),
+    "arithmetic-tools": SourceKind(
+        keys={"seed": int, "n": int, "size": str},
+        required=("seed", "n"),
+        load=_load_tool_problems,
     ),
     "prompts": SourceKind(
         keys={"path": str, "question_column": str, "answer_column": str, "answer_format": str, "tgt_column": str},

@@ -117,9 +117,15 @@ def generate_problems(
 
 def generate_problem(rng: random.Random, steps: int, max_digits: int, source: str) -> Example:
     """One problem of exactly `steps` steps, drawing everything from `rng`."""
+    return story_problem(rng, lambda r: solution_chain(r, steps, max_digits), source)
+
+
+def story_problem(rng: random.Random, make_chain: Callable[[random.Random], list[Step]], source: str) -> Example:
+    """A word problem telling the chain ``make_chain(rng)`` as a story (theme and names drawn from `rng` first),
+    with its worked solution; other generators (``grpo.data.arithmetic_tools``) bring their own chains."""
     theme = rng.choice(THEMES)
     fields = _story_fields(rng, theme)
-    chain = solution_chain(rng, steps, max_digits)
+    chain = make_chain(rng)
     sentences, lines = [], []
     for position, step in enumerate(chain):
         wording = (theme.start if position == 0 else theme.follow)[step.op]
