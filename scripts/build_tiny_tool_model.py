@@ -153,7 +153,7 @@ def sft(model, tokenizer, settings: BuildSettings, log_every: int = 25) -> dict:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
         optimizer.step()
-        if (step + 1) % log_every == 0 or step == 0:
+        if (step + 1) % log_every == 0 or step == 0 or step + 1 == settings.steps:
             row = {"step": step + 1, "loss": round(loss.item(), 4), "lr": optimizer.param_groups[0]["lr"],
                    "seconds": round(time.perf_counter() - start, 1)}
             history.append(row)
@@ -331,7 +331,7 @@ def parse_args(argv: list[str] | None) -> tuple[BuildSettings, Path]:
     parser.add_argument("--quick", action="store_true", help=f"short run for the test: {QUICK}")
     parser.add_argument("--evaluate", type=Path, metavar="MODEL_DIR",
                         help="no build: the held-out report of a saved model (e.g. a GRPO run's final/), printed "
-                             "and written to MODEL_DIR/tool_eval.json (grpo's own eval does not call tools yet)")
+                             "and written to MODEL_DIR/tool_eval.json (per size, greedy and T=1, with and without calls)")
     args = parser.parse_args(argv)
     overrides: dict = {"seed": args.seed}
     fields = {f.name for f in dataclasses.fields(BuildSettings)}
