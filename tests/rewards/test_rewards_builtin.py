@@ -155,3 +155,21 @@ def test_missing_answer_column_is_a_clear_error(name):
     fn = get_reward_function(name)
     with pytest.raises(ValueError, match=rf"{name}.*'answer'.*\['solution'\]"):
         fn(["q"], ["<answer>1</answer>"], solution=["1"])
+
+
+def test_multi_turn_completions_are_judged_on_their_last_assistant_message():
+    """A completion that called a tool (assistant turn with tool_calls, the tool's result, the answer turn) is
+    well formatted and right when its final answer is; the turns before it are not part of the format."""
+    from grpo.rewards import get_reward_function
+
+    answer = "<think>\n4821 * 37 = 178377\n</think>\n<answer>\n178377\n</answer>"
+    call = {"role": "assistant", "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "calculator",
+                                                               "arguments": {"expression": "4821 * 37"}}}]}
+    used_tool = [call, {"role": "tool", "name": "calculator", "content": "178377"},
+                 {"role": "assistant", "content": answer}]
+    alone = [{"role": "assistant", "content": answer}]
+    stopped_at_call = [call, {"role": "tool", "name": "calculator", "content": "178377"}]
+    fmt, correct = get_reward_function("format_think_answer"), get_reward_function("answer_correct")
+    assert fmt(prompts=[None] * 3, completions=[used_tool, alone, stopped_at_call]) == [1.25, 1.25, -1.0]
+    assert correct(prompts=[None] * 3, completions=[used_tool, alone, stopped_at_call], answer=["178377"] * 3) == [1.0, 1.0, -1.0]

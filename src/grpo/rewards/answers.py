@@ -62,6 +62,14 @@ def completion_text(completion: str | list[dict[str, Any]]) -> str:
     return "".join(parts)
 
 
+def final_text(completion: str | list[dict[str, Any]]) -> str:
+    """The text a completion's answer and format are judged on: the last assistant message of a multi-turn
+    completion (its turns before that called tools and read their results), else ``completion_text``."""
+    if isinstance(completion, str) or not any(m.get("role") == "tool" for m in completion):
+        return completion_text(completion)
+    return completion_text([m for m in completion if m.get("role") == "assistant"][-1:])
+
+
 def extract_answer(text: str, tag_style: TagStyle | str = "think") -> str | None:
     """The stripped content of the *last* ``<answer>...</answer>`` pair, or None when there is none.
 

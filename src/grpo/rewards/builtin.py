@@ -16,8 +16,8 @@ from typing import Any
 from grpo.data.tags import TagStyle
 from grpo.rewards.answers import (
     answers_equal,
-    completion_text,
     extract_answer,
+    final_text,
     gold_answer,
     is_well_formatted,
     style_of,
@@ -55,7 +55,7 @@ def make_answer_correct(tag_style: TagStyle | str = "think") -> RewardCallable:
     ) -> list[float | None]:
         golds = _require_answers("answer_correct", answer, kwargs)
         return [
-            1.0 if answers_equal(extract_answer(completion_text(c), style), gold_answer(str(g))) else -1.0
+            1.0 if answers_equal(extract_answer(final_text(c), style), gold_answer(str(g))) else -1.0
             for c, g in zip(completions, golds, strict=True)
         ]
 
@@ -73,7 +73,7 @@ def make_format_think_answer(tag_style: TagStyle | str = "think") -> RewardCalla
     def format_think_answer(
         prompts: Sequence[Any], completions: Sequence[Completion], **kwargs: Any
     ) -> list[float | None]:
-        return [1.25 if is_well_formatted(completion_text(c), style) else -1.0 for c in completions]
+        return [1.25 if is_well_formatted(final_text(c), style) else -1.0 for c in completions]
 
     return format_think_answer
 
@@ -117,7 +117,7 @@ def make_xmlcount(tag_style: TagStyle | str = "reasoning") -> RewardCallable:
     style = style_of(tag_style)
 
     def xmlcount(prompts: Sequence[Any], completions: Sequence[Completion], **kwargs: Any) -> list[float | None]:
-        return [count_xml(completion_text(c), style) for c in completions]
+        return [count_xml(final_text(c), style) for c in completions]
 
     return xmlcount
 
@@ -135,7 +135,7 @@ def make_soft_format(tag_style: TagStyle | str = "reasoning", dotall: bool = Fal
     pattern = re.compile(rf"<{r}>.*?</{r}>\s*<{a}>.*?</{a}>", flags=re.DOTALL if dotall else 0)
 
     def soft_format(prompts: Sequence[Any], completions: Sequence[Completion], **kwargs: Any) -> list[float | None]:
-        return [0.5 if pattern.match(completion_text(c)) else 0.0 for c in completions]
+        return [0.5 if pattern.match(final_text(c)) else 0.0 for c in completions]
 
     return soft_format
 
@@ -148,7 +148,7 @@ def make_strict_format(tag_style: TagStyle | str = "reasoning") -> RewardCallabl
     pattern = re.compile(rf"^<{r}>\n.*?\n</{r}>\n<{a}>\n.*?\n</{a}>\n$")
 
     def strict_format(prompts: Sequence[Any], completions: Sequence[Completion], **kwargs: Any) -> list[float | None]:
-        return [0.5 if pattern.match(completion_text(c)) else 0.0 for c in completions]
+        return [0.5 if pattern.match(final_text(c)) else 0.0 for c in completions]
 
     return strict_format
 
@@ -158,7 +158,7 @@ def make_int_answer(tag_style: TagStyle | str = "reasoning") -> RewardCallable:
     style = style_of(tag_style)
 
     def int_answer(prompts: Sequence[Any], completions: Sequence[Completion], **kwargs: Any) -> list[float | None]:
-        return [0.5 if extract_xml_answer(completion_text(c), style).isdigit() else 0.0 for c in completions]
+        return [0.5 if extract_xml_answer(final_text(c), style).isdigit() else 0.0 for c in completions]
 
     return int_answer
 
@@ -177,7 +177,7 @@ def make_correctness(tag_style: TagStyle | str = "reasoning") -> RewardCallable:
     ) -> list[float | None]:
         golds = _require_answers("correctness", answer, kwargs)
         return [
-            2.0 if extract_xml_answer(completion_text(c), style) == str(g) else 0.0
+            2.0 if extract_xml_answer(final_text(c), style) == str(g) else 0.0
             for c, g in zip(completions, golds, strict=True)
         ]
 
