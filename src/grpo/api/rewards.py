@@ -38,7 +38,8 @@ def _processing_classes(given: Any, count: int) -> list:
 
 
 def build_reward_functions(reward_funcs: Any, reward_weights: Sequence[float] | None,
-                           reward_processing_classes: Any, column_names: Sequence[str]) -> tuple[list, list[float]]:
+                           reward_processing_classes: Any,
+                           column_names: Sequence[str] | None) -> tuple[list, list[float]]:
     """(``RewardFunction`` per reward, their weights). A reward that cannot take TRL's keyword call with the
     dataset's columns is a ValueError naming it now, before anything trains."""
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
@@ -48,7 +49,8 @@ def build_reward_functions(reward_funcs: Any, reward_weights: Sequence[float] | 
     if len(weights) != len(funcs):
         raise ValueError(f"GRPOConfig.reward_weights has {len(weights)} weights for {len(funcs)} reward_funcs")
     classes = _processing_classes(reward_processing_classes, len(funcs))
-    keywords = list(dict.fromkeys(["prompts", "completions", "completion_ids", *column_names, *CONTEXT_KEYS]))
+    keywords = list(dict.fromkeys(["prompts", "completions", "completion_ids", *(column_names or []),
+                                   *CONTEXT_KEYS]))
     built, seen = [], {}
     for fn, tokenizer in zip(funcs, classes):
         name = reward_name(fn)
@@ -61,7 +63,8 @@ def build_reward_functions(reward_funcs: Any, reward_weights: Sequence[float] | 
         elif hasattr(fn, "config") and hasattr(fn, "forward"):  # a loaded sequence-classification model
             fn = _model_reward(fn, tokenizer, name)
         elif callable(fn):
-            check_call_signature(fn, name, keywords)
+            if column_names is not None:  # None: a rollout_func's extra keys are known only when it runs
+                check_call_signature(fn, name, keywords)
         else:
             raise TypeError(f"reward_funcs: {fn!r} is not a callable, a model id/path or a model")
         seen[name] = seen.get(name, 0) + 1

@@ -93,6 +93,10 @@ class GRPOTrainer:
         if tools is not None and not isinstance(tools, (list, tuple)):
             raise TypeError(f"tools must be a list of functions, got {type(tools).__name__}")
         columns = sorted(self.train_set[0].columns()) if self.train_set else []
+        if environment_factory is not None:
+            columns.append("environments")  # the rollouts' instances, as TRL passes them to the rewards
+        if rollout_func is not None:
+            columns = None  # its extra output keys are columns too, known only when it runs
         if reward_funcs is None and self._environment_owns_reward():  # TRL: get_reward may be the only source
             self.reward_fns, self.reward_weights = [], []
         else:

@@ -81,6 +81,9 @@ class RolloutHook:
                 if values is not None and values[i] is not None and len(values[i]) != len(ids):
                     raise ValueError(f"rollout_func {name}: row {i}'s {key} has {len(values[i])} values for "
                                      f"{len(ids)} completion tokens")
+            if not ids or (masks is not None and not any(masks[i])):  # every loss term averages over these
+                raise ValueError(f"rollout_func {name}: row {i} has no sampled token (an empty completion or "
+                                 f"{mask_key} all 0); return at least the model's end-of-turn token")
         self.extra_columns = {k: list(v) for k, v in output.items() if k not in (*REQUIRED, "env_mask", "loss_mask")}
         generation = self._generation(output["prompt_ids"], completions, logprobs, masks)
         rendered = [self.tokenizer.decode(ids) for ids in output["prompt_ids"][::G]]
