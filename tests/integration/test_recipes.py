@@ -1,7 +1,8 @@
 """Every shipped recipe (``configs/*.yaml``) trains two steps through the command line.
 
 A recipe is run as shipped except for what a CPU test cannot hold: its model becomes a tiny random
-model of the same architecture family and embedding tying (the test tokenizer, a Qwen-style byte BPE),
+model of the same architecture family and embedding tying (the test tokenizer, a Qwen-style byte BPE; a
+recipe with tools keeps its model's own tokenizer, whose chat template renders them),
 a separate reference becomes a larger tiny teacher of the reference's family sharing that tokenizer,
 hub data becomes a local GSM8K folder (train.jsonl / test.jsonl, read with the recipe's own splits),
 evaluation sees 4 prompts, bf16 is off without CUDA, the run writes to a temporary folder and stops
@@ -90,6 +91,10 @@ def gsm8k_folder(path: Path) -> Path:
 def recipe_overrides(recipe: Path, tokenizer, tmp_path: Path) -> list[str]:
     """The ``key=value`` swaps that make ``recipe`` runnable on a CPU in seconds (module docstring)."""
     cfg = load_config(recipe)
+    if cfg.rollout.tools or cfg.rollout.environment:  # its own tokenizer: the chat template renders the tools
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(REPO / cfg.model.name_or_path)
     swaps: dict[str, object] = {"train.output_dir": tmp_path / "run", "train.max_steps": STEPS}
     swaps["model.name_or_path"] = tiny_like(cfg.model.name_or_path, "model.name_or_path", tokenizer,
                                             tmp_path / "policy", hidden_size=64, num_layers=2)
