@@ -22,6 +22,7 @@ import torch
 from grpo.data import Example, load_dataset_source, render_example, resolve_system_prompt
 from grpo.data.tags import get_tag_style
 from grpo.rewards import answers_equal, extract_answer, is_well_formatted
+from grpo.rewards.answers import final_text
 from grpo.rollout import LeanEngine, RolloutEngine, SamplingParams
 from grpo.step.records import Generation
 
@@ -71,7 +72,7 @@ def _generate_all(engine: RolloutEngine, prompts: list[str], params: SamplingPar
             examples, system_prompt, max_prompt_length = turns
             generation: Generation = engine.rollout(examples[start:start + prompts_per_call], system_prompt,
                                                     max_prompt_length, params, call_seed).generation
-            texts.extend(_last_assistant(m) for m in generation.messages)
+            texts.extend(final_text(m) for m in generation.messages)  # as the rewards read it
             rollout_metrics.append({**generation.rollout_metrics, "rows": len(generation.messages)})
         else:
             generation = engine.generate(chunk, params, seed=call_seed)
@@ -82,11 +83,6 @@ def _generate_all(engine: RolloutEngine, prompts: list[str], params: SamplingPar
         truncated.extend(bool(t) for t in generation.truncated.tolist())
         progress.advance(task, len(chunk))
     return texts, truncated, rollout_metrics
-
-
-def _last_assistant(messages: list[dict]) -> str:
-    contents = [m.get("content") or "" for m in messages if m.get("role") == "assistant"]
-    return contents[-1] if contents else ""
 
 
 def _mean_rollout_metrics(chunks: list[dict]) -> dict[str, float]:
