@@ -16,6 +16,10 @@
 #                                              #   with attention backends efficient,math
 #   run: bash scripts/gpu_session.sh fullsize  # grpo alone, a full-size step: 64 prompts x 8 x 512 tokens
 #                                              #   (issue 14's goal: under 60 s on one H100), 3 steps
+#   run: bash scripts/gpu_session.sh lease     # a 15-minute lease in one call of at most 10 minutes (with
+#                                              #   GPU_SESSION_SECONDS, default 540): full and LoRA against TRL
+#                                              #   and the plain loop at 3 steps, then memory, then a 2-step
+#                                              #   full-size run, each cut at the deadline (results so far kept)
 #
 # then here: python benchmarks/gpu_vs_trl.py --merge full.json lora.json --out benchmarks/results/gpu_vs_trl.json
 # Each part prints its table; the JSON files say which GPU, which commit and every setting.
@@ -23,7 +27,7 @@
 # python3), to check the script itself (tests/test_bench_gpu_script.py does); memory has no tiny form.
 set -euo pipefail
 
-part="${1:?usage: gpu_session.sh gen|full|lora|choices|memory|jump|fullsize}"
+part="${1:?usage: gpu_session.sh gen|full|lora|choices|memory|jump|fullsize|lease}"
 out="${OUT:-gpu-out}"
 python="${PYTHON:-python3}"
 mkdir -p "$out"
@@ -79,8 +83,20 @@ case "$part" in
 print(sys.argv[2], "generate s per step:", " ".join(f"{x:.2f}" for x in s["generate_s"]))' "$out/jump-$backends.json" "$backends"
     done
     ;;
+  lease)  # a lease now lends 15 minutes in all, start included: the headline first, each part cut at the deadline
+    deadline=$((SECONDS + ${GPU_SESSION_SECONDS:-540}))
+    left() { echo $((deadline - SECONDS)); }
+    timeout "$(left)" $bench --steps 3 --cases full,lora --out "$out/full-lora.json" || echo "lease: full,lora ended $?"
+    if [ "$(left)" -gt 100 ] && [ -z "${GPU_SESSION_TINY:-}" ]; then
+      OUT="$out" timeout "$(left)" $python benchmarks/memory_check_gpu.py || echo "lease: memory ended $?"
+    fi
+    if [ "$(left)" -gt 150 ]; then
+      timeout "$(left)" $bench ${full_size:+--full-size} --steps 2 --cases full --sides grpo --no-busy \
+        --out "$out/full-size.json" || echo "lease: fullsize ended $?"
+    fi
+    ;;
   *)
-    echo "gpu_session.sh: unknown part $part (gen, full, lora, choices, memory, fullsize or jump)" >&2
+    echo "gpu_session.sh: unknown part $part (gen, full, lora, choices, memory, fullsize, jump or lease)" >&2
     exit 2
     ;;
 esac
