@@ -222,7 +222,9 @@ def run_plain(case: dict) -> dict:
     generator = torch.Generator().manual_seed(case["seed"])
     batches, prompt_tokens = [], []
     for step in range(updates):  # [micro, Lp + L] ids, mask and positions per micro-batch, on the device
-        rows = [texts[step * P + r // G] for r in range(P * G)]
+        # the profiled updates after the timed ones reuse the prompts from the start: the prompts file holds
+        # P x steps (gpu_vs_trl.py writes what the trainers step through), and only their shapes matter here
+        rows = [texts[(step * P + r // G) % len(texts)] for r in range(P * G)]
         micro_batches = []
         for start in range(0, P * G, micro):
             prompt = tokenizer(rows[start:start + micro], padding=True, add_special_tokens=False, return_tensors="pt")

@@ -308,3 +308,19 @@ def test_profiled_ops_tables_name_the_operators_and_reach_the_report():
     assert text.startswith("## full, grpo: one update, 12345 kernels, GPU busy 35%")
     assert found["update_top_ops_host"] in text
     assert gpu_report.profile_tables(report([{"case": "full", "grpo": side(1, 1, 1, 1, 1, 1)}])) == ""
+
+
+def test_plain_profiled_updates_reuse_the_steps_prompts(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
+    """On CUDA the plain side runs two profiled updates after the timed ones, over a prompts file that holds
+    only the timed steps' prompts (P x steps, as gpu_vs_trl.py writes it): they reuse those prompts (the H200
+    run of ab7d641 crashed here with an IndexError on both cases)."""
+    import harness
+
+    prompts = gpu_vs_trl.write_prompts(gsm8k_dir, tmp_path / "prompts.jsonl", 2 * 2)  # P=2 x steps=2
+    case = harness.make_case("tiny", tiny_model_dir, prompts, lora_r=0, num_iterations=1, steps=2, threads=2,
+                             prompts_per_step=2, num_generations=2, max_completion_length=4, micro_batch_size=2)
+    case.update(workdir=str(tmp_path / "run"), profile_update=True)
+    profiled = []
+    monkeypatch.setattr(runners, "profile_update", lambda fn, extra: (profiled.append(extra), fn(), {})[1:])
+    result = runners.run_plain(case)
+    assert profiled == [1, 2] and len(result["train_s"]) == 2
