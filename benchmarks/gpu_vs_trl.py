@@ -224,8 +224,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, help="completions per forward/backward (default 16)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--only", help="run only the cases whose name contains this (e.g. full+gc)")
-    parser.add_argument("--engine", default="hf", choices=("hf", "hf-static", "hf-generate", "vllm"),
-                        help="grpo's rollout.engine (default hf; hf-static: static cache + CUDA graph decode)")
+    parser.add_argument("--engine", default="auto", choices=("auto", "hf", "hf-static", "hf-generate", "vllm"),
+                        help="grpo's rollout.engine (default auto, grpo's own: hf-static on CUDA, hf on a CPU)")
     parser.add_argument("--sides", default="grpo,trl,plain",
                         help="comma-separated, of grpo, trl and plain (a plain fwd+bwd loop over the same tokens, "
                              "the floor of an update); default all three")

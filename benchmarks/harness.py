@@ -31,7 +31,7 @@ def make_case(model_name: str, model: Path, prompts: Path, *, lora_r: int, num_i
               threads: int, prompts_per_step: int = 4, num_generations: int = 8, max_completion_length: int = 64,
               micro_batch_size: int | None = None, gradient_checkpointing: bool = False, device: str = "cpu",
               bf16: bool = False, attn_implementation: str | None = None, beta: float = 0.04, lr: float = 1e-5,
-              seed: int = 0, engine: str = "hf", vllm: bool = False) -> dict:
+              seed: int = 0, engine: str = "auto", vllm: bool = False) -> dict:
     """One benchmark case: every setting both trainers get (the defaults are the CPU benchmark's).
 
     micro_batch_size: completions per forward/backward; None = the whole step's P x G in one.

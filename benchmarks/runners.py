@@ -127,7 +127,7 @@ def ours_config(case: dict):
         "model.attn_implementation": case["attn_implementation"], "train.device": case["device"],
         "data.train": case["prompts"], "data.shuffle": False, "data.eval": None,
         "rollout.num_generations": case["G"], "rollout.max_completion_length": case["max_completion_length"],
-        "rollout.temperature": 1.0, "rollout.engine": case.get("engine", "hf"), "loss.beta": case["beta"],
+        "rollout.temperature": 1.0, "rollout.engine": case.get("engine", "auto"), "loss.beta": case["beta"],
         "loss.loss_type": "grpo",
         "loss.num_iterations": case["num_iterations"], "optim.learning_rate": case["lr"],
         "optim.lr_scheduler_type": "constant", "optim.max_grad_norm": 1.0,

@@ -20,8 +20,11 @@ from grpo.tools.memory.shapes import lora_params, lora_targets
 
 QWEN3B = "Qwen/Qwen2.5-3B-Instruct"
 # The seeds' setting: one GPU, bf16, gradient checkpointing, micro-batch 4 of 256 + 512 tokens.
+# the seeds' setting; their figures were measured sampling with HF's loop (no sampling copy: rollout.engine hf,
+# where the default auto is hf-static on CUDA)
 SEED = [f"model.name_or_path={QWEN3B}", "model.bf16=true", "model.gradient_checkpointing=true",
-        "train.micro_batch_size=4", "data.max_prompt_length=256", "rollout.max_completion_length=512"]
+        "train.micro_batch_size=4", "data.max_prompt_length=256", "rollout.max_completion_length=512",
+        "rollout.engine=hf"]
 GIB = 1024**3
 
 
@@ -120,7 +123,7 @@ def test_fits_needs_gpu_gb_and_compares_the_total():
 
 
 def test_components_sum_to_the_total_when_the_update_is_the_peak():
-    est = estimate("model.lora_r=16")
+    est = estimate("model.lora_r=16", "train.fused_lm_head=false")  # whole logits: the update is the peak
     assert est.peak_phase == "update"
     assert sum(est.per_device_gb.values()) == pytest.approx(est.total_gb, abs=0.01)
     table = format_table(est)
@@ -140,13 +143,37 @@ def test_colocated_vllm_reservation_counts_in_every_phase():
 
 def test_hf_static_engine_counts_its_bf16_sampling_copy_in_every_phase():
     # the copy lives for the whole run: 2 B per parameter on CUDA, in weights and in every phase
-    hf = estimate("model.lora_r=16")
+    hf = estimate("model.lora_r=16", "rollout.engine=hf")
     static = estimate("model.lora_r=16", "rollout.engine=hf-static")
     copy_gb = 3_085_938_688 * 2 / GIB  # Qwen2.5-3B's published parameter count
     assert static.per_device_gb["weights"] == pytest.approx(hf.per_device_gb["weights"] + copy_gb, abs=0.01)
     for phase, gb in hf.phases_gb.items():
         assert static.phases_gb[phase] == pytest.approx(gb + copy_gb, abs=0.01), phase
     assert "sampling copy" in static.how["weights"]
+
+
+def test_auto_engine_is_counted_as_the_engine_the_device_runs():
+    # rollout.engine auto (the default): hf-static's sampling copy on CUDA, none on a CPU or with a 4-bit base
+    static = estimate("model.lora_r=16", "rollout.engine=hf-static")
+    assert estimate("model.lora_r=16", "rollout.engine=auto").per_device_gb == static.per_device_gb
+    assert (estimate("model.lora_r=16", "rollout.engine=auto", device="cpu").per_device_gb
+            == estimate("model.lora_r=16", device="cpu").per_device_gb)
+    assert "sampling copy" not in estimate("model.lora_r=16", "rollout.engine=auto",
+                                           "model.load_in_4bit=true").how["weights"]
+
+
+def test_fused_lm_head_counts_one_chunk_of_logits_not_the_micro_batchs():
+    # seed: micro-batch 4 x 513 positions of Qwen's 151,936 vocabulary; fused by size (null) or when set
+    from grpo.tools.memory.formulas import fused_logits_bytes, logits_bytes
+
+    whole = estimate("model.lora_r=16", "train.fused_lm_head=false")
+    fused = estimate("model.lora_r=16")
+    assert estimate("model.lora_r=16", "train.fused_lm_head=true").per_device_gb == fused.per_device_gb
+    shape = dict(micro_batch=4, positions=513, vocab_size=151936, p=2)
+    assert whole.per_device_gb["logits"] == pytest.approx(logits_bytes(**shape) / GIB, abs=0.001)
+    assert fused.per_device_gb["logits"] == pytest.approx(fused_logits_bytes(**shape) / GIB, abs=0.001)
+    assert fused_logits_bytes(**shape) == 16 * 4 * 55 * 151936  # 55 columns: 2^25 // (4 x 151936)
+    assert "fused LM head" in fused.how["logits"] and fused.total_gb < whole.total_gb
 
 
 def test_json_output_shape(capsys):

@@ -22,13 +22,52 @@ def test_hf_engines_by_name_sample_from_the_policy_itself():
         assert not ENGINES[name].own_weights
 
 
+def test_auto_engine_is_hf_static_on_cuda_and_hf_elsewhere():
+    from grpo.config.device_defaults import resolve_engine_name
+
+    assert resolve_engine_name("auto", "cuda") == "hf-static"
+    assert resolve_engine_name("auto", "cpu") == resolve_engine_name("auto", "mps") == "hf"
+    # where hf-static cannot run: a 4-bit base, sliding-window layers
+    assert resolve_engine_name("auto", "cuda", quantized=True) == "hf"
+    assert resolve_engine_name("auto", "cuda", full_attention=False) == "hf"
+    assert resolve_engine_name("auto", "cuda", sharded=True) == "hf"  # ZeRO-3
+    assert resolve_engine_name("hf-generate", "cuda") == "hf-generate"  # a named engine is kept as named
+    tokenizer = build_tokenizer()
+    model = build_qwen2(tokenizer, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    cfg = load_config(None, [])
+    assert cfg.rollout.engine == "auto" and isinstance(build_engine(cfg, model, tokenizer), LeanEngine)  # a CPU model
+
+
+def test_auto_engine_reads_the_policys_device_and_layers(monkeypatch):
+    from grpo.rollout.build import policy_engine_name
+
+    tokenizer = build_tokenizer()
+    model = build_qwen2(tokenizer, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    cfg = load_config(None, [])
+    monkeypatch.setattr(model.config, "layer_types", ["full_attention", "full_attention"])
+    assert policy_engine_name(cfg, model) == "hf"  # on the CPU
+    meta = build_qwen2(tokenizer, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                       intermediate_size=64).to("meta")  # a device type other than the CPU's, without a GPU
+    import grpo.rollout.build as build
+
+    seen = []
+    monkeypatch.setattr(build, "resolve_engine_name",
+                        lambda name, device, **kw: seen.append((name, device, kw)) or "hf")
+    meta.config.layer_types = ["full_attention", "sliding_attention"]
+    build.policy_engine_name(cfg, meta)
+    assert seen == [("auto", "meta", {"quantized": False, "full_attention": False, "sharded": False})]
+    next(meta.parameters()).ds_id = 0  # how DeepSpeed ZeRO-3 marks the parameters it partitions
+    build.policy_engine_name(cfg, meta)
+    assert seen[-1][2]["sharded"] is True
+
+
 def test_the_config_offers_exactly_the_registered_engines():
     from dataclasses import fields
 
     from grpo.config.schema import RolloutConfig
 
     engine = next(f for f in fields(RolloutConfig) if f.name == "engine")
-    assert set(engine.metadata["choices"]) == set(ENGINES)
+    assert set(engine.metadata["choices"]) == {"auto", *ENGINES} and engine.default == "auto"
     assert [n for n, k in ENGINES.items() if k.own_weights] == ["vllm"]
 
 

@@ -72,6 +72,17 @@ def test_first_steps_match_the_recorded_run(case, tmp_path):
         recorded[case] = steps
         GOLDEN.write_text(json.dumps(recorded, indent=1, sort_keys=True) + "\n")
         pytest.skip(f"recorded {case} in {GOLDEN}")
+    assert_matches_recorded(case, steps)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_first_steps_match_with_the_fused_lm_head(case, tmp_path):
+    """The fused LM head (log-probs from hidden states, the head chunked and recomputed in backward) in every
+    pass, forced on (by size this model's small vocabulary would not use it), computes the recorded run."""
+    assert_matches_recorded(case, run_case(tmp_path, {**CASES[case], "train.fused_lm_head": True}))
+
+
+def assert_matches_recorded(case: str, steps: list[dict]) -> None:
     expected = json.loads(GOLDEN.read_text())[case]
     assert len(steps) == len(expected)
     for index, (got, want) in enumerate(zip(steps, expected)):

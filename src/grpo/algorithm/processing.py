@@ -148,42 +148,65 @@ def _check(logits: Tensor, completion_ids: Tensor, completion_mask: Tensor, prom
         raise ValueError(f"temperature must be > 0, got {temperature}")
 
 
+def processing_tables(targets: Tensor, prompt_seen: Tensor, processing: LogprobProcessing,
+                      vocab_size: int) -> tuple[Tensor | None, Tensor | None]:
+    """What every chunk of a sequence's positions reads: ``(first_seen [B, V] or None, eos [V] or None)``.
+
+    first_seen: the completion position each token first appears at (-1: in the prompt; L: never), so a
+    token is seen at position j exactly when first_seen < j (one table per sequence; each chunk's
+    ``[B, c, V]`` presence is a comparison with it); None without a repetition penalty. eos: True at the
+    ids min_new_tokens forbids; None when it is off. ``targets`` [B, L], ``prompt_seen`` [B, V]."""
+    first_seen = None
+    if processing.repetition_penalty != 1.0:
+        B, L = targets.shape
+        first_seen = torch.full((B, vocab_size), L, dtype=torch.long, device=targets.device)
+        positions = torch.arange(L, device=targets.device).expand(B, L)  # [B, L]
+        first_seen.scatter_reduce_(1, targets, positions, reduce="amin").masked_fill_(prompt_seen, -1)
+    eos = eos_mask(processing.eos_ids, vocab_size, targets.device) if processing.min_new_tokens > 0 else None
+    return first_seen, eos
+
+
+def process_chunk(raw: Tensor, start: int, tokens: Tensor, real: Tensor, tables: tuple[Tensor | None, Tensor | None],
+                  temperature: float, processing: LogprobProcessing,
+                  with_factor: bool = False) -> tuple[Tensor, Tensor | None]:
+    """One chunk of positions ``start .. start + c - 1``: ``raw`` [B, c, V] float logits -> ``(processed
+    [B, c, V], factor [B, c, V] or None)``: the processed, tempered logits with removed tokens at -inf, and
+    (``with_factor``, for a hand-written backward) d processed / d raw where not removed (None when it is
+    the constant ``1 / temperature``). ``tokens``/``real`` [B, c]: the chunk's targets and real-token mask;
+    ``tables``: ``processing_tables``. Differentiable in ``raw`` (plain autograd works through it)."""
+    first_seen, eos = tables
+    stop = start + raw.shape[1]
+    penalty = processing.repetition_penalty
+    factor = None
+    if first_seen is not None:
+        seen = first_seen[:, None, :] < torch.arange(start, stop, device=raw.device)[None, :, None]
+        if with_factor:  # d penalized / d x, in the chunk's dtype (a float64 check stays float64)
+            factor = torch.full_like(raw, 1 / penalty).masked_fill_(raw < 0, penalty).masked_fill_(~seen, 1.0)
+            factor /= temperature
+        raw = penalize_repeats(raw, seen, penalty)
+    processed = raw / temperature
+    if eos is not None:
+        early = real & (torch.arange(start, stop, device=raw.device) < processing.min_new_tokens)
+        processed = processed.masked_fill(early[..., None] & eos, float("-inf"))
+    if processing.min_p > 0.0:
+        removed = min_p_removed(processed, processing.min_p)
+        removed.scatter_(2, tokens[..., None], False)  # the sampled token always counts
+        processed = processed.masked_fill(removed, float("-inf"))
+    return processed, factor
+
+
 def _processed_chunks(logits: Tensor, targets: Tensor, real: Tensor, prompt_seen: Tensor, temperature: float,
                       processing: LogprobProcessing, chunk: int, with_factor: bool = False):
-    """Yields ``(columns, processed [B, c, V], factor [B, c, V] or None)`` per chunk of positions:
-    the processed, tempered logits with removed tokens at -inf, and (``with_factor``, for backward)
-    d processed / d logits where not removed (None when it is the constant ``1 / temperature``)."""
+    """Yields ``(columns, processed [B, c, V], factor [B, c, V] or None)`` per chunk of positions
+    (``process_chunk`` of each)."""
     B, L, V = logits.shape
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    penalty = processing.repetition_penalty
-    first_seen = None
-    if penalty != 1.0:
-        # [B, V]: the completion position each token first appears at (-1: in the prompt; L: never), so a
-        # token is seen at position j exactly when first_seen < j. One [B, V] table for the sequence; each
-        # chunk's [B, c, V] presence is a comparison with it.
-        first_seen = torch.full((B, V), L, dtype=torch.long, device=logits.device)
-        positions = torch.arange(L, device=logits.device).expand(B, L)  # [B, L]
-        first_seen.scatter_reduce_(1, targets, positions, reduce="amin").masked_fill_(prompt_seen, -1)
-    eos = eos_mask(processing.eos_ids, V, logits.device) if processing.min_new_tokens > 0 else None  # [V]
+    tables = processing_tables(targets, prompt_seen, processing, V)
     for start in range(0, L, chunk):
         cols = slice(start, min(start + chunk, L))
         raw = logits[:, cols].to(dtype)  # [B, c, V], a copy of the chunk only
-        tokens = targets[:, cols]  # [B, c]
-        factor = None
-        if first_seen is not None:
-            seen = first_seen[:, None, :] < torch.arange(start, cols.stop, device=logits.device)[None, :, None]
-            if with_factor:  # d penalized / d x, in the chunk's dtype (a float64 check stays float64)
-                factor = torch.full_like(raw, 1 / penalty).masked_fill_(raw < 0, penalty).masked_fill_(~seen, 1.0)
-                factor /= temperature
-            raw = penalize_repeats(raw, seen, penalty)
-        processed = raw / temperature
-        if eos is not None:
-            early = real[:, cols] & (torch.arange(start, cols.stop, device=logits.device) < processing.min_new_tokens)
-            processed = processed.masked_fill(early[..., None] & eos, float("-inf"))
-        if processing.min_p > 0.0:
-            removed = min_p_removed(processed, processing.min_p)
-            removed.scatter_(2, tokens[..., None], False)  # the sampled token always counts
-            processed = processed.masked_fill(removed, float("-inf"))
+        processed, factor = process_chunk(raw, start, targets[:, cols], real[:, cols], tables, temperature,
+                                          processing, with_factor)
         yield cols, processed, factor
 
 

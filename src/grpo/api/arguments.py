@@ -151,7 +151,7 @@ class GRPOConfig:
     max_tool_calling_iterations: int | None = None  # tool rounds after the first turn; None: until the length budget
     # -- grpo's own options (not TRL's)
     advantage_estimator: str = "grpo"  # grpo, rloo, reinforce_pp, gae (PPO with a critic)
-    rollout_engine: str | None = None  # hf, hf-static, hf-generate; None: hf (vllm with use_vllm=True)
+    rollout_engine: str | None = None  # auto, hf, hf-static, hf-generate; None: auto (vllm with use_vllm=True)
     dynamic_sampling: bool = False  # DAPO's: resample groups whose rewards are all equal
     ptx_data: str | None = None  # an SFT file whose NLL is added to the loss (PaddleNLP's PTX)
     ptx_coef: float | None = None  # its weight; None: grpo's default (ptx.coef)

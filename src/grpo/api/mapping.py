@@ -111,7 +111,7 @@ def to_run_config(args: GRPOConfig, *, num_processes: int = 1, train_size: int |
                     "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k or None,
                     "min_p": args.min_p or 0.0, "repetition_penalty": args.repetition_penalty,
                     "min_new_tokens": (args.generation_kwargs or {}).get("min_new_tokens", 0),
-                    "engine": "vllm" if args.use_vllm else args.rollout_engine or "hf",
+                    "engine": "vllm" if args.use_vllm else args.rollout_engine or "auto",
                     "vllm_enable_sleep_mode": args.vllm_enable_sleep_mode,
                     "vllm_gpu_memory_utilization": args.vllm_gpu_memory_utilization,
                     "dynamic_sampling": args.dynamic_sampling,

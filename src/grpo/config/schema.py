@@ -71,11 +71,12 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = opt("hf", "Generation engine: hf (lean KV-cache sampling loop over the HF model), "
+    engine: str = opt("auto", "Generation engine: auto (hf-static on CUDA, hf elsewhere; hf for a 4-bit base or "
+                      "sliding-window layers), hf (lean KV-cache sampling loop over the HF model), "
                       "hf-static (for CUDA: static KV cache, decode step replayed as a CUDA graph, bf16 sampling copy "
                       "with LoRA merged), hf-generate (model.generate; same distribution, slower) or vllm (the "
                       "optional vllm extra; weights pushed in place after every update).",
-                      choices=("hf", "hf-static", "hf-generate", "vllm"))
+                      choices=("auto", "hf", "hf-static", "hf-generate", "vllm"))
     num_generations: int = opt(8, "G: completions sampled per prompt (the group); 1 only with "
                                "algorithm.advantage_estimator gae (a group of one has no baseline).", ge=1)
     max_completion_length: int = opt(256, "Maximum new tokens per completion.", ge=1)
@@ -285,6 +286,12 @@ class TrainConfig:
         None, "Log-prob passes round the columns they run (beyond the padding every row of a micro-batch shares) "
         "up to a multiple of this, so shapes repeat and GPU kernels and attention plans are reused; the extra "
         "columns are masked padding. null = the device type's default (CUDA: 64, others: 1).", ge=1)
+    fused_lm_head: bool | None = opt(
+        None, "Log-prob passes (training, old, reference, PTX) read each token's log-prob (and entropy) from the "
+        "final hidden states, the LM head applied a chunk of positions at a time and recomputed in backward, so "
+        "no [micro-batch, length, vocabulary] logits tensor exists: true, false, or null = per micro-batch, when "
+        "its logits would reach 2^26 elements (e.g. 16 x 1024 tokens of a 4k vocabulary, 1 x 442 of Qwen's "
+        "151,936); the same values up to float re-association.")
     max_steps: int = opt(100, "Optimisation steps to run.", ge=1)
     output_dir: str = opt("runs/demo", "Run folder: config, metrics, samples, plots, checkpoints.")
     seed: int = opt(42, "Seed for data order, sampling and initialisation.", ge=0)

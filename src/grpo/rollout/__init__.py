@@ -1,8 +1,9 @@
 """Rollout engines: turn rendered prompts into groups of sampled completions.
 
 An engine is anything with the ``RolloutEngine`` protocol; the config names one of ``grpo.rollout.build.ENGINES``:
-``hf`` (default) is a lean sampling loop over the HF model's KV cache; ``hf-static`` the same
-distribution from a static cache with the decode step replayed as a CUDA graph, for GPUs;
+``hf`` (the default on a CPU) is a lean sampling loop over the HF model's KV cache; ``hf-static`` (the
+default on CUDA: ``auto``, ``grpo.config.device_defaults``) the same distribution from a static cache with
+the decode step replayed as a CUDA graph;
 ``hf-generate`` is ``model.generate`` itself (same distribution, more per-token overhead); ``vllm`` an
 ``OwnWeightsEngine`` (``grpo.rollout.vllm_engine``).
 """

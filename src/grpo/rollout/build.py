@@ -2,7 +2,7 @@
 its own weights), and keeping such an engine in step with the policy.
 
 ``hf`` / ``hf-static`` / ``hf-generate`` sample from the training model itself, so they always see the
-newest weights. ``vllm`` holds its own copy (an ``OwnWeightsEngine``): colocated training pushes the
+newest weights. ``auto`` (the default) is ``hf-static`` on CUDA and ``hf`` elsewhere (``resolve_engine_name``). ``vllm`` holds its own copy (an ``OwnWeightsEngine``): colocated training pushes the
 policy's weights into it after every update (``push_policy_weights``); a decoupled sampler hands it each
 published version it loads.
 """
@@ -17,6 +17,7 @@ import torch
 from grpo.algorithm.registry import lookup
 from grpo.config import ConfigError, RunConfig
 from grpo.rollout.engine import OwnWeightsEngine, RolloutEngine
+from grpo.config.device_defaults import AUTO, resolve_engine_name
 from grpo.rollout.hf import HFEngine
 from grpo.rollout.lean import LeanEngine
 from grpo.rollout.static import StaticEngine
@@ -75,22 +76,35 @@ ENGINES: dict[str, EngineKind] = {
 }
 
 
+def policy_engine_name(cfg: RunConfig, policy: torch.nn.Module) -> str:
+    """``resolve_engine_name`` for the engine that samples from ``policy`` (its device, its layers)."""
+    layer_types = getattr(getattr(policy, "config", None), "layer_types", None) or ["full_attention"]
+    return resolve_engine_name(cfg.rollout.engine, next(policy.parameters()).device.type,
+                               quantized=cfg.model.load_in_4bit,
+                               full_attention=all(t == "full_attention" for t in layer_types),
+                               sharded=any(hasattr(p, "ds_id") for p in policy.parameters()))  # ZeRO-3's mark
+
+
 def engine_kind(name: str) -> EngineKind:
     """``ENGINES[name]``; ValueError listing the known names."""
     return lookup(ENGINES, "rollout engine", name)
 
 
 def check_engine_available(cfg: RunConfig) -> None:
-    """ConfigError now (before a run writes anything) when ``rollout.engine`` needs a missing package."""
+    """ConfigError now (before a run writes anything) when ``rollout.engine`` needs a missing package
+    (``auto`` never picks one that does)."""
+    if cfg.rollout.engine == AUTO:
+        return
     kind = engine_kind(cfg.rollout.engine)
     if kind.check is not None:
         kind.check()
 
 
 def build_engine(cfg: RunConfig, policy: torch.nn.Module, tokenizer) -> RolloutEngine:
-    """The engine ``rollout.engine`` names, over ``policy`` or (vLLM) over its own copy of ``model.name_or_path``."""
+    """The engine ``rollout.engine`` names (``auto``: the policy's device's), over ``policy`` or (vLLM) over
+    its own copy of ``model.name_or_path``."""
     check_engine_available(cfg)
-    return engine_kind(cfg.rollout.engine).build(cfg, policy, tokenizer)
+    return engine_kind(policy_engine_name(cfg, policy)).build(cfg, policy, tokenizer)
 
 
 def holds_own_weights(engine: RolloutEngine) -> bool:

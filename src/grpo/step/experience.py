@@ -95,7 +95,8 @@ def generation_logprobs(model: torch.nn.Module, generation: Generation, temperat
         return completion_logprobs(model, generation.prompt_ids, generation.prompt_mask,
                                    generation.completion_ids, generation.completion_mask, temperature, batch_size,
                                    share_prompts=logprob_pass.share_prompts,
-                                   column_bucket=logprob_pass.column_bucket, processing=processing)
+                                   column_bucket=logprob_pass.column_bucket, processing=processing,
+                                   fused_head=logprob_pass.fused_head)
 
 
 def rank_experience(

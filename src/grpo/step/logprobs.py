@@ -31,7 +31,9 @@ from grpo.algorithm import (
     token_entropy,
     token_logprobs,
 )
+from grpo.algorithm.head import head_logprobs
 from grpo.algorithm.processing import prompt_presence
+from grpo.models.wrappers import decoder, inner_model, output_head
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class LogprobPass:
 
     share_prompts: bool | None = None  # each micro-batch's distinct prompts run once (the module docstring)
     column_bucket: int | None = None  # run widths rounded up to a multiple of this
+    fused_head: bool | None = None  # log-probs from the hidden states, no [b, L, V] logits (None: by size)
 
 
 DEVICE_DEFAULT_PASS = LogprobPass()  # every choice the device type's default
@@ -50,6 +53,18 @@ DEVICE_DEFAULT_PASS = LogprobPass()  # every choice the device type's default
 # prompt compute for a second forward per micro-batch; on CUDA repeated widths let kernels and attention
 # plans be reused, on a CPU padding columns are only extra compute. Measurements: docs/device-choices.md.
 DEVICE_DEFAULTS: Mapping[str, tuple[bool, int]] = MappingProxyType({"cpu": (True, 1), "cuda": (True, 64)})
+
+
+# train.fused_lm_head null: a micro-batch goes through the fused head when its [b, L + 1, V] logits would
+# have at least this many elements (256 MB in float32); smaller ones keep the plain logits, where the
+# fused pass's second head matmul in backward costs more than the memory it saves.
+FUSED_HEAD_MIN_ELEMENTS = 2 ** 26
+
+
+def uses_fused_head(fused_head: bool | None, rows: int, positions: int, vocab_size: int) -> bool:
+    """Whether a micro-batch of ``rows`` x ``positions`` scored positions runs the fused head: as given,
+    or (None) when its logits would reach ``FUSED_HEAD_MIN_ELEMENTS``."""
+    return fused_head if fused_head is not None else rows * positions * vocab_size >= FUSED_HEAD_MIN_ELEMENTS
 
 
 def pass_choices(device: torch.device, share_prompts: bool | None, column_bucket: int | None) -> tuple[bool, int]:
@@ -123,20 +138,43 @@ def checkpointing_paused(model: torch.nn.Module) -> Iterator[None]:
                 del module.gradient_checkpointing
 
 
-def _full_logits(model, ids: Tensor, mask: Tensor, Lc: int) -> Tensor:
-    # [b, Lc + 1, V]: positions Lp-1 .. T-1, each predicting the next token
-    return model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                 logits_to_keep=Lc + 1, use_cache=False).logits
+@contextmanager
+def _final_hidden(model) -> Iterator[list[Tensor]]:
+    """Collects the final hidden states of each forward of ``model`` while open (a hook on its decoder)."""
+    captured: list[Tensor] = []
+    handle = decoder(model).register_forward_hook(lambda _module, _args, output: captured.append(output[0]))
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+def _forward(model, fused: bool, keep: int | None, **inputs):
+    """``(scores, past_key_values)``: the last ``keep`` positions' (all when None) logits [b, keep, V], or
+    with ``fused`` their final hidden states [b, keep, H], the LM head skipped (``logits_to_keep`` of no
+    position: transformers slices the hidden states with it before the head)."""
+    if not fused:
+        out = model(**inputs, **({} if keep is None else {"logits_to_keep": keep}))
+        return out.logits, out.past_key_values
+    with _final_hidden(model) as captured:
+        out = model(**inputs, logits_to_keep=torch.empty(0, dtype=torch.long, device=inputs["input_ids"].device))
+    hidden = captured[-1]  # [b, T, H]
+    return (hidden if keep is None else hidden[:, -keep:]), out.past_key_values
+
+
+def _full_logits(model, ids: Tensor, mask: Tensor, Lc: int, fused: bool = False) -> Tensor:
+    # [b, Lc + 1, V] (fused: [b, Lc + 1, H]): positions Lp-1 .. T-1, each predicting the next token
+    return _forward(model, fused, Lc + 1, input_ids=ids, attention_mask=mask,
+                    position_ids=position_ids_from_mask(mask), use_cache=False)[0]
 
 
 def _shared_prompt_logits(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
-                          completion_mask: Tensor, first: Tensor, index: Tensor) -> Tensor:
-    """[b, Lc + 1, V]: the same logits as ``_full_logits`` on the concatenation, from one pass over the
-    distinct prompts (keeping only their last position's logits) and one over the completions."""
+                          completion_mask: Tensor, first: Tensor, index: Tensor, fused: bool = False) -> Tensor:
+    """[b, Lc + 1, V] (fused: [b, Lc + 1, H]): the same as ``_full_logits`` on the concatenation, from one
+    pass over the distinct prompts (keeping only their last position) and one over the completions."""
     prompts, prompts_mask = prompt_ids[first], prompt_mask[first]  # [U, Lp]
-    prompt_out = model(input_ids=prompts, attention_mask=prompts_mask,
-                       position_ids=position_ids_from_mask(prompts_mask), use_cache=True, logits_to_keep=1)
-    cache = prompt_out.past_key_values
+    prompt_scores, cache = _forward(model, fused, 1, input_ids=prompts, attention_mask=prompts_mask,
+                                    position_ids=position_ids_from_mask(prompts_mask), use_cache=True)
     if cache is None:  # a model that ignores use_cache=True: sharing would read no prompt at all
         raise RuntimeError(
             f"grpo.step.logprobs: {type(model).__name__} returned no KV cache for the shared prompt pass "
@@ -145,9 +183,10 @@ def _shared_prompt_logits(model, prompt_ids: Tensor, prompt_mask: Tensor, comple
     cache.batch_select_indices(index)  # [U, ...] -> [b, ...]: an index, so gradients sum per prompt
     Lc = completion_ids.shape[1]
     positions = prompts_mask.sum(-1)[index, None] + torch.arange(Lc, device=completion_ids.device)  # [b, Lc]
-    completion_logits = model(input_ids=completion_ids, attention_mask=torch.cat([prompt_mask, completion_mask], 1),
-                              position_ids=positions, past_key_values=cache, use_cache=True).logits  # [b, Lc, V]
-    return torch.cat([prompt_out.logits[index], completion_logits], dim=1)
+    completion_scores, _ = _forward(model, fused, None, input_ids=completion_ids,
+                                    attention_mask=torch.cat([prompt_mask, completion_mask], 1),
+                                    position_ids=positions, past_key_values=cache, use_cache=True)  # [b, Lc, V or H]
+    return torch.cat([prompt_scores[index], completion_scores], dim=1)
 
 
 def completion_logprobs(
@@ -162,6 +201,7 @@ def completion_logprobs(
     column_bucket: int | None = None,
     with_entropy: bool = False,
     processing: LogprobProcessing | None = None,
+    fused_head: bool | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs of each completion token given its prompt and the completion prefix.
 
@@ -180,6 +220,9 @@ def completion_logprobs(
         processing: the sampling controls the completions were drawn with (repetition penalty,
             min_new_tokens, min_p): the log-probs (and entropy) are then those of the processed
             distribution (``grpo.algorithm.processing``). None or all off: the tempered logits as they are.
+        fused_head: the log-probs (and entropy) from the final hidden states, the LM head applied a chunk
+            of positions at a time (``grpo.algorithm.head``): no micro-batch's ``[b, Lc, V]`` logits ever
+            exist. None: per micro-batch, when those logits would reach ``FUSED_HEAD_MIN_ELEMENTS``.
 
     Returns:
         [N, Lc] float32 (padding positions hold finite values, 0 past a micro-batch's longest completion,
@@ -195,19 +238,21 @@ def completion_logprobs(
         share_prompts = share_prompts and can_share_prompt_cache(model)
         logprobs, entropy = _micro_batched_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                                     temperature, micro_batch_size, share_prompts, column_bucket,
-                                                    with_entropy, processing)
+                                                    with_entropy, processing, fused_head)
     return (logprobs, entropy) if with_entropy else logprobs
 
 
 def _micro_batched_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                             completion_mask: Tensor, temperature: float, micro_batch_size: int | None,
-                            share_prompts: bool, bucket: int,
-                            with_entropy: bool, processing: LogprobProcessing | None) -> tuple[Tensor, Tensor | None]:
+                            share_prompts: bool, bucket: int, with_entropy: bool,
+                            processing: LogprobProcessing | None,
+                            fused_head: bool | None = None) -> tuple[Tensor, Tensor | None]:
     """``completion_logprobs``' loop over micro-batches, ``share_prompts`` and ``bucket`` already chosen:
     ([N, Lc] log-probs, [N, Lc] entropy or None)."""
     Lc, Lp = completion_ids.shape[1], prompt_ids.shape[1]
     step = micro_batch_size or prompt_ids.shape[0]
     device = next(model.parameters()).device
+    vocab_size = _vocab_size(model)
     # Every host-side decision (which columns run, which rows share a prompt) reads CPU copies of the masks
     # and ids: on a GPU, reading a device tensor makes the host wait for every kernel queued before it.
     prompt_ids, prompt_mask = prompt_ids.cpu(), prompt_mask.cpu()
@@ -228,21 +273,44 @@ def _micro_batched_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, comp
         shared = shared_prompt_index(prompt_ids[rows, first:], prompt_mask[rows, first:]) if share_prompts else None
         p_ids, p_mask = _to_device(prompt_ids[rows, first:], device), _to_device(prompt_mask[rows, first:], device)
         c_ids, c_mask = _to_device(completion_ids[rows, :width], device), _to_device(completion_mask[rows, :width], device)
+        fused = uses_fused_head(fused_head, c_ids.shape[0], width + 1, vocab_size)
         if shared is None:
-            logits = _full_logits(model, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), width)
+            scores = _full_logits(model, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), width, fused)
         else:
             first_rows, index = (_to_device(t, device) for t in shared)
-            logits = _shared_prompt_logits(model, p_ids, p_mask, c_ids, c_mask, first_rows, index)
-        if processing is None:
-            targets = torch.cat([p_ids[:, -1:], c_ids], dim=1)  # [b, width + 1]: last prompt token, then the completion
-            logprobs = token_logprobs(logits, targets, temperature)  # [b, width]
-        else:  # the processors read the prompt's tokens and the completion's before each position
-            seen = prompt_presence(p_ids, p_mask, logits.shape[-1])  # [b, V] bool
-            processed = (logits[:, :-1], c_ids, c_mask, seen, temperature, processing)  # position t predicts c_ids[:, t]
-            logprobs = processed_token_logprobs(*processed).float()  # [b, width]
+            scores = _shared_prompt_logits(model, p_ids, p_mask, c_ids, c_mask, first_rows, index, fused)
+        if fused:  # scores: [b, width + 1, H] hidden states; position t predicts c_ids[:, t]
+            seen = prompt_presence(p_ids, p_mask, vocab_size) if processing is not None else None  # [b, V] bool
+            logprobs, entropy = head_logprobs(scores[:, :-1], output_head(model), c_ids, temperature,
+                                              vocab_size=vocab_size, with_entropy=with_entropy, processing=processing,
+                                              real=c_mask, prompt_seen=seen)
+        else:
+            logprobs, entropy = _logits_logprobs(scores, p_ids, p_mask, c_ids, c_mask, temperature, with_entropy,
+                                                 processing)
         out.append(torch.nn.functional.pad(logprobs, (0, Lc - width)))  # [b, Lc], zeros where all rows pad
-        if with_entropy:  # while this micro-batch's logits exist: no pass of its own
-            entropy = (token_entropy(logits, temperature) if processing is None
-                       else processed_token_entropy(*processed)).float()  # [b, width]
-            entropies.append(torch.nn.functional.pad(entropy, (0, Lc - width)))
+        if with_entropy:
+            entropies.append(torch.nn.functional.pad(entropy.float(), (0, Lc - width)))
     return torch.cat(out), (torch.cat(entropies) if with_entropy else None)
+
+
+def _vocab_size(model) -> int:
+    """V: the LM head's output width (the input embedding's rows for a head that does not say)."""
+    inner = inner_model(model)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    return getattr(head, "out_features", None) or inner.get_input_embeddings().num_embeddings
+
+
+def _logits_logprobs(logits: Tensor, p_ids: Tensor, p_mask: Tensor, c_ids: Tensor, c_mask: Tensor,
+                     temperature: float, with_entropy: bool,
+                     processing: LogprobProcessing | None) -> tuple[Tensor, Tensor | None]:
+    """One micro-batch's ([b, width] log-probs, entropy or None) from its [b, width + 1, V] logits."""
+    if processing is None:
+        targets = torch.cat([p_ids[:, -1:], c_ids], dim=1)  # [b, width + 1]: last prompt token, then the completion
+        logprobs = token_logprobs(logits, targets, temperature)  # [b, width]
+        entropy = token_entropy(logits, temperature) if with_entropy else None  # while the logits exist
+        return logprobs, entropy
+    # the processors read the prompt's tokens and the completion's before each position
+    seen = prompt_presence(p_ids, p_mask, logits.shape[-1])  # [b, V] bool
+    processed = (logits[:, :-1], c_ids, c_mask, seen, temperature, processing)  # position t predicts c_ids[:, t]
+    logprobs = processed_token_logprobs(*processed).float()  # [b, width]
+    return logprobs, (processed_token_entropy(*processed) if with_entropy else None)

@@ -70,6 +70,7 @@ def ptx_nll(model: torch.nn.Module, batch: SftBatch, logprob_pass: LogprobPass =
     positions, padding and checkpointing handling), so PTX works wherever the policy loss does."""
     logprobs = completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
                                    batch.response_mask, temperature=1.0, share_prompts=logprob_pass.share_prompts,
-                                   column_bucket=logprob_pass.column_bucket)  # [B, Lr]
+                                   column_bucket=logprob_pass.column_bucket,
+                                   fused_head=logprob_pass.fused_head)  # [B, Lr]
     # Pinned and without waiting, as completion_logprobs copies its inputs: the update queues work, never waits.
     return sft_loss(logprobs, _to_device(batch.response_mask, logprobs.device))

@@ -89,7 +89,8 @@ def build_app(
             return completion_logprobs(model, req.prompt_ids, req.prompt_mask, req.completion_ids,
                                        req.completion_mask, temperature, micro_batch_size,
                                        share_prompts=logprob_pass.share_prompts,
-                                       column_bucket=logprob_pass.column_bucket)  # [N, Lc]
+                                       column_bucket=logprob_pass.column_bucket,
+                                       fused_head=logprob_pass.fused_head)  # [N, Lc]
 
     @app.get("/v1/health")
     def health(request: Request):

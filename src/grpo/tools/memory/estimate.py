@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from grpo.config import ConfigError, RunConfig
 from grpo.config.rules import ptx_max_length
+from grpo.config.device_defaults import resolve_engine_name
 from grpo.tools.memory.critic import critic_memory
 from grpo.tools.memory.formulas import (
     LORA_BYTES,
@@ -33,6 +34,8 @@ from grpo.tools.memory.formulas import (
     autocast_extra_bytes,
     forward_transient_bytes,
     kv_cache_bytes,
+    fused_head,
+    fused_logits_bytes,
     logits_bytes,
     prompts_per_micro_batch,
     sampling_bytes,
@@ -134,13 +137,26 @@ def ptx_update_bytes(shape: ModelShape, cfg: RunConfig, *, p: int, lora_targets:
     upper bound: only the response's are computed)."""
     b, seq_len = cfg.ptx.micro_batch_size, ptx_max_length(cfg)
     checkpointing = cfg.model.gradient_checkpointing
-    logits = logits_bytes(micro_batch=b, positions=seq_len, vocab_size=shape.vocab_size, p=p)
+    logits, _ = update_logits_bytes(cfg, micro_batch=b, positions=seq_len, vocab_size=shape.vocab_size, p=p)
     activations = activation_bytes(shape, micro_batch=b, seq_len=seq_len, p=p, lora_targets=lora_targets,
                                    lora_r=cfg.model.lora_r, attention=attention,
                                    gradient_checkpointing=checkpointing, logits=logits)
     if autocast:  # fp32 residual/norm tensors (autocast's weight copies are counted with the weights already)
         activations += autocast_extra_bytes(shape, tokens=b * seq_len, gradient_checkpointing=checkpointing)[1]
     return activations + logits, f"PTX micro-batch: {b} x {seq_len} tokens, activations + logits"
+
+
+def update_logits_bytes(cfg: RunConfig, *, micro_batch: int, positions: int, vocab_size: int,
+                        p: int) -> tuple[int, str]:
+    """(bytes, how) of one training micro-batch's log-prob work: the whole logits and their gradient, or
+    the fused head's chunk (``train.fused_lm_head``; null: by the logits' size, as the passes decide)."""
+    shape = dict(micro_batch=micro_batch, positions=positions, vocab_size=vocab_size)
+    if fused_head(cfg.train.fused_lm_head, **shape):
+        return (fused_logits_bytes(**shape, p=p),
+                f"fused LM head: one chunk of {micro_batch} x {positions} x {vocab_size} logits at a time, recomputed "
+                "in backward (train.fused_lm_head)")
+    return (logits_bytes(**shape, p=p),
+            f"(4 + {p}) B x {micro_batch} x {positions} x {vocab_size}: fp32 log-softmax rows + grad")
 
 
 def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | None = None,
@@ -196,8 +212,8 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
     if attention not in ("sdpa", "eager", "flash_attention_2"):
         notes.append(f"attention {attention!r} is sized as sdpa")
         attention = "sdpa"
-    logits = logits_bytes(micro_batch=b, positions=completion_len + 1, vocab_size=shape.vocab_size, p=p)
-    how["logits"] = f"(4 + {p}) B x {b} x {completion_len + 1} x {shape.vocab_size}: fp32 log-softmax rows + grad"
+    logits, how["logits"] = update_logits_bytes(cfg, micro_batch=b, positions=completion_len + 1,
+                                                vocab_size=shape.vocab_size, p=p)
     # grpo.step.logprobs runs each distinct prompt of a micro-batch once (not under gradient checkpointing)
     prompts, prompt_len = prompts_per_micro_batch(b, cfg.rollout.num_generations), cfg.data.max_prompt_length
     shared = prompts < b and not cfg.model.gradient_checkpointing and cfg.train.shared_prompt_pass is not False
@@ -228,7 +244,9 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
     reference, how["reference"] = reference_bytes(cfg, n_params=shape.num_params(), p=p,
                                                   ref_model_config=ref_model_config)
     sampler_reference = reference
-    sampling_copy = sampling_copy_bytes(shape, engine=cfg.rollout.engine, device=device, p=p)
+    engine = resolve_engine_name(cfg.rollout.engine, device, quantized=cfg.model.load_in_4bit,
+                                 sharded=bool(ds and ds.stage == 3))
+    sampling_copy = sampling_copy_bytes(shape, engine=engine, device=device, p=p)
     if sampling_copy and not decoupled:
         states = replace(states, weights=states.weights + sampling_copy)
         how["weights"] += " + the hf-static engine's sampling copy (bf16 on CUDA)"

@@ -199,6 +199,27 @@ def logits_bytes(*, micro_batch: int, positions: int, vocab_size: int, p: int) -
     return (4 + p) * full + 3 * 4 * positions * vocab_size
 
 
+# grpo.algorithm.head.CHUNK_ELEMENTS and grpo.step.logprobs.FUSED_HEAD_MIN_ELEMENTS, repeated here so the
+# planner imports no torch (tests/test_fused_head.py checks they agree)
+HEAD_CHUNK_ELEMENTS = 2 ** 25
+FUSED_HEAD_MIN_ELEMENTS = 2 ** 26
+
+
+def fused_head(setting: bool | None, *, micro_batch: int, positions: int, vocab_size: int) -> bool:
+    """Whether ``train.fused_lm_head`` (``setting``) fuses a micro-batch of this shape (as the passes decide)."""
+    return setting if setting is not None else micro_batch * positions * vocab_size >= FUSED_HEAD_MIN_ELEMENTS
+
+
+def fused_logits_bytes(*, micro_batch: int, positions: int, vocab_size: int, p: int) -> int:
+    """Peak of the fused head's log-prob work in one training micro-batch (``grpo.algorithm.head``): one
+    chunk of ``micro_batch`` x c positions x V at a time, c = HEAD_CHUNK_ELEMENTS // (micro_batch V), while
+    backward recomputes it: its logits (p), their float32 copy and softmax (2 x 4), and the gradients
+    (4 + p). At 8 x 1,025 positions of Qwen's vocabulary on the CPU (fp32) the measured peak was 5.4 chunks
+    of float32 (benchmarks/logprob_memory.py); this counts 5."""
+    columns = min(positions, max(1, HEAD_CHUNK_ELEMENTS // max(micro_batch * vocab_size, 1)))
+    return (12 + 2 * p) * micro_batch * columns * vocab_size
+
+
 def forward_transient_bytes(shape: ModelShape, *, tokens: int, p: int) -> int:
     """A no-grad forward's largest live intermediates: one layer's MLP (gate, up, their product) and
     attention tensors; nothing is kept across layers."""
@@ -231,8 +252,9 @@ def autocast_extra_bytes(shape: ModelShape, *, tokens: int, gradient_checkpointi
 
 
 def sampling_copy_bytes(shape: ModelShape, *, engine: str, device: str, p: int) -> int:
-    """``rollout.engine: hf-static`` samples from its own copy of the weights, held for the whole run:
-    bf16 on CUDA, the policy's dtype (``p`` bytes) elsewhere. Other engines: 0 (vLLM's is in its reservation)."""
+    """``rollout.engine: hf-static`` (``auto`` on CUDA) samples from its own copy of the weights, held for the
+    whole run: bf16 on CUDA, the policy's dtype (``p`` bytes) elsewhere. Other engines: 0 (vLLM's is in its
+    reservation). ``engine`` is the resolved name (``grpo.rollout.build.resolve_engine_name``)."""
     if engine != "hf-static":
         return 0
     return shape.num_params() * (2 if device == "cuda" else p)

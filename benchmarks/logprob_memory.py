@@ -1,0 +1,124 @@
+"""The log-prob passes' peak memory and time with and without the fused LM head (``train.fused_lm_head``), at
+Qwen2.5's vocabulary on a CPU (about 3 minutes on 2 cores).
+
+A random Qwen2 with the real vocabulary (151,936, tied embeddings) and a small body (hidden 64, 2 layers,
+fp32) so it runs here: the logits, not the body, are what the fused head removes. One micro-batch of
+8 rows (two groups of 4 sharing a prompt) x 64 prompt + 1,024 completion tokens: the training pass
+(``completion_logprobs`` with grad, then backward) and the reference pass (no grad), each with
+``fused_head`` false (the logits path) and true, each in a fresh process. Measured: the peak of the
+process's anonymous memory during the pass (``memory_check.AnonPeak``, glibc mapping every allocation of
+64 KiB or more on its own, so memory follows the live tensors) minus its value just before it (model,
+inputs and imports are in that baseline), and the pass's seconds (the best of ``--reps``). Writes
+benchmarks/results/logprob_memory.json.
+
+    python benchmarks/logprob_memory.py                     # 8 x 1024 completion tokens
+    python benchmarks/logprob_memory.py --completion 256    # other shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+RESULTS = ROOT / "benchmarks" / "results"
+MIB = 1024**2
+QWEN_VOCAB = 151936
+
+
+def child(spec: dict) -> dict:
+    """One pass in this process: {"peak_mib", "seconds", "logits_mib"} (logits_mib: what one [b, L + 1, V]
+    float32 logits tensor of this micro-batch would take)."""
+    import torch
+
+    from memory_check import AnonPeak, _status_kib
+    from grpo.models.tiny import build_qwen2, build_tokenizer
+    from grpo.step.logprobs import completion_logprobs
+
+    torch.set_num_threads(spec["threads"])
+    tokenizer = build_tokenizer()  # ids only: the model's vocabulary is Qwen's
+    model = build_qwen2(tokenizer, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                        intermediate_size=128, vocab_size=QWEN_VOCAB, max_position_embeddings=4096, seed=0).train()
+    rows, groups, Lp, Lc = spec["rows"], spec["groups"], spec["prompt"], spec["completion"]
+    gen = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(3, QWEN_VOCAB, (groups, Lp), generator=gen).repeat_interleave(rows // groups, 0)
+    prompt_mask = torch.ones_like(prompt_ids)
+    completion_ids = torch.randint(3, QWEN_VOCAB, (rows, Lc), generator=gen)
+    completion_mask = torch.ones_like(completion_ids)
+    grad = spec["pass"] == "training"
+    best, peak = float("inf"), 0
+    for _ in range(spec["reps"]):
+        model.zero_grad(set_to_none=True)
+        before = _status_kib("RssAnon") * 1024
+        with AnonPeak() as watch:
+            started = time.perf_counter()
+            with torch.set_grad_enabled(grad):
+                logprobs = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 1.0,
+                                               fused_head=spec["fused"])
+                if grad:
+                    logprobs.sum().backward()
+            seconds = time.perf_counter() - started
+        del logprobs
+        best, peak = min(best, seconds), max(peak, watch.peak - before)
+    return {"peak_mib": peak / MIB, "seconds": best, "logits_mib": rows * (Lc + 1) * QWEN_VOCAB * 4 / MIB}
+
+
+def run_case(spec: dict) -> dict:
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
+                          env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"{spec}: {proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--groups", type=int, default=2, help="distinct prompts (rows / groups share each)")
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--completion", type=int, default=1024)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--out", default=str(RESULTS / "logprob_memory.json"))
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return
+    if args.rows % args.groups:
+        parser.error(f"--groups {args.groups} must divide --rows {args.rows}")
+    base = {"rows": args.rows, "groups": args.groups, "prompt": args.prompt, "completion": args.completion,
+            "reps": args.reps, "threads": args.threads}
+    results = []
+    print(f"Qwen2 body hidden 64 x 2 layers, vocabulary {QWEN_VOCAB}, fp32, CPU ({os.cpu_count()} cores, "
+          f"{args.threads} threads); {args.rows} rows x ({args.prompt} prompt + {args.completion} completion) tokens")
+    print(f"{'pass':10} {'fused':6} {'peak MiB':>10} {'seconds':>8}")
+    for pass_name in ("training", "reference"):
+        row = {"pass": pass_name}
+        for fused in (False, True):
+            measured = run_case({**base, "pass": pass_name, "fused": fused})
+            row["fused" if fused else "logits"] = measured
+            print(f"{pass_name:10} {str(fused):6} {measured['peak_mib']:10.0f} {measured['seconds']:8.2f}", flush=True)
+        row["peak_ratio"] = row["logits"]["peak_mib"] / max(row["fused"]["peak_mib"], 1e-9)
+        row["time_ratio"] = row["fused"]["seconds"] / row["logits"]["seconds"]
+        results.append(row)
+    report = {"machine": f"CPU, {os.cpu_count()} cores", "threads": args.threads, "vocab_size": QWEN_VOCAB,
+              "model": "Qwen2, hidden 64, 2 layers, 4 heads, 2 KV heads, MLP 128, tied, random, fp32",
+              "shape": base, "one_logits_tensor_mib": results[0]["logits"]["logits_mib"], "passes": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    for row in results:
+        print(f"{row['pass']}: peak {row['logits']['peak_mib']:.0f} -> {row['fused']['peak_mib']:.0f} MiB "
+              f"({row['peak_ratio']:.1f}x lower), time x{row['time_ratio']:.2f}")
+    print(f"written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
