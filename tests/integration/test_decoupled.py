@@ -89,6 +89,25 @@ def test_deepspeed_zero_trainer_ranks(tiny_model_dir, tmp_path, stage):
     assert all(torch.equal(published[k], final[k]) for k in published)
 
 
+def test_zero3_fused_lm_head_trains_as_the_logits_pass(tiny_model_dir, tmp_path):
+    # the fused head's chunks call the head module itself, so ZeRO-3 gathers its shards per chunk and again
+    # for the recompute in backward: the same losses as the whole-logits pass, step by step
+    pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed (make install installs it)")
+    rows = {}
+    for fused in (False, True):
+        out = tmp_path / f"fused-{fused}"
+        cmd = grpo_cmd("train", SMOKE, *decoupled_overrides(tiny_model_dir, out, **{
+            "train.mode": "decoupled", "decoupled.trainer_ranks": 2, "train.max_steps": 2, "train.save_steps": 10,
+            "train.deepspeed": REPO / "configs" / "ds_zero3.json", "train.fused_lm_head": fused}))
+        result = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows[fused] = train_rows(out)
+    assert len(rows[True]) == len(rows[False]) == 2
+    for a, b in zip(rows[False], rows[True]):
+        for key in ("loss", "kl", "entropy", "grad_norm", "reward/mean"):
+            assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(a[key])), (a["step"], key, a[key], b[key])
+
+
 def finish(trainer: subprocess.Popen, sampler: subprocess.Popen) -> None:
     """Wait for the trainer to finish cleanly; its bye ends the sampler."""
     _, err = trainer.communicate(timeout=300)
