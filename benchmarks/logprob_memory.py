@@ -13,11 +13,14 @@ benchmarks/results/logprob_memory.json.
 
     python benchmarks/logprob_memory.py                     # 8 x 1024 completion tokens
     python benchmarks/logprob_memory.py --completion 256    # other shapes
+    python benchmarks/logprob_memory.py --device cuda --body 1.5b   # on a GPU: the Qwen2.5-1.5B body, fp32
+        # weights under bf16 autocast as grpo trains; peak = torch.cuda.max_memory_allocated above the start
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -30,6 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 RESULTS = ROOT / "benchmarks" / "results"
 MIB = 1024**2
 QWEN_VOCAB = 151936
+BODIES = {  # (hidden, layers, heads, kv heads, MLP)
+    "tiny": (64, 2, 4, 2, 128),
+    "1.5b": (1536, 28, 12, 2, 8960),  # Qwen2.5-1.5B's
+}
 
 
 def child(spec: dict) -> dict:
@@ -42,9 +49,13 @@ def child(spec: dict) -> dict:
     from grpo.step.logprobs import completion_logprobs
 
     torch.set_num_threads(spec["threads"])
+    device = torch.device(spec["device"])
+    on_gpu = device.type == "cuda"
     tokenizer = build_tokenizer()  # ids only: the model's vocabulary is Qwen's
-    model = build_qwen2(tokenizer, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                        intermediate_size=128, vocab_size=QWEN_VOCAB, max_position_embeddings=4096, seed=0).train()
+    hidden, layers, heads, kv_heads, mlp = BODIES[spec["body"]]
+    model = build_qwen2(tokenizer, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+                        intermediate_size=mlp, vocab_size=QWEN_VOCAB, max_position_embeddings=16384,
+                        rope_theta=1e6, seed=0).to(device).train()
     rows, groups, Lp, Lc = spec["rows"], spec["groups"], spec["prompt"], spec["completion"]
     gen = torch.Generator().manual_seed(0)
     prompt_ids = torch.randint(3, QWEN_VOCAB, (groups, Lp), generator=gen).repeat_interleave(rows // groups, 0)
@@ -52,20 +63,27 @@ def child(spec: dict) -> dict:
     completion_ids = torch.randint(3, QWEN_VOCAB, (rows, Lc), generator=gen)
     completion_mask = torch.ones_like(completion_ids)
     grad = spec["pass"] == "training"
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else contextlib.nullcontext()
     best, peak = float("inf"), 0
     for _ in range(spec["reps"]):
         model.zero_grad(set_to_none=True)
-        before = _status_kib("RssAnon") * 1024
-        with AnonPeak() as watch:
+        if on_gpu:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() if on_gpu else _status_kib("RssAnon") * 1024
+        with contextlib.nullcontext() if on_gpu else AnonPeak() as watch:
             started = time.perf_counter()
-            with torch.set_grad_enabled(grad):
+            with torch.set_grad_enabled(grad), autocast:
                 logprobs = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 1.0,
                                                fused_head=spec["fused"])
                 if grad:
                     logprobs.sum().backward()
+            if on_gpu:
+                torch.cuda.synchronize()
             seconds = time.perf_counter() - started
         del logprobs
-        best, peak = min(best, seconds), max(peak, watch.peak - before)
+        top = torch.cuda.max_memory_allocated() if on_gpu else watch.peak
+        best, peak = min(best, seconds), max(peak, top - before)
     return {"peak_mib": peak / MIB, "seconds": best, "logits_mib": rows * (Lc + 1) * QWEN_VOCAB * 4 / MIB}
 
 
@@ -86,6 +104,8 @@ def main() -> None:
     parser.add_argument("--completion", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--body", choices=list(BODIES), default="tiny", help="the model body under the real vocabulary")
     parser.add_argument("--out", default=str(RESULTS / "logprob_memory.json"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -95,10 +115,13 @@ def main() -> None:
     if args.rows % args.groups:
         parser.error(f"--groups {args.groups} must divide --rows {args.rows}")
     base = {"rows": args.rows, "groups": args.groups, "prompt": args.prompt, "completion": args.completion,
-            "reps": args.reps, "threads": args.threads}
+            "reps": args.reps, "threads": args.threads, "device": args.device, "body": args.body}
     results = []
-    print(f"Qwen2 body hidden 64 x 2 layers, vocabulary {QWEN_VOCAB}, fp32, CPU ({os.cpu_count()} cores, "
-          f"{args.threads} threads); {args.rows} rows x ({args.prompt} prompt + {args.completion} completion) tokens")
+    hidden, layers = BODIES[args.body][:2]
+    where = ("CUDA, fp32 weights under bf16 autocast" if args.device.startswith("cuda")
+             else f"fp32, CPU ({os.cpu_count()} cores, {args.threads} threads)")
+    print(f"Qwen2 body hidden {hidden} x {layers} layers, vocabulary {QWEN_VOCAB}, {where}; "
+          f"{args.rows} rows x ({args.prompt} prompt + {args.completion} completion) tokens")
     print(f"{'pass':10} {'fused':6} {'peak MiB':>10} {'seconds':>8}")
     for pass_name in ("training", "reference"):
         row = {"pass": pass_name}
@@ -109,8 +132,12 @@ def main() -> None:
         row["peak_ratio"] = row["logits"]["peak_mib"] / max(row["fused"]["peak_mib"], 1e-9)
         row["time_ratio"] = row["fused"]["seconds"] / row["logits"]["seconds"]
         results.append(row)
-    report = {"machine": f"CPU, {os.cpu_count()} cores", "threads": args.threads, "vocab_size": QWEN_VOCAB,
-              "model": "Qwen2, hidden 64, 2 layers, 4 heads, 2 KV heads, MLP 128, tied, random, fp32",
+    import torch
+
+    machine = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"CPU, {os.cpu_count()} cores"
+    report = {"machine": machine, "threads": args.threads, "vocab_size": QWEN_VOCAB, "device": args.device,
+              "model": f"Qwen2, body {args.body} {BODIES[args.body]} (hidden, layers, heads, KV heads, MLP), tied, "
+                       "random, fp32" + (" under bf16 autocast" if args.device.startswith("cuda") else ""),
               "shape": base, "one_logits_tensor_mib": results[0]["logits"]["logits_mib"], "passes": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))

@@ -16,6 +16,8 @@
 #                                              #   with attention backends efficient,math
 #   run: bash scripts/gpu_session.sh fullsize  # grpo alone, a full-size step: 64 prompts x 8 x 512 tokens
 #                                              #   (issue 14's goal: under 60 s on one H100), 3 steps
+#   run: bash scripts/gpu_session.sh head      # the fused LM head against whole logits at the 1.5B body and
+#                                              #   Qwen's vocabulary, 8 x 1024 completion tokens (~2 min)
 #   run: bash scripts/gpu_session.sh lease     # a 15-minute lease in one call of at most 10 minutes (with
 #                                              #   GPU_SESSION_SECONDS, default 540): full and LoRA against TRL
 #                                              #   and the plain loop at 3 steps, then memory, then a 2-step
@@ -27,7 +29,7 @@
 # python3), to check the script itself (tests/test_bench_gpu_script.py does); memory has no tiny form.
 set -euo pipefail
 
-part="${1:?usage: gpu_session.sh gen|full|lora|choices|memory|jump|fullsize|lease}"
+part="${1:?usage: gpu_session.sh gen|full|lora|choices|memory|jump|fullsize|head|lease}"
 out="${OUT:-gpu-out}"
 python="${PYTHON:-python3}"
 mkdir -p "$out"
@@ -83,6 +85,13 @@ case "$part" in
 print(sys.argv[2], "generate s per step:", " ".join(f"{x:.2f}" for x in s["generate_s"]))' "$out/jump-$backends.json" "$backends"
     done
     ;;
+  head)  # issue 28's target on a GPU: the log-prob passes' peak and time, fused head vs whole logits
+    if [ -n "${GPU_SESSION_TINY:-}" ]; then
+      $python benchmarks/logprob_memory.py --completion 32 --reps 1 --out "$out/logprob_memory.json"
+    else
+      $python benchmarks/logprob_memory.py --device cuda --body 1.5b --out "$out/logprob_memory.json"
+    fi
+    ;;
   lease)  # a lease now lends 15 minutes in all, start included: the headline first, each part cut at the deadline
     deadline=$((SECONDS + ${GPU_SESSION_SECONDS:-540}))
     left() { echo $((deadline - SECONDS)); }
@@ -96,7 +105,7 @@ print(sys.argv[2], "generate s per step:", " ".join(f"{x:.2f}" for x in s["gener
     fi
     ;;
   *)
-    echo "gpu_session.sh: unknown part $part (gen, full, lora, choices, memory, fullsize, jump or lease)" >&2
+    echo "gpu_session.sh: unknown part $part (gen, full, lora, choices, memory, fullsize, jump, head or lease)" >&2
     exit 2
     ;;
 esac

@@ -278,7 +278,7 @@ def test_gpu_session_script_parts_run_in_tiny_form(tmp_path, gsm8k_dir):
     parts read GSM8K's prompts (skipped without the shared files, like every GSM8K test)."""
     env = {**os.environ, "GPU_SESSION_TINY": "1", "PYTHON": sys.executable, "OUT": str(tmp_path),
            "GRPO_GSM8K_DIR": str(gsm8k_dir)}
-    for part in ("gen", "choices", "fullsize", "jump"):
+    for part in ("gen", "choices", "fullsize", "jump", "head"):
         proc = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "gpu_session.sh"), part], cwd=REPO_ROOT, env=env,
                               capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, (part, proc.stderr[-4000:])
@@ -293,6 +293,9 @@ def test_gpu_session_script_parts_run_in_tiny_form(tmp_path, gsm8k_dir):
             for name in ("default", "efficient,math")}
     assert jump["default"]["grpo_engine"] == jump["efficient,math"]["grpo_engine"] == "hf"
     assert jump["efficient,math"]["sdpa_backends"] == "efficient,math" and jump["default"]["sdpa_backends"] == "auto"
+    head = json.loads((tmp_path / "logprob_memory.json").read_text())
+    assert [p["pass"] for p in head["passes"]] == ["training", "reference"]
+    assert all(p["fused"]["peak_mib"] > 0 and p["logits"]["seconds"] > 0 for p in head["passes"])
     proc = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "gpu_session.sh"), "nonsense"], cwd=REPO_ROOT,
                           env=env, capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown part nonsense" in proc.stderr
