@@ -124,6 +124,8 @@ def test_bad_overrides_name_the_override_and_key(override, expected):
     (["decoupled.weight_sync=broadcast", "model.lora_r=8"], "decoupled.weight_sync",
      "a LoRA adapter travels through files"),
     (["decoupled.weight_sync=nccl"], "decoupled.weight_sync", "broadcast"),
+    (["train.max_tokens_per_micro_batch=4096", "train.deepspeed=configs/ds_zero2.json"],
+     "train.max_tokens_per_micro_batch", "a different number each step"),
 ])
 def test_invalid_combinations_say_why(overrides, key, why):
     with pytest.raises(ConfigError) as info:

@@ -136,3 +136,62 @@ def test_sequence_level_ratios_reach_the_loss(tiny_tokenizer):
     assert stats["ratio_mean"] == pytest.approx(want.item(), abs=1e-6)
     token = train_on_batch(RecordingLearner(model), batch, settings_with(micro_batch_size=6), DistInfo())
     assert token["ratio_mean"] != pytest.approx(stats["ratio_mean"], abs=1e-4)
+
+
+class SmallSteps(RecordingLearner):
+    """SGD steps small enough that iteration 2 is off-policy without the weights blowing up."""
+
+    def finish_update(self):
+        with torch.no_grad():
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p -= 1e-3 * p.grad
+        return super().finish_update()
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("num_iterations", [1, 2])
+def test_token_budget_micro_batches_give_the_fixed_row_gradient(tiny_tokenizer, loss_type, num_iterations):
+    # train.max_tokens_per_micro_batch: micro-batches of 1-3 rows (whole groups where they fit, a group split
+    # where one is too long) must give the same gradient, loss and statistics as fixed micro-batches of 2
+    model = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=1, seed=0)
+    batch = random_batch(len(tiny_tokenizer), N=8, Lc=9, seed=3)
+    batch.old_logprobs = None if num_iterations > 1 else batch.old_logprobs  # iteration 1 captures them
+    results = {}
+    for budget in (None, 30, 14, 1):
+        learner = SmallSteps(model) if num_iterations > 1 else RecordingLearner(model)
+        with torch.no_grad():
+            before = [p.clone() for p in model.parameters()]
+        stats = train_on_batch(learner, batch, LossSettings(
+            epsilon=0.2, epsilon_high=None, beta=0.04, loss_type=loss_type, max_completion_length=9, temperature=0.9,
+            num_iterations=num_iterations, micro_batch_size=2 if budget is None else 8, max_grad_norm=None,
+            max_tokens_per_micro_batch=budget), DistInfo())
+        results[budget] = (learner.grads, stats)
+        with torch.no_grad():  # the same starting weights for every budget
+            for p, b in zip(model.parameters(), before):
+                p.copy_(b)
+    fixed_grads, fixed_stats = results[None]
+    for budget in (30, 14, 1):
+        grads, stats = results[budget]
+        for key in ("loss", "kl", "clip_fraction", "ratio_mean", "entropy"):
+            assert stats[key] == pytest.approx(fixed_stats[key], abs=1e-6, rel=1e-5), (budget, key)
+        for update, fixed in zip(grads, fixed_grads, strict=True):
+            for name, g in fixed.items():
+                assert torch.allclose(update[name], g, atol=1e-6, rtol=1e-4), (budget, name, (update[name] - g).abs().max().item(), g.abs().max().item())
+
+
+def test_token_budget_cuts_where_rows_times_the_widest_row_exceed_it():
+    from grpo.step.policy_update import token_budget_micro_batches
+
+    completion = torch.tensor([1, 2, 2, 3, 6, 9])
+    completion_mask = (torch.arange(9)[None] < completion[:, None]).long()
+    prompt_mask = torch.ones(6, 3, dtype=torch.long)  # 3 prompt tokens each: widths 4, 5, 5, 6, 9, 12
+    order = torch.arange(6)
+    cut = token_budget_micro_batches(order, prompt_mask, completion_mask, max_rows=8, max_tokens=16)
+    assert [m.tolist() for m in cut] == [[0, 1, 2], [3], [4], [5]]  # 3 x 5 = 15 fits, 4 x 6 does not; 2 x 9 neither
+    cut = token_budget_micro_batches(order, prompt_mask, completion_mask, max_rows=2, max_tokens=10 ** 6)
+    assert [m.tolist() for m in cut] == [[0, 1], [2, 3], [4, 5]]  # the row cap still holds
+    cut = token_budget_micro_batches(order, prompt_mask, completion_mask, max_rows=8, max_tokens=1)
+    assert [m.tolist() for m in cut] == [[i] for i in range(6)]  # a row over the budget runs alone
+    assert [m.tolist() for m in token_budget_micro_batches(order, prompt_mask, completion_mask, 4, None)] == [
+        [0, 1, 2, 3], [4, 5]]

@@ -286,6 +286,13 @@ class TrainConfig:
         None, "Log-prob passes round the columns they run (beyond the padding every row of a micro-batch shares) "
         "up to a multiple of this, so shapes repeat and GPU kernels and attention plans are reused; the extra "
         "columns are masked padding. null = the device type's default (CUDA: 64, others: 1).", ge=1)
+    max_tokens_per_micro_batch: int | None = opt(
+        None, "The update's micro-batches by token count: rows in order of length (whole groups, shortest first) "
+        "while rows x (longest prompt + longest completion) stays within this, at most train.micro_batch_size "
+        "rows; a longer row runs alone. One long completion then no longer pads a full micro-batch of short "
+        "ones. The same gradient (each loss_type weighs a micro-batch by its rows or tokens, exact for any "
+        "split). null: train.micro_batch_size rows each. Not with train.deepspeed (its gradient accumulation "
+        "counts a fixed number of micro-batches).", ge=1)
     fused_lm_head: bool | None = opt(
         None, "Log-prob passes (training, old, reference, PTX) read each token's log-prob (and entropy) from the "
         "final hidden states, the LM head applied a chunk of positions at a time and recomputed in backward, so "

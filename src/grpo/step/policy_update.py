@@ -36,6 +36,7 @@ class LossSettings:
     processing: LogprobProcessing | None = None  # the sampling controls the log-probs follow (None: off)
     ptx_coef: float = 0.0  # weight of the PTX micro-batch's mean NLL in each update (ptx.coef)
     logprob_pass: LogprobPass = DEVICE_DEFAULT_PASS  # how the update's log-prob passes run (None fields: the device's default)
+    max_tokens_per_micro_batch: int | None = None  # train.max_tokens_per_micro_batch (None: micro_batch_size rows)
 
 
 def rows_by_length(completion_mask: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -45,6 +46,28 @@ def rows_by_length(completion_mask: torch.Tensor, group_size: int) -> torch.Tens
     longest = completion_mask.sum(-1).view(-1, group_size).amax(-1)  # [P]
     groups = torch.argsort(longest, stable=True)  # [P]
     return (groups[:, None] * group_size + torch.arange(group_size, device=groups.device)).flatten()
+
+
+def token_budget_micro_batches(order: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor,
+                               max_rows: int, max_tokens: int | None) -> list[torch.Tensor]:
+    """``order`` [N] cut into micro-batches (row-index tensors, in order): ``max_rows`` rows each, or with
+    ``max_tokens`` as many rows as keep rows x (longest prompt + longest completion among them), the padded
+    width a log-prob pass runs, within ``max_tokens`` (and at most ``max_rows``); a row over the budget on its
+    own forms a micro-batch alone. ``order`` should be ``rows_by_length``'s, so that neighbours are alike."""
+    if max_tokens is None:
+        return [order[start:start + max_rows] for start in range(0, order.shape[0], max_rows)]
+    prompt_lengths = prompt_mask.sum(-1)[order].tolist()  # [N], real tokens (left padding is dropped per pass)
+    completion_lengths = completion_mask.sum(-1)[order].tolist()  # [N]
+    cuts, start, widest_prompt, widest_completion = [], 0, 0, 0
+    for i, (lp, lc) in enumerate(zip(prompt_lengths, completion_lengths)):
+        wp, wc = max(widest_prompt, lp), max(widest_completion, lc)
+        rows = i - start + 1
+        if rows > 1 and (rows > max_rows or rows * (wp + wc) > max_tokens):
+            cuts.append(i)
+            start, wp, wc = i, lp, lc
+        widest_prompt, widest_completion = wp, wc
+    bounds = [0, *cuts, order.shape[0]]
+    return [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 _SUMMED = ("loss", "kl", "clip_fraction", "ratio_mean")  # statistics summed over micro-batches
@@ -102,11 +125,13 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
     sums = torch.zeros(len(_SLOTS), dtype=torch.float64, device=device)  # see _SLOTS
     learning_rate = learner.lr  # the rate of this step's first update (the schedule moves in finish_update)
     grad_norms, skipped = [], 0
-    starts = list(range(0, N, s.micro_batch_size))
     # The gradient is a sum over rows, so which rows share a micro-batch changes nothing but padding.
     P = len(batch.prompts)
-    order = (rows_by_length(gen.completion_mask, N // P) if len(starts) > 1 and P and N % P == 0
+    order = (rows_by_length(gen.completion_mask, N // P)
+             if (N > s.micro_batch_size or s.max_tokens_per_micro_batch) and P and N % P == 0
              else torch.arange(N))  # [N]
+    micro_batches = token_budget_micro_batches(order, gen.prompt_mask, gen.completion_mask, s.micro_batch_size,
+                                               s.max_tokens_per_micro_batch)  # row indices, on the CPU
     # One copy to the device per step: a blocking host-to-device copy per micro-batch waits for the GPU.
     order_on_device = order.to(device)  # [N]
     # Without old log-probs from the rollout (colocated), the first iteration's own log-probs are
@@ -114,11 +139,12 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
     # iterations, which saves the separate forward pass over the batch that would compute the same.
     captured: list[torch.Tensor] | None = [] if old_all is None and s.num_iterations > 1 else None
     for iteration in range(s.num_iterations):
-        for index, start in enumerate(starts):
-            rows = order[start:start + s.micro_batch_size]  # on the CPU, like the rollout's tensors
-            on_device = order_on_device[start:start + s.micro_batch_size]
+        start = 0
+        for index, rows in enumerate(micro_batches):  # rows on the CPU, like the rollout's tensors
+            on_device = order_on_device[start:start + rows.shape[0]]
+            start += rows.shape[0]
             # With PTX, its micro-batch closes the update: DDP must sync only after that last backward.
-            with learner.accumulating(last=index == len(starts) - 1 and ptx is None):
+            with learner.accumulating(last=index == len(micro_batches) - 1 and ptx is None):
                 # The sampling policy's entropy, read off this forward's logits (no pass of its own): on
                 # the first iteration the weights are still the ones that sampled.
                 first = iteration == 0
@@ -145,11 +171,14 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
                     max_completion_length=s.max_completion_length, normalizer=global_tokens,
                     importance_sampling_level=s.importance_sampling_level, sampler_weights=is_weights,
                     kl_times_ratio=s.kl_times_ratio)
-                weight, share = aggregation.micro_batch_weights(logprobs.shape[0], rows_mask.sum(), N, total_tokens)
+                weight, _ = aggregation.micro_batch_weights(logprobs.shape[0], rows_mask.sum(), N, total_tokens)
                 learner.backward(loss * weight)
             with torch.no_grad():
-                share = share.double() if isinstance(share, torch.Tensor) else share
-                terms = [(loss.detach() * weight).double()] + [stats[key].double() * share for key in _SUMMED[1:]]
+                # kl, clip_fraction and ratio_mean are token means within the micro-batch: weighted by its share of
+                # the batch's tokens they are the batch's token means, however the rows were split
+                token_share = (rows_mask.sum() / total_tokens.clamp(min=1)).double()
+                terms = [(loss.detach() * weight).double()] + [stats[key].double() * token_share
+                                                               for key in _SUMMED[1:]]
                 sums[:len(_SUMMED)] += torch.stack(terms) / s.num_iterations
                 if entropy is not None:  # token mean over every sampled token of the step
                     sums[_ENTROPY] += ((entropy * sampled[on_device]).sum() / sampled_tokens).double()
