@@ -18,6 +18,10 @@
 #                                              #   (issue 14's goal: under 60 s on one H100), 3 steps
 #   run: bash scripts/gpu_session.sh head      # the fused LM head against whole logits at the 1.5B body and
 #                                              #   Qwen's vocabulary, 8 x 1024 completion tokens (~2 min)
+#   run: bash scripts/gpu_session.sh lease2    # the next lease (GPU_SESSION_SECONDS likewise): what the first left
+#                                              #   unmeasured: shared prompt pass on/off for full fine-tuning,
+#                                              #   the fused head at 1.5B, full-gc and lora-gc against TRL and
+#                                              #   the plain loop, a 2-step full-size run
 #   run: bash scripts/gpu_session.sh lease     # a 15-minute lease in one call of at most 10 minutes (with
 #                                              #   GPU_SESSION_SECONDS, default 540): full and LoRA against TRL
 #                                              #   and the plain loop at 3 steps, then memory, then a 2-step
@@ -29,7 +33,7 @@
 # python3), to check the script itself (tests/test_bench_gpu_script.py does); memory has no tiny form.
 set -euo pipefail
 
-part="${1:?usage: gpu_session.sh gen|full|lora|choices|memory|jump|fullsize|head|lease}"
+part="${1:?usage: gpu_session.sh gen|full|lora|choices|memory|jump|fullsize|head|lease|lease2}"
 out="${OUT:-gpu-out}"
 python="${PYTHON:-python3}"
 mkdir -p "$out"
@@ -104,8 +108,28 @@ print(sys.argv[2], "generate s per step:", " ".join(f"{x:.2f}" for x in s["gener
         --out "$out/full-size.json" || echo "lease: fullsize ended $?"
     fi
     ;;
+  lease2)  # after the first lease (H200, ab7d641): the update was host-bound (GPU busy 39%) with the shared pass
+    deadline=$((SECONDS + ${GPU_SESSION_SECONDS:-540}))
+    left() { echo $((deadline - SECONDS)); }
+    for pass in auto off; do  # the A/B that decides train.shared_prompt_pass on CUDA, on one machine
+      timeout "$(left)" $bench --steps 3 --cases full --sides grpo --no-busy --shared-prompt-pass $pass \
+        --out "$out/shared-$pass.json" || echo "lease2: shared $pass ended $?"
+    done
+    if [ "$(left)" -gt 120 ]; then
+      if [ -n "${GPU_SESSION_TINY:-}" ]; then head_args="--completion 32 --reps 1"; else head_args="--device cuda --body 1.5b"; fi
+      timeout "$(left)" $python benchmarks/logprob_memory.py $head_args --out "$out/logprob_memory.json" \
+        || echo "lease2: head ended $?"
+    fi
+    if [ "$(left)" -gt 200 ]; then
+      timeout "$(left)" $bench --steps 3 --cases full-gc,lora-gc --out "$out/gc.json" || echo "lease2: gc ended $?"
+    fi
+    if [ "$(left)" -gt 150 ]; then
+      timeout "$(left)" $bench ${full_size:+--full-size} --steps 2 --cases full --sides grpo --no-busy \
+        --out "$out/full-size.json" || echo "lease2: fullsize ended $?"
+    fi
+    ;;
   *)
-    echo "gpu_session.sh: unknown part $part (gen, full, lora, choices, memory, fullsize, jump, head or lease)" >&2
+    echo "gpu_session.sh: unknown part $part (gen, full, lora, choices, memory, fullsize, jump, head, lease or lease2)" >&2
     exit 2
     ;;
 esac
