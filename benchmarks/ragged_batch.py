@@ -1,12 +1,12 @@
 """An update over a batch whose completion lengths vary widely (many short, a few long, as GRPO produces):
 token positions actually run and seconds, fixed micro-batches of rows against ``train.max_tokens_per_micro_batch``
-(about 1-2 minutes on a 2-core CPU).
+and against packed rows (``train.pack_sequences``) (about 1-2 minutes on a 2-core CPU).
 
 A random Qwen2 (hidden 128, 4 layers, the test tokenizer's vocabulary, fp32) and one rollout batch of 16 groups x
 G=4 = 64 rows, 48-token prompts; completions of 16-64 tokens except one group of 512 and one of 256: the long
 rows pad whatever fixed micro-batch they land in. ``train_on_batch`` (one iteration, beta 0.04, loss grpo) with
 micro-batches of 16 rows, then with the token budget at the same peak width (16 rows x (48 + 64) = 1,792
-positions; rows up to 64). Counted: the token positions the model runs (a hook on the input embedding:
+positions; rows up to 64), then fixed 16-row micro-batches packed into one sequence each. Counted: the token positions the model runs (a hook on the input embedding:
 every forward, prompt passes included) and the update's seconds (best of ``--reps``); the gradients are
 equal (tests/test_policy_update.py). Writes benchmarks/results/ragged_batch.json.
 
@@ -87,8 +87,12 @@ def main() -> None:
     positions = []
     model.get_input_embeddings().register_forward_hook(lambda m, a, out: positions.append(a[0].numel()))
     real = int(batch.generation.completion_mask.sum()) + 48 * 16  # each prompt once, every completion token
+    from grpo.step.logprobs import LogprobPass
+
     cases = {"fixed 16 rows": dict(micro_batch_size=16, max_tokens_per_micro_batch=None),
-             "token budget 1,792": dict(micro_batch_size=64, max_tokens_per_micro_batch=16 * (48 + 64))}
+             "token budget 1,792": dict(micro_batch_size=64, max_tokens_per_micro_batch=16 * (48 + 64)),
+             "packed, 16 rows": dict(micro_batch_size=16, max_tokens_per_micro_batch=None,
+                                     logprob_pass=LogprobPass(pack=True))}
     rows = []
     print(f"64 rows (16 groups x 4), 48-token prompts, completions 16-64 tokens but one group of 512 and one of 256; "
           f"{real:,} real tokens; CPU {os.cpu_count()} cores, {args.threads} threads")
@@ -101,19 +105,23 @@ def main() -> None:
             started = time.perf_counter()
             train_on_batch(_Plain(model), batch, settings, DistInfo())
             best = min(best, time.perf_counter() - started)
-        row = {"case": name, **sizes, "positions_run": sum(positions), "forwards": len(positions), "seconds": best}
+        row = {"case": name, "micro_batch_size": sizes["micro_batch_size"],
+               "max_tokens_per_micro_batch": sizes["max_tokens_per_micro_batch"], "pack": "logprob_pass" in sizes,
+               "positions_run": sum(positions), "forwards": len(positions), "seconds": best}
         rows.append(row)
         print(f"{name:20} {row['positions_run']:>8,} positions run in {row['forwards']:3} forwards  {best:6.2f} s",
               flush=True)
-    fixed, budget = rows
+    fixed = rows[0]
     report = {"machine": f"CPU, {os.cpu_count()} cores", "threads": args.threads, "real_tokens": real,
               "model": "Qwen2 hidden 128, 4 layers, test vocabulary, random, fp32", "cases": rows,
-              "positions_ratio": budget["positions_run"] / fixed["positions_run"],
-              "time_ratio": budget["seconds"] / fixed["seconds"]}
+              "positions_ratio": {r["case"]: r["positions_run"] / fixed["positions_run"] for r in rows[1:]},
+              "time_ratio": {r["case"]: r["seconds"] / fixed["seconds"] for r in rows[1:]}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"token budget: {report['positions_ratio']:.2f}x the positions, {report['time_ratio']:.2f}x the time of "
-          f"fixed rows; written to {args.out}")
+    for name in report["time_ratio"]:
+        print(f"{name}: {report['positions_ratio'][name]:.2f}x the positions, {report['time_ratio'][name]:.2f}x the "
+              "time of fixed rows")
+    print(f"written to {args.out}")
 
 
 if __name__ == "__main__":

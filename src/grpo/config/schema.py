@@ -293,6 +293,12 @@ class TrainConfig:
         "ones. The same gradient (each loss_type weighs a micro-batch by its rows or tokens, exact for any "
         "split). null: train.micro_batch_size rows each. Not with train.deepspeed (its gradient accumulation "
         "counts a fixed number of micro-batches).", ge=1)
+    pack_sequences: bool = opt(
+        False, "Log-prob passes (training, old, reference, PTX) run each micro-batch's rows as one sequence of their "
+        "real tokens, position ids restarting per row and attention kept within each row (transformers' packed "
+        "sequences: flash-attention-2 varlen where installed, a block-diagonal mask with sdpa/eager): no padding "
+        "is computed. It replaces the shared prompt pass (each row runs its own prompt). The same values up to "
+        "float re-association.")
     fused_lm_head: bool | None = opt(
         None, "Log-prob passes (training, old, reference, PTX) read each token's log-prob (and entropy) from the "
         "final hidden states, the LM head applied a chunk of positions at a time and recomputed in backward, so "

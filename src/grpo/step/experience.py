@@ -96,7 +96,7 @@ def generation_logprobs(model: torch.nn.Module, generation: Generation, temperat
                                    generation.completion_ids, generation.completion_mask, temperature, batch_size,
                                    share_prompts=logprob_pass.share_prompts,
                                    column_bucket=logprob_pass.column_bucket, processing=processing,
-                                   fused_head=logprob_pass.fused_head)
+                                   fused_head=logprob_pass.fused_head, pack=logprob_pass.pack)
 
 
 def rank_experience(

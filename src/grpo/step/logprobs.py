@@ -44,6 +44,7 @@ class LogprobPass:
     share_prompts: bool | None = None  # each micro-batch's distinct prompts run once (the module docstring)
     column_bucket: int | None = None  # run widths rounded up to a multiple of this
     fused_head: bool | None = None  # log-probs from the hidden states, no [b, L, V] logits (None: by size)
+    pack: bool = False  # each micro-batch's rows as one packed sequence, no padding (``_packed_scores``)
 
 
 DEVICE_DEFAULT_PASS = LogprobPass()  # every choice the device type's default
@@ -189,6 +190,41 @@ def _shared_prompt_logits(model, prompt_ids: Tensor, prompt_mask: Tensor, comple
     return torch.cat([prompt_scores[index], completion_scores], dim=1)
 
 
+def packed_layout(prompt_mask: Tensor, completion_mask: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Where a micro-batch's rows sit once packed into one sequence of their real tokens (host tensors).
+
+    Args: ``prompt_mask`` [b, Lp] (left-padded), ``completion_mask`` [b, W] (a prefix of each row), ``width``
+    = W. Returns ``(real [b, Lp + W] bool: the tokens kept, row-major = the packed order; positions [S]:
+    each row's own 0 .. n-1; scored [b, W + 1]: the packed index of each row's positions Lp-1 .. Lp+W-1, as
+    the padded pass scores them, clamped to the row's last token where it has no more)``."""
+    real = torch.cat([prompt_mask, completion_mask], 1).bool()  # [b, Lp + W]
+    positions = position_ids_from_mask(real.long())[real]  # [S]
+    prompt_lengths, lengths = prompt_mask.sum(1), real.sum(1)  # [b]
+    starts = lengths.cumsum(0) - lengths  # [b]
+    offsets = torch.arange(width + 1)[None]  # [1, W + 1]
+    scored = torch.minimum(starts[:, None] + prompt_lengths[:, None] - 1 + offsets,
+                           (starts + lengths - 1)[:, None])  # [b, W + 1]
+    return real, positions, scored
+
+
+def _packed_scores(model, ids: Tensor, layout: tuple[Tensor, Tensor, Tensor], fused: bool) -> Tensor:
+    """[b, W + 1, V] logits (fused: [b, W + 1, H] hidden states) of the padded pass's scored positions, from
+    one forward over the rows' real tokens packed into one sequence: position ids restart at each row and
+    no attention mask is given, so transformers attends within each row only (its packed-sequence
+    detection: block-diagonal masks for sdpa/eager, varlen for flash-attention-2). ``ids`` [b, Lp + W]
+    on the model's device; ``layout``: ``packed_layout``'s, on that device."""
+    real, positions, scored = layout
+    packed, positions = ids[real][None], positions[None]  # [1, S]
+    if not fused:
+        logits = model(input_ids=packed, position_ids=positions, logits_to_keep=scored.flatten(),
+                       use_cache=False).logits  # [1, b (W + 1), V]
+        return logits.view(*scored.shape, -1)
+    with _final_hidden(model) as captured:
+        model(input_ids=packed, position_ids=positions, use_cache=False,
+              logits_to_keep=torch.empty(0, dtype=torch.long, device=packed.device))
+    return captured[-1][0, scored]  # [b, W + 1, H]
+
+
 def completion_logprobs(
     model: torch.nn.Module,
     prompt_ids: Tensor,
@@ -202,6 +238,7 @@ def completion_logprobs(
     with_entropy: bool = False,
     processing: LogprobProcessing | None = None,
     fused_head: bool | None = None,
+    pack: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs of each completion token given its prompt and the completion prefix.
 
@@ -223,6 +260,8 @@ def completion_logprobs(
         fused_head: the log-probs (and entropy) from the final hidden states, the LM head applied a chunk
             of positions at a time (``grpo.algorithm.head``): no micro-batch's ``[b, Lc, V]`` logits ever
             exist. None: per micro-batch, when those logits would reach ``FUSED_HEAD_MIN_ELEMENTS``.
+        pack: each micro-batch's rows run as one sequence of their real tokens (``_packed_scores``): no
+            padding is computed; it replaces the shared prompt pass (each row runs its own prompt).
 
     Returns:
         [N, Lc] float32 (padding positions hold finite values, 0 past a micro-batch's longest completion,
@@ -235,10 +274,10 @@ def completion_logprobs(
     processing = processing if processing is not None and processing.active else None  # off: the plain logits
     with nullcontext() if torch.is_grad_enabled() else checkpointing_paused(model):
         share_prompts, column_bucket = pass_choices(next(model.parameters()).device, share_prompts, column_bucket)
-        share_prompts = share_prompts and can_share_prompt_cache(model)
+        share_prompts = share_prompts and can_share_prompt_cache(model) and not pack
         logprobs, entropy = _micro_batched_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                                     temperature, micro_batch_size, share_prompts, column_bucket,
-                                                    with_entropy, processing, fused_head)
+                                                    with_entropy, processing, fused_head, pack)
     return (logprobs, entropy) if with_entropy else logprobs
 
 
@@ -246,7 +285,7 @@ def _micro_batched_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, comp
                             completion_mask: Tensor, temperature: float, micro_batch_size: int | None,
                             share_prompts: bool, bucket: int, with_entropy: bool,
                             processing: LogprobProcessing | None,
-                            fused_head: bool | None = None) -> tuple[Tensor, Tensor | None]:
+                            fused_head: bool | None = None, pack: bool = False) -> tuple[Tensor, Tensor | None]:
     """``completion_logprobs``' loop over micro-batches, ``share_prompts`` and ``bucket`` already chosen:
     ([N, Lc] log-probs, [N, Lc] entropy or None)."""
     Lc, Lp = completion_ids.shape[1], prompt_ids.shape[1]
@@ -274,7 +313,11 @@ def _micro_batched_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, comp
         p_ids, p_mask = _to_device(prompt_ids[rows, first:], device), _to_device(prompt_mask[rows, first:], device)
         c_ids, c_mask = _to_device(completion_ids[rows, :width], device), _to_device(completion_mask[rows, :width], device)
         fused = uses_fused_head(fused_head, c_ids.shape[0], width + 1, vocab_size)
-        if shared is None:
+        if pack:
+            layout = tuple(_to_device(t, device) for t in packed_layout(prompt_mask[rows, first:],
+                                                                        completion_mask[rows, :width], width))
+            scores = _packed_scores(model, torch.cat([p_ids, c_ids], 1), layout, fused)
+        elif shared is None:
             scores = _full_logits(model, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), width, fused)
         else:
             first_rows, index = (_to_device(t, device) for t in shared)

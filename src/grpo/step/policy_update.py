@@ -152,7 +152,7 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
                                              gen.completion_ids[rows], gen.completion_mask[rows], s.temperature,
                                              share_prompts=s.logprob_pass.share_prompts,
                                              column_bucket=s.logprob_pass.column_bucket,
-                                             fused_head=s.logprob_pass.fused_head,
+                                             fused_head=s.logprob_pass.fused_head, pack=s.logprob_pass.pack,
                                              with_entropy=first, processing=s.processing)
                 logprobs, entropy = result if first else (result, None)  # [b, Lc] each
                 old = old_all[on_device] if old_all is not None else logprobs.detach()

@@ -71,6 +71,6 @@ def ptx_nll(model: torch.nn.Module, batch: SftBatch, logprob_pass: LogprobPass =
     logprobs = completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
                                    batch.response_mask, temperature=1.0, share_prompts=logprob_pass.share_prompts,
                                    column_bucket=logprob_pass.column_bucket,
-                                   fused_head=logprob_pass.fused_head)  # [B, Lr]
+                                   fused_head=logprob_pass.fused_head, pack=logprob_pass.pack)  # [B, Lr]
     # Pinned and without waiting, as completion_logprobs copies its inputs: the update queues work, never waits.
     return sft_loss(logprobs, _to_device(batch.response_mask, logprobs.device))

@@ -37,7 +37,7 @@ def logprob_pass(cfg: RunConfig) -> LogprobPass:
     """How every log-prob pass runs (train.shared_prompt_pass, train.column_bucket; null: the device type's
     default, chosen where the pass runs: ``grpo.step.logprobs.pass_choices``)."""
     return LogprobPass(share_prompts=cfg.train.shared_prompt_pass, column_bucket=cfg.train.column_bucket,
-                       fused_head=cfg.train.fused_lm_head)
+                       fused_head=cfg.train.fused_lm_head, pack=cfg.train.pack_sequences)
 
 
 def old_logprobs_after_sampling(cfg: RunConfig, *, decoupled_sampler: bool, engine_holds_weights: bool) -> bool:

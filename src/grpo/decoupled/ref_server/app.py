@@ -90,7 +90,7 @@ def build_app(
                                        req.completion_mask, temperature, micro_batch_size,
                                        share_prompts=logprob_pass.share_prompts,
                                        column_bucket=logprob_pass.column_bucket,
-                                       fused_head=logprob_pass.fused_head)  # [N, Lc]
+                                       fused_head=logprob_pass.fused_head, pack=logprob_pass.pack)  # [N, Lc]
 
     @app.get("/v1/health")
     def health(request: Request):
