@@ -75,11 +75,21 @@ def test_first_steps_match_the_recorded_run(case, tmp_path):
     assert_matches_recorded(case, steps)
 
 
+# Issue 28's memory and padding options, each forced on: they change how the passes run, not what they compute.
+VARIANTS = {
+    # the fused LM head in every pass (by size this model's small vocabulary would not use it)
+    "fused-head": {"train.fused_lm_head": True},
+    # every micro-batch's rows packed into one sequence (no padding, no shared prompt pass)
+    "packed": {"train.pack_sequences": True},
+    # micro-batches by token count: a budget that splits and merges groups differently from the fixed rows
+    "token-budget": {"train.max_tokens_per_micro_batch": 120},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_first_steps_match_with_the_fused_lm_head(case, tmp_path):
-    """The fused LM head (log-probs from hidden states, the head chunked and recomputed in backward) in every
-    pass, forced on (by size this model's small vocabulary would not use it), computes the recorded run."""
-    assert_matches_recorded(case, run_case(tmp_path, {**CASES[case], "train.fused_lm_head": True}))
+def test_first_steps_match_with_each_memory_option(case, variant, tmp_path):
+    assert_matches_recorded(case, run_case(tmp_path, {**CASES[case], **VARIANTS[variant]}))
 
 
 def assert_matches_recorded(case: str, steps: list[dict]) -> None:
