@@ -192,11 +192,12 @@ def logits_bytes(*, micro_batch: int, positions: int, vocab_size: int, p: int) -
     logits (the upcast copy, or the fp32 logits themselves) stay saved for logsumexp's backward:
     4 bytes x b x positions x V. Backward then builds the logits' gradient row by row in ``p`` while
     those rows are still held: (4 + p) x b x positions x V at its peak (the stack of the row gradients
-    and the slice's backward are 2p, never more). Plus one row's logsumexp/backward temporaries
-    (about three [positions, V] fp32 tensors).
+    and the slice's backward are 2p, never more). Plus one row's logsumexp/backward temporaries: two
+    [positions, V] fp32 tensors (measured at Qwen's vocabulary on the CPU, fp32: 16.0 B per logit with one
+    row, 9.1 with eight; benchmarks/length_sweep.py and logprob_memory.py).
     """
     full = micro_batch * positions * vocab_size
-    return (4 + p) * full + 3 * 4 * positions * vocab_size
+    return (4 + p) * full + 2 * 4 * positions * vocab_size
 
 
 # grpo.algorithm.head.CHUNK_ELEMENTS and grpo.step.logprobs.FUSED_HEAD_MIN_ELEMENTS, repeated here so the
