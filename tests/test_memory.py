@@ -435,3 +435,21 @@ def test_the_ptx_micro_batch_costs_what_a_policy_micro_batch_of_its_shape_does(e
     bigger = estimate(*shape, *extra, "ptx.data=sft.jsonl", "ptx.micro_batch_size=16")
     assert bigger.phases_gb["ptx_update"] > ptx.phases_gb["ptx_update"] + 0.5
     assert any("PTX micro-batch: 16 x 512 tokens" in n for n in bigger.notes)
+
+
+def test_token_budget_and_packing_size_the_update_as_the_passes_run_it():
+    # seed: 256 + 512 = 768 tokens per full-length row, micro-batch 4; a 1,600-token budget holds 2 such rows
+    whole = estimate("model.lora_r=16", "train.fused_lm_head=false")
+    budget = estimate("model.lora_r=16", "train.fused_lm_head=false", "train.max_tokens_per_micro_batch=1600")
+    two_rows = estimate("model.lora_r=16", "train.fused_lm_head=false", "train.micro_batch_size=2")
+    assert budget.per_device_gb["activations"] == two_rows.per_device_gb["activations"]
+    assert budget.per_device_gb["logits"] == two_rows.per_device_gb["logits"] < whole.per_device_gb["logits"]
+    assert any("at most 2 full-length rows" in n for n in budget.notes)
+    one_row = estimate("model.lora_r=16", "train.max_tokens_per_micro_batch=10")  # a row over the budget runs alone
+    assert one_row.per_device_gb == estimate("model.lora_r=16", "train.micro_batch_size=1").per_device_gb
+    # packed rows run their own prompts: no shared prompt pass in the activations
+    no_gc = ("model.lora_r=16", "model.gradient_checkpointing=false")  # checkpointing would rule sharing out anyway
+    packed = estimate(*no_gc, "train.pack_sequences=true")
+    plain = estimate(*no_gc, "train.shared_prompt_pass=false")
+    assert packed.per_device_gb["activations"] == plain.per_device_gb["activations"]
+    assert packed.per_device_gb["activations"] != estimate(*no_gc).per_device_gb["activations"]  # shared

@@ -208,6 +208,10 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
     # The update: one micro-batch's activations and logits at the peak of its backward.
     b, completion_len = cfg.train.micro_batch_size, cfg.rollout.max_completion_length
     seq_len = cfg.data.max_prompt_length + completion_len
+    budget = cfg.train.max_tokens_per_micro_batch
+    if budget is not None:  # full-length rows within the budget: its largest micro-batch (one row at least)
+        b = max(1, min(b, budget // seq_len))
+        notes.append(f"train.max_tokens_per_micro_batch {budget}: micro-batches of at most {b} full-length rows")
     attention = cfg.model.attn_implementation or "sdpa"
     if attention not in ("sdpa", "eager", "flash_attention_2"):
         notes.append(f"attention {attention!r} is sized as sdpa")
@@ -216,7 +220,8 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
                                                 vocab_size=shape.vocab_size, p=p)
     # grpo.step.logprobs runs each distinct prompt of a micro-batch once (not under gradient checkpointing)
     prompts, prompt_len = prompts_per_micro_batch(b, cfg.rollout.num_generations), cfg.data.max_prompt_length
-    shared = prompts < b and not cfg.model.gradient_checkpointing and cfg.train.shared_prompt_pass is not False
+    shared = (prompts < b and not cfg.model.gradient_checkpointing and cfg.train.shared_prompt_pass is not False
+              and not cfg.train.pack_sequences)  # packed rows each run their own prompt
     if shared:
         activations = shared_prompt_activation_bytes(
             shape, micro_batch=b, prompts=prompts, prompt_len=prompt_len, completion_len=completion_len, p=p,
