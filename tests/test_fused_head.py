@@ -103,25 +103,30 @@ MODELS = {
 }
 
 
-def pass_and_grads(model, rows, fused, share, processing=None, micro_batch_size=4):
+def pass_and_grads(model, rows, **options):
+    """(log-probs, entropy, gradients) of one ``completion_logprobs`` pass with ``options``, under grad."""
     model.zero_grad(set_to_none=True)
-    logprobs, entropy = completion_logprobs(model, *rows, temperature=0.7, micro_batch_size=micro_batch_size,
-                                            share_prompts=share, with_entropy=True, processing=processing,
-                                            fused_head=fused)
+    logprobs, entropy = completion_logprobs(model, *rows, temperature=0.7, micro_batch_size=4, with_entropy=True,
+                                            **options)
     (logprobs * rows[3]).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return logprobs.detach(), entropy, grads
 
 
-def assert_fused_equals_logits(model, rows, share, processing=None):
-    plain = pass_and_grads(model, rows, False, share, processing)
-    fused = pass_and_grads(model, rows, True, share, processing)
+def assert_passes_agree(model, rows, reference: dict, variant: dict):
+    """The ``variant`` pass equals the ``reference`` pass: values and entropy on real tokens, every gradient."""
+    want, got = pass_and_grads(model, rows, **reference), pass_and_grads(model, rows, **variant)
     mask = rows[3].bool()
-    torch.testing.assert_close(fused[0][mask], plain[0][mask], atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(fused[1][mask], plain[1][mask], atol=2e-5, rtol=1e-5)
-    assert fused[2].keys() == plain[2].keys() and plain[2]
-    for name, grad in plain[2].items():
-        torch.testing.assert_close(fused[2][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    torch.testing.assert_close(got[0][mask], want[0][mask], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1][mask], want[1][mask], atol=2e-5, rtol=1e-5)
+    assert got[2].keys() == want[2].keys() and want[2]
+    for name, grad in want[2].items():
+        torch.testing.assert_close(got[2][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def assert_fused_equals_logits(model, rows, share, processing=None):
+    common = dict(share_prompts=share, processing=processing)
+    assert_passes_agree(model, rows, dict(common, fused_head=False), dict(common, fused_head=True))
 
 
 @pytest.mark.parametrize("share", [False, True])

@@ -11,36 +11,20 @@ from grpo.algorithm import LogprobProcessing
 from grpo.models.tiny import build_qwen2
 from grpo.step.logprobs import completion_logprobs, packed_layout
 
-from test_fused_head import MODELS
+from test_fused_head import MODELS, assert_passes_agree
 from test_logprobs import grouped_rows
 
 
-def pass_and_grads(model, rows, pack, fused=False, processing=None, micro_batch_size=4):
-    model.zero_grad(set_to_none=True)
-    logprobs, entropy = completion_logprobs(model, *rows, temperature=0.7, micro_batch_size=micro_batch_size,
-                                            share_prompts=False, with_entropy=True, processing=processing,
-                                            fused_head=fused, pack=pack)
-    (logprobs * rows[3]).sum().backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return logprobs.detach(), entropy, grads
-
-
-def assert_packed_equals_padded(model, rows, **kwargs):
-    padded = pass_and_grads(model, rows, False, **kwargs)
-    packed = pass_and_grads(model, rows, True, **kwargs)
-    mask = rows[3].bool()
-    torch.testing.assert_close(packed[0][mask], padded[0][mask], atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(packed[1][mask], padded[1][mask], atol=2e-5, rtol=1e-5)
-    assert packed[2].keys() == padded[2].keys() and padded[2]
-    for name, grad in padded[2].items():
-        torch.testing.assert_close(packed[2][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+def assert_packed_equals_padded(model, rows, **options):
+    common = dict(share_prompts=False, **options)
+    assert_passes_agree(model, rows, dict(common, pack=False), dict(common, pack=True))
 
 
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_packed_pass_equals_the_padded_pass(tiny_tokenizer, name, fused):
     model = MODELS[name](tiny_tokenizer).train()
-    assert_packed_equals_padded(model, grouped_rows(len(tiny_tokenizer), [7, 4, 11], G=3), fused=fused)
+    assert_packed_equals_padded(model, grouped_rows(len(tiny_tokenizer), [7, 4, 11], G=3), fused_head=fused)
 
 
 def test_packed_pass_follows_the_sampling_controls_and_checkpointing(tiny_tokenizer):
