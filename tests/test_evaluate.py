@@ -84,7 +84,13 @@ def test_evaluate_exact_metrics_from_known_completions(tiny_tokenizer):
     assert result["format_rate"] == 2 / 4  # alpha, gamma
     assert result["truncated_rate"] == 1 / 4  # delta
     assert result["pass@3"] == 3 / 4  # alpha, gamma, delta have a correct sample
-    assert result["mean_sample_accuracy"] == (1 + 0 + 3 + 2) / 12
+    assert result["mean_sample_accuracy"] == result["mean@3"] == (1 + 0 + 3 + 2) / 12
+    # unbiased pass@1 = mean of c/3; pass@2 = 1 - C(3-c, 2)/C(3, 2): alpha 2/3, beta 0, gamma 1, delta 1
+    assert result["pass@1"] == pytest.approx((1 / 3 + 0 + 1 + 2 / 3) / 4)
+    assert result["pass@2"] == pytest.approx((2 / 3 + 0 + 1 + 1) / 4)
+    # majorities: alpha 12 (1 vote each of 12, 13: the first seen), beta 1 (tie: first), gamma 7 (3 votes),
+    # delta 5 (2 votes): correct for alpha, gamma, delta
+    assert result["maj@3"] == 3 / 4
     assert result["sample_format_rate"] == 10 / 12  # all but "no tags" and the bare "<answer>5</answer>"
     assert [r["correct"] for r in result["records"]] == [True, True, False, False]
     assert [r["sample_correct"] for r in result["records"]] == [1, 0, 3, 2]

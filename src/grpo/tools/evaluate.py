@@ -12,7 +12,6 @@ the ``grpo eval`` job: resolve the model, load data and model, evaluate, print, 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,19 +24,9 @@ from grpo.rewards import answers_equal, extract_answer, is_well_formatted
 from grpo.rewards.answers import final_text
 from grpo.rollout import LeanEngine, RolloutEngine, SamplingParams
 from grpo.step.records import Generation
+from grpo.tools.sample_metrics import majority_answer, pass_at_k, sample_metrics
 
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k (Chen et al., 2021) from ``n`` samples of which ``c`` are correct.
-
-    ``1 - C(n - c, k) / C(n, k)``: the chance that k samples drawn without replacement from the n
-    contain a correct one. With ``n == k`` it is 1 when ``c > 0`` else 0 (plain any-of-k).
-    """
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0  # every k-subset holds a correct sample
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+__all__ = ["evaluate", "pass_at_k", "run_eval_command", "score_completion"]
 
 
 def score_completion(text: str, gold: str, tag_style: str) -> dict[str, Any]:
@@ -196,9 +185,11 @@ def evaluate(
         sample_scores = [[score_completion(t, golds[i], tag_style) for t in sample_texts[i * samples:(i + 1) * samples]]
                          for i in range(n)]
         correct_counts = [sum(s["correct"] for s in group) for group in sample_scores]
-        # Exactly k samples per problem: the unbiased estimator is plain any-of-k here.
-        metrics[f"pass@{samples}"] = sum(pass_at_k(samples, c, samples) for c in correct_counts) / n
-        metrics["mean_sample_accuracy"] = sum(correct_counts) / (n * samples)
+        # mean@k, unbiased pass@j for j = 1, 2, 4, ... k, and maj@k: the majority of the parsed answers
+        majorities = [majority_answer([s["prediction"] for s in group], answers_equal) for group in sample_scores]
+        metrics.update(sample_metrics([[s["correct"] for s in group] for group in sample_scores],
+                                      [answers_equal(m, g) for m, g in zip(majorities, golds)]))
+        metrics["mean_sample_accuracy"] = sum(correct_counts) / (n * samples)  # = mean@k (the name before it)
         metrics["sample_format_rate"] = sum(s["formatted"] for g in sample_scores for s in g) / (n * samples)
     if return_records:
         records = []
