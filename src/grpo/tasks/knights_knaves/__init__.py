@@ -3,6 +3,7 @@
 - ``logic``:    statements (Is, Not, And, Or, Implies, Iff), ``holds``, their English, ``Puzzle``, ``solve``
 - ``generate``: ``generate_puzzles``: deterministic puzzles with exactly one solution, 2-8 people
 - ``text``:     the quiz text, the canonical solution text, ``parse_roles`` (claims read out of an answer)
+- ``reader``:   ``read_kk_jsonl``: the public K&K files, quiz text verbatim
 """
 
 from grpo.tasks.knights_knaves.generate import NAMES, generate_puzzles
@@ -21,6 +22,7 @@ from grpo.tasks.knights_knaves.logic import (
     solve,
     statement_text,
 )
+from grpo.tasks.knights_knaves.reader import PublishedQuiz, read_kk_jsonl
 from grpo.tasks.knights_knaves.text import parse_roles, quiz_text, solution_roles, solution_text
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "Is",
     "Not",
     "Or",
+    "PublishedQuiz",
     "Puzzle",
     "Statement",
     "generate_puzzles",
@@ -39,6 +42,7 @@ __all__ = [
     "is_consistent",
     "parse_roles",
     "quiz_text",
+    "read_kk_jsonl",
     "solution_roles",
     "solution_text",
     "solve",
