@@ -4,6 +4,7 @@
 - ``generate``: ``generate_puzzles``: deterministic puzzles with exactly one solution, 2-8 people
 - ``text``:     the quiz text, the canonical solution text, ``parse_roles`` (claims read out of an answer)
 - ``reader``:   ``read_kk_jsonl``: the public K&K files, quiz text verbatim
+- ``reward``:   the Logic-RL rule reward (built-in ``kk_logic``) and ``per_person_accuracy``
 """
 
 from grpo.tasks.knights_knaves.generate import NAMES, generate_puzzles
@@ -23,6 +24,7 @@ from grpo.tasks.knights_knaves.logic import (
     statement_text,
 )
 from grpo.tasks.knights_knaves.reader import PublishedQuiz, read_kk_jsonl
+from grpo.tasks.knights_knaves.reward import kk_logic_score, make_kk_logic, per_person_accuracy
 from grpo.tasks.knights_knaves.text import parse_roles, quiz_text, solution_roles, solution_text
 
 __all__ = [
@@ -40,7 +42,10 @@ __all__ = [
     "generate_puzzles",
     "holds",
     "is_consistent",
+    "kk_logic_score",
+    "make_kk_logic",
     "parse_roles",
+    "per_person_accuracy",
     "quiz_text",
     "read_kk_jsonl",
     "solution_roles",
