@@ -5,6 +5,7 @@
 - ``text``:     the quiz text, the canonical solution text, ``parse_roles`` (claims read out of an answer)
 - ``reader``:   ``read_kk_jsonl``: the public K&K files, quiz text verbatim
 - ``reward``:   the Logic-RL rule reward (built-in ``kk_logic``) and ``per_person_accuracy``
+- ``examples``: puzzles and files as ``Example`` records (the ``kk:`` data source)
 """
 
 from grpo.tasks.knights_knaves.generate import NAMES, generate_puzzles
