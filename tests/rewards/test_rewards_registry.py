@@ -21,6 +21,7 @@ BUILTINS = [
     "correctness",
     "format_think_answer",
     "int_answer",
+    "kk_logic",
     "model",
     "remote",
     "soft_format",

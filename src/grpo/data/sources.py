@@ -5,6 +5,9 @@ Forms, looked up by the prefix before the first ":" in `SOURCE_KINDS`:
   (`grpo.data.synthetic`). Use different seeds for train and eval: the split is not mixed in.
 - ``arithmetic-tools:seed=123,n=500[,size=mix]``: one-step problems with large numbers (a calculator's
   job), small ones or both (`grpo.data.arithmetic_tools`, size large|small|mix).
+- ``kk:seed=1,n=500[,people=2-8]``: generated Knights-and-Knaves logic puzzles with exactly one solution,
+  2 to 8 people each by default (``people=LO-HI`` or one number); ``kk:path=people3_num100.jsonl``: a public
+  K&K benchmark file, quiz text verbatim (`grpo.tasks.knights_knaves`; the reward is ``kk_logic``).
 - ``prompts:path=chat.jsonl[,question_column=src][,answer_column=answer][,answer_format=gsm8k]
   [,tgt_column=tgt]``: any prompt file (`grpo.data.prompt_datasets.load_prompts`).
 - anything else: GSM8K from a file, a folder (the split's file inside) or a hub id such as
@@ -30,7 +33,9 @@ from grpo.data.synthetic import generate_problems
 class SourceKind:
     """One prefixed source form: its option keys and the loader given the parsed options."""
 
-    keys: dict[str, type]  # every allowed key -> the type its text is converted to
+    # every allowed key -> the type its text is converted to (int, str), or a converter function that
+    # raises ValueError saying what it accepts
+    keys: dict[str, type | Callable[[str], Any]]
     required: tuple[str, ...]
     load: Callable[[dict[str, Any], str, int | None], list[Example]]
 
@@ -45,6 +50,34 @@ def _load_synthetic(options: dict[str, Any], split: str, limit: int | None) -> l
 def _load_tool_problems(options: dict[str, Any], split: str, limit: int | None) -> list[Example]:
     n = options.pop("n")  # as synthetic: the split is ignored, problem i does not depend on later ones
     return generate_tool_problems(min(n, limit) if limit is not None else n, **options)
+
+
+def _load_kk(options: dict[str, Any], split: str, limit: int | None) -> list[Example]:
+    # Imported on use: the task package builds on grpo.data (Example, readers), so a top-level import here
+    # would be circular.
+    from grpo.tasks.knights_knaves.examples import file_examples, generated_examples
+
+    if "path" in options:  # one file: the split is ignored, as for any single file
+        if len(options) > 1:
+            raise DataError(f"data source kk: path= reads a file and takes no other key, got {sorted(options)}")
+        return file_examples(options["path"], limit=limit)
+    missing = [key for key in ("seed", "n") if key not in options]
+    if missing:
+        raise DataError(f"data source kk: missing key(s) {missing}: give seed=S,n=N[,people=LO-HI] or path=FILE")
+    n = options.pop("n")  # as synthetic: the split is ignored, puzzle i does not depend on later ones
+    return generated_examples(min(n, limit) if limit is not None else n, **options)
+
+
+def people_range(text: str) -> tuple[int, int]:
+    """``"2-8"`` -> (2, 8), ``"5"`` -> (5, 5): an inclusive range of positive counts, low end first."""
+    low, dash, high = text.partition("-")
+    try:
+        bounds = (int(low), int(high)) if dash else (int(text), int(text))
+    except ValueError:
+        raise ValueError(f"expected a count (5) or a range LO-HI (2-8), got {text!r}") from None
+    if not 0 < bounds[0] <= bounds[1]:
+        raise ValueError(f"expected positive counts with LO <= HI, got {text!r}")
+    return bounds
 
 
 def _load_prompt_file(options: dict[str, Any], split: str, limit: int | None) -> list[Example]:
@@ -62,6 +95,11 @@ SOURCE_KINDS: dict[str, SourceKind] = {
         keys={"seed": int, "n": int, "size": str},
         required=("seed", "n"),
         load=_load_tool_problems,
+    ),
+    "kk": SourceKind(
+        keys={"seed": int, "n": int, "people": people_range, "path": str},
+        required=(),  # seed and n, or path alone: checked by the loader
+        load=_load_kk,
     ),
     "prompts": SourceKind(
         keys={"path": str, "question_column": str, "answer_column": str, "answer_format": str, "tgt_column": str},
@@ -115,4 +153,10 @@ def _convert(spec: str, key: str, value: str, kind: type) -> Any:
             return int(value)
         except ValueError:
             raise DataError(f"data source {spec!r}: {key} must be an integer, got {value!r}") from None
-    return value
+    if kind is str:
+        return value
+    try:
+        return kind(value)
+    except ValueError as error:
+        raise DataError(f"data source {spec!r}: {key}: {error}") from None
+

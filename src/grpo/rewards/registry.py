@@ -27,6 +27,15 @@ from grpo.rewards.remote import make_remote_reward
 from grpo.rewards.reward_model import make_model_reward
 from grpo.rewards.signature import RewardCallable, RewardFactory, named
 
+
+def make_kk_logic(tag_style: TagStyle | str = "think") -> RewardCallable:
+    """``kk_logic``: the Knights-and-Knaves rule reward (``grpo.tasks.knights_knaves.reward``)."""
+    # Imported on use: the task's reward builds on grpo.rewards.answers, so a top-level import would be circular.
+    from grpo.tasks.knights_knaves.reward import make_kk_logic as make
+
+    return make(tag_style)
+
+
 REWARD_REGISTRY: dict[str, RewardFactory] = {
     "answer_correct": builtin.make_answer_correct,
     "format_think_answer": builtin.make_format_think_answer,
@@ -35,6 +44,7 @@ REWARD_REGISTRY: dict[str, RewardFactory] = {
     "strict_format": builtin.make_strict_format,
     "int_answer": builtin.make_int_answer,
     "correctness": builtin.make_correctness,
+    "kk_logic": make_kk_logic,
     "model": make_model_reward,
     "remote": make_remote_reward,
 }
