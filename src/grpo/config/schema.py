@@ -52,7 +52,8 @@ class DataConfig:
     train: str = opt("synthetic:seed=1,n=5000", (
         "Training prompts: a GSM8K .jsonl/.json/.parquet file, a folder, a hub id (openai/gsm8k), "
         "synthetic:seed=S,n=N[,difficulty=D], arithmetic-tools:seed=S,n=N[,size=large|small|mix] (the "
-        "calculator demo's problems), or prompts:path=P[,question_column=C][,answer_column=A] "
+        "calculator demo's problems), kk:seed=S,n=N[,people=LO-HI] or kk:path=FILE (Knights and Knaves "
+        "puzzles, generated or a public K&K file), or prompts:path=P[,question_column=C][,answer_column=A] "
         "for any prompt file (plain or chat-message questions, src/tgt multi-turn)."))
     eval: str | None = opt(None, "Held-out set for eval_steps and the before/after report; null = none.")
     split: str = opt("train", "Split to read when data.train is a folder or hub id.")
