@@ -240,6 +240,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sdpa-backends", default="auto",
                         help="grpo and plain: attention backends in order, e.g. efficient,math or cudnn,efficient "
                              "(flash takes no padding mask); auto: torch's choice (model.sdpa_backends: null)")
+    parser.add_argument("--grpo-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="grpo: any other config override, repeatable (e.g. train.fused_lm_head=false)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of each trainer")
     parser.add_argument("--gsm8k", help="GSM8K folder holding train.jsonl (default: see find_gsm8k)")
     parser.add_argument("--out", help="results JSON (default results/gpu_vs_trl.json; --tiny: gpu_vs_trl-tiny.json)")
@@ -266,6 +268,12 @@ def parse_args() -> argparse.Namespace:
         sdpa_backends(args.sdpa_backends)
     except ValueError as err:
         parser.error(f"--sdpa-backends: {err}")
+    args.grpo_overrides = {}
+    for item in args.grpo_set:
+        key, equals, value = item.partition("=")
+        if not equals or not key.strip():
+            parser.error(f"--grpo-set {item!r}: expected KEY=VALUE")
+        args.grpo_overrides[key.strip()] = value.strip()
     if args.column_bucket is not None and args.column_bucket < 1:
         parser.error(f"--column-bucket {args.column_bucket}: must be >= 1")
     preset = PRESETS["tiny" if args.tiny else "full-size" if args.full_size else "default"]
@@ -324,6 +332,7 @@ def main() -> None:
                     "trl": ("use_vllm=True, vllm_mode=colocate" if args.vllm else "use_vllm=False (HF generate)"),
                     "grpo_engine": "vllm" if args.vllm else args.engine,
                     "grpo_shared_prompt_pass": args.shared_prompt_pass, "sdpa_backends": args.sdpa_backends,
+                    "grpo_set": args.grpo_overrides,
                     "grpo_column_bucket": args.column_bucket,
                     "mean_prompt_tokens": statistics.fmean(prompt_tokens)}
         rows = []
@@ -339,7 +348,7 @@ def main() -> None:
                              engine=args.engine, vllm=args.vllm, **CASES[key])
             case.update(profile_update=device == "cuda" and not args.no_busy,
                         shared_prompt_pass=args.shared_prompt_pass, sdpa_backends=args.sdpa_backends,
-                        column_bucket=args.column_bucket)
+                        column_bucket=args.column_bucket, grpo_set=args.grpo_overrides)
             if args.only and args.only not in case["name"]:
                 continue
             row = {"case": key, "name": case["name"], "lora_r": case["lora_r"],

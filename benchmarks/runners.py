@@ -149,6 +149,7 @@ def ours_config(case: dict):
         overrides["train.shared_prompt_pass"] = case["shared_prompt_pass"]
     if case.get("column_bucket") is not None:
         overrides["train.column_bucket"] = case["column_bucket"]
+    overrides.update(case.get("grpo_set") or {})  # --grpo-set KEY=VALUE: any other config key, last
     return load_config(None, [f"{k}={'null' if v is None else v}" for k, v in overrides.items()])
 
 

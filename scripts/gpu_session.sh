@@ -19,7 +19,8 @@
 #   run: bash scripts/gpu_session.sh head      # the fused LM head against whole logits at the 1.5B body and
 #                                              #   Qwen's vocabulary, 8 x 1024 completion tokens (~2 min)
 #   run: bash scripts/gpu_session.sh lease2    # the next lease (GPU_SESSION_SECONDS likewise): what the first left
-#                                              #   unmeasured: shared prompt pass on/off for full fine-tuning,
+#                                              #   unmeasured: shared prompt pass on/off and the fused LM head
+#                                              #   off for full fine-tuning,
 #                                              #   the fused head at 1.5B, full-gc and lora-gc against TRL and
 #                                              #   the plain loop, a 2-step full-size run
 #   run: bash scripts/gpu_session.sh lease     # a 15-minute lease in one call of at most 10 minutes (with
@@ -115,6 +116,9 @@ print(sys.argv[2], "generate s per step:", " ".join(f"{x:.2f}" for x in s["gener
       timeout "$(left)" $bench --steps 3 --cases full --sides grpo --no-busy --shared-prompt-pass $pass \
         --out "$out/shared-$pass.json" || echo "lease2: shared $pass ended $?"
     done
+    # the fused LM head is on by size at this shape (16 x 257 x 151,936 logits): the same step without it
+    timeout "$(left)" $bench --steps 3 --cases full --sides grpo --no-busy --grpo-set train.fused_lm_head=false \
+      --out "$out/fused-off.json" || echo "lease2: fused off ended $?"
     if [ "$(left)" -gt 120 ]; then
       if [ -n "${GPU_SESSION_TINY:-}" ]; then head_args="--completion 32 --reps 1"; else head_args="--device cuda --body 1.5b"; fi
       timeout "$(left)" $python benchmarks/logprob_memory.py $head_args --out "$out/logprob_memory.json" \
