@@ -288,24 +288,15 @@ class TrainConfig:
         "up to a multiple of this, so shapes repeat and GPU kernels and attention plans are reused; the extra "
         "columns are masked padding. null = the device type's default (CUDA: 64, others: 1).", ge=1)
     max_tokens_per_micro_batch: int | None = opt(
-        None, "The update's micro-batches by token count: rows in order of length (whole groups, shortest first) "
-        "while rows x (longest prompt + longest completion) stays within this, at most train.micro_batch_size "
-        "rows; a longer row runs alone. One long completion then no longer pads a full micro-batch of short "
-        "ones. The same gradient (each loss_type weighs a micro-batch by its rows or tokens, exact for any "
-        "split). null: train.micro_batch_size rows each. Not with train.deepspeed (its gradient accumulation "
-        "counts a fixed number of micro-batches).", ge=1)
+        None, "Update micro-batches by padded tokens: rows by length while rows x (longest prompt + completion) "
+        "fits, at most micro_batch_size rows; the same gradient. null: micro_batch_size rows. Not with deepspeed.",
+        ge=1)
     pack_sequences: bool = opt(
-        False, "Log-prob passes (training, old, reference, PTX) run each micro-batch's rows as one sequence of their "
-        "real tokens, position ids restarting per row and attention kept within each row (transformers' packed "
-        "sequences: flash-attention-2 varlen where installed, a block-diagonal mask with sdpa/eager): no padding "
-        "is computed. It replaces the shared prompt pass (each row runs its own prompt). The same values up to "
-        "float re-association.")
+        False, "Log-prob passes run each micro-batch's rows as one packed sequence of real tokens (no padding; "
+        "replaces the shared prompt pass; for flash-attention-2's varlen kernels). Same values.")
     fused_lm_head: bool | None = opt(
-        None, "Log-prob passes (training, old, reference, PTX) read each token's log-prob (and entropy) from the "
-        "final hidden states, the LM head applied a chunk of positions at a time and recomputed in backward, so "
-        "no [micro-batch, length, vocabulary] logits tensor exists: true, false, or null = per micro-batch, when "
-        "its logits would reach 2^26 elements (e.g. 16 x 1024 tokens of a 4k vocabulary, 1 x 442 of Qwen's "
-        "151,936); the same values up to float re-association.")
+        None, "Log-probs from the final hidden states, the LM head chunked and recomputed in backward (no [b, L, V] "
+        "logits); null: when a micro-batch's logits would reach 2^26 elements. Same values.")
     max_steps: int = opt(100, "Optimisation steps to run.", ge=1)
     output_dir: str = opt("runs/demo", "Run folder: config, metrics, samples, plots, checkpoints.")
     seed: int = opt(42, "Seed for data order, sampling and initialisation.", ge=0)
