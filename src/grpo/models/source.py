@@ -59,10 +59,9 @@ class ModelSource:
         """The system prompt the model was trained with: the run's, else its tag style's default (None: the
         run added none, ``data.add_system_prompt: false``)."""
         from grpo.data import resolve_system_prompt
+        from grpo.tasks import run_system_prompt
 
-        data = self.config.data if self.config is not None else None
-        return resolve_system_prompt(data.system_prompt if data else None, self.tag_style,
-                                     data.add_system_prompt if data else True)
+        return run_system_prompt(self.config) if self.config is not None else resolve_system_prompt(None, "think")
 
     def describe(self) -> str:
         """One line saying what will be loaded, for logs and reports."""

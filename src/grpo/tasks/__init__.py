@@ -5,6 +5,6 @@
 - ``knights_knaves``: Knights-and-Knaves logic puzzles (the K&K benchmark of Xie et al., used by Logic-RL).
 """
 
-from grpo.tasks.task import Score, Task, resolve_task, task_for_source, task_names
+from grpo.tasks.task import Score, Task, resolve_task, run_system_prompt, run_task, task_for_source, task_names
 
-__all__ = ["Score", "Task", "resolve_task", "task_for_source", "task_names"]
+__all__ = ["Score", "Task", "resolve_task", "run_system_prompt", "run_task", "task_for_source", "task_names"]

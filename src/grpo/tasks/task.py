@@ -106,3 +106,23 @@ def resolve_task(name: str | None, source: str | None = None) -> Task:
         raise ValueError(f"task {name!r} is a {type(value).__name__}, not a grpo.tasks.Task (or a function "
                          "returning one)")
     return value
+
+
+def run_task(cfg) -> Task:
+    """The task of a run (``data.task``, else by ``data.train``); a bad ``data.task`` is a ConfigError naming it."""
+    from grpo.config import ConfigError
+
+    try:
+        return resolve_task(cfg.data.task, cfg.data.train)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"data.task: {error}") from None
+
+
+def run_system_prompt(cfg) -> str | None:
+    """A run's system turn: ``data.system_prompt``, else its task's for ``data.tag_style``; None with
+    ``data.add_system_prompt: false`` (no system turn from the run)."""
+    if not cfg.data.add_system_prompt:
+        return None
+    if cfg.data.system_prompt is not None:
+        return cfg.data.system_prompt
+    return run_task(cfg).system_prompt(cfg.data.tag_style)

@@ -4,7 +4,7 @@ the end, and the metrics it logs."""
 from __future__ import annotations
 
 from grpo.config import RunConfig
-from grpo.data import resolve_system_prompt
+from grpo.tasks import run_system_prompt
 from grpo.models.wrappers import unwrap_model
 from grpo.training.distributed import DistInfo, barrier
 
@@ -31,7 +31,7 @@ def run_eval(cfg: RunConfig, model, tokenizer, examples, info: DistInfo, turns=N
             engine = with_turns(LeanEngine(unwrap_model(model), tokenizer, batch_size=batch_size), turns, cfg,
                                 model, tokenizer)
         result = evaluate(unwrap_model(model), tokenizer, examples, tag_style=cfg.data.tag_style,
-                          system_prompt=resolve_system_prompt(cfg.data.system_prompt, cfg.data.tag_style),
+                          system_prompt=run_system_prompt(cfg),
                           add_system_prompt=cfg.data.add_system_prompt, batch_size=batch_size,
                           max_new_tokens=cfg.rollout.max_completion_length, progress=False, engine=engine,
                           max_prompt_length=cfg.data.max_prompt_length)

@@ -10,7 +10,7 @@ import torch
 from grpo.algorithm import LogprobProcessing, advantage_estimator
 from grpo.config import RunConfig
 from grpo.critic import CriticSettings
-from grpo.data import resolve_system_prompt
+from grpo.tasks import run_system_prompt
 from grpo.models.wrappers import eos_token_ids
 from grpo.rollout import SamplingParams
 from grpo.step.experience import ExperienceSettings, GaeSettings
@@ -75,7 +75,7 @@ def experience_settings(cfg: RunConfig, processing: LogprobProcessing | None, *,
                                 temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                 repetition_penalty=r.repetition_penalty, min_new_tokens=r.min_new_tokens,
                                 min_p=r.min_p),
-        system_prompt=resolve_system_prompt(cfg.data.system_prompt, cfg.data.tag_style, cfg.data.add_system_prompt),
+        system_prompt=run_system_prompt(cfg),
         tag_style=cfg.data.tag_style, max_prompt_length=cfg.data.max_prompt_length,
         advantage_estimator=cfg.algorithm.advantage_estimator, scale_rewards=cfg.loss.scale_rewards,
         advantage_eps=cfg.loss.advantage_eps,

@@ -11,7 +11,7 @@ import torch
 
 from grpo.config import RunConfig, config_to_dict
 from grpo.config.rules import ptx_max_length
-from grpo.data import load_dataset_source, resolve_system_prompt
+from grpo.tasks import run_system_prompt, run_task
 from grpo.models.loading import resolve_device
 from grpo.run.resume import resume_checkpoint
 from grpo.run.run_dir import claim_output_dir
@@ -35,10 +35,10 @@ def start_process(cfg: RunConfig) -> tuple[DistInfo, torch.device]:
 
 
 def load_data(cfg: RunConfig) -> tuple[list, list]:
-    """(training examples, held-out examples or [])."""
-    train_set = load_dataset_source(cfg.data.train, split=cfg.data.split, limit=cfg.data.train_limit)
-    eval_set = (load_dataset_source(cfg.data.eval, split=cfg.data.eval_split, limit=cfg.data.eval_limit)
-                if cfg.data.eval else [])
+    """(training examples, held-out examples or []), read by the run's task (``data.task``)."""
+    task = run_task(cfg)
+    train_set = task.load(cfg.data.train, cfg.data.split, cfg.data.train_limit)
+    eval_set = task.load(cfg.data.eval, cfg.data.eval_split, cfg.data.eval_limit) if cfg.data.eval else []
     return train_set, eval_set
 
 
@@ -79,9 +79,7 @@ def load_ptx_data(cfg: RunConfig, tokenizer, info: DistInfo):
     pairs = load_sft_pairs(p.data, p.prompt_column, p.response_column, p.response_format, cfg.data.tag_style,
                            p.split)
     max_length = ptx_max_length(cfg)
-    tokenized = tokenize_pairs(tokenizer, pairs, resolve_system_prompt(cfg.data.system_prompt, cfg.data.tag_style,
-                                                                  cfg.data.add_system_prompt),
-                               max_length)
+    tokenized = tokenize_pairs(tokenizer, pairs, run_system_prompt(cfg), max_length)
     print0(info, f"ptx: {len(tokenized.rows)} of {len(pairs)} pairs from {p.data}; ptx.max_length {max_length}: "
                  f"{tokenized.cut} responses cut short, {tokenized.dropped} pairs left out (prompt too long)")
     return PtxData(tokenized.rows, micro_batch_size=p.micro_batch_size, world_size=info.world_size,
