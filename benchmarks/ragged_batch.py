@@ -91,6 +91,7 @@ def main() -> None:
 
     cases = {"fixed 16 rows": dict(micro_batch_size=16, max_tokens_per_micro_batch=None),
              "token budget 1,792": dict(micro_batch_size=64, max_tokens_per_micro_batch=16 * (48 + 64)),
+             "token budget auto, 16 rows": dict(micro_batch_size=16, max_tokens_per_micro_batch="auto"),
              "packed, 16 rows": dict(micro_batch_size=16, max_tokens_per_micro_batch=None,
                                      logprob_pass=LogprobPass(pack=True))}
     rows = []

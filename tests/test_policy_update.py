@@ -158,20 +158,20 @@ def test_token_budget_micro_batches_give_the_fixed_row_gradient(tiny_tokenizer, 
     batch = random_batch(len(tiny_tokenizer), N=8, Lc=9, seed=3)
     batch.old_logprobs = None if num_iterations > 1 else batch.old_logprobs  # iteration 1 captures them
     results = {}
-    for budget in (None, 30, 14, 1):
+    for budget in (None, 30, 14, 1, "auto"):
         learner = SmallSteps(model) if num_iterations > 1 else RecordingLearner(model)
         with torch.no_grad():
             before = [p.clone() for p in model.parameters()]
         stats = train_on_batch(learner, batch, LossSettings(
             epsilon=0.2, epsilon_high=None, beta=0.04, loss_type=loss_type, max_completion_length=9, temperature=0.9,
-            num_iterations=num_iterations, micro_batch_size=2 if budget is None else 8, max_grad_norm=None,
+            num_iterations=num_iterations, micro_batch_size=2 if budget in (None, "auto") else 8, max_grad_norm=None,
             max_tokens_per_micro_batch=budget), DistInfo())
         results[budget] = (learner.grads, stats)
         with torch.no_grad():  # the same starting weights for every budget
             for p, b in zip(model.parameters(), before):
                 p.copy_(b)
     fixed_grads, fixed_stats = results[None]
-    for budget in (30, 14, 1):
+    for budget in (30, 14, 1, "auto"):
         grads, stats = results[budget]
         for key in ("loss", "kl", "clip_fraction", "ratio_mean", "entropy"):
             assert stats[key] == pytest.approx(fixed_stats[key], abs=1e-6, rel=1e-5), (budget, key)
@@ -195,3 +195,7 @@ def test_token_budget_cuts_where_rows_times_the_widest_row_exceed_it():
     assert [m.tolist() for m in cut] == [[i] for i in range(6)]  # a row over the budget runs alone
     assert [m.tolist() for m in token_budget_micro_batches(order, prompt_mask, completion_mask, 4, None)] == [
         [0, 1, 2, 3], [4, 5]]
+    # auto: the largest 2-row micro-batch runs 2 x 12 = 24 padded tokens; within that, any number of rows
+    cut = token_budget_micro_batches(order, prompt_mask, completion_mask, max_rows=2, max_tokens="auto")
+    assert [m.tolist() for m in cut] == [[0, 1, 2, 3], [4, 5]]  # 4 x 6 = 24 and 2 x 12 = 24: 2 passes, not 3
+    assert token_budget_micro_batches(order[:0], prompt_mask, completion_mask, 2, "auto") == []

@@ -46,10 +46,15 @@ def config_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
     if (cfg.model.load_in_4bit or cfg.optim.optimizer == "adamw_8bit") and cfg.train.deepspeed:
         problems.append(("train.deepspeed", "cannot be combined with model.load_in_4bit or optim.optimizer "
                                             "adamw_8bit (bitsandbytes); DeepSpeed has its own optimizer"))
-    if cfg.train.max_tokens_per_micro_batch is not None and cfg.train.deepspeed:
+    budget = cfg.train.max_tokens_per_micro_batch
+    if isinstance(budget, str) and budget != "auto" or isinstance(budget, int) and budget < 1:
+        problems.append(("train.max_tokens_per_micro_batch", f"must be auto, null or a token count >= 1, got "
+                                                             f"{budget!r}"))
+    if isinstance(budget, int) and cfg.train.deepspeed:
         problems.append(("train.max_tokens_per_micro_batch", (
             "cannot be combined with train.deepspeed: DeepSpeed steps after a fixed number of micro-batches "
-            "(gradient_accumulation_steps), and a token budget makes a different number each step; drop one")))
+            "(gradient_accumulation_steps), and a token budget makes a different number each step; drop one "
+            "(auto, the default, runs fixed rows under DeepSpeed)")))
     if cfg.optim.lora_learning_rate is not None and cfg.model.lora_r == 0:
         problems.append(("optim.lora_learning_rate",
                          "is set but model.lora_r is 0 (full fine-tuning has no LoRA parameters)"))

@@ -36,7 +36,7 @@ class LossSettings:
     processing: LogprobProcessing | None = None  # the sampling controls the log-probs follow (None: off)
     ptx_coef: float = 0.0  # weight of the PTX micro-batch's mean NLL in each update (ptx.coef)
     logprob_pass: LogprobPass = DEVICE_DEFAULT_PASS  # how the update's log-prob passes run (None fields: the device's default)
-    max_tokens_per_micro_batch: int | None = None  # train.max_tokens_per_micro_batch (None: micro_batch_size rows)
+    max_tokens_per_micro_batch: int | str | None = None  # train.max_tokens_per_micro_batch: N, "auto" or None (rows)
 
 
 def rows_by_length(completion_mask: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -49,15 +49,23 @@ def rows_by_length(completion_mask: torch.Tensor, group_size: int) -> torch.Tens
 
 
 def token_budget_micro_batches(order: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor,
-                               max_rows: int, max_tokens: int | None) -> list[torch.Tensor]:
+                               max_rows: int, max_tokens: int | str | None) -> list[torch.Tensor]:
     """``order`` [N] cut into micro-batches (row-index tensors, in order): ``max_rows`` rows each, or with
     ``max_tokens`` as many rows as keep rows x (longest prompt + longest completion among them), the padded
     width a log-prob pass runs, within ``max_tokens`` (and at most ``max_rows``); a row over the budget on its
-    own forms a micro-batch alone. ``order`` should be ``rows_by_length``'s, so that neighbours are alike."""
-    if max_tokens is None:
+    own forms a micro-batch alone. ``max_tokens="auto"``: the budget is the padded width of the largest
+    ``max_rows``-row micro-batch, with no row limit: never more tokens in a pass than fixed rows would run,
+    and fewer passes where short rows fill the room. ``order`` should be ``rows_by_length``'s, so that
+    neighbours are alike."""
+    if max_tokens is None or order.shape[0] == 0:
         return [order[start:start + max_rows] for start in range(0, order.shape[0], max_rows)]
     prompt_lengths = prompt_mask.sum(-1)[order].tolist()  # [N], real tokens (left padding is dropped per pass)
     completion_lengths = completion_mask.sum(-1)[order].tolist()  # [N]
+    if max_tokens == "auto":
+        max_tokens = max(len(p) * (max(p) + max(c)) for p, c in (
+            (prompt_lengths[s:s + max_rows], completion_lengths[s:s + max_rows])
+            for s in range(0, len(prompt_lengths), max_rows)))
+        max_rows = len(prompt_lengths)
     cuts, start, widest_prompt, widest_completion = [], 0, 0, 0
     for i, (lp, lc) in enumerate(zip(prompt_lengths, completion_lengths)):
         wp, wc = max(widest_prompt, lp), max(widest_completion, lc)

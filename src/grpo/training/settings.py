@@ -94,7 +94,9 @@ def loss_settings(cfg: RunConfig, processing: LogprobProcessing | None) -> LossS
         loss_type=cfg.loss.loss_type, max_completion_length=cfg.rollout.max_completion_length,
         temperature=cfg.rollout.temperature, num_iterations=cfg.loss.num_iterations,
         micro_batch_size=cfg.train.micro_batch_size, max_grad_norm=cfg.optim.max_grad_norm,
-        max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
+        # auto: fixed rows under DeepSpeed, which steps after a fixed number of micro-batches
+        max_tokens_per_micro_batch=(None if cfg.train.deepspeed and cfg.train.max_tokens_per_micro_batch == "auto"
+                                    else cfg.train.max_tokens_per_micro_batch),
         importance_sampling_level=cfg.loss.importance_sampling_level,
         mask_truncated_completions=cfg.loss.mask_truncated_completions,
         sampler_is_mode=cfg.loss.sampler_is_mode if cfg.loss.sampler_is_correction else None,

@@ -209,7 +209,8 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
     b, completion_len = cfg.train.micro_batch_size, cfg.rollout.max_completion_length
     seq_len = cfg.data.max_prompt_length + completion_len
     budget = cfg.train.max_tokens_per_micro_batch
-    if budget is not None:  # full-length rows within the budget: its largest micro-batch (one row at least)
+    # "auto" never holds more tokens than the fixed rows' largest micro-batch: sized as micro_batch_size rows
+    if isinstance(budget, int):  # full-length rows within the budget: its largest micro-batch (one row at least)
         b = max(1, min(b, budget // seq_len))
         notes.append(f"train.max_tokens_per_micro_batch {budget}: micro-batches of at most {b} full-length rows")
     attention = cfg.model.attn_implementation or "sdpa"
