@@ -50,9 +50,10 @@ def test_fused_head_backward_holds_four_float32_chunks(monkeypatch, dtype):
     # head_logprobs over 2 x 300 positions of a 4,096-token vocabulary, chunks of 2^18 logits (32 positions x
     # 2 rows): the profiler's peak over forward and backward is fused_logits_bytes (16 B per chunk logit, in
     # either dtype) + the head's weight gradient, to within the hidden states' gradient and the log-probs.
-    import grpo.algorithm.head as head_module
-    import grpo.tools.memory.formulas as formulas
     from torch.profiler import ProfilerActivity, profile
+
+    from grpo.algorithm import head as head_module
+    from grpo.tools.memory import formulas
 
     monkeypatch.setattr(head_module, "CHUNK_ELEMENTS", 2 ** 18)
     monkeypatch.setattr(formulas, "HEAD_CHUNK_ELEMENTS", 2 ** 18)

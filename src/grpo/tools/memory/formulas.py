@@ -15,9 +15,9 @@ heads x head_dim, ``kvd`` = kv_heads x head_dim, ``s`` the sequence length. Per 
   at kv width, nothing [s, s];
 - MLP: gate output, its SiLU, up output (3 x p x i) and, when down_proj keeps it, their product (pi).
 
-In all, full fine-tuning keeps (8 + 4p)h + 4p x qd + 4p x i + p x s bytes per token per layer: for
-bf16 and qd = h, 24h + 8i + 2s (Qwen2.5-3B: 137 kB, about 67h); for fp32, 40h + 16i + 4s. With
-gradient checkpointing a layer keeps only its input, p x h per token, and one layer is recomputed in
+In all, full fine-tuning keeps (8 + 4p)h + 4p x qd + 4p x i + p x s bytes per token per layer (padded
+rows, sdpa): for bf16 and qd = h, 24h + 8i + 2s (Qwen2.5-3B: 137 kB, about 67h); for fp32, 40h + 16i + 4s.
+With gradient checkpointing a layer keeps only its input, p x h per token, and one layer is recomputed in
 backward. Korthikanti et al. (2022) count 34sbh + 5as^2b for a GPT block with dropout; this block has no
 dropout, a gated MLP of width i and RMSNorm, hence the itemised count. LoRA changes what is kept: a
 frozen linear keeps no input; each adapted linear keeps its input for ``lora_A`` (cast to fp32 when
