@@ -40,10 +40,10 @@ def sdpa_mask_keys(*, micro_batch: int, seq_len: int, packed: bool = False) -> i
 
     One row is never padded (``grpo.step.logprobs`` drops the columns that are padding in every row of a
     micro-batch), so transformers builds no mask and passes ``is_causal`` (``_ignore_causal_mask_sdpa``):
-    0, and SDPA's flash-style kernel (CPU and CUDA) never makes an [s, s] tensor. Several rows: taken as
-    padded, each row's own [s, s] mask: ``seq_len``. Packed rows (``train.pack_sequences``): one
-    block-diagonal mask over the whole packed sequence: ``micro_batch x seq_len`` (measured: [1, 1, S, S]
-    saved per layer).
+    0, and SDPA's flash-style kernel never makes an [s, s] tensor (measured on the CPU; CUDA's flash kernel
+    is built not to). Several rows: taken as padded, each row's own [s, s] mask: ``seq_len``. Packed rows
+    (``train.pack_sequences``): one block-diagonal mask over the whole packed sequence: ``micro_batch x
+    seq_len`` (measured: [1, 1, S, S] saved per layer).
     """
     if micro_batch == 1:
         return 0
