@@ -24,32 +24,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "src"))
-from logprob_memory import BODIES, QWEN_VOCAB, run_case  # noqa: E402
+from logprob_memory import QWEN_VOCAB, estimated_mib, run_case  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 GIB, MIB = 1024**3, 1024**2
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192)
 PROMPT = 64
-
-
-def estimated_mib(completion: int, fused: bool) -> float:
-    """``grpo memory``'s activations + logits + gradients for one row of PROMPT + ``completion`` tokens."""
-    from transformers import Qwen2Config
-
-    from grpo.config import load_config
-    from grpo.tools.memory import estimate_memory
-
-    hidden, layers, heads, kv_heads, mlp = BODIES["tiny"]
-    model_config = Qwen2Config(vocab_size=QWEN_VOCAB, hidden_size=hidden, num_hidden_layers=layers,
-                               num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=mlp,
-                               tie_word_embeddings=True).to_dict()
-    cfg = load_config(None, ["model.name_or_path=qwen-vocab-tiny-body", "train.micro_batch_size=1",
-                             "rollout.num_generations=2", "train.prompts_per_step=1", "loss.beta=0",
-                             f"data.max_prompt_length={PROMPT}", f"rollout.max_completion_length={completion}",
-                             f"train.fused_lm_head={'true' if fused else 'false'}", "rollout.engine=hf"])
-    est = estimate_memory(cfg, model_config=model_config, device="cpu")
-    gib = est.per_device_gb
-    return (gib["activations"] + gib["logits"] + gib["gradients"]) * GIB / MIB
 
 
 def main() -> None:
@@ -66,7 +46,7 @@ def main() -> None:
     for length in LENGTHS:
         row = {"completion_tokens": length}
         for fused in (False, True):
-            estimate = estimated_mib(length, fused)
+            estimate = estimated_mib(rows=1, groups=1, prompt=PROMPT, completion=length, fused=fused)
             entry = {"estimated_mib": estimate}
             if estimate * MIB <= args.cap_gib * GIB:
                 measured = run_case({"rows": 1, "groups": 1, "prompt": PROMPT, "completion": length, "reps": 1,

@@ -8,8 +8,8 @@ fp32) so it runs here: the logits, not the body, are what the fused head removes
 ``fused_head`` false (the logits path) and true, each in a fresh process. Measured: the peak of the
 process's anonymous memory during the pass (``memory_check.AnonPeak``, glibc mapping every allocation of
 64 KiB or more on its own, so memory follows the live tensors) minus its value just before it (model,
-inputs and imports are in that baseline), and the pass's seconds (the best of ``--reps``). Writes
-benchmarks/results/logprob_memory.json.
+inputs and imports are in that baseline), and the pass's seconds (the best of ``--reps``); the training
+pass also against ``grpo memory``'s estimate (``estimated_mib``). Writes benchmarks/results/logprob_memory.json.
 
     python benchmarks/logprob_memory.py                     # 8 x 1024 completion tokens
     python benchmarks/logprob_memory.py --completion 256    # other shapes
@@ -37,6 +37,32 @@ BODIES = {  # (hidden, layers, heads, kv heads, MLP)
     "tiny": (64, 2, 4, 2, 128),
     "1.5b": (1536, 28, 12, 2, 8960),  # Qwen2.5-1.5B's
 }
+
+
+def estimated_mib(*, rows: int, groups: int, prompt: int, completion: int, fused: bool, body: str = "tiny",
+                  device: str = "cpu") -> float:
+    """``grpo memory``'s estimate of the training pass of one micro-batch of ``rows`` (``groups`` distinct
+    prompts) as ``child`` runs it: activations + logits + gradients (the weights and optimizer states are in
+    the baseline), + autocast's bf16 weight copies on a GPU (made during the pass)."""
+    from transformers import Qwen2Config
+
+    from grpo.config import load_config
+    from grpo.tools.memory import estimate_memory
+
+    hidden, layers, heads, kv_heads, mlp = BODIES[body]
+    model_config = Qwen2Config(vocab_size=QWEN_VOCAB, hidden_size=hidden, num_hidden_layers=layers,
+                               num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=mlp,
+                               tie_word_embeddings=True).to_dict()
+    on_gpu = device.startswith("cuda")
+    cfg = load_config(None, [f"model.name_or_path=qwen-vocab-{body}-body", f"train.micro_batch_size={rows}",
+                             f"rollout.num_generations={max(2, rows // groups)}", f"train.prompts_per_step={groups}",
+                             "loss.beta=0", f"data.max_prompt_length={prompt}",
+                             f"rollout.max_completion_length={completion}", f"model.bf16={str(on_gpu).lower()}",
+                             f"train.fused_lm_head={str(fused).lower()}", "rollout.engine=hf"])
+    est = estimate_memory(cfg, model_config=model_config, device="cuda" if on_gpu else "cpu")
+    gib = est.per_device_gb
+    copies = est.assumptions["autocast_weight_copies_gb"]
+    return (gib["activations"] + gib["logits"] + gib["gradients"] + copies) * 1024**3 / MIB
 
 
 def child(spec: dict) -> dict:
@@ -122,13 +148,21 @@ def main() -> None:
              else f"fp32, CPU ({os.cpu_count()} cores, {args.threads} threads)")
     print(f"Qwen2 body hidden {hidden} x {layers} layers, vocabulary {QWEN_VOCAB}, {where}; "
           f"{args.rows} rows x ({args.prompt} prompt + {args.completion} completion) tokens")
-    print(f"{'pass':10} {'fused':6} {'peak MiB':>10} {'seconds':>8}")
+    print(f"{'pass':10} {'fused':6} {'peak MiB':>10} {'seconds':>8} {'grpo memory':>10}")
     for pass_name in ("training", "reference"):
         row = {"pass": pass_name}
         for fused in (False, True):
             measured = run_case({**base, "pass": pass_name, "fused": fused})
+            estimate = ""
+            if pass_name == "training":  # grpo memory sizes the training pass (the reference's is a rollout transient)
+                measured["estimated_mib"] = estimated_mib(rows=args.rows, groups=args.groups, prompt=args.prompt,
+                                                          completion=args.completion, fused=fused, body=args.body,
+                                                          device=args.device)
+                measured["error"] = measured["estimated_mib"] / measured["peak_mib"] - 1
+                estimate = f" {measured['estimated_mib']:10.0f} ({measured['error']:+.1%})"
             row["fused" if fused else "logits"] = measured
-            print(f"{pass_name:10} {str(fused):6} {measured['peak_mib']:10.0f} {measured['seconds']:8.2f}", flush=True)
+            print(f"{pass_name:10} {str(fused):6} {measured['peak_mib']:10.0f} {measured['seconds']:8.2f}{estimate}",
+                  flush=True)
         row["peak_ratio"] = row["logits"]["peak_mib"] / max(row["fused"]["peak_mib"], 1e-9)
         row["time_ratio"] = row["fused"]["seconds"] / row["logits"]["seconds"]
         results.append(row)

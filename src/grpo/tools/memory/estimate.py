@@ -40,6 +40,7 @@ from grpo.tools.memory.formulas import (
     prompts_per_micro_batch,
     sampling_bytes,
     sampling_copy_bytes,
+    sdpa_mask_keys,
     shared_prompt_activation_bytes,
 )
 from grpo.tools.memory.shapes import ModelShape, load_model_config, lora_targets
@@ -152,7 +153,7 @@ def update_logits_bytes(cfg: RunConfig, *, micro_batch: int, positions: int, voc
     the fused head's chunk (``train.fused_lm_head``; null: by the logits' size, as the passes decide)."""
     shape = dict(micro_batch=micro_batch, positions=positions, vocab_size=vocab_size)
     if fused_head(cfg.train.fused_lm_head, **shape):
-        return (fused_logits_bytes(**shape, p=p),
+        return (fused_logits_bytes(**shape),
                 f"fused LM head: one chunk of {micro_batch} x {positions} x {vocab_size} logits at a time, recomputed "
                 "in backward (train.fused_lm_head)")
     return (logits_bytes(**shape, p=p),
@@ -233,7 +234,9 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
     else:
         activations = activation_bytes(shape, micro_batch=b, seq_len=seq_len, p=p, lora_targets=targets,
                                        lora_r=cfg.model.lora_r, attention=attention,
-                                       gradient_checkpointing=cfg.model.gradient_checkpointing, logits=logits)
+                                       gradient_checkpointing=cfg.model.gradient_checkpointing, logits=logits,
+                                       mask_keys=sdpa_mask_keys(micro_batch=b, seq_len=seq_len,
+                                                                packed=cfg.train.pack_sequences))
         how["activations"] = f"{b} x {seq_len} tokens, {shape.num_layers} layers, " + (
             "checkpointed: layer inputs + final norm or one layer recomputed" if cfg.model.gradient_checkpointing
             else "every layer's saved tensors")

@@ -10,12 +10,14 @@ heads x head_dim, ``kvd`` = kv_heads x head_dim, ``s`` the sequence length. Per 
   following linear keeps it;
 - attention: q, k and v after RoPE, k/v repeated to all heads (``repeat_kv``: a padding mask
   keeps SDPA off its GQA path), and the attention output: 4 x p x qd; SDPA also keeps the padding
-  mask converted to the compute dtype, p x s per token (an s^2 term per sequence);
+  mask converted to the compute dtype, p x s per token (an s^2 term per sequence). Without a mask
+  (``sdpa_mask_keys``: one unpadded row) SDPA takes GQA and causality in its kernel: q, out, and k, v
+  at kv width, nothing [s, s];
 - MLP: gate output, its SiLU, up output (3 x p x i) and, when down_proj keeps it, their product (pi).
 
-In all, full fine-tuning keeps (8 + 4p)h + 4p x qd + 4p x i + p x s bytes per token per layer: for
-bf16 and qd = h, 24h + 8i + 2s (Qwen2.5-3B: 137 kB, about 67h); for fp32, 40h + 16i + 4s. With
-gradient checkpointing a layer keeps only its input, p x h per token, and one layer is recomputed in
+In all, full fine-tuning keeps (8 + 4p)h + 4p x qd + 4p x i + p x s bytes per token per layer (padded
+rows, sdpa): for bf16 and qd = h, 24h + 8i + 2s (Qwen2.5-3B: 137 kB, about 67h); for fp32, 40h + 16i + 4s.
+With gradient checkpointing a layer keeps only its input, p x h per token, and one layer is recomputed in
 backward. Korthikanti et al. (2022) count 34sbh + 5as^2b for a GPT block with dropout; this block has no
 dropout, a gated MLP of width i and RMSNorm, hence the itemised count. LoRA changes what is kept: a
 frozen linear keeps no input; each adapted linear keeps its input for ``lora_A`` (cast to fp32 when
@@ -33,14 +35,30 @@ from grpo.tools.memory.shapes import ModelShape
 LORA_BYTES = 4  # peft's get_peft_model(autocast_adapter_dtype=True) keeps bf16/fp16 adapters in fp32
 
 
+def sdpa_mask_keys(*, micro_batch: int, seq_len: int, packed: bool = False) -> int:
+    """Keys per query position of the additive mask each sdpa layer keeps for backward (transformers 5.x).
+
+    One row is never padded (``grpo.step.logprobs`` drops the columns that are padding in every row of a
+    micro-batch), so transformers builds no mask and passes ``is_causal`` (``_ignore_causal_mask_sdpa``):
+    0, and SDPA's flash-style kernel never makes an [s, s] tensor (measured on the CPU; CUDA's flash kernel
+    is built not to). Several rows: taken as padded, each row's own [s, s] mask: ``seq_len``. Packed rows
+    (``train.pack_sequences``): one block-diagonal mask over the whole packed sequence: ``micro_batch x
+    seq_len`` (measured: [1, 1, S, S] saved per layer).
+    """
+    if micro_batch == 1:
+        return 0
+    return micro_batch * seq_len if packed else seq_len
+
+
 def layer_activation_bytes(shape: ModelShape, *, tokens: int, seq_len: int, p: int,
                            lora_targets: tuple[str, ...] | None, lora_r: int, attention: str,
-                           input_requires_grad: bool = True) -> int:
+                           input_requires_grad: bool = True, mask_keys: int | None = None) -> int:
     """Bytes one decoder layer keeps for backward over ``tokens`` = micro-batch x ``seq_len`` positions.
 
     ``lora_targets`` None = full fine-tuning (every weight trains). ``attention``: sdpa, eager or
     flash_attention_2. ``input_requires_grad`` False for the first layer of a LoRA model without
     gradient checkpointing (frozen embeddings: its first norm keeps nothing for the input's sake).
+    ``mask_keys``: the sdpa mask's keys per query (``sdpa_mask_keys``); None: ``seq_len`` (padded rows).
     """
     h, i = shape.hidden_size, shape.intermediate_size
     qd, kvd = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
@@ -61,13 +79,16 @@ def layer_activation_bytes(shape: ModelShape, *, tokens: int, seq_len: int, p: i
     per_token += kept_input(h, ("q_proj", "k_proj", "v_proj"))
     # q, k, v need no gradient when nothing before them trains (first layer over frozen embeddings).
     attention_trains = input_requires_grad or any(t in lora_targets for t in ("q_proj", "k_proj", "v_proj"))
+    mask_keys = seq_len if mask_keys is None else mask_keys
+    # transformers hands GQA to SDPA only without a mask and for head_dim <= 256 (``use_gqa_in_sdpa``)
+    sdpa_gqa = attention == "sdpa" and mask_keys == 0 and shape.head_dim <= 256
     if attention_trains:
-        if attention == "flash_attention_2":
+        if attention == "flash_attention_2" or sdpa_gqa:
             per_token += p * (2 * qd + 2 * kvd)  # q, out at full width; k, v at kv width (no repeat)
         else:
             per_token += 4 * p * qd  # q, repeated k, repeated v, output (o_proj's input is the same storage)
         if attention == "sdpa":
-            per_token += p * seq_len  # the padding mask as an additive bias in the compute dtype
+            per_token += p * mask_keys  # the mask as an additive bias in the compute dtype (0: none)
         elif attention == "eager":
             per_token += (4 + (p if p != 4 else 0)) * shape.num_heads * seq_len  # fp32 softmax + probs in p
     elif "o_proj" in lora_targets and not cast:
@@ -104,7 +125,7 @@ def _backward_temporaries(shape: ModelShape, *, tokens: int, p: int, lora_target
 
 def activation_bytes(shape: ModelShape, *, micro_batch: int, seq_len: int, p: int,
                      lora_targets: tuple[str, ...] | None, lora_r: int, attention: str,
-                     gradient_checkpointing: bool, logits: int = 0) -> int:
+                     gradient_checkpointing: bool, logits: int = 0, mask_keys: int | None = None) -> int:
     """Activation memory at the peak of one micro-batch's backward, beside ``logits`` (see ``logits_bytes``).
 
     Backward starts with the logits' gradient (every saved tensor still alive), then frees the final
@@ -116,15 +137,17 @@ def activation_bytes(shape: ModelShape, *, micro_batch: int, seq_len: int, p: in
     - with (non-reentrant) checkpointing: each layer's input (p x h per token) + the boolean mask,
       then either the final norm's tensors (beside the logits) or one layer recomputed in full with
       its MLP temporaries (after the logits are freed).
+    ``mask_keys``: as ``layer_activation_bytes`` (sdpa only; None: ``seq_len``, padded rows).
     """
     tokens = micro_batch * seq_len
     full = lora_targets is None
     layer = {"shape": shape, "tokens": tokens, "seq_len": seq_len, "p": p, "lora_targets": lora_targets,
-             "lora_r": lora_r, "attention": attention}
+             "lora_r": lora_r, "attention": attention, "mask_keys": mask_keys}
+    bool_mask_keys = mask_keys if attention == "sdpa" and mask_keys is not None else seq_len
     final = final_norm_bytes(shape, tokens=tokens, p=p, full=full)
     temporaries = _backward_temporaries(shape, tokens=tokens, p=p, lora_targets=lora_targets)
     if gradient_checkpointing:
-        checkpoints = shape.num_layers * p * shape.hidden_size * tokens + micro_batch * seq_len * seq_len
+        checkpoints = shape.num_layers * p * shape.hidden_size * tokens + tokens * bool_mask_keys
         return checkpoints + max(final, layer_activation_bytes(**layer) + temporaries - logits)
     # LoRA without checkpointing: frozen embeddings, so the first layer's input needs no gradient.
     first = layer_activation_bytes(**layer, input_requires_grad=full)
@@ -161,11 +184,11 @@ def shared_prompt_activation_bytes(shape: ModelShape, *, micro_batch: int, promp
     prompt_tokens, completion_tokens = prompts * prompt_len, micro_batch * completion_len
     width = (shape.num_kv_heads if attention == "flash_attention_2" else shape.num_heads) * shape.head_dim
 
-    def prompt_pass(input_requires_grad: bool) -> int:
-        return layer_activation_bytes(tokens=prompt_tokens, seq_len=prompt_len,
-                                      input_requires_grad=input_requires_grad, **common)
+    def prompt_pass(input_requires_grad: bool) -> int:  # one prompt alone is unpadded: no mask
+        return layer_activation_bytes(tokens=prompt_tokens, seq_len=prompt_len, input_requires_grad=input_requires_grad,
+                                      mask_keys=sdpa_mask_keys(micro_batch=prompts, seq_len=prompt_len), **common)
 
-    def completion_pass(input_requires_grad: bool) -> int:
+    def completion_pass(input_requires_grad: bool) -> int:  # a mask always: the queries start past the prompt
         attention_trains = input_requires_grad or any(t in lora_targets for t in ("q_proj", "k_proj", "v_proj"))
         return (layer_activation_bytes(tokens=completion_tokens, seq_len=prompt_len + completion_len,
                                        input_requires_grad=input_requires_grad, **common)
@@ -211,14 +234,19 @@ def fused_head(setting: bool | None, *, micro_batch: int, positions: int, vocab_
     return setting if setting is not None else micro_batch * positions * vocab_size >= FUSED_HEAD_MIN_ELEMENTS
 
 
-def fused_logits_bytes(*, micro_batch: int, positions: int, vocab_size: int, p: int) -> int:
+def fused_logits_bytes(*, micro_batch: int, positions: int, vocab_size: int) -> int:
     """Peak of the fused head's log-prob work in one training micro-batch (``grpo.algorithm.head``): one
-    chunk of ``micro_batch`` x c positions x V at a time, c = HEAD_CHUNK_ELEMENTS // (micro_batch V), while
-    backward recomputes it: its logits (p), their float32 copy and softmax (2 x 4), and the gradients
-    (4 + p). At 8 x 1,025 positions of Qwen's vocabulary on the CPU (fp32) the measured peak was 5.4 chunks
-    of float32 (benchmarks/logprob_memory.py); this counts 5."""
+    chunk of ``micro_batch`` x c positions x V at a time, c = HEAD_CHUNK_ELEMENTS // (micro_batch V).
+
+    The peak is in backward's recompute of a chunk, at ``LogsumexpBackward`` (torch's
+    ``logsumexp_backward``: ``grad * (self - result).exp()``), which holds four float32 [b, c, V] tensors:
+    the float32 scores logsumexp saved, ``self - result``, its ``exp`` and their product with the
+    gradient; 16 B per element whatever the compute dtype (the head's own p-byte output is freed once
+    upcast; gather's gradient comes after). Measured with the profiler on Qwen's vocabulary, CPU, fp32:
+    4.0 chunks with one row and with eight (benchmarks/length_sweep.py, logprob_memory.py).
+    """
     columns = min(positions, max(1, HEAD_CHUNK_ELEMENTS // max(micro_batch * vocab_size, 1)))
-    return (12 + 2 * p) * micro_batch * columns * vocab_size
+    return 4 * 4 * micro_batch * columns * vocab_size  # four float32 chunk tensors (the docstring)
 
 
 def forward_transient_bytes(shape: ModelShape, *, tokens: int, p: int) -> int:
