@@ -30,6 +30,11 @@ def test_a_recipe_without_rewards_gets_its_tasks(tmp_path):
     recipe.write_text("data:\n  train: kk:seed=1,n=50\n")
     cfg = load_config(recipe)
     assert _names(cfg) == [("kk_logic", 1.0)]
+    # rewards: null is "not given": an override hands a recipe's own rewards back to the task
+    recipe.write_text("data:\n  train: kk:seed=1,n=50\nrewards: [{name: xmlcount}]\n")
+    assert _names(load_config(recipe)) == [("xmlcount", 1.0)]
+    assert load_config(recipe, ["rewards=null"]) == cfg
+    assert config_from_dict({"data": {"train": "kk:seed=1,n=50"}, "rewards": None}, "test") == cfg
     # the run folder's config.yaml records what was chosen, and reads back as the same config
     saved = tmp_path / "config.yaml"
     dump_config(cfg, saved)
@@ -121,3 +126,30 @@ def test_a_task_module_with_a_syntax_error_is_a_config_error(tmp_path, monkeypat
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ConfigError, match=r"data.task is .*does not import: SyntaxError"):
         load_config(None, ["data.task=broken_task_module:task"])
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_grpo_train_on_kk_without_rewards_trains_with_kk_logic(tmp_path):
+    """The command line end to end: a K&K run whose recipe lists no rewards is scored by kk_logic, and its
+    config.yaml says so."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    out = tmp_path / "run"
+    overrides = ["data.train=kk:seed=1,n=50,people=2", "data.eval=null", "rewards=null",
+                 "data.max_prompt_length=2048", "train.max_steps=1", "train.prompts_per_step=2",
+                 "train.micro_batch_size=8", "rollout.max_completion_length=16", f"train.output_dir={out}",
+                 "log.report_to=[]", "log.progress_bar=false"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    # smoke-cpu.yaml lists the numeric rewards: rewards=null hands them back to the task
+    done = subprocess.run([sys.executable, "-m", "grpo", "train", "configs/smoke-cpu.yaml", *overrides], cwd=repo,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [(r.name, r.weight) for r in load_config(out / "config.yaml").rewards] == [("kk_logic", 1.0)]
+    (step,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert [key for key in step if key.startswith("reward/") and key not in ("reward/mean", "reward/std")] == [
+        "reward/kk_logic"]

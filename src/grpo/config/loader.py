@@ -227,7 +227,8 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
                 return f"{path}:{lines[candidate]}: "
         return f"{path}: " if path is not None else ""
 
-    return _checked(_build(RunConfig, tree, "", where), where, rewards_given="rewards" in tree)
+    rewards_given = _rewards_given(tree)
+    return _checked(_build(RunConfig, tree, "", where), where, rewards_given)
 
 
 def config_from_dict(tree: dict, source: str) -> RunConfig:
@@ -236,7 +237,17 @@ def config_from_dict(tree: dict, source: str) -> RunConfig:
     def where(key: str) -> str:
         return f"{source}: "
 
-    return _checked(_build(RunConfig, copy.deepcopy(tree), "", where), where, rewards_given="rewards" in tree)
+    tree = copy.deepcopy(tree)
+    rewards_given = _rewards_given(tree)
+    return _checked(_build(RunConfig, tree, "", where), where, rewards_given)
+
+
+def _rewards_given(tree: dict) -> bool:
+    """Whether the recipe (or an override) lists ``rewards``; ``rewards: null`` is taken out of ``tree`` and
+    counts as not given, so that an override can hand a recipe's rewards back to its task."""
+    if "rewards" in tree and tree["rewards"] is None:
+        del tree["rewards"]
+    return "rewards" in tree
 
 
 def _with_task_rewards(config: RunConfig) -> RunConfig:

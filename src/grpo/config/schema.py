@@ -320,7 +320,7 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)
     decoupled: DecoupledConfig = field(default_factory=DecoupledConfig)
     rewards: list[RewardConfig] = field(default_factory=default_rewards, metadata={
-        "help": "Reward functions and weights, e.g. [{name: answer_correct, weight: 1.0}]; not given = the task's "
+        "help": "Reward functions and weights, e.g. [{name: answer_correct, weight: 1.0}]; null or not given = the task's "
                 "default rewards (data.task; kk: kk_logic, else answer_correct + format_think_answer)."})
 
     def check(self) -> list[tuple[str, str]]:
