@@ -153,3 +153,25 @@ def test_grpo_train_on_kk_without_rewards_trains_with_kk_logic(tmp_path):
     (step,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     assert [key for key in step if key.startswith("reward/") and key not in ("reward/mean", "reward/std")] == [
         "reward/kk_logic"]
+
+
+@pytest.mark.parametrize("recipe", ["kk-qwen2.5-3b-grpo.yaml", "kk-qwen2.5-3b-ppo.yaml"])
+def test_the_kk_gpu_recipes_train_kk_with_kk_logic(recipe):
+    """The K&K GPU recipes (a 3B model: validated here, not run) read the public K&K files with the kk task's
+    reward; with the generated source their headers give, the task loads puzzles of the sizes they train on."""
+    from pathlib import Path
+
+    from grpo.tasks import run_task
+    from grpo.tasks.knights_knaves.text import solution_roles
+
+    path = Path(__file__).resolve().parents[2] / "configs" / recipe
+    cfg = load_config(path)
+    assert cfg.data.task == "kk" and cfg.data.train.startswith("kk:path=") and cfg.data.eval.startswith("kk:path=")
+    assert _names(cfg) == [("kk_logic", 1.0)] and cfg.model.name_or_path == "Qwen/Qwen2.5-3B-Instruct"
+    header = path.read_text().split("model:\n", 1)[0]
+    generated = "data.train=kk:seed=1,n=5000,people=3-7 data.eval=kk:seed=2,n=100,people=5"
+    assert generated in header and "K-and-K/knights-and-knaves" in header
+    cfg = load_config(path, [*generated.split(), "data.train_limit=20"])
+    train = run_task(cfg).load(cfg.data.train, cfg.data.split, cfg.data.train_limit)
+    sizes = {len(solution_roles(example.answer)) for example in train}
+    assert len(train) == 20 and sizes <= {3, 4, 5, 6, 7} and len(sizes) > 1
