@@ -4,6 +4,7 @@ not resolve is a ConfigError naming the key when the config loads."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import textwrap
 import types
@@ -175,3 +176,30 @@ def test_the_kk_gpu_recipes_train_kk_with_kk_logic(recipe):
     train = run_task(cfg).load(cfg.data.train, cfg.data.split, cfg.data.train_limit)
     sizes = {len(solution_roles(example.answer)) for example in train}
     assert len(train) == 20 and sizes <= {3, 4, 5, 6, 7} and len(sizes) > 1
+
+
+@pytest.mark.parametrize("decoupled_sampler", [False, True])
+def test_every_role_renders_and_loads_through_the_task(decoupled_sampler, monkeypatch):
+    """The rollout settings of the colocated loop and the decoupled sampler (``experience_settings``) carry the
+    task's system prompt, and ``load_data`` (both roles' data) reads through the task's own loader."""
+    from grpo.tasks import resolve_task
+    from grpo.training.settings import experience_settings
+    from grpo.training.setup import load_data
+
+    def settings(*overrides):
+        cfg = load_config(None, ["data.train=kk:seed=1,n=4,people=2", *overrides])
+        return experience_settings(cfg, None, decoupled_sampler=decoupled_sampler, engine_holds_weights=False)
+
+    assert settings().system_prompt == resolve_task("kk").system_prompt("think")
+    assert settings("data.tag_style=reasoning").system_prompt == resolve_task("kk").system_prompt("reasoning")
+    assert settings("data.system_prompt=Solve it.").system_prompt == "Solve it."
+    assert settings("data.add_system_prompt=false").system_prompt is None
+
+    module = _user_module(monkeypatch)
+    calls = []
+    module.echo = dataclasses.replace(module.echo, load=lambda source, split, limit: calls.append(
+        (source, split, limit)) or [])
+    cfg = load_config(None, ["data.task=tasks_for_config_test:echo", "data.train=mine:train", "data.eval=mine:eval",
+                             "data.train_limit=3"])
+    assert load_data(cfg) == ([], [])
+    assert calls == [("mine:train", "train", 3), ("mine:eval", "test", None)]
