@@ -58,7 +58,7 @@ class DataConfig:
     eval_split: str = opt("test", "Split to read when data.eval is a folder or hub id.")
     tag_style: str = opt("think", "Answer tags: think (<think>/<answer>) or reasoning (<reasoning>/<answer>).",
                          choices=("think", "reasoning"))
-    system_prompt: str | None = opt(None, "System prompt; null = the tag style's default.")
+    system_prompt: str | None = opt(None, "System prompt; null = the task's, in data.tag_style's tags.")
     add_system_prompt: bool = opt(True, "Add the system prompt to every prompt; false: no system turn from the run "
                                         "(the chat template's own default, if any; the Python API's datasets carry "
                                         "their own, as TRL's).")
