@@ -162,3 +162,34 @@ def test_a_reward_returning_the_wrong_count_is_an_exception_naming_it(tiny_model
     trainer = GRPOTrainer(str(tiny_model_dir), one_short, args_for(tmp_path / "run"), train_dataset=rows())
     with pytest.raises(RewardError, match="one_short"):
         trainer.train()
+
+
+def test_grpos_own_data_without_reward_funcs_gets_the_tasks_rewards(tiny_model_dir, tmp_path, monkeypatch):
+    """TRL needs reward_funcs; with grpo's data (grpo_overrides' data.train) and none, the run's task gives them
+    (K&K: kk_logic), as a recipe without rewards gets them, and the system prompt evaluate() renders is the
+    task's."""
+    from grpo.tasks import resolve_task
+
+    kk = {"data.train": "kk:seed=1,n=16,people=2"}
+    trainer = GRPOTrainer(str(tiny_model_dir), args=args_for(tmp_path / "run", grpo_overrides=kk))
+    assert trainer.reward_func_names == ["kk_logic"] and trainer.reward_weights == [1.0]
+    assert [(r.name, r.weight) for r in trainer.config.rewards] == [("kk_logic", 1.0)]
+    listed = {**kk, "rewards": [{"name": "format_think_answer", "weight": 0.5}]}
+    trainer = GRPOTrainer(str(tiny_model_dir), args=args_for(tmp_path / "run", grpo_overrides=listed))
+    assert trainer.reward_func_names == ["format_think_answer"] and trainer.reward_weights == [0.5]
+    with pytest.raises(ValueError, match="reward_weights is set but reward_funcs is None"):
+        GRPOTrainer(str(tiny_model_dir), args=args_for(tmp_path / "run", grpo_overrides=kk, reward_weights=[1.0]))
+    with pytest.raises(ValueError, match="reward_funcs: give at least one reward"):  # TRL's datasets: no task
+        GRPOTrainer(str(tiny_model_dir), args=args_for(tmp_path / "run"), train_dataset=rows())
+
+    seen = {}
+
+    def recording_evaluate(model, tokenizer, examples, **kwargs):
+        seen.update(kwargs)
+        raise StopIteration  # enough: the call's arguments are what this test reads
+
+    monkeypatch.setattr("grpo.tools.evaluate.evaluate", recording_evaluate)
+    trainer = GRPOTrainer(str(tiny_model_dir), args=args_for(tmp_path / "run", grpo_overrides=kk))
+    with pytest.raises(StopIteration):
+        trainer.evaluate(rows(2))
+    assert seen["system_prompt"] == resolve_task("kk").system_prompt("think")

@@ -4,7 +4,9 @@ A recipe is run as shipped except for what a CPU test cannot hold: its model bec
 model of the same architecture family and embedding tying (the test tokenizer, a Qwen-style byte BPE; a
 recipe with tools keeps its model's own tokenizer, whose chat template renders them),
 a separate reference becomes a larger tiny teacher of the reference's family sharing that tokenizer,
-hub data becomes a local GSM8K folder (train.jsonl / test.jsonl, read with the recipe's own splits),
+hub data becomes a local GSM8K folder (train.jsonl / test.jsonl, read with the recipe's own splits), a public
+K&K file (``kk:path=``, not shipped) generated puzzles of 2 people (what the byte tokenizer renders within the
+recipe's max_prompt_length; Qwen's needs a third of the tokens for a 7-person quiz),
 evaluation sees 4 prompts, bf16 is off without CUDA, the run writes to a temporary folder and stops
 after 2 steps. LoRA, gradient checkpointing, rewards, loss, prompts per step, group size, batch and
 micro-batch sizes, generation length and the rest are the recipe's, so a combination of settings
@@ -109,6 +111,9 @@ def recipe_overrides(recipe: Path, tokenizer, tmp_path: Path) -> list[str]:
         swaps["data.train"] = folder
         if cfg.data.eval is not None:
             swaps["data.eval"] = folder
+    for key, seed, count in (("data.train", 1, 128), ("data.eval", 2, EVAL_PROMPTS)):
+        if (getattr(cfg.data, key.split(".")[1]) or "").startswith("kk:path="):
+            swaps[key] = f"kk:seed={seed},n={count},people=2"
     if cfg.data.eval is not None:
         swaps["data.eval_limit"] = min(cfg.data.eval_limit or EVAL_PROMPTS, EVAL_PROMPTS)
     if cfg.model.bf16 and not torch.cuda.is_available():

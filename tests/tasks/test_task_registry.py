@@ -75,3 +75,21 @@ def test_task_record_checks_its_fields():
         Task(name="bad", load=lambda *a: [], system_prompt=lambda s: "", score="x", rewards=())
     with pytest.raises(TypeError, match="rewards must be"):
         Task(name="bad", load=lambda *a: [], system_prompt=lambda s: "", score=lambda *a: {}, rewards=("r",))
+
+
+def test_training_accuracy_reads_the_tasks_scorer():
+    """step.metrics.correctness (the logged accuracy and format rate) with a task's scorer: a K&K answer that is
+    right by its roles counts, which the numeric check (no scorer) cannot see."""
+    from grpo.step.metrics import correctness
+
+    task = resolve_task("kk")
+    (example,) = task.load("kk:seed=3,n=1,people=2", "train", None)
+    gold = example.answer
+    right = f"<think>\nok\n</think>\n<answer>\n{gold}\n</answer>"
+    wrong = right.replace("knight", "KNAVE_").replace("knave", "knight").replace("KNAVE_", "knave")
+    completions, golds = [right, wrong, "no tags", right], [gold, gold, gold, None]
+    correct, formatted = correctness(completions, golds, "think", task.score)
+    assert correct.tolist() == [True, False, False, False]  # no gold: not correct
+    assert formatted.tolist() == [True, True, False, True]  # no gold: the format is still checked
+    numeric_correct, numeric_formatted = correctness(completions, golds, "think")
+    assert numeric_correct.tolist() == [False] * 4 and numeric_formatted.tolist() == formatted.tolist()

@@ -97,9 +97,15 @@ class GRPOTrainer:
             columns.append("environments")  # the rollouts' instances, as TRL passes them to the rewards
         if rollout_func is not None:
             columns = None  # its extra output keys are columns too, known only when it runs
+        # grpo's own data (grpo_overrides' data.train) without reward_funcs: the config's rewards (grpo_overrides'
+        # rewards, else its task's defaults); TRL has no data of its own to default from, so it needs reward_funcs.
+        config_rewards = reward_funcs is None and self.train_set is None and not self._environment_owns_reward()
+        if config_rewards and args.reward_weights is not None:
+            raise ValueError("GRPOConfig.reward_weights is set but reward_funcs is None (the config's rewards, "
+                             "which carry their own weights): give reward_funcs or drop reward_weights")
         if reward_funcs is None and self._environment_owns_reward():  # TRL: get_reward may be the only source
             self.reward_fns, self.reward_weights = [], []
-        else:
+        elif not config_rewards:
             self.reward_fns, self.reward_weights = build_reward_functions(
                 reward_funcs, args.reward_weights, reward_processing_classes, columns)
         data = {"add_system_prompt": False, "max_prompt_length": self._longest_prompt()} if self.train_set else {}
@@ -107,8 +113,13 @@ class GRPOTrainer:
             data["train"] = f"python:train_dataset ({len(self.train_set)} rows)"
         self.config = to_run_config(args, num_processes=self.num_processes,
                                     train_size=len(self.train_set) if self.train_set else None,
-                                    model=name_or_path, lora=lora, data=data, rewards=self._reward_specs(),
+                                    model=name_or_path, lora=lora, data=data,
+                                    rewards=None if config_rewards else self._reward_specs(),
                                     rollout=self._turn_keys())
+        if config_rewards:
+            from grpo.training.setup import build_rewards
+
+            self.reward_fns, self.reward_weights = build_rewards(self.config)
         self.model = self._prepare_model(model)
         self.state, self.control = TrainerState(), TrainerControl()
         self.callbacks = [c() if isinstance(c, type) else c for c in (callbacks or [])]
@@ -262,6 +273,7 @@ class GRPOTrainer:
     def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """grpo's held-out evaluation (greedy answer accuracy and format rate) on each eval set, as
         ``{prefix}_accuracy`` / ``{prefix}_{name}_accuracy`` for a dict of sets; logged and ``on_evaluate``."""
+        from grpo.tasks import run_system_prompt
         from grpo.tools.evaluate import evaluate
         from grpo.training.evaluation import eval_metrics
 
@@ -271,7 +283,8 @@ class GRPOTrainer:
         cfg, metrics = self.config, {}
         for name, examples in sets.items():
             result = evaluate(self.model, self.processing_class, examples, tag_style=cfg.data.tag_style,
-                              system_prompt=cfg.data.system_prompt, add_system_prompt=cfg.data.add_system_prompt,
+                              # the run's system turn as training renders it (grpo's data: its task's)
+                              system_prompt=run_system_prompt(cfg), add_system_prompt=cfg.data.add_system_prompt,
                               batch_size=max(cfg.train.micro_batch_size, 16),
                               max_new_tokens=cfg.rollout.max_completion_length, progress=False)
             prefix = f"{metric_key_prefix}_{name}_" if name else f"{metric_key_prefix}_"

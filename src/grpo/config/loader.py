@@ -227,7 +227,8 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
                 return f"{path}:{lines[candidate]}: "
         return f"{path}: " if path is not None else ""
 
-    return _checked(_build(RunConfig, tree, "", where), where)
+    rewards_given = _rewards_given(tree)
+    return _checked(_build(RunConfig, tree, "", where), where, rewards_given)
 
 
 def config_from_dict(tree: dict, source: str) -> RunConfig:
@@ -236,12 +237,38 @@ def config_from_dict(tree: dict, source: str) -> RunConfig:
     def where(key: str) -> str:
         return f"{source}: "
 
-    return _checked(_build(RunConfig, copy.deepcopy(tree), "", where), where)
+    tree = copy.deepcopy(tree)
+    rewards_given = _rewards_given(tree)
+    return _checked(_build(RunConfig, tree, "", where), where, rewards_given)
 
 
-def _checked(config: RunConfig, where) -> RunConfig:
-    """``config`` once its cross-field rules hold; else a ConfigError on the first broken one (``where(key)``
-    says where the key was set), listing the others."""
+def _rewards_given(tree: dict) -> bool:
+    """Whether the recipe (or an override) lists ``rewards``; ``rewards: null`` is taken out of ``tree`` and
+    counts as not given, so that an override can hand a recipe's rewards back to its task."""
+    if "rewards" in tree and tree["rewards"] is None:
+        del tree["rewards"]
+    return "rewards" in tree
+
+
+def _with_task_rewards(config: RunConfig) -> RunConfig:
+    """``config`` with its task's default rewards (``grpo.tasks.Task.rewards``: kk_logic for K&K, answer and
+    format for the numeric tasks), for a recipe that lists none. A ``data.task`` that does not resolve keeps
+    the schema's default; the ``data.task`` rule then reports it."""
+    from grpo.tasks import resolve_task  # here: the tasks import grpo.data and grpo.rewards
+
+    try:
+        task = resolve_task(config.data.task, config.data.train)
+    except (ValueError, TypeError):
+        return config
+    return dataclasses.replace(config, rewards=[RewardConfig(name, float(weight)) for name, weight in task.rewards])
+
+
+def _checked(config: RunConfig, where, rewards_given: bool) -> RunConfig:
+    """``config`` (with its task's rewards unless ``rewards_given``: the recipe or overrides set ``rewards``)
+    once its cross-field rules hold; else a ConfigError on the first broken one (``where(key)`` says where the
+    key was set), listing the others."""
+    if not rewards_given:
+        config = _with_task_rewards(config)
     problems = config.check()
     if problems:
         key, why = problems[0]

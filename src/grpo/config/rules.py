@@ -59,7 +59,8 @@ def config_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
         problems.append(("optim.lora_learning_rate",
                          "is set but model.lora_r is 0 (full fine-tuning has no LoRA parameters)"))
     if not cfg.rewards and not cfg.rollout.environment:  # an environment's get_reward may be the only reward
-        problems.append(("rewards", "is empty: GRPO needs at least one reward function"))
+        problems.append(("rewards", "is empty (given as [], or the task's default rewards are none): GRPO "
+                                    "needs at least one reward function"))
     for i, r in enumerate(cfg.rewards):
         if not r.name:
             problems.append((f"rewards[{i}].name", "is empty"))
@@ -99,7 +100,20 @@ def config_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
     if cfg.train.early_stop_accuracy is not None and cfg.data.eval is None:
         problems.append(("train.early_stop_accuracy", "needs data.eval (a held-out set to measure accuracy on)"))
     problems.extend(sdpa_problems(cfg))
+    problems.extend(task_problems(cfg))
     return problems
+
+
+def task_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
+    """data.task resolves to a task (a registered name, or a dotted path that imports and gives a
+    ``grpo.tasks.Task``): checked with the config, not found mid-run when the data loads."""
+    from grpo.tasks import resolve_task  # here: the tasks import grpo.data and grpo.rewards
+
+    try:
+        resolve_task(cfg.data.task, cfg.data.train)
+    except (ValueError, TypeError) as err:
+        return [("data.task", f"is {cfg.data.task!r}: {err}")]
+    return []
 
 
 # model.sdpa_backends' short names -> torch.nn.attention.SDPBackend's (either spelling is accepted)

@@ -52,13 +52,13 @@ class DataConfig:
     task: str | None = opt(
         None, "The task (grpo.tasks): gsm8k, arithmetic, kk, or a dotted path pkg.module:name to a user's "
         "grpo.tasks.Task; null = by data.train (kk: -> kk, synthetic:/arithmetic-tools: -> arithmetic, else gsm8k). "
-        "It loads the data, scores answers in evaluation and gives the default system prompt.")
+        "It loads the data, scores answers in evaluation and gives the default system prompt and rewards.")
     eval: str | None = opt(None, "Held-out set for eval_steps and the before/after report; null = none.")
     split: str = opt("train", "Split to read when data.train is a folder or hub id.")
     eval_split: str = opt("test", "Split to read when data.eval is a folder or hub id.")
     tag_style: str = opt("think", "Answer tags: think (<think>/<answer>) or reasoning (<reasoning>/<answer>).",
                          choices=("think", "reasoning"))
-    system_prompt: str | None = opt(None, "System prompt; null = the tag style's default.")
+    system_prompt: str | None = opt(None, "System prompt; null = the task's, in data.tag_style's tags.")
     add_system_prompt: bool = opt(True, "Add the system prompt to every prompt; false: no system turn from the run "
                                         "(the chat template's own default, if any; the Python API's datasets carry "
                                         "their own, as TRL's).")
@@ -321,7 +321,8 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)
     decoupled: DecoupledConfig = field(default_factory=DecoupledConfig)
     rewards: list[RewardConfig] = field(default_factory=default_rewards, metadata={
-        "help": "Reward functions and weights, e.g. [{name: answer_correct, weight: 1.0}]."})
+        "help": "Reward functions and weights, e.g. [{name: answer_correct, weight: 1.0}]; null or not given = the task's "
+                "default rewards (data.task; kk: kk_logic, else answer_correct + format_think_answer)."})
 
     def check(self) -> list[tuple[str, str]]:
         """Cross-field rules (``grpo.config.rules``): ``(key, why)`` for each violated one (empty when valid)."""

@@ -56,8 +56,9 @@ class ModelSource:
 
     @property
     def system_prompt(self) -> str | None:
-        """The system prompt the model was trained with: the run's, else its tag style's default (None: the
-        run added none, ``data.add_system_prompt: false``)."""
+        """The system prompt the model was trained with: the run's (``data.system_prompt``, else its task's,
+        ``grpo.tasks.run_system_prompt``), or the think style's default for a model without a run config; None:
+        the run added none (``data.add_system_prompt: false``)."""
         from grpo.data import resolve_system_prompt
         from grpo.tasks import run_system_prompt
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -16,6 +16,8 @@ from grpo.training.distributed import DistInfo, all_gather_json, all_reduce_mean
 # Statistics only some runs have, averaged over ranks: grpo.critic.train_critic's (PPO), the PTX loss and
 # the sampler correction's.
 OPTIONAL_PREFIXES = ("critic/", "loss/value", "loss/ptx", "sampler_is/")
+# A task's answer scorer (grpo.tasks.Task.score): (text, gold, tag_style) -> {"correct", "formatted", ...}
+Scorer = Callable[[str, str, str], dict]
 
 
 def rollout_metrics(batch: RolloutBatch, correct: torch.Tensor, formatted: torch.Tensor,
@@ -53,14 +55,16 @@ def rollout_metrics(batch: RolloutBatch, correct: torch.Tensor, formatted: torch
 
 def step_metrics(batch: RolloutBatch, train_stats: dict, group_size: int, tag_style: str, started: float,
                  rollout_s: float, train_s: float, info: DistInfo,
-                 rollout_stats: dict[str, float] | None = None) -> dict[str, float]:
+                 rollout_stats: dict[str, float] | None = None, score: Scorer | None = None) -> dict[str, float]:
     """Everything a step logs, averaged over ranks (each rank holds the same number of completions).
 
     ``started`` is the step's ``time.perf_counter()`` start; ``rollout_s``/``train_s`` its two phases;
     ``rollout_stats`` this rank's numbers about how its batch was made (dynamic sampling's counts), averaged
-    over ranks with the rest (every rank must give the same names).
+    over ranks with the rest (every rank must give the same names); ``score``: the run's task's scorer
+    (``grpo.tasks.Task.score``) for accuracy and format rate, as ``correctness`` takes it.
     """
-    correct, formatted = correctness(batch.generation.completions, batch.columns.get("answer", []), tag_style)
+    correct, formatted = correctness(batch.generation.completions, batch.columns.get("answer", []), tag_style,
+                                     score)
     local = rollout_metrics(batch, correct, formatted, group_size)
     local.update({k: train_stats[k] for k in ("loss", "kl", "clip_fraction", "ratio_mean", "entropy")})
     local.update({k: v for k, v in train_stats.items() if k.startswith(OPTIONAL_PREFIXES)})  # critic, PTX, IS
@@ -133,11 +137,19 @@ def _finite_or_none(value: torch.Tensor) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def correctness(completions: Sequence[str], golds: Sequence[str | None],
-                tag_style: str) -> tuple[torch.Tensor, torch.Tensor]:
+def correctness(completions: Sequence[str], golds: Sequence[str | None], tag_style: str,
+                score: Scorer | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """([N] bool answer correct, [N] bool well formatted) for logging accuracy and format rate;
-    ``golds`` has one gold answer (or None) per completion."""
-    correct = [gold is not None and answers_equal(extract_answer(c, tag_style), gold)
-               for c, gold in zip(completions, golds)]
-    formatted = [is_well_formatted(c, tag_style) for c in completions]
+    ``golds`` has one gold answer (or None) per completion. ``score(text, gold, tag_style)`` is the task's
+    scorer (its ``correct`` and ``formatted``); None: the numeric tasks' check (the tagged answer equals the
+    gold as a number). A completion without a gold is not correct, and its format is still checked."""
+    if score is None:
+        correct = [gold is not None and answers_equal(extract_answer(c, tag_style), gold)
+                   for c, gold in zip(completions, golds)]
+        formatted = [is_well_formatted(c, tag_style) for c in completions]
+        return torch.tensor(correct), torch.tensor(formatted)
+    scores = [score(c, gold, tag_style) if gold is not None else None for c, gold in zip(completions, golds)]
+    correct = [s is not None and bool(s["correct"]) for s in scores]
+    formatted = [bool(s["formatted"]) if s is not None else is_well_formatted(c, tag_style)
+                 for c, s in zip(completions, scores)]
     return torch.tensor(correct), torch.tensor(formatted)

@@ -94,8 +94,9 @@ def resolve_task(name: str | None, source: str | None = None) -> Task:
     module_name, _, attribute = name.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"task {name!r}: module {module_name!r} does not import: {error}") from None
+    except (ImportError, SyntaxError, ValueError, TypeError) as error:  # the last two: a malformed module name
+        raise ValueError(f"task {name!r}: module {module_name!r} does not import: "
+                         f"{type(error).__name__}: {error}") from None
     try:
         value = getattr(module, attribute)
     except AttributeError:

@@ -49,7 +49,7 @@ def run_chat(
 ) -> list[dict[str, str]]:
     """Answer ``prompt`` once, or chat interactively until EOF or "exit"; returns the conversation.
 
-    system_prompt: None = the run's (config.yaml data.system_prompt, else its tag style's default).
+    system_prompt: None = the run's (config.yaml data.system_prompt, else its task's for its tag style).
     temperature: 0 = greedy. In the loop, "/reset" starts a new conversation. Replies go to stdout,
     everything else to stderr, so ``grpo chat RUN --prompt ...`` can be piped.
     """
