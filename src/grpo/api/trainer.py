@@ -230,11 +230,8 @@ class GRPOTrainer:
                               updates_per_step=cfg.loss.num_iterations,
                               logging_steps=self._logging_updates(cfg))
         evaluating = self.args.eval_strategy != "no" and self.eval_sets
-        if evaluating and len(self.eval_sets) > 1:
-            raise ValueError(f"eval_dataset has {len(self.eval_sets)} named sets: grpo evaluates one during training; "
-                             "pass one (trainer.evaluate(eval_dataset) scores any number afterwards)")
         given = GivenInputs(policy=self.model, tokenizer=self.processing_class, train_set=self.train_set,
-                            eval_set=next(iter(self.eval_sets.values())) if evaluating else None,
+                            eval_set=dict(self.eval_sets) if evaluating else None,  # named sets: eval/<name>/...
                             reward_fns=self.reward_fns, reward_weights=self.reward_weights, hooks=hooks,
                             tools=list(self.tools) if self.tools is not None else None,
                             environment_factory=self.environment_factory, rollout_func=self.rollout_func)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo.rollout import LeanEngine
-from grpo.tools.eval_scoring import EvalRewards, logged_metrics
+from grpo.tools.eval_scoring import EvalRewards, logged_metrics, write_records
 from grpo.tools.evaluate import evaluate
 
 _SET_NAME = re.compile(r"[A-Za-z_][\w.-]*")
@@ -167,14 +167,6 @@ def run_eval_command(
                 f"{records_output.stem}-{name}{records_output.suffix}")
             write_records(path, rows)
     return report
-
-
-def write_records(path: Path, records: list[dict]) -> None:
-    """One JSON line per record (a reward that abstained is null)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as handle:
-        for record in records:
-            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
 def print_report(report: dict[str, Any], console=None) -> None:

@@ -10,9 +10,11 @@ k samples: ``sample_correct`` and ``sample_formatted`` counts, ``majority_correc
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from grpo.data import Example
@@ -166,3 +168,11 @@ def logged_metrics(results: dict[str, dict[str, Any]]) -> dict[str, float]:
         metrics.update({prefix + key: float(value) for key, value in result.items()
                         if key != "n" and isinstance(value, (int, float)) and not isinstance(value, bool)})
     return metrics
+
+
+def write_records(path: Path, records: list[dict]) -> None:
+    """One JSON line per record (a reward that abstained is null)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as handle:
+        for record in records:
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
