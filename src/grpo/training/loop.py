@@ -196,9 +196,10 @@ def run_loop(loop: Loop, source: StepSource, start_step: int, eval_before: dict 
 
 
 def _evaluate(loop: Loop, step: int) -> tuple[dict | None, dict[str, float]]:
-    """The held-out evaluation of the weights of ``step``: its results and logged metrics, passed to the hooks;
-    with ``train.best_metric``, ``best/`` gets these weights when they are the best yet (on every rank alike:
-    the metrics are gathered, and the ZeRO-3 weights are a collective)."""
+    """The held-out evaluation of the weights of ``step``: its results and logged metrics (``eval/*``, passed to
+    the hooks, and ``time/eval_s``). With ``train.best_metric``, ``best/`` gets these weights when they are the
+    best yet (on every rank alike: the metrics are gathered, and the ZeRO-3 weights are a collective)."""
+    started = time.perf_counter()
     results = loop.evaluate(step)
     metrics = eval_metrics(results)
     loop.hooks.evaluated(step, metrics)
@@ -208,7 +209,7 @@ def _evaluate(loop: Loop, step: int) -> tuple[dict | None, dict[str, float]]:
             save_best(loop.out, loop.trainable.policy, loop.tokenizer, step, loop.best.metric, loop.best.value,
                       state_dict=weights)
         barrier(loop.info)
-    return results, metrics
+    return results, {**metrics, "time/eval_s": time.perf_counter() - started}
 
 
 def _steps(loop: Loop, source: StepSource, start_step: int, eval_before: dict | None) -> int:
