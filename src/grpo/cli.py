@@ -100,6 +100,12 @@ def _print_summary(result) -> None:
         print(f"held-out accuracy: {b['accuracy']:.1%} -> {a['accuracy']:.1%} "
               f"({(a['accuracy'] - b['accuracy']) * 100:+.1f} points); "
               f"format rate {b['format_rate']:.1%} -> {a['format_rate']:.1%}")
+    best = result.output_dir / "best" / "best.json"
+    if best.is_file():  # train.best_metric
+        import json
+
+        saved = json.loads(best.read_text(encoding="utf-8"))
+        print(f"best model: {best.parent} (step {saved['step']}: {saved['metric']} {saved['value']:.4g})")
     print(f"plots: {result.output_dir / 'plots'}   final model: {result.output_dir / 'final'}")
 
 

@@ -259,6 +259,7 @@ class GRPOTrainer:
     def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """grpo's held-out evaluation (greedy answer accuracy and format rate) on each eval set, as
         ``{prefix}_accuracy`` / ``{prefix}_{name}_accuracy`` for a dict of sets; logged and ``on_evaluate``."""
+        from grpo.tasks import run_task
         from grpo.tools.evaluate import evaluate
         from grpo.training.evaluation import eval_metrics
 
@@ -267,12 +268,13 @@ class GRPOTrainer:
             raise ValueError("evaluate() needs an eval_dataset (here or in the constructor)")
         cfg, metrics = self.config, {}
         for name, examples in sets.items():
-            result = evaluate(self.model, self.processing_class, examples, tag_style=cfg.data.tag_style,
+            result = evaluate(self.model, self.processing_class, examples, task=run_task(cfg),
+                              tag_style=cfg.data.tag_style,
                               system_prompt=cfg.data.system_prompt, add_system_prompt=cfg.data.add_system_prompt,
                               batch_size=max(cfg.train.micro_batch_size, 16),
                               max_new_tokens=cfg.rollout.max_completion_length, progress=False)
             prefix = f"{metric_key_prefix}_{name}_" if name else f"{metric_key_prefix}_"
-            metrics.update({prefix + k.split("/", 1)[-1]: v for k, v in eval_metrics(result).items()})
+            metrics.update({prefix + k.split("/", 1)[-1]: v for k, v in eval_metrics({"": result}).items()})
         self.state.log_history.append({**metrics, "step": self.state.global_step})
         for callback in self.callbacks:
             callback.on_evaluate(self.args, self.state, self.control, metrics=metrics)
