@@ -68,7 +68,7 @@ class DataConfig:
                                         "their own, as TRL's).")
     max_prompt_length: int = opt(512, "Prompts longer than this many tokens are an error.", ge=1)
     train_limit: int | None = opt(None, "Use only the first N training examples.", ge=1)
-    eval_limit: int | None = opt(None, "Evaluate only the first N held-out examples.", ge=1)
+    eval_limit: int | None = opt(None, "Evaluate only the first N held-out examples (of each set).", ge=1)
     shuffle: bool = opt(True, "Shuffle training prompts each epoch (seeded by train.seed).")
 
 
