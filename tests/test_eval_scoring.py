@@ -211,3 +211,18 @@ def test_eval_config_keys():
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(None, overrides)
+
+
+def test_run_evaluator_refuses_sets_it_cannot_score_before_any_rank_starts():
+    from grpo.training.distributed import DistInfo
+    from grpo.training.evaluation import RunEvaluator, eval_settings
+
+    settings = eval_settings(load_config(None, ["data.eval=x"]))
+    unanswered = numeric_examples(3)
+    unanswered[2] = Example(messages=[{"role": "user", "content": "Q"}], answer=None, answer_raw=None,
+                            source="test:open", solution=None)
+    info = DistInfo(rank=0, world_size=1, local_rank=0)
+    with pytest.raises(ConfigError, match="data.eval set 'hard': 1 example.*test:open"):
+        RunEvaluator(settings, {"easy": numeric_examples(2), "hard": unanswered}, None, None, None, info)
+    with pytest.raises(ConfigError, match="data.eval: no examples"):
+        RunEvaluator(settings, {"": []}, None, None, None, info)

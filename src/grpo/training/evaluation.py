@@ -91,6 +91,20 @@ class RunEvaluator:
     rewards: EvalRewards | None = None
     out: Path | None = None  # the run folder the records go to (None: not written)
 
+    def __post_init__(self) -> None:
+        # Checked on every rank for the whole sets: a rank whose slice failed alone would leave the others
+        # waiting in the gather.
+        from grpo.config import ConfigError
+
+        for name, examples in self.sets.items():
+            label = f"data.eval set {name!r}" if name else "data.eval"
+            if not examples:
+                raise ConfigError(f"{label}: no examples")
+            unanswered = [e.source for e in examples if e.answer is None]
+            if unanswered:
+                raise ConfigError(f"{label}: {len(unanswered)} example(s) have no gold answer, e.g. "
+                                  f"{unanswered[0]}; evaluation needs an answer column")
+
     def __call__(self, step: int) -> dict[str, dict]:
         s = self.settings
         unit = call_unit(s.batch_size, s.samples)
