@@ -25,7 +25,7 @@ class BestMetric:
             raise ValueError(f"best metric mode must be max or min, got {self.mode!r}")
 
     @classmethod
-    def resumed(cls, out: Path, metric: str, mode: str) -> "BestMetric":
+    def resumed(cls, out: Path, metric: str, mode: str) -> BestMetric:
         """The run folder's best so far (``best/best.json`` of the same metric), else none yet."""
         path = Path(out) / BEST_DIR / BEST_FILE
         if path.is_file():

@@ -136,12 +136,12 @@ def run_eval_command(
         records[name] = result.pop("records")
         results[name] = result
     report = {
-        **(results[""] if "" in results else {}),
+        **results.get("", {}),  # one unnamed set: its metrics at the top, as before named sets
         **({"sets": results} if "" not in results else {}),
         "metrics": logged_metrics(results),
         "model": str(source.model_dir),
         "base_model": source.base_model,
-        "data": sets[""] if "" in sets else sets,
+        "data": sets.get("", sets),
         "split": split,
         "limit": limit,
         "task": the_task.name,

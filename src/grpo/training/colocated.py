@@ -23,12 +23,12 @@ from grpo.models.loading import check_memory_savers, compute_context, load_refer
 from grpo.multiturn.setup import with_turns
 from grpo.rollout.build import build_engine, check_engine_available, holds_own_weights, push_policy_weights
 from grpo.rollout.offpolicy_guard import check_sampler_logprobs, is_check_step
+from grpo.run.best import BestMetric
 from grpo.run.progress import StepProgress
 from grpo.run.run_dir import check_output_dir
 from grpo.step.experience import ExperienceSettings, generation_logprobs, local_reference, rank_experience
-from grpo.training.distributed import shutdown
-from grpo.run.best import BestMetric
 from grpo.tools.eval_scoring import EvalRewards
+from grpo.training.distributed import shutdown
 from grpo.training.evaluation import RunEvaluator, eval_settings, primary_result
 from grpo.training.loop import Collected, Loop, PolicyUpdate, run_loop
 from grpo.training.settings import (critic_settings, dynamic_rounds, experience_settings, logprob_pass,
