@@ -262,3 +262,26 @@ def test_missing_files_give_checkpoint_error(tmp_path, tiny_tokenizer, trained):
     (path / "trainer_state.json").unlink()
     with pytest.raises(CheckpointError, match="not a complete checkpoint"):
         load_checkpoint(path, model)
+
+
+def test_save_best_writes_the_adapter_and_its_step(tmp_path, tiny_tokenizer):
+    """best/ is written as final/ is (a LoRA run: the adapter only), with best.json naming the step; a better
+    evaluation later replaces it whole."""
+    from peft import PeftModel
+
+    from grpo.run.checkpoint import save_best
+
+    model = lora_model(tiny_tokenizer, seed=0)
+    path = save_best(tmp_path, model, tiny_tokenizer, 4, "eval/accuracy", 0.25)
+    assert path == tmp_path / "best"
+    assert {"adapter_model.safetensors", "adapter_config.json", "best.json"} <= set(os.listdir(path))
+    assert "model.safetensors" not in os.listdir(path)
+    assert json.loads((path / "best.json").read_text()) == {"step": 4, "metric": "eval/accuracy", "value": 0.25}
+    loaded = PeftModel.from_pretrained(build_qwen2(tiny_tokenizer, seed=0), path)
+    assert_identical(lora_weights(model), lora_weights(loaded), "adapter")
+    later = lora_model(tiny_tokenizer, seed=1)
+    save_best(tmp_path, later, tiny_tokenizer, 9, "eval/accuracy", 0.5)
+    assert json.loads((path / "best.json").read_text())["step"] == 9
+    assert_identical(lora_weights(later), lora_weights(PeftModel.from_pretrained(build_qwen2(tiny_tokenizer, seed=0),
+                                                                                   path)), "adapter")
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no temporary folder left

@@ -11,6 +11,7 @@ import torch
 from grpo.data import Example, write_gsm8k_jsonl
 from grpo.data.tags import get_tag_style
 from grpo.step.records import Generation
+from grpo.tasks import resolve_task
 from grpo.tools.evaluate import evaluate, pass_at_k, run_eval_command
 
 
@@ -189,3 +190,43 @@ def test_run_eval_command_needs_data_without_run_config(tiny_model_dir):
 
     with pytest.raises(ConfigError, match="no data given"):
         run_eval_command(tiny_model_dir, None, device="cpu", progress=False)
+
+
+def test_run_eval_command_named_sets_task_rewards_and_bootstrap(tiny_model_dir, tmp_path):
+    records_path = tmp_path / "records.jsonl"
+    report = run_eval_command(tiny_model_dir, ["easy=kk:seed=5,n=6,people=2", "logic=kk:seed=2,n=4,people=2-3"],
+                              task="kk", rewards=["kk_logic"], samples=2, temperature=1.0, bootstrap=50,
+                              records_output=records_path, batch_size=8, max_new_tokens=4, device="cpu",
+                              progress=False, max_samples_written=1)
+    assert report["task"] == "kk" and report["rewards"] == ["kk_logic"]
+    assert set(report["sets"]) == {"easy", "logic"} and "accuracy" not in report  # no unnamed set
+    metrics = report["metrics"]
+    for name in ("easy", "logic"):  # the names a run logs
+        for key in ("accuracy", "format_rate", "pass@1", "pass@2", "maj@2", "reward/kk_logic", "reward/total",
+                    "accuracy_ci_low", "accuracy_ci_high", "per_person_accuracy"):
+            assert f"eval/{name}/{key}" in metrics, (name, key)
+    assert any(k.startswith("eval/logic/accuracy/people=") for k in metrics)
+    assert report["system_prompt"] == resolve_task("kk").system_prompt("think")  # the task's, no run config
+    for name, n in (("easy", 6), ("logic", 4)):
+        rows = [json.loads(line) for line in (tmp_path / f"records-{name}.jsonl").read_text().splitlines()]
+        assert len(rows) == n and all(len(r["sample_completions"]) == 1 and "kk_logic" in r["rewards"] for r in rows)
+    assert not records_path.exists()
+
+
+def test_run_eval_command_of_a_run_folder_uses_its_task_sets_and_rewards(tiny_model_dir, tmp_path):
+    from grpo.config import dump_config, load_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    dump_config(load_config(None, [f"model.name_or_path={tiny_model_dir}", "data.train=kk:seed=1,n=8",
+                                   "data.eval={a: 'kk:seed=3,n=3', b: 'kk:seed=4,n=2'}", "rewards=[kk_logic]"]),
+                run / "config.yaml")
+    import shutil
+
+    shutil.copytree(tiny_model_dir, run / "final")
+    report = run_eval_command(run, max_new_tokens=4, device="cpu", progress=False, batch_size=4)
+    assert report["task"] == "kk" and report["rewards"] == ["kk_logic"]  # data.task by data.train; the run's rewards
+    assert report["data"] == {"a": "kk:seed=3,n=3", "b": "kk:seed=4,n=2"}
+    assert report["sets"]["a"]["n"] == 3 and report["sets"]["b"]["n"] == 2
+    assert "eval/a/reward/kk_logic" in report["metrics"]
+    assert run_eval_command(run, max_new_tokens=4, device="cpu", progress=False, rewards=[])["rewards"] == []

@@ -100,6 +100,12 @@ def _print_summary(result) -> None:
         print(f"held-out accuracy: {b['accuracy']:.1%} -> {a['accuracy']:.1%} "
               f"({(a['accuracy'] - b['accuracy']) * 100:+.1f} points); "
               f"format rate {b['format_rate']:.1%} -> {a['format_rate']:.1%}")
+    best = result.output_dir / "best" / "best.json"
+    if best.is_file():  # train.best_metric
+        import json
+
+        saved = json.loads(best.read_text(encoding="utf-8"))
+        print(f"best model: {best.parent} (step {saved['step']}: {saved['metric']} {saved['value']:.4g})")
     print(f"plots: {result.output_dir / 'plots'}   final model: {result.output_dir / 'final'}")
 
 
@@ -118,7 +124,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                      temperature=args.temperature, output=args.output, batch_size=args.batch_size,
                      max_new_tokens=args.max_new_tokens, device=args.device, seed=args.seed,
                      base_model=args.base_model, dtype=args.dtype, records_output=args.save_completions,
-                     progress=not args.no_progress, tools=args.tools)
+                     progress=not args.no_progress, tools=args.tools, task=args.task, rewards=args.rewards,
+                     bootstrap=args.bootstrap, max_samples_written=args.max_samples_written)
     return 0
 
 
@@ -204,13 +211,23 @@ def build_parser() -> argparse.ArgumentParser:
     dtypes = ("float32", "bfloat16", "float16")
     ev = sub.add_parser("eval", help="greedy answer accuracy and format rate (mean@k, pass@1..k, maj@k with --samples k)")
     ev.add_argument("model", help="model folder, checkpoint, or run folder (uses final/ or the newest checkpoint)")
-    ev.add_argument("--data", help="file, folder, hub id or synthetic:seed=S,n=N (default: the run's data.eval)")
+    ev.add_argument("--data", action="append", metavar="[NAME=]SOURCE",
+                    help="file, folder, hub id or synthetic:seed=S,n=N; repeat as NAME=SOURCE for named sets "
+                         "(metrics eval/NAME/...) (default: the run's data.eval)")
+    ev.add_argument("--task", help="task that loads and scores the data (gsm8k, arithmetic, kk, pkg.module:name; "
+                                   "default: the run's data.task, else by the data source)")
+    ev.add_argument("--rewards", nargs="*", metavar="NAME",
+                    help="reward functions applied to the greedy completions (eval/reward/NAME; default: the run's "
+                         "rewards; --rewards with no name: none)")
+    ev.add_argument("--bootstrap", type=int, default=0, help="bootstrap resamples for 95%% intervals (0: none)")
+    ev.add_argument("--max-samples-written", type=int, help="sampled completions per example in --save-completions")
     ev.add_argument("--split", help="split of a folder/hub id (default: the run's data.eval_split or test)")
     ev.add_argument("--limit", type=int, help="evaluate only the first N examples")
     ev.add_argument("--samples", type=int, default=1, help="k samples per problem: mean@k, unbiased pass@j for j = 1, 2, 4 .. k, maj@k")
     ev.add_argument("--temperature", type=float, default=1.0, help="sampling temperature for --samples")
     ev.add_argument("--output", help="write a JSON report here")
-    ev.add_argument("--save-completions", help="write per-example completions (JSON lines) here")
+    ev.add_argument("--save-completions", help="write per-example records (JSON lines) here (named sets: "
+                                               "one file each, STEM-NAME.jsonl)")
     ev.add_argument("--batch-size", type=int, default=32)
     ev.add_argument("--max-new-tokens", type=int, default=256)
     ev.add_argument("--device", default="auto")

@@ -201,5 +201,5 @@ def test_every_role_renders_and_loads_through_the_task(decoupled_sampler, monkey
         (source, split, limit)) or [])
     cfg = load_config(None, ["data.task=tasks_for_config_test:echo", "data.train=mine:train", "data.eval=mine:eval",
                              "data.train_limit=3"])
-    assert load_data(cfg) == ([], [])
+    assert load_data(cfg) == ([], {"": []})  # one unnamed held-out set (data.eval a plain source)
     assert calls == [("mine:train", "train", 3), ("mine:eval", "test", None)]

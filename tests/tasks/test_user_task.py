@@ -133,10 +133,6 @@ def test_a_users_task_trains_from_a_recipe_with_its_rewards(trained_run):
 
 @pytest.mark.integration
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "grpo eval (grpo.tools.evaluate.run_eval_command) still loads data with load_dataset_source, which does not "
-    "know the task's reverse: source, and scores with GSM8K's numeric check; the evaluation rewrite routes both "
-    "through the run's task (data.task). Remove this mark when it lands (strict: an unexpected pass fails)."))
 def test_grpo_eval_of_the_run_scores_with_the_tasks_scorer(trained_run, tmp_path):
     report_path = tmp_path / "eval.json"
     done = _grpo(trained_run.parent, "eval", trained_run, "--output", report_path, "--max-new-tokens", 16,

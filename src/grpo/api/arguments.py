@@ -18,7 +18,7 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "router_aux_loss_coef": (None, "grpo adds no MoE load-balancing loss"),
     "disable_dropout": (False, "grpo trains with the model's own dropout settings"),
     "cast_lm_head_to_fp32": (False, "grpo computes log-probs in fp32 from the model's own head"),
-    "num_generations_eval": (None, "grpo's evaluation is answer accuracy on the eval set, not sampled groups"),
+    "num_generations_eval": (None, "grpo's evaluation samples eval.num_samples (grpo_overrides) beside greedy"),
     "vllm_mode": ("colocate", "grpo's vLLM runs colocated; a separate sampler is train.mode: decoupled"),
     "vllm_structured_outputs_regex": (None, "grpo has no constrained decoding"),
     "vllm_tensor_parallel_size": (1, "grpo's vLLM engine runs on one device"),

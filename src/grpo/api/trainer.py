@@ -241,11 +241,8 @@ class GRPOTrainer:
                               updates_per_step=cfg.loss.num_iterations,
                               logging_steps=self._logging_updates(cfg))
         evaluating = self.args.eval_strategy != "no" and self.eval_sets
-        if evaluating and len(self.eval_sets) > 1:
-            raise ValueError(f"eval_dataset has {len(self.eval_sets)} named sets: grpo evaluates one during training; "
-                             "pass one (trainer.evaluate(eval_dataset) scores any number afterwards)")
         given = GivenInputs(policy=self.model, tokenizer=self.processing_class, train_set=self.train_set,
-                            eval_set=next(iter(self.eval_sets.values())) if evaluating else None,
+                            eval_set=dict(self.eval_sets) if evaluating else None,  # named sets: eval/<name>/...
                             reward_fns=self.reward_fns, reward_weights=self.reward_weights, hooks=hooks,
                             tools=list(self.tools) if self.tools is not None else None,
                             environment_factory=self.environment_factory, rollout_func=self.rollout_func)
@@ -273,7 +270,7 @@ class GRPOTrainer:
     def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """grpo's held-out evaluation (greedy answer accuracy and format rate) on each eval set, as
         ``{prefix}_accuracy`` / ``{prefix}_{name}_accuracy`` for a dict of sets; logged and ``on_evaluate``."""
-        from grpo.tasks import run_system_prompt
+        from grpo.tasks import run_system_prompt, run_task
         from grpo.tools.evaluate import evaluate
         from grpo.training.evaluation import eval_metrics
 
@@ -282,13 +279,13 @@ class GRPOTrainer:
             raise ValueError("evaluate() needs an eval_dataset (here or in the constructor)")
         cfg, metrics = self.config, {}
         for name, examples in sets.items():
-            result = evaluate(self.model, self.processing_class, examples, tag_style=cfg.data.tag_style,
-                              # the run's system turn as training renders it (grpo's data: its task's)
+            result = evaluate(self.model, self.processing_class, examples, task=run_task(cfg),
+                              tag_style=cfg.data.tag_style,
                               system_prompt=run_system_prompt(cfg), add_system_prompt=cfg.data.add_system_prompt,
                               batch_size=max(cfg.train.micro_batch_size, 16),
                               max_new_tokens=cfg.rollout.max_completion_length, progress=False)
             prefix = f"{metric_key_prefix}_{name}_" if name else f"{metric_key_prefix}_"
-            metrics.update({prefix + k.split("/", 1)[-1]: v for k, v in eval_metrics(result).items()})
+            metrics.update({prefix + k.split("/", 1)[-1]: v for k, v in eval_metrics({"": result}).items()})
         self.state.log_history.append({**metrics, "step": self.state.global_step})
         for callback in self.callbacks:
             callback.on_evaluate(self.args, self.state, self.control, metrics=metrics)

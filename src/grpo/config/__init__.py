@@ -14,6 +14,7 @@ from grpo.config.schema import (
     CriticConfig,
     DataConfig,
     DecoupledConfig,
+    EvalConfig,
     LogConfig,
     LossConfig,
     ModelConfig,
@@ -27,6 +28,6 @@ from grpo.config.schema import (
 
 __all__ = [
     "ConfigError", "config_from_dict", "config_to_dict", "dump_config", "iter_config_keys", "load_config", "parse_override",
-    "AlgorithmConfig", "CriticConfig", "DataConfig", "DecoupledConfig", "LogConfig", "LossConfig", "ModelConfig",
+    "AlgorithmConfig", "CriticConfig", "DataConfig", "DecoupledConfig", "EvalConfig", "LogConfig", "LossConfig", "ModelConfig",
     "OptimConfig", "PtxConfig", "RewardConfig", "RolloutConfig", "RunConfig", "TrainConfig",
 ]

@@ -69,6 +69,9 @@ def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) is list:
         (inner,) = typing.get_args(tp)
         return f"list of {_type_name(inner)}"
+    if typing.get_origin(tp) is dict:
+        key_type, value_type = typing.get_args(tp)
+        return f"mapping of {_type_name(key_type)} to {_type_name(value_type)}"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -102,9 +105,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
-    elif tp is dict or origin is dict:
+    elif tp is dict:
         if isinstance(value, dict):
             return dict(value)
+    elif origin is dict:  # typed entries, e.g. data.eval's {name: source}
+        key_type, value_type = typing.get_args(tp)
+        if isinstance(value, dict) and value:
+            return {_coerce(k, key_type, key): _coerce(v, value_type, f"{key}.{k}") for k, v in value.items()}
     elif origin is list:
         (inner,) = typing.get_args(tp)
         if isinstance(value, list):

@@ -7,6 +7,8 @@ readable; ``RunConfig.check`` calls ``config_problems``.
 
 from __future__ import annotations
 
+import re
+
 from typing import TYPE_CHECKING
 
 from grpo.config.schema import CriticConfig, PtxConfig
@@ -99,6 +101,7 @@ def config_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
     problems.extend(sampling_control_problems(cfg))
     if cfg.train.early_stop_accuracy is not None and cfg.data.eval is None:
         problems.append(("train.early_stop_accuracy", "needs data.eval (a held-out set to measure accuracy on)"))
+    problems.extend(eval_problems(cfg))
     problems.extend(sdpa_problems(cfg))
     problems.extend(task_problems(cfg))
     return problems
@@ -114,6 +117,29 @@ def task_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
     except (ValueError, TypeError) as err:
         return [("data.task", f"is {cfg.data.task!r}: {err}")]
     return []
+
+
+EVAL_SET_NAME = re.compile(r"[A-Za-z_][\w.-]*")
+
+
+def eval_problems(cfg) -> list[tuple[str, str]]:
+    """data.eval's set names (they become metric names and file names) and train.best_metric."""
+    problems = []
+    if isinstance(cfg.data.eval, dict):
+        bad = [name for name in cfg.data.eval if not EVAL_SET_NAME.fullmatch(name)]
+        if bad:
+            problems.append(("data.eval", f"has set name(s) {bad}: a name is a word (letters, digits, _ . -; "
+                                          "not starting with a digit), used in metric and file names"))
+    metric = cfg.train.best_metric
+    if metric is not None and cfg.data.eval is None:
+        problems.append(("train.best_metric", "needs data.eval (the held-out set(s) its metric is measured on)"))
+    elif metric is not None and cfg.train.mode == "decoupled":
+        problems.append(("train.best_metric", "needs train.mode colocated: the decoupled trainer does not evaluate "
+                                              "during training (grpo eval its checkpoints)"))
+    elif metric is not None and not metric.startswith("eval/"):
+        problems.append(("train.best_metric", f"is {metric!r}: it must name an evaluation metric, e.g. "
+                                              "eval/accuracy or eval/<set>/pass@4"))
+    return problems
 
 
 # model.sdpa_backends' short names -> torch.nn.attention.SDPBackend's (either spelling is accepted)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from grpo.config.eval_schema import EvalConfig  # noqa: F401  (the eval section, in its own module)
 from grpo.config.fields import opt
 from grpo.config.rollout_schema import RolloutConfig  # noqa: F401  (the rollout section, in its own module)
 
@@ -53,7 +54,10 @@ class DataConfig:
         None, "The task (grpo.tasks): gsm8k, arithmetic, kk, or a dotted path pkg.module:name to a user's "
         "grpo.tasks.Task; null = by data.train (kk: -> kk, synthetic:/arithmetic-tools: -> arithmetic, else gsm8k). "
         "It loads the data, scores answers in evaluation and gives the default system prompt and rewards.")
-    eval: str | None = opt(None, "Held-out set for eval_steps and the before/after report; null = none.")
+    eval: str | dict[str, str] | None = opt(
+        None, "Held-out set(s) for eval_steps and the before/after report: a source (metrics eval/accuracy, ...) "
+        "or named sources {name: source} (eval/<name>/accuracy, ...; the first is the one early stopping reads), "
+        "each read by the task; null = none.")
     split: str = opt("train", "Split to read when data.train is a folder or hub id.")
     eval_split: str = opt("test", "Split to read when data.eval is a folder or hub id.")
     tag_style: str = opt("think", "Answer tags: think (<think>/<answer>) or reasoning (<reasoning>/<answer>).",
@@ -64,7 +68,7 @@ class DataConfig:
                                         "their own, as TRL's).")
     max_prompt_length: int = opt(512, "Prompts longer than this many tokens are an error.", ge=1)
     train_limit: int | None = opt(None, "Use only the first N training examples.", ge=1)
-    eval_limit: int | None = opt(None, "Evaluate only the first N held-out examples.", ge=1)
+    eval_limit: int | None = opt(None, "Evaluate only the first N held-out examples (of each set).", ge=1)
     shuffle: bool = opt(True, "Shuffle training prompts each epoch (seeded by train.seed).")
 
 
@@ -229,7 +233,12 @@ class TrainConfig:
     eval_steps: int | None = opt(
         None, "Evaluate data.eval every N steps (and at start and end); null = start/end only.", ge=1)
     eval_on_start: bool = opt(True, "Evaluate before the first step of a new run (when data.eval is set).")
-    early_stop_accuracy: float | None = opt(None, "Stop when eval/accuracy reaches this value.", ge=0, le=1)
+    early_stop_accuracy: float | None = opt(
+        None, "Stop when eval/accuracy (named sets: the first set's) reaches this value.", ge=0, le=1)
+    best_metric: str | None = opt(
+        None, "Keep the weights of the evaluation that is best by this logged metric (e.g. eval/accuracy, "
+        "eval/gsm8k/pass@4) in <output_dir>/best/ (with best.json: step, value); null = off.")
+    best_metric_mode: str = opt("max", "train.best_metric: max (higher is better) or min.", choices=("max", "min"))
     resume: bool = opt(False, "Continue from the newest checkpoint in output_dir.")
     overwrite: bool = opt(False, "Allow writing into an output_dir that holds another run.")
     device: str = opt("auto", "auto (cuda if available), cpu, or cuda[:N].")
@@ -312,6 +321,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     loss: LossConfig = field(default_factory=LossConfig)

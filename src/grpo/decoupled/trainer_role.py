@@ -31,6 +31,7 @@ from grpo.decoupled.work_plan import Chunk, WorkPlan, chunk_of
 from grpo.step.batching import concat_batches, rank_slice
 from grpo.training.distributed import DistInfo, barrier, shutdown
 from grpo.training.loop import Collected, Loop, PolicyUpdate, run_loop
+from grpo.tasks import run_task
 from grpo.training.settings import logprob_processing, loop_schedule, loss_settings
 from grpo.training.setup import build_trainable, load_ptx_data, open_run, start_process
 from grpo.weight_store.broadcast import WeightBroadcast
@@ -279,7 +280,8 @@ def run_trainer(cfg: RunConfig) -> int:
                               ptx_data)  # the samplers' sampling controls
         loop = Loop(loop_schedule(cfg), update, trainable, tokenizer, run.out, info, run.logger,
                     LineProgress(enabled=info.is_main), compute,
-                    cfg.rollout.num_generations, cfg.data.tag_style, cfg.train.save_total_limit)
+                    cfg.rollout.num_generations, cfg.data.tag_style, cfg.train.save_total_limit,
+                    score=run_task(cfg).score)  # the logged accuracy, by the task's own scorer
         run_loop(loop, receiving, run.start_step)
         return 0
     finally:

@@ -35,6 +35,8 @@ from grpo.run.tracking import json_safe
 
 CHECKPOINTS_DIR = "checkpoints"
 FINAL_DIR = "final"
+BEST_DIR = "best"  # the weights of the best evaluation (train.best_metric), written as final/ is
+BEST_FILE = "best.json"
 TRAINER_STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
@@ -121,6 +123,20 @@ def save_final(output_dir: str | os.PathLike, model: torch.nn.Module, tokenizer:
             tokenizer.save_pretrained(folder)
 
     return _write_dir_atomically(Path(output_dir) / FINAL_DIR, write)
+
+
+def save_best(output_dir: str | os.PathLike, model: torch.nn.Module, tokenizer: Any, step: int, metric: str,
+              value: float, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write ``output_dir/best/`` as ``save_final`` writes ``final/``, with ``best.json``: the step whose weights
+    they are, the metric and its value."""
+    def write(folder: Path) -> None:
+        _save_model(model, folder, state_dict)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+        (folder / BEST_FILE).write_text(json.dumps({"step": step, "metric": metric, "value": value}) + "\n",
+                                        encoding="utf-8")
+
+    return _write_dir_atomically(Path(output_dir) / BEST_DIR, write)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

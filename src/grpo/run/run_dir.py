@@ -9,7 +9,7 @@ from pathlib import Path
 from grpo.config import ConfigError, RunConfig, dump_config
 
 MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
-RUN_FILES = MARKERS + ("samples.jsonl", "plots", "tensorboard", "final", "eval", "weights")
+RUN_FILES = MARKERS + ("samples.jsonl", "plots", "tensorboard", "final", "best", "eval", "weights")
 
 
 def check_output_dir(cfg: RunConfig) -> Path:

@@ -12,7 +12,7 @@ from grpo.data.example import Example
 from grpo.data.sources import load_dataset_source
 from grpo.data.tags import get_tag_style
 from grpo.rewards.answers import answers_equal, extract_answer, is_well_formatted
-from grpo.tasks.knights_knaves.reward import answer_verdict
+from grpo.tasks.knights_knaves.reward import answer_verdict, per_person_accuracy
 from grpo.tasks.knights_knaves.text import parse_roles, solution_roles, solution_text
 from grpo.tasks.task import Score, Task
 
@@ -62,6 +62,11 @@ def kk_people(example: Example) -> str | None:
         return None
 
 
+def kk_metrics(text: str, gold: str, tag_style: str) -> dict[str, float]:
+    """K&K's partial credit: the share of the people whose role the completion gets right."""
+    return {"per_person_accuracy": per_person_accuracy(text, gold, tag_style)}
+
+
 def _same_number(a: str | None, b: str | None) -> bool:
     return a is not None and b is not None and answers_equal(a, b)
 
@@ -76,5 +81,6 @@ BUILTIN_TASKS: dict[str, Task] = {
     "arithmetic": Task(name="arithmetic", load=load_dataset_source, system_prompt=numeric_system_prompt,
                        score=numeric_score, rewards=NUMERIC_REWARDS, same_answer=_same_number),
     "kk": Task(name="kk", load=load_dataset_source, system_prompt=kk_system_prompt, score=kk_score,
-               rewards=(("kk_logic", 1.0),), same_answer=_same_text, group_of=kk_people),
+               rewards=(("kk_logic", 1.0),), same_answer=_same_text, group_of=kk_people,
+               metrics=kk_metrics),
 }

@@ -11,7 +11,8 @@ A ``Task`` is five things:
 - ``same_answer(a, b) -> bool``: whether two predictions are the same answer (for the majority vote)
 - ``rewards``: its default rewards, ``(name, weight)`` pairs (a recipe that lists no ``rewards`` gets these)
 and optionally ``group_of(example) -> str | None``: the label evaluation reports accuracy by (K&K: the number
-of people, "people=3").
+of people, "people=3"), and ``metrics(text, gold, tag_style) -> {name: float}``: the task's own per-completion
+measures, averaged by evaluation over the greedy completions (K&K: ``per_person_accuracy``).
 
 Built in: ``gsm8k`` (GSM8K files, folders, hub ids, ``prompts:`` files: numeric answers), ``arithmetic``
 (``synthetic:`` and ``arithmetic-tools:``, grpo's generated problems) and ``kk`` (Knights and Knaves). A user's
@@ -41,14 +42,16 @@ class Task:
     rewards: tuple[tuple[str, float], ...]
     same_answer: Callable[[str | None, str | None], bool] = lambda a, b: a is not None and a == b
     group_of: Callable[[Example], str | None] | None = None
+    metrics: Callable[[str, str, str], dict[str, float]] | None = None
 
     def __post_init__(self) -> None:
         for field_name in ("load", "system_prompt", "score", "same_answer"):
             if not callable(getattr(self, field_name)):
                 raise TypeError(f"task {self.name!r}: {field_name} must be callable, got "
                                 f"{type(getattr(self, field_name)).__name__}")
-        if self.group_of is not None and not callable(self.group_of):
-            raise TypeError(f"task {self.name!r}: group_of must be callable or None")
+        for field_name in ("group_of", "metrics"):
+            if getattr(self, field_name) is not None and not callable(getattr(self, field_name)):
+                raise TypeError(f"task {self.name!r}: {field_name} must be callable or None")
         for item in self.rewards:
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
                     and isinstance(item[1], (int, float))):

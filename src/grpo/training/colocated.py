@@ -23,11 +23,14 @@ from grpo.models.loading import check_memory_savers, compute_context, load_refer
 from grpo.multiturn.setup import with_turns
 from grpo.rollout.build import build_engine, check_engine_available, holds_own_weights, push_policy_weights
 from grpo.rollout.offpolicy_guard import check_sampler_logprobs, is_check_step
+from grpo.run.best import BestMetric
 from grpo.run.progress import StepProgress
 from grpo.run.run_dir import check_output_dir
 from grpo.step.experience import ExperienceSettings, generation_logprobs, local_reference, rank_experience
+from grpo.tools.eval_scoring import EvalRewards
 from grpo.training.distributed import shutdown
-from grpo.training.evaluation import run_eval
+from grpo.tasks import run_task
+from grpo.training.evaluation import RunEvaluator, eval_settings, primary_result
 from grpo.training.loop import Collected, Loop, PolicyUpdate, run_loop
 from grpo.training.settings import (critic_settings, dynamic_rounds, experience_settings, logprob_pass,
                                     logprob_processing, loop_schedule, loss_settings, needs_critic)
@@ -39,8 +42,8 @@ from grpo.training.setup import build_trainable, load_ptx_data, open_run, start_
 class TrainResult:
     output_dir: Path
     last_step: int
-    eval_before: dict | None
-    eval_after: dict | None
+    eval_before: dict | None  # the first eval set's metrics before training (accuracy, format_rate, ...)
+    eval_after: dict | None  # and after
 
 
 @dataclass
@@ -124,7 +127,7 @@ def train(cfg: RunConfig, given: GivenInputs | None = None) -> TrainResult:
             check_output_dir(cfg)
         torch.manual_seed(cfg.train.seed)
         inputs = tokenizer_and_data(cfg, given)
-        tokenizer, train_set, eval_set = inputs.tokenizer, inputs.train_set, inputs.eval_set
+        tokenizer, train_set, eval_sets = inputs.tokenizer, inputs.train_set, inputs.eval_sets
         reward_fns, reward_weights = inputs.reward_fns, inputs.reward_weights
         ptx_data = load_ptx_data(cfg, tokenizer, info)  # PTX pairs (ptx.data), or None
         prompt_sampler = PromptSampler(len(train_set), cfg.train.prompts_per_step, cfg.train.seed, cfg.data.shuffle)
@@ -143,7 +146,8 @@ def train(cfg: RunConfig, given: GivenInputs | None = None) -> TrainResult:
         run = open_run(cfg, trainable, info, critic)
         eval_before = run.resumed_state.get("eval_before") if run.resumed_state else None
 
-        engine = with_turns(build_engine(cfg, policy, tokenizer), inputs.turns, cfg, policy, tokenizer)
+        base_engine = build_engine(cfg, policy, tokenizer)
+        engine = with_turns(base_engine, inputs.turns, cfg, policy, tokenizer)
         if holds_own_weights(engine) and run.start_step > 0:
             push_policy_weights(engine, policy, run.start_step)
         exp_settings = experience_settings(cfg, processing, decoupled_sampler=False,
@@ -153,12 +157,25 @@ def train(cfg: RunConfig, given: GivenInputs | None = None) -> TrainResult:
         sampling = Sampling(cfg, engine, policy, ref_logprobs, tokenizer, train_set, prompt_sampler, reward_fns,
                             reward_weights, exp_settings, info, values_fn, processing, run.start_step)
         update = PolicyUpdate(trainable, loss_settings(cfg, processing), info, ptx_data, critic, critic_settings(cfg))
-        evaluate = partial(run_eval, cfg, policy, tokenizer, eval_set, info, inputs.turns) if eval_set else None
+        evaluate = evaluator(cfg, inputs, base_engine, engine, policy, info, run.out) if eval_sets else None
+        best = (BestMetric.resumed(run.out, cfg.train.best_metric, cfg.train.best_metric_mode)
+                if cfg.train.best_metric and evaluate is not None else None)
         loop = Loop(loop_schedule(cfg), update, trainable, tokenizer, run.out, info, run.logger,
                     StepProgress(cfg.train.max_steps, run.start_step, enabled=info.is_main and cfg.log.progress_bar),
                     compute, cfg.rollout.num_generations, cfg.data.tag_style, cfg.train.save_total_limit,
-                    evaluate=evaluate, critic=critic, hooks=inputs.hooks)
+                    evaluate=evaluate, best=best, critic=critic, hooks=inputs.hooks, score=run_task(cfg).score)
         result = run_loop(loop, sampling, run.start_step, eval_before)
-        return TrainResult(run.out, result.last_step, result.eval_before, result.eval_after)
+        return TrainResult(run.out, result.last_step, primary_result(result.eval_before),
+                           primary_result(result.eval_after))
     finally:
         shutdown(info)
+
+
+def evaluator(cfg: RunConfig, inputs, base_engine, engine, policy, info, out: Path) -> RunEvaluator:
+    """The run's evaluation through the engine it samples with (multi-turn when it has tools or environments;
+    under a rollout hook the engine the hook wraps, without rewards: a hook's rollouts and the columns its
+    rewards read are the user's), scored by its task and rewards."""
+    hooked = inputs.turns.rollout_func is not None
+    rewards = EvalRewards(inputs.reward_fns, inputs.reward_weights) if inputs.reward_fns and not hooked else None
+    return RunEvaluator(eval_settings(cfg), inputs.eval_sets, base_engine if hooked else engine, policy,
+                        inputs.tokenizer, info, rewards, out)

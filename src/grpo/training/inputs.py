@@ -23,7 +23,8 @@ class GivenInputs:
     policy:        a loaded causal LM (``PreTrainedModel`` or peft ``PeftModel``), trained in place (moved to
                    the run's device and dtype; LoRA added when ``model.lora_r > 0`` and it has no adapter yet).
     tokenizer:     its tokenizer (padding side and pad token are set as ``load_tokenizer`` sets them).
-    train_set:     ``grpo.data.Example`` records (``data.train`` otherwise); ``eval_set`` likewise (``data.eval``).
+    train_set:     ``grpo.data.Example`` records (``data.train`` otherwise); ``eval_set`` likewise (``data.eval``), or
+                   named sets ``{name: examples}`` (logged as eval/<name>/...).
     reward_fns:    callables with TRL's reward signature, wrapped (``grpo.rewards.RewardFunction``), and
                    ``reward_weights`` one per function.
     hooks:         the loop's callouts (``grpo.training.loop.LoopHooks``).
@@ -34,7 +35,7 @@ class GivenInputs:
     policy: torch.nn.Module | None = None
     tokenizer: object | None = None
     train_set: list | None = None
-    eval_set: list | None = None
+    eval_set: list | dict[str, list] | None = None
     reward_fns: list | None = None
     reward_weights: list[float] | None = None
     hooks: LoopHooks = field(default_factory=LoopHooks)
@@ -49,7 +50,7 @@ class RunInputs:
 
     tokenizer: object
     train_set: list
-    eval_set: list
+    eval_sets: dict[str, list]  # {set name: examples}; "" the one unnamed set (grpo.training.evaluation)
     reward_fns: list
     reward_weights: list[float]
     hooks: LoopHooks
@@ -66,16 +67,18 @@ def tokenizer_and_data(cfg: RunConfig, given: GivenInputs) -> RunInputs:
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
     if given.train_set is not None:
-        train_set, eval_set = given.train_set, given.eval_set or []
+        train_set = given.train_set
+        given_sets = given.eval_set or {}
+        eval_sets = dict(given_sets) if isinstance(given_sets, dict) else {"": list(given_sets)}
     else:
-        train_set, eval_set = load_data(cfg)
+        train_set, eval_sets = load_data(cfg)
     if given.reward_fns is not None:
         reward_fns, reward_weights = given.reward_fns, list(given.reward_weights or [1.0] * len(given.reward_fns))
     else:
         reward_fns, reward_weights = build_rewards(cfg, train_set)
     turns = turn_spec(cfg, given.tools, given.environment_factory, given.rollout_func)
     reward_fns, reward_weights = turns.with_environment_rewards(reward_fns, reward_weights)
-    return RunInputs(tokenizer, train_set, eval_set, reward_fns, reward_weights, given.hooks, turns)
+    return RunInputs(tokenizer, train_set, eval_sets, reward_fns, reward_weights, given.hooks, turns)
 
 
 def policy_for(cfg: RunConfig, given: GivenInputs, device: torch.device, deepspeed: bool) -> torch.nn.Module:

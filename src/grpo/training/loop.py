@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from grpo.critic import CriticSettings, train_critic
-from grpo.run.checkpoint import save_final
+from grpo.run.best import BestMetric
+from grpo.run.checkpoint import save_best, save_final
 from grpo.run.plots import plot_run
 from grpo.run.resume import save_run_checkpoint
 from grpo.run.tracking import MetricsLogger
@@ -70,6 +71,7 @@ class Schedule:
     logging_steps: int = 1
     num_samples: int = 0
     early_stop_accuracy: float | None = None
+    early_stop_metric: str = "eval/accuracy"  # named eval sets: the first set's (eval/<first>/accuracy)
     max_skipped_steps: int = 3
     updates_per_step: int = 1  # loss.num_iterations: a step whose every update was skipped counts as skipped
 
@@ -84,7 +86,7 @@ class Schedule:
 
     def stops_early(self, metrics: dict[str, float]) -> bool:
         target = self.early_stop_accuracy
-        return target is not None and metrics.get("eval/accuracy", -1.0) >= target
+        return target is not None and metrics.get(self.early_stop_metric, -1.0) >= target
 
 
 @dataclass
@@ -145,8 +147,11 @@ class Loop:
     group_size: int
     tag_style: str
     save_total_limit: int | None
-    evaluate: Callable[[], dict | None] | None = None  # held-out evaluation, None without a held-out set
+    # held-out evaluation of the weights of a step (0: before training) -> {set: metrics}; None: no held-out set
+    evaluate: Callable[[int], dict | None] | None = None
+    best: BestMetric | None = None  # train.best_metric: the best evaluation's weights kept in best/
     critic: object | None = None  # saved in every checkpoint (PPO)
+    score: Callable | None = None  # the task's scorer (grpo.tasks.Task.score) for the logged accuracy; None: numeric
     hooks: LoopHooks = field(default_factory=LoopHooks)
 
 
@@ -174,14 +179,13 @@ def run_loop(loop: Loop, source: StepSource, start_step: int, eval_before: dict 
     loop.hooks.train_begin(start_step, loop.schedule.max_steps)
     with loop.compute, sigterm_as_interrupt():
         if start_step == 0 and loop.evaluate is not None and loop.schedule.eval_on_start:
-            eval_before = loop.evaluate()
-            loop.logger.log(0, eval_metrics(eval_before))
-            loop.hooks.evaluated(0, eval_metrics(eval_before))
+            eval_before, evaluated = _evaluate(loop, 0)
+            loop.logger.log(0, evaluated)
         last_step = _steps(loop, source, start_step, eval_before)
-        eval_after = loop.evaluate() if loop.evaluate is not None else None
-    if eval_after is not None:
-        loop.logger.log(last_step, eval_metrics(eval_after))
-        loop.hooks.evaluated(last_step, eval_metrics(eval_after))
+        eval_after = None
+        if loop.evaluate is not None:
+            eval_after, evaluated = _evaluate(loop, last_step)
+            loop.logger.log(last_step, evaluated)
     loop.logger.close()
     final_weights = zero3_full_state_dict(loop.trainable.learner)  # a collective under ZeRO-3
     if loop.info.is_main:
@@ -190,6 +194,23 @@ def run_loop(loop: Loop, source: StepSource, start_step: int, eval_before: dict 
     barrier(loop.info)
     loop.hooks.train_end(last_step)
     return LoopResult(last_step, eval_before, eval_after)
+
+
+def _evaluate(loop: Loop, step: int) -> tuple[dict | None, dict[str, float]]:
+    """The held-out evaluation of the weights of ``step``: its results and logged metrics (``eval/*``, passed to
+    the hooks, and ``time/eval_s``). With ``train.best_metric``, ``best/`` gets these weights when they are the
+    best yet (on every rank alike: the metrics are gathered, and the ZeRO-3 weights are a collective)."""
+    started = time.perf_counter()
+    results = loop.evaluate(step)
+    metrics = eval_metrics(results)
+    loop.hooks.evaluated(step, metrics)
+    if loop.best is not None and metrics and loop.best.update(step, metrics):
+        weights = zero3_full_state_dict(loop.trainable.learner)
+        if loop.info.is_main:
+            save_best(loop.out, loop.trainable.policy, loop.tokenizer, step, loop.best.metric, loop.best.value,
+                      state_dict=weights)
+        barrier(loop.info)
+    return results, {**metrics, "time/eval_s": time.perf_counter() - started}
 
 
 def _steps(loop: Loop, source: StepSource, start_step: int, eval_before: dict | None) -> int:
@@ -231,7 +252,7 @@ def _steps(loop: Loop, source: StepSource, start_step: int, eval_before: dict | 
                 skips.record(step, stats)
                 stop = loop.hooks.step_end(step, metrics)
                 if schedule.stops_early(metrics):
-                    print0(info, f"eval/accuracy {metrics['eval/accuracy']:.3f} reached "
+                    print0(info, f"{schedule.early_stop_metric} {metrics[schedule.early_stop_metric]:.3f} reached "
                                  f"{schedule.early_stop_accuracy}: stopping")
                 if stop or schedule.stops_early(metrics):
                     if not checkpointing:
@@ -261,13 +282,11 @@ def _record(loop: Loop, source: StepSource, step: int, collected: Collected, sta
     """After a step's update: the mode's own work (``after_update``), evaluation when due, then the step's
     metrics and samples logged and the progress shown. Returns the metrics."""
     metrics = step_metrics(collected.batch, stats, loop.group_size, loop.tag_style, started, collected.rollout_s,
-                           update_s, loop.info, collected.rollout_stats)
+                           update_s, loop.info, collected.rollout_stats, score=loop.score)
     metrics.update(collected.metrics)
     metrics.update(source.after_update(step, collected, checkpointing))
     if loop.schedule.evaluates(step) and loop.evaluate is not None:
-        evaluated = eval_metrics(loop.evaluate())
-        metrics.update(evaluated)
-        loop.hooks.evaluated(step, evaluated)
+        metrics.update(_evaluate(loop, step)[1])
     loop.logger.log(step, metrics)
     if loop.schedule.writes_samples(step):
         loop.logger.log_samples(step, sample_records(collected.batch, loop.schedule.num_samples))

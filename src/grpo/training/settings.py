@@ -16,6 +16,7 @@ from grpo.rollout import SamplingParams
 from grpo.step.experience import ExperienceSettings, GaeSettings
 from grpo.step.logprobs import LogprobPass
 from grpo.step.policy_update import LossSettings
+from grpo.training.evaluation import eval_sources, primary_metric
 from grpo.training.loop import Schedule
 
 
@@ -114,7 +115,8 @@ def loop_schedule(cfg: RunConfig) -> Schedule:
     return Schedule(max_steps=cfg.train.max_steps, save_steps=cfg.train.save_steps, eval_steps=cfg.train.eval_steps,
                     eval_on_start=cfg.train.eval_on_start,
                     logging_steps=cfg.log.logging_steps, num_samples=cfg.log.num_samples,
-                    early_stop_accuracy=cfg.train.early_stop_accuracy, max_skipped_steps=cfg.optim.max_skipped_steps,
+                    early_stop_accuracy=cfg.train.early_stop_accuracy,
+                    early_stop_metric=primary_metric(eval_sources(cfg.data.eval)), max_skipped_steps=cfg.optim.max_skipped_steps,
                     updates_per_step=cfg.loss.num_iterations)
 
 

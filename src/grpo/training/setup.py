@@ -34,12 +34,16 @@ def start_process(cfg: RunConfig) -> tuple[DistInfo, torch.device]:
     return info, device
 
 
-def load_data(cfg: RunConfig) -> tuple[list, list]:
-    """(training examples, held-out examples or []), read by the run's task (``data.task``)."""
+def load_data(cfg: RunConfig) -> tuple[list, dict[str, list]]:
+    """(training examples, held-out sets ``{name: examples}``: {} without data.eval, the one unnamed set ""
+    for a plain source), read by the run's task (``data.task``)."""
+    from grpo.training.evaluation import eval_sources
+
     task = run_task(cfg)
     train_set = task.load(cfg.data.train, cfg.data.split, cfg.data.train_limit)
-    eval_set = task.load(cfg.data.eval, cfg.data.eval_split, cfg.data.eval_limit) if cfg.data.eval else []
-    return train_set, eval_set
+    eval_sets = {name: task.load(source, cfg.data.eval_split, cfg.data.eval_limit)
+                 for name, source in eval_sources(cfg.data.eval).items()}
+    return train_set, eval_sets
 
 
 def build_rewards(cfg: RunConfig, examples: Sequence | None = None) -> tuple[list, list[float]]:

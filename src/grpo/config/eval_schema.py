@@ -1,0 +1,27 @@
+"""The ``eval`` section of the config tree (``grpo.config.schema``): how a run evaluates its held-out sets
+(``data.eval``) at start, every ``train.eval_steps`` and at the end. TRL's peer is ``num_generations_eval``,
+verl's ``val_kwargs`` (n, temperature, do_sample)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from grpo.config.fields import opt
+
+
+@dataclass
+class EvalConfig:
+    num_samples: int = opt(
+        1, "k: completions sampled per held-out problem at eval.temperature, beside the greedy one (mean@k, "
+        "unbiased pass@1/2/4..k, maj@k); 1 = greedy only.", ge=1)
+    temperature: float = opt(1.0, "Sampling temperature of the k samples (eval.num_samples > 1).", gt=0)
+    bootstrap: int = opt(
+        0, "Bootstrap resamples of the problems for 95% intervals of accuracy, pass@j and maj@k "
+        "(<metric>_ci_low/_ci_high); 0 = none.", ge=0)
+    batch_size: int | None = opt(
+        None, "Completions per generation call in evaluation; null = max(train.micro_batch_size, 16).", ge=1)
+    save_records: bool = opt(
+        True, "Write each evaluation's per-example records (prediction, correct, rewards, completions) to "
+        "<output_dir>/eval/step_<N>/<set>.jsonl.")
+    max_samples_written: int = opt(
+        2, "Sampled completions written per example in those records (the greedy one is always written).", ge=0)
