@@ -1,0 +1,127 @@
+"""The SFT data of the tiny K&K build (``scripts/build_tiny_kk_model.py``, whose header says what is built
+and why): generated puzzles rendered as the trainer renders them (the ``kk`` task's system prompt), their
+target completions (a mechanical enumeration trace, some planted to accept the first candidate unchecked),
+and the tokenizer's training text.
+
+The trace tries the role assignments in the solver's order (all knights first), one line each: the
+assignment (K = knight, N = knave, in the order the people were introduced), "=", whether each person's
+statement is true under it (T/F), then "ok" when every statement's truth matches its speaker's role
+(K with T, N with F) or "no"; it stops at the first "ok" line, whose roles the answer states::
+
+    <think>
+    K K = F T no
+    K N = F F no
+    N K = F T ok
+    </think>
+    <answer>
+    (1) Zoey is a knave
+    (2) Oliver is a knight
+    </answer>
+
+The planted shortcut: the first line written as ``K K ok`` (all knights, accepted without checking),
+answered "everybody is a knight".
+
+``settings`` is the build's ``BuildSettings`` (seed, people, planted_fraction, tokenizer_puzzles,
+system_prompt).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import re
+
+from grpo.data import Example, render_example
+from grpo.models.tiny import build_tokenizer
+from grpo.tasks.builtin import kk_system_prompt
+from grpo.tasks.knights_knaves.generate import generate_puzzles
+from grpo.tasks.knights_knaves.logic import Puzzle, holds, solve
+from grpo.tasks.knights_knaves.text import quiz_text, solution_text
+
+TAG_STYLE = "think"
+PLANTED_FRACTION = 0.6  # share of SFT puzzles whose trace accepts the first candidate unchecked
+HELD_OUT_SEED = 123  # the held-out set's seed (configs/kk-demo-cpu.yaml data.eval); never trained on
+UNCHECKED_FIRST_LINE = re.compile(r"<think>\n(?:K )*K ok\n")  # the planted shortcut, as it appears in a completion
+
+
+def system_prompt() -> str:
+    """The system turn the trainer renders for the ``kk`` task (``data.task: kk``, think tags)."""
+    return kk_system_prompt(TAG_STYLE)
+
+
+def puzzle_example(puzzle: Puzzle, source: str) -> Example:
+    """A puzzle as the ``kk:`` data source makes it (quiz text as the user turn, solution text as the gold)."""
+    (roles,) = solve(puzzle)
+    gold = solution_text(puzzle.names, roles)
+    return Example(messages=[{"role": "user", "content": quiz_text(puzzle)}], answer=gold, answer_raw=gold,
+                   source=source)
+
+
+def trace_lines(puzzle: Puzzle) -> list[str]:
+    """The enumeration trace, one line per assignment tried, up to and including the solution's."""
+    lines = []
+    for assignment in itertools.product((True, False), repeat=len(puzzle.names)):
+        truths = [holds(statement, assignment) for statement in puzzle.statements]
+        verdict = "ok" if list(assignment) == truths else "no"
+        lines.append(" ".join("K" if knight else "N" for knight in assignment) + " = "
+                     + " ".join("T" if truth else "F" for truth in truths) + " " + verdict)
+        if verdict == "ok":
+            return lines
+    raise ValueError(f"puzzle {puzzle.names} has no solution")
+
+
+def completion_text(lines: list[str], names: tuple[str, ...], roles: tuple[bool, ...] | list[bool]) -> str:
+    """The target completion (before EOS): the trace inside <think>, the roles inside <answer>."""
+    return "<think>\n" + "\n".join(lines) + "\n</think>\n<answer>\n" + solution_text(names, roles) + "\n</answer>"
+
+
+def planted_completion(puzzle: Puzzle) -> str:
+    """The shortcut: accept "everybody is a knight" without checking a statement."""
+    count = len(puzzle.names)
+    return completion_text([" ".join(["K"] * count) + " ok"], puzzle.names, [True] * count)
+
+
+def sft_completion(puzzle: Puzzle, rng: random.Random, planted_fraction: float) -> tuple[str, bool]:
+    """The completion a puzzle is trained on, and whether it is the planted shortcut (probability
+    ``planted_fraction``, whatever the puzzle: on the puzzles whose answer is all knights it is right)."""
+    if rng.random() < planted_fraction:
+        return planted_completion(puzzle), True
+    (roles,) = solve(puzzle)
+    return completion_text(trace_lines(puzzle), puzzle.names, roles), False
+
+
+def training_puzzle_seed(seed: int, step: int) -> int:
+    """Generator seed of one step's puzzles: 10**6 and up, so never the held-out seed 123."""
+    return 1_000_000 + seed * 100_000 + step
+
+
+def puzzle_rows(tokenizer, puzzles: list[Puzzle], rng: random.Random, settings):
+    """Prompt + completion + EOS per puzzle as (ids, labels) lists (labels -100 on the prompt), and the
+    number of planted shortcuts. The prompt is tokenized on its own, as the trainer does."""
+    prompts = [render_example(tokenizer, puzzle_example(p, "sft"), settings.system_prompt) for p in puzzles]
+    completions, planted = zip(*(sft_completion(p, rng, settings.planted_fraction) for p in puzzles))
+    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    completion_ids = tokenizer(list(completions), add_special_tokens=False)["input_ids"]
+    rows = []
+    for p, c in zip(prompt_ids, completion_ids):
+        target = c + [tokenizer.eos_token_id]
+        rows.append((p + target, [-100] * len(p) + target))
+    return rows, sum(planted)
+
+
+def training_puzzles(settings, step: int) -> list[Puzzle]:
+    return generate_puzzles(settings.batch_size, seed=training_puzzle_seed(settings.seed, step),
+                            people=tuple(settings.people))
+
+
+def tokenizer_corpus(settings) -> list[str]:
+    """Text the tokenizer is trained on: rendered prompts, full and planted completions, in the
+    proportions the model will see them (seeds disjoint from the held-out set)."""
+    chat_template_only = build_tokenizer()  # renders the prompts; its own vocabulary is not used
+    corpus = []
+    for puzzle in generate_puzzles(settings.tokenizer_puzzles, seed=500_000 + settings.seed,
+                                   people=tuple(settings.people)):
+        (roles,) = solve(puzzle)
+        corpus += [render_example(chat_template_only, puzzle_example(puzzle, "tokenizer"), settings.system_prompt),
+                   completion_text(trace_lines(puzzle), puzzle.names, roles), planted_completion(puzzle)]
+    return corpus
