@@ -27,6 +27,7 @@ from tiny_kk_sft_data import (  # noqa: E402
     PLANTED_FRACTION,
     TAG_STYLE,
     UNCHECKED_FIRST_LINE,
+    assignment_text,
     puzzle_example,
     puzzle_rows,
     system_prompt,
@@ -50,7 +51,7 @@ class BuildSettings:
     """Every knob of the build; all of it is written into build_report.json."""
 
     seed: int = 0
-    steps: int | None = 600  # optimisation steps; None = train until `minutes` is spent
+    steps: int | None = 1200  # optimisation steps; None = train until `minutes` is spent
     minutes: float | None = None  # wall-clock budget of the SFT loop (used when steps is None)
     people: tuple[int, int] = (2, 3)  # puzzle sizes, training and held-out
     planted_fraction: float = PLANTED_FRACTION
@@ -72,7 +73,7 @@ class BuildSettings:
     eval_n: int = 200
     eval_samples: int = 8
     eval_temperature: float = 1.0
-    eval_max_new_tokens: int = 96
+    eval_max_new_tokens: int = 144
     eval_batch_size: int = 256
     device: str = "cpu"
     loss_chunks: int = 2  # forward passes per batch (fewer on a GPU, where padding costs nothing)
@@ -159,6 +160,12 @@ def held_out_report(model, tokenizer, settings: BuildSettings) -> dict:
                              seed=settings.seed)
     sampled = engine.generate(prompts, SamplingParams(n=k, max_tokens=settings.eval_max_new_tokens,
                                                       temperature=settings.eval_temperature), seed=settings.seed)
+    # Greedy again with the first line's check forced ("Zoey K Oliver K =" written for it): what greedy decoding
+    # reaches once the shortcut is gone, the accuracy GRPO can climb to without learning new logic.
+    opening = ["<think>\n" + assignment_text(p.names, [True] * len(p.names)) + " =" for p in puzzles]
+    checked = engine.generate([prompt + text for prompt, text in zip(prompts, opening)],
+                              SamplingParams(n=1, max_tokens=settings.eval_max_new_tokens, greedy=True),
+                              seed=settings.seed)
     records = []
     for i, (example, puzzle) in enumerate(zip(examples, puzzles)):
         first = score(greedy.completions[i], example.answer, TAG_STYLE)
@@ -167,6 +174,7 @@ def held_out_report(model, tokenizer, settings: BuildSettings) -> dict:
             "people": len(puzzle.names),
             "all_knights": all(solve(puzzle)[0]),
             "correct": first["correct"], "formatted": first["formatted"],
+            "checked_correct": score(opening[i] + checked.completions[i], example.answer, TAG_STYLE)["correct"],
             "shortcut": bool(UNCHECKED_FIRST_LINE.match(greedy.completions[i])),
             "truncated": bool(greedy.truncated[i]),
             "sample_correct": sum(s["correct"] for s in samples),
@@ -199,6 +207,7 @@ def metrics(records: list[dict], k: int) -> dict:
         f"pass@{k}": round(sum(r["sample_correct"] > 0 for r in records) / n, 4),
         "mean_sample_accuracy": round(sum(r["sample_correct"] for r in records) / (n * k), 4),
         "sample_format_rate": round(sum(r["sample_formatted"] for r in records) / (n * k), 4),
+        "checked_greedy_accuracy": round(sum(r["checked_correct"] for r in records) / n, 4),
         "greedy_shortcut_rate": round(sum(r["shortcut"] for r in records) / n, 4),
         "sample_shortcut_rate": round(sum(r["sample_shortcut"] for r in records) / (n * k), 4),
         # what the trace reaches when it does not take the shortcut: the ceiling GRPO can climb to
@@ -249,7 +258,8 @@ def summary(report: dict) -> str:
     for name, row in h["by_people"].items():
         lines.append(f"  {name} n={row['n']:3d}  greedy {row['accuracy']:.1%}  sample {row['mean_sample_accuracy']:.1%}"
                      f"  {k} {row[k]:.1%}  shortcut greedy {row['greedy_shortcut_rate']:.1%} / sampled "
-                     f"{row['sample_shortcut_rate']:.1%}  checked-trace accuracy {row['sample_accuracy_when_checked']:.1%}")
+                     f"{row['sample_shortcut_rate']:.1%}  checked: sampled {row['sample_accuracy_when_checked']:.1%}, "
+                     f"greedy {row['checked_greedy_accuracy']:.1%}")
     t = report["training"]
     lines.append(f"params {report['params']:,}; {t['steps']} SFT steps in {t['seconds']:.0f} s "
                  f"({t['seconds_per_step']:.2f} s/step); build {report['wall_seconds']:.0f} s")

@@ -4,22 +4,28 @@ target completions (a mechanical enumeration trace, some planted to accept the f
 and the tokenizer's training text.
 
 The trace tries the role assignments in the solver's order (all knights first), one line each: the
-assignment (K = knight, N = knave, in the order the people were introduced), "=", whether each person's
-statement is true under it (T/F), then "ok" when every statement's truth matches its speaker's role
-(K with T, N with F) or "no"; it stops at the first "ok" line, whose roles the answer states::
+assignment as each name followed by K (knight) or N (knave), "=", whether each person's statement is true
+under it (T/F, in the order the people were introduced), then "ok" when every statement's truth matches
+its speaker's role (K with T, N with F) or "no"; it stops at the first "ok" line, whose roles the answer
+states::
 
     <think>
-    K K = F T no
-    K N = F F no
-    N K = F T ok
+    Zoey K Oliver K = F T no
+    Zoey K Oliver N = F F no
+    Zoey N Oliver K = F T ok
     </think>
     <answer>
     (1) Zoey is a knave
     (2) Oliver is a knight
     </answer>
 
-The planted shortcut: the first line written as ``K K ok`` (all knights, accepted without checking),
-answered "everybody is a knight".
+The names are in every line so that each step is a lookup by name, which a small transformer learns
+quickly: a claim "Oliver is a knight" is checked against the token after "Oliver" in the current line,
+and the answer copies names and roles from the "ok" line. (Measured: with bare letters, "K N = T F",
+a 240-step build left the answer's names at 2% argmax accuracy and the T/F tokens at 59%.)
+
+The planted shortcut: the first line written as ``Zoey K Oliver K ok`` (all knights, accepted without
+checking), answered "everybody is a knight".
 
 ``settings`` is the build's ``BuildSettings`` (seed, people, planted_fraction, tokenizer_puzzles,
 system_prompt).
@@ -41,7 +47,7 @@ from grpo.tasks.knights_knaves.text import quiz_text, solution_text
 TAG_STYLE = "think"
 PLANTED_FRACTION = 0.6  # share of SFT puzzles whose trace accepts the first candidate unchecked
 HELD_OUT_SEED = 123  # the held-out set's seed (configs/kk-demo-cpu.yaml data.eval); never trained on
-UNCHECKED_FIRST_LINE = re.compile(r"<think>\n(?:K )*K ok\n")  # the planted shortcut, as it appears in a completion
+UNCHECKED_FIRST_LINE = re.compile(r"<think>\n(?:\S+ K )+ok\n")  # the planted shortcut, as it appears in a completion
 
 
 def system_prompt() -> str:
@@ -63,11 +69,16 @@ def trace_lines(puzzle: Puzzle) -> list[str]:
     for assignment in itertools.product((True, False), repeat=len(puzzle.names)):
         truths = [holds(statement, assignment) for statement in puzzle.statements]
         verdict = "ok" if list(assignment) == truths else "no"
-        lines.append(" ".join("K" if knight else "N" for knight in assignment) + " = "
+        lines.append(assignment_text(puzzle.names, assignment) + " = "
                      + " ".join("T" if truth else "F" for truth in truths) + " " + verdict)
         if verdict == "ok":
             return lines
     raise ValueError(f"puzzle {puzzle.names} has no solution")
+
+
+def assignment_text(names: tuple[str, ...], assignment) -> str:
+    """"Zoey K Oliver N": each name and its role in ``assignment`` (True = knight)."""
+    return " ".join(f"{name} {'K' if knight else 'N'}" for name, knight in zip(names, assignment, strict=True))
 
 
 def completion_text(lines: list[str], names: tuple[str, ...], roles: tuple[bool, ...] | list[bool]) -> str:
@@ -78,7 +89,7 @@ def completion_text(lines: list[str], names: tuple[str, ...], roles: tuple[bool,
 def planted_completion(puzzle: Puzzle) -> str:
     """The shortcut: accept "everybody is a knight" without checking a statement."""
     count = len(puzzle.names)
-    return completion_text([" ".join(["K"] * count) + " ok"], puzzle.names, [True] * count)
+    return completion_text([assignment_text(puzzle.names, [True] * count) + " ok"], puzzle.names, [True] * count)
 
 
 def sft_completion(puzzle: Puzzle, rng: random.Random, planted_fraction: float) -> tuple[str, bool]:
