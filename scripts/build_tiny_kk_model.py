@@ -250,23 +250,14 @@ def build(settings: BuildSettings, out: Path) -> dict:
 
 
 def summary(report: dict) -> str:
-    h = report["held_out"]
-    k = next(key for key in h if key.startswith("pass@"))
-    lines = [f"held-out {h['data']}: greedy accuracy {h['accuracy']:.1%}, format rate {h['format_rate']:.1%}, "
-             f"mean sample accuracy {h['mean_sample_accuracy']:.1%}, {k} {h[k]:.1%} at T={h['temperature']:g}; "
-             f"all-knights answers {h['all_knights_share']:.1%}"]
-    for name, row in h["by_people"].items():
-        lines.append(f"  {name} n={row['n']:3d}  greedy {row['accuracy']:.1%}  sample {row['mean_sample_accuracy']:.1%}"
-                     f"  {k} {row[k]:.1%}  shortcut greedy {row['greedy_shortcut_rate']:.1%} / sampled "
-                     f"{row['sample_shortcut_rate']:.1%}  checked: sampled {row['sample_accuracy_when_checked']:.1%}, "
-                     f"greedy {row['checked_greedy_accuracy']:.1%}")
+    lines = held_out_summary(report["held_out"])
     t = report["training"]
     lines.append(f"params {report['params']:,}; {t['steps']} SFT steps in {t['seconds']:.0f} s "
                  f"({t['seconds_per_step']:.2f} s/step); build {report['wall_seconds']:.0f} s")
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None) -> tuple[BuildSettings, Path, int]:
+def parse_args(argv: list[str] | None) -> tuple[BuildSettings, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "assets" / "tiny-kk", help="output folder")
@@ -279,6 +270,8 @@ def parse_args(argv: list[str] | None) -> tuple[BuildSettings, Path, int]:
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (the demo machine has 2 cores)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override any BuildSettings field (experiments), e.g. --set planted_fraction=0.7")
+    parser.add_argument("--report", type=Path, metavar="MODEL",
+                        help="build nothing: print the held-out report of a saved model (e.g. runs/kk-demo/final)")
     parser.add_argument("--quick", action="store_true",
                         help=f"short run for the test: {QUICK['steps']} steps, {QUICK['eval_n']} held-out puzzles")
     args = parser.parse_args(argv)
@@ -303,12 +296,34 @@ def parse_args(argv: list[str] | None) -> tuple[BuildSettings, Path, int]:
         parser.error("--steps must be >= 1")
     if settings.steps is None and not settings.minutes > 0:
         parser.error("--minutes must be > 0")
-    return settings, args.out, args.threads
+    return settings, args
+
+
+def held_out_summary(held_out: dict) -> list[str]:
+    k = next(key for key in held_out if key.startswith("pass@"))
+    lines = [f"held-out {held_out['data']}: greedy accuracy {held_out['accuracy']:.1%}, format rate "
+             f"{held_out['format_rate']:.1%}, mean sample accuracy {held_out['mean_sample_accuracy']:.1%}, "
+             f"{k} {held_out[k]:.1%} at T={held_out['temperature']:g}; all-knights answers "
+             f"{held_out['all_knights_share']:.1%}"]
+    for name, row in held_out["by_people"].items():
+        lines.append(f"  {name} n={row['n']:3d}  greedy {row['accuracy']:.1%}  sample {row['mean_sample_accuracy']:.1%}"
+                     f"  {k} {row[k]:.1%}  shortcut greedy {row['greedy_shortcut_rate']:.1%} / sampled "
+                     f"{row['sample_shortcut_rate']:.1%}  checked: sampled {row['sample_accuracy_when_checked']:.1%}, "
+                     f"greedy {row['checked_greedy_accuracy']:.1%}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
-    settings, out, threads = parse_args(argv)
-    torch.set_num_threads(threads)
+    settings, args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.report is not None:  # e.g. a GRPO run's final model, on the held-out set the build reports
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(args.report).to(settings.device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(args.report)
+        print("\n".join(held_out_summary(held_out_report(model, tokenizer, settings))))
+        return 0
+    out = args.out
     report = build(settings, out)
     print(summary(report))
     print(f"wrote {out} (report: {out / 'build_report.json'})")
