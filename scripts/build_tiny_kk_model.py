@@ -28,6 +28,7 @@ from tiny_kk_sft_data import (  # noqa: E402
     TAG_STYLE,
     UNCHECKED_FIRST_LINE,
     assignment_text,
+    drill_rows,
     puzzle_example,
     puzzle_rows,
     system_prompt,
@@ -65,6 +66,7 @@ class BuildSettings:
     tokenizer_puzzles: int = 2000  # generated puzzles whose text trains the tokenizer
     # SFT
     batch_size: int = 64  # puzzles per step
+    drills_per_step: int = 32  # drills per step (tiny_kk_sft_data.drill_rows)
     learning_rate: float = 2e-3
     warmup_steps: int = 30
     weight_decay: float = 0.0
@@ -88,7 +90,7 @@ class BuildSettings:
         return f"kk:seed={HELD_OUT_SEED},n={self.eval_n},people={self.people[0]}-{self.people[1]}"
 
 
-QUICK = {"steps": 60, "batch_size": 32, "eval_n": 50, "tokenizer_puzzles": 500}
+QUICK = {"steps": 60, "batch_size": 32, "drills_per_step": 16, "eval_n": 50, "tokenizer_puzzles": 500}
 
 
 def shared_prompt_prefix(tokenizer, settings: BuildSettings) -> list[int]:
@@ -126,13 +128,15 @@ def sft(model, tokenizer, settings: BuildSettings, log_every: int = 25) -> dict:
         rows, planted = puzzle_rows(tokenizer, training_puzzles(settings, step), rng, settings)
         planted_total, seen = planted_total + planted, seen + len(rows)
         loss = mean_token_loss(model, rows, tokenizer.pad_token_id, settings.loss_chunks, prefix=prefix)
+        drill_loss = mean_token_loss(model, drill_rows(tokenizer, rng, settings), tokenizer.pad_token_id,
+                                     settings.loss_chunks)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss + drill_loss).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
         optimizer.step()
         step += 1
         if step % log_every == 0 or step == 1:
-            row = {"step": step, "loss": round(loss.item(), 4), "lr": optimizer.param_groups[0]["lr"],
+            row = {"step": step, "loss": round(loss.item(), 4), "drill_loss": round(drill_loss.item(), 4), "lr": optimizer.param_groups[0]["lr"],
                    "seconds": round(time.perf_counter() - start, 1)}
             history.append(row)
             print(json.dumps(row), flush=True)

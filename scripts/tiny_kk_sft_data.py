@@ -27,8 +27,15 @@ a 240-step build left the answer's names at 2% argmax accuracy and the T/F token
 The planted shortcut: the first line written as ``Zoey K Oliver K ok`` (all knights, accepted without
 checking), answered "everybody is a knight".
 
-``settings`` is the build's ``BuildSettings`` (seed, people, planted_fraction, tokenizer_puzzles,
-system_prompt).
+Drills (``drill_rows``) come with every batch, as tiny-math's bare arithmetic does: the list of people
+("You meet 3 inhabitants: Zoey, Oliver, and Ava.") followed by every assignment line of the trace, each
+with one random statement and its truth under the assignment ("Zoey K Oliver N Ava K | If Oliver is a
+knave then Ava is a knight = T"), labelled only on what is determined (the assignment, the truth). They
+are short and have no prompt, so they teach the two skills of the trace, copying names in order and
+checking a statement against a line, at a fraction of a puzzle's cost.
+
+``settings`` is the build's ``BuildSettings`` (seed, people, planted_fraction, drills_per_step,
+tokenizer_puzzles, system_prompt).
 """
 
 from __future__ import annotations
@@ -40,8 +47,8 @@ import re
 from grpo.data import Example, render_example
 from grpo.models.tiny import build_tokenizer
 from grpo.tasks.builtin import kk_system_prompt
-from grpo.tasks.knights_knaves.generate import generate_puzzles
-from grpo.tasks.knights_knaves.logic import Puzzle, holds, solve
+from grpo.tasks.knights_knaves.generate import NAMES, draw_statement, generate_puzzles
+from grpo.tasks.knights_knaves.logic import Puzzle, holds, solve, statement_text
 from grpo.tasks.knights_knaves.text import quiz_text, solution_text
 
 TAG_STYLE = "think"
@@ -125,14 +132,46 @@ def training_puzzles(settings, step: int) -> list[Puzzle]:
                             people=tuple(settings.people))
 
 
+def drill_text(rng: random.Random, people: tuple[int, int]) -> tuple[str, list[tuple[int, int]]]:
+    """One drill (module docstring) and the character spans that are determined by what came before."""
+    count = rng.randint(*people)
+    names = tuple(rng.sample(NAMES, count))
+    text = f"You meet {count} inhabitants: " + ", ".join(names[:-1]) + ", and " + names[-1] + ".\n"
+    spans = []
+    for assignment in itertools.product((True, False), repeat=count):
+        start = len(text)
+        text += assignment_text(names, assignment)
+        spans.append((start, len(text)))
+        statement = draw_statement(rng, rng.randrange(count), count)
+        text += f" | {statement_text(statement, names)} ="
+        start = len(text)
+        text += f" {'T' if holds(statement, assignment) else 'F'}\n"
+        spans.append((start, len(text)))
+    return text, spans
+
+
+def drill_rows(tokenizer, rng: random.Random, settings):
+    """``drills_per_step`` drills as (ids, labels) lists labelled only inside the determined spans."""
+    rows = []
+    for _ in range(settings.drills_per_step):
+        text, spans = drill_text(rng, tuple(settings.people))
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        labels = [t if any(s <= start < e for s, e in spans) else -100
+                  for t, (start, _) in zip(encoded["input_ids"], encoded["offset_mapping"])]
+        rows.append((encoded["input_ids"], labels))
+    return rows
+
+
 def tokenizer_corpus(settings) -> list[str]:
     """Text the tokenizer is trained on: rendered prompts, full and planted completions, in the
     proportions the model will see them (seeds disjoint from the held-out set)."""
     chat_template_only = build_tokenizer()  # renders the prompts; its own vocabulary is not used
+    rng = random.Random(settings.seed)
     corpus = []
     for puzzle in generate_puzzles(settings.tokenizer_puzzles, seed=500_000 + settings.seed,
                                    people=tuple(settings.people)):
         (roles,) = solve(puzzle)
         corpus += [render_example(chat_template_only, puzzle_example(puzzle, "tokenizer"), settings.system_prompt),
-                   completion_text(trace_lines(puzzle), puzzle.names, roles), planted_completion(puzzle)]
+                   completion_text(trace_lines(puzzle), puzzle.names, roles), planted_completion(puzzle),
+                   drill_text(rng, tuple(settings.people))[0]]
     return corpus
