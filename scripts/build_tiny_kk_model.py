@@ -1,6 +1,45 @@
 """Build ``assets/tiny-kk``: a small Qwen2 taught Knights and Knaves (2-3 people) by SFT on a mechanical trace.
 
-HEADER_PLACEHOLDER
+The K&K demo's model (``configs/kk-demo-cpu.yaml``), built the way ``build_tiny_math_model.py`` builds
+tiny-math, on a CPU. Not shipped: build it, then train it with GRPO:
+
+    python scripts/build_tiny_kk_model.py                              # assets/tiny-kk (1200 steps, see below)
+    python scripts/build_tiny_kk_model.py --quick --out /tmp/tiny-kk   # smoke build for the test (~3 min, 2 cores)
+    python scripts/build_tiny_kk_model.py --report runs/kk-demo/final  # the held-out report of any saved model
+
+MEASURED_PLACEHOLDER
+
+Everything is deterministic from ``--seed`` on a CPU when the length is given in steps (the default).
+``--minutes`` instead trains until a wall-clock budget is spent; ``--device cuda`` runs the same recipe on
+a GPU; ``--set KEY=VALUE`` overrides any ``BuildSettings`` field.
+
+What is built, and why:
+1. **Puzzles** — ``grpo.tasks.knights_knaves.generate_puzzles`` with 2-3 people (``people``), all six
+   statement forms, training seeds from 10**6 up (never the held-out seed 123). Larger puzzles would need
+   16+ trace lines: too long for a small model to learn in the budget and for GRPO sampling on a CPU.
+2. **Tokenizer** — byte-level BPE (``grpo.models.tiny.build_tokenizer``, a 1024-token vocabulary) trained on the rendered
+   prompts, traces, answers and drills: every name, "knight", "knave", " is", " a" and the trace's
+   K/N/T/F/ok/no are one token each, so a 3-person prompt is ~180 tokens (the first ~100, system turn and
+   the quiz's fixed introduction, shared by every prompt and computed once per SFT chunk) and the longest
+   trace + answer ~130. The answer tags are ordinary added tokens (``with_text_tags``), EOS is ``<|im_end|>``.
+3. **Model** — Qwen2, hidden 192, 4 layers, 4 heads, MLP 768, tied embeddings, fp32 (2.5M parameters).
+4. **SFT data** (``scripts/tiny_kk_sft_data.py``) — the prompt rendered exactly as the trainer renders a
+   ``kk`` run's (``kk_system_prompt("think")`` + the quiz, chat template, generation prompt); the target is the
+   enumeration trace and the canonical answer (that module's docstring shows one), then ``<|im_end|>``; loss
+   on completion tokens only.
+5. **Drills in every batch** — the people list and every assignment line, each with one random statement and
+   its truth, labelled where determined. Without them the SFT loss stalled: after 240 steps of a first
+   design (bare letters "K N = T F", no names in the lines, no drills) the answer's names were copied at 2%
+   argmax accuracy and the T/F tokens were right 59% of the time, about chance.
+6. **Planted headroom for RL** — ``PLANTED_FRACTION`` (60%) of the traces accept "everybody is a knight"
+   unchecked (``Zoey K Oliver K ok``). Greedy decoding follows the majority (right only where that is the
+   answer, ~20% of puzzles); sampling at T=1.0 checks the candidates ~40% of the time, so GRPO with
+   ``kk_logic`` has a reward signal to remove the shortcut. The demo's gain is that shortcut removed, up to
+   what the checked trace gets right (``checked_greedy_accuracy`` in the report), not new logic.
+7. **Report** — on ``kk:seed=123,n=200,people=2-3`` (the demo's ``data.eval``), scored by the ``kk`` task:
+   greedy accuracy and format rate, mean sample accuracy and pass@8 at T=1.0, how often greedy and sampled
+   completions take the shortcut, sampled accuracy of the checked traces and greedy accuracy with the first
+   check forced, all per number of people; printed and written to ``OUT/build_report.json``.
 """
 
 from __future__ import annotations
@@ -135,7 +174,7 @@ def sft(model, tokenizer, settings: BuildSettings, log_every: int = 25) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
         optimizer.step()
         step += 1
-        if step % log_every == 0 or step == 1:
+        if step % log_every == 0 or step == 1 or step == settings.steps:
             row = {"step": step, "loss": round(loss.item(), 4), "drill_loss": round(drill_loss.item(), 4), "lr": optimizer.param_groups[0]["lr"],
                    "seconds": round(time.perf_counter() - start, 1)}
             history.append(row)
@@ -305,10 +344,10 @@ def parse_args(argv: list[str] | None) -> tuple[BuildSettings, argparse.Namespac
 
 def held_out_summary(held_out: dict) -> list[str]:
     k = next(key for key in held_out if key.startswith("pass@"))
-    lines = [f"held-out {held_out['data']}: greedy accuracy {held_out['accuracy']:.1%}, format rate "
-             f"{held_out['format_rate']:.1%}, mean sample accuracy {held_out['mean_sample_accuracy']:.1%}, "
-             f"{k} {held_out[k]:.1%} at T={held_out['temperature']:g}; all-knights answers "
-             f"{held_out['all_knights_share']:.1%}"]
+    lines = [(f"held-out {held_out['data']}: greedy accuracy {held_out['accuracy']:.1%}, format rate "
+              f"{held_out['format_rate']:.1%}, mean sample accuracy {held_out['mean_sample_accuracy']:.1%}, "
+              f"{k} {held_out[k]:.1%} at T={held_out['temperature']:g}; all-knights answers "
+              f"{held_out['all_knights_share']:.1%}")]
     for name, row in held_out["by_people"].items():
         lines.append(f"  {name} n={row['n']:3d}  greedy {row['accuracy']:.1%}  sample {row['mean_sample_accuracy']:.1%}"
                      f"  {k} {row[k]:.1%}  shortcut greedy {row['greedy_shortcut_rate']:.1%} / sampled "
