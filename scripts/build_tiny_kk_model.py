@@ -4,10 +4,24 @@ The K&K demo's model (``configs/kk-demo-cpu.yaml``), built the way ``build_tiny_
 tiny-math, on a CPU. Not shipped: build it, then train it with GRPO:
 
     python scripts/build_tiny_kk_model.py                              # assets/tiny-kk (1200 steps, see below)
-    python scripts/build_tiny_kk_model.py --quick --out /tmp/tiny-kk   # smoke build for the test (~3 min, 2 cores)
+    python scripts/build_tiny_kk_model.py --quick --out /tmp/tiny-kk   # smoke build for the test (~4 min, 1 thread)
     python scripts/build_tiny_kk_model.py --report runs/kk-demo/final  # the held-out report of any saved model
 
-MEASURED_PLACEHOLDER
+Measured so far (a 420-step build, ``--steps 420``: 3.85 s/step on one thread of a 2-core CPU shared with
+another job, 27 min; not shipped), on the 200 held-out puzzles: format rate
+100%, greedy accuracy 14.5% with the shortcut taken by 97.5% of greedy completions (right on the 20.5% of
+puzzles whose answer is all knights), 58.6% of samples at T=1.0 take it, mean sample accuracy 9.6%,
+pass@8 19.5%. The planted part works; the logic does not yet: a checked trace is right 0.8% of the time
+sampled and 9.0% greedily (forced past the shortcut). Teacher-forced on 100 held-out traces, the names are
+copied right 84% of the time (argmax) but the T/F tokens only 61%, near chance: the model has not learned to
+find a speaker's statement in the quiz, while the drills (which put the statement beside the line) reach a
+drill loss of 0.10. So this build leaves GRPO nothing to gain (an 8-step GRPO run of the demo recipe on it ran
+at ~9 s/step on one contended thread). The default 1200 steps (estimated 40-45 min on 2 quiet cores)
+is untested; the next thing to try, if it is not enough, is ``--set restate=true``: the trace restates each
+statement at its top ("Zoey: Oliver is a knave or Zoey is a knight", copied from the quiz in order), so that
+every T/F is the drill's lookup (implemented, not yet measured: a 250-step try was stopped for time; its
+traces are up to ~165 tokens, so the recipe's max_completion_length would need 176). The K&K demo needs a build whose ``checked_greedy_accuracy`` is at least 15 points
+above its greedy accuracy (the integration test checks that of a built ``assets/tiny-kk``).
 
 Everything is deterministic from ``--seed`` on a CPU when the length is given in steps (the default).
 ``--minutes`` instead trains until a wall-clock budget is spent; ``--device cuda`` runs the same recipe on
@@ -95,6 +109,7 @@ class BuildSettings:
     minutes: float | None = None  # wall-clock budget of the SFT loop (used when steps is None)
     people: tuple[int, int] = (2, 3)  # puzzle sizes, training and held-out
     planted_fraction: float = PLANTED_FRACTION
+    restate: bool = False  # the trace restates each statement first (tiny_kk_sft_data.trace_lines)
     # model
     hidden_size: int = 192
     num_layers: int = 4
@@ -114,7 +129,7 @@ class BuildSettings:
     eval_n: int = 200
     eval_samples: int = 8
     eval_temperature: float = 1.0
-    eval_max_new_tokens: int = 144
+    eval_max_new_tokens: int = 176
     eval_batch_size: int = 256
     device: str = "cpu"
     loss_chunks: int = 2  # forward passes per batch (fewer on a GPU, where padding costs nothing)
@@ -129,7 +144,9 @@ class BuildSettings:
         return f"kk:seed={HELD_OUT_SEED},n={self.eval_n},people={self.people[0]}-{self.people[1]}"
 
 
-QUICK = {"steps": 60, "batch_size": 32, "drills_per_step": 16, "eval_n": 50, "tokenizer_puzzles": 500}
+# Two people only and small batches: 60 steps of 3-person batches left the format unlearned (0%).
+QUICK = {"steps": 150, "batch_size": 16, "drills_per_step": 8, "people": (2, 2), "warmup_steps": 15, "eval_n": 50,
+         "tokenizer_puzzles": 500}
 
 
 def shared_prompt_prefix(tokenizer, settings: BuildSettings) -> list[int]:
@@ -205,7 +222,8 @@ def held_out_report(model, tokenizer, settings: BuildSettings) -> dict:
                                                       temperature=settings.eval_temperature), seed=settings.seed)
     # Greedy again with the first line's check forced ("Zoey K Oliver K =" written for it): what greedy decoding
     # reaches once the shortcut is gone, the accuracy GRPO can climb to without learning new logic.
-    opening = ["<think>\n" + assignment_text(p.names, [True] * len(p.names)) + " =" for p in puzzles]
+    opening = ["<think>\n" + (f"{p.names[0]}:" if settings.restate else
+                               assignment_text(p.names, [True] * len(p.names)) + " =") for p in puzzles]
     checked = engine.generate([prompt + text for prompt, text in zip(prompts, opening)],
                               SamplingParams(n=1, max_tokens=settings.eval_max_new_tokens, greedy=True),
                               seed=settings.seed)

@@ -70,9 +70,12 @@ def puzzle_example(puzzle: Puzzle, source: str) -> Example:
                    source=source)
 
 
-def trace_lines(puzzle: Puzzle) -> list[str]:
-    """The enumeration trace, one line per assignment tried, up to and including the solution's."""
-    lines = []
+def trace_lines(puzzle: Puzzle, restate: bool = False) -> list[str]:
+    """The enumeration trace, one line per assignment tried, up to and including the solution's; with
+    ``restate``, first each person's statement as "Zoey: Oliver is a knave or Zoey is a knight" (copied
+    from the quiz, in order), so that each T/F checks a statement written just above, as in the drills."""
+    lines = [f"{name}: {statement_text(statement, puzzle.names)}"
+             for name, statement in zip(puzzle.names, puzzle.statements, strict=True)] if restate else []
     for assignment in itertools.product((True, False), repeat=len(puzzle.names)):
         truths = [holds(statement, assignment) for statement in puzzle.statements]
         verdict = "ok" if list(assignment) == truths else "no"
@@ -99,13 +102,14 @@ def planted_completion(puzzle: Puzzle) -> str:
     return completion_text([assignment_text(puzzle.names, [True] * count) + " ok"], puzzle.names, [True] * count)
 
 
-def sft_completion(puzzle: Puzzle, rng: random.Random, planted_fraction: float) -> tuple[str, bool]:
+def sft_completion(puzzle: Puzzle, rng: random.Random, planted_fraction: float,
+                   restate: bool = False) -> tuple[str, bool]:
     """The completion a puzzle is trained on, and whether it is the planted shortcut (probability
     ``planted_fraction``, whatever the puzzle: on the puzzles whose answer is all knights it is right)."""
     if rng.random() < planted_fraction:
         return planted_completion(puzzle), True
     (roles,) = solve(puzzle)
-    return completion_text(trace_lines(puzzle), puzzle.names, roles), False
+    return completion_text(trace_lines(puzzle, restate), puzzle.names, roles), False
 
 
 def training_puzzle_seed(seed: int, step: int) -> int:
@@ -117,7 +121,8 @@ def puzzle_rows(tokenizer, puzzles: list[Puzzle], rng: random.Random, settings):
     """Prompt + completion + EOS per puzzle as (ids, labels) lists (labels -100 on the prompt), and the
     number of planted shortcuts. The prompt is tokenized on its own, as the trainer does."""
     prompts = [render_example(tokenizer, puzzle_example(p, "sft"), settings.system_prompt) for p in puzzles]
-    completions, planted = zip(*(sft_completion(p, rng, settings.planted_fraction) for p in puzzles))
+    completions, planted = zip(*(sft_completion(p, rng, settings.planted_fraction, settings.restate)
+                                 for p in puzzles))
     prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     completion_ids = tokenizer(list(completions), add_special_tokens=False)["input_ids"]
     rows = []
@@ -172,6 +177,7 @@ def tokenizer_corpus(settings) -> list[str]:
                                    people=tuple(settings.people)):
         (roles,) = solve(puzzle)
         corpus += [render_example(chat_template_only, puzzle_example(puzzle, "tokenizer"), settings.system_prompt),
-                   completion_text(trace_lines(puzzle), puzzle.names, roles), planted_completion(puzzle),
+                   completion_text(trace_lines(puzzle, settings.restate), puzzle.names, roles),
+                   planted_completion(puzzle),
                    drill_text(rng, tuple(settings.people))[0]]
     return corpus

@@ -28,9 +28,10 @@ METRICS = {"n", "accuracy", "format_rate", "truncated_rate", "pass@8", "mean_sam
            "greedy_shortcut_rate", "sample_shortcut_rate", "sample_accuracy_when_checked",
            "checked_greedy_accuracy"}
 
-# The --quick build: 60 SFT steps of 32 puzzles on a CPU. Too short for the logic; what it checks is
-# that the chat format and the answer lines are learned and the loss fell well below its start (a
-# broken target or masking would leave it near the start).
+# The --quick build: 150 SFT steps of 16 two-person puzzles on a CPU (~4 min on one thread). Too short
+# for the logic; what it checks is that the chat format and the answer lines are learned (measured:
+# format 100%, 91% of samples) and the loss fell well below its start (6.63 -> 0.60 measured; a broken
+# target or masking would leave it near the start).
 QUICK_MIN_FORMAT_RATE = 0.80
 QUICK_MAX_LOSS_RATIO = 0.35
 
@@ -61,10 +62,10 @@ def test_quick_build_writes_a_loadable_model_and_a_complete_report(quick_build):
     report = json.loads((quick_build / "build_report.json").read_text())
     held_out = report["held_out"]
     assert METRICS <= set(held_out) and held_out["n"] == 50 and held_out["temperature"] == 1.0
-    assert set(held_out["by_people"]) == {"people=2", "people=3"}
+    assert set(held_out["by_people"]) == {"people=2"}
     assert all(METRICS <= set(row) for row in held_out["by_people"].values())
-    assert held_out["data"] == report["settings"]["eval_data"] == "kk:seed=123,n=50,people=2-3"
-    assert report["training"]["steps"] == 60 and 1_000_000 < report["params"] < 5_000_000
+    assert held_out["data"] == report["settings"]["eval_data"] == "kk:seed=123,n=50,people=2-2"
+    assert report["training"]["steps"] == 150 and 1_000_000 < report["params"] < 5_000_000
 
 
 def test_quick_build_learns_the_answer_format(quick_build):
@@ -75,7 +76,7 @@ def test_quick_build_learns_the_answer_format(quick_build):
     history = report["training"]["history"]
     assert history[-1]["loss"] < QUICK_MAX_LOSS_RATIO * history[0]["loss"], history
     # The greedy completion of the first held-out puzzle is well formatted for the kk task and answers in
-    # its numbered lines, one per person (right or wrong: 60 steps do not teach the logic).
+    # its numbered lines, one per person (right or wrong: 150 steps do not teach the logic).
     from grpo.data import load_dataset_source
     from grpo.rewards.answers import extract_answer
     from grpo.tasks import resolve_task
@@ -97,7 +98,7 @@ def test_full_build_matches_the_demo_and_leaves_headroom():
     assert held_out["data"] == demo["data"]["eval"] == report["settings"]["eval_data"]
     assert demo["model"]["name_or_path"] == "assets/tiny-kk" and demo["data"]["task"] == "kk"
     assert held_out["format_rate"] > 0.9
-    # Greedy takes the planted shortcut; sampling checks often enough, and a checked trace is right
-    # often enough, that GRPO can gain 15 points.
-    assert held_out["greedy_shortcut_rate"] > 0.5
-    assert held_out["sample_accuracy_when_checked"] - held_out["accuracy"] >= 0.15, held_out
+    # Greedy takes the planted shortcut, sampling avoids it often, and greedy past the shortcut is right
+    # often enough that GRPO, by removing it, can gain the demo's 15 points.
+    assert held_out["greedy_shortcut_rate"] > 0.5 and held_out["sample_shortcut_rate"] < 0.8
+    assert held_out["checked_greedy_accuracy"] - held_out["accuracy"] >= 0.15, held_out
