@@ -19,8 +19,9 @@ drill loss of 0.10. So this build leaves GRPO nothing to gain (an 8-step GRPO ru
 at ~9 s/step on one contended thread). The default 1200 steps (estimated 40-45 min on 2 quiet cores)
 is untested; the next thing to try, if it is not enough, is ``--set restate=true``: the trace restates each
 statement at its top ("Zoey: Oliver is a knave or Zoey is a knight", copied from the quiz in order), so that
-every T/F is the drill's lookup (implemented, not yet measured: a 250-step try was stopped for time; its
-traces are up to ~165 tokens, so the recipe's max_completion_length would need 176). The K&K demo needs a build whose ``checked_greedy_accuracy`` is at least 15 points
+every T/F is the drill's lookup (its traces are up to ~165 tokens, so the recipe's max_completion_length
+would need 176). Tried only for 220 steps (3.96 s/step, same machine): inconclusive, the restatement itself
+not yet copied right (names 69%, other tokens 91% argmax) and T/F 58%; greedy 8.5%, shortcut 100%. The K&K demo needs a build whose ``checked_greedy_accuracy`` is at least 15 points
 above its greedy accuracy (the integration test checks that of a built ``assets/tiny-kk``).
 
 Everything is deterministic from ``--seed`` on a CPU when the length is given in steps (the default).
