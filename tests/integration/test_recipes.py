@@ -5,8 +5,9 @@ model of the same architecture family and embedding tying (the test tokenizer, a
 recipe with tools keeps its model's own tokenizer, whose chat template renders them),
 a separate reference becomes a larger tiny teacher of the reference's family sharing that tokenizer,
 hub data becomes a local GSM8K folder (train.jsonl / test.jsonl, read with the recipe's own splits), a public
-K&K file (``kk:path=``, not shipped) generated puzzles of 2 people (what the byte tokenizer renders within the
-recipe's max_prompt_length; Qwen's needs a third of the tokens for a 7-person quiz),
+K&K file (``kk:path=``, not shipped) and generated K&K puzzles become generated puzzles of 2 people (what the
+byte tokenizer renders within the recipe's max_prompt_length; Qwen's needs a third of the tokens for a
+7-person quiz, the tiny K&K model's tokenizer about half for a 3-person one),
 evaluation sees 4 prompts, bf16 is off without CUDA, the run writes to a temporary folder and stops
 after 2 steps. LoRA, gradient checkpointing, rewards, loss, prompts per step, group size, batch and
 micro-batch sizes, generation length and the rest are the recipe's, so a combination of settings
@@ -34,13 +35,19 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO / "configs").glob("*.yaml"))
 TINY_BUILDERS = {"qwen2": build_qwen2}  # config.json model_type -> builder of a tiny random model
+# Repo-local models a script builds and the repository does not ship (weights not committed): their family.
+BUILT_BY_SCRIPT = {"assets/tiny-kk": {"model_type": "qwen2", "tie_word_embeddings": True}}  # build_tiny_kk_model.py
 STEPS = 2
 EVAL_PROMPTS = 4
 
 
 def family(name_or_path: str, key: str) -> tuple[str, dict]:
     """(model_type, config.json) of a recipe's model, offline (local folder, HF cache, built-in table)."""
-    config, _ = load_model_config(str(REPO / name_or_path) if (REPO / name_or_path).exists() else name_or_path, key)
+    if name_or_path in BUILT_BY_SCRIPT and not (REPO / name_or_path).exists():
+        config = BUILT_BY_SCRIPT[name_or_path]
+    else:
+        config, _ = load_model_config(str(REPO / name_or_path) if (REPO / name_or_path).exists() else name_or_path,
+                                      key)
     model_type = config.get("model_type")
     if model_type not in TINY_BUILDERS:
         pytest.fail(f"{key}: {name_or_path!r} is a {model_type!r} model; add a builder of a tiny model of that "
@@ -112,7 +119,7 @@ def recipe_overrides(recipe: Path, tokenizer, tmp_path: Path) -> list[str]:
         if cfg.data.eval is not None:
             swaps["data.eval"] = folder
     for key, seed, count in (("data.train", 1, 128), ("data.eval", 2, EVAL_PROMPTS)):
-        if (getattr(cfg.data, key.split(".")[1]) or "").startswith("kk:path="):
+        if (getattr(cfg.data, key.split(".")[1]) or "").startswith("kk:"):
             swaps[key] = f"kk:seed={seed},n={count},people=2"
     if cfg.data.eval is not None:
         swaps["data.eval_limit"] = min(cfg.data.eval_limit or EVAL_PROMPTS, EVAL_PROMPTS)
