@@ -6,7 +6,8 @@ A random Qwen2 (hidden 128, 4 layers, the test tokenizer's vocabulary, fp32) and
 G=4 = 64 rows, 48-token prompts; completions of 16-64 tokens except one group of 512 and one of 256: the long
 rows pad whatever fixed micro-batch they land in. ``train_on_batch`` (one iteration, beta 0.04, loss grpo) with
 micro-batches of 16 rows, then with the token budget at the same peak width (16 rows x (48 + 64) = 1,792
-positions; rows up to 64), then fixed 16-row micro-batches packed into one sequence each. Counted: the token positions the model runs (a hook on the input embedding:
+positions; rows up to 64), with ``auto`` (the largest 16-row micro-batch's width, any number of rows), then fixed
+16-row micro-batches packed into one sequence each. Counted: the token positions the model runs (a hook on the input embedding:
 every forward, prompt passes included) and the update's seconds (best of ``--reps``); the gradients are
 equal (tests/test_policy_update.py). Writes benchmarks/results/ragged_batch.json.
 
