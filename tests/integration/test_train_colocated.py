@@ -126,7 +126,9 @@ def test_two_rank_torchrun_gives_each_rank_distinct_whole_groups(tiny_model_dir,
     torchrun = str(Path(sys.executable).parent / "torchrun")
     cmd = [torchrun, "--nproc_per_node", "2", "--master_port", "29533", "-m", "grpo", "train", *base_overrides(
         tiny_model_dir, out, **{"train.max_steps": 2, "train.prompts_per_step": 4,
-                                "rewards": "[{name: 'rewards_for_tests:record_prompts'}, {name: answer_correct}]"})]
+                                "rewards": "[{name: 'rewards_for_tests:record_prompts'}, {name: answer_correct}]",
+                                # the run's rewards also score its evaluations: count training's calls only
+                                "data.eval": None})]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     per_rank = {}
