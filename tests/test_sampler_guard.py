@@ -80,8 +80,9 @@ def test_a_drifting_engine_stops_the_run_naming_the_step_and_the_gap(monkeypatch
                                                                       capsys):
     box = {"kwargs": {"drift": 0.5, "drift_from_call": 3}}
     out = tmp_path / "run"
+    # data.eval null: evaluation samples through the run's engine too, and the drift counts engine calls
     status = run_train(monkeypatch, tiny_model_dir, out, box, "train.max_steps=6", "loss.num_iterations=1",
-                       "rollout.vllm_check_steps=3")
+                       "rollout.vllm_check_steps=3", "data.eval=null")
     assert status == 1
     err = capsys.readouterr().err
     assert "grpo: training aborted: step 3: the rollout engine's log-probs" in err
