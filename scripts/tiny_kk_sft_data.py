@@ -50,6 +50,7 @@ from grpo.tasks.builtin import kk_system_prompt
 from grpo.tasks.knights_knaves.generate import NAMES, draw_statement, generate_puzzles
 from grpo.tasks.knights_knaves.logic import Puzzle, holds, solve, statement_text
 from grpo.tasks.knights_knaves.text import quiz_text, solution_text
+from tiny_math_sft_data import span_labelled  # this folder: sys.path[0] when run as a script
 
 TAG_STYLE = "think"
 PLANTED_FRACTION = 0.6  # share of SFT puzzles whose trace accepts the first candidate unchecked
@@ -159,11 +160,7 @@ def drill_rows(tokenizer, rng: random.Random, settings):
     """``drills_per_step`` drills as (ids, labels) lists labelled only inside the determined spans."""
     rows = []
     for _ in range(settings.drills_per_step):
-        text, spans = drill_text(rng, tuple(settings.people))
-        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        labels = [t if any(s <= start < e for s, e in spans) else -100
-                  for t, (start, _) in zip(encoded["input_ids"], encoded["offset_mapping"])]
-        rows.append((encoded["input_ids"], labels))
+        rows.append(span_labelled(tokenizer, *drill_text(rng, tuple(settings.people))))
     return rows
 
 

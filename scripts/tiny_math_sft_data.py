@@ -103,12 +103,17 @@ def bare_rows(tokenizer, rng: random.Random, settings):
             chain, chain_spans = bare_chain_text(rng, settings.mix, settings.bare_style)
             spans += [(len(text) + s, len(text) + e) for s, e in chain_spans]
             text += chain
-        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = encoded["input_ids"]
-        labels = [t if any(s <= start < e for s, e in spans) else -100
-                  for t, (start, _) in zip(ids, encoded["offset_mapping"])]
-        rows.append((ids, labels))
+        rows.append(span_labelled(tokenizer, text, spans))
     return rows
+
+
+def span_labelled(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """``text``'s ids and labels: a token is labelled (its id) when it starts inside one of the character
+    ``spans`` (what the text determines), else -100 (no loss)."""
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    labels = [t if any(s <= start < e for s, e in spans) else -100
+              for t, (start, _) in zip(encoded["input_ids"], encoded["offset_mapping"])]
+    return encoded["input_ids"], labels
 
 
 def shared_prompt_prefix(tokenizer, system_prompt: str) -> list[int]:
