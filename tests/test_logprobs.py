@@ -226,3 +226,24 @@ def test_bucketed_widths_repeat_shapes_and_change_no_value(tiny_tokenizer, share
     torch.testing.assert_close(bucketed[mask], plain[mask], atol=2e-5, rtol=1e-5)
     for name, grad in plain_grads.items():
         torch.testing.assert_close(bucketed_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_shared_prompt_gradients_are_the_same_in_every_run(tiny_tokenizer):
+    # A group's rows read one prompt's KV cache: their gradients sum into it. Advanced indexing's backward
+    # sums them with parallel atomics on the CPU (two identical runs then differed in the last bits); the
+    # pass must give, every time, what PyTorch's deterministic algorithms give.
+    model = build_qwen2(tiny_tokenizer, hidden_size=64, num_layers=2, seed=0).train()
+    rows = grouped_rows(len(tiny_tokenizer), [90, 100, 80], G=7, Lc=12, seed=3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.use_deterministic_algorithms(True)
+        try:
+            _, reference = logprobs_and_grads(model, rows, None, share=True)
+        finally:
+            torch.use_deterministic_algorithms(False)
+        for _ in range(8):
+            _, grads = logprobs_and_grads(model, rows, None, share=True)
+            assert all(torch.equal(grads[name], grad) for name, grad in reference.items())
+    finally:
+        torch.set_num_threads(threads)

@@ -23,6 +23,7 @@ from types import MappingProxyType
 
 import torch
 from torch import Tensor
+from transformers.cache_utils import DynamicLayer
 
 from grpo.algorithm import (
     LogprobProcessing,
@@ -108,6 +109,18 @@ def shared_prompt_index(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor
     return (~repeats).nonzero().squeeze(-1), (~repeats).long().cumsum(0) - 1
 
 
+def select_cache_rows(cache, index: Tensor) -> None:
+    """``cache.batch_select_indices(index)`` with ``index_select``: repeated rows' gradients then sum in a
+    fixed order. Advanced indexing's backward (``index_put_`` with accumulate) adds them with parallel
+    atomics on the CPU, so two identical runs could end with different last bits. A layer kind with more
+    state than keys and values keeps its own method."""
+    for layer in cache.layers:
+        if type(layer).batch_select_indices is not DynamicLayer.batch_select_indices:
+            layer.batch_select_indices(index)
+        elif layer.get_seq_length() > 0:
+            layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+
+
 def checkpointing_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules with gradient checkpointing on: Hugging Face keeps the switch as a boolean
     ``gradient_checkpointing`` attribute on the base model and on each ``GradientCheckpointingLayer``."""
@@ -181,13 +194,13 @@ def _shared_prompt_logits(model, prompt_ids: Tensor, prompt_mask: Tensor, comple
             f"grpo.step.logprobs: {type(model).__name__} returned no KV cache for the shared prompt pass "
             f"(training={model.training}, gradient checkpointing on {len(checkpointing_modules(model))} modules); "
             "completion_logprobs(share_prompts=False) runs the plain pass")
-    cache.batch_select_indices(index)  # [U, ...] -> [b, ...]: an index, so gradients sum per prompt
+    select_cache_rows(cache, index)  # [U, ...] -> [b, ...]: an index, so gradients sum per prompt
     Lc = completion_ids.shape[1]
     positions = prompts_mask.sum(-1)[index, None] + torch.arange(Lc, device=completion_ids.device)  # [b, Lc]
     completion_scores, _ = _forward(model, fused, None, input_ids=completion_ids,
                                     attention_mask=torch.cat([prompt_mask, completion_mask], 1),
                                     position_ids=positions, past_key_values=cache, use_cache=True)  # [b, Lc, V or H]
-    return torch.cat([prompt_scores[index], completion_scores], dim=1)
+    return torch.cat([prompt_scores.index_select(0, index), completion_scores], dim=1)
 
 
 def packed_layout(prompt_mask: Tensor, completion_mask: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -222,7 +235,7 @@ def _packed_scores(model, ids: Tensor, layout: tuple[Tensor, Tensor, Tensor], fu
     with _final_hidden(model) as captured:
         model(input_ids=packed, position_ids=positions, use_cache=False,
               logits_to_keep=torch.empty(0, dtype=torch.long, device=packed.device))
-    return captured[-1][0, scored]  # [b, W + 1, H]
+    return captured[-1][0].index_select(0, scored.flatten()).view(*scored.shape, -1)  # [b, W + 1, H]
 
 
 def completion_logprobs(
