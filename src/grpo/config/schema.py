@@ -215,7 +215,7 @@ class TrainConfig:
         "up to a multiple of this, so shapes repeat and GPU kernels and attention plans are reused; the extra "
         "columns are masked padding. null = the device type's default (CUDA: 64, others: 1).", ge=1)
     max_tokens_per_micro_batch: int | str | None = opt(
-        None, "Update micro-batches by padded tokens (rows by length while rows x (longest prompt + completion) "
+        "auto", "Update micro-batches by padded tokens (rows by length while rows x (longest prompt + completion) "
         "fits; the same gradient): auto = the padded tokens of the step's largest micro_batch_size-row micro-batch, "
         "any number of rows (never more memory, fewer passes when lengths vary; fixed rows with deepspeed); N = "
         "that budget, at most micro_batch_size rows (not with deepspeed); null: micro_batch_size rows.")
