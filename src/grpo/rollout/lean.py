@@ -25,7 +25,8 @@ from grpo.algorithm.processing import eos_mask, min_p_removed, penalize_repeats,
 from grpo.models.wrappers import eos_token_ids, unwrap_model
 from grpo.rollout.engine import SamplingParams, completion_mask_from_ids
 from grpo.rollout.hf import eval_mode, left_pad
-from grpo.rollout.prefix_cache import CachedTurns, PrefixCache, cached_turns, prefill
+from grpo.rollout.prefill import prefill
+from grpo.rollout.prefix_cache import CachedTurns, PrefixCache, cached_turns
 from grpo.step.records import Generation
 
 

@@ -23,12 +23,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-import torch
 from torch import Tensor
-from transformers.cache_utils import DynamicCache
 
 from grpo.rollout.engine import SamplingParams
-from grpo.rollout.hf import left_pad
 from grpo.step.records import Generation
 
 
@@ -117,61 +114,3 @@ def cached_turns(engine) -> Iterator[CachedTurns]:
         yield CachedTurns(engine, cache)
     finally:
         cache.clear()
-
-
-@dataclass
-class Prefill:
-    """What a prefill of ``U`` prompts gives the decode loop.
-
-    logits:        [U, V] each prompt's next-token logits.
-    cache:         a ``DynamicCache`` of [U, heads, W, d] per layer.
-    key_mask:      [U, W] long, 1 on the slots holding a prompt token (a cached prefix and the fed rest,
-                   each left-padded: a row may have a gap of padding between the two).
-    last_position: [U, 1] long, each prompt's last position (its length - 1).
-    prompt_ids:    [U, Lp] the whole prompts, left-padded; prompt_mask [U, Lp] (the repetition penalty's).
-    """
-
-    logits: Tensor
-    cache: DynamicCache
-    key_mask: Tensor
-    last_position: Tensor
-    prompt_ids: Tensor
-    prompt_mask: Tensor
-
-
-def prefill(model, encoded: list[list[int]], pad_id: int, device, prefix_cache: PrefixCache | None) -> Prefill:
-    """One forward over the prompts (left-padded, true positions), continuing from their cached prefixes."""
-    ids, mask = left_pad(encoded, pad_id)
-    ids, mask = ids.to(device), mask.to(device)
-    hits = prefix_cache.take(encoded) if prefix_cache is not None else [None] * len(encoded)
-    if all(hit is None for hit in hits):
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-        if prefix_cache is not None:
-            prefix_cache.fed_tokens += ids.numel()
-        return Prefill(out.logits[:, -1], out.past_key_values, mask, positions[:, -1:], ids, mask)
-    cached = torch.tensor([len(hit.ids) if hit is not None else 0 for hit in hits], device=device)  # [U]
-    C = int(cached.max())
-    rest_ids, rest_mask = left_pad([prompt[len(hit.ids) if hit is not None else 0:]
-                                    for prompt, hit in zip(encoded, hits)], pad_id)
-    rest_ids, rest_mask = rest_ids.to(device), rest_mask.to(device)  # [U, S]
-    # The cached prefixes right-aligned in C slots (a row without one: C masked zeros)
-    past_mask = (torch.arange(C, device=device) >= C - cached[:, None]).long()  # [U, C]
-    template = next(hit for hit in hits if hit is not None)
-    past = []
-    for layer in range(len(template.keys)):
-        k0, v0 = template.keys[layer], template.values[layer]
-        keys = k0.new_zeros(len(hits), k0.shape[0], C, k0.shape[-1])  # [U, h, C, d]
-        values = v0.new_zeros(len(hits), v0.shape[0], C, v0.shape[-1])
-        for u, hit in enumerate(hits):
-            if hit is not None:
-                keys[u, :, C - len(hit.ids):] = hit.keys[layer]
-                values[u, :, C - len(hit.ids):] = hit.values[layer]
-        past.append((keys, values))
-    key_mask = torch.cat([past_mask, rest_mask], dim=1)  # [U, C + S]
-    positions = (rest_mask.cumsum(-1) - 1).clamp(min=0) + cached[:, None]  # [U, S] true positions
-    out = model(input_ids=rest_ids, attention_mask=key_mask, position_ids=positions,
-                past_key_values=DynamicCache(ddp_cache_data=past), use_cache=True, logits_to_keep=1)
-    prefix_cache.fed_tokens += rest_ids.numel()
-    prefix_cache.reused_tokens += int(cached.sum())
-    return Prefill(out.logits[:, -1], out.past_key_values, key_mask, positions[:, -1:], ids, mask)

@@ -49,7 +49,8 @@ from grpo.algorithm.processing import eos_mask, prompt_presence
 from grpo.models.wrappers import eos_token_ids
 from grpo.rollout.engine import SamplingParams
 from grpo.rollout.lean import apply_processors, assemble_generation, filter_logits, seeded_generator
-from grpo.rollout.prefix_cache import CachedTurns, PrefixCache, cached_turns, prefill
+from grpo.rollout.prefill import prefill
+from grpo.rollout.prefix_cache import CachedTurns, PrefixCache, cached_turns
 from grpo.rollout.sampling_copy import SamplingCopy
 from grpo.step.records import Generation
 
