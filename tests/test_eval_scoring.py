@@ -205,7 +205,6 @@ def test_eval_config_keys():
         (["data.eval={'a/b': x}"], "data.eval has set name"),
         (["train.best_metric=eval/accuracy"], "train.best_metric needs data.eval"),
         (["data.eval=x", "train.best_metric=accuracy"], "train.best_metric is 'accuracy'"),
-        (["data.eval=x", "train.best_metric=eval/accuracy", "train.mode=decoupled"], "needs train.mode colocated"),
         (["eval.temperature=0"], "eval.temperature"),
         (["train.best_metric_mode=up"], "train.best_metric_mode"),
     ]:

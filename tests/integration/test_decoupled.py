@@ -18,6 +18,7 @@ from run_helpers import (
     free_port,
     grpo_cmd,
     logged_steps,
+    read_metrics,
     start,
     stop_all,
     train_rows,
@@ -40,9 +41,21 @@ def teacher_dir(tmp_path_factory, tiny_tokenizer) -> Path:
 def test_first_step_equals_colocated(tiny_model_dir, teacher_dir, tmp_path):
     # Same seeds, max_staleness 0, 2 trainer ranks, a teacher reference (so the KL term is not 0):
     # colocated (torchrun) and decoupled (sampler + 2 trainer ranks + ref server) give the same first step.
-    common = {"model.ref_name_or_path": teacher_dir, "loss.beta": 0.1, "train.max_steps": 2}
+    # Both evaluate two named sets over their 2 ranks (decoupled: the trainer ranks, through an engine over
+    # their own policy) and keep the best checkpoint: the same numbers before training.
+    common = {"model.ref_name_or_path": teacher_dir, "loss.beta": 0.1, "train.max_steps": 2,
+              "data.eval": "{a: 'synthetic:seed=9,n=6', b: 'synthetic:seed=10,n=5'}", "eval.num_samples": 2,
+              "train.eval_steps": 1, "train.best_metric": "eval/a/reward/total"}
     colocated, decoupled = colocated_and_decoupled(tiny_model_dir, tmp_path, common, {
         "decoupled.trainer_ranks": 2, "decoupled.ref_server": True, "decoupled.ref_server_port": free_port()})
+    evals = {out: {r["step"]: r for r in read_metrics(out) if "eval/a/accuracy" in r} for out in (colocated, decoupled)}
+    assert sorted(evals[decoupled]) == [0, 1, 2] and "eval/b/pass@2" in evals[decoupled][0]
+    before = [{k: v for k, v in evals[out][0].items() if k.startswith("eval/")} for out in (colocated, decoupled)]
+    assert before[0] == before[1]
+    for name in ("a", "b"):
+        records = [(out / "eval" / "step_0" / f"{name}.jsonl").read_text() for out in (colocated, decoupled)]
+        assert records[0] == records[1]
+    assert json.loads((decoupled / "best" / "best.json").read_text())["metric"] == "eval/a/reward/total"
     a, b = train_rows(colocated)[0], train_rows(decoupled)[0]
     assert a["kl"] > 1e-4  # the teacher differs from the policy: a real KL term
     for key in ("loss", "kl", "reward/mean", "reward/std", "accuracy", "completion_length/mean"):

@@ -133,9 +133,6 @@ def eval_problems(cfg) -> list[tuple[str, str]]:
     metric = cfg.train.best_metric
     if metric is not None and cfg.data.eval is None:
         problems.append(("train.best_metric", "needs data.eval (the held-out set(s) its metric is measured on)"))
-    elif metric is not None and cfg.train.mode == "decoupled":
-        problems.append(("train.best_metric", "needs train.mode colocated: the decoupled trainer does not evaluate "
-                                              "during training (grpo eval its checkpoints)"))
     elif metric is not None and not metric.startswith("eval/"):
         problems.append(("train.best_metric", f"is {metric!r}: it must name an evaluation metric, e.g. "
                                               "eval/accuracy or eval/<set>/pass@4"))

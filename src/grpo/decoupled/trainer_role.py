@@ -23,6 +23,9 @@ from grpo.decoupled.link_settings import config_fingerprint, max_message_bytes, 
 from grpo.decoupled.transport import IncomingBatch, PeerTimeout
 from grpo.decoupled.wire import batch_to_message, decode, encode, message_to_batch, pack_bytes, unpack_bytes
 from grpo.models.loading import check_memory_savers, compute_context, load_policy, load_tokenizer, uses_autocast
+from grpo.multiturn.setup import with_turns
+from grpo.rollout.build import evaluation_engine
+from grpo.run.best import BestMetric
 from grpo.run.progress import LineProgress
 from grpo.run.run_dir import check_output_dir
 from grpo.decoupled.rendezvous import advertised_address, publish_trainer_address
@@ -30,6 +33,8 @@ from grpo.decoupled.weight_sync import BroadcastPublisher
 from grpo.decoupled.work_plan import Chunk, WorkPlan, chunk_of
 from grpo.step.batching import concat_batches, rank_slice
 from grpo.training.distributed import DistInfo, barrier, shutdown
+from grpo.training.evaluation import RunEvaluator, eval_sources, run_evaluator
+from grpo.training.inputs import GivenInputs, tokenizer_and_data
 from grpo.training.loop import Collected, Loop, PolicyUpdate, run_loop
 from grpo.tasks import run_task
 from grpo.training.settings import logprob_processing, loop_schedule, loss_settings
@@ -231,6 +236,18 @@ def start_broadcast(cfg: RunConfig, store) -> BroadcastPublisher | None:
         op_timeout_s=d.peer_timeout_s))  # the store's server listens on every interface; this is its own client
 
 
+def trainer_evaluator(cfg: RunConfig, policy: torch.nn.Module, info: DistInfo, out) -> RunEvaluator | None:
+    """The trainer ranks' evaluation of ``data.eval`` (None without one): the samplers run on other
+    weights, so the ranks evaluate the newest ones themselves, each a slice, through an engine over their own
+    policy (``rollout.engine``, or for vLLM ``auto``'s), scored by the run's task and rewards."""
+    if not eval_sources(cfg.data.eval):
+        return None
+    inputs = tokenizer_and_data(cfg, GivenInputs())
+    base_engine = evaluation_engine(cfg, policy, inputs.tokenizer)
+    engine = with_turns(base_engine, inputs.turns, cfg, policy, inputs.tokenizer)
+    return run_evaluator(cfg, inputs, engine, base_engine, policy, info, out)
+
+
 def run_trainer(cfg: RunConfig) -> int:
     """Train ``train.max_steps`` steps on batches from the samplers; returns the exit status."""
     from grpo.decoupled.transport import RolloutReceiver
@@ -278,11 +295,15 @@ def run_trainer(cfg: RunConfig) -> int:
                               publisher=publisher)
         update = PolicyUpdate(trainable, loss_settings(cfg, logprob_processing(cfg, policy, tokenizer)), info,
                               ptx_data)  # the samplers' sampling controls
+        evaluate = trainer_evaluator(cfg, policy, info, run.out)
+        best = (BestMetric.resumed(run.out, cfg.train.best_metric, cfg.train.best_metric_mode)
+                if cfg.train.best_metric and evaluate is not None else None)
         loop = Loop(loop_schedule(cfg), update, trainable, tokenizer, run.out, info, run.logger,
                     LineProgress(enabled=info.is_main), compute,
                     cfg.rollout.num_generations, cfg.data.tag_style, cfg.train.save_total_limit,
+                    evaluate=evaluate, best=best,
                     score=run_task(cfg).score)  # the logged accuracy, by the task's own scorer
-        run_loop(loop, receiving, run.start_step)
+        run_loop(loop, receiving, run.start_step, run.resumed_state.get("eval_before") if run.resumed_state else None)
         return 0
     finally:
         try:

@@ -76,10 +76,11 @@ ENGINES: dict[str, EngineKind] = {
 }
 
 
-def policy_engine_name(cfg: RunConfig, policy: torch.nn.Module) -> str:
-    """``resolve_engine_name`` for the engine that samples from ``policy`` (its device, its layers)."""
+def policy_engine_name(cfg: RunConfig, policy: torch.nn.Module, name: str | None = None) -> str:
+    """``resolve_engine_name`` of ``name`` (None: ``rollout.engine``) for the engine that samples from
+    ``policy`` (its device, its layers)."""
     layer_types = getattr(getattr(policy, "config", None), "layer_types", None) or ["full_attention"]
-    return resolve_engine_name(cfg.rollout.engine, next(policy.parameters()).device.type,
+    return resolve_engine_name(name or cfg.rollout.engine, next(policy.parameters()).device.type,
                                quantized=cfg.model.load_in_4bit,
                                full_attention=all(t == "full_attention" for t in layer_types),
                                sharded=any(hasattr(p, "ds_id") for p in policy.parameters()))  # ZeRO-3's mark
@@ -105,6 +106,16 @@ def build_engine(cfg: RunConfig, policy: torch.nn.Module, tokenizer) -> RolloutE
     its own copy of ``model.name_or_path``."""
     check_engine_available(cfg)
     return engine_kind(policy_engine_name(cfg, policy)).build(cfg, policy, tokenizer)
+
+
+def evaluation_engine(cfg: RunConfig, policy: torch.nn.Module, tokenizer) -> RolloutEngine:
+    """An engine over ``policy`` itself, for a process that evaluates but does not sample (a decoupled trainer
+    rank): ``rollout.engine`` when it samples from the policy, else ``auto``'s choice for the policy's device
+    (a vLLM copy of the weights lives with the samplers)."""
+    name = cfg.rollout.engine
+    if name != AUTO and engine_kind(name).own_weights:
+        name = AUTO
+    return engine_kind(policy_engine_name(cfg, policy, name)).build(cfg, policy, tokenizer)
 
 
 def holds_own_weights(engine: RolloutEngine) -> bool:

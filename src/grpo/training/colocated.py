@@ -27,10 +27,9 @@ from grpo.run.best import BestMetric
 from grpo.run.progress import StepProgress
 from grpo.run.run_dir import check_output_dir
 from grpo.step.experience import ExperienceSettings, generation_logprobs, local_reference, rank_experience
-from grpo.tools.eval_scoring import EvalRewards
 from grpo.training.distributed import shutdown
 from grpo.tasks import run_task
-from grpo.training.evaluation import RunEvaluator, eval_settings, primary_result
+from grpo.training.evaluation import primary_result, run_evaluator
 from grpo.training.loop import Collected, Loop, PolicyUpdate, run_loop
 from grpo.training.settings import (critic_settings, dynamic_rounds, experience_settings, logprob_pass,
                                     logprob_processing, loop_schedule, loss_settings, needs_critic)
@@ -157,7 +156,7 @@ def train(cfg: RunConfig, given: GivenInputs | None = None) -> TrainResult:
         sampling = Sampling(cfg, engine, policy, ref_logprobs, tokenizer, train_set, prompt_sampler, reward_fns,
                             reward_weights, exp_settings, info, values_fn, processing, run.start_step)
         update = PolicyUpdate(trainable, loss_settings(cfg, processing), info, ptx_data, critic, critic_settings(cfg))
-        evaluate = evaluator(cfg, inputs, base_engine, engine, policy, info, run.out) if eval_sets else None
+        evaluate = run_evaluator(cfg, inputs, engine, base_engine, policy, info, run.out) if eval_sets else None
         best = (BestMetric.resumed(run.out, cfg.train.best_metric, cfg.train.best_metric_mode)
                 if cfg.train.best_metric and evaluate is not None else None)
         loop = Loop(loop_schedule(cfg), update, trainable, tokenizer, run.out, info, run.logger,
@@ -169,13 +168,3 @@ def train(cfg: RunConfig, given: GivenInputs | None = None) -> TrainResult:
                            primary_result(result.eval_after))
     finally:
         shutdown(info)
-
-
-def evaluator(cfg: RunConfig, inputs, base_engine, engine, policy, info, out: Path) -> RunEvaluator:
-    """The run's evaluation through the engine it samples with (multi-turn when it has tools or environments;
-    under a rollout hook the engine the hook wraps, without rewards: a hook's rollouts and the columns its
-    rewards read are the user's), scored by its task and rewards."""
-    hooked = inputs.turns.rollout_func is not None
-    rewards = EvalRewards(inputs.reward_fns, inputs.reward_weights) if inputs.reward_fns and not hooked else None
-    return RunEvaluator(eval_settings(cfg), inputs.eval_sets, base_engine if hooked else engine, policy,
-                        inputs.tokenizer, info, rewards, out)

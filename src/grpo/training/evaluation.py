@@ -126,6 +126,17 @@ class RunEvaluator:
         return results
 
 
+def run_evaluator(cfg: RunConfig, inputs, engine, base_engine, policy: torch.nn.Module, info: DistInfo,
+                  out: Path) -> RunEvaluator:
+    """The run's evaluation through ``engine`` (multi-turn when the run has tools or environments; under a
+    rollout hook ``base_engine``, the one the hook wraps, without rewards: a hook's rollouts and the columns
+    its rewards read are the user's), scored by its task and rewards (``inputs``: ``grpo.training.inputs``)."""
+    hooked = inputs.turns.rollout_func is not None
+    rewards = EvalRewards(inputs.reward_fns, inputs.reward_weights) if inputs.reward_fns and not hooked else None
+    return RunEvaluator(eval_settings(cfg), inputs.eval_sets, base_engine if hooked else engine, policy,
+                        inputs.tokenizer, info, rewards, out)
+
+
 def eval_metrics(results: dict[str, dict] | None) -> dict[str, float]:
     """The logged names of an evaluation's metrics: ``eval/accuracy``, ``eval/pass@4``, ``eval/reward/<name>``,
     ``eval/accuracy/people=3``, ``eval/tools/*`` for the unnamed set; ``eval/<set>/...`` for named ones (empty
