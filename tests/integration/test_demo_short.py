@@ -37,13 +37,16 @@ def test_short_demo_run_keeps_accuracy_and_writes_its_outputs(tmp_path, monkeypa
     out = tmp_path / "demo"
     cfg = load_config(DEMO_RECIPE, [
         f"train.max_steps={SHORT_STEPS}",
-        f"data.eval_limit={EVAL_PROBLEMS}",
+        f"data.eval=synthetic:seed=123,n={EVAL_PROBLEMS},difficulty=demo",
+        "eval.num_samples=1",
         "train.eval_steps=null",
         f"train.save_steps={SHORT_STEPS}",
         f"train.output_dir={out}",
         "log.progress_bar=false",
     ])
-    assert cfg.model.name_or_path == "assets/tiny-math" and cfg.data.eval.startswith("synthetic:seed=123,n=500")
+    assert cfg.model.name_or_path == "assets/tiny-math" and cfg.train.max_steps == SHORT_STEPS
+    recipe = load_config(DEMO_RECIPE, [])  # two named sets, sampled: README "Evaluation"
+    assert sorted(recipe.data.eval) == ["demo", "medium"] and recipe.eval.num_samples == 4
     result = train(cfg)
 
     before, after = result.eval_before, result.eval_after

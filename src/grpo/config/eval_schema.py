@@ -19,7 +19,9 @@ class EvalConfig:
         0, "Bootstrap resamples of the problems for 95% intervals of accuracy, pass@j and maj@k "
         "(<metric>_ci_low/_ci_high); 0 = none.", ge=0)
     batch_size: int | None = opt(
-        None, "Completions per generation call in evaluation; null = max(train.micro_batch_size, 16).", ge=1)
+        None, "Completions per generation call in evaluation (the sets share calls); null = what a training step "
+        "generates at once on a rank (rollout.generation_batch_size, else prompts_per_step x num_generations / ranks), "
+        "at least 16.", ge=1)
     save_records: bool = opt(
         True, "Write each evaluation's per-example records (prediction, correct, rewards, completions) to "
         "<output_dir>/eval/step_<N>/<set>.jsonl.")

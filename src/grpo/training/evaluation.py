@@ -48,11 +48,15 @@ class EvalSettings:
     max_written: int
 
 
-def eval_settings(cfg: RunConfig) -> EvalSettings:
+def eval_settings(cfg: RunConfig, world_size: int = 1) -> EvalSettings:
     e = cfg.eval
+    # By default a call holds what a training step generates at once on a rank: it fits, and fewer, fuller
+    # calls cost less than many small ones (each decode step's fixed cost is paid per call).
+    step_rows = (cfg.rollout.generation_batch_size
+                 or cfg.train.prompts_per_step * cfg.rollout.num_generations // world_size)
     return EvalSettings(task=run_task(cfg), tag_style=cfg.data.tag_style, system_prompt=run_system_prompt(cfg),
                         add_system_prompt=cfg.data.add_system_prompt,
-                        batch_size=e.batch_size or max(cfg.train.micro_batch_size, 16),
+                        batch_size=e.batch_size or max(step_rows, 16),
                         max_new_tokens=cfg.rollout.max_completion_length,
                         max_prompt_length=cfg.data.max_prompt_length, samples=e.num_samples,
                         temperature=e.temperature, bootstrap=e.bootstrap, seed=cfg.train.seed,
@@ -106,10 +110,16 @@ class RunEvaluator:
                                   f"{unanswered[0]}; evaluation needs an answer column")
 
     def __call__(self, step: int) -> dict[str, dict]:
+        from grpo.multiturn.driver import ExampleRollout
+
         s = self.settings
         unit = call_unit(s.batch_size, s.samples)
+        # The sets share generation calls (fewer, fuller calls), except multi-turn, whose per-call tool metrics
+        # belong to one set.
+        together = not isinstance(self.engine, ExampleRollout)
         results = {}
-        for name, examples in self.sets.items():
+        for names in [list(self.sets)] if together else [[name] for name in self.sets]:
+            examples = [e for name in names for e in self.sets[name]]
             start, end = rank_slice(len(examples), unit, self.info.rank, self.info.world_size)
             records, chunks = evaluate_records(
                 unwrap_model(self.policy), self.tokenizer, examples[start:end], task=s.task, tag_style=s.tag_style,
@@ -118,11 +128,13 @@ class RunEvaluator:
                 progress=False, engine=self.engine, max_prompt_length=s.max_prompt_length, rewards=self.rewards,
                 max_written=s.max_written, first_example=start)
             parts = all_gather_json({"records": records, "chunks": chunks}, self.info)
-            records = [r for part in parts for r in part["records"]]
+            gathered = [r for part in parts for r in part["records"]]
             chunks = [c for part in parts for c in part["chunks"]]
-            results[name] = {**summarize(records, s.samples, s.bootstrap, s.seed), **mean_rollout_metrics(chunks)}
-            if s.save_records and self.out is not None and self.info.is_main:
-                write_records(self.out / RECORDS_DIR / f"step_{step}" / f"{name or 'eval'}.jsonl", records)
+            for name in names:  # each set's records, in the order the sets were joined
+                records, gathered = gathered[:len(self.sets[name])], gathered[len(self.sets[name]):]
+                results[name] = {**summarize(records, s.samples, s.bootstrap, s.seed), **mean_rollout_metrics(chunks)}
+                if s.save_records and self.out is not None and self.info.is_main:
+                    write_records(self.out / RECORDS_DIR / f"step_{step}" / f"{name or 'eval'}.jsonl", records)
         return results
 
 
@@ -133,7 +145,7 @@ def run_evaluator(cfg: RunConfig, inputs, engine, base_engine, policy: torch.nn.
     its rewards read are the user's), scored by its task and rewards (``inputs``: ``grpo.training.inputs``)."""
     hooked = inputs.turns.rollout_func is not None
     rewards = EvalRewards(inputs.reward_fns, inputs.reward_weights) if inputs.reward_fns and not hooked else None
-    return RunEvaluator(eval_settings(cfg), inputs.eval_sets, base_engine if hooked else engine, policy,
+    return RunEvaluator(eval_settings(cfg, info.world_size), inputs.eval_sets, base_engine if hooked else engine, policy,
                         inputs.tokenizer, info, rewards, out)
 
 
