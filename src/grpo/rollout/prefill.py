@@ -140,7 +140,8 @@ def _shared_and_grouped(model, encoded: list[list[int]], shared: int, passes: li
         for layer, k, v in zip(out.past_key_values.layers, keys, values):
             if shared:
                 k[at, :, :shared], v[at, :, :shared] = layer.keys[:, :, :shared], layer.values[:, :, :shared]
-            k[at, :, shared + width - s:], v[at, :, shared + width - s:] = layer.keys[:, :, -s:], layer.values[:, :, -s:]
+            k[at, :, shared + width - s:] = layer.keys[:, :, -s:]
+            v[at, :, shared + width - s:] = layer.values[:, :, -s:]
         key_mask[at, shared + width - s:] = rest_mask
         logits[at] = out.logits[:, -1]
     last = torch.tensor([len(p) - 1 for p in encoded], device=device)[:, None]  # [U, 1]

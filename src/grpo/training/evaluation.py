@@ -145,8 +145,8 @@ def run_evaluator(cfg: RunConfig, inputs, engine, base_engine, policy: torch.nn.
     its rewards read are the user's), scored by its task and rewards (``inputs``: ``grpo.training.inputs``)."""
     hooked = inputs.turns.rollout_func is not None
     rewards = EvalRewards(inputs.reward_fns, inputs.reward_weights) if inputs.reward_fns and not hooked else None
-    return RunEvaluator(eval_settings(cfg, info.world_size), inputs.eval_sets, base_engine if hooked else engine, policy,
-                        inputs.tokenizer, info, rewards, out)
+    return RunEvaluator(eval_settings(cfg, info.world_size), inputs.eval_sets, base_engine if hooked else engine,
+                        policy, inputs.tokenizer, info, rewards, out)
 
 
 def eval_metrics(results: dict[str, dict] | None) -> dict[str, float]:
