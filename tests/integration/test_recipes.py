@@ -29,6 +29,7 @@ from grpo.data import generate_problems, write_gsm8k_jsonl
 from grpo.data.locations import looks_like_hub_id
 from grpo.models.tiny import build_qwen2
 from grpo.tools.memory.shapes import load_model_config
+from grpo.training.evaluation import eval_sources
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -113,14 +114,16 @@ def recipe_overrides(recipe: Path, tokenizer, tmp_path: Path) -> list[str]:
                       - family(cfg.model.name_or_path, "model.name_or_path")[1]["vocab_size"])
         swaps["model.ref_name_or_path"] = tiny_like(ref, "model.ref_name_or_path", tokenizer, tmp_path / "teacher",
                                                     hidden_size=96, num_layers=3, extra_rows=extra_rows)
-    if looks_like_hub_id(cfg.data.train) or (cfg.data.eval is not None and looks_like_hub_id(cfg.data.eval)):
+    eval_sets = list(eval_sources(cfg.data.eval).values())  # a recipe's named sets or its one source
+    if looks_like_hub_id(cfg.data.train) or any(looks_like_hub_id(source) for source in eval_sets):
         folder = gsm8k_folder(tmp_path / "gsm8k")
         swaps["data.train"] = folder
         if cfg.data.eval is not None:
             swaps["data.eval"] = folder
-    for key, seed, count in (("data.train", 1, 128), ("data.eval", 2, EVAL_PROMPTS)):
-        if (getattr(cfg.data, key.split(".")[1]) or "").startswith("kk:"):
-            swaps[key] = f"kk:seed={seed},n={count},people=2"
+    if cfg.data.train.startswith("kk:"):
+        swaps["data.train"] = "kk:seed=1,n=128,people=2"
+    if any(source.startswith("kk:") for source in eval_sets):
+        swaps["data.eval"] = f"kk:seed=2,n={EVAL_PROMPTS},people=2"
     if cfg.data.eval is not None:
         swaps["data.eval_limit"] = min(cfg.data.eval_limit or EVAL_PROMPTS, EVAL_PROMPTS)
     if cfg.model.bf16 and not torch.cuda.is_available():
