@@ -112,8 +112,9 @@ print(sys.argv[2], "generate s per step:", " ".join(f"{x:.2f}" for x in s["gener
   lease2)  # after the first lease (H200, ab7d641): the update was host-bound (GPU busy 39%) with the shared pass
     deadline=$((SECONDS + ${GPU_SESSION_SECONDS:-540}))
     left() { echo $((deadline - SECONDS)); }
-    for pass in auto off; do  # the A/B that decides train.shared_prompt_pass on CUDA, on one machine
-      timeout "$(left)" $bench --steps 3 --cases full --sides grpo --no-busy --shared-prompt-pass $pass \
+    for pass in auto off; do  # the A/B that decides train.shared_prompt_pass on CUDA, on one machine, with the
+                              # profiled update (GPU busy, operator tables): the update's target is 85% busy
+      timeout "$(left)" $bench --steps 3 --cases full --sides grpo --shared-prompt-pass $pass \
         --out "$out/shared-$pass.json" || echo "lease2: shared $pass ended $?"
     done
     # the fused LM head is on by size at this shape (16 x 257 x 151,936 logits): the same step without it
