@@ -18,7 +18,11 @@
 #                                              #   (issue 14's goal: under 60 s on one H100), 3 steps
 #   run: bash scripts/gpu_session.sh head      # the fused LM head against whole logits at the 1.5B body and
 #                                              #   Qwen's vocabulary, 8 x 1024 completion tokens (~2 min)
-#   run: bash scripts/gpu_session.sh lease2    # the next lease (GPU_SESSION_SECONDS likewise): what the first left
+#   run: bash scripts/gpu_session.sh lease3    # the next lease (GPU_SESSION_SECONDS likewise): the CUDA defaults the
+#                                              #   second decided (plain pass, fixed rows, no-grad plain logits)
+#                                              #   against TRL and the plain loop, full and LoRA, with GPU busy;
+#                                              #   the fused head at 1.5B; full-gc, lora-gc; a 2-step full-size run
+#   run: bash scripts/gpu_session.sh lease2    # (run on an H200 at 33ea38b, cut after the A/B) what the first left
 #                                              #   unmeasured: shared prompt pass on/off and the fused LM head
 #                                              #   off for full fine-tuning,
 #                                              #   the fused head at 1.5B, full-gc and lora-gc against TRL and
@@ -34,7 +38,7 @@
 # python3), to check the script itself (tests/test_bench_gpu_script.py does); memory has no tiny form.
 set -euo pipefail
 
-part="${1:?usage: gpu_session.sh gen|full|lora|choices|memory|jump|fullsize|head|lease|lease2}"
+part="${1:?usage: gpu_session.sh gen|full|lora|choices|memory|jump|fullsize|head|lease|lease2|lease3}"
 out="${OUT:-gpu-out}"
 python="${PYTHON:-python3}"
 mkdir -p "$out"
@@ -133,8 +137,25 @@ print(sys.argv[2], "generate s per step:", " ".join(f"{x:.2f}" for x in s["gener
         --out "$out/full-size.json" || echo "lease2: fullsize ended $?"
     fi
     ;;
+  lease3)  # after the second lease (H200, 33ea38b): one grpo run took 2-4 minutes, so the headline comes first
+    deadline=$((SECONDS + ${GPU_SESSION_SECONDS:-540}))
+    left() { echo $((deadline - SECONDS)); }
+    timeout "$(left)" $bench --steps 3 --cases full,lora --out "$out/full-lora.json" || echo "lease3: full,lora ended $?"
+    if [ "$(left)" -gt 120 ]; then
+      if [ -n "${GPU_SESSION_TINY:-}" ]; then head_args="--completion 32 --reps 1"; else head_args="--device cuda --body 1.5b"; fi
+      timeout "$(left)" $python benchmarks/logprob_memory.py $head_args --out "$out/logprob_memory.json" \
+        || echo "lease3: head ended $?"
+    fi
+    if [ "$(left)" -gt 200 ]; then
+      timeout "$(left)" $bench --steps 3 --cases full-gc,lora-gc --no-busy --out "$out/gc.json" || echo "lease3: gc ended $?"
+    fi
+    if [ "$(left)" -gt 150 ]; then
+      timeout "$(left)" $bench ${full_size:+--full-size} --steps 2 --cases full --sides grpo --no-busy \
+        --out "$out/full-size.json" || echo "lease3: fullsize ended $?"
+    fi
+    ;;
   *)
-    echo "gpu_session.sh: unknown part $part (gen, full, lora, choices, memory, fullsize, jump, head, lease or lease2)" >&2
+    echo "gpu_session.sh: unknown part $part (gen, full, lora, choices, memory, fullsize, jump, head, lease, lease2 or lease3)" >&2
     exit 2
     ;;
 esac

@@ -280,7 +280,7 @@ def test_gpu_session_script_parts_run_in_tiny_form(tmp_path, gsm8k_dir):
     parts read GSM8K's prompts (skipped without the shared files, like every GSM8K test)."""
     env = {**os.environ, "GPU_SESSION_TINY": "1", "PYTHON": sys.executable, "OUT": str(tmp_path),
            "GRPO_GSM8K_DIR": str(gsm8k_dir)}
-    for part in ("gen", "choices", "jump", "head", "lease2"):  # lease2 runs fullsize's command too
+    for part in ("gen", "choices", "jump", "head", "lease3"):  # lease3 runs fullsize's command too
         proc = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "gpu_session.sh"), part], cwd=REPO_ROOT, env=env,
                               capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, (part, proc.stderr[-4000:])
@@ -295,8 +295,11 @@ def test_gpu_session_script_parts_run_in_tiny_form(tmp_path, gsm8k_dir):
             for name in ("default", "efficient,math")}
     assert jump["default"]["grpo_engine"] == jump["efficient,math"]["grpo_engine"] == "hf"
     assert jump["efficient,math"]["sdpa_backends"] == "efficient,math" and jump["default"]["sdpa_backends"] == "auto"
-    assert json.loads((tmp_path / "fused-off.json").read_text())["settings"]["grpo_set"] == {
-        "train.fused_lm_head": "false"}
+    headline = json.loads((tmp_path / "full-lora.json").read_text())["cases"]
+    assert [case["name"].split("/")[1] for case in headline] == ["full", "lora16"]
+    assert all(case["trl"] and case["plain"] for case in headline)  # both baselines beside grpo
+    assert [case["name"].split("/")[1] for case in json.loads((tmp_path / "gc.json").read_text())["cases"]] == [
+        "full+gc", "lora16+gc"]
     head = json.loads((tmp_path / "logprob_memory.json").read_text())
     assert [p["pass"] for p in head["passes"]] == ["training", "reference"]
     assert all(p["fused"]["peak_mib"] > 0 and p["logits"]["seconds"] > 0 for p in head["passes"])

@@ -1,8 +1,9 @@
 """The per-device-type choices (docs/device-choices.md) as config keys: which SDPA backends the trainer's
-passes use (``model.sdpa_backends``), whether the log-prob passes share prompts (``train.shared_prompt_pass``)
-and how their widths are rounded (``train.column_bucket``). Their CUDA defaults are to be decided by
-measurement; here, that each key is checked on load, reaches every pass that reads it, does what it says
-(on the CPU), and that the defaults leave the behaviour alone."""
+passes use (``model.sdpa_backends``), whether the log-prob passes share prompts (``train.shared_prompt_pass``),
+how their widths are rounded (``train.column_bucket``), when the fused head takes over
+(``train.fused_lm_head``) and whether ``auto`` micro-batches cut by tokens. Here, that each key is checked on
+load, reaches every pass that reads it, does what it says (on the CPU), and that the defaults leave the
+behaviour alone. The CUDA defaults were decided on an H200 (docs/device-choices.md)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from grpo.step.experience import (
     finish_experience,
     generation_logprobs,
 )
+from grpo.config.device_defaults import PASS_DEFAULTS, PassDefaults
 from grpo.step.logprobs import (
-    DEVICE_DEFAULTS,
     LogprobPass,
     completion_logprobs,
     pass_choices,
@@ -93,11 +94,14 @@ def test_backends_and_autocast_together():
 def test_pass_choices_fill_in_the_device_types_defaults():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert pass_choices(cpu, None, None) == (True, 1)  # no extra columns: padding is only compute on a CPU
-    assert pass_choices(cuda, None, None) == (True, 64)  # shapes that repeat on a GPU
+    assert pass_choices(cuda, None, None) == (False, 64)  # the plain pass, shapes that repeat on a GPU
     assert pass_choices(torch.device("meta"), None, None) == (True, 1)  # other device types: the CPU's
     assert pass_choices(cuda, False, 8) == (False, 8)  # a value given wins
     with pytest.raises(TypeError):
-        DEVICE_DEFAULTS["cuda"] = (False, 1)  # nothing assigns into the defaults
+        PASS_DEFAULTS["cuda"] = PASS_DEFAULTS["cpu"]  # nothing assigns into the defaults
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        PASS_DEFAULTS["cuda"].share_prompts = True  # type: ignore[misc]
+    assert isinstance(PASS_DEFAULTS["cpu"], PassDefaults)
 
 
 def test_pass_keys_are_checked_and_reach_the_settings():

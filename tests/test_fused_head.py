@@ -12,7 +12,8 @@ from grpo.algorithm import LogprobProcessing, processed_token_entropy, processed
 from grpo.algorithm import token_logprobs
 from grpo.algorithm.head import head_logprobs
 from grpo.models.tiny import build_qwen2
-from grpo.step.logprobs import FUSED_HEAD_MIN_ELEMENTS, completion_logprobs, uses_fused_head
+from grpo.config.device_defaults import pass_defaults
+from grpo.step.logprobs import completion_logprobs, uses_fused_head
 
 from test_logprobs import grouped_rows
 
@@ -163,18 +164,29 @@ def test_fused_pass_never_makes_the_micro_batchs_logits(tiny_tokenizer):
 
 
 def test_fused_head_by_size_when_not_set():
+    cpu, cuda = pass_defaults("cpu"), pass_defaults("cuda")
+    assert (cpu.fused_head_min_elements, cpu.fused_head_min_elements_no_grad) == (2 ** 26, 2 ** 26)
+    assert (cuda.fused_head_min_elements, cuda.fused_head_min_elements_no_grad) == (2 ** 26, 2 ** 30)
+    least = cpu.fused_head_min_elements
     assert uses_fused_head(None, 16, 1025, 151936) and not uses_fused_head(None, 16, 65, 8448)
-    assert uses_fused_head(None, 1, FUSED_HEAD_MIN_ELEMENTS, 1) and not uses_fused_head(None, 1, FUSED_HEAD_MIN_ELEMENTS - 1, 1)
-    assert uses_fused_head(True, 1, 1, 1) and not uses_fused_head(False, 16, 1025, 151936)
+    assert uses_fused_head(None, 1, least, 1) and not uses_fused_head(None, 1, least - 1, 1)
+    # CUDA's no-grad passes keep the plain logits up to 2^30 elements (the H200's reference pass at 16 x 257
+    # positions of Qwen's vocabulary: plain was faster); its training passes fuse from 2^26, as a CPU's
+    assert not uses_fused_head(None, 16, 257, 151936, "cuda", grad=False)
+    assert uses_fused_head(None, 16, 257, 151936, "cuda") and uses_fused_head(None, 16, 257, 151936, "cpu", grad=False)
+    assert uses_fused_head(None, 1, 2 ** 30, 1, "cuda", grad=False)
+    assert uses_fused_head(None, 1, least, 1, "meta", grad=False)  # other device types: the CPU's
+    assert uses_fused_head(True, 1, 1, 1, "cuda", grad=False) and not uses_fused_head(False, 16, 1025, 151936)
 
 
 def test_the_planner_sizes_the_fused_head_as_the_passes_run_it():
-    # grpo memory imports no torch, so it repeats the two constants: they must agree with the code's
+    # grpo memory imports no torch, so it repeats the head's chunk: it must agree with the code's
     from grpo.algorithm.head import CHUNK_ELEMENTS
     from grpo.tools.memory import formulas
 
-    assert formulas.HEAD_CHUNK_ELEMENTS == CHUNK_ELEMENTS and formulas.FUSED_HEAD_MIN_ELEMENTS == FUSED_HEAD_MIN_ELEMENTS
-    for setting in (None, True, False):
-        for shape in ((16, 1025, 151936), (16, 65, 8448), (1, 442, 151936)):
-            assert formulas.fused_head(setting, micro_batch=shape[0], positions=shape[1], vocab_size=shape[2]) == \
-                uses_fused_head(setting, *shape)
+    assert formulas.HEAD_CHUNK_ELEMENTS == CHUNK_ELEMENTS
+    for device in ("cpu", "cuda"):  # the planner sizes the update: a pass with gradients
+        for setting in (None, True, False):
+            for shape in ((16, 1025, 151936), (16, 257, 151936), (16, 65, 8448), (1, 442, 151936)):
+                assert formulas.fused_head(setting, micro_batch=shape[0], positions=shape[1], vocab_size=shape[2],
+                                           device_type=device) == uses_fused_head(setting, *shape, device)

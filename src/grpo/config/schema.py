@@ -209,7 +209,7 @@ class TrainConfig:
         None, "Log-prob passes run each distinct prompt of a micro-batch once and its completions over the "
         "prompt's KV cache (true), or every prompt + completion as one sequence (false): the same values, G "
         "times less prompt compute for a second forward per micro-batch; null = the device type's default "
-        "(CPU and CUDA: true; docs/device-choices.md).")
+        "(CPU: true; CUDA: false, where the second forward's host work costs more; docs/device-choices.md).")
     column_bucket: int | None = opt(
         None, "Log-prob passes round the columns they run (beyond the padding every row of a micro-batch shares) "
         "up to a multiple of this, so shapes repeat and GPU kernels and attention plans are reused; the extra "
@@ -217,14 +217,16 @@ class TrainConfig:
     max_tokens_per_micro_batch: int | str | None = opt(
         "auto", "Update micro-batches by padded tokens (rows by length while rows x (longest prompt + completion) "
         "fits; the same gradient): auto = the padded tokens of the step's largest micro_batch_size-row micro-batch, "
-        "any number of rows (never more memory, fewer passes when lengths vary; fixed rows with deepspeed); N = "
-        "that budget, at most micro_batch_size rows (not with deepspeed); null: micro_batch_size rows.")
+        "any number of rows (never more memory, fewer passes when lengths vary; fixed rows with deepspeed and on "
+        "CUDA, where repeated shapes run faster); N = that budget, at most micro_batch_size rows (not with "
+        "deepspeed); null: micro_batch_size rows.")
     pack_sequences: bool = opt(
         False, "Log-prob passes run each micro-batch's rows as one packed sequence of real tokens (no padding; "
         "replaces the shared prompt pass; for flash-attention-2's varlen kernels). Same values.")
     fused_lm_head: bool | None = opt(
         None, "Log-probs from the final hidden states, the LM head chunked and recomputed in backward (no [b, L, V] "
-        "logits); null: when a micro-batch's logits would reach 2^26 elements. Same values.")
+        "logits); null: when a micro-batch's logits would reach 2^26 elements (CUDA's no-grad passes: 2^30). "
+        "Same values.")
     max_steps: int = opt(100, "Optimisation steps to run.", ge=1)
     output_dir: str = opt("runs/demo", "Run folder: config, metrics, samples, plots, checkpoints.")
     seed: int = opt(42, "Seed for data order, sampling and initialisation.", ge=0)

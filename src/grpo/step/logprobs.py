@@ -6,7 +6,9 @@ the model over every *distinct* prompt once, keeping its KV cache, and then over
 alone, each reading its prompt's cache rows. Under autograd the cache rows are an index into the
 prompt pass, so the prompt's gradient is the sum over its completions, exactly as if the prompt had
 been run G times: the same log-probs and gradients up to float re-association, for G times less
-prompt compute (and prompt activation memory).
+prompt compute (and prompt activation memory). That is the CPU's default; on CUDA the plain pass (every
+row's prompt + completion as one sequence) is, since there the host's dispatch, not compute, bounds the
+pass (``grpo.config.device_defaults.PASS_DEFAULTS``).
 
 Gradient checkpointing: Hugging Face drops the KV cache of a checkpointing model in training mode
 (the backward's recompute would append to it twice), so under grad such a model runs the plain pass.
@@ -16,10 +18,9 @@ with checkpointing switched off (``checkpointing_paused``) and shares prompts li
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from types import MappingProxyType
 
 import torch
 from torch import Tensor
@@ -34,6 +35,7 @@ from grpo.algorithm import (
 )
 from grpo.algorithm.head import head_logprobs
 from grpo.algorithm.processing import prompt_presence
+from grpo.config.device_defaults import fused_head_by_size, pass_defaults
 from grpo.models.wrappers import decoder, inner_model, output_head
 
 
@@ -51,30 +53,21 @@ class LogprobPass:
 DEVICE_DEFAULT_PASS = LogprobPass()  # every choice the device type's default
 
 
-# The defaults by device type, (share prompts, column bucket); other types take the CPU's. Sharing saves
-# prompt compute for a second forward per micro-batch; on CUDA repeated widths let kernels and attention
-# plans be reused, on a CPU padding columns are only extra compute. Measurements: docs/device-choices.md.
-DEVICE_DEFAULTS: Mapping[str, tuple[bool, int]] = MappingProxyType({"cpu": (True, 1), "cuda": (True, 64)})
-
-
-# train.fused_lm_head null: a micro-batch goes through the fused head when its [b, L + 1, V] logits would
-# have at least this many elements (256 MB in float32); smaller ones keep the plain logits, where the
-# fused pass's second head matmul in backward costs more than the memory it saves.
-FUSED_HEAD_MIN_ELEMENTS = 2 ** 26
-
-
-def uses_fused_head(fused_head: bool | None, rows: int, positions: int, vocab_size: int) -> bool:
+def uses_fused_head(fused_head: bool | None, rows: int, positions: int, vocab_size: int,
+                    device_type: str = "cpu", grad: bool = True) -> bool:
     """Whether a micro-batch of ``rows`` x ``positions`` scored positions runs the fused head: as given,
-    or (None) when its logits would reach ``FUSED_HEAD_MIN_ELEMENTS``."""
-    return fused_head if fused_head is not None else rows * positions * vocab_size >= FUSED_HEAD_MIN_ELEMENTS
+    or (None) when its logits would reach the device type's size for a pass with or without gradients
+    (``grpo.config.device_defaults.PASS_DEFAULTS``)."""
+    return fused_head_by_size(fused_head, rows=rows, positions=positions, vocab_size=vocab_size,
+                              device_type=device_type, grad=grad)
 
 
 def pass_choices(device: torch.device, share_prompts: bool | None, column_bucket: int | None) -> tuple[bool, int]:
     """(share prompts, column bucket) for a pass on ``device``: the values given, each None replaced by
-    ``DEVICE_DEFAULTS`` for the device's type."""
-    default_share, default_bucket = DEVICE_DEFAULTS.get(device.type, DEVICE_DEFAULTS["cpu"])
-    return (default_share if share_prompts is None else share_prompts,
-            default_bucket if column_bucket is None else column_bucket)
+    the device type's default (``grpo.config.device_defaults.PASS_DEFAULTS``)."""
+    defaults = pass_defaults(device.type)
+    return (defaults.share_prompts if share_prompts is None else share_prompts,
+            defaults.column_bucket if column_bucket is None else column_bucket)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -261,7 +254,7 @@ def completion_logprobs(
         temperature: the sampling temperature (logits are divided by it).
         micro_batch_size: rows per forward pass; None = all at once.
         column_bucket: run widths rounded up to a multiple of this (padding columns, masked); None: the
-            model's device type's default (``pass_choices``: 64 on CUDA, so shapes repeat; 1 elsewhere).
+            model's device type's default (``pass_choices``).
         share_prompts: run each micro-batch's distinct prompts once (see the module docstring);
             False runs every row's prompt + completion as one sequence (the plain reference); None: the
             model's device type's default (``pass_choices``).
@@ -272,7 +265,8 @@ def completion_logprobs(
             distribution (``grpo.algorithm.processing``). None or all off: the tempered logits as they are.
         fused_head: the log-probs (and entropy) from the final hidden states, the LM head applied a chunk
             of positions at a time (``grpo.algorithm.head``): no micro-batch's ``[b, Lc, V]`` logits ever
-            exist. None: per micro-batch, when those logits would reach ``FUSED_HEAD_MIN_ELEMENTS``.
+            exist. None: per micro-batch, when those logits would reach the device type's size
+            (``uses_fused_head``).
         pack: each micro-batch's rows run as one sequence of their real tokens (``_packed_scores``): no
             padding is computed; it replaces the shared prompt pass (each row runs its own prompt).
 
@@ -325,7 +319,8 @@ def _micro_batched_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, comp
         shared = shared_prompt_index(prompt_ids[rows, first:], prompt_mask[rows, first:]) if share_prompts else None
         p_ids, p_mask = _to_device(prompt_ids[rows, first:], device), _to_device(prompt_mask[rows, first:], device)
         c_ids, c_mask = _to_device(completion_ids[rows, :width], device), _to_device(completion_mask[rows, :width], device)
-        fused = uses_fused_head(fused_head, c_ids.shape[0], width + 1, vocab_size)
+        fused = uses_fused_head(fused_head, c_ids.shape[0], width + 1, vocab_size, device.type,
+                                torch.is_grad_enabled())
         if pack:
             layout = tuple(_to_device(t, device) for t in packed_layout(prompt_mask[rows, first:],
                                                                         completion_mask[rows, :width], width))

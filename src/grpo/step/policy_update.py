@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo.algorithm import LogprobProcessing, loss_aggregation, policy_loss, sampler_importance_weights
+from grpo.config.device_defaults import pass_defaults
 from grpo.step.logprobs import DEVICE_DEFAULT_PASS, LogprobPass, completion_logprobs
 from grpo.step.ptx import ptx_nll
 from grpo.step.records import RolloutBatch, SftBatch
@@ -46,6 +47,13 @@ def rows_by_length(completion_mask: torch.Tensor, group_size: int) -> torch.Tens
     longest = completion_mask.sum(-1).view(-1, group_size).amax(-1)  # [P]
     groups = torch.argsort(longest, stable=True)  # [P]
     return (groups[:, None] * group_size + torch.arange(group_size, device=groups.device)).flatten()
+
+
+def device_token_budget(max_tokens: int | str | None, device_type: str) -> int | str | None:
+    """``train.max_tokens_per_micro_batch`` as the update runs it on a ``device_type`` device: ``auto`` is
+    fixed rows (None) where the device's defaults say so (CUDA: repeated shapes are reused, new ones cost
+    more than the padding they save; ``grpo.config.device_defaults``)."""
+    return None if max_tokens == "auto" and not pass_defaults(device_type).token_budget else max_tokens
 
 
 def token_budget_micro_batches(order: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor,
@@ -135,11 +143,12 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
     grad_norms, skipped = [], 0
     # The gradient is a sum over rows, so which rows share a micro-batch changes nothing but padding.
     P = len(batch.prompts)
+    max_tokens = device_token_budget(s.max_tokens_per_micro_batch, device.type)
     order = (rows_by_length(gen.completion_mask, N // P)
-             if (N > s.micro_batch_size or s.max_tokens_per_micro_batch) and P and N % P == 0
+             if (N > s.micro_batch_size or max_tokens) and P and N % P == 0
              else torch.arange(N))  # [N]
     micro_batches = token_budget_micro_batches(order, gen.prompt_mask, gen.completion_mask, s.micro_batch_size,
-                                               s.max_tokens_per_micro_batch)  # row indices, on the CPU
+                                               max_tokens)  # row indices, on the CPU
     # One copy to the device per step: a blocking host-to-device copy per micro-batch waits for the GPU.
     order_on_device = order.to(device)  # [N]
     # Without old log-probs from the rollout (colocated), the first iteration's own log-probs are

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from grpo.config import ConfigError, RunConfig
 from grpo.config.rules import ptx_max_length
-from grpo.config.device_defaults import resolve_engine_name
+from grpo.config.device_defaults import pass_defaults, resolve_engine_name
 from grpo.tools.memory.critic import critic_memory
 from grpo.tools.memory.formulas import (
     LORA_BYTES,
@@ -131,14 +131,15 @@ def rollout_transient_bytes(shape: ModelShape, cfg: RunConfig, *, rows: int, p: 
 
 
 def ptx_update_bytes(shape: ModelShape, cfg: RunConfig, *, p: int, lora_targets: tuple[str, ...] | None,
-                     attention: str, autocast: bool) -> tuple[int, str]:
+                     attention: str, autocast: bool, device: str = "cuda") -> tuple[int, str]:
     """(bytes, how) of the PTX micro-batch's forward and backward (``ptx.data``), which runs after the policy's
     micro-batches, their activations freed, beside the accumulated gradients: ``ptx.micro_batch_size`` whole
     sequences of the PTX max length (distinct prompts: no shared prompt pass), logits at every position (an
     upper bound: only the response's are computed)."""
     b, seq_len = cfg.ptx.micro_batch_size, ptx_max_length(cfg)
     checkpointing = cfg.model.gradient_checkpointing
-    logits, _ = update_logits_bytes(cfg, micro_batch=b, positions=seq_len, vocab_size=shape.vocab_size, p=p)
+    logits, _ = update_logits_bytes(cfg, micro_batch=b, positions=seq_len, vocab_size=shape.vocab_size, p=p,
+                                    device=device)
     activations = activation_bytes(shape, micro_batch=b, seq_len=seq_len, p=p, lora_targets=lora_targets,
                                    lora_r=cfg.model.lora_r, attention=attention,
                                    gradient_checkpointing=checkpointing, logits=logits)
@@ -148,11 +149,12 @@ def ptx_update_bytes(shape: ModelShape, cfg: RunConfig, *, p: int, lora_targets:
 
 
 def update_logits_bytes(cfg: RunConfig, *, micro_batch: int, positions: int, vocab_size: int,
-                        p: int) -> tuple[int, str]:
+                        p: int, device: str = "cuda") -> tuple[int, str]:
     """(bytes, how) of one training micro-batch's log-prob work: the whole logits and their gradient, or
-    the fused head's chunk (``train.fused_lm_head``; null: by the logits' size, as the passes decide)."""
+    the fused head's chunk (``train.fused_lm_head``; null: by the logits' size on ``device``, as the passes
+    decide)."""
     shape = dict(micro_batch=micro_batch, positions=positions, vocab_size=vocab_size)
-    if fused_head(cfg.train.fused_lm_head, **shape):
+    if fused_head(cfg.train.fused_lm_head, **shape, device_type=device):
         return (fused_logits_bytes(**shape),
                 f"fused LM head: one chunk of {micro_batch} x {positions} x {vocab_size} logits at a time, recomputed "
                 "in backward (train.fused_lm_head)")
@@ -219,10 +221,12 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
         notes.append(f"attention {attention!r} is sized as sdpa")
         attention = "sdpa"
     logits, how["logits"] = update_logits_bytes(cfg, micro_batch=b, positions=completion_len + 1,
-                                                vocab_size=shape.vocab_size, p=p)
+                                                vocab_size=shape.vocab_size, p=p, device=device)
     # grpo.step.logprobs runs each distinct prompt of a micro-batch once (not under gradient checkpointing)
     prompts, prompt_len = prompts_per_micro_batch(b, cfg.rollout.num_generations), cfg.data.max_prompt_length
-    shared = (prompts < b and not cfg.model.gradient_checkpointing and cfg.train.shared_prompt_pass is not False
+    share = cfg.train.shared_prompt_pass  # null: the device type's default
+    share = pass_defaults(device).share_prompts if share is None else share
+    shared = (prompts < b and not cfg.model.gradient_checkpointing and share
               and not cfg.train.pack_sequences)  # packed rows each run their own prompt
     if shared:
         activations = shared_prompt_activation_bytes(
@@ -291,7 +295,8 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
     if critic:  # PPO: the critic's update follows the policy's, whose gradients torch has freed
         phases["critic_update"] = persistent + critic.gradients + critic.activations
     if cfg.ptx.data:
-        ptx, ptx_how = ptx_update_bytes(shape, cfg, p=p, lora_targets=targets, attention=attention, autocast=autocast)
+        ptx, ptx_how = ptx_update_bytes(shape, cfg, p=p, lora_targets=targets, attention=attention, autocast=autocast,
+                                        device=device)
         phases["ptx_update"] = persistent + states.gradients + ptx
         notes.append(f"{ptx_how}: {_gb(ptx):.2f} GB in its own phase, after the policy's micro-batches")
     # grpo's torch AdamW is per tensor on the CPU (a sqrt(v) of the largest tensor at a time) and fused on

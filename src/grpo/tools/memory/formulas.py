@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 
+from grpo.config.device_defaults import fused_head_by_size
 from grpo.tools.memory.shapes import ModelShape
 
 LORA_BYTES = 4  # peft's get_peft_model(autocast_adapter_dtype=True) keeps bf16/fp16 adapters in fp32
@@ -223,15 +224,17 @@ def logits_bytes(*, micro_batch: int, positions: int, vocab_size: int, p: int) -
     return (4 + p) * full + 2 * 4 * positions * vocab_size
 
 
-# grpo.algorithm.head.CHUNK_ELEMENTS and grpo.step.logprobs.FUSED_HEAD_MIN_ELEMENTS, repeated here so the
-# planner imports no torch (tests/test_fused_head.py checks they agree)
+# grpo.algorithm.head.CHUNK_ELEMENTS, repeated here so the planner imports no torch (tests/test_fused_head.py
+# checks they agree)
 HEAD_CHUNK_ELEMENTS = 2 ** 25
-FUSED_HEAD_MIN_ELEMENTS = 2 ** 26
 
 
-def fused_head(setting: bool | None, *, micro_batch: int, positions: int, vocab_size: int) -> bool:
-    """Whether ``train.fused_lm_head`` (``setting``) fuses a micro-batch of this shape (as the passes decide)."""
-    return setting if setting is not None else micro_batch * positions * vocab_size >= FUSED_HEAD_MIN_ELEMENTS
+def fused_head(setting: bool | None, *, micro_batch: int, positions: int, vocab_size: int,
+               device_type: str = "cuda") -> bool:
+    """Whether ``train.fused_lm_head`` (``setting``) fuses a training micro-batch of this shape on a
+    ``device_type`` device (as the passes decide: ``grpo.step.logprobs.uses_fused_head``)."""
+    return fused_head_by_size(setting, rows=micro_batch, positions=positions, vocab_size=vocab_size,
+                              device_type=device_type, grad=True)
 
 
 def fused_logits_bytes(*, micro_batch: int, positions: int, vocab_size: int) -> int:
