@@ -188,8 +188,25 @@ def test_grpos_own_data_without_reward_funcs_gets_the_tasks_rewards(tiny_model_d
         seen.update(kwargs)
         raise StopIteration  # enough: the call's arguments are what this test reads
 
-    monkeypatch.setattr("grpo.tools.evaluate.evaluate", recording_evaluate)
+    monkeypatch.setattr("grpo.training.evaluation.evaluate_records", recording_evaluate)
     trainer = GRPOTrainer(str(tiny_model_dir), args=args_for(tmp_path / "run", grpo_overrides=kk))
     with pytest.raises(StopIteration):
         trainer.evaluate(rows(2))
     assert seen["system_prompt"] == resolve_task("kk").system_prompt("think")
+
+
+def test_evaluate_scores_as_a_run_does_with_samples_rewards_and_named_sets(tiny_model_dir, tmp_path):
+    """evaluate() before training is the run's evaluation (grpo.training.evaluation): greedy accuracy, the
+    rewards' means and, with eval.num_samples, pass@k, for each named set, under TRL's names."""
+    trainer = GRPOTrainer(str(tiny_model_dir), reward_funcs=[digit_reward, length_reward], train_dataset=rows(),
+                          eval_dataset={"easy": rows(4), "more": rows(6)},
+                          args=args_for(tmp_path / "run", grpo_overrides={"eval.num_samples": 2}))
+    metrics = trainer.evaluate()
+    for name in ("easy", "more"):
+        for key in ("accuracy", "format_rate", "pass@2", "mean@2", "reward/digit_reward", "reward/length_reward"):
+            assert f"eval_{name}_{key}" in metrics, (name, key, sorted(metrics))
+    assert metrics["eval_more_reward/length_reward"] <= 0  # the reward itself, not a stand-in
+    assert trainer.state.log_history[-1]["eval_easy_accuracy"] == metrics["eval_easy_accuracy"]
+    one = trainer.evaluate(rows(4), metric_key_prefix="test")
+    assert one["test_accuracy"] == metrics["eval_easy_accuracy"]  # greedy: the same 4 problems, the same score
+    assert not (tmp_path / "run").exists()  # evaluation writes nothing

@@ -268,22 +268,33 @@ class GRPOTrainer:
         return dataclasses.replace(self.config, train=dataclasses.replace(self.config.train, resume=bool(resume)))
 
     def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """grpo's held-out evaluation (greedy answer accuracy and format rate) on each eval set, as
-        ``{prefix}_accuracy`` / ``{prefix}_{name}_accuracy`` for a dict of sets; logged and ``on_evaluate``."""
-        from grpo.tasks import run_system_prompt, run_task
-        from grpo.tools.evaluate import evaluate
-        from grpo.training.evaluation import eval_metrics
+        """grpo's held-out evaluation of the model as it is now, the way a run evaluates
+        (``grpo.training.evaluation``): greedy answer accuracy and format rate, the rewards' means, and with
+        ``eval.num_samples`` k (``grpo_overrides``) mean@k / pass@k / maj@k, through the run's engine (multi-turn
+        with tools or environments). Named ``{prefix}_accuracy`` / ``{prefix}_{name}_accuracy`` for a dict of
+        sets; logged and ``on_evaluate``."""
+        from grpo.multiturn.setup import with_turns
+        from grpo.rollout.build import evaluation_engine
+        from grpo.training.distributed import DistInfo
+        from grpo.training.evaluation import eval_metrics, run_evaluator
+        from grpo.training.inputs import GivenInputs, tokenizer_and_data
 
-        sets = _eval_sets(eval_dataset, True) if eval_dataset is not None else self.eval_sets
+        sets = _eval_sets(eval_dataset, not self.args.remove_unused_columns) if eval_dataset is not None \
+            else self.eval_sets
         if not sets:
             raise ValueError("evaluate() needs an eval_dataset (here or in the constructor)")
-        cfg, metrics = self.config, {}
-        for name, examples in sets.items():
-            result = evaluate(self.model, self.processing_class, examples, task=run_task(cfg),
-                              tag_style=cfg.data.tag_style,
-                              system_prompt=run_system_prompt(cfg), add_system_prompt=cfg.data.add_system_prompt,
-                              batch_size=max(cfg.train.micro_batch_size, 16),
-                              max_new_tokens=cfg.rollout.max_completion_length, progress=False)
+        cfg = self.config
+        inputs = tokenizer_and_data(cfg, GivenInputs(
+            tokenizer=self.processing_class, train_set=self.train_set or [], eval_set=dict(sets),
+            reward_fns=self.reward_fns, reward_weights=self.reward_weights,
+            tools=list(self.tools) if self.tools is not None else None,
+            environment_factory=self.environment_factory, rollout_func=self.rollout_func))
+        base_engine = evaluation_engine(cfg, self.model, inputs.tokenizer)
+        engine = with_turns(base_engine, inputs.turns, cfg, self.model, inputs.tokenizer)
+        results = run_evaluator(cfg, inputs, engine, base_engine, self.model, DistInfo(), out=None)(
+            self.state.global_step)
+        metrics = {}
+        for name, result in results.items():  # eval/<metric> of each set, as TRL names them
             prefix = f"{metric_key_prefix}_{name}_" if name else f"{metric_key_prefix}_"
             metrics.update({prefix + k.split("/", 1)[-1]: v for k, v in eval_metrics({"": result}).items()})
         self.state.log_history.append({**metrics, "step": self.state.global_step})

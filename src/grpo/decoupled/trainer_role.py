@@ -236,13 +236,14 @@ def start_broadcast(cfg: RunConfig, store) -> BroadcastPublisher | None:
         op_timeout_s=d.peer_timeout_s))  # the store's server listens on every interface; this is its own client
 
 
-def trainer_evaluator(cfg: RunConfig, policy: torch.nn.Module, info: DistInfo, out) -> RunEvaluator | None:
+def trainer_evaluator(cfg: RunConfig, policy: torch.nn.Module, tokenizer, info: DistInfo,
+                      out) -> RunEvaluator | None:
     """The trainer ranks' evaluation of ``data.eval`` (None without one): the samplers run on other
     weights, so the ranks evaluate the newest ones themselves, each a slice, through an engine over their own
     policy (``rollout.engine``, or for vLLM ``auto``'s), scored by the run's task and rewards."""
     if not eval_sources(cfg.data.eval):
         return None
-    inputs = tokenizer_and_data(cfg, GivenInputs())
+    inputs = tokenizer_and_data(cfg, GivenInputs(tokenizer=tokenizer))  # the rank's tokenizer, not a second
     base_engine = evaluation_engine(cfg, policy, inputs.tokenizer)
     engine = with_turns(base_engine, inputs.turns, cfg, policy, inputs.tokenizer)
     return run_evaluator(cfg, inputs, engine, base_engine, policy, info, out)
@@ -295,7 +296,7 @@ def run_trainer(cfg: RunConfig) -> int:
                               publisher=publisher)
         update = PolicyUpdate(trainable, loss_settings(cfg, logprob_processing(cfg, policy, tokenizer)), info,
                               ptx_data)  # the samplers' sampling controls
-        evaluate = trainer_evaluator(cfg, policy, info, run.out)
+        evaluate = trainer_evaluator(cfg, policy, tokenizer, info, run.out)
         best = (BestMetric.resumed(run.out, cfg.train.best_metric, cfg.train.best_metric_mode)
                 if cfg.train.best_metric and evaluate is not None else None)
         loop = Loop(loop_schedule(cfg), update, trainable, tokenizer, run.out, info, run.logger,
