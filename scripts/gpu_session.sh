@@ -46,7 +46,7 @@ if [ -n "${GPU_SESSION_TINY:-}" ]; then
   tiny="--tiny"
   full_size=""  # --full-size and --tiny exclude each other: the tiny preset stands in
   jump_steps=""  # the tiny bench runs 2 steps
-  bench="$python benchmarks/gpu_vs_trl.py --tiny --steps 2 --engine hf-static"
+  bench="$python benchmarks/gpu_vs_trl.py --tiny --steps 2 --engine hf-static --model-cache $out/model-cache"
   [ "$part" != memory ] || { echo "gpu_session.sh: memory needs a GPU" >&2; exit 2; }
 else
   tiny=""
@@ -58,7 +58,8 @@ else
   fi
   export PYTHONPATH="$site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-  bench="$python benchmarks/gpu_vs_trl.py --gsm8k .whl/gsm8k --engine hf-static"
+  # the 1.5B model is built once per machine (30+ s a run otherwise), outside $OUT, whose files come back
+  bench="$python benchmarks/gpu_vs_trl.py --gsm8k .whl/gsm8k --engine hf-static --model-cache /tmp/grpo-bench-model"
 fi
 
 case "$part" in

@@ -300,6 +300,7 @@ def test_gpu_session_script_parts_run_in_tiny_form(tmp_path, gsm8k_dir):
     assert all(case["trl"] and case["plain"] for case in headline)  # both baselines beside grpo
     assert [case["name"].split("/")[1] for case in json.loads((tmp_path / "gc.json").read_text())["cases"]] == [
         "full+gc", "lora16+gc"]
+    assert (tmp_path / "model-cache" / "qwen2.5-tiny-random" / "config.json").is_file()  # built once, reused
     head = json.loads((tmp_path / "logprob_memory.json").read_text())
     assert [p["pass"] for p in head["passes"]] == ["training", "reference"]
     assert all(p["fused"]["peak_mib"] > 0 and p["logits"]["seconds"] > 0 for p in head["passes"])
@@ -334,3 +335,28 @@ def test_plain_profiled_updates_reuse_the_steps_prompts(tmp_path, tiny_model_dir
     monkeypatch.setattr(runners, "profile_update", lambda fn, extra: (profiled.append(extra), fn(), {})[1:])
     result = runners.run_plain(case)
     assert profiled == [1, 2] and len(result["train_s"]) == 2
+
+
+def test_model_cache_builds_once_and_never_reuses_a_half_built_model(tmp_path, monkeypatch):
+    """--model-cache: the 1.5B model is built once per GPU machine; a build cut short leaves nothing reused."""
+    builds = []
+
+    def build(shape, tokenizer, path):
+        builds.append(path)
+        (path / "config.json").write_text("{}")  # the last file a build writes
+        return path
+
+    monkeypatch.setattr(gpu_vs_trl, "build_model", build)
+    monkeypatch.setattr(gpu_vs_trl, "gsm8k_tokenizer", lambda gsm8k: None)
+    first = gpu_vs_trl.cached_model("tiny", tmp_path, tmp_path / "cache")
+    assert first == tmp_path / "cache" / "qwen2.5-tiny-random" and (first / "config.json").is_file()
+    assert gpu_vs_trl.cached_model("tiny", tmp_path, tmp_path / "cache") == first and len(builds) == 1
+
+    def killed(shape, tokenizer, path):
+        (path / "model.safetensors").write_text("half")
+        raise KeyboardInterrupt  # a device call's time limit, mid-write
+
+    monkeypatch.setattr(gpu_vs_trl, "build_model", killed)
+    with pytest.raises(KeyboardInterrupt):
+        gpu_vs_trl.cached_model("1.5b", tmp_path, tmp_path / "cache")
+    assert not (tmp_path / "cache" / "qwen2.5-1.5b-random").exists()  # the next run builds it afresh
