@@ -36,7 +36,8 @@ from grpo.algorithm import (
 from grpo.algorithm.head import head_logprobs
 from grpo.algorithm.processing import prompt_presence
 from grpo.config.device_defaults import fused_head_by_size, pass_defaults
-from grpo.models.wrappers import decoder, inner_model, output_head
+from grpo.models.logits_head import head_reproduces_forward, logits_head
+from grpo.models.wrappers import decoder, inner_model
 
 
 @dataclass(frozen=True)
@@ -320,7 +321,7 @@ def _micro_batched_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, comp
         p_ids, p_mask = _to_device(prompt_ids[rows, first:], device), _to_device(prompt_mask[rows, first:], device)
         c_ids, c_mask = _to_device(completion_ids[rows, :width], device), _to_device(completion_mask[rows, :width], device)
         fused = uses_fused_head(fused_head, c_ids.shape[0], width + 1, vocab_size, device.type,
-                                torch.is_grad_enabled())
+                                torch.is_grad_enabled()) and _fusable(model, fused_head)
         if pack:
             layout = tuple(_to_device(t, device) for t in packed_layout(prompt_mask[rows, first:],
                                                                         completion_mask[rows, :width], width))
@@ -332,7 +333,7 @@ def _micro_batched_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, comp
             scores = _shared_prompt_logits(model, p_ids, p_mask, c_ids, c_mask, first_rows, index, fused)
         if fused:  # scores: [b, width + 1, H] hidden states; position t predicts c_ids[:, t]
             seen = prompt_presence(p_ids, p_mask, vocab_size) if processing is not None else None  # [b, V] bool
-            logprobs, entropy = head_logprobs(scores[:, :-1], output_head(model), c_ids, temperature,
+            logprobs, entropy = head_logprobs(scores[:, :-1], logits_head(model), c_ids, temperature,
                                               vocab_size=vocab_size, with_entropy=with_entropy, processing=processing,
                                               real=c_mask, prompt_seen=seen)
         else:
@@ -342,6 +343,19 @@ def _micro_batched_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, comp
         if with_entropy:
             entropies.append(torch.nn.functional.pad(entropy.float(), (0, Lc - width)))
     return torch.cat(out), (torch.cat(entropies) if with_entropy else None)
+
+
+def _fusable(model, fused_head: bool | None) -> bool:
+    """Whether the fused head gives ``model``'s log-probs (``grpo.models.logits_head``): False for a forward
+    that changes the logits after the head in a way ``logits_head`` does not, which ``train.fused_lm_head:
+    true`` cannot be for (a ValueError naming it; null keeps the model's own logits)."""
+    if head_reproduces_forward(model):
+        return True
+    if fused_head:
+        raise ValueError(f"train.fused_lm_head is true, but {type(inner_model(model)).__name__}'s forward changes "
+                         "the logits after its LM head in a way the fused head does not reproduce: its log-probs "
+                         "would be wrong; set train.fused_lm_head to null or false")
+    return False
 
 
 def _vocab_size(model) -> int:
