@@ -229,7 +229,6 @@ class GRPOTrainer:
         from transformers.trainer_utils import TrainOutput
 
         from grpo.training.colocated import train
-        from grpo.training.inputs import GivenInputs
 
         from transformers import TrainerState
 
@@ -241,11 +240,8 @@ class GRPOTrainer:
                               updates_per_step=cfg.loss.num_iterations,
                               logging_steps=self._logging_updates(cfg))
         evaluating = self.args.eval_strategy != "no" and self.eval_sets
-        given = GivenInputs(policy=self.model, tokenizer=self.processing_class, train_set=self.train_set,
-                            eval_set=dict(self.eval_sets) if evaluating else None,  # named sets: eval/<name>/...
-                            reward_fns=self.reward_fns, reward_weights=self.reward_weights, hooks=hooks,
-                            tools=list(self.tools) if self.tools is not None else None,
-                            environment_factory=self.environment_factory, rollout_func=self.rollout_func)
+        given = dataclasses.replace(self._given(self.train_set, dict(self.eval_sets) if evaluating else None),
+                                    policy=self.model, hooks=hooks)  # named sets: eval/<name>/...
         try:
             train(cfg, given)
         except KeyboardInterrupt:
@@ -253,6 +249,15 @@ class GRPOTrainer:
                   f"{cfg.train.output_dir}/checkpoints (train(resume_from_checkpoint=True) continues)")
         summary = hooks.summary()
         return TrainOutput(self.state.global_step, summary.get("train_loss", 0.0), summary)
+
+    def _given(self, train_set, eval_set):
+        """The objects this trainer holds, as ``GivenInputs`` (no policy or hooks: ``train()`` adds them)."""
+        from grpo.training.inputs import GivenInputs
+
+        return GivenInputs(tokenizer=self.processing_class, train_set=train_set, eval_set=eval_set,
+                           reward_fns=self.reward_fns, reward_weights=self.reward_weights,
+                           tools=list(self.tools) if self.tools is not None else None,
+                           environment_factory=self.environment_factory, rollout_func=self.rollout_func)
 
     def _logging_updates(self, cfg) -> int:
         """TRL's logging_steps in updates (a float below 1: that share of max_steps, rounded up)."""
@@ -277,18 +282,14 @@ class GRPOTrainer:
         from grpo.rollout.build import evaluation_engine
         from grpo.training.distributed import DistInfo
         from grpo.training.evaluation import eval_metrics, run_evaluator
-        from grpo.training.inputs import GivenInputs, tokenizer_and_data
+        from grpo.training.inputs import tokenizer_and_data
 
         sets = _eval_sets(eval_dataset, not self.args.remove_unused_columns) if eval_dataset is not None \
             else self.eval_sets
         if not sets:
             raise ValueError("evaluate() needs an eval_dataset (here or in the constructor)")
         cfg = self.config
-        inputs = tokenizer_and_data(cfg, GivenInputs(
-            tokenizer=self.processing_class, train_set=self.train_set or [], eval_set=dict(sets),
-            reward_fns=self.reward_fns, reward_weights=self.reward_weights,
-            tools=list(self.tools) if self.tools is not None else None,
-            environment_factory=self.environment_factory, rollout_func=self.rollout_func))
+        inputs = tokenizer_and_data(cfg, self._given(self.train_set or [], dict(sets)))
         base_engine = evaluation_engine(cfg, self.model, inputs.tokenizer)
         engine = with_turns(base_engine, inputs.turns, cfg, self.model, inputs.tokenizer)
         results = run_evaluator(cfg, inputs, engine, base_engine, self.model, DistInfo(), out=None)(

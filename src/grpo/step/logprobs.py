@@ -304,7 +304,7 @@ def _micro_batched_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, comp
     # and ids: on a GPU, reading a device tensor makes the host wait for every kernel queued before it.
     prompt_ids, prompt_mask = prompt_ids.cpu(), prompt_mask.cpu()
     completion_ids, completion_mask = completion_ids.cpu(), completion_mask.cpu()
-    out, entropies = [], []
+    out, entropies, head = [], [], None
     for start in range(0, prompt_ids.shape[0], step):
         rows = slice(start, start + step)
         # Columns that are padding in every row of this micro-batch (left of its longest prompt, right of
@@ -333,7 +333,8 @@ def _micro_batched_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, comp
             scores = _shared_prompt_logits(model, p_ids, p_mask, c_ids, c_mask, first_rows, index, fused)
         if fused:  # scores: [b, width + 1, H] hidden states; position t predicts c_ids[:, t]
             seen = prompt_presence(p_ids, p_mask, vocab_size) if processing is not None else None  # [b, V] bool
-            logprobs, entropy = head_logprobs(scores[:, :-1], logits_head(model), c_ids, temperature,
+            head = head or logits_head(model)  # built once per call, on the first fused micro-batch
+            logprobs, entropy = head_logprobs(scores[:, :-1], head, c_ids, temperature,
                                               vocab_size=vocab_size, with_entropy=with_entropy, processing=processing,
                                               real=c_mask, prompt_seen=seen)
         else:
