@@ -27,3 +27,20 @@ def test_ref_server_host_reaches_the_server(monkeypatch):
     assert main(["ref-server", "decoupled.ref_server_host=0.0.0.0"]) == 0
     assert [c["host"] for c in calls] == ["10.0.0.2", "0.0.0.0"]
     assert main(["ref-server"]) == 0 and calls[-1]["host"] == "127.0.0.1"  # the default stays loopback
+
+
+def test_overrides_may_follow_options():
+    from grpo.cli import parse_arguments
+
+    args = parse_arguments(["train", "x.yaml", "a.b=1", "--overwrite", "log.progress_bar=false", "c.d=2"])
+    assert args.overwrite and args.config == "x.yaml"
+    assert args.overrides == ["a.b=1", "log.progress_bar=false", "c.d=2"]
+
+
+def test_unknown_arguments_still_fail():
+    from grpo.cli import parse_arguments
+
+    with pytest.raises(SystemExit):
+        parse_arguments(["train", "x.yaml", "--overwrite", "--no-such-flag"])
+    with pytest.raises(SystemExit):  # plot takes no overrides
+        parse_arguments(["plot", "runs/x", "a.b=1"])

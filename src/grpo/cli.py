@@ -286,13 +286,26 @@ def _split_config_and_overrides(args: argparse.Namespace) -> None:
         args.config = None
 
 
+def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse a command line; ``key=value`` overrides may also follow options (``train x.yaml --overwrite a=1``)."""
+    parser = build_parser()
+    # argparse stops filling a nargs="*" positional at the first option, so later overrides come back unknown.
+    args, extra = parser.parse_known_args(argv)
+    late = [a for a in extra if hasattr(args, "overrides") and "=" in a and not a.startswith("-")]
+    if len(late) < len(extra):
+        parser.error(f"unrecognized arguments: {' '.join(a for a in extra if a not in late)}")
+    if late:
+        args.overrides = [*args.overrides, *late]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; returns the exit status (0 ok, 2 configuration/input error, 130 Ctrl-C)."""
     from grpo.config import ConfigError
     from grpo.data import DataError
     from grpo.errors import RewardError, TrainingAborted
 
-    args = build_parser().parse_args(argv)
+    args = parse_arguments(argv)
     if getattr(args, "local_rank", None) is not None:  # the launcher's own variable wins where it set one
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     _split_config_and_overrides(args)
