@@ -1,28 +1,29 @@
 """Build ``assets/tiny-kk``: a small Qwen2 taught Knights and Knaves (2-3 people) by SFT on a mechanical trace.
 
 The K&K demo's model (``configs/kk-demo-cpu.yaml``), built the way ``build_tiny_math_model.py`` builds
-tiny-math, on a CPU. Not shipped: build it, then train it with GRPO:
+tiny-math, on a CPU. Shipped as ``assets/tiny-kk`` (the default 1200-step build, seed 0); rebuild it or
+try other settings with:
 
     python scripts/build_tiny_kk_model.py                              # assets/tiny-kk (1200 steps, see below)
     python scripts/build_tiny_kk_model.py --quick --out /tmp/tiny-kk   # smoke build for the test (~4 min, 1 thread)
     python scripts/build_tiny_kk_model.py --report runs/kk-demo/final  # the held-out report of any saved model
 
-Measured so far (a 420-step build, ``--steps 420``: 3.85 s/step on one thread of a 2-core CPU shared with
-another job, 27 min; not shipped), on the 200 held-out puzzles: format rate
-100%, greedy accuracy 14.5% with the shortcut taken by 97.5% of greedy completions (right on the 20.5% of
-puzzles whose answer is all knights), 58.6% of samples at T=1.0 take it, mean sample accuracy 9.6%,
-pass@8 19.5%. The planted part works; the logic does not yet: a checked trace is right 0.8% of the time
-sampled and 9.0% greedily (forced past the shortcut). Teacher-forced on 100 held-out traces, the names are
-copied right 84% of the time (argmax) but the T/F tokens only 61%, near chance: the model has not learned to
-find a speaker's statement in the quiz, while the drills (which put the statement beside the line) reach a
-drill loss of 0.10. So this build leaves GRPO nothing to gain (an 8-step GRPO run of the demo recipe on it ran
-at ~9 s/step on one contended thread). The default 1200 steps (estimated 40-45 min on 2 quiet cores)
-is untested; the next thing to try, if it is not enough, is ``--set restate=true``: the trace restates each
-statement at its top ("Zoey: Oliver is a knave or Zoey is a knight", copied from the quiz in order), so that
-every T/F is the drill's lookup (its traces are up to ~165 tokens, so the recipe's max_completion_length
-would need 176). Tried only for 220 steps (3.96 s/step, same machine): inconclusive, the restatement itself
-not yet copied right (names 69%, other tokens 91% argmax) and T/F 58%; greedy 8.5%, shortcut 100%. The K&K demo needs a build whose ``checked_greedy_accuracy`` is at least 15 points
-above its greedy accuracy (the integration test checks that of a built ``assets/tiny-kk``).
+Measured, the shipped build: 1200 steps at 3.69 s/step on one thread of the 2-core CPU shared with other
+jobs (74 min). On the 200 held-out puzzles: format rate 100%, greedy accuracy 20.0% with the shortcut taken by
+100% of greedy completions (right on the 20.5% of puzzles whose answer is all knights), 60.7% of samples at
+T=1.0 take it, mean sample accuracy 25.4%, pass@8 56.5%; greedy with the first check forced
+(``checked_greedy_accuracy``) 48.5% (2 people 68.4%, 3 people 29.4%): 28.5 points GRPO can gain by removing
+the shortcut. The demo recipe's GRPO (80 steps, 3 seeds, about 7 minutes each on the quiet 2-core CPU)
+reaches 43.5-46.5% greedy with the shortcut gone from greedy decoding (0% of completions; 4.6-7.4% of
+2-person and 28-33% of 3-person samples still take it).
+
+Earlier builds did not leave that headroom: a 420-step build (27 min) learnt the format and the shortcut
+but not the checking (a checked greedy trace right 9.0% of the time; teacher-forced, the T/F tokens were
+right 61% of the time, near chance), so its GRPO run had nothing to gain. ``--set restate=true`` (the trace
+restates each statement at its top, copied from the quiz, so every T/F is the drill's lookup; traces up to
+~165 tokens, the recipe would need max_completion_length 176) was tried for 220 steps only, inconclusively.
+The integration test checks that the shipped build's ``checked_greedy_accuracy`` is at least 15 points
+above its greedy accuracy and that its weights reproduce the report.
 
 Everything is deterministic from ``--seed`` on a CPU when the length is given in steps (the default).
 ``--minutes`` instead trains until a wall-clock budget is spent; ``--device cuda`` runs the same recipe on

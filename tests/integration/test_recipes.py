@@ -36,19 +36,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO / "configs").glob("*.yaml"))
 TINY_BUILDERS = {"qwen2": build_qwen2}  # config.json model_type -> builder of a tiny random model
-# Repo-local models a script builds and the repository does not ship (weights not committed): their family.
-BUILT_BY_SCRIPT = {"assets/tiny-kk": {"model_type": "qwen2", "tie_word_embeddings": True}}  # build_tiny_kk_model.py
 STEPS = 2
 EVAL_PROMPTS = 4
 
 
 def family(name_or_path: str, key: str) -> tuple[str, dict]:
     """(model_type, config.json) of a recipe's model, offline (local folder, HF cache, built-in table)."""
-    if name_or_path in BUILT_BY_SCRIPT and not (REPO / name_or_path).exists():
-        config = BUILT_BY_SCRIPT[name_or_path]
-    else:
-        config, _ = load_model_config(str(REPO / name_or_path) if (REPO / name_or_path).exists() else name_or_path,
-                                      key)
+    config, _ = load_model_config(str(REPO / name_or_path) if (REPO / name_or_path).exists() else name_or_path, key)
     model_type = config.get("model_type")
     if model_type not in TINY_BUILDERS:
         pytest.fail(f"{key}: {name_or_path!r} is a {model_type!r} model; add a builder of a tiny model of that "
