@@ -1,4 +1,4 @@
-"""The command line under launchers and on other hosts: DeepSpeed's --local_rank, ref-server --host."""
+"""The command line: under launchers and on other hosts (DeepSpeed's --local_rank, ref-server --host), and overrides after options."""
 
 from __future__ import annotations
 
