@@ -75,8 +75,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
-import yaml  # noqa: E402
-from build_tiny_math_model import learning_rate_at, mean_token_loss  # noqa: E402  (this folder: sys.path[0])
+from build_tiny_math_model import learning_rate_at, mean_token_loss, set_overrides  # noqa: E402  (this folder: sys.path[0])
 from tiny_kk_sft_data import (  # noqa: E402
     HELD_OUT_SEED,
     PLANTED_FRACTION,
@@ -341,13 +340,7 @@ def parse_args(argv: list[str] | None) -> tuple[BuildSettings, argparse.Namespac
     overrides: dict = {"seed": args.seed, "device": args.device}
     if args.device != "cpu":
         overrides["loss_chunks"] = 1
-    fields = {f.name: f for f in dataclasses.fields(BuildSettings)}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        if key not in fields:
-            parser.error(f"--set {item!r}: unknown setting {key!r}; known: {sorted(fields)}")
-        parsed = value if isinstance(getattr(BuildSettings(), key), str) else yaml.safe_load(value)
-        overrides[key] = tuple(parsed) if isinstance(parsed, list) else parsed
+    overrides.update(set_overrides(parser, BuildSettings, args.set))
     if args.quick:
         overrides.update(QUICK)
     if args.steps is not None:

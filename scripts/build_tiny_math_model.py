@@ -317,6 +317,22 @@ def summary(report: dict) -> str:
     return "\n".join(lines)
 
 
+def set_overrides(parser: argparse.ArgumentParser, settings_type: type, items: list[str]) -> dict:
+    """``--set KEY=VALUE`` items as fields of ``settings_type`` (the tiny build scripts' BuildSettings): text
+    fields as given, the others parsed as YAML, lists as tuples (the settings are frozen); an unknown key is
+    a usage error listing the known ones."""
+    defaults = settings_type()
+    names = sorted(f.name for f in dataclasses.fields(settings_type))
+    overrides = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        if key not in names:
+            parser.error(f"--set {item!r}: unknown setting {key!r}; known: {names}")
+        parsed = value if isinstance(getattr(defaults, key), str) else yaml.safe_load(value)
+        overrides[key] = tuple(parsed) if isinstance(parsed, list) else parsed
+    return overrides
+
+
 def parse_args(argv: list[str] | None) -> tuple[BuildSettings, Path]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -335,12 +351,7 @@ def parse_args(argv: list[str] | None) -> tuple[BuildSettings, Path]:
     overrides: dict = {"seed": args.seed, "device": args.device}
     if args.device != "cpu":
         overrides["loss_chunks"] = 1
-    fields = {f.name: f for f in dataclasses.fields(BuildSettings)}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        if key not in fields:
-            parser.error(f"--set {item!r}: unknown setting {key!r}; known: {sorted(fields)}")
-        overrides[key] = value if isinstance(getattr(BuildSettings(), key), str) else yaml.safe_load(value)
+    overrides.update(set_overrides(parser, BuildSettings, args.set))
     if args.quick:
         overrides.update(QUICK)
     if args.steps is not None:

@@ -49,8 +49,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
-import yaml
-from build_tiny_math_model import learning_rate_at, mean_token_loss
+from build_tiny_math_model import learning_rate_at, mean_token_loss, set_overrides
 from tiny_tool_sft_data import (
     HELD_OUT_SEED,
     TAG_STYLE,
@@ -334,12 +333,7 @@ def parse_args(argv: list[str] | None) -> tuple[BuildSettings, Path]:
                              "and written to MODEL_DIR/tool_eval.json (per size, greedy and T=1, with and without calls)")
     args = parser.parse_args(argv)
     overrides: dict = {"seed": args.seed}
-    fields = {f.name for f in dataclasses.fields(BuildSettings)}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        if key not in fields:
-            parser.error(f"--set {item!r}: unknown setting {key!r}; known: {sorted(fields)}")
-        overrides[key] = value if isinstance(getattr(BuildSettings(), key), str) else yaml.safe_load(value)
+    overrides.update(set_overrides(parser, BuildSettings, args.set))
     if args.quick:
         overrides.update(QUICK)
     if args.steps is not None:
