@@ -333,7 +333,8 @@ def _micro_batched_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, comp
             scores = _shared_prompt_logits(model, p_ids, p_mask, c_ids, c_mask, first_rows, index, fused)
         if fused:  # scores: [b, width + 1, H] hidden states; position t predicts c_ids[:, t]
             seen = prompt_presence(p_ids, p_mask, vocab_size) if processing is not None else None  # [b, V] bool
-            head = head or logits_head(model)  # built once per call, on the first fused micro-batch
+            if head is None:  # built once per call, on the first fused micro-batch
+                head = logits_head(model)
             logprobs, entropy = head_logprobs(scores[:, :-1], head, c_ids, temperature,
                                               vocab_size=vocab_size, with_entropy=with_entropy, processing=processing,
                                               real=c_mask, prompt_seen=seen)
