@@ -40,10 +40,26 @@ BODIES = {  # (hidden, layers, heads, kv heads, MLP)
 
 
 def estimated_mib(*, rows: int, groups: int, prompt: int, completion: int, fused: bool, body: str = "tiny",
-                  device: str = "cpu") -> float:
+                  device: str = "cpu", gradient_checkpointing: bool = False) -> float:
     """``grpo memory``'s estimate of the training pass of one micro-batch of ``rows`` (``groups`` distinct
     prompts) as ``child`` runs it: activations + logits + gradients (the weights and optimizer states are in
     the baseline), + autocast's bf16 weight copies on a GPU (made during the pass)."""
+    est = _estimate(rows=rows, groups=groups, prompt=prompt, completion=completion, fused=fused, body=body,
+                    device=device, gradient_checkpointing=gradient_checkpointing)
+    gib = est.per_device_gb
+    copies = est.assumptions["autocast_weight_copies_gb"]
+    return (gib["activations"] + gib["logits"] + gib["gradients"] + copies) * 1024**3 / MIB
+
+
+def resident_mib(*, body: str = "tiny", device: str = "cpu") -> float:
+    """What full fine-tuning holds besides the training pass, by ``grpo memory``: the fp32 weights and AdamW's
+    two fp32 states (the pass's own gradients are in its peak)."""
+    est = _estimate(rows=1, groups=1, prompt=1, completion=1, fused=True, body=body, device=device)
+    return (est.per_device_gb["weights"] + est.per_device_gb["optimizer"]) * 1024**3 / MIB
+
+
+def _estimate(*, rows: int, groups: int, prompt: int, completion: int, fused: bool, body: str, device: str,
+              gradient_checkpointing: bool = False):
     from transformers import Qwen2Config
 
     from grpo.config import load_config
@@ -58,16 +74,16 @@ def estimated_mib(*, rows: int, groups: int, prompt: int, completion: int, fused
                              f"rollout.num_generations={max(2, rows // groups)}", f"train.prompts_per_step={groups}",
                              "loss.beta=0", f"data.max_prompt_length={prompt}",
                              f"rollout.max_completion_length={completion}", f"model.bf16={str(on_gpu).lower()}",
+                             f"model.gradient_checkpointing={str(gradient_checkpointing).lower()}",
                              f"train.fused_lm_head={str(fused).lower()}", "rollout.engine=hf"])
-    est = estimate_memory(cfg, model_config=model_config, device="cuda" if on_gpu else "cpu")
-    gib = est.per_device_gb
-    copies = est.assumptions["autocast_weight_copies_gb"]
-    return (gib["activations"] + gib["logits"] + gib["gradients"] + copies) * 1024**3 / MIB
+    return estimate_memory(cfg, model_config=model_config, device="cuda" if on_gpu else "cpu")
 
 
-def child(spec: dict) -> dict:
-    """One pass in this process: {"peak_mib", "seconds", "logits_mib"} (logits_mib: what one [b, L + 1, V]
-    float32 logits tensor of this micro-batch would take)."""
+def child(spec: dict) -> list[dict]:
+    """The pass of ``spec`` at each of ``spec["completions"]`` (ascending) in this process, on one model:
+    [{"completion", "peak_mib", "seconds", "logits_mib"}] (logits_mib: what one [b, L + 1, V] float32 logits
+    tensor of the micro-batch would take). A CUDA out-of-memory ends the list with {"completion", "oom": True}:
+    the longer ones would not fit either."""
     import torch
 
     from memory_check import AnonPeak, _status_kib
@@ -79,41 +95,53 @@ def child(spec: dict) -> dict:
     on_gpu = device.type == "cuda"
     tokenizer = build_tokenizer()  # ids only: the model's vocabulary is Qwen's
     hidden, layers, heads, kv_heads, mlp = BODIES[spec["body"]]
+    rows, groups, Lp, completions = spec["rows"], spec["groups"], spec["prompt"], spec["completions"]
     model = build_qwen2(tokenizer, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
-                        intermediate_size=mlp, vocab_size=QWEN_VOCAB, max_position_embeddings=16384,
-                        rope_theta=1e6, seed=0).to(device).train()
-    rows, groups, Lp, Lc = spec["rows"], spec["groups"], spec["prompt"], spec["completion"]
-    gen = torch.Generator().manual_seed(0)
-    prompt_ids = torch.randint(3, QWEN_VOCAB, (groups, Lp), generator=gen).repeat_interleave(rows // groups, 0)
-    prompt_mask = torch.ones_like(prompt_ids)
-    completion_ids = torch.randint(3, QWEN_VOCAB, (rows, Lc), generator=gen)
-    completion_mask = torch.ones_like(completion_ids)
+                        intermediate_size=mlp, vocab_size=QWEN_VOCAB,
+                        max_position_embeddings=max(16384, Lp + max(completions)), rope_theta=1e6, seed=0)
+    model = model.to(device).train()
+    if spec.get("gradient_checkpointing"):  # as grpo.models.loading enables it
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     grad = spec["pass"] == "training"
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else contextlib.nullcontext()
-    best, peak = float("inf"), 0
-    for _ in range(spec["reps"]):
-        model.zero_grad(set_to_none=True)
-        if on_gpu:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated() if on_gpu else _status_kib("RssAnon") * 1024
-        with contextlib.nullcontext() if on_gpu else AnonPeak() as watch:
-            started = time.perf_counter()
-            with torch.set_grad_enabled(grad), autocast:
-                logprobs = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 1.0,
-                                               fused_head=spec["fused"])
-                if grad:
-                    logprobs.sum().backward()
-            if on_gpu:
-                torch.cuda.synchronize()
-            seconds = time.perf_counter() - started
-        del logprobs
-        top = torch.cuda.max_memory_allocated() if on_gpu else watch.peak
-        best, peak = min(best, seconds), max(peak, top - before)
-    return {"peak_mib": peak / MIB, "seconds": best, "logits_mib": rows * (Lc + 1) * QWEN_VOCAB * 4 / MIB}
+    results = []
+    for Lc in completions:
+        gen = torch.Generator().manual_seed(0)
+        prompt_ids = torch.randint(3, QWEN_VOCAB, (groups, Lp), generator=gen).repeat_interleave(rows // groups, 0)
+        completion_ids = torch.randint(3, QWEN_VOCAB, (rows, Lc), generator=gen)
+        prompt_ids, completion_ids = prompt_ids.to(device), completion_ids.to(device)
+        prompt_mask, completion_mask = torch.ones_like(prompt_ids), torch.ones_like(completion_ids)
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else contextlib.nullcontext()
+        best, peak = float("inf"), 0
+        try:
+            for _ in range(spec["reps"]):
+                model.zero_grad(set_to_none=True)
+                if on_gpu:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated() if on_gpu else _status_kib("RssAnon") * 1024
+                with contextlib.nullcontext() if on_gpu else AnonPeak() as watch:
+                    started = time.perf_counter()
+                    with torch.set_grad_enabled(grad), autocast:
+                        logprobs = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids,
+                                                       completion_mask, 1.0, fused_head=spec["fused"])
+                        if grad:
+                            logprobs.sum().backward()
+                    if on_gpu:
+                        torch.cuda.synchronize()
+                    seconds = time.perf_counter() - started
+                del logprobs
+                top = torch.cuda.max_memory_allocated() if on_gpu else watch.peak
+                best, peak = min(best, seconds), max(peak, top - before)
+        except torch.cuda.OutOfMemoryError:
+            results.append({"completion": Lc, "oom": True})
+            break
+        results.append({"completion": Lc, "peak_mib": peak / MIB, "seconds": best,
+                        "logits_mib": rows * (Lc + 1) * QWEN_VOCAB * 4 / MIB})
+    return results
 
 
-def run_case(spec: dict) -> dict:
+def run_case(spec: dict) -> list[dict]:
+    """``child`` in a fresh process (``spec["completions"]`` lengths), so each case starts from the same memory."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
                           env=env)
@@ -140,7 +168,7 @@ def main() -> None:
         return
     if args.rows % args.groups:
         parser.error(f"--groups {args.groups} must divide --rows {args.rows}")
-    base = {"rows": args.rows, "groups": args.groups, "prompt": args.prompt, "completion": args.completion,
+    base = {"rows": args.rows, "groups": args.groups, "prompt": args.prompt, "completions": [args.completion],
             "reps": args.reps, "threads": args.threads, "device": args.device, "body": args.body}
     results = []
     hidden, layers = BODIES[args.body][:2]
@@ -152,7 +180,9 @@ def main() -> None:
     for pass_name in ("training", "reference"):
         row = {"pass": pass_name}
         for fused in (False, True):
-            measured = run_case({**base, "pass": pass_name, "fused": fused})
+            (measured,) = run_case({**base, "pass": pass_name, "fused": fused})
+            if measured.get("oom"):
+                raise SystemExit(f"{pass_name} pass, fused head {fused}: out of GPU memory")
             estimate = ""
             if pass_name == "training":  # grpo memory sizes the training pass (the reference's is a rollout transient)
                 measured["estimated_mib"] = estimated_mib(rows=args.rows, groups=args.groups, prompt=args.prompt,

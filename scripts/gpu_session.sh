@@ -18,6 +18,11 @@
 #                                              #   (issue 14's goal: under 60 s on one H100), 3 steps
 #   run: bash scripts/gpu_session.sh head      # the fused LM head against whole logits at the 1.5B body and
 #                                              #   Qwen's vocabulary, 8 x 1024 completion tokens (~2 min)
+#   run: bash scripts/gpu_session.sh sweep     # the longest completion that fits in 80 GB at the 1.5B body, whole
+#                                              #   logits vs the fused head, without and with checkpointing (~3 min)
+#   run: bash scripts/gpu_session.sh lease4    # the lease after lease3 (GPU_SESSION_SECONDS likewise): sweep, then
+#                                              #   the update with the fused head off at steady state, then
+#                                              #   train.column_bucket=1 against the CUDA default 64
 #   run: bash scripts/gpu_session.sh lease3    # the next lease (GPU_SESSION_SECONDS likewise): the CUDA defaults the
 #                                              #   second decided (plain pass, fixed rows, no-grad plain logits)
 #                                              #   against TRL and the plain loop, full and LoRA, with GPU busy;
@@ -38,7 +43,7 @@
 # python3), to check the script itself (tests/test_bench_gpu_script.py does); memory has no tiny form.
 set -euo pipefail
 
-part="${1:?usage: gpu_session.sh gen|full|lora|choices|memory|jump|fullsize|head|lease|lease2|lease3}"
+part="${1:?usage: gpu_session.sh gen|full|lora|choices|memory|jump|fullsize|head|sweep|lease|lease2|lease3|lease4}"
 out="${OUT:-gpu-out}"
 python="${PYTHON:-python3}"
 mkdir -p "$out"
@@ -46,12 +51,18 @@ if [ -n "${GPU_SESSION_TINY:-}" ]; then
   tiny="--tiny"
   full_size=""  # --full-size and --tiny exclude each other: the tiny preset stands in
   jump_steps=""  # the tiny bench runs 2 steps
+  sweep_plain="--lengths 32"  # one length on the CPU's tiny body: the commands and both heads, not the figures
+  sweep_gc="--lengths 32"
   bench="$python benchmarks/gpu_vs_trl.py --tiny --steps 2 --engine hf-static --model-cache $out/model-cache"
   [ "$part" != memory ] || { echo "gpu_session.sh: memory needs a GPU" >&2; exit 2; }
 else
   tiny=""
   full_size="--full-size --steps 3"
   jump_steps="--steps 6"  # five steps after the warm-up: enough to see a jump that came every other step
+  # one row of 64 + L tokens, full fine-tuning; without checkpointing the body's activations end the sweep
+  # first (about 3 GB per 1,000 tokens at this body), with it the logits do
+  sweep_plain="--device cuda --body 1.5b --budget-gib 80 --lengths 1024,2048,4096,8192,16384,32768"
+  sweep_gc="--device cuda --body 1.5b --budget-gib 80 --lengths 4096,8192,16384,32768,65536,131072"
   site=/tmp/grpo-site
   if [ ! -d "$site" ]; then
     "$python" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/*.whl
@@ -101,6 +112,10 @@ print(sys.argv[2], "generate s per step:", " ".join(f"{x:.2f}" for x in s["gener
     else
       $python benchmarks/logprob_memory.py --device cuda --body 1.5b --out "$out/logprob_memory.json"
     fi
+    ;;
+  sweep)  # issue 30 item 4: the longest completion that fits in 80 GB with and without the fused head
+    $python benchmarks/length_sweep.py $sweep_plain --out "$out/length_sweep.json"
+    $python benchmarks/length_sweep.py $sweep_gc --gradient-checkpointing --out "$out/length_sweep-gc.json"
     ;;
   lease)  # a lease now lends 15 minutes in all, start included: the headline first, each part cut at the deadline
     deadline=$((SECONDS + ${GPU_SESSION_SECONDS:-540}))
@@ -155,8 +170,27 @@ print(sys.argv[2], "generate s per step:", " ".join(f"{x:.2f}" for x in s["gener
         --out "$out/full-size.json" || echo "lease3: fullsize ended $?"
     fi
     ;;
+  lease4)  # after lease3: what docs/device-choices.md still lists as unmeasured, and issue 30 item 4's sweep
+    deadline=$((SECONDS + ${GPU_SESSION_SECONDS:-540}))
+    left() { echo $((deadline - SECONDS)); }
+    timeout "$(left)" $python benchmarks/length_sweep.py $sweep_plain --out "$out/length_sweep.json" \
+      || echo "lease4: sweep ended $?"
+    timeout "$(left)" $python benchmarks/length_sweep.py $sweep_gc --gradient-checkpointing \
+      --out "$out/length_sweep-gc.json" || echo "lease4: sweep gc ended $?"
+    # the update keeps the fused head from 2^26 logits on CUDA; its cost at steady state against whole logits,
+    # beside lease3's full run as shipped (profiled: GPU busy and the operator tables)
+    if [ "$(left)" -gt 150 ]; then
+      timeout "$(left)" $bench --steps 3 --cases full --sides grpo --grpo-set train.fused_lm_head=false \
+        --out "$out/fused-off.json" || echo "lease4: fused off ended $?"
+    fi
+    if [ "$(left)" -gt 150 ]; then  # the CUDA default bucket 64 was chosen from the H100's cuDNN plans, unmeasured
+      timeout "$(left)" $bench --steps 3 --cases full --sides grpo --column-bucket 1 \
+        --out "$out/bucket-1.json" || echo "lease4: bucket 1 ended $?"
+    fi
+    ;;
   *)
-    echo "gpu_session.sh: unknown part $part (gen, full, lora, choices, memory, fullsize, jump, head, lease, lease2 or lease3)" >&2
+    echo "gpu_session.sh: unknown part $part (gen, full, lora, choices, memory, fullsize, jump, head, sweep, lease," \
+      "lease2, lease3 or lease4)" >&2
     exit 2
     ;;
 esac

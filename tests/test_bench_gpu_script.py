@@ -280,7 +280,8 @@ def test_gpu_session_script_parts_run_in_tiny_form(tmp_path, gsm8k_dir):
     parts read GSM8K's prompts (skipped without the shared files, like every GSM8K test)."""
     env = {**os.environ, "GPU_SESSION_TINY": "1", "PYTHON": sys.executable, "OUT": str(tmp_path),
            "GRPO_GSM8K_DIR": str(gsm8k_dir)}
-    for part in ("gen", "choices", "jump", "head", "lease3"):  # lease3 runs fullsize's command too
+    for part in ("gen", "choices", "jump", "lease3", "lease4"):  # lease3 runs fullsize's and head's commands,
+        # lease4 sweep's
         proc = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "gpu_session.sh"), part], cwd=REPO_ROOT, env=env,
                               capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, (part, proc.stderr[-4000:])
@@ -304,6 +305,14 @@ def test_gpu_session_script_parts_run_in_tiny_form(tmp_path, gsm8k_dir):
     head = json.loads((tmp_path / "logprob_memory.json").read_text())
     assert [p["pass"] for p in head["passes"]] == ["training", "reference"]
     assert all(p["fused"]["peak_mib"] > 0 and p["logits"]["seconds"] > 0 for p in head["passes"])
+    for name, checkpointed in (("length_sweep", False), ("length_sweep-gc", True)):
+        sweep = json.loads((tmp_path / f"{name}.json").read_text())
+        assert sweep["gradient_checkpointing"] is checkpointed and [r["completion_tokens"] for r in sweep["rows"]] == [32]
+        assert all(sweep["rows"][0][head]["peak_mib"] > 0 for head in ("logits", "fused"))
+    lease4 = {name: json.loads((tmp_path / f"{name}.json").read_text())["settings"]
+              for name in ("fused-off", "bucket-1")}
+    assert lease4["fused-off"]["grpo_set"] == {"train.fused_lm_head": "false"}
+    assert lease4["bucket-1"]["grpo_column_bucket"] == 1
     proc = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "gpu_session.sh"), "nonsense"], cwd=REPO_ROOT,
                           env=env, capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown part nonsense" in proc.stderr
