@@ -67,6 +67,8 @@ def side_summary(result: dict, case: dict, prompt_tokens: list[int], params: tup
                     "peak_rss_gb": result["peak_rss_mb"] / 1024, "steps": len(result["step_s"]),
                     "per_step": {k: result[k] for k in ("step_s", "generate_s", "ref_logprobs_s", "train_s")}})
     summary.update(profile_keys(result))  # grpo on CUDA: extra steps' updates, profiled
+    if result.get("eval_s"):  # each evaluation's seconds; the last ran after the steps, warm, against a step's
+        summary.update(eval_s=result["eval_s"], eval_over_step=result["eval_s"][-1] / summary["step_s"])
     if "peak_gpu_mb" in result:
         summary["peak_gpu_gb"] = result["peak_gpu_mb"] / 1024
     return summary

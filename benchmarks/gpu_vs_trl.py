@@ -134,14 +134,20 @@ def build_model(shape: str, tokenizer, path: Path) -> Path:
 
 def cached_model(shape: str, gsm8k: Path, folder: Path) -> Path:
     """``build_model``'s model in ``folder``, built there unless a finished build is already there: a build
-    goes to a temporary folder renamed into place once written, so a run cut short leaves none half-built."""
+    goes to a temporary folder renamed into place once written, so a run cut short leaves none half-built,
+    and of two processes building at once the second to finish keeps the first's (the same weights)."""
     path = folder / f"qwen2.5-{shape}-random"
     if (path / "config.json").is_file():
         return path
     folder.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=folder))
     build_model(shape, gsm8k_tokenizer(gsm8k), partial)
-    partial.rename(path)
+    try:
+        partial.rename(path)
+    except OSError:  # a non-empty folder is there: another process's finished build
+        if not (path / "config.json").is_file():
+            raise
+        shutil.rmtree(partial)
     return path
 
 

@@ -180,9 +180,11 @@ def run_ours(case: dict) -> dict:
 
         grpo.training.loop.train_on_batch = train_on_batch_profiling_the_extra
     grpo.training.colocated.train(cfg)
-    rows = [json.loads(line) for line in (Path(cfg.train.output_dir) / "metrics.jsonl").read_text().splitlines()
-            if "loss" in line][:case["steps"]]
-    return {**profile,
+    lines = (Path(cfg.train.output_dir) / "metrics.jsonl").read_text().splitlines()
+    logged = [json.loads(line) for line in lines]
+    rows = [row for line, row in zip(lines, logged) if "loss" in line][:case["steps"]]
+    evaluations = [r["time/eval_s"] for r in logged if "time/eval_s" in r]  # with data.eval: start, end
+    return {**profile, **({"eval_s": evaluations} if evaluations else {}),
         "step_s": [r["time/step_s"] for r in rows],
         "generate_s": [r["time/generate_s"] for r in rows],
         "ref_logprobs_s": [r["time/rollout_s"] - r["time/generate_s"] - r["time/rewards_s"] for r in rows],

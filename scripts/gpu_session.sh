@@ -20,9 +20,14 @@
 #                                              #   Qwen's vocabulary, 8 x 1024 completion tokens (~2 min)
 #   run: bash scripts/gpu_session.sh sweep     # the longest completion that fits in 80 GB at the 1.5B body, whole
 #                                              #   logits vs the fused head, without and with checkpointing (~3 min)
-#   run: bash scripts/gpu_session.sh lease4    # the lease after lease3 (GPU_SESSION_SECONDS likewise): sweep, then
-#                                              #   the update with the fused head off at steady state, then
-#                                              #   train.column_bucket=1 against the CUDA default 64
+#   run: bash scripts/gpu_session.sh multiturn # multi-turn rollouts, cached turns against whole-conversation
+#                                              #   prefills: tiny-math (hf-static's CUDA graphs with cached turns,
+#                                              #   never run on a GPU), then the 1.5B shape (~3 min)
+#   run: bash scripts/gpu_session.sh eval      # in-training evaluation at the 1.5B shape: 128 GSM8K prompts, greedy
+#                                              #   and k=4, against a training step (issue 29's "less than a step")
+#   run: bash scripts/gpu_session.sh lease4    # the lease after lease3 (GPU_SESSION_SECONDS likewise): sweep,
+#                                              #   multiturn, eval, the update with the fused head off at steady
+#                                              #   state, then train.column_bucket=1 against the CUDA default 64
 #   run: bash scripts/gpu_session.sh lease3    # the next lease (GPU_SESSION_SECONDS likewise): the CUDA defaults the
 #                                              #   second decided (plain pass, fixed rows, no-grad plain logits)
 #                                              #   against TRL and the plain loop, full and LoRA, with GPU busy;
@@ -43,7 +48,7 @@
 # python3), to check the script itself (tests/test_bench_gpu_script.py does); memory has no tiny form.
 set -euo pipefail
 
-part="${1:?usage: gpu_session.sh gen|full|lora|choices|memory|jump|fullsize|head|sweep|lease|lease2|lease3|lease4}"
+part="${1:?usage: gpu_session.sh gen|full|lora|choices|memory|jump|fullsize|head|sweep|multiturn|eval|lease|lease2|lease3|lease4}"
 out="${OUT:-gpu-out}"
 python="${PYTHON:-python3}"
 mkdir -p "$out"
@@ -53,6 +58,10 @@ if [ -n "${GPU_SESSION_TINY:-}" ]; then
   jump_steps=""  # the tiny bench runs 2 steps
   sweep_plain="--lengths 32"  # one length on the CPU's tiny body: the commands and both heads, not the figures
   sweep_gc="--lengths 32"
+  model_cache="$out/model-cache" shape=tiny
+  multiturn_tiny="--prompts 2 --generations 2 --max-tokens 8 --turns 2"
+  multiturn_shape="--prompts 2 --generations 2 --max-tokens 8 --turns 2"
+  eval_limit=8
   bench="$python benchmarks/gpu_vs_trl.py --tiny --steps 2 --engine hf-static --model-cache $out/model-cache"
   [ "$part" != memory ] || { echo "gpu_session.sh: memory needs a GPU" >&2; exit 2; }
 else
@@ -63,6 +72,10 @@ else
   # first (about 3 GB per 1,000 tokens at this body), with it the logits do
   sweep_plain="--device cuda --body 1.5b --budget-gib 80 --lengths 1024,2048,4096,8192,16384,32768"
   sweep_gc="--device cuda --body 1.5b --budget-gib 80 --lengths 4096,8192,16384,32768,65536,131072"
+  model_cache=/tmp/grpo-bench-model shape=1.5b
+  multiturn_tiny="--device cuda --reps 3"  # the shipped tiny-math: its rows end turns with an EOS
+  multiturn_shape="--device cuda --prompts 16 --generations 8 --max-tokens 128 --turns 3 --reps 2"
+  eval_limit=128  # a training step's prompts x G is 128 rows: greedy evaluation generates as many
   site=/tmp/grpo-site
   if [ ! -d "$site" ]; then
     "$python" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/*.whl
@@ -116,6 +129,28 @@ print(sys.argv[2], "generate s per step:", " ".join(f"{x:.2f}" for x in s["gener
   sweep)  # issue 30 item 4: the longest completion that fits in 80 GB with and without the fused head
     $python benchmarks/length_sweep.py $sweep_plain --out "$out/length_sweep.json"
     $python benchmarks/length_sweep.py $sweep_gc --gradient-checkpointing --out "$out/length_sweep-gc.json"
+    ;;
+  multiturn)  # issue 27 on a GPU: the prefill tokens and time cached turns save, and their peak memory
+    $python benchmarks/multiturn_prefill.py $multiturn_tiny --out "$out/multiturn-tiny-math.json"
+    # the benchmark's random model (built once, as the bench parts build it): rows continue whether or not
+    # their turn ended, random weights seldom sampling an EOS
+    model=$($python -c 'import sys; from pathlib import Path; sys.path.insert(0, "benchmarks"); import gpu_vs_trl
+print(gpu_vs_trl.cached_model(sys.argv[1], gpu_vs_trl.find_gsm8k(None), Path(sys.argv[2])))' "$shape" "$model_cache" | tail -1)
+    $python benchmarks/multiturn_prefill.py $multiturn_shape --model "$model" --continue-all \
+      --out "$out/multiturn-$shape.json"
+    ;;
+  eval)  # the run's evaluation through hf-static (at the start, cold, and after the last step), beside its steps
+    # (GSM8K's first train problems stand in for a held-out set: timing only, the weights are random)
+    eval_set="$($python -c 'import sys; sys.path.insert(0, "benchmarks"); import gpu_vs_trl
+print(gpu_vs_trl.find_gsm8k(None) / "train.jsonl")' | tail -1)"
+    for k in 1 4; do
+      $bench --steps 3 --cases full --sides grpo --no-busy --grpo-set "data.eval=$eval_set" \
+        --grpo-set data.eval_limit=$eval_limit --grpo-set eval.num_samples=$k --out "$out/eval-k$k.json"
+      $python -c 'import json, sys; s = json.load(open(sys.argv[1]))["cases"][0]["grpo"]
+step, ratio = s["step_s"], s["eval_over_step"]
+print(f"k={sys.argv[2]}: evaluations", " ".join(f"{x:.2f}" for x in s["eval_s"]), f"s; step {step:.2f} s;",
+      f"the last is {ratio:.2f} steps")' "$out/eval-k$k.json" "$k"
+    done
     ;;
   lease)  # a lease now lends 15 minutes in all, start included: the headline first, each part cut at the deadline
     deadline=$((SECONDS + ${GPU_SESSION_SECONDS:-540}))
@@ -177,6 +212,12 @@ print(sys.argv[2], "generate s per step:", " ".join(f"{x:.2f}" for x in s["gener
       || echo "lease4: sweep ended $?"
     timeout "$(left)" $python benchmarks/length_sweep.py $sweep_gc --gradient-checkpointing \
       --out "$out/length_sweep-gc.json" || echo "lease4: sweep gc ended $?"
+    if [ "$(left)" -gt 200 ]; then
+      timeout "$(left)" bash "$0" multiturn || echo "lease4: multiturn ended $?"
+    fi
+    if [ "$(left)" -gt 300 ]; then
+      timeout "$(left)" bash "$0" eval || echo "lease4: eval ended $?"
+    fi
     # the update keeps the fused head from 2^26 logits on CUDA; its cost at steady state against whole logits,
     # beside lease3's full run as shipped (profiled: GPU busy and the operator tables)
     if [ "$(left)" -gt 150 ]; then
@@ -189,8 +230,8 @@ print(sys.argv[2], "generate s per step:", " ".join(f"{x:.2f}" for x in s["gener
     fi
     ;;
   *)
-    echo "gpu_session.sh: unknown part $part (gen, full, lora, choices, memory, fullsize, jump, head, sweep, lease," \
-      "lease2, lease3 or lease4)" >&2
+    echo "gpu_session.sh: unknown part $part (gen, full, lora, choices, memory, fullsize, jump, head, sweep, multiturn," \
+      "eval, lease, lease2, lease3 or lease4)" >&2
     exit 2
     ;;
 esac

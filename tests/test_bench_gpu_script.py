@@ -7,6 +7,7 @@ fails here instead of on the next (rare) GPU machine.
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 import json
 import os
@@ -280,11 +281,16 @@ def test_gpu_session_script_parts_run_in_tiny_form(tmp_path, gsm8k_dir):
     parts read GSM8K's prompts (skipped without the shared files, like every GSM8K test)."""
     env = {**os.environ, "GPU_SESSION_TINY": "1", "PYTHON": sys.executable, "OUT": str(tmp_path),
            "GRPO_GSM8K_DIR": str(gsm8k_dir)}
-    for part in ("gen", "choices", "jump", "lease3", "lease4"):  # lease3 runs fullsize's and head's commands,
-        # lease4 sweep's
-        proc = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "gpu_session.sh"), part], cwd=REPO_ROOT, env=env,
+    def run_part(part: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(REPO_ROOT / "scripts" / "gpu_session.sh"), part], cwd=REPO_ROOT, env=env,
                               capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, (part, proc.stderr[-4000:])
+
+    # lease3 runs fullsize's and head's commands, lease4 sweep's, multiturn's and eval's. Two at a time: each is
+    # mostly single-threaded process start-ups, their files differ, and the model cache takes concurrent builds.
+    parts = ("lease3", "lease4", "choices", "jump", "gen")
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        for part, proc in zip(parts, pool.map(run_part, parts)):
+            assert proc.returncode == 0, (part, proc.stderr[-4000:])
     assert json.loads((tmp_path / "generation_speed-efficient.json").read_text())["sdpa_backends"] == "efficient,math"
     settings = {name: json.loads((tmp_path / f"{name}.json").read_text())["settings"]
                 for name in ("as-shipped", "shared-off", "sdpa-efficient")}
@@ -309,6 +315,13 @@ def test_gpu_session_script_parts_run_in_tiny_form(tmp_path, gsm8k_dir):
         sweep = json.loads((tmp_path / f"{name}.json").read_text())
         assert sweep["gradient_checkpointing"] is checkpointed and [r["completion_tokens"] for r in sweep["rows"]] == [32]
         assert all(sweep["rows"][0][head]["peak_mib"] > 0 for head in ("logits", "fused"))
+    multiturn = {name: json.loads((tmp_path / f"multiturn-{name}.json").read_text()) for name in ("tiny-math", "tiny")}
+    assert not multiturn["tiny-math"]["continue_all"] and multiturn["tiny"]["continue_all"]
+    assert all(multiturn["tiny"]["engines"]["hf-static"][mode]["calls"] == 2 for mode in ("plain", "cached"))
+    for k in (1, 4):  # the run's evaluation at the start and after the last step, beside its steps
+        evaluated = json.loads((tmp_path / f"eval-k{k}.json").read_text())
+        assert evaluated["settings"]["grpo_set"]["eval.num_samples"] == str(k)
+        assert len(evaluated["cases"][0]["grpo"]["eval_s"]) == 2 and evaluated["cases"][0]["grpo"]["eval_over_step"] > 0
     lease4 = {name: json.loads((tmp_path / f"{name}.json").read_text())["settings"]
               for name in ("fused-off", "bucket-1")}
     assert lease4["fused-off"]["grpo_set"] == {"train.fused_lm_head": "false"}
@@ -369,3 +382,13 @@ def test_model_cache_builds_once_and_never_reuses_a_half_built_model(tmp_path, m
     with pytest.raises(KeyboardInterrupt):
         gpu_vs_trl.cached_model("1.5b", tmp_path, tmp_path / "cache")
     assert not (tmp_path / "cache" / "qwen2.5-1.5b-random").exists()  # the next run builds it afresh
+
+    def raced(shape, tokenizer, path):  # another process finishes the same build meanwhile
+        build(shape, tokenizer, path)
+        build(shape, tokenizer, tmp_path / "cache" / "qwen2.5-1.5b-random")
+
+    (tmp_path / "cache" / "qwen2.5-1.5b-random").mkdir()
+    monkeypatch.setattr(gpu_vs_trl, "build_model", raced)
+    partial_builds = set((tmp_path / "cache").glob(".*"))  # the killed build's
+    assert gpu_vs_trl.cached_model("1.5b", tmp_path, tmp_path / "cache") == tmp_path / "cache" / "qwen2.5-1.5b-random"
+    assert set((tmp_path / "cache").glob(".*")) == partial_builds  # its own build removed, the other's kept
