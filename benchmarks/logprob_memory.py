@@ -103,14 +103,13 @@ def child(spec: dict) -> list[dict]:
     if spec.get("gradient_checkpointing"):  # as grpo.models.loading enables it
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     grad = spec["pass"] == "training"
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else contextlib.nullcontext()
     results = []
-    for Lc in completions:
+    for Lc in completions:  # the ids stay on the CPU, as a rollout hands them to the log-prob passes
         gen = torch.Generator().manual_seed(0)
         prompt_ids = torch.randint(3, QWEN_VOCAB, (groups, Lp), generator=gen).repeat_interleave(rows // groups, 0)
         completion_ids = torch.randint(3, QWEN_VOCAB, (rows, Lc), generator=gen)
-        prompt_ids, completion_ids = prompt_ids.to(device), completion_ids.to(device)
         prompt_mask, completion_mask = torch.ones_like(prompt_ids), torch.ones_like(completion_ids)
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else contextlib.nullcontext()
         best, peak = float("inf"), 0
         try:
             for _ in range(spec["reps"]):
