@@ -208,10 +208,7 @@ print(f"k={sys.argv[2]}: evaluations", " ".join(f"{x:.2f}" for x in s["eval_s"])
   lease4)  # after lease3: what docs/device-choices.md still lists as unmeasured, and issue 30 item 4's sweep
     deadline=$((SECONDS + ${GPU_SESSION_SECONDS:-540}))
     left() { echo $((deadline - SECONDS)); }
-    timeout "$(left)" $python benchmarks/length_sweep.py $sweep_plain --out "$out/length_sweep.json" \
-      || echo "lease4: sweep ended $?"
-    timeout "$(left)" $python benchmarks/length_sweep.py $sweep_gc --gradient-checkpointing \
-      --out "$out/length_sweep-gc.json" || echo "lease4: sweep gc ended $?"
+    timeout "$(left)" bash "$0" sweep || echo "lease4: sweep ended $?"  # timeout ends the part's whole group
     if [ "$(left)" -gt 200 ]; then
       timeout "$(left)" bash "$0" multiturn || echo "lease4: multiturn ended $?"
     fi
