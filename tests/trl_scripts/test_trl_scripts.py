@@ -1,0 +1,81 @@
+"""TRL 1.16 scripts (scripts/, each written from TRL's documentation) run under TRL and under grpo with only
+the import line changed: the same global_step, the same callback event sequence, every key TRL logs present
+in grpo's entry for the same step, the same checkpoints and the same resume behaviour.
+
+Each script takes ``MODEL OUT`` and writes ``OUT/report.json`` (scripts/report_callback.py). The two sides run
+as two processes at once, each a fresh interpreter as a user's script is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("trl")
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+TRL_IMPORT, GRPO_IMPORT = "from trl import GRPOConfig, GRPOTrainer\n", "from grpo import GRPOConfig, GRPOTrainer\n"
+MODELS = {  # script -> shipped tiny model it trains
+    "chat_lora_iterations": "tiny-math", "text_prompts_accumulation": "tiny-math",
+    "evaluate_during_and_after": "tiny-math", "resume_named_checkpoint": "tiny-math",
+    "rollout_func_generate": "tiny-math", "tools_with_system_prompt": "tiny-tools",
+    "environment_factory": "tiny-tools",
+}
+SAME = ("global_step", "events", "checkpoints", "missing_checkpoint_error", "environments_created", "rollout_calls")
+
+
+def grpo_source(source: str) -> str:
+    """The script with its one TRL import line replaced, as a user switches."""
+    assert source.count(TRL_IMPORT) == 1, "each script imports GRPOConfig, GRPOTrainer from trl on one line"
+    return source.replace(TRL_IMPORT, GRPO_IMPORT)
+
+
+def run_both(name: str, tmp: Path) -> dict[str, dict]:
+    source = (SCRIPTS / f"{name}.py").read_text()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), str(REPO / "src"),
+                                                         os.environ.get("PYTHONPATH", "")]),
+           "TRL_EXPERIMENTAL_SILENCE": "1", "OMP_NUM_THREADS": "1"}
+    processes = {}
+    for side, text in (("trl", source), ("grpo", grpo_source(source))):
+        script = tmp / side / f"{name}.py"
+        script.parent.mkdir(parents=True)
+        script.write_text(text)
+        log = open(tmp / side / "log.txt", "w")
+        processes[side] = (subprocess.Popen([sys.executable, str(script), str(REPO / "assets" / MODELS[name]),
+                                             str(tmp / side / "out")], cwd=tmp / side, env=env, stdout=log,
+                                            stderr=subprocess.STDOUT), log)
+    reports = {}
+    for side, (process, log) in processes.items():
+        process.wait(timeout=900)
+        log.close()
+        text = (tmp / side / "log.txt").read_text()
+        assert process.returncode == 0, f"{name} under {side} failed:\n{text[-4000:]}"
+        reports[side] = json.loads((tmp / side / "out" / "report.json").read_text())
+    return reports
+
+
+def missing_keys(trl_entry: dict, grpo_entry: dict) -> list[str]:
+    return sorted(set(trl_entry) - set(grpo_entry))
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_script_behaves_as_under_trl(name, tmp_path):
+    reports = run_both(name, tmp_path)
+    trl, grpo = reports["trl"], reports["grpo"]
+    for key in SAME:
+        assert grpo.get(key) == trl.get(key), f"{key}: grpo {grpo.get(key)} != TRL {trl.get(key)}"
+    trl_log, grpo_log = trl["log_history"], grpo["log_history"]
+    assert [e.get("step") for e in grpo_log] == [e.get("step") for e in trl_log]
+    for index, (trl_entry, grpo_entry) in enumerate(zip(trl_log, grpo_log)):
+        assert not missing_keys(trl_entry, grpo_entry), (
+            f"log_history[{index}] (step {trl_entry.get('step')}) lacks TRL's keys "
+            f"{missing_keys(trl_entry, grpo_entry)}")
+    if "evaluate" in trl:
+        assert not missing_keys(trl["evaluate"], grpo["evaluate"]), "evaluate() lacks TRL's keys"
