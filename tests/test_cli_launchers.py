@@ -14,7 +14,12 @@ def test_deepspeeds_local_rank_argument_is_accepted(flag, monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert build_parser().parse_args(["train", flag, "x.yaml"]).local_rank == 3
     assert build_parser().parse_args(["trainer", "x.yaml", flag]).local_rank == 3
+    # DeepSpeed's launcher runs `python -u -m grpo --local_rank=N train ...`: before the subcommand.
+    assert build_parser().parse_args([flag, "train", "x.yaml", "a.b=1"]).local_rank == 3
+    assert build_parser().parse_args([flag, "sampler", "x.yaml"]).local_rank == 3
+    assert not hasattr(build_parser().parse_args(["train", "x.yaml"]), "local_rank")
     assert main(["train", flag, "no-such-recipe.yaml"]) == 2  # a clear config error, not argparse's exit 2
+    assert main([flag, "train", "no-such-recipe.yaml"]) == 2
     assert os.environ["LOCAL_RANK"] == "3"
 
 

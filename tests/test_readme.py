@@ -93,3 +93,37 @@ def test_layout_names_every_module():
                 break
             obj = getattr(obj, attribute)
     assert not unresolved, f"the README names modules or attributes that do not exist: {unresolved}"
+
+
+def test_the_exit_status_table_is_the_codes_own():
+    """Every status the README's table lists is one grpo.errors defines, and every one it defines is listed."""
+    import re
+
+    from grpo import errors
+
+    text = README.read_text()
+    table = text[text.index("Exit status (`grpo.errors`"):]
+    table = table[:table.index("\n\n", table.index("| status |"))]
+    listed = {int(code) for code in re.findall(r"^\| `(\d+)` \|", table, flags=re.MULTILINE)}
+    defined = {value for name, value in vars(errors).items() if name.startswith("EXIT_")}
+    assert listed == defined == {0, 1, 2, 130}
+    for name, value in vars(errors).items():  # what the table says of each is what the code does
+        if name == "EXIT_BAD_INPUT":
+            assert f"| `{value}` | a configuration or input error" in table
+        if name == "EXIT_INTERRUPTED":
+            assert f"| `{value}` | Ctrl-C or SIGTERM" in table
+
+
+def test_every_status_the_command_line_returns_is_in_the_table():
+    """grpo.errors.exit_status maps each known error to a listed status (the command line returns nothing else
+    but 0 and 130, both listed)."""
+    from grpo.config import ConfigError
+    from grpo.data import DataError
+    from grpo.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, RewardError, TrainingAborted, exit_status
+
+    cases = {ConfigError("k"): EXIT_BAD_INPUT, DataError("f:1"): EXIT_BAD_INPUT, RewardError("r"): EXIT_BAD_INPUT,
+             TrainingAborted("nan"): EXIT_FAILED, TimeoutError("peer"): EXIT_FAILED,
+             OSError(28, "No space left on device"): EXIT_FAILED, KeyboardInterrupt(): EXIT_INTERRUPTED}
+    for err, status in cases.items():
+        assert exit_status(err)[0] == status, err
+    assert exit_status(ZeroDivisionError()) is None  # a bug: its traceback, status 1

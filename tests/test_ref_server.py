@@ -346,3 +346,21 @@ def test_decoder_fuzz_structured_headers(header, data):
     """Headers that look like safetensors (the right names, plausible dtypes/shapes/offsets) over random data."""
     text = json.dumps(header).encode()
     assert_only_protocol_errors(len(text).to_bytes(8, "little") + text + data)
+
+
+def test_a_busy_port_is_a_configuration_error_before_the_model_loads(tmp_path, capsys):
+    # uvicorn alone found out only after the model loaded, and exited 3, a status the command line never names.
+    import socket
+
+    from grpo.cli import main
+    from grpo.errors import EXIT_BAD_INPUT
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = main(["ref-server", f"decoupled.ref_server_port={port}",
+                     f"model.name_or_path={tmp_path / 'no-model-here'}"])  # never loaded: the port comes first
+    assert code == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "decoupled.ref_server_port" in err, err

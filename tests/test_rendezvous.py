@@ -41,6 +41,15 @@ def test_a_name_mapped_only_to_loopback_is_a_config_error(monkeypatch):
         advertised_address("tcp://0.0.0.0:5555", None)
 
 
+def test_the_loopback_refusal_names_the_machine_where_getfqdn_says_localhost(monkeypatch):
+    # /etc/hosts with "127.0.0.1 localhost vm": getfqdn() answers "localhost", which names no machine.
+    monkeypatch.setattr(socket, "getfqdn", lambda: "localhost")
+    monkeypatch.setattr(socket, "gethostname", lambda: "vm")
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: [(0, 0, 0, "", ("127.0.0.1", 0))])
+    with pytest.raises(ConfigError, match=r"this host's name 'vm' resolves only to \['127.0.0.1'\]"):
+        advertised_address("tcp://0.0.0.0:5555", None)
+
+
 def test_a_sampler_waits_for_the_address_and_reads_it(tmp_path):
     def later():
         time.sleep(0.3)

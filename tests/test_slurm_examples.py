@@ -112,6 +112,25 @@ def load_as_the_cli_does(argv: list[str]) -> tuple[str, RunConfig]:
     return args.command, load_config(REPO / args.config, overrides)
 
 
+ECHO_TORCHRUN = """#!{python}
+import json, sys
+print(json.dumps(sys.argv[1:]))
+"""
+
+
+def on_node(command: list[str], node_id: int, tmp_path: Path) -> list[str]:
+    """The torchrun command line that ``command`` (``bash -c SCRIPT torchrun ARGS``: evaluated on each node)
+    runs on the node with SLURM_NODEID ``node_id``, through a torchrun stand-in that prints its arguments."""
+    assert command[:2] == ["bash", "-c"] and command[3] == "torchrun", command
+    folder = tmp_path / "echo-bin"
+    folder.mkdir(exist_ok=True)
+    (folder / "torchrun").write_text(ECHO_TORCHRUN.format(python=sys.executable))
+    (folder / "torchrun").chmod(0o755)
+    env = dict(os.environ, PATH=f"{folder}{os.pathsep}{os.environ['PATH']}", SLURM_NODEID=str(node_id))
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60, check=True)
+    return ["torchrun", *json.loads(result.stdout)]
+
+
 def option(words: list[str], name: str) -> str:
     values = [w.split("=", 1)[1] for w in words if w.startswith(f"{name}=")]
     assert len(values) == 1, f"{name} given {len(values)} times in {words}"
@@ -134,8 +153,10 @@ def test_colocated_starts_one_torchrun_per_node_with_a_valid_config(tmp_path, ex
     hosts = ["node0", "node1"]
     (call,) = recorded(COLOCATED, tmp_path, hosts, RUN_DIR=str(run_dir))
     assert option(call["options"], "--nodes") == "2" and option(call["options"], "--ntasks-per-node") == "1"
-    assert call["command"][0] == "torchrun"
-    torchrun = call["command"][:call["command"].index("-m")]
+    head, other = on_node(call["command"], 0, tmp_path), on_node(call["command"], 1, tmp_path)
+    torchrun = head[:head.index("-m")]
+    # Where node names resolve only to loopback torchrun finds no head by name: each node says if it is.
+    assert option(torchrun, "--rdzv_conf") == "is_host=1" and option(other, "--rdzv_conf") == "is_host=0"
     assert option(torchrun, "--nnodes") == "2" and option(torchrun, "--nproc_per_node") == "8"
     assert option(torchrun, "--rdzv_backend") == "c10d" and option(torchrun, "--rdzv_id") == "42"
     assert option(torchrun, "--rdzv_endpoint") == "node0:29500"  # the first node of the allocation
@@ -163,8 +184,9 @@ def test_decoupled_roles_share_one_config_token_and_addresses(tmp_path, monkeypa
     assert sorted(roles) == (["ref-server", "sampler", "trainer"] if ref_server else ["sampler", "trainer"])
 
     ((trainer_call, trainer),) = roles["trainer"]
-    torchrun = trainer_call["command"][:trainer_call["command"].index("-m")]
-    assert trainer_call["command"][0] == "torchrun" and option(trainer_call["options"], "--nodelist") == "node0"
+    head = on_node(trainer_call["command"], 0, tmp_path)
+    torchrun = head[:head.index("-m")]
+    assert option(torchrun, "--rdzv_conf") == "is_host=1" and option(trainer_call["options"], "--nodelist") == "node0"
     ranks = int(option(torchrun, "--nnodes")) * int(option(torchrun, "--nproc_per_node"))
     assert trainer.decoupled.trainer_ranks == ranks
     samplers = roles["sampler"]

@@ -26,10 +26,12 @@ from grpo.weight_store.broadcast import (
 TIMEOUT_S = 60.0  # a bound against hangs only; no assertion reads a time
 
 
-def receive_into_files(port: int, rank: int, size: int, out_dir: str) -> None:
+def receive_into_files(port: int, rank: int, size: int, out_dir: str, token: str | None = None,
+                       join_timeout_s: float = TIMEOUT_S) -> None:
     """A receiver: every version it gets goes to ``out_dir/rank{rank}-v{version}.safetensors`` (written
     to a temporary name first, so the test sees only whole files); exits when rank 0 closes the group."""
-    group = WeightBroadcast("127.0.0.1", port, rank, size, join_timeout_s=TIMEOUT_S, op_timeout_s=TIMEOUT_S)
+    group = WeightBroadcast("127.0.0.1", port, rank, size, join_timeout_s=join_timeout_s, op_timeout_s=TIMEOUT_S,
+                            token=token)
     while (received := group.receive()) is not None:
         version, state = received
         path = os.path.join(out_dir, f"rank{rank}-v{version}.safetensors")
@@ -153,3 +155,75 @@ def test_the_publisher_uses_files_when_the_group_does_not_form(tmp_path):
     not_joined = ReceivedWeights(lambda: WeightBroadcast("127.0.0.1", free_port(), 1, 2, join_timeout_s=TIMEOUT_S,
                                                          op_timeout_s=TIMEOUT_S))
     assert not_joined.newest(1, timeout_s=TIMEOUT_S) is None
+
+
+@pytest.mark.slow
+def test_a_member_without_the_runs_token_gets_nothing_and_one_with_it_gets_the_weights(tmp_path):
+    # The group's keys in the store derive from the token: a process that reaches the port without it finds no
+    # member, is given no rank, and its join times out with nothing received; the real sampler then joins.
+    import threading
+
+    port, spawn, token = free_port(), multiprocessing.get_context("spawn"), "t" * 32
+    formed: list = []
+    sender = threading.Thread(target=lambda: formed.append(WeightBroadcast(
+        "127.0.0.1", port, 0, 2, join_timeout_s=TIMEOUT_S, op_timeout_s=TIMEOUT_S, token=token)), daemon=True)
+    sender.start()
+    for intruder_token in (None, "x" * 32):
+        intruder = spawn.Process(target=receive_into_files, args=(port, 1, 2, str(tmp_path), intruder_token, 3.0))
+        intruder.start()
+        intruder.join(TIMEOUT_S)
+        assert intruder.exitcode not in (0, None), "an intruder joined the weights group"
+        assert not formed and not list(tmp_path.glob("*.safetensors"))
+    member = spawn.Process(target=receive_into_files, args=(port, 1, 2, str(tmp_path), token), daemon=True)
+    member.start()
+    sender.join(TIMEOUT_S)
+    group = formed[0]
+    try:
+        group.send(1, tiny_state(1))
+        wait_for_file(tmp_path / "rank1-v1.safetensors", member)
+        assert_same(safetensors.torch.load_file(tmp_path / "rank1-v1.safetensors"), tiny_state(1))
+    finally:
+        group.close()
+    member.join(TIMEOUT_S)
+    assert member.exitcode == 0
+
+
+def test_without_a_token_the_store_listens_on_loopback_only():
+    # No token means no authentication: rank 0's store then takes connections from this machine only.
+    import threading
+
+    port = free_port()
+
+    def rank_0() -> None:
+        with pytest.raises(BroadcastError, match="did not form"):  # nobody joins
+            WeightBroadcast("127.0.0.1", port, 0, 2, join_timeout_s=5.0, op_timeout_s=5.0)
+
+    alone = threading.Thread(target=rank_0, daemon=True)
+    alone.start()
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (listening := _listeners(port)):
+        assert time.monotonic() < deadline, f"nothing listens on port {port}"
+        time.sleep(0.05)
+    assert listening == {"127.0.0.1"}, listening
+    alone.join(TIMEOUT_S)
+
+
+def _listeners(port: int) -> set[str]:
+    """The local addresses listening on TCP ``port`` (IPv4 and IPv6), from /proc/net/tcp*."""
+    import ipaddress
+
+    found = set()
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = open(f"/proc/net/{name}").read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                raw = bytes.fromhex(address)
+                # /proc prints each 32-bit word in host (little-endian) order
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                found.add(str(ipaddress.ip_address(raw)))
+    return found

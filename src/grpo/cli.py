@@ -1,7 +1,9 @@
 """The ``grpo`` command line: one subcommand per job, each a thin call into its module.
 
-Exit status: 0 on success, 2 on a configuration or input error (message on stderr; a checkpoint that cannot be
-loaded counts as input), 1 when training cannot go on (aborted, a peer timed out, the disk failed), 130 on Ctrl-C.
+Exit status (``grpo.errors``): 0 on success, 2 on a configuration or input error (message on stderr; a checkpoint
+that cannot be loaded counts as input), 1 when training cannot go on (aborted, a peer timed out, the disk failed),
+130 on Ctrl-C. On N ranks every rank exits with the status of the first rank that failed
+(``grpo.training.rank_failure``).
 """
 
 from __future__ import annotations
@@ -168,14 +170,18 @@ def _cmd_keys(args: argparse.Namespace) -> int:
 
 
 def _launcher_arguments(parser: argparse.ArgumentParser) -> None:
-    # DeepSpeed's launcher passes --local_rank=N to every rank it starts (torchrun sets LOCAL_RANK instead).
-    parser.add_argument("--local_rank", "--local-rank", type=int, dest="local_rank", help=argparse.SUPPRESS)
+    # DeepSpeed's launcher passes --local_rank=N to every rank it starts, right after the module
+    # (`python -u -m grpo --local_rank=0 train ...`); torchrun sets LOCAL_RANK instead. Accepted before and
+    # after the subcommand: SUPPRESS keeps a subcommand's unset default from hiding the top level's value.
+    parser.add_argument("--local_rank", "--local-rank", type=int, dest="local_rank", default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand (each sets ``func``, the function that runs it)."""
     parser = argparse.ArgumentParser(prog="grpo", description="GRPO fine-tuning for causal language models.")
     parser.add_argument("--version", action="version", version=f"grpo {__version__}")
+    _launcher_arguments(parser)
     sub = parser.add_subparsers(dest="command", required=True)
 
     config = sub.add_parser("config", help="print the resolved config (file + overrides) as YAML")
@@ -300,10 +306,9 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one subcommand; returns the exit status (0 ok, 2 configuration/input error, 130 Ctrl-C)."""
-    from grpo.config import ConfigError
-    from grpo.data import DataError
-    from grpo.errors import RewardError, TrainingAborted
+    """Run one subcommand; returns the exit status (``grpo.errors``: 0 ok, 1 training cannot go on,
+    2 configuration/input error, 130 Ctrl-C)."""
+    from grpo.errors import exit_status
 
     args = parse_arguments(argv)
     if getattr(args, "local_rank", None) is not None:  # the launcher's own variable wins where it set one
@@ -311,37 +316,24 @@ def main(argv: list[str] | None = None) -> int:
     _split_config_and_overrides(args)
     try:
         return args.func(args)
-    except ConfigError as err:
-        print(f"grpo: configuration error: {err}", file=sys.stderr)
-        return 2
-    except DataError as err:
-        print(f"grpo: data error: {err}", file=sys.stderr)
-        return 2
-    except RewardError as err:
-        print(f"grpo: reward error: {err}", file=sys.stderr)
-        return 2
-    except TrainingAborted as err:
-        print(f"grpo: training aborted: {err}", file=sys.stderr)
-        return 1
-    except TimeoutError as err:  # a peer (trainer, sampler, server) stayed silent past its timeout
-        print(f"grpo: timed out: {err}", file=sys.stderr)
-        return 1
-    except OSError as err:  # e.g. disk full while writing a checkpoint: earlier checkpoints are intact
-        print(f"grpo: {err.strerror or err} ({err.filename or 'file system'}); files written before are "
-              "intact (checkpoints are written to a temporary folder and renamed)", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("grpo: interrupted", file=sys.stderr)
-        return 130
-    except RuntimeError as err:
-        # A checkpoint that cannot be loaded (torn, corrupt, not this model's) names its file: report it
-        # like other bad input instead of a traceback. grpo.run.checkpoint (torch) is looked up, not imported:
-        # if it was never imported, it raised nothing.
-        checkpoint = sys.modules.get("grpo.run.checkpoint")
-        if checkpoint is None or not isinstance(err, checkpoint.CheckpointError):
+    except BaseException as err:
+        if isinstance(err, SystemExit):
             raise
-        print(f"grpo: checkpoint error: {err}", file=sys.stderr)
-        return 2
+        watch = _rank_failure_watch()
+        if watch is not None and not isinstance(err, KeyboardInterrupt):
+            return watch.fail(err).code  # one of N ranks: the first failure is printed once, by its rank
+        known = exit_status(err)
+        if known is None:
+            raise
+        print(known[1], file=sys.stderr)
+        return known[0]
+
+
+def _rank_failure_watch():
+    """The process group's failure watch (``grpo.training.rank_failure``) while this process is one of several
+    ranks; looked up, not imported (torch), as a process that never imported it has none."""
+    module = sys.modules.get("grpo.training.rank_failure")
+    return module.current_watch() if module is not None else None
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """More than one machine, on one: every "host" is a network namespace with its own address on a bridge
-(tests/integration/netns.py), so nothing can reach a peer over loopback. Two torchrun nodes train together
-(c10d rendezvous), survive a kill -9 of one node with --resume on both; decoupled roles on four hosts give
-the one-host run's first step, and each misconfiguration fails within seconds naming the cause."""
+(tests/integration/netns.py), so nothing can reach a peer over loopback. Two torchrun nodes, started with the
+README's command, train together (c10d rendezvous), survive a kill -9 of one node with --resume on both, and
+stop together when a rank fails on one; DeepSpeed's launcher runs both trainers over two hosts; decoupled
+roles on four hosts give the one-host run's first step, and each misconfiguration fails within seconds naming
+the cause."""
 
 from __future__ import annotations
 
@@ -38,14 +40,31 @@ def output(proc: subprocess.Popen) -> str:
     return proc.log.read_text()[-3000:]
 
 
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def readme_torchrun_command() -> list[str]:
+    """The README's per-node torchrun command (More than one machine), as words with its placeholders."""
+    text = README.read_text()
+    start = text.index("torchrun --nnodes N")
+    block = text[start:text.index("```", start)]
+    words = []
+    for line in block.splitlines():
+        words += line.split("#")[0].replace("\\", " ").split()
+    return words
+
+
 def torchrun_node(host: Host, head: Host, port: int, run_id: str, args: list[str], logs: Path) -> subprocess.Popen:
-    """One node of a 2-node torchrun (one rank): c10d rendezvous on ``head``, gloo over the host's own
-    interface, and the node's address given (its name resolves to loopback here, as on many machines)."""
-    cmd = host.command([
-        "env", f"GLOO_SOCKET_IFNAME={host.interface}", sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{head.address}:{port}",
-        "--rdzv_id", run_id, "--rdzv_conf", f"is_host={int(host is head)}", "--local_addr", host.address,
-        "-m", "grpo", "train", SMOKE, *args])
+    """One node of a 2-node torchrun (one rank), run as the README says: c10d rendezvous at the head's address,
+    ``is_host`` on the head, the node's address given (its name resolves to loopback here, as on many
+    machines), and gloo over the host's own interface."""
+    values = {"N": "2", "G": "1", "HEAD_IP:29500": f"{head.address}:{port}", "JOB": run_id,
+              "is_host=1": f"is_host={int(host is head)}", "NODE_IP": host.address, "RECIPE": SMOKE}
+    readme = readme_torchrun_command()
+    assert readme[0] == "torchrun" and readme[-1] == "..." and set(values) <= set(readme), readme
+    words = [values.get(w, w) for w in readme]
+    cmd = host.command(["env", f"GLOO_SOCKET_IFNAME={host.interface}", sys.executable, "-m", "torch.distributed.run",
+                        *words[1:-1], *args])
     return logged(cmd, logs / f"{host.name}-{run_id}.log")
 
 
@@ -65,11 +84,10 @@ def test_two_torchrun_nodes_in_two_namespaces_train_survive_a_kill_9_and_resume(
             wait_until(lambda: logged_steps(out) >= 2, "2 logged steps", timeout=300, proc=nodes[0])
             other.kill_all()  # the machine is gone: its torchrun agent and its rank
             nodes[1].wait()
-            try:  # the survivor's collective fails when its peer's connection drops; else the scheduler kills it
-                nodes[0].wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                head.kill_all()
-                nodes[0].wait()
+            killed = time.monotonic()
+            nodes[0].wait(timeout=120)  # its collective fails when the peer's connection drops
+            assert time.monotonic() - killed < 60, "the surviving node hung"
+            assert nodes[0].returncode != 0, output(nodes[0])
         finally:
             for proc in nodes:
                 if proc.poll() is None:
@@ -84,6 +102,76 @@ def test_two_torchrun_nodes_in_two_namespaces_train_survive_a_kill_9_and_resume(
     assert (out / "final" / "model.safetensors").exists()
 
 
+def test_a_failure_on_the_other_host_stops_the_head_nodes_rank_within_seconds(tiny_model_dir, tmp_path):
+    # A reward that fails on rank 1 only (the other node): rank 0 waits in the step's collectives on the head
+    # node, and stops through the failure recorded in the head's rendezvous store, with rank 1's status.
+    out = tmp_path / "run"
+    args = decoupled_overrides(tiny_model_dir, out, **{
+        "rewards": "[{name: 'rewards_for_reliability:fails_on_rank_1'}]"})
+    with hosts(2) as (head, other):
+        port = free_port()
+        nodes = [torchrun_node(h, head, port, "failing", args, tmp_path) for h in (head, other)]
+        try:
+            nodes[1].wait(timeout=300)  # the failing rank's node
+            failed = time.monotonic()
+            nodes[0].wait(timeout=120)
+            took = time.monotonic() - failed
+        finally:
+            for proc in nodes:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    head_log, other_log = output(nodes[0]), output(nodes[1])
+    assert all(node.returncode != 0 for node in nodes), (head_log, other_log)
+    assert took < 60, f"the head node's rank stopped {took:.0f} s after the other node's"  # a hang: 30 min
+    assert "reward error: reward 'fails_on_rank_1' failed on every one" in other_log, other_log
+    assert "grpo: rank 1 of 2 on " in other_log
+    assert "grpo: rank 0 on " in head_log and "stops: rank 1 on " in head_log and "(exit 2" in head_log, head_log
+    assert "failed on every one" not in head_log  # printed once, by the rank that failed
+
+
+def deepspeed_node(host: Host, head: Host, hostfile: Path, port: int, role_args: list[str], logs: Path,
+                   tag: str) -> subprocess.Popen:
+    """One node of DeepSpeed's launcher as a cluster without ssh runs it: the same hostfile everywhere, this
+    node's index, the head's address (DeepSpeed then starts ``python -u -m grpo --local_rank=0 ROLE ...``)."""
+    index = 0 if host is head else 1
+    cmd = host.command(["env", f"GLOO_SOCKET_IFNAME={host.interface}", "DS_BUILD_OPS=0", "DS_ACCELERATOR=cpu",
+                        "GRPO_NS_TOKEN=" + "t" * 32, sys.executable, "-m", "deepspeed.launcher.runner",
+                        "--hostfile", hostfile, "--no_ssh", "--node_rank", str(index), "--master_addr", head.address,
+                        "--master_port", str(port), "--module", "grpo", *role_args])
+    return logged(cmd, logs / f"ds-{tag}-{host.name}.log")
+
+
+def test_deepspeeds_launcher_on_two_hosts_runs_the_colocated_and_the_decoupled_trainer(tiny_model_dir, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")  # names are only keys with --no_ssh
+    with hosts(2) as (head, other):
+        colocated = tmp_path / "colocated"
+        args = ["train", SMOKE, *decoupled_overrides(tiny_model_dir, colocated, **{"train.max_steps": 1})]
+        port = free_port()
+        finish_all([deepspeed_node(h, head, hostfile, port, args, tmp_path, "colocated") for h in (head, other)])
+        assert [r["step"] for r in train_rows(colocated)] == [1]
+
+        decoupled = tmp_path / "decoupled"
+        shared = decoupled_overrides(tiny_model_dir, decoupled, **{
+            "train.mode": "decoupled", "train.max_steps": 2, "decoupled.trainer_ranks": 2,
+            "decoupled.token_env": "GRPO_NS_TOKEN", "decoupled.address": f"tcp://0.0.0.0:{free_port()}"})
+        port = free_port()
+        trainers = [deepspeed_node(h, head, hostfile, port,
+                                   ["trainer", SMOKE, *shared, f"decoupled.advertise_host={head.address}"],
+                                   tmp_path, "decoupled") for h in (head, other)]
+        sampler = role(other, "sampler", shared, "t" * 32, tmp_path)
+        try:
+            finish_all(trainers)
+            sampler.wait(timeout=120)
+        finally:
+            for proc in (*trainers, sampler):
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    assert [r["step"] for r in train_rows(decoupled)] == [1, 2]
+
+
 def role(host: Host, name: str, args: list[str], token: str, logs: Path, tag: str = "") -> subprocess.Popen:
     return logged(host.command(["env", f"GRPO_NS_TOKEN={token}", *grpo_cmd(name, SMOKE, *args)]),
                   logs / f"{name}{tag}.log")
@@ -93,11 +181,11 @@ def fails_within(proc: subprocess.Popen, seconds: float, *needles: str) -> None:
     started = time.monotonic()
     proc.wait(timeout=seconds + 60)
     took = time.monotonic() - started
-    err = output(proc)
+    err = proc.log.read_text()
     assert proc.returncode not in (0, None), err[-2000:]
     assert took < seconds, f"took {took:.0f} s"
     for needle in needles:
-        assert needle in err, err[-2000:]
+        assert needle in err, err[-4000:]
 
 
 def test_decoupled_roles_on_four_hosts_match_the_one_host_run_and_misconfigurations_fail_fast(
@@ -168,6 +256,15 @@ def test_a_trainer_whose_name_binds_only_loopback_is_refused_at_once(tiny_model_
                            address.split(":")[1].strip("/"))
             fails_within(trainer, 60, needle)
             assert trainer.returncode == 2, output(trainer)
+        # Two trainer ranks: only rank 0 publishes the address, so only rank 0 finds it wrong. Rank 1 must not
+        # be left waiting for it in the step's broadcast (it was, silently, for the collective timeout).
+        wildcard = [*base, f"decoupled.address=tcp://0.0.0.0:{free_port()}", "decoupled.trainer_ranks=2"]
+        trainer = logged(host.command(["env", "GRPO_NS_TOKEN=" + "t" * 32, sys.executable, "-m",
+                                       "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                                       str(free_port()), "-m", "grpo", "trainer", SMOKE, *wildcard]),
+                         tmp_path / "two-ranks.log")
+        fails_within(trainer, 30, "grpo: rank 0 of 2 on ", "set decoupled.advertise_host", "exitcode  : 2")
+        assert trainer.log.read_text().count("set decoupled.advertise_host") == 1, output(trainer)
 
 
 def test_hosts_helper_has_no_path_between_hosts_but_the_bridge(tmp_path):

@@ -33,3 +33,13 @@ def positional_only(prompts, completions):
 def raises_always(prompts, completions, **kwargs):
     """Fails on every sample (e.g. a typo in the column it reads): a configuration error, not a flaky sample."""
     return [float(kwargs["gold"][i]) for i in range(len(completions))]
+
+
+def fails_on_rank_1(prompts, completions, **kwargs):
+    """Fails on every sample, but only on rank 1 (a file only one node has, a GPU fault): the other ranks wait in
+    the step's collectives, and must learn of the failure rather than wait for the collective timeout."""
+    import os
+
+    if os.environ.get("RANK") == "1":
+        raise KeyError("gold")
+    return [0.0] * len(completions)

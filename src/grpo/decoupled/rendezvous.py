@@ -38,12 +38,19 @@ def is_wildcard(address: str) -> bool:
     return parts is not None and parts[0] in WILDCARD_HOSTS
 
 
+def machine_name() -> str:
+    """This machine's name: its fully qualified one, unless that is only ``localhost`` (getfqdn's answer where
+    the name maps to 127.0.0.1 in /etc/hosts beside localhost), then the name the machine gives itself."""
+    fqdn = socket.getfqdn()
+    return socket.gethostname() if fqdn.split(".")[0] in ("localhost", "") else fqdn
+
+
 def reachable_host(advertise_host: str | None) -> str:
     """The host other machines reach this one at: ``advertise_host``, else this host's name when it resolves
     to a non-loopback address. ConfigError when it cannot tell (a name mapped only to loopback)."""
     if advertise_host:
         return advertise_host
-    name = socket.getfqdn()
+    name = machine_name()
     try:
         resolved = {info[4][0] for info in socket.getaddrinfo(name, None)}
     except socket.gaierror:

@@ -146,7 +146,7 @@ def join_broadcast(cfg: RunConfig, trainer_address: str) -> ReceivedWeights | No
     host = (split_tcp(trainer_address) or ("127.0.0.1", ""))[0]  # ipc:// is one host
     return ReceivedWeights(lambda: WeightBroadcast(
         host, d.weight_sync_port, d.sampler_index + 1, d.num_samplers + 1, join_timeout_s=d.peer_timeout_s,
-        op_timeout_s=d.peer_timeout_s))
+        op_timeout_s=d.peer_timeout_s, token=shared_token(cfg)))
 
 
 class SamplerWeights:

@@ -231,9 +231,10 @@ def start_broadcast(cfg: RunConfig, store) -> BroadcastPublisher | None:
     d = cfg.decoupled
     if d.weight_sync != "broadcast":
         return None
+    token = shared_token(cfg)  # without one the store listens on loopback only (grpo.weight_store.broadcast)
     return BroadcastPublisher(store, d.weights_keep, lambda: WeightBroadcast(
         "127.0.0.1", d.weight_sync_port, 0, d.num_samplers + 1, join_timeout_s=d.peer_timeout_s,
-        op_timeout_s=d.peer_timeout_s))  # the store's server listens on every interface; this is its own client
+        op_timeout_s=d.peer_timeout_s, token=token))  # rank 0 is its own store's client, over loopback
 
 
 def trainer_evaluator(cfg: RunConfig, policy: torch.nn.Module, tokenizer, info: DistInfo,
@@ -255,7 +256,7 @@ def run_trainer(cfg: RunConfig) -> int:
     from grpo.weight_store import WeightStore
 
     info, device = start_process(cfg)
-    receiver = publisher = None
+    receiver = publisher = failed = None
     try:
         if info.world_size != cfg.decoupled.trainer_ranks:
             raise ValueError(f"decoupled.trainer_ranks is {cfg.decoupled.trainer_ranks} but {info.world_size} "
@@ -306,14 +307,17 @@ def run_trainer(cfg: RunConfig) -> int:
                     score=run_task(cfg).score)  # the logged accuracy, by the task's own scorer
         run_loop(loop, receiving, run.start_step, run.resumed_state.get("eval_before") if run.resumed_state else None)
         return 0
+    except BaseException as err:
+        failed = err
+        raise
     finally:
         try:
             if publisher is not None:
                 publisher.close()
         finally:
             if receiver is not None:
-                receiver.close(bye_reason="training finished")
-        shutdown(info)
+                receiver.close(bye_reason="training finished" if failed is None else "the trainer failed")
+        shutdown(info, failed)
 
 
 def main(cfg: RunConfig) -> int:

@@ -121,6 +121,7 @@ def train(cfg: RunConfig, given: GivenInputs | None = None) -> TrainResult:
     model, data and rewards); returns where the run went and its before/after evaluation."""
     given = given or GivenInputs()
     info, device = start_process(cfg)
+    failed = None
     try:
         if info.is_main:
             check_output_dir(cfg)
@@ -166,5 +167,8 @@ def train(cfg: RunConfig, given: GivenInputs | None = None) -> TrainResult:
         result = run_loop(loop, sampling, run.start_step, eval_before)
         return TrainResult(run.out, result.last_step, primary_result(result.eval_before),
                            primary_result(result.eval_after))
+    except BaseException as err:
+        failed = err
+        raise
     finally:
-        shutdown(info)
+        shutdown(info, failed)

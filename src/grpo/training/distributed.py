@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from grpo.training import rank_failure
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -40,8 +42,12 @@ def init_distributed(device_kind: str = "cpu", timeout_s: float = 1800.0) -> Dis
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device_kind == "cuda" else "gloo",
                                 timeout=datetime.timedelta(seconds=timeout_s))
-    return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(),
+    info = DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(),
                     local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    # Rank 0 hosts the store itself unless torchrun's agent does (TORCHELASTIC_USE_AGENT_STORE).
+    hosts_store = info.is_main and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    rank_failure.start_watch(dist.distributed_c10d._get_default_store(), info.rank, info.world_size, hosts_store)
+    return info
 
 
 def all_reduce_mean(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
@@ -101,11 +107,19 @@ def keep_until_exit(obj):
     return obj
 
 
-def shutdown(info: DistInfo) -> None:
-    """Barrier then destroy: without the barrier a fast rank 0 may tear the group down under rank 1."""
-    if info.enabled and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+def shutdown(info: DistInfo, failed: BaseException | None = None) -> None:
+    """Barrier then destroy: without the barrier a fast rank 0 may tear the group down under rank 1. After
+    this rank ``failed`` (not a Ctrl-C, which every rank takes at the same step), no collective: the failure
+    goes to every rank through the store (``grpo.training.rank_failure``) and the process exits as it is."""
+    if not (info.enabled and dist.is_initialized()):
+        return
+    watch = rank_failure.current_watch()
+    if failed is not None and not isinstance(failed, KeyboardInterrupt) and watch is not None:
+        watch.fail(failed)
+        return
+    rank_failure.stop_watch()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def print0(info: DistInfo, *args, **kwargs) -> None:

@@ -20,15 +20,22 @@ Limits (the caller falls back to files, ``grpo.decoupled.weight_sync``):
   next send when the connection was reset; a member alive but stuck stalls it until ``op_timeout_s``);
 - gloo connects every pair of members, so samplers on different hosts must reach each other too
   (``GLOO_SOCKET_IFNAME`` picks the interface);
-- the store listens on every interface and the group has no token: keep ``decoupled.weight_sync_port``
-  inside the cluster's network (what arrives is only parsed as JSON and raw bytes, never unpickled);
+- authentication: with the run's shared token (``decoupled.token_env``) every key of the group in the store is
+  named after an HMAC of the token, so a process without it finds no member to connect to and is never given
+  a rank: it gets nothing and its join times out. Without a token the store listens on 127.0.0.1 only (every
+  role is then on this machine: a link beyond loopback needs the token). The bytes themselves are not
+  encrypted: keep ``decoupled.weight_sync_port`` inside the cluster's network (what arrives is only parsed as
+  JSON and raw bytes, never unpickled);
 - full weights only: a LoRA adapter goes through files with its config.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import json
+import socket
 
 import numpy as np
 import torch
@@ -108,19 +115,22 @@ class WeightBroadcast:
         op_timeout_s: how long rank 0 waits for one collective; receivers wait this long for a version's
             tensors once its header came, and ``wait_timeout_s`` for the next header (the trainer's step).
         backend: "gloo" (CPU buffers) or "nccl" (buffers on ``torch.cuda.current_device()``).
+        token: the run's shared token (None: no authentication, and rank 0's store listens on loopback only).
     Raises BroadcastError when the group does not form in time.
     """
 
     def __init__(self, host: str, port: int, rank: int, size: int, *, join_timeout_s: float,
                  op_timeout_s: float, wait_timeout_s: float = 7 * 24 * 3600.0, backend: str = "gloo",
-                 bucket_bytes: int = 256 << 20) -> None:
+                 bucket_bytes: int = 256 << 20, token: str | None = None) -> None:
         self.rank, self.size, self.backend, self.bucket_bytes = rank, size, backend, bucket_bytes
         self.op_timeout_s, self.wait_timeout_s = op_timeout_s, wait_timeout_s
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        listener = _loopback_listener(port) if rank == 0 and token is None else None
         try:
             self.store = dist.TCPStore(host, port, world_size=None, is_master=rank == 0,
-                                       timeout=_seconds(join_timeout_s), wait_for_workers=False)
-            self.group = _make_group(backend, dist.PrefixStore("grpo-weights", self.store), rank, size,
+                                       timeout=_seconds(join_timeout_s), wait_for_workers=False,
+                                       **({"master_listen_fd": listener.fileno()} if listener else {}))
+            self.group = _make_group(backend, dist.PrefixStore(group_prefix(token), self.store), rank, size,
                                      _seconds(join_timeout_s))
         except (RuntimeError, ValueError) as exc:  # DistStoreError and gloo's timeouts are RuntimeErrors
             raise BroadcastError(f"weight broadcast group at {host}:{port} (rank {rank} of {size}) did not form "
@@ -167,6 +177,27 @@ class WeightBroadcast:
                 self._broadcast(torch.tensor([CLOSED], dtype=torch.long), self.op_timeout_s)
             except BroadcastError:
                 pass  # a member is gone: the others' receives fail on their own
+
+
+def group_prefix(token: str | None) -> str:
+    """The prefix of the group's keys in the store: with a token, one only its holders can name (the store has
+    no way to list its keys), so a member without it never meets the group."""
+    if token is None:
+        return "grpo-weights"
+    return "grpo-weights/" + hmac.new(token.encode(), b"grpo-weight-broadcast", hashlib.sha256).hexdigest()
+
+
+def _loopback_listener(port: int) -> socket.socket:
+    """A socket listening on 127.0.0.1:``port`` for rank 0's store (TCPStore itself binds every interface)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind(("127.0.0.1", port))
+        listener.listen(128)
+    except OSError as exc:
+        listener.close()
+        raise BroadcastError(f"weight broadcast store cannot listen on 127.0.0.1:{port}: {exc}") from exc
+    return listener
 
 
 def _make_group(backend: str, store, rank: int, size: int, timeout: datetime.timedelta):

@@ -205,6 +205,7 @@ def make_server(
         raise ConfigError(f"temperature: must be > 0, got {temperature}")
     if max_request_mb <= 0:
         raise ConfigError(f"max_request_mb: must be > 0, got {max_request_mb}")
+    check_port_free(host, port)  # before the model loads, not after (uvicorn then exits 3 with a log line)
 
     kwargs = {"dtype": DTYPES[dtype]} if dtype is not None else {"dtype": "auto"}
     model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs).to(resolve_device(device)).eval()
@@ -216,8 +217,27 @@ def make_server(
     return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
 
 
+def check_port_free(host: str, port: int) -> None:
+    """ConfigError naming the port when ``host:port`` cannot be bound (another process listens there)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            probe.bind((host.strip("[]"), port))
+        except OSError as err:
+            raise ConfigError(f"port: cannot listen on {host}:{port} ({err.strerror}); is another reference "
+                              "server running? Stop it or choose another decoupled.ref_server_port") from None
+
+
 def run_ref_server(model_path: str, host: str = "127.0.0.1", port: int = 8000, **options) -> None:
     """Serve reference log-probs until interrupted (``options``: the rest of ``make_server``'s arguments)."""
     server = make_server(model_path, host, port, **options)
     print(f"grpo ref server: http://{f'[{host}]' if ':' in host else host}:{port}/v1", flush=True)
-    server.run()
+    try:
+        server.run()
+    except SystemExit as exit:  # uvicorn's own startup failure (status 3): the port was taken meanwhile
+        if exit.code:
+            raise ConfigError(f"port: the server could not start on {host}:{port} (uvicorn's error is above)") from None
+        raise
