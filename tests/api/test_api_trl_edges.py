@@ -35,25 +35,42 @@ def number_reward(completions, **kwargs):
     return [float(sum(ch.isdigit() for ch in c[-1]["content"])) for c in completions]
 
 
-def test_tools_with_a_system_message_train_and_too_long_prompts_are_refused_in_trl_terms(tmp_path):
+def rendered(messages):
+    from transformers import AutoTokenizer
+
+    from grpo.multiturn.tools import tool_schema
+
+    tok = AutoTokenizer.from_pretrained(TINY_TOOLS)
+    text = tok.apply_chat_template(messages, tools=[tool_schema(calculator)], tokenize=False, add_generation_prompt=True)
+    return len(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def test_tools_with_a_system_message_train_and_prompt_lengths_count_both(tmp_path):
     out = tmp_path / "run"
     trainer = GRPOTrainer(str(TINY_TOOLS), number_reward, args_for(out), train_dataset=chat_rows(8),
                           tools=[calculator])
-    assert trainer.train().global_step == 1  # the system turn and the tool schema are counted: no refusal
+    assert trainer.train().global_step == 1  # as TRL: no prompt refused
     assert not (out / "final").exists() and not (out / "plots").exists()  # only when asked, as TRL
 
-    # 512 positions less 24 completion tokens: a system message of ~2,000 characters cannot fit. Refused before
-    # anything is written, naming what to shorten and the grpo field, never a key a TRL user does not know alone.
+    # With a bound (here the user's own), a prompt is measured as the rollout renders it: system turn and tool
+    # schema. Over it: refused before anything is written, in the API's words.
+    longest = max(rendered(row["prompt"]) for row in chat_rows(4))
+    assert longest > rendered(chat_rows(4)[3]["prompt"][1:])  # the system turn counts
     fresh = tmp_path / "fresh"
-    with pytest.raises(DataError, match=r"train_dataset\[\d\]: the prompt with its tools .* is \d+ tokens: with "
-                                        r"max_completion_length 24 it does not fit the model's context of 512") as err:
-        GRPOTrainer(str(TINY_TOOLS), number_reward, args_for(fresh),
-                    train_dataset=chat_rows(3) + chat_rows(1, system=SYSTEM * 25), tools=[calculator])
-    assert "shorten the prompt" in str(err.value) and "grpo_overrides" in str(err.value)
-    assert not fresh.exists()
-    with pytest.raises(DataError, match=r"over grpo_overrides\['data.max_prompt_length'\]=40: shorten the prompt"):
-        GRPOTrainer(str(TINY_TOOLS), number_reward, args_for(fresh, grpo_overrides={"data.max_prompt_length": 40}),
+    GRPOTrainer(str(TINY_TOOLS), number_reward, args_for(fresh, grpo_overrides={"data.max_prompt_length": longest}),
+                train_dataset=chat_rows(4), tools=[calculator])
+    with pytest.raises(DataError, match=rf"train_dataset\[\d\]: the prompt with its tools \(rendered with its system "
+                                        rf"message\) is {longest} tokens, over grpo_overrides\['data.max_prompt_length'"
+                                        rf"\]={longest - 1}: shorten the prompt"):
+        GRPOTrainer(str(TINY_TOOLS), number_reward,
+                    args_for(fresh, grpo_overrides={"data.max_prompt_length": longest - 1}),
                     train_dataset=chat_rows(4), tools=[calculator])
+    # vLLM samples within the model's context (512 positions here): said in TRL's terms.
+    with pytest.raises(DataError, match=r"train_dataset\[3\]: .* with max_completion_length 24 it does not fit the "
+                                        r"model's context of 512 tokens .* shorten the prompt"):
+        GRPOTrainer(str(TINY_TOOLS), number_reward, args_for(fresh, use_vllm=True),
+                    train_dataset=chat_rows(3) + chat_rows(1, system=SYSTEM * 25), tools=[calculator])
+    assert not fresh.exists()
 
 
 def test_start_up_measures_a_few_prompts_and_a_sampled_one_too_long_fails_before_its_update(tmp_path, monkeypatch):
@@ -62,17 +79,17 @@ def test_start_up_measures_a_few_prompts_and_a_sampled_one_too_long_fails_before
     measured = []
     real = prompts.rendered_length
     monkeypatch.setattr(prompts, "rendered_length", lambda *a: measured.append(1) or real(*a))
-    rows = chat_rows(200)
-    GRPOTrainer(str(TINY_TOOLS), number_reward, args_for(tmp_path / "a"), train_dataset=rows)
+    bounded = {"grpo_overrides": {"data.max_prompt_length": 200}}
+    GRPOTrainer(str(TINY_TOOLS), number_reward, args_for(tmp_path / "a", **bounded), train_dataset=chat_rows(200))
     assert len(measured) == prompts.CHECKED_UP_FRONT  # not the whole dataset
 
     # A prompt past the up-front sample is measured when its step renders it: the same words, and the earlier
     # steps' checkpoints are kept.
     monkeypatch.setattr(prompts, "CHECKED_UP_FRONT", 0)
     out = tmp_path / "b"
-    trainer = GRPOTrainer(str(TINY_TOOLS), number_reward, args_for(out, max_steps=2, shuffle_dataset=False),
+    trainer = GRPOTrainer(str(TINY_TOOLS), number_reward, args_for(out, max_steps=2, shuffle_dataset=False, **bounded),
                           train_dataset=chat_rows(2) + chat_rows(2, system=SYSTEM * 25))
-    with pytest.raises(DataError, match=r"train_dataset\[2\]: the prompt .* does not fit the model's context"):
+    with pytest.raises(DataError, match=r"train_dataset\[2\]: the prompt .* over grpo_overrides"):
         trainer.train()
     assert (out / "checkpoint-1" / "trainer_state.json").is_file() and not (out / "checkpoint-2").exists()
 

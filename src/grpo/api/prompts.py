@@ -1,11 +1,12 @@
 """Prompt lengths under the Python API, measured as the rollout renders them (the row's own system turn, the
 tools' schemas), and said in a TRL user's words.
 
-TRL never cuts or refuses a prompt; grpo needs a bound (``data.max_prompt_length``: vLLM's model length, the
-rollout's check). Under the API it is the model's context less ``max_completion_length`` unless the user sets
-``grpo_overrides['data.max_prompt_length']``. Nothing tokenizes the whole dataset at start: every sampled
-prompt is measured exactly when its step renders it (``PromptTooLong``, raised before that step's update, so
-no finished step is lost), and ``check_longest`` measures only the few rows longest in characters up front.
+TRL never cuts or refuses a prompt, and with grpo's own engines neither does the API (``data.max_prompt_length``
+is ``NO_BOUND``). vLLM takes no more than the model's context (TRL's vLLM refuses the rest too), so with vLLM
+the bound is that context less ``max_completion_length``; ``grpo_overrides['data.max_prompt_length']`` sets
+another. Nothing tokenizes the whole dataset at start: every sampled prompt is measured exactly when its step
+renders it (``PromptTooLong``, raised before that step's update, so no finished step is lost), and
+``check_longest`` measures only the few rows longest in characters up front.
 """
 
 from __future__ import annotations
@@ -16,17 +17,18 @@ from grpo.data import DataError, Example, PromptTooLong, build_prompt_messages
 
 LIMIT_KEY = "data.max_prompt_length"
 CHECKED_UP_FRONT = 16  # rows measured exactly in GRPOTrainer.__init__, the longest in characters
-NO_CONTEXT = 1 << 20  # a model config without max_position_embeddings: no bound of grpo's own
+NO_BOUND = 1 << 30  # tokens: no prompt is refused
 
 
 def context_length(model_config: Any) -> int | None:
     return getattr(model_config, "max_position_embeddings", None)
 
 
-def prompt_limit(context: int | None, max_completion_length: int) -> int:
-    """The longest prompt a completion of ``max_completion_length`` still fits after in the model's context."""
-    if context is None:
-        return NO_CONTEXT
+def prompt_limit(context: int | None, max_completion_length: int, vllm: bool) -> int:
+    """``NO_BOUND``, or with vLLM the longest prompt a completion of ``max_completion_length`` still fits after in
+    the model's context."""
+    if not vllm or context is None:
+        return NO_BOUND
     return max(1, context - max_completion_length)
 
 
@@ -48,7 +50,9 @@ def _characters(example: Example) -> int:
 def check_longest(tokenizer: Any, sets: dict[str, Sequence[Example]], schemas: list[dict], limit: int,
                   explain) -> None:
     """Measure the ``CHECKED_UP_FRONT`` rows of each set with the most characters; one over ``limit`` is a
-    DataError in ``explain``'s words (the rest are measured when sampled)."""
+    DataError in ``explain``'s words (the rest are measured when sampled). Nothing to do without a bound."""
+    if limit >= NO_BOUND:
+        return
     for examples in sets.values():
         longest = sorted(examples, key=_characters, reverse=True)[:CHECKED_UP_FRONT]
         for example in longest:
@@ -66,7 +70,7 @@ def explainer(overrides: dict, context: int | None, max_completion_length: int):
             return DataError(f"{what}, over grpo_overrides[{LIMIT_KEY!r}]={err.limit}: shorten the prompt or raise "
                              "that value")
         return DataError(f"{what}: with max_completion_length {max_completion_length} it does not fit the model's "
-                         f"context of {context} tokens (config.max_position_embeddings): shorten the prompt (its "
-                         "system message, the tools' docstrings), lower max_completion_length, or set "
-                         f"grpo_overrides={{{LIMIT_KEY!r}: {err.length}}} to sample past the context")
+                         f"context of {context} tokens (config.max_position_embeddings), all vLLM samples in: "
+                         "shorten the prompt (its system message, the tools' docstrings) or lower "
+                         "max_completion_length")
     return explain

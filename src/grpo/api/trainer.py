@@ -117,8 +117,9 @@ class GRPOTrainer:
         elif not config_rewards:
             self.reward_fns, self.reward_weights = build_reward_functions(
                 reward_funcs, args.reward_weights, reward_processing_classes, columns)
-        self.context_length = context_length(self._model_config(model, name_or_path, args))
-        data = {"max_prompt_length": prompt_limit(self.context_length, args.max_completion_length)}
+        vllm = "vllm" in (args.rollout_engine, args.grpo_overrides.get("rollout.engine")) or args.use_vllm
+        self.context_length = context_length(self._model_config(model, name_or_path, args)) if vllm else None
+        data = {"max_prompt_length": prompt_limit(self.context_length, args.max_completion_length, vllm)}
         if self.train_set:  # TRL's rows carry their own system turn, if any
             data.update(add_system_prompt=False, train=f"python:train_dataset ({len(self.train_set)} rows)")
         self.config = to_run_config(args, num_processes=self.num_processes,
