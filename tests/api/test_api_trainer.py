@@ -102,7 +102,7 @@ def test_train_logs_trl_names_fires_callbacks_and_a_callback_stops_it(tiny_model
     assert names[:2] == ["on_init_end", "on_train_begin"] and names[-2:] == ["on_log", "on_train_end"]
     assert names[2:6] == ["on_step_begin", "on_step_end", "on_log", "on_step_begin"]
     assert ("on_save", 3) in recorder.events  # stopping writes the step's checkpoint first
-    assert (tmp_path / "run" / "checkpoints" / "step-3").is_dir()
+    assert (tmp_path / "run" / "checkpoint-3" / "trainer_state.json").is_file()  # TRL's layout
 
 
 def test_ctrl_c_saves_the_last_finished_step_and_returns(tiny_model_dir, tmp_path):
@@ -118,7 +118,7 @@ def test_ctrl_c_saves_the_last_finished_step_and_returns(tiny_model_dir, tmp_pat
                           train_dataset=rows())
     output = trainer.train()  # returns: a notebook keeps its kernel and its trainer
     assert output.global_step == 2
-    assert (tmp_path / "run" / "checkpoints" / "step-2").is_dir()
+    assert (tmp_path / "run" / "checkpoint-2").is_dir()
 
 
 def test_resume_equals_an_uninterrupted_run_with_three_trainers_in_one_process(tiny_model_dir, tmp_path):
@@ -132,7 +132,7 @@ def test_resume_equals_an_uninterrupted_run_with_three_trainers_in_one_process(t
     assert output.global_step == 4
     want, got = straight.model.state_dict(), resumed.model.state_dict()
     assert all(torch.equal(want[k], got[k]) for k in want)
-    with pytest.raises(ValueError, match="grpo resumes from the newest checkpoint of args.output_dir"):
+    with pytest.raises(ValueError, match="Can't find a valid checkpoint at"):
         resumed.train(resume_from_checkpoint=str(tmp_path / "elsewhere"))
 
 

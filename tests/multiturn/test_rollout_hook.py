@@ -13,10 +13,12 @@ from grpo.multiturn.rollout_hook import RolloutHook
 from grpo.rollout.engine import SamplingParams
 
 
-def two_turn_agent(prompts, context):
-    """An 'external agent': samples a turn with the run's engine, inserts an observation, samples again."""
-    tok = context.tokenizer
-    G = context.num_generations
+def two_turn_agent(prompts, trainer):
+    """An 'external agent': samples a turn with the run's engine, inserts an observation, samples again. Called
+    as TRL calls it, with the trainer (grpo's engine and sampling settings in ``trainer.rollout_context``)."""
+    tok = trainer.processing_class
+    G = trainer.num_generations
+    context = trainer.rollout_context
     prompt_ids = [tok.apply_chat_template(p, tokenize=True, add_generation_prompt=True, return_dict=False)
                   for p in prompts]
     half = dataclasses.replace(context.sampling, max_tokens=context.sampling.max_tokens - 24)  # room for turn 2

@@ -6,6 +6,8 @@
 - ``datasets``:  TRL's datasets (a ``prompt`` column, text or chat) as ``Example`` records
 - ``rewards``:   ``reward_funcs`` (callables, model ids, models) as ``RewardFunction``s, named as TRL names them
 - ``callbacks``: ``TrainerState.log_history`` with TRL's metric names, ``TrainerCallback`` events
+- ``prompts``:   prompt lengths as the rollout renders them, refused in a TRL user's words
+- ``checkpoints``: ``train(resume_from_checkpoint=...)`` by TRL's rules over ``checkpoint-<step>/`` folders
 - ``trainer``:   ``GRPOTrainer``: train, evaluate, save_model
 """
 

@@ -155,6 +155,8 @@ class GRPOConfig:
     dynamic_sampling: bool = False  # DAPO's: resample groups whose rewards are all equal
     ptx_data: str | None = None  # an SFT file whose NLL is added to the loss (PaddleNLP's PTX)
     ptx_coef: float | None = None  # its weight; None: grpo's default (ptx.coef)
+    save_final_model: bool = False  # also save the model to output_dir/final/ at the end (TRL: save_model())
+    plot_at_end: bool = False  # draw output_dir/plots/*.png at the end (any time: trainer.plot())
     grpo_overrides: dict[str, Any] = field(default_factory=dict)  # any grpo config key: {"train.eval_steps": 5}
 
     # TRL's fields grpo does not implement, and those accepted as they are (all at TRL's defaults)

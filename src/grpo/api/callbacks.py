@@ -52,11 +52,13 @@ class CallbackHooks(LoopHooks):
     callback stops training after the step (its checkpoint is written first)."""
 
     def __init__(self, args, state, control, callbacks: list, *, model, tokenizer, reward_names: list[str],
-                 completions_per_step: int, updates_per_step: int, logging_steps: int):
+                 completions_per_step: int, updates_per_step: int, logging_steps: int,
+                 write_trainer_state: bool = False):
         self.args, self.state, self.control, self.callbacks = args, state, control, callbacks
         self.model, self.tokenizer = model, tokenizer
         self.reward_names, self.completions, self.ni = reward_names, completions_per_step, updates_per_step
         self.logging_steps = logging_steps  # in updates, as TRL's
+        self.write_trainer_state = write_trainer_state  # into each checkpoint folder, as Trainer does (TRL's layout)
         self.window: list[dict[str, float]] = []
         self.pending: list[tuple[str, dict]] = []  # on_evaluate/on_save of the running step, fired after on_log
         self.in_step = False
@@ -94,9 +96,17 @@ class CallbackHooks(LoopHooks):
 
     def saved(self, step: int, path: Path) -> None:
         if self.in_step:
-            self.pending.append(("on_save", {}))
+            self.pending.append(("on_save", {"path": path}))
         else:
-            self._call("on_save")
+            self._saved(path)
+
+    def _saved(self, path: Path) -> None:
+        """transformers' ``trainer_state.json`` (the log history to this step) into the checkpoint, then on_save."""
+        if self.write_trainer_state:
+            partial = path / ".trainer_state.json.tmp"
+            self.state.save_to_json(str(partial))
+            os.replace(partial, path / "trainer_state.json")
+        self._call("on_save")
 
     def step_end(self, step: int, metrics: dict[str, float]) -> bool:
         self.state.global_step = step * self.ni
@@ -114,7 +124,7 @@ class CallbackHooks(LoopHooks):
                 self._log(entry)
                 self._call(event, metrics=entry)
             else:
-                self._call(event)
+                self._saved(entry["path"])
         self.pending, self.in_step = [], False
         return bool(self.control.should_training_stop)
 

@@ -135,9 +135,10 @@ def to_run_config(args: GRPOConfig, *, num_processes: int = 1, train_size: int |
                   "save_total_limit": args.save_total_limit, "device": "cpu" if args.use_cpu else "auto",
                   "eval_steps": (_per_step(args.eval_steps or args.logging_steps, ni, updates)
                                  if args.eval_strategy == "steps" else None),
-                  "eval_on_start": args.eval_on_start},
+                  "eval_on_start": args.eval_on_start, "checkpoint_layout": "trl",
+                  "save_final": args.save_final_model},
         "log": {"logging_steps": _per_step(args.logging_steps, ni, updates), "report_to": report_to,
-                "progress_bar": not args.disable_tqdm},
+                "progress_bar": not args.disable_tqdm, "plots": args.plot_at_end},
     }
     if rewards is not None:
         tree["rewards"] = rewards
@@ -193,7 +194,8 @@ def from_run_config(cfg: RunConfig) -> GRPOConfig:
         disable_tqdm=not cfg.log.progress_bar, save_steps=t.save_steps * ni, save_total_limit=t.save_total_limit,
         eval_strategy="steps" if t.eval_steps else "no", eval_steps=(t.eval_steps or 0) * ni or None,
         eval_on_start=t.eval_on_start, advantage_estimator=cfg.algorithm.advantage_estimator,
-        dynamic_sampling=r.dynamic_sampling, ptx_data=cfg.ptx.data, ptx_coef=cfg.ptx.coef if cfg.ptx.data else None)
+        dynamic_sampling=r.dynamic_sampling, ptx_data=cfg.ptx.data, ptx_coef=cfg.ptx.coef if cfg.ptx.data else None,
+        save_final_model=t.save_final, plot_at_end=cfg.log.plots)
     want = _flat(config_to_dict(cfg))
     got = _flat(config_to_dict(to_run_config(args)))
     args.grpo_overrides = {key: value for key, value in want.items() if got.get(key) != value}

@@ -16,9 +16,12 @@ from typing import Any
 
 from grpo.api.arguments import GRPOConfig
 from grpo.api.callbacks import CallbackHooks
+from grpo.api.checkpoints import TRAINER_STATE_FILE, resumed_checkpoint
 from grpo.api.datasets import to_examples
 from grpo.api.mapping import batch_shape, grpo_steps, to_run_config
+from grpo.api.prompts import check_longest, context_length, explainer, prompt_limit
 from grpo.api.rewards import build_reward_functions, reward_name
+from grpo.data import DataError, PromptTooLong
 
 LORA_FIELDS = {"r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout", "target_modules": "target_modules"}
 PEFT_MODEL_AND_CONFIG = (
@@ -84,6 +87,7 @@ class GRPOTrainer:
         self.train_set = (to_examples(train_dataset, "train_dataset", pass_columns=pass_columns, limit=limit)
                           if train_dataset is not None else None)
         self.eval_sets = _eval_sets(eval_dataset, pass_columns)
+        self.train_dataset, self.eval_dataset, self.rollout_context = train_dataset, eval_dataset, None
         if self.train_set is None and "data.train" not in args.grpo_overrides:
             raise ValueError("train_dataset is required (or name grpo's data in grpo_overrides['data.train'])")
         if self.train_set is not None:
@@ -92,6 +96,11 @@ class GRPOTrainer:
         self.tools, self.environment_factory, self.rollout_func = tools, environment_factory, rollout_func
         if tools is not None and not isinstance(tools, (list, tuple)):
             raise TypeError(f"tools must be a list of functions, got {type(tools).__name__}")
+        self.environments = None  # built once: each factory's probe instance seeds the pool (TRL's one probe)
+        if environment_factory is not None:
+            from grpo.multiturn.environments import Environments
+
+            self.environments = Environments(environment_factory)
         columns = sorted(self.train_set[0].columns()) if self.train_set else []
         if environment_factory is not None:
             columns.append("environments")  # the rollouts' instances, as TRL passes them to the rewards
@@ -108,9 +117,11 @@ class GRPOTrainer:
         elif not config_rewards:
             self.reward_fns, self.reward_weights = build_reward_functions(
                 reward_funcs, args.reward_weights, reward_processing_classes, columns)
-        data = {"add_system_prompt": False, "max_prompt_length": self._longest_prompt()} if self.train_set else {}
-        if self.train_set:
-            data["train"] = f"python:train_dataset ({len(self.train_set)} rows)"
+        vllm = "vllm" in (args.rollout_engine, args.grpo_overrides.get("rollout.engine")) or args.use_vllm
+        self.context_length = context_length(self._model_config(model, name_or_path, args)) if vllm else None
+        data = {"max_prompt_length": prompt_limit(self.context_length, args.max_completion_length, vllm)}
+        if self.train_set:  # TRL's rows carry their own system turn, if any
+            data.update(add_system_prompt=False, train=f"python:train_dataset ({len(self.train_set)} rows)")
         self.config = to_run_config(args, num_processes=self.num_processes,
                                     train_size=len(self.train_set) if self.train_set else None,
                                     model=name_or_path, lora=lora, data=data,
@@ -120,6 +131,9 @@ class GRPOTrainer:
             from grpo.training.setup import build_rewards
 
             self.reward_fns, self.reward_weights = build_rewards(self.config)
+        sets = {"train_dataset": self.train_set or [], **self.eval_sets}
+        check_longest(self.processing_class, sets, self._tool_schemas(), self.config.data.max_prompt_length,
+                      self._explain)
         self.model = self._prepare_model(model)
         self.state, self.control = TrainerState(), TrainerControl()
         self.callbacks = [c() if isinstance(c, type) else c for c in (callbacks or [])]
@@ -156,38 +170,30 @@ class GRPOTrainer:
 
         return load_tokenizer(name_or_path, args.trust_remote_code)
 
-    def _longest_prompt(self) -> int:
-        """TRL never cuts a prompt: grpo's data.max_prompt_length becomes the longest rendered one."""
-        from grpo.data import render_example
+    @staticmethod
+    def _model_config(model: Any, name_or_path: str, args: GRPOConfig):
+        if not isinstance(model, (str, Path)):
+            return model.config
+        from transformers import AutoConfig
 
-        examples = list(self.train_set) + [e for s in self.eval_sets.values() for e in s]
-        schemas = self._tool_schemas()
-        if schemas:  # the multi-turn driver renders every prompt with its tools' schemas
-            def render(e):
-                return self.processing_class.apply_chat_template(e.messages, tools=schemas, tokenize=False,
-                                                                 add_generation_prompt=True)
-        else:
-            def render(e):
-                return render_example(self.processing_class, e, None)
-        lengths = [len(self.processing_class(render(e), add_special_tokens=False)["input_ids"]) for e in examples]
-        # An environment's reset() may append text to the prompt, unknown until the rollout: TRL never refuses it.
-        return max(lengths) + (4096 if self.environment_factory is not None else 0)
+        return AutoConfig.from_pretrained(name_or_path, trust_remote_code=args.trust_remote_code)
+
+    def _explain(self, err: PromptTooLong) -> DataError:
+        return explainer(self.args.grpo_overrides, self.context_length, self.args.max_completion_length)(err)
 
     def _tool_schemas(self) -> list[dict]:
-        """Every tool's schema (the standalone tools and each environment's methods), for the prompt length."""
-        from grpo.multiturn.environments import Environments, environment_methods
+        """Every tool's schema (the standalone tools and each environment's methods), as the rollout renders them
+        (an environment's ``reset`` text is known only then, and measured there)."""
+        from grpo.multiturn.environments import environment_methods
         from grpo.multiturn.tools import tool_schema
 
         tools = list(self.tools or [])
-        if self.environment_factory is not None:
-            pools = Environments(self.environment_factory).pool.values()
-            tools += [m for pool in pools for m in environment_methods(pool[0])]
+        if self.environments is not None:
+            tools += [m for pool in self.environments.pool.values() for m in environment_methods(pool[0])]
         return [tool_schema(fn) for fn in tools]
 
     def _environment_owns_reward(self) -> bool:
-        from grpo.multiturn.environments import Environments
-
-        return self.environment_factory is not None and bool(Environments(self.environment_factory).reward_types)
+        return self.environments is not None and bool(self.environments.reward_types)
 
     def _reward_specs(self) -> list[dict]:
         """The run config's ``rewards``: a dotted path where the function has one (so that ``to_yaml`` gives
@@ -223,22 +229,28 @@ class GRPOTrainer:
     # ---------------------------------------------------------------- TRL's methods
 
     def train(self, resume_from_checkpoint: bool | str | None = None):
-        """Train (``resume_from_checkpoint``: True or the run folder's checkpoint to continue from the newest
-        checkpoint in ``args.output_dir``). Returns ``TrainOutput(global_step, training_loss, metrics)``.
-        Ctrl-C saves the last finished step and returns here."""
+        """Train. ``resume_from_checkpoint``, as TRL's: True continues from the newest ``checkpoint-<step>`` of
+        ``args.output_dir``, a path from that checkpoint (its ``trainer_state.json`` restores ``state``, the log
+        history included). Returns ``TrainOutput(global_step, training_loss, metrics)``. Ctrl-C saves the last
+        finished step and returns here."""
+        from transformers import TrainerState
         from transformers.trainer_utils import TrainOutput
 
         from grpo.training.colocated import train
 
-        from transformers import TrainerState
-
-        cfg = self._run_config(resume_from_checkpoint)
-        self.state = TrainerState()  # a fresh state per train(), as Trainer's
+        checkpoint = resumed_checkpoint(resume_from_checkpoint, self.config)
+        cfg = dataclasses.replace(self.config, train=dataclasses.replace(
+            self.config.train, resume=False, resume_from=str(checkpoint) if checkpoint else None))
+        state_file = checkpoint / TRAINER_STATE_FILE if checkpoint else None
+        # A fresh state per train(), as Trainer's; a resumed one is the checkpoint's, its log history included.
+        self.state = TrainerState.load_from_json(str(state_file)) if state_file and state_file.is_file() \
+            else TrainerState()
+        self.state.save_steps, self.state.train_batch_size = self.args.save_steps, self.args.per_device_train_batch_size
         hooks = CallbackHooks(self.args, self.state, self.control, self.callbacks, model=self.model,
                               tokenizer=self.processing_class, reward_names=[f.name for f in self.reward_fns],
                               completions_per_step=cfg.train.prompts_per_step * cfg.rollout.num_generations,
                               updates_per_step=cfg.loss.num_iterations,
-                              logging_steps=self._logging_updates(cfg))
+                              logging_steps=self._logging_updates(cfg), write_trainer_state=True)
         evaluating = self.args.eval_strategy != "no" and self.eval_sets
         given = dataclasses.replace(self._given(self.train_set, dict(self.eval_sets) if evaluating else None),
                                     policy=self.model, hooks=hooks)  # named sets: eval/<name>/...
@@ -246,7 +258,9 @@ class GRPOTrainer:
             train(cfg, given)
         except KeyboardInterrupt:
             print(f"\ngrpo: interrupted at step {self.state.global_step}; the last finished step is saved in "
-                  f"{cfg.train.output_dir}/checkpoints (train(resume_from_checkpoint=True) continues)")
+                  f"{cfg.train.output_dir}/checkpoint-* (train(resume_from_checkpoint=True) continues)")
+        except PromptTooLong as err:  # measured when its step sampled it: earlier steps' checkpoints are kept
+            raise self._explain(err) from None
         summary = hooks.summary()
         return TrainOutput(self.state.global_step, summary.get("train_loss", 0.0), summary)
 
@@ -257,20 +271,13 @@ class GRPOTrainer:
         return GivenInputs(tokenizer=self.processing_class, train_set=train_set, eval_set=eval_set,
                            reward_fns=self.reward_fns, reward_weights=self.reward_weights,
                            tools=list(self.tools) if self.tools is not None else None,
-                           environment_factory=self.environment_factory, rollout_func=self.rollout_func)
+                           environment_factory=self.environments, rollout_func=self._rollout_func())
 
     def _logging_updates(self, cfg) -> int:
         """TRL's logging_steps in updates (a float below 1: that share of max_steps, rounded up)."""
         steps = self.args.logging_steps
         return max(1, math.ceil(steps * cfg.train.max_steps * cfg.loss.num_iterations) if steps < 1 else int(steps))
 
-    def _run_config(self, resume: bool | str | None):
-        if isinstance(resume, (str, Path)):
-            folder = Path(resume).resolve()
-            if Path(self.config.train.output_dir).resolve() not in (folder, *folder.parents):
-                raise ValueError(f"resume_from_checkpoint={str(resume)!r}: grpo resumes from the newest checkpoint of "
-                                 f"args.output_dir ({self.config.train.output_dir}); pass True")
-        return dataclasses.replace(self.config, train=dataclasses.replace(self.config.train, resume=bool(resume)))
 
     def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """grpo's held-out evaluation of the model as it is now, the way a run evaluates
@@ -292,8 +299,11 @@ class GRPOTrainer:
         inputs = tokenizer_and_data(cfg, self._given(self.train_set or [], dict(sets)))
         base_engine = evaluation_engine(cfg, self.model, inputs.tokenizer)
         engine = with_turns(base_engine, inputs.turns, cfg, self.model, inputs.tokenizer)
-        results = run_evaluator(cfg, inputs, engine, base_engine, self.model, DistInfo(), out=None)(
-            self.state.global_step)
+        try:
+            results = run_evaluator(cfg, inputs, engine, base_engine, self.model, DistInfo(), out=None)(
+                self.state.global_step)
+        except PromptTooLong as err:
+            raise self._explain(err) from None
         metrics = {}
         for name, result in results.items():  # eval/<metric> of each set, as TRL names them
             prefix = f"{metric_key_prefix}_{name}_" if name else f"{metric_key_prefix}_"
@@ -316,12 +326,65 @@ class GRPOTrainer:
         self.processing_class.save_pretrained(folder)
         dump_config(self.config, folder / "grpo_config.yaml")
 
+    def plot(self) -> list[Path]:
+        """Draw ``args.output_dir``'s metrics into ``plots/*.png`` (reward, accuracy, KL, completion length, and
+        ``summary.png``) and return the files; what ``plot_at_end=True`` does after ``train()``."""
+        from grpo.run.plots import plot_run
+
+        return plot_run(self.config.train.output_dir)
+
     def add_callback(self, callback: Any) -> None:
         self.callbacks.append(callback() if isinstance(callback, type) else callback)
 
     @property
     def reward_func_names(self) -> list[str]:
         return [f.name for f in self.reward_fns]
+
+    # TRL's trainer attributes a rollout_func reads (TRL calls it as rollout_func(prompts, trainer))
+    @property
+    def num_generations(self) -> int:
+        return self.args.num_generations
+
+    @property
+    def max_completion_length(self) -> int:
+        return self.args.max_completion_length
+
+    @property
+    def temperature(self) -> float:
+        return self.args.temperature
+
+    @property
+    def use_vllm(self) -> bool:
+        return self.args.use_vllm
+
+    def _rollout_func(self):
+        """The user's ``rollout_func`` called as TRL calls it, with this trainer (``model`` holds the current
+        weights); grpo's ``RolloutHookContext`` (sampling settings, seed, the run's engine) is
+        ``trainer.rollout_context`` meanwhile."""
+        fn = self.rollout_func
+        if fn is None:
+            return None
+
+        def with_trainer(prompts, context):
+            self.rollout_context = context
+            try:
+                return fn(prompts, self)
+            finally:
+                self.rollout_context = None
+
+        with_trainer.__name__ = getattr(fn, "__name__", type(fn).__name__)  # errors name the user's function
+        return with_trainer
+
+    def __getattr__(self, name: str):
+        """Only for names not found: TRL's trainer has more than grpo's, so say what there is."""
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(
+            f"grpo's GRPOTrainer has no attribute {name!r} (TRL's has more): it offers model, args, "
+            "processing_class, state, num_generations, max_completion_length, temperature, use_vllm, "
+            "reward_func_names, train_dataset, eval_dataset and, inside a rollout_func, rollout_context (grpo's "
+            "sampling settings, seed and engine: rollout_context.engine.generate_ids samples with the current "
+            "weights)")
 
 
 __all__ = ["GRPOTrainer", "lora_keys", "reward_name"]

@@ -242,6 +242,12 @@ class TrainConfig:
         "eval/gsm8k/pass@4) in <output_dir>/best/ (with best.json: step, value); null = off.")
     best_metric_mode: str = opt("max", "train.best_metric: max (higher is better) or min.", choices=("max", "min"))
     resume: bool = opt(False, "Continue from the newest checkpoint in output_dir.")
+    resume_from: str | None = opt(
+        None, "Continue from this checkpoint folder of output_dir instead of the newest (implies train.resume).")
+    checkpoint_layout: str = opt(
+        "grpo", "Checkpoint folders: grpo (checkpoints/step-N) or trl (checkpoint-<optimizer update>/ with "
+        "transformers' trainer_state.json, as TRL writes them; the Python API's).", choices=("grpo", "trl"))
+    save_final: bool = opt(True, "Save the trained model (or adapter) to output_dir/final/ at the end.")
     overwrite: bool = opt(False, "Allow writing into an output_dir that holds another run.")
     device: str = opt("auto", "auto (cuda if available), cpu, or cuda[:N].")
     deepspeed: str | None = opt(None, "DeepSpeed JSON config (decoupled trainer ranks).")
@@ -301,6 +307,7 @@ class LogConfig:
     report_to: list[str] = opt(["tensorboard"], "Trackers: tensorboard, wandb (optional extra), or [] for none.")
     wandb_project: str = opt("grpo", "W&B project when report_to has wandb.")
     progress_bar: bool = opt(True, "Show a rich progress bar.")
+    plots: bool = opt(True, "Draw plots/*.png from metrics.jsonl at the end (grpo plot draws them any time).")
 
 
 @dataclass

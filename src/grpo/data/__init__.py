@@ -14,7 +14,7 @@ synthetic_templates), sources (spec strings), prompt_sampler (which prompts each
 gets), sft (prompt/response pairs for the PTX loss) and sft_tokens (their tokenisation).
 """
 
-from grpo.data.example import DataError, Example
+from grpo.data.example import DataError, Example, PromptTooLong
 from grpo.data.gold_formats import ANSWER_FORMATS, GoldAnswer, get_answer_format, is_number, normalise_answer
 from grpo.data.gsm8k import (
     GSM8K_HUB_CONFIG,
@@ -46,6 +46,7 @@ __all__ = [
     "SOURCE_KINDS",
     "SftPair",
     "DataError",
+    "PromptTooLong",
     "Difficulty",
     "Example",
     "GoldAnswer",

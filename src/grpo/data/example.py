@@ -20,6 +20,16 @@ class DataError(ValueError):
     """A dataset file (or source string) is malformed; the message names the file and line."""
 
 
+class PromptTooLong(DataError):
+    """A rendered prompt (``what``: "prompt", "prompt with its tools") is over ``data.max_prompt_length``; the
+    fields let a caller that speaks another vocabulary (the Python API) say it in its own words."""
+
+    def __init__(self, source: str, length: int, limit: int, what: str = "prompt"):
+        self.source, self.length, self.limit, self.what = source, length, limit, what
+        super().__init__(f"{source}: {what} is {length} tokens, over data.max_prompt_length {limit}; raise it or "
+                         "drop the example")
+
+
 @dataclass(frozen=True)
 class Example:
     """One prompt with its gold answer.

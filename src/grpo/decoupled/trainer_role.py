@@ -303,7 +303,7 @@ def run_trainer(cfg: RunConfig) -> int:
         loop = Loop(loop_schedule(cfg), update, trainable, tokenizer, run.out, info, run.logger,
                     LineProgress(enabled=info.is_main), compute,
                     cfg.rollout.num_generations, cfg.data.tag_style, cfg.train.save_total_limit,
-                    evaluate=evaluate, best=best,
+                    evaluate=evaluate, best=best, layout=run.layout,
                     score=run_task(cfg).score)  # the logged accuracy, by the task's own scorer
         run_loop(loop, receiving, run.start_step, run.resumed_state.get("eval_before") if run.resumed_state else None)
         return 0

@@ -108,7 +108,7 @@ class MultiTurnRollout:
     def rollout(self, examples: Sequence, system_prompt: str | None, max_prompt_length: int,
                 params: SamplingParams, seed: int | None) -> TurnsResult:
         """``params.n`` multi-turn rollouts per example, rows grouped per example."""
-        from grpo.data import DataError, build_prompt_messages
+        from grpo.data import DataError, PromptTooLong, build_prompt_messages
 
         G = params.n
         rows, chat_prompts, texts = [], [], []
@@ -131,8 +131,7 @@ class MultiTurnRollout:
                                                           add_generation_prompt=True)
                 ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
                 if len(ids) > max_prompt_length:
-                    raise DataError(f"{example.source}: prompt with its tools is {len(ids)} tokens, over "
-                                    f"data.max_prompt_length {max_prompt_length}; raise it or drop the example")
+                    raise PromptTooLong(example.source, len(ids), max_prompt_length, "prompt with its tools")
                 rows.append(Row(ids, toolbox, env))
                 chat_prompts.append(messages)
                 texts.append(text)

@@ -37,7 +37,8 @@ class TurnSpec:
 
 def turn_spec(cfg, tools: list | None = None, environment_factory: Any = None,
               rollout_func: Callable | None = None) -> TurnSpec:
-    """Given objects win over config names; a name that does not import is a ConfigError naming the key."""
+    """Given objects win over config names; a name that does not import is a ConfigError naming the key.
+    ``environment_factory`` may be ``Environments`` built already (the Python API builds them once, as TRL)."""
     from grpo.config import ConfigError
 
     r = cfg.rollout
@@ -48,7 +49,8 @@ def turn_spec(cfg, tools: list | None = None, environment_factory: Any = None,
             environment_factory = load_callable(r.environment, "rollout.environment")
         if rollout_func is None and r.rollout_func:
             rollout_func = load_callable(r.rollout_func, "rollout.rollout_func")
-        environments = Environments(environment_factory) if environment_factory is not None else None
+        environments = (environment_factory if isinstance(environment_factory, Environments) or environment_factory
+                        is None else Environments(environment_factory))  # built: the caller's, its pool reused
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if rollout_func is not None and (tools or environments is not None):

@@ -6,6 +6,10 @@ Layout of a run folder::
                                      scheduler.pt, rng.pt, trainer_state.json
     output_dir/final/                the trained model (or adapter) and tokenizer, HF format
 
+The Python API names its checkpoints as TRL does (``CheckpointLayout``, ``train.checkpoint_layout: trl``):
+``output_dir/checkpoint-<optimizer update>/``, grpo's loop state in ``grpo_state.json`` and transformers'
+``trainer_state.json`` (log history, global step) beside it.
+
 Every folder is written into a hidden temporary sibling, fsynced, then renamed into place, so a
 crash or a full disk leaves the earlier checkpoints intact and never a half-written ``step-N``.
 ``trainer_state.json`` is written last; a folder without it is not a checkpoint.
@@ -21,6 +25,7 @@ import os
 import pickle
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -45,12 +50,49 @@ MODEL_FILE = "model.safetensors"
 MODEL_INDEX_FILE = "model.safetensors.index.json"
 ADAPTER_FILE = "adapter_model.safetensors"
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+GRPO_STATE_FILE = "grpo_state.json"  # the loop state under the TRL layout (trainer_state.json is transformers')
 _TEMP_DIR = re.compile(r"^\.(?P<kind>tmp|old)-(?P<name>.+)-\d+$")  # ".tmp-step-N-<pid>", ".old-final-<pid>"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing a file, is torn or corrupt, or does not match the model."""
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """Where a run's checkpoints live: ``<output_dir>/<parent>/<prefix><number>``, the number a grpo step times
+    ``updates_per_step`` (TRL numbers checkpoints by optimizer update); ``state_file`` holds the loop state and,
+    written last, marks the folder complete."""
+
+    parent: str = CHECKPOINTS_DIR
+    prefix: str = "step-"
+    updates_per_step: int = 1
+    state_file: str = TRAINER_STATE_FILE
+
+    def root(self, output_dir: str | os.PathLike) -> Path:
+        return Path(output_dir) / self.parent
+
+    def folder(self, output_dir: str | os.PathLike, step: int) -> Path:
+        return self.root(output_dir) / f"{self.prefix}{step * self.updates_per_step}"
+
+    def step_of(self, name: str) -> int | None:
+        """The grpo step of a folder name, None for another name (or a number that is no whole step)."""
+        match = re.fullmatch(re.escape(self.prefix) + r"(\d+)", name)
+        if match is None or int(match.group(1)) % self.updates_per_step:
+            return None
+        return int(match.group(1)) // self.updates_per_step
+
+
+GRPO_LAYOUT = CheckpointLayout()
+
+
+def checkpoint_layout(name: str, updates_per_step: int = 1) -> CheckpointLayout:
+    """``train.checkpoint_layout``'s layout: grpo's ``checkpoints/step-N`` or TRL's ``checkpoint-<update>``."""
+    layouts = {"grpo": GRPO_LAYOUT,
+               "trl": CheckpointLayout("", "checkpoint-", updates_per_step, GRPO_STATE_FILE)}
+    if name not in layouts:
+        raise ValueError(f"unknown checkpoint layout {name!r}; known: {sorted(layouts)}")
+    return layouts[name]
 
 
 # ---------------------------------------------------------------- saving
@@ -67,8 +109,10 @@ def save_checkpoint(
     save_total_limit: int | None,
     state_dict: dict[str, torch.Tensor] | None = None,
     write_extra: Callable[[Path], None] | None = None,
+    layout: CheckpointLayout = GRPO_LAYOUT,
 ) -> Path:
-    """Write ``output_dir/checkpoints/step-{step}/`` atomically, then prune the oldest beyond the limit.
+    """Write ``output_dir/checkpoints/step-{step}/`` (``layout``'s folder) atomically, then prune the oldest
+    beyond the limit.
 
     Args:
         model: a ``PreTrainedModel`` or ``PeftModel`` (only the adapter is saved), possibly wrapped
@@ -92,8 +136,6 @@ def save_checkpoint(
     except TypeError as err:
         raise TypeError(f"trainer_state is not JSON-serialisable: {err}") from err
 
-    checkpoints = Path(output_dir) / CHECKPOINTS_DIR
-
     def write(folder: Path) -> None:
         _save_model(model, folder, state_dict)
         if tokenizer is not None:
@@ -105,11 +147,11 @@ def save_checkpoint(
         torch.save(rng_state.capture_rng(), folder / RNG_FILE)
         if write_extra is not None:
             write_extra(folder)
-        (folder / TRAINER_STATE_FILE).write_text(state_json, encoding="utf-8")  # last: marks it complete
+        (folder / layout.state_file).write_text(state_json, encoding="utf-8")  # last: marks it complete
 
-    path = _write_dir_atomically(checkpoints / f"step-{step}", write)
+    path = _write_dir_atomically(layout.folder(output_dir, step), write)
     if save_total_limit is not None:
-        _prune(checkpoints, keep=path, limit=save_total_limit)
+        _prune(output_dir, layout, keep=path, limit=save_total_limit)
     return path
 
 
@@ -197,29 +239,30 @@ def _remove_stale_temps(parent: Path) -> None:
         settle_leftover(entry, match["kind"], parent / match["name"])
 
 
-def _complete_checkpoints(checkpoints: Path) -> list[tuple[int, Path]]:
-    """``(step, folder)`` of every complete ``step-N`` folder, oldest first."""
-    if not checkpoints.is_dir():
+def _complete_checkpoints(output_dir: str | os.PathLike, layout: CheckpointLayout) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of every complete checkpoint folder of ``layout``, oldest first."""
+    root = layout.root(output_dir)
+    if not root.is_dir():
         return []
-    return sorted((int(match.group(1)), entry) for entry in checkpoints.iterdir()
-                  if (match := _STEP_DIR.match(entry.name)) and (entry / TRAINER_STATE_FILE).is_file())
+    return sorted((step, entry) for entry in root.iterdir()
+                  if (step := layout.step_of(entry.name)) is not None and (entry / layout.state_file).is_file())
 
 
-def _prune(checkpoints: Path, keep: Path, limit: int) -> None:
+def _prune(output_dir: str | os.PathLike, layout: CheckpointLayout, keep: Path, limit: int) -> None:
     """Delete the oldest checkpoints so that at most ``limit`` remain, never ``keep``."""
-    others = [path for _, path in _complete_checkpoints(checkpoints) if path != keep]
+    others = [path for _, path in _complete_checkpoints(output_dir, layout) if path != keep]
     for path in others[:max(len(others) + 1 - limit, 0)]:
         shutil.rmtree(path)
 
 
-def complete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+def complete_checkpoints(output_dir: str | os.PathLike, layout: CheckpointLayout = GRPO_LAYOUT) -> list[Path]:
     """Every complete ``checkpoints/step-N`` folder of a run, oldest first (a resume falls back along it)."""
-    return [path for _, path in _complete_checkpoints(Path(output_dir) / CHECKPOINTS_DIR)]
+    return [path for _, path in _complete_checkpoints(output_dir, layout)]
 
 
-def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+def latest_checkpoint(output_dir: str | os.PathLike, layout: CheckpointLayout = GRPO_LAYOUT) -> Path | None:
     """The complete ``checkpoints/step-N`` folder with the largest N, or ``None`` when there is none."""
-    found = _complete_checkpoints(Path(output_dir) / CHECKPOINTS_DIR)
+    found = _complete_checkpoints(output_dir, layout)
     return found[-1][1] if found else None
 
 
@@ -232,6 +275,7 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Any = None,
     restore_rng: bool = True,
+    state_file: str = TRAINER_STATE_FILE,
 ) -> dict:
     """Restore a checkpoint folder in place and return its trainer state (a dict with ``"step"``).
 
@@ -240,7 +284,7 @@ def load_checkpoint(
     naming the file when one is missing, torn, corrupt or does not match the model.
     """
     path = Path(path)
-    state_file = path / TRAINER_STATE_FILE
+    state_file = path / state_file
     if not state_file.is_file():
         raise CheckpointError(f"{state_file} is missing: {path} is not a complete checkpoint")
     try:

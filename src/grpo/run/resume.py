@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from grpo.run.checkpoint import GRPO_LAYOUT, CheckpointLayout
 from grpo.training.distributed import DistInfo, barrier
 from grpo.training.learners import zero3_full_state_dict
 
@@ -14,45 +15,47 @@ if TYPE_CHECKING:
     from grpo.training.setup import Trainable
 
 
-def _deepspeed_dir(out: Path, step: int) -> Path:
-    return out / "checkpoints" / f"deepspeed-step-{step}"
+def _deepspeed_dir(out: Path, step: int, layout: CheckpointLayout) -> Path:
+    return layout.root(out) / f"deepspeed-step-{step}"
 
 
 def save_run_checkpoint(out: Path, step: int, trainable: Trainable, tokenizer, state: dict,
-                        save_total_limit: int | None, info: DistInfo, critic=None) -> Path:
+                        save_total_limit: int | None, info: DistInfo, critic=None,
+                        layout: CheckpointLayout = GRPO_LAYOUT) -> Path:
     """A checkpoint of ``step`` on every rank's behalf. Under DeepSpeed every rank first writes its
     engine state (partitioned optimizer) to ``deepspeed-step-N/``; rank 0 then writes the HF-format
     checkpoint, whose appearance (atomic rename) marks the whole checkpoint complete. PPO's ``critic``
-    (a ``grpo.critic.Critic``) goes into its ``critic/`` folder. Returns the checkpoint's folder."""
+    (a ``grpo.critic.Critic``) goes into its ``critic/`` folder; ``layout`` names the folder. Returns it."""
     from grpo.critic import CRITIC_DIR, save_critic
     from grpo.run.checkpoint import save_checkpoint
 
     write_critic = (lambda folder: save_critic(folder / CRITIC_DIR, critic)) if critic is not None else None
 
     if trainable.deepspeed:
-        trainable.learner.engine.save_checkpoint(str(_deepspeed_dir(out, step)))
-        state = {**state, "deepspeed_dir": _deepspeed_dir(out, step).name}
+        trainable.learner.engine.save_checkpoint(str(_deepspeed_dir(out, step, layout)))
+        state = {**state, "deepspeed_dir": _deepspeed_dir(out, step, layout).name}
     gathered = zero3_full_state_dict(trainable.learner)  # a collective under ZeRO-3
     if info.is_main:
         save_checkpoint(out, step, trainable.policy, tokenizer, trainable.optimizer, trainable.scheduler, state,
-                        save_total_limit, state_dict=gathered, write_extra=write_critic)
+                        save_total_limit, state_dict=gathered, write_extra=write_critic, layout=layout)
         if trainable.deepspeed:
-            _prune_deepspeed_dirs(out, keep=save_total_limit)
+            _prune_deepspeed_dirs(out, save_total_limit, layout)
     barrier(info)
-    return out / "checkpoints" / f"step-{step}"
+    return layout.folder(out, step)
 
 
-def _prune_deepspeed_dirs(out: Path, keep: int | None) -> None:
+def _prune_deepspeed_dirs(out: Path, keep: int | None, layout: CheckpointLayout) -> None:
     # Engine states whose HF checkpoint was pruned are unreachable: drop them too.
     import shutil
 
-    live = {p.name.removeprefix("step-") for p in (out / "checkpoints").glob("step-*")}
-    for engine_dir in (out / "checkpoints").glob("deepspeed-step-*"):
+    live = {str(layout.step_of(p.name)) for p in layout.root(out).glob(f"{layout.prefix}*")}
+    for engine_dir in layout.root(out).glob("deepspeed-step-*"):
         if keep is not None and engine_dir.name.removeprefix("deepspeed-step-") not in live:
             shutil.rmtree(engine_dir, ignore_errors=True)
 
 
-def load_run_checkpoint(checkpoint: Path, trainable: Trainable, critic=None) -> dict:
+def load_run_checkpoint(checkpoint: Path, trainable: Trainable, critic=None,
+                        layout: CheckpointLayout = GRPO_LAYOUT) -> dict:
     """Restore weights, optimizer, schedule and RNG from ``checkpoint`` (and PPO's ``critic`` from its
     ``critic/`` folder); returns its trainer state. Under DeepSpeed the engine restores weights and its
     partitioned optimizer itself."""
@@ -64,15 +67,17 @@ def load_run_checkpoint(checkpoint: Path, trainable: Trainable, critic=None) -> 
     if critic is not None:  # first: a checkpoint without a critic must fail before the policy is overwritten
         load_critic(checkpoint / CRITIC_DIR, critic)
     if trainable.deepspeed:
-        state = json.loads((checkpoint / "trainer_state.json").read_text())
+        state = json.loads((checkpoint / layout.state_file).read_text())
         trainable.learner.engine.load_checkpoint(str(checkpoint.parent / state["deepspeed_dir"]))
         return state
-    return load_checkpoint(checkpoint, trainable.policy, trainable.optimizer, trainable.scheduler)
+    return load_checkpoint(checkpoint, trainable.policy, trainable.optimizer, trainable.scheduler,
+                           state_file=layout.state_file)
 
 
-def resume_checkpoint(out: Path, trainable: Trainable, info: DistInfo, critic=None) -> tuple[Path, dict] | None:
-    """Restore the newest checkpoint of ``out`` that loads; returns it and its trainer state, or None
-    when the folder holds no checkpoint.
+def resume_checkpoint(out: Path, trainable: Trainable, info: DistInfo, critic=None,
+                      layout: CheckpointLayout = GRPO_LAYOUT, only: Path | None = None) -> tuple[Path, dict] | None:
+    """Restore the newest checkpoint of ``out`` that loads (``only``: that checkpoint folder, no other); returns
+    it and its trainer state, or None when the folder holds no checkpoint.
 
     A checkpoint is written to a temporary folder and renamed, so a crash cannot tear one; a torn or
     corrupt file therefore means the disk or someone damaged it. The newest checkpoint that loads is
@@ -84,16 +89,21 @@ def resume_checkpoint(out: Path, trainable: Trainable, info: DistInfo, critic=No
     """
     from grpo.run.checkpoint import CheckpointError, complete_checkpoints
 
-    candidates = complete_checkpoints(out)[::-1]  # newest first
+    candidates = complete_checkpoints(out, layout)[::-1]  # newest first
+    if only is not None:
+        if Path(only).resolve() not in [c.resolve() for c in candidates]:
+            raise CheckpointError(f"{only} is not a complete checkpoint of {out} (those are: "
+                                  f"{', '.join(c.name for c in candidates[::-1]) or 'none'})")
+        return Path(only), load_run_checkpoint(Path(only), trainable, critic, layout)
     first_error = None
     for checkpoint in candidates:
         try:
-            return checkpoint, load_run_checkpoint(checkpoint, trainable, critic)
+            return checkpoint, load_run_checkpoint(checkpoint, trainable, critic, layout)
         except CheckpointError as err:
             first_error = first_error or err
             if info.is_main:  # every rank reads the same files and reaches the same checkpoint
                 print(f"grpo: warning: cannot resume from {checkpoint}: {err}; trying the checkpoint before it",
                       file=sys.stderr, flush=True)
     if first_error is not None:
-        raise CheckpointError(f"no checkpoint in {out / 'checkpoints'} can be loaded; the newest: {first_error}")
+        raise CheckpointError(f"no checkpoint in {layout.root(out)} can be loaded; the newest: {first_error}")
     return None

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 from grpo.config import ConfigError, RunConfig, dump_config
+from grpo.run.checkpoint import GRPO_LAYOUT, CheckpointLayout
 
 MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
 RUN_FILES = MARKERS + ("samples.jsonl", "plots", "tensorboard", "final", "best", "eval", "weights")
@@ -16,24 +17,28 @@ def check_output_dir(cfg: RunConfig) -> Path:
     """Refuse a ``train.output_dir`` that holds a run unless resuming or overwriting. Writes nothing."""
     out = Path(cfg.train.output_dir)
     has_run = out.is_dir() and any((out / m).exists() for m in MARKERS)
-    if has_run and not (cfg.train.resume or cfg.train.overwrite):
+    resuming = cfg.train.resume or cfg.train.resume_from is not None
+    if has_run and not (resuming or cfg.train.overwrite):
         raise ConfigError(f"train.output_dir: {out} already holds a run (config.yaml/metrics/checkpoints); "
                           "pass --resume to continue it, --overwrite to replace it, or choose another folder")
-    if cfg.train.resume and not has_run:
+    if resuming and not has_run:
         raise ConfigError(f"train.resume: {out} holds no run to resume")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"train.output_dir: {out} exists and is not a folder")
     return out
 
 
-def claim_output_dir(cfg: RunConfig, is_main: bool) -> Path:
+def claim_output_dir(cfg: RunConfig, is_main: bool, layout: CheckpointLayout = GRPO_LAYOUT) -> Path:
     """Make the folder the run's, once setup succeeded: with ``overwrite`` (and no resume) the old run's
-    files go first; the resolved config is written as ``config.yaml``. Rank 0 only writes."""
+    files go first (``layout``'s checkpoint folders too); the resolved config is written as ``config.yaml``.
+    Rank 0 only writes."""
     out = Path(cfg.train.output_dir)
     if not is_main:
         return out
-    if cfg.train.overwrite and not cfg.train.resume:
-        for name in RUN_FILES:
+    if cfg.train.overwrite and not (cfg.train.resume or cfg.train.resume_from):
+        in_root = not layout.parent and out.is_dir()  # TRL's checkpoint-N sit beside the run's files
+        stale = [p.name for p in out.iterdir() if layout.step_of(p.name) is not None] if in_root else []
+        for name in [*RUN_FILES, *stale]:
             target = out / name
             if target.is_dir():
                 shutil.rmtree(target)

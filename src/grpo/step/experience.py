@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 from grpo.algorithm import LogprobProcessing, group_advantages
-from grpo.data import DataError, Example, build_prompt_messages, render_example
+from grpo.data import Example, PromptTooLong, build_prompt_messages, render_example
 from grpo.data.prompt_sampler import PromptSampler, step_seed
 from grpo.models.loading import reference_context
 from grpo.multiturn.driver import ExampleRollout
@@ -64,8 +64,7 @@ def render_prompts(tokenizer, examples: Sequence[Example], system_prompt: str | 
         text = render_example(tokenizer, example, system_prompt)
         length = len(tokenizer(text, add_special_tokens=False)["input_ids"])
         if length > max_prompt_length:
-            raise DataError(f"{example.source}: prompt is {length} tokens, over data.max_prompt_length "
-                            f"{max_prompt_length}; raise it or drop the example")
+            raise PromptTooLong(example.source, length, max_prompt_length)
         prompts.append(text)
     return prompts
 

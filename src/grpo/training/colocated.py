@@ -163,7 +163,8 @@ def train(cfg: RunConfig, given: GivenInputs | None = None) -> TrainResult:
         loop = Loop(loop_schedule(cfg), update, trainable, tokenizer, run.out, info, run.logger,
                     StepProgress(cfg.train.max_steps, run.start_step, enabled=info.is_main and cfg.log.progress_bar),
                     compute, cfg.rollout.num_generations, cfg.data.tag_style, cfg.train.save_total_limit,
-                    evaluate=evaluate, best=best, critic=critic, hooks=inputs.hooks, score=run_task(cfg).score)
+                    evaluate=evaluate, best=best, critic=critic, hooks=inputs.hooks, score=run_task(cfg).score,
+                    layout=run.layout)
         result = run_loop(loop, sampling, run.start_step, eval_before)
         return TrainResult(run.out, result.last_step, primary_result(result.eval_before),
                            primary_result(result.eval_after))

@@ -29,7 +29,8 @@ class GivenInputs:
                    ``reward_weights`` one per function.
     hooks:         the loop's callouts (``grpo.training.loop.LoopHooks``).
     tools, environment_factory, rollout_func: TRL's objects for multi-turn or hooked rollouts
-                   (``rollout.tools``/``rollout.environment``/``rollout.rollout_func`` otherwise).
+                   (``rollout.tools``/``rollout.environment``/``rollout.rollout_func`` otherwise); the factory
+                   may be ``grpo.multiturn.environments.Environments`` built already (their pool is reused).
     """
 
     policy: torch.nn.Module | None = None

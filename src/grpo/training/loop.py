@@ -17,8 +17,7 @@ from typing import Callable, Protocol
 
 from grpo.critic import CriticSettings, train_critic
 from grpo.run.best import BestMetric
-from grpo.run.checkpoint import save_best, save_final
-from grpo.run.plots import plot_run
+from grpo.run.checkpoint import GRPO_LAYOUT, CheckpointLayout, save_best, save_final
 from grpo.run.resume import save_run_checkpoint
 from grpo.run.tracking import MetricsLogger
 from grpo.step.metrics import sample_records, step_metrics
@@ -74,6 +73,8 @@ class Schedule:
     early_stop_metric: str = "eval/accuracy"  # named eval sets: the first set's (eval/<first>/accuracy)
     max_skipped_steps: int = 3
     updates_per_step: int = 1  # loss.num_iterations: a step whose every update was skipped counts as skipped
+    save_final: bool = True  # the end: final/ (train.save_final) and plots/ (log.plots)
+    plots: bool = True
 
     def checkpoints(self, step: int) -> bool:
         return step % self.save_steps == 0 or step == self.max_steps
@@ -153,6 +154,7 @@ class Loop:
     critic: object | None = None  # saved in every checkpoint (PPO)
     score: Callable | None = None  # the task's scorer (grpo.tasks.Task.score) for the logged accuracy; None: numeric
     hooks: LoopHooks = field(default_factory=LoopHooks)
+    layout: CheckpointLayout = GRPO_LAYOUT  # where checkpoints go (train.checkpoint_layout)
 
 
 @dataclass
@@ -187,9 +189,13 @@ def run_loop(loop: Loop, source: StepSource, start_step: int, eval_before: dict 
             eval_after, evaluated = _evaluate(loop, last_step)
             loop.logger.log(last_step, evaluated)
     loop.logger.close()
-    final_weights = zero3_full_state_dict(loop.trainable.learner)  # a collective under ZeRO-3
-    if loop.info.is_main:
-        save_final(loop.out, loop.trainable.policy, loop.tokenizer, state_dict=final_weights)
+    if loop.schedule.save_final:
+        final_weights = zero3_full_state_dict(loop.trainable.learner)  # a collective under ZeRO-3
+        if loop.info.is_main:
+            save_final(loop.out, loop.trainable.policy, loop.tokenizer, state_dict=final_weights)
+    if loop.schedule.plots and loop.info.is_main:
+        from grpo.run.plots import plot_run  # matplotlib: imported only by a run that draws
+
         plot_run(loop.out)
     barrier(loop.info)
     loop.hooks.train_end(last_step)
@@ -225,7 +231,7 @@ def _steps(loop: Loop, source: StepSource, start_step: int, eval_before: dict | 
     def checkpoint(step: int, collected: Collected | None) -> None:
         trainer_state = {"step": step, "eval_before": eval_before, **source.checkpoint_state(step, collected)}
         path = save_run_checkpoint(loop.out, step, loop.trainable, loop.tokenizer, trainer_state,
-                                   loop.save_total_limit, info, loop.critic)
+                                   loop.save_total_limit, info, loop.critic, loop.layout)
         state.saved = step
         source.checkpoint_written(step, collected)
         loop.hooks.saved(step, path)

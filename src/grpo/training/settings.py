@@ -117,7 +117,7 @@ def loop_schedule(cfg: RunConfig) -> Schedule:
                     logging_steps=cfg.log.logging_steps, num_samples=cfg.log.num_samples,
                     early_stop_accuracy=cfg.train.early_stop_accuracy,
                     early_stop_metric=primary_metric(eval_sources(cfg.data.eval)), max_skipped_steps=cfg.optim.max_skipped_steps,
-                    updates_per_step=cfg.loss.num_iterations)
+                    updates_per_step=cfg.loss.num_iterations, save_final=cfg.train.save_final, plots=cfg.log.plots)
 
 
 def needs_critic(cfg: RunConfig) -> bool:

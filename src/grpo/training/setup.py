@@ -13,6 +13,7 @@ from grpo.config import RunConfig, config_to_dict
 from grpo.config.rules import ptx_max_length
 from grpo.tasks import run_system_prompt, run_task
 from grpo.models.loading import resolve_device
+from grpo.run.checkpoint import CheckpointLayout, checkpoint_layout
 from grpo.run.resume import resume_checkpoint
 from grpo.run.run_dir import claim_output_dir
 from grpo.run.tracking import MetricsLogger
@@ -132,6 +133,7 @@ class OpenedRun:
     start_step: int
     resumed_state: dict | None  # the checkpoint's trainer state, None for a new run
     logger: MetricsLogger
+    layout: CheckpointLayout  # where its checkpoints go (train.checkpoint_layout)
 
 
 def check_shared_run_folder(out: Path, info: DistInfo) -> None:
@@ -166,11 +168,14 @@ def check_shared_run_folder(out: Path, info: DistInfo) -> None:
 
 def open_run(cfg: RunConfig, trainable: Trainable, info: DistInfo, critic=None) -> OpenedRun:
     """Claim the run folder (setup succeeded: only now is anything written), resume from its newest
-    checkpoint that loads when ``train.resume``, and open the metrics logger."""
-    out = claim_output_dir(cfg, info.is_main)
+    checkpoint that loads when ``train.resume`` (``train.resume_from``: that one), and open the metrics logger."""
+    layout = run_layout(cfg)
+    out = claim_output_dir(cfg, info.is_main, layout)
     barrier(info)
     check_shared_run_folder(out, info)
-    resumed = resume_checkpoint(out, trainable, info, critic) if cfg.train.resume else None
+    resuming = cfg.train.resume or cfg.train.resume_from is not None
+    only = Path(cfg.train.resume_from) if cfg.train.resume_from is not None else None
+    resumed = resume_checkpoint(out, trainable, info, critic, layout, only) if resuming else None
     start_step, state = 0, None
     if resumed is not None:
         checkpoint, state = resumed
@@ -181,4 +186,8 @@ def open_run(cfg: RunConfig, trainable: Trainable, info: DistInfo, critic=None) 
     logger = MetricsLogger(out, cfg.log.report_to, config_to_dict(cfg), enabled=info.is_main,
                            resume_step=start_step if resumed is not None else None,
                            wandb_project=cfg.log.wandb_project)
-    return OpenedRun(out, start_step, state, logger)
+    return OpenedRun(out, start_step, state, logger, layout)
+
+
+def run_layout(cfg: RunConfig) -> CheckpointLayout:
+    return checkpoint_layout(cfg.train.checkpoint_layout, cfg.loss.num_iterations)
