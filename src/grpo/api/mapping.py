@@ -135,7 +135,7 @@ def to_run_config(args: GRPOConfig, *, num_processes: int = 1, train_size: int |
                   "save_total_limit": args.save_total_limit, "device": "cpu" if args.use_cpu else "auto",
                   "eval_steps": (_per_step(args.eval_steps or args.logging_steps, ni, updates)
                                  if args.eval_strategy == "steps" else None),
-                  "eval_on_start": args.eval_on_start},
+                  "eval_on_start": args.eval_on_start, "eval_at_end": False},  # TRL: eval steps only
         "log": {"logging_steps": _per_step(args.logging_steps, ni, updates), "report_to": report_to,
                 "progress_bar": not args.disable_tqdm},
     }
