@@ -227,3 +227,25 @@ def ref_sft_loss(logp, mask):
                 total -= value
                 count += 1
     return total / count if count else 0.0
+
+
+def ref_clip_ratios(ratio, adv, mask, eps_low, eps_high, per_sequence=False):
+    """TRL 1.16's clip_ratio/* of one batch, one process, in loops: (low_mean, high_mean, region_mean, low_min,
+    high_max). ``ratio``: [N][L] (at the sequence level each row's first entry is its ratio), ``adv``: [N]."""
+    lows, highs, units, row_lows, row_highs = 0.0, 0.0, 0.0, [], []
+    regions = 0.0
+    for r, a, m in zip(ratio, adv, mask):
+        flags = [(x < 1 - eps_low and a < 0, x > 1 + eps_high and a > 0) for x in (r[:1] if per_sequence else r)]
+        weights = [1.0] if per_sequence else m
+        row_low = sum(w * lo for (lo, _), w in zip(flags, weights))
+        row_high = sum(w * hi for (_, hi), w in zip(flags, weights))
+        lows, highs = lows + row_low, highs + row_high
+        regions += sum(w * (lo or hi) for (lo, hi), w in zip(flags, weights))
+        count = sum(weights)
+        units += count
+        row_lows.append(row_low / count if count else math.nan)
+        row_highs.append(row_high / count if count else math.nan)
+    finite_lows = [x for x in row_lows if not math.isnan(x)]
+    finite_highs = [x for x in row_highs if not math.isnan(x)]
+    return (lows / units, highs / units, regions / units, min(finite_lows) if finite_lows else math.nan,
+            max(finite_highs) if finite_highs else math.nan)

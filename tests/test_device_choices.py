@@ -191,7 +191,7 @@ def test_old_logprobs_and_the_update_follow_their_settings(tiny_tokenizer, share
     base = {"epsilon": 0.2, "epsilon_high": None, "beta": 0.0, "loss_type": "grpo", "max_completion_length": 8,
             "temperature": 1.0, "num_iterations": 1, "micro_batch_size": N, "max_grad_norm": None}
     calls = len(shared_calls)
-    train_on_batch(Learner(), batch, LossSettings(**base, logprob_pass=plain), DistInfo())
+    train_on_batch(Learner(), batch, LossSettings(**base, logprob_pass=plain), DistInfo()).totals
     assert len(shared_calls) == calls  # train.shared_prompt_pass: false reaches the update
-    train_on_batch(Learner(), batch, LossSettings(**base), DistInfo())
+    train_on_batch(Learner(), batch, LossSettings(**base), DistInfo()).totals
     assert len(shared_calls) == calls + 1  # the CPU's default: shared

@@ -72,7 +72,7 @@ def grpo_update_ops(tokenizer, layers: int, lora: bool, share_prompts: bool | No
                             temperature=1.0, num_iterations=1, micro_batch_size=N, max_grad_norm=1.0,
                             logprob_pass=LogprobPass(share_prompts=share_prompts))
     rollout = batch(tokenizer)
-    return counted(lambda: train_on_batch(learner, rollout, settings, DistInfo()))
+    return counted(lambda: train_on_batch(learner, rollout, settings, DistInfo()).totals)
 
 
 def plain_update_ops(tokenizer, layers: int, lora: bool) -> int:

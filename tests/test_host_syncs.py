@@ -43,7 +43,7 @@ def count_syncs(tiny_tokenizer, loss_type: str, micro_batch_size: int, monkeypat
     monkeypatch.setattr(torch.Tensor, "tolist", tolist)
     batch = random_batch(len(tiny_tokenizer), N=8)
     with counter:
-        stats = train_on_batch(learner, batch, settings, DistInfo(), ptx)
+        stats = train_on_batch(learner, batch, settings, DistInfo(), ptx).totals
     monkeypatch.undo()
     assert stats["skipped_updates"] == 0.0 and stats["grad_norm"] > 0
     return counter.by_file

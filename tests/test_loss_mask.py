@@ -101,7 +101,7 @@ def test_the_loss_of_a_multi_turn_batch_is_the_loop_over_its_sampled_tokens(mode
     s = settings_with(loss_type=loss_type, beta=0.1, max_completion_length=LC, micro_batch_size=2,
                       mask_truncated_completions=truncated_out, sampler_is_mode="sequence_truncate",
                       logprob_pass=FAST_PASS)
-    stats = train_on_batch(RecordingLearner(model), batch, s, DistInfo())
+    stats = train_on_batch(RecordingLearner(model), batch, s, DistInfo()).totals
     g = batch.generation
     with torch.no_grad():
         logp, entropy = completion_logprobs(model, g.prompt_ids, g.prompt_mask, g.completion_ids, g.completion_mask,
@@ -132,7 +132,7 @@ def test_gradients_at_environment_positions_are_exactly_zero(model, tiny_tokeniz
     try:
         s = settings_with(loss_type="bnpo", beta=0.1, max_completion_length=LC, micro_batch_size=N,
                           sampler_is_mode="token_truncate", logprob_pass=FAST_PASS)
-        train_on_batch(RecordingLearner(model), batch, s, DistInfo())
+        train_on_batch(RecordingLearner(model), batch, s, DistInfo()).totals
     finally:
         handle.remove()
     (logits,) = captured  # [N, LC + 1, V]: position t predicts completion token t (the last predicts nothing)
@@ -171,7 +171,7 @@ def test_a_loss_mask_equal_to_the_completion_mask_changes_nothing(model, tiny_to
         learner = RecordingLearner(model)
         s = settings_with(loss_type="grpo", beta=0.1, max_completion_length=LC, micro_batch_size=2,
                           sampler_is_mode="token_truncate", mask_truncated_completions=True, logprob_pass=FAST_PASS)
-        results.append((train_on_batch(learner, b, s, DistInfo()), learner.grads[0]))
+        results.append((train_on_batch(learner, b, s, DistInfo()).totals, learner.grads[0]))
     (stats_a, grads_a), (stats_b, grads_b) = results
     assert stats_a == stats_b
     assert all(torch.equal(grads_a[name], grads_b[name]) for name in grads_a)

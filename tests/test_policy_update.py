@@ -22,7 +22,7 @@ def test_micro_batches_accumulate_to_the_whole_batch_gradient(tiny_tokenizer, lo
         settings = LossSettings(epsilon=0.2, epsilon_high=None, beta=0.04, loss_type=loss_type,
                                 max_completion_length=7, temperature=0.9, num_iterations=1,
                                 micro_batch_size=micro, max_grad_norm=None)
-        stats = train_on_batch(learner, batch, settings, DistInfo())
+        stats = train_on_batch(learner, batch, settings, DistInfo()).totals
         grads[micro] = (learner.grads[0], stats["loss"])
     whole, whole_loss = grads[6]
     for micro in (2, 1):
@@ -68,7 +68,7 @@ def test_old_logprobs_taken_from_the_first_iteration_equal_a_separate_pass(tiny_
         learner = SteppingLearner(model)
         settings = LossSettings(epsilon=0.2, epsilon_high=None, beta=0.04, loss_type="grpo", max_completion_length=7,
                                 temperature=0.9, num_iterations=2, micro_batch_size=2, max_grad_norm=None)
-        stats = train_on_batch(learner, batch, settings, DistInfo())
+        stats = train_on_batch(learner, batch, settings, DistInfo()).totals
         results.append((learner.grads, stats))
     (grads_a, stats_a), (grads_b, stats_b) = results
     assert stats_b["clip_fraction"] == pytest.approx(stats_a["clip_fraction"])
@@ -96,7 +96,7 @@ def test_entropy_is_the_token_mean_over_the_sampled_tokens(tiny_tokenizer):
     Lp = g.prompt_ids.shape[1]
     entropy = token_entropy(logits[:, Lp - 1:], temperature=0.9)  # [N, Lc]: the positions predicting completions
     want = (entropy * g.completion_mask).sum() / g.completion_mask.sum()
-    stats = train_on_batch(RecordingLearner(model), batch, settings_with(num_iterations=2), DistInfo())
+    stats = train_on_batch(RecordingLearner(model), batch, settings_with(num_iterations=2), DistInfo()).totals
     assert stats["entropy"] == pytest.approx(want.item(), abs=1e-5)  # float32 forward passes of different shapes
 
 
@@ -111,7 +111,7 @@ def test_mask_truncated_completions_takes_truncated_rows_out_of_the_loss(tiny_to
         if not mask_truncated:
             batch.advantages = batch.advantages.masked_fill(batch.generation.truncated, 0.0)
         learner = RecordingLearner(model)
-        train_on_batch(learner, batch, settings_with(mask_truncated_completions=mask_truncated), DistInfo())
+        train_on_batch(learner, batch, settings_with(mask_truncated_completions=mask_truncated), DistInfo()).totals
         grads.append(learner.grads[0])
     for name, grad in grads[0].items():
         assert torch.allclose(grads[1][name], grad, atol=1e-7, rtol=1e-5), name
@@ -132,9 +132,9 @@ def test_sequence_level_ratios_reach_the_loss(tiny_tokenizer):
     row_ratio = torch.exp(((logp - batch.old_logprobs) * mask).sum(-1) / mask.sum(-1))  # [N]
     want = (row_ratio * mask.sum(-1)).sum() / mask.sum()
     stats = train_on_batch(RecordingLearner(model), batch,
-                           settings_with(importance_sampling_level="sequence", micro_batch_size=6), DistInfo())
+                           settings_with(importance_sampling_level="sequence", micro_batch_size=6), DistInfo()).totals
     assert stats["ratio_mean"] == pytest.approx(want.item(), abs=1e-6)
-    token = train_on_batch(RecordingLearner(model), batch, settings_with(micro_batch_size=6), DistInfo())
+    token = train_on_batch(RecordingLearner(model), batch, settings_with(micro_batch_size=6), DistInfo()).totals
     assert token["ratio_mean"] != pytest.approx(stats["ratio_mean"], abs=1e-4)
 
 
@@ -165,7 +165,7 @@ def test_token_budget_micro_batches_give_the_fixed_row_gradient(tiny_tokenizer, 
         stats = train_on_batch(learner, batch, LossSettings(
             epsilon=0.2, epsilon_high=None, beta=0.04, loss_type=loss_type, max_completion_length=9, temperature=0.9,
             num_iterations=num_iterations, micro_batch_size=2 if budget in (None, "auto") else 8, max_grad_norm=None,
-            max_tokens_per_micro_batch=budget), DistInfo())
+            max_tokens_per_micro_batch=budget), DistInfo()).totals
         results[budget] = (learner.grads, stats)
         with torch.no_grad():  # the same starting weights for every budget
             for p, b in zip(model.parameters(), before):

@@ -198,7 +198,7 @@ def test_each_update_adds_coef_times_the_ptx_gradient_before_it_syncs(tiny_token
     for name, extra in (("rl", {}), ("both", {"ptx": ptx})):
         model = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=1, seed=0)
         learner = SyncRecordingLearner(model)
-        stats = train_on_batch(learner, batch, settings_with(num_iterations=2, ptx_coef=0.3), DistInfo(), **extra)
+        stats = train_on_batch(learner, batch, settings_with(num_iterations=2, ptx_coef=0.3), DistInfo(), **extra).totals
         grads[name] = learner.grads
         if name == "both":
             # 3 policy micro-batches per update, then the PTX one: only its backward may sync (DDP).

@@ -140,7 +140,7 @@ def test_a_stale_samplers_logprobs_weight_each_token_by_the_capped_ratio(tiny_to
     calls = capture_policy_loss(monkeypatch)
     stats = train_on_batch(RecordingLearner(model), batch, settings(sampler_is_mode="token_truncate",
                                                                     sampler_is_cap=cap, sampler_is_min=floor),
-                           DistInfo())
+                           DistInfo()).totals
     from grpo.step.policy_update import rows_by_length
 
     order = rows_by_length(gen.completion_mask, 2)
@@ -162,8 +162,8 @@ def test_identical_logprobs_leave_the_update_unchanged(tiny_tokenizer):
     batch.old_logprobs = None
     batch.sampler_logprobs = generation_logprobs(model, batch.generation, 0.9, 64) * batch.generation.completion_mask
     plain, corrected = RecordingLearner(model), RecordingLearner(model)
-    off = train_on_batch(plain, batch, settings(), DistInfo())
-    on = train_on_batch(corrected, batch, settings(sampler_is_mode="token_truncate"), DistInfo())
+    off = train_on_batch(plain, batch, settings(), DistInfo()).totals
+    on = train_on_batch(corrected, batch, settings(sampler_is_mode="token_truncate"), DistInfo()).totals
     assert "sampler_is/weight_mean" not in off
     assert on["sampler_is/weight_mean"] == pytest.approx(1.0, abs=1e-5) and on["sampler_is/capped_fraction"] == 0.0
     assert on["loss"] == pytest.approx(off["loss"], abs=1e-6)
@@ -179,7 +179,7 @@ def test_with_old_logprobs_on_the_batch_they_are_pi_old(tiny_tokenizer, monkeypa
     batch.sampler_logprobs = batch.old_logprobs - 0.25
     calls = capture_policy_loss(monkeypatch)
     train_on_batch(RecordingLearner(model), batch, settings(num_iterations=2, micro_batch_size=6,
-                                                            sampler_is_mode="token_truncate"), DistInfo())
+                                                            sampler_is_mode="token_truncate"), DistInfo()).totals
     real = batch.generation.completion_mask
     assert len(calls) == 2
     for call in calls:
@@ -190,7 +190,7 @@ def test_the_correction_without_sampler_logprobs_is_an_error(tiny_tokenizer):
     model = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=1, seed=0)
     with pytest.raises(ValueError, match="no sampler log-probs"):
         train_on_batch(RecordingLearner(model), random_batch(len(tiny_tokenizer)),
-                       settings(sampler_is_mode="token_truncate"), DistInfo())
+                       settings(sampler_is_mode="token_truncate"), DistInfo()).totals
 
 
 def test_the_decoupled_sampler_hands_over_its_own_logprobs():

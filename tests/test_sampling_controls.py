@@ -234,7 +234,7 @@ def test_first_pass_ratio_is_one_with_the_controls(peaked, tiny_tokenizer, monke
                              advantages=torch.randn(8, generator=torch.Generator().manual_seed(0)),
                              old_logprobs=generation_logprobs(peaked, gen, 0.9, 4, old_processing), ref_logprobs=None,
                              prompts=[""] * 2)
-        return train_on_batch(RecordingLearner(peaked), batch, settings_with(processing=processing), DistInfo())
+        return train_on_batch(RecordingLearner(peaked), batch, settings_with(processing=processing), DistInfo()).totals
 
     matched = stats(processing)
     assert abs(matched["ratio_mean"] - 1.0) < 1e-5 and matched["clip_fraction"] == 0.0

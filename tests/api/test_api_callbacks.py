@@ -1,36 +1,124 @@
-"""grpo.api.callbacks: log_history entries as TRL builds them (windows of logging_steps updates, TRL's names)."""
+"""grpo.api.callbacks: log_history entries and callback events as TRL 1.16 makes them: one per optimizer update
+(windows of logging_steps updates), TRL's names, the generation's metrics on the first update after it, and
+evaluations under TRL's eval_ names."""
 
 from __future__ import annotations
 
 import math
 
-from transformers import TrainerControl, TrainerState
+import pytest
+from transformers import TrainerCallback, TrainerControl, TrainerState
 
-from grpo.api.callbacks import CallbackHooks, trl_metrics
+from grpo.api.callbacks import CallbackHooks, trl_eval_metrics, trl_metrics, update_entries
+from grpo.training.loop import StepReport
 
 
 def step_metrics(step: int) -> dict:
     return {"loss": float(step), "learning_rate": 0.1 * step, "reward/mean": 1.0 * step, "reward/std": 0.5,
-            "reward/judge": 2.0 * step, "kl": 0.01, "epoch": step / 10, "accuracy": 0.5}
+            "reward/judge": 2.0 * step, "reward_std/judge": 0.25, "kl": 0.01, "epoch": step / 10, "accuracy": 0.5,
+            "completion_length/mean": 6.0, "completion_length/min": 2.0, "terminated_length/max": 5.0,
+            "step_tokens": 100.0, "time/step_s": 3.0, "clip_fraction": 0.5, "eval/accuracy": 0.75}
+
+
+def update(u: int, step: int) -> dict:
+    return {"loss": 10.0 * step + u, "kl": 0.0, "entropy": 1.0, "ratio_mean": 1.0, "clip_ratio/low_mean": 0.0,
+            "clip_ratio/high_mean": 0.1, "clip_ratio/region_mean": 0.1, "clip_ratio/low_min": 0.0,
+            "clip_ratio/high_max": 0.5, "grad_norm": 1.0 + u, "learning_rate": 0.1 * step + 0.01 * u, "update_s": 0.5}
 
 
 def test_trl_names_and_bessel_reward_std():
     named = trl_metrics(step_metrics(1), ["judge"], completions=4, with_kl=False)
-    assert named["reward"] == 1.0 and named["rewards/judge/mean"] == 2.0 and named["accuracy"] == 0.5
+    assert named["reward"] == 1.0 and named["rewards/judge/mean"] == 2.0 and named["rewards/judge/std"] == 0.25
+    assert named["accuracy"] == 0.5 and named["completions/min_length"] == 2.0
+    assert named["completions/max_terminated_length"] == 5.0
     assert math.isclose(named["reward_std"], 0.5 * math.sqrt(4 / 3)) and "kl" not in named
+    # an environment's reward (not among the reward functions) is a reward by its reward_std, as TRL names it
+    env = trl_metrics({"reward/Counter": 0.5, "reward_std/Counter": 0.1, "tools/calls_per_completion": 1.5,
+                       "tools/failure_rate": 0.25, "sampled_length/mean": 3.0, "completion_length/mean": 9.0},
+                      [], completions=4, with_kl=False)
+    assert env == {"rewards/Counter/mean": 0.5, "rewards/Counter/std": 0.1, "tools/call_frequency": 1.5,
+                   "tools/failure_frequency": 0.25, "completions/mean_length": 3.0}  # the model's own tokens
 
 
-def test_windows_average_the_steps_and_leftovers_join_the_summary():
+def test_update_entries_split_a_step_as_trl_logs_it():
+    first, second = update_entries(step_metrics(2), [update(0, 2), update(1, 2)], {"reward": 2.0}, 0.1, False)
+    assert first["reward"] == 2.0 and "reward" not in second  # the generation's metrics: the first update's
+    assert (first["loss"], second["loss"]) == (20.0, 21.0) and second["grad_norm"] == 2.0
+    assert first["step_time"] == 2.5 and second["step_time"] == 0.5  # the step's 3 s: generation + update 1
+    assert (first["epoch"], second["epoch"]) == pytest.approx((0.15, 0.2))
+    assert "kl" not in first and "update_s" not in first
+
+
+class Recorder(TrainerCallback):
+    def __init__(self):
+        self.events = []
+
+    def __getattribute__(self, name):
+        if name.startswith("on_"):
+            return lambda args, state, control, **kwargs: self.events.append((name, state.global_step))
+        return super().__getattribute__(name)
+
+
+def test_two_iterations_log_and_call_back_per_update_as_trl():
+    """num_iterations=2, logging_steps=1: TRL's sequence for max_steps=4 (recorded from TRL 1.16), an
+    evaluation at global step 2 and the last step's checkpoint."""
+    state, control, recorder = TrainerState(), TrainerControl(), Recorder()
+    hooks = CallbackHooks(None, state, control, [recorder], model=None, tokenizer=None, reward_names=["judge"],
+                          completions_per_step=8, updates_per_step=2, logging_steps=1, eval_examples=8)
+    hooks.train_begin(0, 2)
+    for step in (1, 2):
+        hooks.step_begin(step)
+        hooks.evaluated(step, {"eval/accuracy": 0.5, "time/eval_s": 2.0})
+        if step == 2:
+            hooks.saved(step, None)
+        hooks.step_end(step, StepReport(step_metrics(step), [update(0, step), update(1, step)], None))
+    hooks.train_end(2)
+    assert recorder.events == [
+        ("on_train_begin", 0), ("on_epoch_begin", 0), ("on_step_begin", 0), ("on_step_end", 1), ("on_log", 1),
+        ("on_step_begin", 1), ("on_step_end", 2), ("on_log", 2), ("on_log", 2), ("on_evaluate", 2),
+        ("on_step_begin", 2), ("on_step_end", 3), ("on_log", 3), ("on_step_begin", 3), ("on_step_end", 4),
+        ("on_log", 4), ("on_log", 4), ("on_evaluate", 4), ("on_save", 4), ("on_epoch_end", 4), ("on_log", 4),
+        ("on_train_end", 4)]
+    train = [e for e in state.log_history if "loss" in e]
+    assert [e["step"] for e in train] == [1, 2, 3, 4]
+    assert [e["num_tokens"] for e in train if "num_tokens" in e] == [100.0, 200.0]  # cumulative, as TRL's
+    assert "reward" in train[0] and "reward" not in train[1] and "eval/accuracy" not in train[0]
+    evaluation = [e for e in state.log_history if "eval_accuracy" in e]
+    assert [(e["step"], e["eval_num_tokens"], e["eval_runtime"]) for e in evaluation] == [(2, 100.0, 2.0),
+                                                                                            (4, 200.0, 2.0)]
+    summary = state.log_history[-1]
+    assert summary["train_loss"] == pytest.approx((10 + 11 + 20 + 21) / 4)  # the mean over updates
+    assert summary["train_samples_per_second"] * summary["train_runtime"] == pytest.approx(8 * 4)
+
+
+def test_windows_average_the_updates_and_leftovers_join_the_summary():
     state, control = TrainerState(), TrainerControl()
     hooks = CallbackHooks(None, state, control, [], model=None, tokenizer=None, reward_names=["judge"],
                           completions_per_step=4, updates_per_step=2, logging_steps=4)
     hooks.train_begin(0, 3)
-    for step in (1, 2, 3):  # updates 2, 4, 6: one window of 4 updates (steps 1-2), step 3 left over
+    for step in (1, 2, 3):  # updates 1-6: one window of 4 updates (steps 1-2), step 3's two left over
         hooks.step_begin(step)
-        hooks.step_end(step, step_metrics(step))
+        hooks.step_end(step, StepReport(step_metrics(step), [update(0, step), update(1, step)], None))
     hooks.train_end(3)
     window, summary = state.log_history
-    assert window["step"] == 4 and window["loss"] == 1.5 and window["reward"] == 1.5
-    assert math.isclose(window["learning_rate"], 0.2)  # TRL logs the window's last learning rate
-    assert summary["step"] == 6 and summary["reward"] == 3.0 and summary["train_loss"] == 2.0
+    assert window["step"] == 4 and window["loss"] == (10 + 11 + 20 + 21) / 4 and window["reward"] == 1.5
+    assert math.isclose(window["learning_rate"], 0.21) and window["num_tokens"] == 200.0  # the window's last
+    assert summary["step"] == 6 and summary["reward"] == 3.0
+    assert summary["train_loss"] == pytest.approx((10 + 11 + 20 + 21 + 30 + 31) / 6)
     assert state.max_steps == 6 and state.global_step == 6
+
+
+def test_eval_metrics_under_trls_names():
+    metrics = {"eval/accuracy": 0.5, "eval/reward/total": 1.5, "eval/reward_std/total": 0.5,
+               "eval/reward/judge": 1.0, "eval/reward_std/judge": 0.1, "eval/truncated_rate": 0.25,
+               "eval/completion_length/mean": 7.0, "eval/terminated_length/min": 3.0,
+               "eval/hard/accuracy": 0.1, "eval/hard/reward/total": 0.2, "eval/accuracy/people=3": 1.0,
+               "time/eval_s": 4.0}
+    got = trl_eval_metrics(metrics, ["judge"], examples=10, batch_size=4)
+    assert got == {
+        "eval_accuracy": 0.5, "eval_reward": 1.5, "eval_reward_std": 0.5, "eval_rewards/judge/mean": 1.0,
+        "eval_rewards/judge/std": 0.1, "eval_completions/clipped_ratio": 0.25, "eval_completions/mean_length": 7.0,
+        "eval_completions/min_terminated_length": 3.0, "eval_hard_accuracy": 0.1, "eval_hard_reward": 0.2,
+        "eval_accuracy/people=3": 1.0, "eval_runtime": 4.0, "eval_samples_per_second": 2.5,
+        "eval_steps_per_second": 0.75}  # 10 rows in 3 batches of 4, as Trainer counts them
+    assert "test_reward" in trl_eval_metrics(metrics, [], 10, 4, prefix="test")

@@ -210,3 +210,40 @@ def test_evaluate_scores_as_a_run_does_with_samples_rewards_and_named_sets(tiny_
     one = trainer.evaluate(rows(4), metric_key_prefix="test")
     assert one["test_accuracy"] == metrics["eval_easy_accuracy"]  # greedy: the same 4 problems, the same score
     assert not (tmp_path / "run").exists()  # evaluation writes nothing
+
+
+def test_two_iterations_log_per_update_and_evaluate_only_at_eval_steps_as_trl(tiny_model_dir, tmp_path):
+    """num_iterations=2, logging_steps=1, eval_steps=2 over 4 updates: TRL 1.16 logs global steps 1-4, fires the
+    step events per update, evaluates at 2 and 4 (no extra evaluation after the last) under eval_ names; the
+    event sequence below is the one TRL 1.16 gives for the same script (its on_save at 4: the last step)."""
+    recorder = Recorder()
+    trainer = GRPOTrainer(str(tiny_model_dir), [digit_reward, length_reward],
+                          args_for(tmp_path / "run", num_iterations=2, save_steps=100, eval_strategy="steps",
+                                   eval_steps=2, per_device_eval_batch_size=8),
+                          train_dataset=rows(), eval_dataset=rows(4), callbacks=[recorder])
+    trainer.train()
+    events = [e for e in recorder.events if e[0] not in ("on_init_end",)]
+    assert events == [
+        ("on_train_begin", 0), ("on_epoch_begin", 0), ("on_step_begin", 0), ("on_step_end", 1), ("on_log", 1),
+        ("on_step_begin", 1), ("on_step_end", 2), ("on_log", 2), ("on_log", 2), ("on_evaluate", 2),
+        ("on_step_begin", 2), ("on_step_end", 3), ("on_log", 3), ("on_step_begin", 3), ("on_step_end", 4),
+        ("on_log", 4), ("on_log", 4), ("on_evaluate", 4), ("on_save", 4), ("on_epoch_end", 4), ("on_log", 4),
+        ("on_train_end", 4)]
+    history = trainer.state.log_history
+    train = [e for e in history if "loss" in e]
+    assert [e["step"] for e in train] == [1, 2, 3, 4]
+    generation = ("reward", "reward_std", "rewards/digit_reward/std", "completions/min_length", "num_tokens",
+                  "completions/mean_terminated_length", "frac_reward_zero_std")
+    per_update = ("loss", "grad_norm", "learning_rate", "entropy", "clip_ratio/low_mean", "clip_ratio/low_min",
+                  "clip_ratio/high_mean", "clip_ratio/high_max", "clip_ratio/region_mean", "step_time", "epoch")
+    for entry in train:
+        assert all(k in entry for k in per_update), sorted(set(per_update) - set(entry))
+        assert all((k in entry) == (entry["step"] % 2 == 1) for k in generation), entry["step"]
+    assert train[0]["learning_rate"] > train[1]["learning_rate"]  # each update's own rate
+    assert train[2]["num_tokens"] > train[0]["num_tokens"]  # cumulative
+    evaluations = [e for e in history if "eval_reward" in e]
+    assert [e["step"] for e in evaluations] == [2, 4]
+    for key in ("eval_reward_std", "eval_rewards/digit_reward/mean", "eval_rewards/length_reward/std",
+                "eval_completions/mean_length", "eval_completions/clipped_ratio", "eval_runtime",
+                "eval_samples_per_second", "eval_steps_per_second", "eval_num_tokens", "eval_accuracy"):
+        assert all(key in e for e in evaluations), key

@@ -112,7 +112,7 @@ def _ddp_rank(rank: int, port: int, model_dir: str, out: str) -> None:
                            max_grad_norm=None)
     batch = random_batch(model.config.vocab_size, N=4, seed=rank)
     batch.advantages = torch.zeros(4)
-    train_on_batch(learner, batch, settings_with(ptx_coef=0.5), DistInfo(rank, 2, rank), _ptx_rows(rank))
+    train_on_batch(learner, batch, settings_with(ptx_coef=0.5), DistInfo(rank, 2, rank), _ptx_rows(rank)).totals
     save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, Path(out) / f"rank{rank}.safetensors")
     dist.barrier()
     # As a torchrun rank of `python -m grpo` does: exit without tearing the DDP wrapper and its gloo group

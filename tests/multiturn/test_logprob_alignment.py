@@ -74,7 +74,7 @@ def test_the_old_reference_and_training_passes_see_the_sampled_conversation(tiny
     assert g.loss_mask is not None and bool((g.loss_mask != g.completion_mask).any())  # row 0 has a tool result
     s = settings_with(beta=0.1, micro_batch_size=len(g.completions), max_completion_length=g.completion_ids.shape[1],
                       logprob_pass=one_pass)
-    stats = policy_update.train_on_batch(RecordingLearner(policy), batch, s, DistInfo())
+    stats = policy_update.train_on_batch(RecordingLearner(policy), batch, s, DistInfo()).totals
 
     # The sampler's conversations: row 0 is its second context (prompt, first turn, tool result) and what it
     # sampled there; row 1 is the prompt and its first answer. The sampled tokens are each row's turns.

@@ -55,7 +55,8 @@ def test_a_trl_script_with_tools_trains_and_failing_tools_never_stop_it(tmp_path
     args = GRPOConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=16, num_generations=8,
                       max_completion_length=96, max_steps=3, learning_rate=3e-5, logging_steps=1, save_steps=3,
                       use_cpu=True, bf16=False, report_to="none", disable_tqdm=True, seed=2,
-                      max_tool_calling_iterations=1, grpo_overrides={"rollout.tool_timeout_s": 0.5})
+                      max_tool_calling_iterations=1, grpo_overrides={"rollout.tool_timeout_s": 0.5},
+                      log_completions=True)
     trainer = GRPOTrainer(model=str(TINY_TOOLS), reward_funcs=answer_reward, args=args, train_dataset=rows,
                           tools=[calculator])
     with caplog.at_level("INFO", logger="grpo.multiturn.tools"):
@@ -72,8 +73,16 @@ def test_a_trl_script_with_tools_trains_and_failing_tools_never_stop_it(tmp_path
                 and any(word in r.getMessage() for word in ("refused", "raised", "rollout.tool_timeout_s"))]
     assert failures, "tool failures were not logged"
     assert failures[0].levelname == "WARNING"  # the first of each kind; the rest at INFO
-    history = [h for h in trainer.state.log_history if "tools/calls_per_completion" in h]
-    assert len(history) == 3
+    history = [h for h in trainer.state.log_history if "tools/call_frequency" in h]  # TRL's names
+    assert len(history) == 3 and all(0.0 <= h["tools/failure_frequency"] <= 1.0 for h in history)
+    # a multi-turn completion is recorded as its messages: samples.jsonl and log_completions' parquet
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(s["completion"][0]["role"] == "assistant" for s in samples)
+    import pandas as pd
+
+    logged_completions = pd.read_parquet(tmp_path / "run" / "completions" / "completions_00003.parquet")
+    turns = [m for c in logged_completions["completion"] for m in c]
+    assert any(m["role"] == "tool" and m["content"] for m in turns), "no tool result in the logged completions"
 
 
 # ---------------------------------------------------------------- an environment from a recipe

@@ -1,9 +1,12 @@
 """The loop's callouts as TRL's: a ``transformers.TrainerState`` whose ``log_history`` carries TRL's metric
 names, and ``TrainerCallback`` events in Trainer's order.
 
-TRL counts optimizer updates (``global_step``); a grpo step is ``num_iterations`` of them, so step ``s``
-ends at ``global_step = s * num_iterations``. Log entries average the steps of a ``logging_steps`` window,
-as TRL's do.
+TRL counts optimizer updates (``global_step``); a grpo step is one generation and ``num_iterations`` updates, so
+step ``s`` holds global steps ``(s - 1) * num_iterations + 1 .. s * num_iterations``. Each update gets its own
+``on_step_begin``/``on_step_end`` and log entry, as TRL's: the update's loss, grad_norm, learning_rate, kl,
+entropy and clip ratios; the generation's metrics (rewards, lengths, num_tokens, tools) go to the first update
+after it, where TRL's ``_metrics`` put them. The events of a step's updates fire once the step is done (grpo
+runs a step's updates in one call). Log entries average the updates of a ``logging_steps`` window, as TRL's do.
 """
 
 from __future__ import annotations
@@ -13,31 +16,45 @@ import os
 import time
 from pathlib import Path
 
-from grpo.training.loop import LoopHooks
+from grpo.api.completions import CompletionTable, completion_table, log_completions
+from grpo.training.loop import LoopHooks, StepReport
 
-# grpo's metric -> TRL's name for the same quantity (reward_std and rewards/<fn>/mean are converted below)
+# grpo's step metric -> TRL's name for the same quantity (rewards, lengths and tools are converted below)
 TRL_NAMES = {
-    "loss": "loss", "grad_norm": "grad_norm", "learning_rate": "learning_rate", "reward/mean": "reward",
-    "kl": "kl", "entropy": "entropy", "completion_length/mean": "completions/mean_length",
+    "reward/mean": "reward", "zero_std_fraction": "frac_reward_zero_std",
+    "completion_length/mean": "completions/mean_length", "completion_length/min": "completions/min_length",
     "completion_length/max": "completions/max_length", "truncated_fraction": "completions/clipped_ratio",
-    "clip_fraction": "clip_ratio/region_mean", "zero_std_fraction": "frac_reward_zero_std",
-    "time/step_s": "step_time", "epoch": "epoch",
+    "terminated_length/mean": "completions/mean_terminated_length",
+    "terminated_length/min": "completions/min_terminated_length",
+    "terminated_length/max": "completions/max_terminated_length",
+    "tools/calls_per_completion": "tools/call_frequency", "tools/failure_rate": "tools/failure_frequency",
 }
-LAST_OF_WINDOW = ("grad_norm", "learning_rate", "epoch")  # TRL logs the window's last value of these
+# TRL counts a multi-turn completion's lengths in the model's own tokens: grpo's sampled_length
+SAMPLED_NAMES = {"sampled_length/mean": "completions/mean_length", "sampled_length/min": "completions/min_length",
+                 "sampled_length/max": "completions/max_length"}
+# Per optimizer update in TRL: taken from the update's own metrics (grpo.step.metrics.reduce_updates), not the step's
+PER_UPDATE = ("loss", "grad_norm", "learning_rate", "kl", "entropy", "clip_fraction", "ratio_mean", "time/step_s",
+              "epoch", "step_tokens")
+LAST_OF_WINDOW = ("grad_norm", "learning_rate", "epoch", "num_tokens")  # TRL logs the window's last value of these
 
 
 def trl_metrics(metrics: dict[str, float], reward_names: list[str], completions: int,
                 with_kl: bool) -> dict[str, float]:
-    """A grpo step's metrics under TRL's names (grpo's other metrics keep theirs). ``reward_std`` with Bessel's
+    """A grpo step's metrics under TRL's names (grpo's other metrics keep theirs). ``reward/<name>`` is a reward's
+    mean when ``name`` is in ``reward_names`` or has a ``reward_std/<name>``; ``reward_std`` with Bessel's
     correction over the step's ``completions``, as TRL computes it; ``kl`` only when beta != 0, as TRL."""
     out = {}
     for name, value in metrics.items():
+        tail = name.split("/", 1)[-1]
         if name in TRL_NAMES:
             out[TRL_NAMES[name]] = value
-        elif name.startswith("reward/") and name[len("reward/"):] in reward_names:
-            out[f"rewards/{name[len('reward/'):]}/mean"] = value
-        elif name not in ("reward/std", "reward/mean_sq"):
+        elif name.startswith("reward/") and (tail in reward_names or f"reward_std/{tail}" in metrics):
+            out[f"rewards/{tail}/mean"] = value
+        elif name.startswith("reward_std/"):
+            out[f"rewards/{tail}/std"] = value
+        elif name not in ("reward/std", "reward/mean_sq") and name not in SAMPLED_NAMES:
             out[name] = value
+    out.update({trl: metrics[name] for name, trl in SAMPLED_NAMES.items() if name in metrics})
     if "reward/std" in metrics:
         out["reward_std"] = metrics["reward/std"] * math.sqrt(completions / max(completions - 1, 1))
     if not with_kl:
@@ -45,24 +62,52 @@ def trl_metrics(metrics: dict[str, float], reward_names: list[str], completions:
     return out
 
 
+def update_entries(metrics: dict[str, float], updates: list[dict[str, float]], generation: dict[str, float],
+                   previous_epoch: float, with_kl: bool) -> list[dict[str, float]]:
+    """One TRL log entry per optimizer update of a step: each update's own metrics, ``step_time`` (the first
+    update's includes the generation and the rest of the step, as TRL's ``training_step`` does) and ``epoch``
+    (moving evenly from ``previous_epoch`` to the step's); ``generation`` (the step's metrics that TRL records
+    when it generates, under TRL's names) joins the first. No ``updates``: one entry of the step's metrics."""
+    epoch = metrics.get("epoch", previous_epoch)
+    step_s = metrics.get("time/step_s", 0.0)
+    if not updates:
+        return [{**generation, **{k: metrics[k] for k in ("loss", "grad_norm", "learning_rate", "entropy")
+                                  if k in metrics}, "step_time": step_s, "epoch": epoch}]
+    ni, later_s = len(updates), sum(u["update_s"] for u in updates[1:])
+    entries = []
+    for u, update in enumerate(updates):
+        own = {k: v for k, v in update.items() if k != "update_s" and (with_kl or k != "kl")}
+        entry = {**(generation if u == 0 else {}), **own,
+                 "step_time": step_s - later_s if u == 0 else update["update_s"],
+                 "epoch": previous_epoch + (epoch - previous_epoch) * (u + 1) / ni}
+        entries.append(entry)
+    return entries
+
+
 class CallbackHooks(LoopHooks):
     """Feeds ``state`` and calls ``callbacks`` (``TrainerCallback`` instances) as Trainer does:
-    on_train_begin, then per step on_step_begin, on_step_end, on_log (every logging window), on_evaluate,
-    on_save, and at the end the summary on_log and on_train_end. ``control.should_training_stop`` set by a
-    callback stops training after the step (its checkpoint is written first)."""
+    on_train_begin, then per optimizer update on_step_begin, on_step_end, on_log (every logging window), then
+    the step's on_evaluate and on_save, and at the end the summary on_log and on_train_end.
+    ``control.should_training_stop`` set by a callback stops training after the step (checkpointed first)."""
 
     def __init__(self, args, state, control, callbacks: list, *, model, tokenizer, reward_names: list[str],
                  completions_per_step: int, updates_per_step: int, logging_steps: int,
-                 write_trainer_state: bool = False):
+                 write_trainer_state: bool = False, eval_examples: int = 0):
         self.args, self.state, self.control, self.callbacks = args, state, control, callbacks
         self.model, self.tokenizer = model, tokenizer
         self.reward_names, self.completions, self.ni = reward_names, completions_per_step, updates_per_step
         self.logging_steps = logging_steps  # in updates, as TRL's
         self.write_trainer_state = write_trainer_state  # into each checkpoint folder, as Trainer does (TRL's layout)
+        self.eval_examples = eval_examples  # rows of the eval set(s), for eval_samples_per_second
         self.window: list[dict[str, float]] = []
-        self.pending: list[tuple[str, dict]] = []  # on_evaluate/on_save of the running step, fired after on_log
+        # the running step's on_evaluate/on_save/on_epoch_end, fired after its updates' events
+        self.pending: list[tuple[str, dict]] = []
         self.in_step = False
-        self.losses: list[float] = []  # every step's, for train_loss (TRL's mean over all steps)
+        self.losses: list[float] = []  # every update's, for train_loss (TRL's mean over all updates)
+        self.completions_table: CompletionTable | None = None  # the latest generation's, for log_completions
+        self.previous_epoch: float | None = 0.0
+        self.state_epoch_before: float | None = None  # the last update's epoch, to see an epoch end
+        self.epoch_open = False  # on_epoch_begin fired and its on_epoch_end not yet
         self.started = time.perf_counter()
 
     def _call(self, event: str, **kwargs) -> None:
@@ -77,22 +122,38 @@ class CallbackHooks(LoopHooks):
         self.state.logging_steps = self.logging_steps
         self.state.is_local_process_zero = int(os.environ.get("LOCAL_RANK", "0")) == 0
         self.state.is_world_process_zero = int(os.environ.get("RANK", "0")) == 0
+        # None: a resumed run whose state has no epoch (the first step then assumes even steps)
+        self.previous_epoch = self.state.epoch if self.state.epoch or start_step == 0 else None
         self.started = time.perf_counter()
         self.control.should_training_stop = False
         self._call("on_train_begin")
+        self.epoch_open, self.state_epoch_before = False, self.state.epoch
+
+    def _begin_update(self) -> None:
+        if not self.epoch_open:  # Trainer opens an epoch before its first update
+            self._call("on_epoch_begin")
+            self.epoch_open = True
+        self._call("on_step_begin")
 
     def step_begin(self, step: int) -> None:
         self.in_step = True
-        self._call("on_step_begin")
+        self._begin_update()
 
     def evaluated(self, step: int, metrics: dict[str, float]) -> None:
-        entry = {"eval_" + name.split("/", 1)[-1]: value for name, value in metrics.items()}
-        entry["step"] = step * self.ni
-        if self.in_step:
+        entry = trl_eval_metrics(metrics, self.reward_names, self.eval_examples,
+                                 getattr(self.args, "per_device_eval_batch_size", 8))
+        if self.in_step:  # logged once the step's updates are: with their num_tokens and epoch
             self.pending.append(("on_evaluate", entry))
         else:
-            self._log(entry)
-            self._call("on_evaluate", metrics=entry)
+            self._log_evaluation(entry)
+
+    def _log_evaluation(self, entry: dict) -> None:
+        entry["eval_num_tokens"] = float(self.state.num_input_tokens_seen or 0)  # TRL's: the training's so far
+        if self.state.epoch is not None:
+            entry["epoch"] = self.state.epoch
+        entry["step"] = self.state.global_step
+        self._log(entry)
+        self._call("on_evaluate", metrics=entry)
 
     def saved(self, step: int, path: Path) -> None:
         if self.in_step:
@@ -108,21 +169,41 @@ class CallbackHooks(LoopHooks):
             os.replace(partial, path / "trainer_state.json")
         self._call("on_save")
 
-    def step_end(self, step: int, metrics: dict[str, float]) -> bool:
-        self.state.global_step = step * self.ni
-        self.state.epoch = metrics.get("epoch", self.state.epoch)
-        if metrics.get("loss") is not None:
-            self.losses.append(metrics["loss"])
-        self.window.append(trl_metrics(metrics, self.reward_names, self.completions,
-                                       with_kl=bool(getattr(self.args, "beta", 0))))
-        self._call("on_step_end")
-        first = step == 1 and getattr(self.args, "logging_first_step", False)
-        if self.state.global_step % self.logging_steps < self.ni or first:
-            self._log(self._window_entry())
+    def step_end(self, step: int, report: StepReport) -> bool:
+        metrics, updates = report.metrics, report.updates
+        if getattr(self.args, "log_completions", False) and report.batch is not None:
+            self.completions_table = completion_table(report.batch)
+        with_kl = bool(getattr(self.args, "beta", 0))
+        own = {k: v for k, v in metrics.items()  # the step's evaluation is logged on its own, as TRL's
+               if k not in PER_UPDATE and not k.startswith("eval/") and k != "time/eval_s"}
+        generation = trl_metrics(own, self.reward_names, self.completions, with_kl)
+        self.state.num_input_tokens_seen = (self.state.num_input_tokens_seen or 0) + int(metrics.get("step_tokens", 0))
+        generation["num_tokens"] = float(self.state.num_input_tokens_seen)
+        previous = self.previous_epoch
+        if previous is None:  # resumed without a saved epoch: as if every step had covered the same share
+            previous = metrics.get("epoch", 0.0) * (step - 1) / step
+        entries = update_entries(metrics, updates, generation, previous, with_kl)
+        first_update = (step - 1) * self.ni
+        for u, entry in enumerate(entries):
+            if u > 0:
+                self._begin_update()
+            self.state.global_step = first_update + (u + 1 if updates else self.ni)
+            self.state.epoch = entry["epoch"]
+            if entry.get("loss") is not None:
+                self.losses.append(entry["loss"])
+            self.window.append(entry)
+            self._call("on_step_end")
+            first = self.state.global_step == 1 and getattr(self.args, "logging_first_step", False)
+            if self.state.global_step % self.logging_steps == 0 or first:
+                self._log(self._window_entry())
+                self._log_completions()
+            if math.floor(entry["epoch"] + 1e-9) > math.floor((self.state_epoch_before or 0.0) + 1e-9):
+                self._end_epoch()  # this update finished a pass over the data
+            self.state_epoch_before = entry["epoch"]
+        self.previous_epoch = self.state.epoch
         for event, entry in self.pending:
             if event == "on_evaluate":
-                self._log(entry)
-                self._call(event, metrics=entry)
+                self._log_evaluation(entry)
             else:
                 self._saved(entry["path"])
         self.pending, self.in_step = [], False
@@ -142,12 +223,30 @@ class CallbackHooks(LoopHooks):
         self.state.log_history.append(entry)
         self._call("on_log", logs=entry)
 
+    def _log_completions(self) -> None:
+        """TRL's log_completions at a training log (``grpo.api.completions``), on the main process."""
+        if self.completions_table is None or not self.state.is_world_process_zero:
+            return
+        log_completions(self.completions_table, self.state.global_step, self.args.output_dir,
+                        getattr(self.args, "num_completions_to_print", None))
+
+    def _end_epoch(self) -> None:
+        # fired after the step's checkpoint and evaluation when those follow this update (Trainer's order)
+        if self.in_step:
+            self.pending.append(("on_epoch_end", {}))
+        else:
+            self._call("on_epoch_end")
+        self.epoch_open = False
+
     def train_end(self, last_step: int) -> None:
+        if self.epoch_open:  # the run stopped inside an epoch: Trainer still closes it
+            self._call("on_epoch_end")
+            self.epoch_open = False
         runtime = time.perf_counter() - self.started
         steps = max(self.state.global_step, 1)
         leftover = self._window_entry() if self.window else {}  # TRL merges unlogged steps into the summary
         leftover.pop("loss", None), leftover.pop("step", None)
-        summary = {**leftover, "train_runtime": runtime, "train_samples_per_second": self.completions * steps / self.ni / runtime,
+        summary = {**leftover, "train_runtime": runtime, "train_samples_per_second": self.completions * steps / runtime,
                    "train_steps_per_second": steps / runtime, "total_flos": 0.0,
                    "train_loss": sum(self.losses) / len(self.losses) if self.losses else 0.0,
                    "epoch": self.state.epoch, "step": self.state.global_step}
@@ -160,3 +259,46 @@ class CallbackHooks(LoopHooks):
             if "train_runtime" in entry:
                 return entry
         return {}
+
+
+# grpo's evaluation metric (of a set) -> TRL's evaluation name, after the prefix
+TRL_EVAL_NAMES = {
+    "reward/total": "reward", "reward_std/total": "reward_std", "truncated_rate": "completions/clipped_ratio",
+    "completion_length/mean": "completions/mean_length", "completion_length/min": "completions/min_length",
+    "completion_length/max": "completions/max_length",
+    "terminated_length/mean": "completions/mean_terminated_length",
+    "terminated_length/min": "completions/min_terminated_length",
+    "terminated_length/max": "completions/max_terminated_length",
+    "tools/calls_per_completion": "tools/call_frequency", "tools/failure_rate": "tools/failure_frequency",
+}
+
+
+def trl_eval_metrics(metrics: dict[str, float], reward_names: list[str], examples: int, batch_size: int,
+                     prefix: str = "eval") -> dict[str, float]:
+    """An evaluation's ``eval/*`` metrics (``grpo.training.evaluation.eval_metrics``; ``time/eval_s`` its seconds)
+    under the names TRL's evaluation loop logs: ``{prefix}_reward``, ``{prefix}_reward_std``,
+    ``{prefix}_rewards/<fn>/mean|std``, ``{prefix}_completions/*``, ``{prefix}_runtime``,
+    ``{prefix}_samples_per_second`` / ``_steps_per_second`` (``examples`` rows in batches of ``batch_size``, as
+    Trainer counts them); a named set's as ``{prefix}_<set>_...``. grpo's own (accuracy, pass@k, ...) keep their
+    names after the prefix."""
+    out = {}
+    for name, value in metrics.items():
+        if name == "time/eval_s":
+            continue
+        rest = name[len("eval/"):] if name.startswith("eval/") else name
+        head, _, tail = rest.partition("/")
+        set_name = ""
+        if tail and f"eval/{head}/accuracy" in metrics:  # a named set's (each set has its own accuracy)
+            set_name, rest = head, tail
+        key = TRL_EVAL_NAMES.get(rest)
+        if key is None and rest.startswith("reward/"):
+            key = f"rewards/{rest[len('reward/'):]}/mean"
+        elif key is None and rest.startswith("reward_std/"):
+            key = f"rewards/{rest[len('reward_std/'):]}/std"
+        out[f"{prefix}_{set_name}_{key or rest}" if set_name else f"{prefix}_{key or rest}"] = value
+    seconds = metrics.get("time/eval_s")
+    if seconds:
+        out[f"{prefix}_runtime"] = round(seconds, 4)
+        out[f"{prefix}_samples_per_second"] = round(examples / seconds, 3)
+        out[f"{prefix}_steps_per_second"] = round(math.ceil(examples / max(batch_size, 1)) / seconds, 3)
+    return out

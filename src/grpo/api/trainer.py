@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 from grpo.api.arguments import GRPOConfig
-from grpo.api.callbacks import CallbackHooks
+from grpo.api.callbacks import CallbackHooks, trl_eval_metrics
 from grpo.api.checkpoints import TRAINER_STATE_FILE, resumed_checkpoint
 from grpo.api.datasets import to_examples
 from grpo.api.mapping import batch_shape, grpo_steps, to_run_config
@@ -250,7 +251,8 @@ class GRPOTrainer:
                               tokenizer=self.processing_class, reward_names=[f.name for f in self.reward_fns],
                               completions_per_step=cfg.train.prompts_per_step * cfg.rollout.num_generations,
                               updates_per_step=cfg.loss.num_iterations,
-                              logging_steps=self._logging_updates(cfg), write_trainer_state=True)
+                              logging_steps=self._logging_updates(cfg), write_trainer_state=True,
+                              eval_examples=sum(len(s) for s in self.eval_sets.values()))
         evaluating = self.args.eval_strategy != "no" and self.eval_sets
         given = dataclasses.replace(self._given(self.train_set, dict(self.eval_sets) if evaluating else None),
                                     policy=self.model, hooks=hooks)  # named sets: eval/<name>/...
@@ -283,8 +285,10 @@ class GRPOTrainer:
         """grpo's held-out evaluation of the model as it is now, the way a run evaluates
         (``grpo.training.evaluation``): greedy answer accuracy and format rate, the rewards' means, and with
         ``eval.num_samples`` k (``grpo_overrides``) mean@k / pass@k / maj@k, through the run's engine (multi-turn
-        with tools or environments). Named ``{prefix}_accuracy`` / ``{prefix}_{name}_accuracy`` for a dict of
-        sets; logged and ``on_evaluate``."""
+        with tools or environments). Under TRL's names (``grpo.api.callbacks.trl_eval_metrics``: ``{prefix}_reward``,
+        ``{prefix}_rewards/<fn>/mean``, ``{prefix}_completions/mean_length``, ``{prefix}_runtime``, ...) beside
+        grpo's own (``{prefix}_accuracy``; ``{prefix}_{name}_...`` for a dict of sets); logged (``on_log``) and
+        ``on_evaluate``, as Trainer.evaluate."""
         from grpo.multiturn.setup import with_turns
         from grpo.rollout.build import evaluation_engine
         from grpo.training.distributed import DistInfo
@@ -299,16 +303,23 @@ class GRPOTrainer:
         inputs = tokenizer_and_data(cfg, self._given(self.train_set or [], dict(sets)))
         base_engine = evaluation_engine(cfg, self.model, inputs.tokenizer)
         engine = with_turns(base_engine, inputs.turns, cfg, self.model, inputs.tokenizer)
+        started = time.perf_counter()
         try:
             results = run_evaluator(cfg, inputs, engine, base_engine, self.model, DistInfo(), out=None)(
                 self.state.global_step)
         except PromptTooLong as err:
             raise self._explain(err) from None
-        metrics = {}
-        for name, result in results.items():  # eval/<metric> of each set, as TRL names them
-            prefix = f"{metric_key_prefix}_{name}_" if name else f"{metric_key_prefix}_"
-            metrics.update({prefix + k.split("/", 1)[-1]: v for k, v in eval_metrics({"": result}).items()})
-        self.state.log_history.append({**metrics, "step": self.state.global_step})
+        seconds = time.perf_counter() - started
+        metrics = trl_eval_metrics({**eval_metrics(results), "time/eval_s": seconds},
+                                   [f.name for f in self.reward_fns], sum(len(s) for s in sets.values()),
+                                   self.args.per_device_eval_batch_size, prefix=metric_key_prefix)
+        metrics[f"{metric_key_prefix}_num_tokens"] = float(self.state.num_input_tokens_seen or 0)
+        if self.state.epoch is not None:
+            metrics["epoch"] = self.state.epoch
+        entry = {**metrics, "step": self.state.global_step}
+        self.state.log_history.append(entry)
+        for callback in self.callbacks:
+            callback.on_log(self.args, self.state, self.control, logs=entry)
         for callback in self.callbacks:
             callback.on_evaluate(self.args, self.state, self.control, metrics=metrics)
         return metrics

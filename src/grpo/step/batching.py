@@ -66,6 +66,9 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         reward_metrics=mean_of_present([b.reward_metrics for b in batches]),
         reward_extras={key: [v for b in batches for v in b.reward_extras.get(key, [None] * len(b.rewards))]
                        for key in dict.fromkeys(k for b in batches for k in b.reward_extras)},
+        chat_prompts=[p for b in batches for p in b.chat_prompts] if all(b.chat_prompts for b in batches) else [],
+        chat_completions=([c for b in batches for c in b.chat_completions]
+                          if all(b.chat_completions for b in batches) else []),
     )
 
 
@@ -126,4 +129,6 @@ def select_groups(batch: RolloutBatch, groups: Sequence[int]) -> RolloutBatch:
         timings=dict(batch.timings), reward_metrics=dict(batch.reward_metrics),
         reward_extras={k: [v[r] for r in rows] for k, v in batch.reward_extras.items()},
         values=cut(batch.values), returns=cut(batch.returns), sampler_logprobs=cut(batch.sampler_logprobs),
+        chat_prompts=[batch.chat_prompts[r] for r in rows] if batch.chat_prompts else [],
+        chat_completions=[batch.chat_completions[r] for r in rows] if batch.chat_completions else [],
     )

@@ -211,6 +211,8 @@ def sample_and_score(engine: RolloutEngine, tokenizer, examples: Sequence[Exampl
         columns=columns,
         reward_metrics=context.metric_means(),
         reward_extras=context.extra_columns(len(generation.completions)),
+        chat_prompts=list(chat_prompts),
+        chat_completions=list(chat_completions),
         timings={"generate_s": generated - started, "rewards_s": time.perf_counter() - generated},
         sampler_logprobs=generation.sampler_logprobs,
     )

@@ -5,12 +5,14 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 
 import torch
 
 from grpo.errors import RewardError
 from grpo.rewards import answers_equal, extract_answer, is_well_formatted
-from grpo.step.records import RolloutBatch
+from grpo.step.records import RolloutBatch, UpdateStats
+from grpo.tools.sample_metrics import sample_std
 from grpo.training.distributed import DistInfo, all_gather_json, all_reduce_mean
 
 # Statistics only some runs have, averaged over ranks: grpo.critic.train_critic's (PPO), the PTX loss and
@@ -84,7 +86,45 @@ def step_metrics(batch: RolloutBatch, train_stats: dict, group_size: int, tag_st
         "tokens_per_s": completion_tokens / step_s,
         **{f"time/{name}": seconds for name, seconds in batch.timings.items()},
     })
+    metrics.update(spread_metrics(all_gather_json(spread_inputs(batch), info)))
     metrics.update(reward_logged_metrics(batch.reward_metrics, set(metrics), info))
+    return metrics
+
+
+def spread_inputs(batch: RolloutBatch) -> dict:
+    """What ``spread_metrics`` needs of this rank's batch, as JSON: per row the completion length, the
+    sampled length (the model's own tokens), the truncation flag and each reward (None where it abstained),
+    and the prompt tokens."""
+    generation = batch.generation
+    parts = batch.reward_parts.double()
+    return {"lengths": generation.completion_mask.sum(dim=1).tolist(),
+            "sampled": generation.sampled_mask.sum(dim=1).tolist(),
+            "truncated": generation.truncated.tolist(),
+            "rewards": [[None if math.isnan(v) else v for v in row] for row in parts.tolist()],
+            "names": list(batch.reward_names),
+            "prompt_tokens": int(generation.prompt_mask.sum())}
+
+
+def spread_metrics(per_rank: Sequence[dict]) -> dict[str, float]:
+    """Minima, maxima and spreads over every rank's rows (``spread_inputs`` of each), as TRL 1.16 computes
+    them over the gathered batch: ``completion_length/min``; ``terminated_length/{mean,min,max}`` of the
+    completions that ended (their sampled tokens; all 0 when none did, as TRL); ``sampled_length/min``
+    multi-turn (when a row's sampled tokens differ from its tokens); ``reward_std/<name>`` the sample std
+    (Bessel) of each reward where it did not abstain (NaN with fewer than 2 values); ``step_tokens`` the
+    prompt tokens of every completion row plus the sampled completion tokens."""
+    lengths = [x for r in per_rank for x in r["lengths"]]
+    sampled = [x for r in per_rank for x in r["sampled"]]
+    truncated = [x for r in per_rank for x in r["truncated"]]
+    ended = [n for n, cut in zip(sampled, truncated) if not cut] or [0]
+    metrics = {"completion_length/min": float(min(lengths)),
+               "terminated_length/mean": sum(ended) / len(ended), "terminated_length/min": float(min(ended)),
+               "terminated_length/max": float(max(ended)),
+               "step_tokens": float(sum(r["prompt_tokens"] for r in per_rank) + sum(sampled))}
+    if sampled != lengths:
+        metrics["sampled_length/min"] = float(min(sampled))
+    rows = [row for r in per_rank for row in r["rewards"]]
+    for f, name in enumerate(per_rank[0]["names"]):
+        metrics[f"reward_std/{name}"] = sample_std([row[f] for row in rows if row[f] is not None])
     return metrics
 
 
@@ -102,17 +142,22 @@ def reward_logged_metrics(local: dict[str, float], taken: set[str], info: DistIn
 
 
 def sample_records(batch: RolloutBatch, num_samples: int) -> list[dict]:
-    """The first ``num_samples`` completions with their prompt, gold answer and rewards."""
+    """The first ``num_samples`` completions with their prompt, gold answer and rewards. A multi-turn completion
+    is its messages (assistant turns with their ``tool_calls``, the ``tool`` results), as TRL logs it, and its
+    decoded tokens are ``completion_text``."""
     def column(name: str, row: int):
         values = batch.columns.get(name)
         return values[row] if values is not None else None
 
+    messages = batch.generation.messages
     records = []
     for row in range(min(num_samples, len(batch.generation.completions))):
+        text = batch.generation.completions[row]
         records.append({
             "source": column("source", row),
             "prompt": column("question", row),
-            "completion": batch.generation.completions[row],
+            "completion": messages[row] if messages is not None else text,
+            **({"completion_text": text} if messages is not None else {}),
             "answer": column("answer", row),
             "reward": float(batch.rewards[row]),
             "rewards": {name: _finite_or_none(batch.reward_parts[row, f])
@@ -153,3 +198,34 @@ def correctness(completions: Sequence[str], golds: Sequence[str | None], tag_sty
     formatted = [bool(s["formatted"]) if s is not None else is_well_formatted(c, tag_style)
                  for c, s in zip(completions, scores)]
     return torch.tensor(correct), torch.tensor(formatted)
+
+
+def update_metrics(updates: Sequence[UpdateStats], info: DistInfo) -> list[dict[str, float]]:
+    """Each optimizer update's metrics over all ranks (``reduce_updates`` of every rank's ``updates``)."""
+    return reduce_updates(all_gather_json([asdict(u) for u in updates], info))
+
+
+def reduce_updates(per_rank: Sequence[Sequence[dict]]) -> list[dict[str, float]]:
+    """Per update, from each rank's ``UpdateStats`` (as dicts; every rank ran the same updates): ``loss``,
+    ``kl``, ``entropy``, ``ratio_mean`` averaged over ranks, as a step's are; ``clip_ratio/{low,high,region}_mean``
+    the clipped units over all ranks' units and ``clip_ratio/low_min`` / ``high_max`` the least / largest row
+    share over all rows, NaN-skipping (TRL's ``global_masked_mean``, ``nanmin``, ``nanmax``); ``grad_norm`` (NaN
+    when the update was skipped) and ``learning_rate`` as rank 0 has them (the gradients are all-reduced);
+    ``update_s`` the slowest rank's seconds."""
+    out = []
+    for ranks in zip(*per_rank):
+        units = sum(r["clip_units"] for r in ranks)
+        lows = [r["clip_low_row_min"] for r in ranks if not math.isnan(r["clip_low_row_min"])]
+        highs = [r["clip_high_row_max"] for r in ranks if not math.isnan(r["clip_high_row_max"])]
+        first = ranks[0]
+        out.append({
+            **{name: sum(r[name] for r in ranks) / len(ranks) for name in ("loss", "kl", "entropy", "ratio_mean")},
+            **{f"clip_ratio/{part}_mean": sum(r[f"clip_{part}"] for r in ranks) / units if units else 0.0
+               for part in ("low", "high", "region")},
+            "clip_ratio/low_min": min(lows) if lows else math.nan,
+            "clip_ratio/high_max": max(highs) if highs else math.nan,
+            "grad_norm": math.nan if first["grad_norm"] is None else first["grad_norm"],
+            "learning_rate": first["learning_rate"],
+            "update_s": max(r["seconds"] for r in ranks),
+        })
+    return out

@@ -4,6 +4,7 @@ gradient accumulation (plus the PTX micro-batch, if any); the optimizer and sche
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +13,7 @@ from grpo.algorithm import LogprobProcessing, loss_aggregation, policy_loss, sam
 from grpo.config.device_defaults import pass_defaults
 from grpo.step.logprobs import DEVICE_DEFAULT_PASS, LogprobPass, completion_logprobs
 from grpo.step.ptx import ptx_nll
-from grpo.step.records import RolloutBatch, SftBatch
+from grpo.step.records import RolloutBatch, SftBatch, StepUpdate, UpdateStats
 from grpo.training.distributed import DistInfo, all_reduce_sum
 from grpo.training.learners import Learner
 
@@ -93,11 +94,17 @@ _SAMPLER_IS = ("sampler_is/weight_mean", "sampler_is/capped_fraction", "sampler_
 # statistics reach the host at once
 _SLOTS = _SUMMED + ("entropy", "loss/ptx") + _SAMPLER_IS
 _ENTROPY, _PTX = _SLOTS.index("entropy"), _SLOTS.index("loss/ptx")
+# Each update's own statistics (UpdateStats' fields), one row per update, on the device until the step ends;
+# the row min/max start at +-inf (no row yet) and become NaN if no row had tokens.
+_UPDATE_SLOTS = ("loss", "kl", "entropy", "ratio_mean", "clip_low", "clip_high", "clip_region", "clip_units",
+                 "clip_low_row_min", "clip_high_row_max")
+_ROW_MIN, _ROW_MAX = _UPDATE_SLOTS.index("clip_low_row_min"), _UPDATE_SLOTS.index("clip_high_row_max")
 
 
 def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_info: DistInfo,
-                   ptx: SftBatch | None = None) -> dict[str, float]:
-    """``num_iterations`` optimizer updates on one rollout batch. Returns the step's training stats.
+                   ptx: SftBatch | None = None) -> StepUpdate:
+    """``num_iterations`` optimizer updates on one rollout batch. Returns the step's training stats (means over
+    its updates) and each update's own (``UpdateStats``, this rank's).
 
     A skipped update (non-finite gradient norm, see the learner) is counted in ``skipped_updates``. With
     ``s.sampler_is_mode`` each token's surrogate is weighted by ``sampler_importance_weights`` of the old
@@ -141,6 +148,9 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
     sums = torch.zeros(len(_SLOTS), dtype=torch.float64, device=device)  # see _SLOTS
     learning_rate = learner.lr  # the rate of this step's first update (the schedule moves in finish_update)
     grad_norms, skipped = [], 0
+    per_update = torch.zeros(s.num_iterations, len(_UPDATE_SLOTS), dtype=torch.float64, device=device)
+    per_update[:, _ROW_MIN], per_update[:, _ROW_MAX] = float("inf"), float("-inf")
+    update_norms, update_rates, update_seconds = [], [], []
     # The gradient is a sum over rows, so which rows share a micro-batch changes nothing but padding.
     P = len(batch.prompts)
     max_tokens = device_token_budget(s.max_tokens_per_micro_batch, device.type)
@@ -156,22 +166,24 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
     # iterations, which saves the separate forward pass over the batch that would compute the same.
     captured: list[torch.Tensor] | None = [] if old_all is None and s.num_iterations > 1 else None
     for iteration in range(s.num_iterations):
-        start = 0
+        start, update_started = 0, time.perf_counter()
+        update_rates.append(learner.lr)
+        this = per_update[iteration]  # [len(_UPDATE_SLOTS)]
         for index, rows in enumerate(micro_batches):  # rows on the CPU, like the rollout's tensors
             on_device = order_on_device[start:start + rows.shape[0]]
             start += rows.shape[0]
             # With PTX, its micro-batch closes the update: DDP must sync only after that last backward.
             with learner.accumulating(last=index == len(micro_batches) - 1 and ptx is None):
-                # The sampling policy's entropy, read off this forward's logits (no pass of its own): on
-                # the first iteration the weights are still the ones that sampled.
+                # The entropy is read off this forward's logits (no pass of its own); the step's is the first
+                # iteration's, whose weights are still the ones that sampled; each update logs its own (as TRL).
                 first = iteration == 0
                 result = completion_logprobs(learner.module, gen.prompt_ids[rows], gen.prompt_mask[rows],
                                              gen.completion_ids[rows], gen.completion_mask[rows], s.temperature,
                                              share_prompts=s.logprob_pass.share_prompts,
                                              column_bucket=s.logprob_pass.column_bucket,
                                              fused_head=s.logprob_pass.fused_head, pack=s.logprob_pass.pack,
-                                             with_entropy=first, processing=s.processing)
-                logprobs, entropy = result if first else (result, None)  # [b, Lc] each
+                                             with_entropy=True, processing=s.processing)
+                logprobs, entropy = result  # [b, Lc] each
                 old = old_all[on_device] if old_all is not None else logprobs.detach()
                 if captured is not None and iteration == 0:
                     captured.append(old)
@@ -197,8 +209,13 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
                 terms = [(loss.detach() * weight).double()] + [stats[key].double() * token_share
                                                                for key in _SUMMED[1:]]
                 sums[:len(_SUMMED)] += torch.stack(terms) / s.num_iterations
-                if entropy is not None:  # token mean over every sampled token of the step
-                    sums[_ENTROPY] += ((entropy * sampled[on_device]).sum() / sampled_tokens).double()
+                entropy_part = ((entropy * sampled[on_device]).sum() / sampled_tokens).double()
+                if first:  # token mean over every sampled token of the step
+                    sums[_ENTROPY] += entropy_part
+                this[:_ROW_MIN] += torch.stack([terms[0], terms[1], entropy_part, terms[3]] + [
+                    stats[key].double() for key in ("clip_low", "clip_high", "clip_region", "clip_units")])
+                this[_ROW_MIN] = torch.minimum(this[_ROW_MIN], stats["clip_low_row_min"].double())
+                this[_ROW_MAX] = torch.maximum(this[_ROW_MAX], stats["clip_high_row_max"].double())
                 if is_weights is not None and first:
                     real = sampled[on_device]  # [b, Lc]
                     gap = (old - sampler_all[on_device]).abs().masked_fill(real == 0, 0.0)  # padding may hold -inf
@@ -212,11 +229,17 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
         if captured is not None and iteration == 0:
             old_all = torch.cat(captured)[torch.argsort(order).to(device)]  # [N, Lc], back in row order
         norm = learner.finish_update()  # the learner's one host sync per update (it decides the skip)
+        update_norms.append(norm)
+        update_seconds.append(time.perf_counter() - update_started)
         if norm is None:
             skipped += 1
         else:
             grad_norms.append(norm)
-    totals = dict(zip(_SLOTS, sums.tolist()))  # the step's one transfer of its statistics
+    per_update = per_update.masked_fill(per_update.isinf(), float("nan"))  # a bound never met: no row had tokens
+    values = torch.cat([sums, per_update.flatten()]).tolist()  # the step's one transfer of its statistics
+    totals = dict(zip(_SLOTS, values[:len(_SLOTS)]))
+    width, flat = len(_UPDATE_SLOTS), values[len(_SLOTS):]
+    rows = [flat[i * width:(i + 1) * width] for i in range(s.num_iterations)]
     if sampler_all is None:
         for name in _SAMPLER_IS:
             del totals[name]
@@ -225,4 +248,6 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
     totals["learning_rate"] = learning_rate
     totals["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     totals["skipped_updates"] = float(skipped)
-    return totals
+    updates = [UpdateStats(**dict(zip(_UPDATE_SLOTS, row)), grad_norm=norm, learning_rate=rate, seconds=seconds)
+               for row, norm, rate, seconds in zip(rows, update_norms, update_rates, update_seconds)]
+    return StepUpdate(totals, updates)

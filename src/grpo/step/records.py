@@ -77,6 +77,9 @@ class RolloutBatch:
                      the sampler is not the trainer: vLLM's, or a decoupled sampler's at its (maybe stale)
                      weights. For the off-policy guard and the truncated importance-sampling correction
                      (loss.sampler_is_correction); None when the trainer's own model sampled.
+    chat_prompts, chat_completions: N prompts and completions as the reward functions saw them (chat messages,
+                     a multi-turn completion's with its tool turns; strings for plain-text prompts), for TRL's
+                     ``log_completions``; empty where the batch came without them (a decoupled sampler's).
     """
 
     generation: Generation
@@ -94,6 +97,8 @@ class RolloutBatch:
     values: Tensor | None = None
     returns: Tensor | None = None
     sampler_logprobs: Tensor | None = None
+    chat_prompts: list = field(default_factory=list)
+    chat_completions: list = field(default_factory=list)
 
 
 @dataclass
@@ -112,3 +117,40 @@ class SftBatch:
     response_ids: Tensor
     response_mask: Tensor
     sources: list[str]
+
+
+@dataclass
+class UpdateStats:
+    """One optimizer update of a step (one of its ``num_iterations``), on this rank; ``grpo.step.metrics.
+    update_metrics`` reduces it over the ranks. Means are token means over the update's loss tokens.
+
+    loss, kl, ratio_mean: the update's (``kl`` 0 without a reference); entropy: over every sampled token.
+    clip_low, clip_high, clip_region, clip_units: clipped units and their count (``grpo.algorithm.clipping``).
+    clip_low_row_min, clip_high_row_max: the least row share of low-clipped tokens and the largest of
+        high-clipped ones (NaN: no row had loss tokens).
+    grad_norm: before clipping; None when the update was skipped (non-finite).
+    learning_rate: the rate the update stepped with; seconds: its wall time (forward, backward, optimizer).
+    """
+
+    loss: float
+    kl: float
+    entropy: float
+    ratio_mean: float
+    clip_low: float
+    clip_high: float
+    clip_region: float
+    clip_units: float
+    clip_low_row_min: float
+    clip_high_row_max: float
+    grad_norm: float | None
+    learning_rate: float
+    seconds: float
+
+
+@dataclass
+class StepUpdate:
+    """What ``train_on_batch`` returns: the step's statistics (``totals``: means over its updates, as
+    ``metrics.jsonl`` logs a step) and each update's (``updates``, in order)."""
+
+    totals: dict[str, float]
+    updates: list[UpdateStats] = field(default_factory=list)

@@ -19,7 +19,7 @@ from typing import Any
 
 from grpo.data import Example
 from grpo.tasks import Task
-from grpo.tools.sample_metrics import bootstrap_interval, default_ks, majority_answer, pass_at_k
+from grpo.tools.sample_metrics import bootstrap_interval, default_ks, majority_answer, pass_at_k, sample_std
 
 BOOTSTRAP_LEVEL = 0.95
 
@@ -64,7 +64,8 @@ def reward_values(rewards: EvalRewards, inputs: RewardInputs) -> list[dict[str, 
 
 def example_records(task: Task, examples: Sequence[Example], tag_style: str, greedy_texts: Sequence[str],
                     greedy_truncated: Sequence[bool], sample_texts: Sequence[str], samples: int,
-                    rewards: Sequence[dict] | None = None, max_written: int | None = None) -> list[dict[str, Any]]:
+                    rewards: Sequence[dict] | None = None, max_written: int | None = None,
+                    greedy_lengths: Sequence[int] | None = None) -> list[dict[str, Any]]:
     """One record per example (module docstring).
 
     Args:
@@ -72,6 +73,7 @@ def example_records(task: Task, examples: Sequence[Example], tag_style: str, gre
         sample_texts: [P * samples] the sampled completions, grouped per example; empty when samples == 1.
         rewards: [P] ``reward_values`` of the greedy completions, or None (no rewards).
         max_written: sampled completions kept in a record (None: all).
+        greedy_lengths: [P] the greedy completions' token counts (``length``), or None.
     """
     records = []
     for i, example in enumerate(examples):
@@ -83,6 +85,8 @@ def example_records(task: Task, examples: Sequence[Example], tag_style: str, gre
             "completion": greedy_texts[i], "prediction": greedy["prediction"], "correct": bool(greedy["correct"]),
             "formatted": bool(greedy["formatted"]), "truncated": bool(greedy_truncated[i]),
         }
+        if greedy_lengths is not None:
+            record["length"] = int(greedy_lengths[i])
         if task.metrics is not None:
             record["task_metrics"] = dict(task.metrics(greedy_texts[i], gold, tag_style))
         if rewards is not None:
@@ -142,6 +146,8 @@ def summarize(records: Sequence[dict[str, Any]], samples: int = 1, bootstrap: in
         values = [r["rewards"][name] for r in records if r.get("rewards", {}).get(name) is not None]
         if values:
             metrics[f"reward/{name}"] = _mean(values)
+            metrics[f"reward_std/{name}"] = sample_std(values)
+    metrics.update(length_metrics(records))
     if samples > 1:
         counts = [r["sample_correct"] for r in records]
         metrics[f"mean@{samples}"] = sum(counts) / (n * samples)
@@ -157,6 +163,19 @@ def summarize(records: Sequence[dict[str, Any]], samples: int = 1, bootstrap: in
             low, high = bootstrap_interval(values, draws=bootstrap, level=BOOTSTRAP_LEVEL, seed=seed)
             metrics[f"{name}_ci_low"], metrics[f"{name}_ci_high"] = low, high
     return metrics
+
+
+def length_metrics(records: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """``completion_length/{mean,min,max}`` of the records' greedy completions (tokens) and
+    ``terminated_length/{mean,min,max}`` of those that ended (all 0 when none did, as TRL logs them); {} when
+    the records carry no ``length``."""
+    lengths = [r["length"] for r in records if "length" in r]
+    if not lengths:
+        return {}
+    ended = [r["length"] for r in records if "length" in r and not r["truncated"]] or [0]
+    return {"completion_length/mean": _mean(lengths), "completion_length/min": float(min(lengths)),
+            "completion_length/max": float(max(lengths)), "terminated_length/mean": _mean(ended),
+            "terminated_length/min": float(min(ended)), "terminated_length/max": float(max(ended))}
 
 
 def logged_metrics(results: dict[str, dict[str, Any]]) -> dict[str, float]:

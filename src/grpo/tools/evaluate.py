@@ -198,7 +198,7 @@ def evaluate_records(
                                              first_call=first_example // max(1, batch_size // samples)).texts
     values = reward_values(rewards, _reward_inputs(examples, system_prompt, greedy)) if rewards else None
     records = example_records(task, examples, tag_style, greedy.texts, greedy.truncated, sample_texts, samples,
-                              values, max_written)
+                              values, max_written, greedy_lengths=[len(ids) for ids in greedy.completion_ids])
     return records, greedy.rollout_metrics
 
 

@@ -93,3 +93,11 @@ def bootstrap_interval(values: Sequence[float], *, draws: int = 1000, level: flo
     low = means[int(math.floor((1 - level) / 2 * (draws - 1)))]
     high = means[int(math.ceil((1 + level) / 2 * (draws - 1)))]
     return low, high
+
+
+def sample_std(values: Sequence[float]) -> float:
+    """The std with Bessel's correction (``torch.std``'s; TRL's ``nanstd`` of the non-NaN values); NaN below 2."""
+    if len(values) < 2:
+        return math.nan
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))

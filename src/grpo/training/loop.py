@@ -20,9 +20,9 @@ from grpo.run.best import BestMetric
 from grpo.run.checkpoint import GRPO_LAYOUT, CheckpointLayout, save_best, save_final
 from grpo.run.resume import save_run_checkpoint
 from grpo.run.tracking import MetricsLogger
-from grpo.step.metrics import sample_records, step_metrics
+from grpo.step.metrics import sample_records, step_metrics, update_metrics
 from grpo.step.policy_update import LossSettings, train_on_batch
-from grpo.step.records import RolloutBatch
+from grpo.step.records import RolloutBatch, StepUpdate
 from grpo.training.distributed import DistInfo, all_gather_json, barrier, print0
 from grpo.training.evaluation import eval_metrics
 from grpo.training.guards import DeferredInterrupt, RankAgreedStop, SkipGuard, sigterm_as_interrupt
@@ -67,6 +67,7 @@ class Schedule:
     save_steps: int
     eval_steps: int | None = None
     eval_on_start: bool = True
+    eval_at_end: bool = True  # False: the last step is evaluated only when it is an eval step (TRL's rule)
     logging_steps: int = 1
     num_samples: int = 0
     early_stop_accuracy: float | None = None
@@ -79,8 +80,9 @@ class Schedule:
     def checkpoints(self, step: int) -> bool:
         return step % self.save_steps == 0 or step == self.max_steps
 
-    def evaluates(self, step: int) -> bool:  # the last step is evaluated once, after the loop
-        return bool(self.eval_steps) and step % self.eval_steps == 0 and step < self.max_steps
+    def evaluates(self, step: int) -> bool:  # with eval_at_end the last step is evaluated once, after the loop
+        return (bool(self.eval_steps) and step % self.eval_steps == 0
+                and (step < self.max_steps or not self.eval_at_end))
 
     def writes_samples(self, step: int) -> bool:
         return bool(self.num_samples) and step % self.logging_steps == 0
@@ -101,12 +103,21 @@ class PolicyUpdate:
     critic: object | None = None  # grpo.critic.Critic
     critic_settings: CriticSettings | None = None
 
-    def __call__(self, step: int, batch: RolloutBatch) -> dict:
+    def __call__(self, step: int, batch: RolloutBatch) -> StepUpdate:
         ptx_batch = self.ptx_data.batch(step, self.info.rank) if self.ptx_data else None
         stats = train_on_batch(self.trainable.learner, batch, self.settings, self.info, ptx_batch)
         if self.critic is not None:
-            stats.update(train_critic(self.critic.learner, batch, self.critic_settings))
+            stats.totals.update(train_critic(self.critic.learner, batch, self.critic_settings))
         return stats
+
+
+@dataclass
+class StepReport:
+    """What a finished step hands the hooks."""
+
+    metrics: dict[str, float]  # as logged to metrics.jsonl, over all ranks
+    updates: list[dict[str, float]]  # each optimizer update's, over all ranks (grpo.step.metrics.update_metrics)
+    batch: RolloutBatch  # this rank's rollouts (prompts, completions, rewards, advantages)
 
 
 class LoopHooks:
@@ -121,7 +132,7 @@ class LoopHooks:
     def evaluated(self, step: int, metrics: dict[str, float]) -> None:
         """After a held-out evaluation at ``step`` (0: before training); ``metrics``: ``eval/*`` names."""
 
-    def step_end(self, step: int, metrics: dict[str, float]) -> bool:
+    def step_end(self, step: int, report: StepReport) -> bool:
         """After step ``step`` is logged; True stops training after it (checkpointed first)."""
         return False
 
@@ -137,7 +148,7 @@ class Loop:
     """What the skeleton drives, built once by a mode's setup."""
 
     schedule: Schedule
-    update: Callable[[int, RolloutBatch], dict]  # (step, this rank's batch) -> train statistics
+    update: Callable[[int, RolloutBatch], StepUpdate]  # (step, this rank's batch) -> train statistics
     trainable: Trainable
     tokenizer: object
     out: Path
@@ -185,7 +196,7 @@ def run_loop(loop: Loop, source: StepSource, start_step: int, eval_before: dict 
             loop.logger.log(0, evaluated)
         last_step = _steps(loop, source, start_step, eval_before)
         eval_after = None
-        if loop.evaluate is not None:
+        if loop.evaluate is not None and loop.schedule.eval_at_end:
             eval_after, evaluated = _evaluate(loop, last_step)
             loop.logger.log(last_step, evaluated)
     loop.logger.close()
@@ -209,14 +220,15 @@ def _evaluate(loop: Loop, step: int) -> tuple[dict | None, dict[str, float]]:
     started = time.perf_counter()
     results = loop.evaluate(step)
     metrics = eval_metrics(results)
-    loop.hooks.evaluated(step, metrics)
+    seconds = time.perf_counter() - started
+    loop.hooks.evaluated(step, {**metrics, "time/eval_s": seconds})
     if loop.best is not None and metrics and loop.best.update(step, metrics):
         weights = zero3_full_state_dict(loop.trainable.learner)
         if loop.info.is_main:
             save_best(loop.out, loop.trainable.policy, loop.tokenizer, step, loop.best.metric, loop.best.value,
                       state_dict=weights)
         barrier(loop.info)
-    return results, {**metrics, "time/eval_s": time.perf_counter() - started}
+    return results, {**metrics, "time/eval_s": seconds}
 
 
 def _steps(loop: Loop, source: StepSource, start_step: int, eval_before: dict | None) -> int:
@@ -251,12 +263,13 @@ def _steps(loop: Loop, source: StepSource, start_step: int, eval_before: dict | 
                     stats = loop.update(step, collected.batch)
                     update_s = time.perf_counter() - update_started
                     checkpointing = schedule.checkpoints(step)
-                    metrics = _record(loop, source, step, collected, stats, started, update_s, checkpointing)
+                    metrics = _record(loop, source, step, collected, stats.totals, started, update_s, checkpointing)
+                    updates = update_metrics(stats.updates, info)
                     state.updating, state.done = False, step
                     if checkpointing:
                         checkpoint(step, collected)
-                skips.record(step, stats)
-                stop = loop.hooks.step_end(step, metrics)
+                skips.record(step, stats.totals)
+                stop = loop.hooks.step_end(step, StepReport(metrics, updates, collected.batch))
                 if schedule.stops_early(metrics):
                     print0(info, f"{schedule.early_stop_metric} {metrics[schedule.early_stop_metric]:.3f} reached "
                                  f"{schedule.early_stop_accuracy}: stopping")

@@ -113,7 +113,7 @@ def dynamic_rounds(cfg: RunConfig) -> int | None:
 def loop_schedule(cfg: RunConfig) -> Schedule:
     """When the loop checkpoints, evaluates, writes samples and stops."""
     return Schedule(max_steps=cfg.train.max_steps, save_steps=cfg.train.save_steps, eval_steps=cfg.train.eval_steps,
-                    eval_on_start=cfg.train.eval_on_start,
+                    eval_on_start=cfg.train.eval_on_start, eval_at_end=cfg.train.eval_at_end,
                     logging_steps=cfg.log.logging_steps, num_samples=cfg.log.num_samples,
                     early_stop_accuracy=cfg.train.early_stop_accuracy,
                     early_stop_metric=primary_metric(eval_sources(cfg.data.eval)), max_skipped_steps=cfg.optim.max_skipped_steps,
