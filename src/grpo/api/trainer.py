@@ -316,6 +316,14 @@ class GRPOTrainer:
         self.processing_class.save_pretrained(folder)
         dump_config(self.config, folder / "grpo_config.yaml")
 
+    def plot(self):
+        """Draw the training curves of ``args.output_dir`` (its ``metrics.jsonl``) into ``plots/*.png``; the
+        returned ``RunPlots`` shows the summary inline when a notebook cell returns it. Before ``train()`` wrote
+        any metrics: ``FileNotFoundError``/``ValueError`` naming the file."""
+        from grpo.run.plots import RunPlots, plot_run
+
+        return RunPlots(tuple(plot_run(self.config.train.output_dir)))
+
     def add_callback(self, callback: Any) -> None:
         self.callbacks.append(callback() if isinstance(callback, type) else callback)
 
