@@ -45,11 +45,11 @@ class Case:
     steps: int
 
 
-CASES = [
+CASES = [  # the short ones first: the JSON is written after each case
     Case("gsm8k-unsloth", REPO / "examples" / "grpo_gsm8k_unsloth.py", 3),
-    Case("gsm8k-unsloth", REPO / "examples" / "grpo_gsm8k_unsloth.py", 20),
     Case("text-prompts", REPO / "benchmarks" / "scripts" / "text_prompts.py", 3),
     Case("tools-lora", REPO / "benchmarks" / "scripts" / "tools_lora.py", 4),  # num_iterations=2: 2 generations
+    Case("gsm8k-unsloth", REPO / "examples" / "grpo_gsm8k_unsloth.py", 20),
 ]
 
 
@@ -125,20 +125,22 @@ def main() -> None:
             for side in SIDES:
                 print(" ".join(command(case, side, "OUT")))
         return
-    load_before = os.getloadavg()
-    results = [{"case": c.name, "script": str(c.script.relative_to(REPO)), "steps": c.steps,
-                **time_case(c, args.repeats, args.threads)} for c in cases]
-    print(f"{args.threads} threads, median of {args.repeats}, load average {load_before[0]:.1f} -> "
-          f"{os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)")
-    print(table(results))
     import torch
 
-    report = {"repeats": args.repeats, "threads": args.threads, "cases": results,
-              "load_average_1min": {"before": load_before[0], "after": os.getloadavg()[0]},
+    report = {"repeats": args.repeats, "threads": args.threads, "cases": [],
+              "load_average_1min": {"before": os.getloadavg()[0]},
               "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
               "torch": torch.__version__}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    for case in cases:
+        report["cases"].append({"case": case.name, "script": str(case.script.relative_to(REPO)), "steps": case.steps,
+                                **time_case(case, args.repeats, args.threads)})
+        report["load_average_1min"]["after"] = os.getloadavg()[0]
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")  # a run cut short keeps its cases
+    load = report["load_average_1min"]
+    print(f"{args.threads} threads, median of {args.repeats}, load average {load['before']:.1f} -> "
+          f"{load['after']:.1f} ({os.cpu_count()} CPUs)")
+    print(table(report["cases"]))
 
 
 if __name__ == "__main__":
