@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from grpo.run.plots import plot_run
+from grpo.run.plots import RunPlots, plot_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -67,3 +67,11 @@ def test_missing_or_empty_metrics_file_is_a_clear_error(tmp_path):
     write_metrics(tmp_path, [])
     with pytest.raises(ValueError, match="no metric records"):
         plot_run(tmp_path)
+
+
+def test_run_plots_show_the_summary_inline_in_a_notebook(tmp_path):
+    """What ``GRPOTrainer.plot()`` returns: IPython displays an object with ``_repr_png_`` as that PNG."""
+    write_metrics(tmp_path, [{"step": s, "kl": 0.1 * s} for s in range(1, 3)])
+    plots = RunPlots(tuple(plot_run(tmp_path)))
+    assert plots.summary == tmp_path / "plots" / "summary.png"
+    assert plots._repr_png_() == plots.summary.read_bytes()

@@ -337,12 +337,13 @@ class GRPOTrainer:
         self.processing_class.save_pretrained(folder)
         dump_config(self.config, folder / "grpo_config.yaml")
 
-    def plot(self) -> list[Path]:
-        """Draw ``args.output_dir``'s metrics into ``plots/*.png`` (reward, accuracy, KL, completion length, and
-        ``summary.png``) and return the files; what ``plot_at_end=True`` does after ``train()``."""
-        from grpo.run.plots import plot_run
+    def plot(self):
+        """Draw the training curves of ``args.output_dir`` (its ``metrics.jsonl``) into ``plots/*.png``, as
+        ``plot_at_end=True`` does after ``train()``; the returned ``RunPlots`` shows the summary inline when a
+        notebook cell returns it. Before ``train()`` wrote any metrics: ``FileNotFoundError``/``ValueError``."""
+        from grpo.run.plots import RunPlots, plot_run
 
-        return plot_run(self.config.train.output_dir)
+        return RunPlots(tuple(plot_run(self.config.train.output_dir)))
 
     def add_callback(self, callback: Any) -> None:
         self.callbacks.append(callback() if isinstance(callback, type) else callback)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -123,6 +124,21 @@ def plot_run(run_dir: str | os.PathLike) -> list[Path]:
     summary.suptitle(run_dir.resolve().name)
     written.append(_save(summary, out / "summary.png"))
     return written
+
+
+@dataclass(frozen=True)
+class RunPlots:
+    """The PNGs ``plot_run`` wrote, ``summary.png`` last. A notebook cell that returns it shows the summary
+    inline (IPython's ``_repr_png_``); elsewhere it is the list of files."""
+
+    files: tuple[Path, ...]
+
+    @property
+    def summary(self) -> Path:
+        return self.files[-1]
+
+    def _repr_png_(self) -> bytes:
+        return self.summary.read_bytes()
 
 
 def _save(figure: Figure, path: Path) -> Path:

@@ -184,8 +184,11 @@ def evaluate_records(
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from grpo.run.progress import in_notebook
+
+    # Transient, so nothing of it stays; in a notebook rich's live display would only warn (grpo.run.progress).
     bar = Progress(TextColumn("[bold]eval[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TimeElapsedColumn(), disable=not progress, transient=True)
+                   TimeElapsedColumn(), disable=not progress or in_notebook(), transient=True)
     with bar:
         greedy = _generate_all(engine, prompts, SamplingParams(n=1, max_tokens=max_new_tokens, greedy=True),
                                batch_size, None, bar, "greedy", turns)
