@@ -99,8 +99,8 @@ def test_train_logs_trl_names_fires_callbacks_and_a_callback_stops_it(tiny_model
     assert "kl" not in steps[0]  # beta 0: TRL logs no kl
     assert "train_runtime" in trainer.state.log_history[-1]
     names = [event for event, _ in recorder.events]
-    assert names[:2] == ["on_init_end", "on_train_begin"] and names[-2:] == ["on_log", "on_train_end"]
-    assert names[2:6] == ["on_step_begin", "on_step_end", "on_log", "on_step_begin"]
+    assert names[:2] == ["on_init_end", "on_train_begin"] and names[-3:] == ["on_epoch_end", "on_log", "on_train_end"]
+    assert names[2:7] == ["on_epoch_begin", "on_step_begin", "on_step_end", "on_log", "on_step_begin"]
     assert ("on_save", 3) in recorder.events  # stopping writes the step's checkpoint first
     assert (tmp_path / "run" / "checkpoint-3" / "trainer_state.json").is_file()  # TRL's layout
 
@@ -197,15 +197,18 @@ def test_grpos_own_data_without_reward_funcs_gets_the_tasks_rewards(tiny_model_d
 
 def test_evaluate_scores_as_a_run_does_with_samples_rewards_and_named_sets(tiny_model_dir, tmp_path):
     """evaluate() before training is the run's evaluation (grpo.training.evaluation): greedy accuracy, the
-    rewards' means and, with eval.num_samples, pass@k, for each named set, under TRL's names."""
+    rewards' means and stds, lengths and, with eval.num_samples, pass@k, for each named set, under TRL's names."""
     trainer = GRPOTrainer(str(tiny_model_dir), reward_funcs=[digit_reward, length_reward], train_dataset=rows(),
                           eval_dataset={"easy": rows(4), "more": rows(6)},
                           args=args_for(tmp_path / "run", grpo_overrides={"eval.num_samples": 2}))
     metrics = trainer.evaluate()
     for name in ("easy", "more"):
-        for key in ("accuracy", "format_rate", "pass@2", "mean@2", "reward/digit_reward", "reward/length_reward"):
+        for key in ("accuracy", "format_rate", "pass@2", "mean@2", "rewards/digit_reward/mean",
+                    "rewards/length_reward/std", "reward", "reward_std", "completions/mean_length"):
             assert f"eval_{name}_{key}" in metrics, (name, key, sorted(metrics))
-    assert metrics["eval_more_reward/length_reward"] <= 0  # the reward itself, not a stand-in
+    assert metrics["eval_more_rewards/length_reward/mean"] <= 0  # the reward itself, not a stand-in
+    for key in ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "eval_num_tokens"):
+        assert key in metrics, key  # TRL's evaluation loop's
     assert trainer.state.log_history[-1]["eval_easy_accuracy"] == metrics["eval_easy_accuracy"]
     one = trainer.evaluate(rows(4), metric_key_prefix="test")
     assert one["test_accuracy"] == metrics["eval_easy_accuracy"]  # greedy: the same 4 problems, the same score

@@ -141,7 +141,7 @@ class CallbackHooks(LoopHooks):
 
     def evaluated(self, step: int, metrics: dict[str, float]) -> None:
         entry = trl_eval_metrics(metrics, self.reward_names, self.eval_examples,
-                                 getattr(self.args, "per_device_eval_batch_size", 8))
+                                 getattr(self.args, "per_device_eval_batch_size", 8))  # TRL's default: 8
         if self.in_step:  # logged once the step's updates are: with their num_tokens and epoch
             self.pending.append(("on_evaluate", entry))
         else:

@@ -312,7 +312,7 @@ class GRPOTrainer:
         seconds = time.perf_counter() - started
         metrics = trl_eval_metrics({**eval_metrics(results), "time/eval_s": seconds},
                                    [f.name for f in self.reward_fns], sum(len(s) for s in sets.values()),
-                                   self.args.per_device_eval_batch_size, prefix=metric_key_prefix)
+                                   getattr(self.args, "per_device_eval_batch_size", 8), prefix=metric_key_prefix)
         metrics[f"{metric_key_prefix}_num_tokens"] = float(self.state.num_input_tokens_seen or 0)
         if self.state.epoch is not None:
             metrics["epoch"] = self.state.epoch
