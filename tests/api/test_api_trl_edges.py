@@ -190,3 +190,21 @@ def test_an_environment_factory_builds_one_instance_per_rollout_and_no_probe_mor
     assert len(built) == 1  # TRL's probe, which seeds the pool
     trainer.train()
     assert len(built) == 4  # per_device_train_batch_size 4 rollouts at once: the probe and three more
+
+
+def test_a_datasets_dataset_is_read_a_row_when_sampled_and_its_columns_checked_at_once():
+    from datasets import Dataset
+
+    from grpo.api.datasets import LazyExamples, to_examples
+
+    rows = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"{i} + 1?"}],
+             "answer": str(i + 1)} for i in range(1000)]
+    examples = to_examples(Dataset.from_list(rows), "train_dataset")
+    assert isinstance(examples, LazyExamples) and len(examples) == 1000 and list(examples.made) == [0]
+    eager = to_examples(rows, "train_dataset")  # a list of dicts: converted at once, the same records
+    assert examples[997] == eager[997] and examples[-1] == eager[-1] and sorted(examples.made) == [0, 997, 999]
+    assert examples[997].system == "Be brief." and examples[997].columns() == {"answer": "998"}
+    with pytest.raises(DataError, match=r"train_dataset\[0\]: no 'prompt' column"):
+        to_examples(Dataset.from_list([{"question": "?"}]), "train_dataset")
+    mixed = Dataset.from_list([{"prompt": "text", "answer": "1"}, {"prompt": "more text", "answer": None}])
+    assert to_examples(mixed, "train_dataset")[1].answer is None

@@ -8,7 +8,8 @@
 - ``callbacks``: ``TrainerState.log_history`` with TRL's metric names, ``TrainerCallback`` events
 - ``prompts``:   prompt lengths as the rollout renders them, refused in a TRL user's words
 - ``checkpoints``: ``train(resume_from_checkpoint=...)`` by TRL's rules over ``checkpoint-<step>/`` folders
-- ``trainer``:   ``GRPOTrainer``: train, evaluate, save_model
+- ``trainer``:   ``GRPOTrainer``: train, evaluate, save_model, plot
+- ``attributes``: TRL's trainer attributes a ``rollout_func(prompts, trainer)`` reads
 """
 
 from grpo.api.arguments import GRPOConfig

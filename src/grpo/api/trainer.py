@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo.api.arguments import GRPOConfig
+from grpo.api.attributes import TrainerAttributes
 from grpo.api.callbacks import CallbackHooks, trl_eval_metrics
 from grpo.api.checkpoints import TRAINER_STATE_FILE, resumed_checkpoint
 from grpo.api.datasets import to_examples
@@ -60,7 +61,7 @@ def _eval_sets(eval_dataset: Any, pass_columns: bool) -> dict[str, list]:
     return {"": to_examples(eval_dataset, "eval_dataset", pass_columns=pass_columns)}
 
 
-class GRPOTrainer:
+class GRPOTrainer(TrainerAttributes):
     """TRL's ``GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
     reward_processing_classes, callbacks, peft_config)``; see the module docstring."""
 
@@ -351,52 +352,6 @@ class GRPOTrainer:
     @property
     def reward_func_names(self) -> list[str]:
         return [f.name for f in self.reward_fns]
-
-    # TRL's trainer attributes a rollout_func reads (TRL calls it as rollout_func(prompts, trainer))
-    @property
-    def num_generations(self) -> int:
-        return self.args.num_generations
-
-    @property
-    def max_completion_length(self) -> int:
-        return self.args.max_completion_length
-
-    @property
-    def temperature(self) -> float:
-        return self.args.temperature
-
-    @property
-    def use_vllm(self) -> bool:
-        return self.args.use_vllm
-
-    def _rollout_func(self):
-        """The user's ``rollout_func`` called as TRL calls it, with this trainer (``model`` holds the current
-        weights); grpo's ``RolloutHookContext`` (sampling settings, seed, the run's engine) is
-        ``trainer.rollout_context`` meanwhile."""
-        fn = self.rollout_func
-        if fn is None:
-            return None
-
-        def with_trainer(prompts, context):
-            self.rollout_context = context
-            try:
-                return fn(prompts, self)
-            finally:
-                self.rollout_context = None
-
-        with_trainer.__name__ = getattr(fn, "__name__", type(fn).__name__)  # errors name the user's function
-        return with_trainer
-
-    def __getattr__(self, name: str):
-        """Only for names not found: TRL's trainer has more than grpo's, so say what there is."""
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise AttributeError(
-            f"grpo's GRPOTrainer has no attribute {name!r} (TRL's has more): it offers model, args, "
-            "processing_class, state, num_generations, max_completion_length, temperature, use_vllm, "
-            "reward_func_names, train_dataset, eval_dataset and, inside a rollout_func, rollout_context (grpo's "
-            "sampling settings, seed and engine: rollout_context.engine.generate_ids samples with the current "
-            "weights)")
 
 
 __all__ = ["GRPOTrainer", "lora_keys", "reward_name"]

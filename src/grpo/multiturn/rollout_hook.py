@@ -3,7 +3,8 @@ scores and trains on the exact tokens it returns.
 
 The function is called as ``rollout_func(prompts, context)``: ``prompts`` are the step's prompts, each repeated
 ``num_generations`` times in a row (chat message lists, or text for plain-text data), and ``context`` a
-``RolloutHookContext`` (tokenizer, sampling settings, seed, the run's engine for those who want it). It returns
+``RolloutHookContext`` (tokenizer, sampling settings, seed, the run's engine for those who want it; the Python
+API passes its ``GRPOTrainer`` instead, as TRL passes its trainer, with this context as ``rollout_context``). It returns
 a dict with, per row, ``prompt_ids`` (list of ints), ``completion_ids`` (list of ints), ``logprobs`` (the
 sampler's log-prob of each completion token, a list of floats, or None when not known) and optionally
 ``env_mask`` (TRL's name; ``loss_mask`` is accepted too): 1 on tokens the model sampled, 0 on tokens an
@@ -49,7 +50,7 @@ class RolloutHook:
 
     def rollout(self, examples: Sequence, system_prompt: str | None, max_prompt_length: int,
                 params: SamplingParams, seed: int | None) -> TurnsResult:
-        from grpo.data import build_prompt_messages
+        from grpo.data import PromptTooLong, build_prompt_messages
 
         G = params.n
         prompts = [e.question if e.plain_text else build_prompt_messages(e, system_prompt)
@@ -72,8 +73,8 @@ class RolloutHook:
         completions, logprobs = output["completion_ids"], output["logprobs"]
         for i, ids in enumerate(completions):
             if len(output["prompt_ids"][i]) > max_prompt_length:
-                raise ValueError(f"rollout_func {name}: row {i}'s prompt is {len(output['prompt_ids'][i])} tokens, "
-                                 f"over data.max_prompt_length {max_prompt_length}")
+                raise PromptTooLong(f"rollout_func {name}: row {i}", len(output["prompt_ids"][i]), max_prompt_length,
+                                    "prompt_ids")
             if len(ids) > params.max_tokens:
                 raise ValueError(f"rollout_func {name}: row {i} has {len(ids)} completion tokens, over "
                                  f"rollout.max_completion_length {params.max_tokens}")
