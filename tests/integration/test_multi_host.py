@@ -172,9 +172,13 @@ def test_deepspeeds_launcher_on_two_hosts_runs_the_colocated_and_the_decoupled_t
     assert [r["step"] for r in train_rows(decoupled)] == [1, 2]
 
 
-def role(host: Host, name: str, args: list[str], token: str, logs: Path, tag: str = "") -> subprocess.Popen:
-    return logged(host.command(["env", f"GRPO_NS_TOKEN={token}", *grpo_cmd(name, SMOKE, *args)]),
-                  logs / f"{name}{tag}.log")
+def role(host: Host, name: str, args: list[str], token: str, logs: Path, tag: str = "", ranks: int = 1) -> subprocess.Popen:
+    """``grpo NAME`` on ``host``; with ``ranks`` > 1 under torchrun (the trainer's ranks on one host)."""
+    cmd = grpo_cmd(name, SMOKE, *args)
+    if ranks > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+               str(free_port()), *cmd[1:]]
+    return logged(host.command(["env", f"GRPO_NS_TOKEN={token}", *cmd]), logs / f"{name}{tag}.log")
 
 
 def fails_within(proc: subprocess.Popen, seconds: float, *needles: str) -> None:
@@ -192,7 +196,7 @@ def test_decoupled_roles_on_four_hosts_match_the_one_host_run_and_misconfigurati
         tiny_model_dir, tmp_path):
     port, ref_port = free_port(), free_port()
     settings = {"train.mode": "decoupled", "train.max_steps": 2, "loss.beta": 0.1, "decoupled.ref_server": True,
-                "decoupled.ref_server_port": ref_port, "decoupled.num_samplers": 2, "decoupled.trainer_ranks": 1,
+                "decoupled.ref_server_port": ref_port, "decoupled.num_samplers": 2, "decoupled.trainer_ranks": 2,
                 "decoupled.token_env": "GRPO_NS_TOKEN", "decoupled.peer_timeout_s": 120}
     one_host = tmp_path / "one-host"
     env = dict(cli_env(), GRPO_NS_TOKEN="t" * 32)
@@ -207,8 +211,11 @@ def test_decoupled_roles_on_four_hosts_match_the_one_host_run_and_misconfigurati
             "decoupled.ref_server_url": f"http://{ref_host.address}:{ref_port}"})
         ref = role(ref_host, "ref-server", [*shared, "decoupled.ref_server_host=0.0.0.0"], "t" * 32, tmp_path)
         trainer = role(trainer_host, "trainer", [*shared, f"decoupled.advertise_host={trainer_host.address}"],
-                       "t" * 32, tmp_path)
-        # Misconfigured samplers first, while the trainer waits for work to hand out: each fails fast, saying why.
+                       "t" * 32, tmp_path, ranks=2)  # two trainer ranks, as every failure row is tested with
+        # Misconfigured samplers first, while the trainer waits for work to hand out: each fails fast, saying why
+        # (timed from when the trainer's ranks are up and its address is published, not from their start).
+        wait_until(lambda: (out / "decoupled" / "trainer_address.json").exists(), "the trainer's address",
+                   timeout=300, proc=trainer)
         other_recipe = role(sampler_b, "sampler", [*shared, "decoupled.sampler_index=1", "rollout.temperature=0.5"],
                             "t" * 32, tmp_path, "-other-recipe")
         wrong_token = role(sampler_b, "sampler", [*shared, "decoupled.sampler_index=1"], "x" * 32, tmp_path,
