@@ -15,6 +15,9 @@ CONVERSATION = [
     {"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12 * 34"}}}]},
     {"role": "tool", "name": "calculator", "content": "408"},
+    {"role": "assistant", "content": "", "tool_calls": [  # a malformed call, answered with its parse error
+        {"type": "function", "function": {"name": None, "arguments": None}}]},
+    {"role": "tool", "name": "unknown", "content": "the tool call is not valid JSON"},
     {"role": "assistant", "content": "<answer>408</answer>"},
 ]
 
@@ -48,7 +51,8 @@ def test_log_completions_prints_trls_panel_and_writes_its_parquet(tmp_path, caps
     assert len(frame) == 4 and (frame["step"] == 3).all()
     assert frame["advantage"].tolist() == pytest.approx(batch.advantages.tolist())
     roles = [m["role"] for m in frame["completion"][0]]
-    assert roles == ["assistant", "tool", "assistant"] and frame["completion"][0][1]["content"] == "408"
+    assert roles == ["assistant", "tool", "assistant", "tool", "assistant"]
+    assert frame["completion"][0][1]["content"] == "408"
     printed = capsys.readouterr().out
     assert "Step 3" in printed and "TOOL" in printed and "calculator(expression='12 * 34')" in printed
     assert printed.count("What is 12 * 34?") == 2  # num_completions_to_print of the 4

@@ -80,8 +80,9 @@ def test_a_trl_script_with_tools_trains_and_failing_tools_never_stop_it(tmp_path
     assert samples and all(s["completion"][0]["role"] == "assistant" for s in samples)
     import pandas as pd
 
-    logged_completions = pd.read_parquet(tmp_path / "run" / "completions" / "completions_00003.parquet")
-    turns = [m for c in logged_completions["completion"] for m in c]
+    files = sorted((tmp_path / "run" / "completions").glob("completions_*.parquet"))
+    assert [f.name for f in files] == [f"completions_{step:05d}.parquet" for step in (1, 2, 3)]
+    turns = [m for f in files for c in pd.read_parquet(f)["completion"] for m in c]
     assert any(m["role"] == "tool" and m["content"] for m in turns), "no tool result in the logged completions"
 
 

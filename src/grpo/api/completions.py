@@ -117,9 +117,19 @@ def entry_text(entry):
             if k > 0:
                 text.append("\n")
             function = call.get("function", {})
-            raw = function.get("arguments", {})
-            arguments = raw if isinstance(raw, dict) else json.loads(raw)
-            text.append(f"{function.get('name', '?')}({', '.join(f'{k}={v!r}' for k, v in arguments.items())})")
+            text.append(f"{function.get('name') or '?'}({_arguments_text(function.get('arguments'))})")
         if j < len(entry) - 1:
             text.append("\n\n")
     return text
+
+
+def _arguments_text(raw) -> str:
+    """``k=v, ...`` of a call's arguments (a dict, or its JSON); a malformed call's text as it came."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError:
+            return raw
+    if isinstance(raw, dict):
+        return ", ".join(f"{k}={v!r}" for k, v in raw.items())
+    return "" if raw is None else str(raw)
