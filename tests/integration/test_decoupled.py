@@ -147,10 +147,15 @@ def test_sampler_killed_and_restarted(tiny_model_dir, tmp_path):
 def test_one_of_two_samplers_killed_the_other_finishes_the_run(tiny_model_dir, tmp_path):
     # The killed sampler's chunk (if it held one) goes to the other once it has been silent for LOST_AFTER_S;
     # every step is trained once, from chunks of that step.
+    # Two trainer ranks, as every failure row of the README is tested: each step is two chunks.
+    import sys
+
     out = tmp_path / "run"
     args = decoupled_overrides(tiny_model_dir, out, **{"train.max_steps": 6, "train.mode": "decoupled",
-                                                       "decoupled.trainer_ranks": 1, "decoupled.num_samplers": 2})
-    trainer = start("trainer", SMOKE, *args, stderr=subprocess.PIPE)
+                                                       "decoupled.trainer_ranks": 2, "decoupled.num_samplers": 2})
+    trainer = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                "--master_port", str(free_port()), "-m", "grpo", "trainer", SMOKE, *map(str, args)],
+                               env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     samplers = [start("sampler", SMOKE, *args, f"decoupled.sampler_index={k}") for k in (0, 1)]
     try:
         wait_until(lambda: logged_steps(out) >= 2, "2 logged steps", timeout=240, proc=trainer)
@@ -161,7 +166,7 @@ def test_one_of_two_samplers_killed_the_other_finishes_the_run(tiny_model_dir, t
     finally:
         stop_all(trainer, *samplers)
     rows = each_batch_once(out, 6)
-    assert [r["batch_id"] for r in rows] == [f"step-{s}/rank-0" for s in range(1, 7)]
+    assert [r["batch_id"] for r in rows] == [f"step-{s}/rank-0,step-{s}/rank-1" for s in range(1, 7)]
     assert rows[-1]["sampler_id"] == "sampler-1"
 
 

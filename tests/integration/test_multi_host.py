@@ -172,7 +172,8 @@ def test_deepspeeds_launcher_on_two_hosts_runs_the_colocated_and_the_decoupled_t
     assert [r["step"] for r in train_rows(decoupled)] == [1, 2]
 
 
-def role(host: Host, name: str, args: list[str], token: str, logs: Path, tag: str = "", ranks: int = 1) -> subprocess.Popen:
+def role(host: Host, name: str, args: list[str], token: str, logs: Path, tag: str = "",
+         ranks: int = 1) -> subprocess.Popen:
     """``grpo NAME`` on ``host``; with ``ranks`` > 1 under torchrun (the trainer's ranks on one host)."""
     cmd = grpo_cmd(name, SMOKE, *args)
     if ranks > 1:

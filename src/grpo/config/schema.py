@@ -294,10 +294,11 @@ class DecoupledConfig:
                  "fine-tuning only: a gloo group of trainer rank 0 and the samplers; files after a failure).",
         choices=("files", "broadcast"))
     weight_sync_port: int = opt(29600, "Port of trainer rank 0's TCPStore for decoupled.weight_sync: broadcast "
-                                       "(samplers reach it at the trainer's host: the one decoupled.address names or, with a "
-                                       "wildcard address, the one rank 0 publishes in decoupled/trainer_address.json "
-                                       "of the run folder; the group's keys derive from decoupled.token_env's "
-                                       "token, and without one the store listens on 127.0.0.1 only).",
+                                       "(samplers reach it at the trainer's host: the one decoupled.address names "
+                                       "or, with a wildcard address, the one rank 0 publishes in "
+                                       "decoupled/trainer_address.json of the run folder; the group's keys derive "
+                                       "from decoupled.token_env's token, and without one the store listens on "
+                                       "127.0.0.1 only).",
                                 ge=1, le=65535)
     restart_samplers: bool = opt(True, "The launcher restarts a sampler that dies.")
 

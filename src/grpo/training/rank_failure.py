@@ -92,6 +92,7 @@ class FailureWatch:
             self._linger()
         else:
             print(first.stop_line(self.rank), file=sys.stderr, flush=True)
+            self._acknowledge()
         return first
 
     def _record(self, mine: RankFailure) -> RankFailure:
@@ -139,12 +140,15 @@ class FailureWatch:
                 return
             self.outcome = first
         print(line, file=sys.stderr, flush=True)
-        try:
-            self.store.add(SEEN_KEY, 1)
-        except Exception:
-            pass
+        self._acknowledge()
         sys.stdout.flush()
         self._exit(first.code)
+
+    def _acknowledge(self) -> None:
+        try:  # lets a failed rank that hosts the store leave (``_linger``)
+            self.store.add(SEEN_KEY, 1)
+        except Exception:
+            pass  # the store is gone: nobody waits for this
 
 
 def _without_prefix(message: str) -> str:
