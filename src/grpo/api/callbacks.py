@@ -86,8 +86,10 @@ def update_entries(metrics: dict[str, float], updates: list[dict[str, float]], g
 
 class CallbackHooks(LoopHooks):
     """Feeds ``state`` and calls ``callbacks`` (``TrainerCallback`` instances) as Trainer does:
-    on_train_begin, then per optimizer update on_step_begin, on_step_end, on_log (every logging window), then
-    the step's on_evaluate and on_save, and at the end the summary on_log and on_train_end.
+    on_train_begin, on_epoch_begin, then per optimizer update on_step_begin, on_substep_end (per accumulation
+    micro-step but the last), on_pre_optimizer_step, on_optimizer_step, on_step_end, on_log (every logging
+    window), then the step's on_evaluate, on_save and on_epoch_end, and at the end the summary on_log and
+    on_train_end.
     ``control.should_training_stop`` set by a callback stops training after the step (checkpointed first)."""
 
     def __init__(self, args, state, control, callbacks: list, *, model, tokenizer, reward_names: list[str],
@@ -187,6 +189,7 @@ class CallbackHooks(LoopHooks):
         for u, entry in enumerate(entries):
             if u > 0:
                 self._begin_update()
+            self._optimizer_events()
             self.state.global_step = first_update + (u + 1 if updates else self.ni)
             self.state.epoch = entry["epoch"]
             if entry.get("loss") is not None:
@@ -201,13 +204,23 @@ class CallbackHooks(LoopHooks):
                 self._end_epoch()  # this update finished a pass over the data
             self.state_epoch_before = entry["epoch"]
         self.previous_epoch = self.state.epoch
-        for event, entry in self.pending:
+        for event, entry in self.pending:  # Trainer's order: evaluation, checkpoint, end of epoch
             if event == "on_evaluate":
                 self._log_evaluation(entry)
-            else:
+            elif event == "on_save":
                 self._saved(entry["path"])
+            else:
+                self._call(event)
         self.pending, self.in_step = [], False
         return bool(self.control.should_training_stop)
+
+    def _optimizer_events(self) -> None:
+        """Trainer's events inside one optimizer update, at the global step before it: on_substep_end after each
+        gradient-accumulation micro-step but the last, then on_pre_optimizer_step and on_optimizer_step."""
+        for _ in range(max(int(getattr(self.args, "gradient_accumulation_steps", 1)), 1) - 1):
+            self._call("on_substep_end")
+        self._call("on_pre_optimizer_step")
+        self._call("on_optimizer_step")
 
     def _window_entry(self) -> dict[str, float]:
         names = dict.fromkeys(name for entry in self.window for name in entry)

@@ -136,6 +136,7 @@ def to_run_config(args: GRPOConfig, *, num_processes: int = 1, train_size: int |
                   "eval_steps": (_per_step(args.eval_steps or args.logging_steps, ni, updates)
                                  if args.eval_strategy == "steps" else None),
                   "eval_on_start": args.eval_on_start, "checkpoint_layout": "trl",
+                  "eval_at_end": False,  # TRL evaluates the last step inside it
                   "save_final": args.save_final_model},
         "log": {"logging_steps": _per_step(args.logging_steps, ni, updates), "report_to": report_to,
                 "progress_bar": not args.disable_tqdm, "plots": args.plot_at_end},

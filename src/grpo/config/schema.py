@@ -235,8 +235,9 @@ class TrainConfig:
     eval_steps: int | None = opt(
         None, "Evaluate data.eval every N steps (and at start and end); null = start/end only.", ge=1)
     eval_on_start: bool = opt(True, "Evaluate before the first step of a new run (when data.eval is set).")
-    eval_at_end: bool = opt(True, "Evaluate after the last step (when data.eval is set); false: only when it "
-                                  "is an eval_steps step, as TRL (the Python API's default).")
+    eval_at_end: bool = opt(True, "Evaluate once more after the last step (when data.eval is set); false: the "
+                                  "last step is evaluated inside it, before its checkpoint, as TRL's Trainer does "
+                                  "(the Python API's default).")
     early_stop_accuracy: float | None = opt(
         None, "Stop when eval/accuracy (named sets: the first set's) reaches this value.", ge=0, le=1)
     best_metric: str | None = opt(

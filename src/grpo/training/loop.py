@@ -67,7 +67,7 @@ class Schedule:
     save_steps: int
     eval_steps: int | None = None
     eval_on_start: bool = True
-    eval_at_end: bool = True  # False: the last step is evaluated only when it is an eval step (TRL's rule)
+    eval_at_end: bool = True  # False: the last step is evaluated inside it, before its checkpoint (TRL's rule)
     logging_steps: int = 1
     num_samples: int = 0
     early_stop_accuracy: float | None = None
@@ -80,9 +80,12 @@ class Schedule:
     def checkpoints(self, step: int) -> bool:
         return step % self.save_steps == 0 or step == self.max_steps
 
-    def evaluates(self, step: int) -> bool:  # with eval_at_end the last step is evaluated once, after the loop
-        return (bool(self.eval_steps) and step % self.eval_steps == 0
-                and (step < self.max_steps or not self.eval_at_end))
+    def evaluates(self, step: int) -> bool:
+        if not self.eval_steps:
+            return False
+        if self.eval_at_end:  # the last step is evaluated once, after the loop
+            return step % self.eval_steps == 0 and step < self.max_steps
+        return step % self.eval_steps == 0 or step == self.max_steps  # transformers' DefaultFlowCallback
 
     def writes_samples(self, step: int) -> bool:
         return bool(self.num_samples) and step % self.logging_steps == 0
