@@ -10,6 +10,8 @@ from grpo import GRPOConfig, GRPOTrainer
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_plot_before_training_names_the_missing_file_and_after_shows_the_summary(tiny_model_dir, tmp_path):
     rows = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}]} for i in range(8)]
     args = GRPOConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, num_generations=4,
