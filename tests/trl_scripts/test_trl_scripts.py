@@ -61,8 +61,20 @@ def run_both(name: str, tmp: Path) -> dict[str, dict]:
     return reports
 
 
+# TRL's evaluation runs its training loss on the sampled eval completions; grpo's evaluation generates and scores
+# but computes no loss pass, so these are still missing (issue 42 stays open for them). Pinned, not skipped: the
+# test fails when one appears (drop it here) or when any other key goes missing.
+EVAL_LOSS_KEYS = {"eval_loss", "eval_entropy", "eval_frac_reward_zero_std", "eval_clip_ratio/low_mean",
+                  "eval_clip_ratio/low_min", "eval_clip_ratio/high_mean", "eval_clip_ratio/high_max",
+                  "eval_clip_ratio/region_mean"}
+
+
 def missing_keys(trl_entry: dict, grpo_entry: dict) -> list[str]:
-    return sorted(set(trl_entry) - set(grpo_entry))
+    missing = set(trl_entry) - set(grpo_entry)
+    if any(key.startswith("eval_") for key in trl_entry):
+        assert EVAL_LOSS_KEYS <= missing, f"grpo now logs {sorted(EVAL_LOSS_KEYS - missing)}: drop them from EVAL_LOSS_KEYS"
+        missing -= EVAL_LOSS_KEYS
+    return sorted(missing)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
