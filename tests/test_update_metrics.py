@@ -41,7 +41,8 @@ def test_spreads_pool_every_ranks_rows():
              {"lengths": [2, 6], "sampled": [2, 6], "truncated": [False, False], "rewards": [[0.5, 1.0], [None, 3.0]],
               "names": ["a", "b"], "prompt_tokens": 12}]
     got = spread_metrics(ranks)
-    assert got["completion_length/min"] == 2.0 and got["step_tokens"] == 10 + 12 + 20
+    assert got["completion_length/min"] == 2.0 and got["completion_length/max"] == 8.0  # over both ranks' rows
+    assert got["step_tokens"] == 10 + 12 + 20
     ended = [4, 2, 6]  # the truncated 8 left out
     assert (got["terminated_length/mean"], got["terminated_length/min"], got["terminated_length/max"]) == \
         (statistics.mean(ended), 2.0, 6.0)
@@ -54,7 +55,8 @@ def test_no_completion_ended_gives_zero_terminated_lengths_as_trl_and_multi_turn
     got = spread_metrics([{"lengths": [9, 7], "sampled": [5, 3], "truncated": [True, True], "rewards": [[1.0], [1.0]],
                            "names": ["a"], "prompt_tokens": 4}])
     assert (got["terminated_length/mean"], got["terminated_length/min"], got["terminated_length/max"]) == (0, 0, 0)
-    assert got["sampled_length/min"] == 3.0 and got["completion_length/min"] == 7.0 and got["step_tokens"] == 12
+    assert (got["sampled_length/min"], got["sampled_length/max"]) == (3.0, 5.0) and got["step_tokens"] == 12
+    assert (got["completion_length/min"], got["completion_length/max"]) == (7.0, 9.0)
     assert got["reward_std/a"] == 0.0
 
 

@@ -108,7 +108,6 @@ class CallbackHooks(LoopHooks):
         self.losses: list[float] = []  # every update's, for train_loss (TRL's mean over all updates)
         self.completions_table: CompletionTable | None = None  # the latest generation's, for log_completions
         self.previous_epoch: float | None = 0.0
-        self.state_epoch_before: float | None = None  # the last update's epoch, to see an epoch end
         self.epoch_open = False  # on_epoch_begin fired and its on_epoch_end not yet
         self.started = time.perf_counter()
 
@@ -129,7 +128,7 @@ class CallbackHooks(LoopHooks):
         self.started = time.perf_counter()
         self.control.should_training_stop = False
         self._call("on_train_begin")
-        self.epoch_open, self.state_epoch_before = False, self.state.epoch
+        self.epoch_open = False
 
     def _begin_update(self) -> None:
         if not self.epoch_open:  # Trainer opens an epoch before its first update
@@ -179,8 +178,8 @@ class CallbackHooks(LoopHooks):
         own = {k: v for k, v in metrics.items()  # the step's evaluation is logged on its own, as TRL's
                if k not in PER_UPDATE and not k.startswith("eval/") and k != "time/eval_s"}
         generation = trl_metrics(own, self.reward_names, self.completions, with_kl)
-        self.state.num_input_tokens_seen = (self.state.num_input_tokens_seen or 0) + int(metrics.get("step_tokens", 0))
-        generation["num_tokens"] = float(self.state.num_input_tokens_seen)
+        seen = (self.state.num_input_tokens_seen or 0) + int(metrics.get("step_tokens", 0))
+        self.state.num_input_tokens_seen, generation["num_tokens"] = seen, float(seen)
         previous = self.previous_epoch
         if previous is None:  # resumed without a saved epoch: as if every step had covered the same share
             previous = metrics.get("epoch", 0.0) * (step - 1) / step
@@ -200,9 +199,9 @@ class CallbackHooks(LoopHooks):
             if self.state.global_step % self.logging_steps == 0 or first:
                 self._log(self._window_entry())
                 self._log_completions()
-            if math.floor(entry["epoch"] + 1e-9) > math.floor((self.state_epoch_before or 0.0) + 1e-9):
+            if math.floor(entry["epoch"] + 1e-9) > math.floor(previous + 1e-9):
                 self._end_epoch()  # this update finished a pass over the data
-            self.state_epoch_before = entry["epoch"]
+            previous = entry["epoch"]
         self.previous_epoch = self.state.epoch
         for event, entry in self.pending:  # Trainer's order: evaluation, checkpoint, end of epoch
             if event == "on_evaluate":

@@ -58,7 +58,8 @@ def rollout_metrics(batch: RolloutBatch, correct: torch.Tensor, formatted: torch
 def step_metrics(batch: RolloutBatch, train_stats: dict, group_size: int, tag_style: str, started: float,
                  rollout_s: float, train_s: float, info: DistInfo,
                  rollout_stats: dict[str, float] | None = None, score: Scorer | None = None) -> dict[str, float]:
-    """Everything a step logs, averaged over ranks (each rank holds the same number of completions).
+    """Everything a step logs, averaged over ranks (each rank holds the same number of completions); minima,
+    maxima and spreads over every rank's rows pooled (``spread_metrics``).
 
     ``started`` is the step's ``time.perf_counter()`` start; ``rollout_s``/``train_s`` its two phases;
     ``rollout_stats`` this rank's numbers about how its batch was made (dynamic sampling's counts), averaged
@@ -107,8 +108,8 @@ def spread_inputs(batch: RolloutBatch) -> dict:
 
 def spread_metrics(per_rank: Sequence[dict]) -> dict[str, float]:
     """Minima, maxima and spreads over every rank's rows (``spread_inputs`` of each), as TRL 1.16 computes
-    them over the gathered batch: ``completion_length/min``; ``terminated_length/{mean,min,max}`` of the
-    completions that ended (their sampled tokens; all 0 when none did, as TRL); ``sampled_length/min``
+    them over the gathered batch: ``completion_length/{min,max}``; ``terminated_length/{mean,min,max}`` of the
+    completions that ended (their sampled tokens; all 0 when none did, as TRL); ``sampled_length/{min,max}``
     multi-turn (when a row's sampled tokens differ from its tokens); ``reward_std/<name>`` the sample std
     (Bessel) of each reward where it did not abstain (NaN with fewer than 2 values); ``step_tokens`` the
     prompt tokens of every completion row plus the sampled completion tokens."""
@@ -116,12 +117,12 @@ def spread_metrics(per_rank: Sequence[dict]) -> dict[str, float]:
     sampled = [x for r in per_rank for x in r["sampled"]]
     truncated = [x for r in per_rank for x in r["truncated"]]
     ended = [n for n, cut in zip(sampled, truncated) if not cut] or [0]
-    metrics = {"completion_length/min": float(min(lengths)),
+    metrics = {"completion_length/min": float(min(lengths)), "completion_length/max": float(max(lengths)),
                "terminated_length/mean": sum(ended) / len(ended), "terminated_length/min": float(min(ended)),
                "terminated_length/max": float(max(ended)),
                "step_tokens": float(sum(r["prompt_tokens"] for r in per_rank) + sum(sampled))}
     if sampled != lengths:
-        metrics["sampled_length/min"] = float(min(sampled))
+        metrics.update({"sampled_length/min": float(min(sampled)), "sampled_length/max": float(max(sampled))})
     rows = [row for r in per_rank for row in r["rewards"]]
     for f, name in enumerate(per_rank[0]["names"]):
         metrics[f"reward_std/{name}"] = sample_std([row[f] for row in rows if row[f] is not None])
