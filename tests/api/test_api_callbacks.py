@@ -73,10 +73,13 @@ def test_two_iterations_log_and_call_back_per_update_as_trl():
             hooks.saved(step, None)
         hooks.step_end(step, StepReport(step_metrics(step), [update(0, step), update(1, step)], None))
     hooks.train_end(2)
+    def update_events(g):  # one optimizer update from global step g (no gradient accumulation)
+        return [("on_step_begin", g), ("on_pre_optimizer_step", g), ("on_optimizer_step", g), ("on_step_end", g + 1)]
+
     assert recorder.events == [
-        ("on_train_begin", 0), ("on_epoch_begin", 0), ("on_step_begin", 0), ("on_step_end", 1), ("on_log", 1),
-        ("on_step_begin", 1), ("on_step_end", 2), ("on_log", 2), ("on_log", 2), ("on_evaluate", 2),
-        ("on_step_begin", 2), ("on_step_end", 3), ("on_log", 3), ("on_step_begin", 3), ("on_step_end", 4),
+        ("on_train_begin", 0), ("on_epoch_begin", 0), *update_events(0), ("on_log", 1),
+        *update_events(1), ("on_log", 2), ("on_log", 2), ("on_evaluate", 2),
+        *update_events(2), ("on_log", 3), *update_events(3),
         ("on_log", 4), ("on_log", 4), ("on_evaluate", 4), ("on_save", 4), ("on_epoch_end", 4), ("on_log", 4),
         ("on_train_end", 4)]
     train = [e for e in state.log_history if "loss" in e]
@@ -122,3 +125,17 @@ def test_eval_metrics_under_trls_names():
         "eval_accuracy/people=3": 1.0, "eval_runtime": 4.0, "eval_samples_per_second": 2.5,
         "eval_steps_per_second": 0.75}  # 10 rows in 3 batches of 4, as Trainer counts them
     assert "test_reward" in trl_eval_metrics(metrics, [], 10, 4, prefix="test")
+
+
+def test_the_last_step_is_evaluated_inside_it_under_trls_rule():
+    """transformers' DefaultFlowCallback evaluates the last step too when it is not an eval step, inside it
+    (before its checkpoint); grpo's CLI evaluates once more after the loop instead (``train.eval_at_end``)."""
+    from grpo.training.loop import Schedule
+
+    trl = Schedule(max_steps=3, save_steps=10, eval_steps=2, eval_at_end=False)
+    cli = Schedule(max_steps=3, save_steps=10, eval_steps=2, eval_at_end=True)
+    assert [s for s in (1, 2, 3) if trl.evaluates(s)] == [2, 3]
+    assert [s for s in (1, 2, 3) if cli.evaluates(s)] == [2]  # and step 3 once after the loop
+    assert [s for s in (1, 2, 3, 4) if Schedule(max_steps=4, save_steps=10, eval_steps=2,
+                                                 eval_at_end=False).evaluates(s)] == [2, 4]  # 4 once
+    assert not Schedule(max_steps=3, save_steps=10, eval_at_end=False).evaluates(3)  # no eval_steps: none

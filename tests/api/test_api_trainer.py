@@ -100,7 +100,8 @@ def test_train_logs_trl_names_fires_callbacks_and_a_callback_stops_it(tiny_model
     assert "train_runtime" in trainer.state.log_history[-1]
     names = [event for event, _ in recorder.events]
     assert names[:2] == ["on_init_end", "on_train_begin"] and names[-3:] == ["on_epoch_end", "on_log", "on_train_end"]
-    assert names[2:7] == ["on_epoch_begin", "on_step_begin", "on_step_end", "on_log", "on_step_begin"]
+    assert names[2:9] == ["on_epoch_begin", "on_step_begin", "on_pre_optimizer_step", "on_optimizer_step",
+                          "on_step_end", "on_log", "on_step_begin"]
     assert ("on_save", 3) in recorder.events  # stopping writes the step's checkpoint first
     assert (tmp_path / "run" / "checkpoint-3" / "trainer_state.json").is_file()  # TRL's layout
 
@@ -226,10 +227,13 @@ def test_two_iterations_log_per_update_and_evaluate_only_at_eval_steps_as_trl(ti
                           train_dataset=rows(), eval_dataset=rows(4), callbacks=[recorder])
     trainer.train()
     events = [e for e in recorder.events if e[0] not in ("on_init_end",)]
+    def update_events(g):  # one optimizer update from global step g (no gradient accumulation)
+        return [("on_step_begin", g), ("on_pre_optimizer_step", g), ("on_optimizer_step", g), ("on_step_end", g + 1)]
+
     assert events == [
-        ("on_train_begin", 0), ("on_epoch_begin", 0), ("on_step_begin", 0), ("on_step_end", 1), ("on_log", 1),
-        ("on_step_begin", 1), ("on_step_end", 2), ("on_log", 2), ("on_log", 2), ("on_evaluate", 2),
-        ("on_step_begin", 2), ("on_step_end", 3), ("on_log", 3), ("on_step_begin", 3), ("on_step_end", 4),
+        ("on_train_begin", 0), ("on_epoch_begin", 0), *update_events(0), ("on_log", 1),
+        *update_events(1), ("on_log", 2), ("on_log", 2), ("on_evaluate", 2),
+        *update_events(2), ("on_log", 3), *update_events(3),
         ("on_log", 4), ("on_log", 4), ("on_evaluate", 4), ("on_save", 4), ("on_epoch_end", 4), ("on_log", 4),
         ("on_train_end", 4)]
     history = trainer.state.log_history
