@@ -49,9 +49,6 @@ def test_the_text_prompt_script_runs_under_grpo(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 42: the prompt-length check leaves out the system turn rendered with "
-                                       "the tools, so the script's system message is refused; remove this marker "
-                                       "with that fix")
 def test_the_tools_lora_script_runs_under_grpo(tmp_path):
     history = run_script("tools_lora.py", 2, tmp_path)  # num_iterations=2: one generation, two updates
     assert history[-1]["step"] == 2 and "train_runtime" in history[-1]
