@@ -1,7 +1,10 @@
 """grpo.compat: each version-dependent branch, whichever transformers release is installed (the release is
-passed in), and the old branch's processor against transformers' own and end to end through generate."""
+passed in); the old generate branch's processor against transformers' own and end to end through generate;
+the KV cache name through a real forward on the installed release (CI runs both ends of the range)."""
 
 from __future__ import annotations
+
+import types
 
 import pytest
 import torch
@@ -9,7 +12,8 @@ from step_helpers import chat
 from transformers import GenerationConfig
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from grpo.compat import PaddingFreeRepetitionPenalty, generate_repetition_penalty, generate_skips_left_padding
+from grpo.compat import (PaddingFreeRepetitionPenalty, cache_argument, generate_repetition_penalty, generate_skips_left_padding,
+                         model_cache_name, returned_cache)
 from grpo.models.tiny import build_qwen2
 from grpo.models.wrappers import eos_token_ids
 from grpo.rollout import SamplingParams
@@ -85,3 +89,27 @@ def test_the_old_branch_through_generate_equals_the_lean_engine(tiny_tokenizer):
         width = lean.completion_ids.shape[1]
         assert torch.equal(out[:, :width].masked_fill(lean.completion_mask == 0, pad), lean.completion_ids)
     assert lean.completion_ids[0, 0] == pad  # the padded row ("Hi" is the shorter prompt) starts with the pad token
+
+
+@pytest.mark.parametrize(("release", "name"), [("5.17.0", "past_key_values"), ("5.23.0", "past_key_values"),
+                                               ("5.24.0", "cache"), ("5.24.0.dev0", "cache"), ("5.39.1", "cache")])
+def test_which_releases_name_the_kv_cache_cache(release, name):
+    assert model_cache_name(release) == name
+    assert cache_argument("kv", release) == {name: "kv"}
+    assert returned_cache(types.SimpleNamespace(**{name: "kv"}), release) == "kv"
+
+
+def test_the_installed_release_continues_from_the_cache_it_returned(tiny_tokenizer):
+    """A prompt pass, then its continuation fed with the returned cache under the installed release's name,
+    gives the logits of one pass over both: a cache passed under a name the model ignores (its forward
+    takes **kwargs) would leave the continuation without its context."""
+    model = build_qwen2(tiny_tokenizer, seed=0).eval()
+    ids = torch.tensor([tiny_tokenizer("Tom has 12 apples and buys 7 more.", add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        whole = model(input_ids=ids, use_cache=False).logits[:, 5:]
+        first = model(input_ids=ids[:, :5], use_cache=True)
+        cache = returned_cache(first)
+        assert cache is not None
+        rest = model(input_ids=ids[:, 5:], position_ids=torch.arange(5, ids.shape[1])[None], use_cache=True,
+                     **cache_argument(cache)).logits
+    assert torch.allclose(rest, whole, atol=1e-5)

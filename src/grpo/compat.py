@@ -9,12 +9,17 @@ rather than as version comparisons scattered through it; tests/test_compat.py co
   pad token counted as seen in every left-padded row, so ``generate`` sampled from a distribution other
   than the one the trainer computes log-probs for (``grpo.algorithm.processing`` never counts padding).
   ``generate_repetition_penalty`` gives older releases the same penalty through a logits processor.
+* transformers 5.24 renamed the models' ``past_key_values`` (the argument and the output field) to
+  ``cache``; the old name warns there and goes in 5.40, while 5.17-5.23 silently ignore ``cache=`` (their
+  forward takes ``**kwargs``). ``cache_argument`` and ``returned_cache`` use the installed release's name.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import re
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -23,16 +28,39 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from grpo.algorithm.processing import penalize_repeats
 
 GENERATE_SKIPS_LEFT_PADDING = (5, 23)  # the transformers release from which generate does it itself
+CACHE_RENAMED = (5, 24)  # the transformers release whose models take and return ``cache``
+
+
+@functools.lru_cache(maxsize=None)
+def _release(version: str | None) -> tuple[int, int]:
+    """(major, minor) of a transformers version string (None: the installed one); a pre-release of 5.23
+    (5.23.0.dev0) counts as 5.23."""
+    if version is None:
+        import transformers
+        version = transformers.__version__
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    return int(major), int(minor)
 
 
 def generate_skips_left_padding(transformers_version: str | None = None) -> bool:
     """Whether ``generate`` leaves each row's left padding out of the repetition penalty (the installed
     transformers, or the release named)."""
-    if transformers_version is None:
-        import transformers
-        transformers_version = transformers.__version__
-    major, minor = re.match(r"(\d+)\.(\d+)", transformers_version).groups()
-    return (int(major), int(minor)) >= GENERATE_SKIPS_LEFT_PADDING  # a 5.23 pre-release (5.23.0.dev0) too
+    return _release(transformers_version) >= GENERATE_SKIPS_LEFT_PADDING
+
+
+def model_cache_name(transformers_version: str | None = None) -> str:
+    """The name a model's forward takes its KV cache by, and returns it under."""
+    return "cache" if _release(transformers_version) >= CACHE_RENAMED else "past_key_values"
+
+
+def cache_argument(cache: Any, transformers_version: str | None = None) -> dict[str, Any]:
+    """``model(..., **cache_argument(cache))``: the KV cache to continue from, by the installed release's name."""
+    return {model_cache_name(transformers_version): cache}
+
+
+def returned_cache(output: Any, transformers_version: str | None = None) -> Any:
+    """The KV cache a model's forward returned (``use_cache=True``), None when it returned none."""
+    return getattr(output, model_cache_name(transformers_version), None)
 
 
 class PaddingFreeRepetitionPenalty(LogitsProcessor):
