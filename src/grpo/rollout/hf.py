@@ -8,6 +8,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from grpo.compat import generate_repetition_penalty
 from grpo.models.wrappers import eos_token_ids, unwrap_model
 from grpo.rollout.engine import SamplingParams, completion_mask_from_ids
 from grpo.step.records import Generation
@@ -41,7 +42,7 @@ class HFEngine:
     checkpoint's own generation_config (e.g. Qwen's top_k=20, repetition_penalty=1.05) never changes
     the distribution the log-probs are computed for. ``repetition_penalty``, ``min_new_tokens`` and
     ``min_p`` are generate's own processors (``generate`` excludes the prompts' left padding from the
-    penalty, as the other engines and the log-probs do)."""
+    penalty, as the other engines and the log-probs do; before transformers 5.23 through ``grpo.compat``)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int | None = None):
         self.model = model
@@ -73,7 +74,9 @@ class HFEngine:
         with eval_mode(model), torch.no_grad():
             for start in range(0, len(encoded), prompts_per_call):
                 ids, mask = left_pad(encoded[start:start + prompts_per_call], pad_id)
-                out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)
+                call_config, processors = generate_repetition_penalty(config, mask)
+                out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                     generation_config=call_config, logits_processor=processors)
                 chunks.append(out[:, ids.shape[1]:].cpu())  # [chunk * n, <= max_tokens]
         width = max(c.shape[1] for c in chunks)
         completion_ids = torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1]), value=pad_id) for c in chunks])

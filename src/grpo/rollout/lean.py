@@ -22,6 +22,7 @@ from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
 from grpo.algorithm.processing import eos_mask, min_p_removed, penalize_repeats, prompt_presence
+from grpo.compat import cache_argument
 from grpo.models.wrappers import eos_token_ids, unwrap_model
 from grpo.rollout.engine import SamplingParams, completion_mask_from_ids
 from grpo.rollout.hf import eval_mode, left_pad
@@ -274,7 +275,7 @@ class LeanEngine:
                 seen = seen[keep] if seen is not None else None
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
             out = forward(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos,
-                          past_key_values=cache, use_cache=True)
+                          **cache_argument(cache), use_cache=True)
             logits = out.logits[:, -1]
             next_pos = next_pos + 1
         return result[:, : t + 1].cpu()

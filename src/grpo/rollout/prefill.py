@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from grpo.compat import cache_argument, returned_cache
 from grpo.rollout.hf import left_pad
 from grpo.rollout.prefix_cache import PrefixCache
 
@@ -67,7 +68,7 @@ def prefill(model, encoded: list[list[int]], pad_id: int, device, prefix_cache: 
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
     if prefix_cache is not None:
         prefix_cache.fed_tokens += ids.numel()
-    return Prefill(out.logits[:, -1], out.past_key_values, mask, positions[:, -1:], ids, mask)
+    return Prefill(out.logits[:, -1], returned_cache(out), mask, positions[:, -1:], ids, mask)
 
 
 def common_prefix_length(encoded: list[list[int]]) -> int:
@@ -109,9 +110,9 @@ def _shared_and_grouped(model, encoded: list[list[int]], shared: int, passes: li
         head = torch.tensor([encoded[0][:shared]], device=device)  # [1, shared]
         out = model(input_ids=head, attention_mask=torch.ones_like(head), position_ids=torch.arange(
             shared, device=device)[None], use_cache=True, logits_to_keep=1)
-        if not _plain_layers(out.past_key_values):
+        if not _plain_layers(returned_cache(out)):
             return None
-        prefix = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        prefix = [(layer.keys, layer.values) for layer in returned_cache(out).layers]
     rests = [p[shared:] for p in encoded]
     width = max(len(r) for r in rests)  # S: the rests right-aligned in S slots after the prefix
     keys = values = logits = None
@@ -126,18 +127,18 @@ def _shared_and_grouped(model, encoded: list[list[int]], shared: int, passes: li
             past = DynamicCache(ddp_cache_data=[(k.expand(u, -1, -1, -1), v.expand(u, -1, -1, -1))
                                                 for k, v in prefix])
         out = model(input_ids=rest_ids, attention_mask=torch.cat([rest_mask.new_ones(u, shared), rest_mask], 1),
-                    position_ids=(rest_mask.cumsum(-1) - 1).clamp(min=0) + shared, past_key_values=past,
+                    position_ids=(rest_mask.cumsum(-1) - 1).clamp(min=0) + shared, **cache_argument(past),
                     use_cache=True, logits_to_keep=1)
-        if not _plain_layers(out.past_key_values):
+        if not _plain_layers(returned_cache(out)):
             return None
         at = torch.tensor(rows, device=device)
         if keys is None:  # the first pass tells the layers' shapes and dtypes
             keys = [layer.keys.new_zeros(U, layer.keys.shape[1], shared + width, layer.keys.shape[-1])
-                    for layer in out.past_key_values.layers]
+                    for layer in returned_cache(out).layers]
             values = [layer.values.new_zeros(U, layer.values.shape[1], shared + width, layer.values.shape[-1])
-                      for layer in out.past_key_values.layers]
+                      for layer in returned_cache(out).layers]
             logits = out.logits.new_empty(U, out.logits.shape[-1])
-        for layer, k, v in zip(out.past_key_values.layers, keys, values):
+        for layer, k, v in zip(returned_cache(out).layers, keys, values):
             if shared:
                 k[at, :, :shared], v[at, :, :shared] = layer.keys[:, :, :shared], layer.values[:, :, :shared]
             k[at, :, shared + width - s:] = layer.keys[:, :, -s:]
@@ -177,7 +178,7 @@ def _from_cached_prefixes(model, encoded: list[list[int]], hits: list, pad_id: i
     key_mask = torch.cat([past_mask, rest_mask], dim=1)  # [U, C + S]
     positions = (rest_mask.cumsum(-1) - 1).clamp(min=0) + cached[:, None]  # [U, S] true positions
     out = model(input_ids=rest_ids, attention_mask=key_mask, position_ids=positions,
-                past_key_values=DynamicCache(ddp_cache_data=past), use_cache=True, logits_to_keep=1)
+                **cache_argument(DynamicCache(ddp_cache_data=past)), use_cache=True, logits_to_keep=1)
     prefix_cache.fed_tokens += rest_ids.numel()
     prefix_cache.reused_tokens += int(cached.sum())
-    return Prefill(out.logits[:, -1], out.past_key_values, key_mask, positions[:, -1:], ids, mask)
+    return Prefill(out.logits[:, -1], returned_cache(out), key_mask, positions[:, -1:], ids, mask)

@@ -46,6 +46,7 @@ from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
 from grpo.algorithm.processing import eos_mask, prompt_presence
+from grpo.compat import cache_argument
 from grpo.models.wrappers import eos_token_ids
 from grpo.rollout.engine import SamplingParams
 from grpo.rollout.lean import apply_processors, assemble_generation, filter_logits, seeded_generator
@@ -245,7 +246,7 @@ class _StepState:
         t = (self.write_pos - self.prompt_len + 1).view(1)  # [1] index of the token drawn now
         visible = self.key_mask & (self.slots <= self.write_pos)  # [B, C]
         out = model(input_ids=self.tokens[:, None], position_ids=self.first_position + t - 1,
-                    attention_mask=visible[:, None, None, :], past_key_values=self.cache, use_cache=True)
+                    attention_mask=visible[:, None, None, :], **cache_argument(self.cache), use_cache=True)
         self.record(self.draw(out.logits[:, -1], t), t)
         self.write_pos.add_(1)
 

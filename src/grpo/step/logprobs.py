@@ -35,6 +35,7 @@ from grpo.algorithm import (
 )
 from grpo.algorithm.head import head_logprobs
 from grpo.algorithm.processing import prompt_presence
+from grpo.compat import cache_argument, returned_cache
 from grpo.config.device_defaults import fused_head_by_size, pass_defaults
 from grpo.models.logits_head import head_reproduces_forward, logits_head
 from grpo.models.wrappers import decoder, inner_model
@@ -158,16 +159,16 @@ def _final_hidden(model) -> Iterator[list[Tensor]]:
 
 
 def _forward(model, fused: bool, keep: int | None, **inputs):
-    """``(scores, past_key_values)``: the last ``keep`` positions' (all when None) logits [b, keep, V], or
+    """``(scores, KV cache)``: the last ``keep`` positions' (all when None) logits [b, keep, V], or
     with ``fused`` their final hidden states [b, keep, H], the LM head skipped (``logits_to_keep`` of no
     position: transformers slices the hidden states with it before the head)."""
     if not fused:
         out = model(**inputs, **({} if keep is None else {"logits_to_keep": keep}))
-        return out.logits, out.past_key_values
+        return out.logits, returned_cache(out)
     with _final_hidden(model) as captured:
         out = model(**inputs, logits_to_keep=torch.empty(0, dtype=torch.long, device=inputs["input_ids"].device))
     hidden = captured[-1]  # [b, T, H]
-    return (hidden if keep is None else hidden[:, -keep:]), out.past_key_values
+    return (hidden if keep is None else hidden[:, -keep:]), returned_cache(out)
 
 
 def _full_logits(model, ids: Tensor, mask: Tensor, Lc: int, fused: bool = False) -> Tensor:
@@ -193,7 +194,7 @@ def _shared_prompt_logits(model, prompt_ids: Tensor, prompt_mask: Tensor, comple
     positions = prompts_mask.sum(-1)[index, None] + torch.arange(Lc, device=completion_ids.device)  # [b, Lc]
     completion_scores, _ = _forward(model, fused, None, input_ids=completion_ids,
                                     attention_mask=torch.cat([prompt_mask, completion_mask], 1),
-                                    position_ids=positions, past_key_values=cache, use_cache=True)  # [b, Lc, V or H]
+                                    position_ids=positions, **cache_argument(cache), use_cache=True)  # [b, Lc, V or H]
     return torch.cat([prompt_scores.index_select(0, index), completion_scores], dim=1)
 
 
