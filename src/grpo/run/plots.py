@@ -137,6 +137,12 @@ class RunPlots:
     def summary(self) -> Path:
         return self.files[-1]
 
+    def __iter__(self):
+        return iter(self.files)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
     def _repr_png_(self) -> bytes:
         return self.summary.read_bytes()
 
