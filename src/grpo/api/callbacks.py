@@ -164,7 +164,7 @@ class CallbackHooks(LoopHooks):
 
     def _saved(self, path: Path) -> None:
         """transformers' ``trainer_state.json`` (the log history to this step) into the checkpoint, then on_save."""
-        if self.write_trainer_state:
+        if self.write_trainer_state and self.state.is_world_process_zero:  # one writer, as Trainer's should_save
             partial = path / ".trainer_state.json.tmp"
             self.state.save_to_json(str(partial))
             os.replace(partial, path / "trainer_state.json")
