@@ -11,7 +11,8 @@ from grpo.cli import build_parser, main
 
 @pytest.mark.parametrize("flag", ["--local_rank=3", "--local-rank=3"])
 def test_deepspeeds_local_rank_argument_is_accepted(flag, monkeypatch):
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "")  # recorded as it was, so the LOCAL_RANK main() sets is undone after
+    monkeypatch.delenv("LOCAL_RANK")  # (a leaked LOCAL_RANK made later in-process trainers think they were launched)
     assert build_parser().parse_args(["train", flag, "x.yaml"]).local_rank == 3
     assert build_parser().parse_args(["trainer", "x.yaml", flag]).local_rank == 3
     # DeepSpeed's launcher runs `python -u -m grpo --local_rank=N train ...`: before the subcommand.

@@ -17,11 +17,11 @@ rather than as version comparisons scattered through it; tests/test_compat.py co
 from __future__ import annotations
 
 import copy
-import functools
 import re
 from typing import Any
 
 import torch
+import transformers
 from torch import Tensor
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
@@ -31,15 +31,20 @@ GENERATE_SKIPS_LEFT_PADDING = (5, 23)  # the transformers release from which gen
 CACHE_RENAMED = (5, 24)  # the transformers release whose models take and return ``cache``
 
 
-@functools.lru_cache(maxsize=None)
-def _release(version: str | None) -> tuple[int, int]:
-    """(major, minor) of a transformers version string (None: the installed one); a pre-release of 5.23
-    (5.23.0.dev0) counts as 5.23."""
-    if version is None:
-        import transformers
-        version = transformers.__version__
+def _parse_release(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string; a pre-release of 5.23 (5.23.0.dev0) counts as 5.23."""
     major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
     return int(major), int(minor)
+
+
+# Read once at import: the compiled decode step (torch.compile) asks model_cache_name on every call, and
+# dynamo on torch 2.11 cannot trace the import a lazy lookup would make.
+INSTALLED_TRANSFORMERS = _parse_release(transformers.__version__)
+
+
+def _release(version: str | None) -> tuple[int, int]:
+    """(major, minor) of the transformers release named, or of the installed one (None)."""
+    return INSTALLED_TRANSFORMERS if version is None else _parse_release(version)
 
 
 def generate_skips_left_padding(transformers_version: str | None = None) -> bool:

@@ -28,6 +28,8 @@ MODELS = {  # script -> shipped tiny model it trains
     "rollout_func_generate": "tiny-math", "tools_with_system_prompt": "tiny-tools",
     "environment_factory": "tiny-tools",
 }
+# A user runs the script from a plain shell: no launcher's variables (accelerate reads LOCAL_RANK as "launched").
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 SAME = ("global_step", "events", "checkpoints", "missing_checkpoint_error", "environments_created", "rollout_calls")
 
 
@@ -39,7 +41,7 @@ def grpo_source(source: str) -> str:
 
 def run_both(name: str, tmp: Path) -> dict[str, dict]:
     source = (SCRIPTS / f"{name}.py").read_text()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), str(REPO / "src"),
+    env = {**{k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), str(REPO / "src"),
                                                          os.environ.get("PYTHONPATH", "")]),
            "TRL_EXPERIMENTAL_SILENCE": "1", "OMP_NUM_THREADS": "1"}
     processes = {}
