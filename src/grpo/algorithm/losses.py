@@ -174,9 +174,7 @@ def policy_loss(
         stats (detached scalars): ``kl`` (masked mean of that KL term, 0 when no reference), ``clip_fraction``
         (share of masked tokens where clipping changed the objective), ``ratio_mean`` (masked mean),
         ``ratio_max``; at the sequence level a row's ratio counts once per real token; TRL's clip counts
-        (``grpo.algorithm.clipping.clip_counts``): ``clip_low``, ``clip_high``, ``clip_region`` clipped units of
-        ``clip_units``, ``clip_low_row_min`` / ``clip_high_row_max`` the least / largest row share (+inf / -inf
-        when no row has tokens).
+        (``clipping.clip_counts``: ``clip_low|high|region|units``, ``clip_low_row_min``, ``clip_high_row_max``).
     """
     if beta != 0 and ref_logprobs is None:
         raise ValueError("ref_logprobs may be None only when beta == 0")
@@ -231,8 +229,7 @@ def policy_loss(
         }
         clip = clip_counts(ratio, advantages, mask, epsilon, eps_high,
                            per_sequence=importance_sampling_level == "sequence")
-        # [1]: the min of no rows; a fill on the device, not a copy from the host (which would wait for the GPU)
-        bound = torch.full((1,), float("inf"), dtype=ratio.dtype, device=ratio.device)
+        bound = torch.full((1,), float("inf"), dtype=ratio.dtype, device=ratio.device)  # no host copy: no GPU wait
         stats.update(clip_low=clip.low, clip_high=clip.high, clip_region=clip.region, clip_units=clip.units,
                      clip_low_row_min=torch.cat([clip.row_low.nan_to_num(float("inf")), bound]).min(),
                      clip_high_row_max=torch.cat([clip.row_high.nan_to_num(float("-inf")), -bound]).max())
