@@ -63,7 +63,7 @@ def _estimate(*, rows: int, groups: int, prompt: int, completion: int, fused: bo
     from transformers import Qwen2Config
 
     from grpo.config import load_config
-    from grpo.tools.memory import estimate_memory
+    from grpo.commands.memory import estimate_memory
 
     hidden, layers, heads, kv_heads, mlp = BODIES[body]
     model_config = Qwen2Config(vocab_size=QWEN_VOCAB, hidden_size=hidden, num_hidden_layers=layers,

@@ -222,7 +222,7 @@ def compare(case: dict, measured: dict) -> dict:
     file-backed pages (the mapped checkpoint, library code paged in during the step).
     """
     from grpo.config import load_config
-    from grpo.tools.memory import estimate_memory
+    from grpo.commands.memory import estimate_memory
 
     cfg = load_config(None, case["overrides"])
     model_config = json.loads((Path(cfg.model.name_or_path) / "config.json").read_text())

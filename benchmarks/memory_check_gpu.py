@@ -137,7 +137,7 @@ def run_case(case: dict, workdir: Path) -> dict:
 
 def compare(case: dict, measured: dict) -> dict:
     from grpo.config import load_config
-    from grpo.tools.memory import estimate_memory
+    from grpo.commands.memory import estimate_memory
 
     cfg = load_config(None, case["overrides"])
     model_config = json.loads((Path(cfg.model.name_or_path) / "config.json").read_text())

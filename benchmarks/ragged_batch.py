@@ -31,7 +31,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 def ragged_batch(vocab: int, groups: int = 16, G: int = 4, prompt: int = 48, seed: int = 0):
     import torch
 
-    from grpo.step.records import Generation, RolloutBatch
+    from grpo.rollout.generation import Generation
+    from grpo.step.records import RolloutBatch
 
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(16, 65, (groups * G,), generator=gen)
@@ -78,7 +79,7 @@ def main() -> None:
 
     from grpo.models.tiny import build_qwen2, build_tokenizer
     from grpo.step.policy_update import LossSettings, train_on_batch
-    from grpo.training.distributed import DistInfo
+    from grpo.parallel.distributed import DistInfo
 
     torch.set_num_threads(args.threads)
     tokenizer = build_tokenizer()

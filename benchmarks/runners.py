@@ -209,7 +209,7 @@ def run_plain(case: dict) -> dict:
     from grpo.models.loading import compute_context, load_policy, load_tokenizer, resolve_device, uses_autocast
     from grpo.step.experience import render_prompts
     from grpo.step.logprobs import position_ids_from_mask
-    from grpo.training.optim import build_optimizer
+    from grpo.parallel.optim import build_optimizer
 
     cfg = ours_config(case)
     device = resolve_device(cfg.train.device)

@@ -79,7 +79,7 @@ from grpo.compat import cache_argument, returned_cache  # noqa: E402
 from grpo.data import Example, generate_problems, load_dataset_source, resolve_system_prompt  # noqa: E402
 from grpo.data.synthetic import MIXES  # noqa: E402
 from grpo.models.tiny import build_qwen2, build_tokenizer  # noqa: E402
-from grpo.tools.evaluate import evaluate  # noqa: E402
+from grpo.evaluation.evaluate import evaluate  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

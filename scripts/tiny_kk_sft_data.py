@@ -46,7 +46,7 @@ import re
 
 from grpo.data import Example, render_example
 from grpo.models.tiny import build_tokenizer
-from grpo.tasks.builtin import kk_system_prompt
+from grpo.tasks.builtin_tasks import kk_system_prompt
 from grpo.tasks.knights_knaves.generate import NAMES, draw_statement, generate_puzzles
 from grpo.tasks.knights_knaves.logic import Puzzle, holds, solve, statement_text
 from grpo.tasks.knights_knaves.text import quiz_text, solution_text

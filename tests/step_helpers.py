@@ -15,7 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo
 from grpo.step.policy_update import LossSettings
-from grpo.step.records import Generation, RolloutBatch
+from grpo.rollout.generation import Generation
+from grpo.step.records import RolloutBatch
 
 # ---------------------------------------------------------------- the policy update
 

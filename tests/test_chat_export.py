@@ -104,7 +104,7 @@ def test_chat_prompt_uses_run_system_prompt(saved_tiny, tmp_path, monkeypatch, c
     import shutil
 
     from grpo.rollout import LeanEngine
-    from grpo.tools import chat
+    from grpo.commands import chat
 
     run = tmp_path / "run"
     shutil.copytree(saved_tiny, run / "final")
@@ -128,7 +128,7 @@ def test_chat_prompt_uses_run_system_prompt(saved_tiny, tmp_path, monkeypatch, c
 
 def test_chat_loop_keeps_history(saved_tiny, monkeypatch, capsys):
     from grpo.rollout import LeanEngine
-    from grpo.tools import chat
+    from grpo.commands import chat
 
     rendered = []
     original = LeanEngine.generate
@@ -165,7 +165,7 @@ def test_export_lora_checkpoint_merges_into_plain_model(lora_checkpoint, tmp_pat
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from grpo.tools.export import export_model
+    from grpo.commands.export import export_model
 
     source = resolve_model_source(lora_checkpoint)
     unmerged, tokenizer = load_model_for_inference(source, "cpu", merge=False)
@@ -188,7 +188,7 @@ def test_export_lora_checkpoint_merges_into_plain_model(lora_checkpoint, tmp_pat
 def test_export_full_model_round_trip_and_overwrite(saved_tiny, tmp_path, tiny_tokenizer):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo.tools.export import export_model
+    from grpo.commands.export import export_model
 
     out = tmp_path / "out"
     export_model(saved_tiny, out)

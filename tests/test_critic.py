@@ -27,8 +27,8 @@ from grpo.critic import (
 )
 from grpo.models.tiny import build_qwen2
 from grpo.run.checkpoint import CheckpointError
-from grpo.training.learners import TorchLearner
-from grpo.training.optim import build_optimizer, build_scheduler
+from grpo.parallel.learners import TorchLearner
+from grpo.parallel.optim import build_optimizer, build_scheduler
 
 TOL = 1e-6
 
@@ -177,7 +177,8 @@ def test_a_missing_critic_path_names_the_key():
 
 
 def rollout_with_values(tokenizer, N: int = 4, seed: int = 0):
-    from grpo.step.records import Generation, RolloutBatch
+    from grpo.rollout.generation import Generation
+    from grpo.step.records import RolloutBatch
 
     gen = torch.Generator().manual_seed(seed)
     Lp, Lc = 4, 6

@@ -31,8 +31,9 @@ from grpo.step.logprobs import (
     pass_choices,
 )
 from grpo.step.policy_update import LossSettings, train_on_batch
-from grpo.step.records import Generation, RolloutBatch
-from grpo.training.distributed import DistInfo
+from grpo.rollout.generation import Generation
+from grpo.step.records import RolloutBatch
+from grpo.parallel.distributed import DistInfo
 from grpo.training.settings import experience_settings, logprob_pass, loss_settings
 
 

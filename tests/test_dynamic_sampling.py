@@ -10,7 +10,8 @@ from grpo.config import ConfigError, load_config
 from grpo.data.prompt_sampler import PromptSampler, step_seed
 from grpo.step.batching import select_groups
 from grpo.step.dynamic_sampling import choose_groups, merge_rounds, sample_until_full, zero_spread_groups
-from grpo.step.records import Generation, RolloutBatch
+from grpo.rollout.generation import Generation
+from grpo.step.records import RolloutBatch
 
 G = 3
 

@@ -11,12 +11,12 @@ import torch
 from grpo.config import ConfigError, load_config
 from grpo.data import Example, load_dataset_source
 from grpo.run.best import BestMetric
-from grpo.step.records import Generation
+from grpo.rollout.generation import Generation
 from grpo.tasks import resolve_task
-from grpo.tools.eval_command import parse_data_sets
-from grpo.tools.eval_scoring import EvalRewards, logged_metrics, summarize
-from grpo.tools.evaluate import call_unit, evaluate, evaluate_records
-from grpo.training.evaluation import eval_sources, primary_metric, rank_slice
+from grpo.commands.eval_command import parse_data_sets
+from grpo.evaluation.scoring import EvalRewards, logged_metrics, summarize
+from grpo.evaluation.evaluate import call_unit, evaluate, evaluate_records
+from grpo.training.evaluator import eval_sources, primary_metric, rank_slice
 
 TAGGED = "<think>\nwork\n</think>\n<answer>\n{}\n</answer>"
 
@@ -213,8 +213,8 @@ def test_eval_config_keys():
 
 
 def test_run_evaluator_refuses_sets_it_cannot_score_before_any_rank_starts():
-    from grpo.training.distributed import DistInfo
-    from grpo.training.evaluation import RunEvaluator, eval_settings
+    from grpo.parallel.distributed import DistInfo
+    from grpo.training.evaluator import RunEvaluator, eval_settings
 
     settings = eval_settings(load_config(None, ["data.eval=x"]))
     unanswered = numeric_examples(3)

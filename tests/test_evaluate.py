@@ -10,9 +10,10 @@ import torch
 
 from grpo.data import Example, write_gsm8k_jsonl
 from grpo.data.tags import get_tag_style
-from grpo.step.records import Generation
+from grpo.rollout.generation import Generation
 from grpo.tasks import resolve_task
-from grpo.tools.evaluate import evaluate, pass_at_k, run_eval_command
+from grpo.commands.eval_command import run_eval_command
+from grpo.evaluation.evaluate import evaluate, pass_at_k
 
 
 def example(question: str, answer: str | None, index: int) -> Example:

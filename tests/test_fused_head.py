@@ -182,7 +182,7 @@ def test_fused_head_by_size_when_not_set():
 def test_the_planner_sizes_the_fused_head_as_the_passes_run_it():
     # grpo memory imports no torch, so it repeats the head's chunk: it must agree with the code's
     from grpo.algorithm.head import CHUNK_ELEMENTS
-    from grpo.tools.memory import formulas
+    from grpo.commands.memory import formulas
 
     assert formulas.HEAD_CHUNK_ELEMENTS == CHUNK_ELEMENTS
     for device in ("cpu", "cuda"):  # the planner sizes the update: a pass with gradients

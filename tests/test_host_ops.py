@@ -20,8 +20,8 @@ import grpo.step.logprobs
 from grpo.models.tiny import build_qwen2
 from grpo.step.logprobs import LogprobPass, position_ids_from_mask
 from grpo.step.policy_update import LossSettings, train_on_batch
-from grpo.training.distributed import DistInfo
-from grpo.training.learners import TorchLearner
+from grpo.parallel.distributed import DistInfo
+from grpo.parallel.learners import TorchLearner
 
 N, LP, LC = 8, 6, 7  # two groups of 4 sharing their prompt
 

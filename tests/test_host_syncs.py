@@ -18,8 +18,8 @@ from grpo.data.sft_tokens import TokenizedPair
 from grpo.models.tiny import build_qwen2
 from grpo.step.policy_update import LossSettings, train_on_batch
 from grpo.step.ptx import collate
-from grpo.training.distributed import DistInfo
-from grpo.training.learners import TorchLearner
+from grpo.parallel.distributed import DistInfo
+from grpo.parallel.learners import TorchLearner
 
 
 def count_syncs(tiny_tokenizer, loss_type: str, micro_batch_size: int, monkeypatch, processing=None,
@@ -66,7 +66,7 @@ def test_no_host_sync_per_micro_batch(tiny_tokenizer, monkeypatch, loss_type, wi
     assert four == one, f"syncs with 1 micro-batch per update: {dict(one)}; with 4: {dict(four)}"
     # The learner's one sync per update (2 updates: num_iterations=2): reading the gradient norm, which
     # decides whether the update is skipped.
-    assert four["training/learners.py"] == 2, dict(four)
+    assert four["parallel/learners.py"] == 2, dict(four)
     # And the statistics come to the host once per step; the PTX loss reads nothing on the host.
     assert four["step/policy_update.py"] == 1, dict(four)
     assert "step/ptx.py" not in four and "algorithm/losses.py" not in four, dict(four)

@@ -23,8 +23,9 @@ from grpo.critic.value_model import ValueModel, completion_values
 from grpo.models.tiny import build_qwen2
 from grpo.step.logprobs import LogprobPass, completion_logprobs
 from grpo.step.policy_update import train_on_batch
-from grpo.step.records import Generation, RolloutBatch
-from grpo.training.distributed import DistInfo
+from grpo.rollout.generation import Generation
+from grpo.step.records import RolloutBatch
+from grpo.parallel.distributed import DistInfo
 
 # Rows (P = 2 prompts, G = 2): s = sampled, e = environment, . = padding.
 #   0: s s e e e s s .    two turns around a tool result

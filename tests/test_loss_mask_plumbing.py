@@ -16,7 +16,8 @@ from grpo.decoupled.wire import PROTOCOL_VERSION, WireError, batch_to_message, d
 from grpo.step.batching import concat_batches, rank_slice, select_groups
 from grpo.step.dynamic_sampling import merge_rounds
 from grpo.step.metrics import rollout_metrics
-from grpo.step.records import Generation, RolloutBatch
+from grpo.rollout.generation import Generation
+from grpo.step.records import RolloutBatch
 
 G = 2
 META = {"batch_id": "s0:0:1", "sampler_id": "s0", "policy_version": 1}

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from grpo.config import ConfigError, load_config
-from grpo.tools.memory import BUILTIN_CONFIGS, ModelShape, estimate_memory, format_table, run_memory_command
-from grpo.tools.memory.formulas import (
+from grpo.commands.memory import BUILTIN_CONFIGS, ModelShape, estimate_memory, format_table, run_memory_command
+from grpo.commands.memory.formulas import (
     activation_bytes,
     logits_bytes,
     prompts_per_micro_batch,
     shared_prompt_activation_bytes,
 )
-from grpo.tools.memory.shapes import lora_params, lora_targets
+from grpo.commands.memory.shapes import lora_params, lora_targets
 
 QWEN3B = "Qwen/Qwen2.5-3B-Instruct"
 # The seeds' setting: one GPU, bf16, gradient checkpointing, micro-batch 4 of 256 + 512 tokens.
@@ -164,7 +164,7 @@ def test_auto_engine_is_counted_as_the_engine_the_device_runs():
 
 def test_fused_lm_head_counts_one_chunk_of_logits_not_the_micro_batchs():
     # seed: micro-batch 4 x 513 positions of Qwen's 151,936 vocabulary; fused by size (null) or when set
-    from grpo.tools.memory.formulas import fused_logits_bytes, logits_bytes
+    from grpo.commands.memory.formulas import fused_logits_bytes, logits_bytes
 
     whole = estimate("model.lora_r=16", "train.fused_lm_head=false")
     fused = estimate("model.lora_r=16")
@@ -403,7 +403,7 @@ def test_critic_states_equal_the_real_value_models_weights_and_adamw_states(tiny
     # The estimate's parameter counts against a loaded grpo.critic.ValueModel after one AdamW step
     # (fp32 here: weights 4 B, m and v 4 B each per trained parameter; frozen LoRA body 4 B).
     from grpo.critic.value_model import load_value_model
-    from grpo.tools.memory.critic import critic_memory
+    from grpo.commands.memory.critic import critic_memory
 
     cfg = load_config(None, [f"model.name_or_path={tiny_model_dir}", "algorithm.advantage_estimator=gae",
                              "loss.scale_rewards=null", f"critic.lora_r={lora_r}"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_memory import _saved_bytes, _tiny
 
-from grpo.tools.memory.formulas import activation_bytes, fused_logits_bytes, sdpa_mask_keys
+from grpo.commands.memory.formulas import activation_bytes, fused_logits_bytes, sdpa_mask_keys
 
 
 def _kept_and_counts(model, shape, dtype, ids, position_ids, micro_batch, seq_len, packed):
@@ -53,7 +53,7 @@ def test_fused_head_backward_holds_four_float32_chunks(monkeypatch, dtype):
     from torch.profiler import ProfilerActivity, profile
 
     from grpo.algorithm import head as head_module
-    from grpo.tools.memory import formulas
+    from grpo.commands.memory import formulas
 
     monkeypatch.setattr(head_module, "CHUNK_ELEMENTS", 2 ** 18)
     monkeypatch.setattr(formulas, "HEAD_CHUNK_ELEMENTS", 2 ** 18)

@@ -1,5 +1,5 @@
-"""grpo.training.optim: the learning-rate schedule and the AdamW it builds (fused on CUDA only); and the torch
-learner (grpo.training.learners) that steps it."""
+"""grpo.parallel.optim: the learning-rate schedule and the AdamW it builds (fused on CUDA only); and the torch
+learner (grpo.parallel.learners) that steps it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from grpo.training.optim import lr_multiplier
+from grpo.parallel.optim import lr_multiplier
 
 
 def test_lr_schedule_shapes():
@@ -25,7 +25,7 @@ def test_lr_schedule_shapes():
 def test_adamw_is_fused_only_on_cuda():
     # Fused AdamW is a CUDA kernel: a CPU model keeps torch's default (for-each) AdamW.
     from grpo.config.schema import OptimConfig
-    from grpo.training.optim import build_optimizer
+    from grpo.parallel.optim import build_optimizer
 
     model = torch.nn.Linear(4, 4)
     optimizer = build_optimizer(model, OptimConfig(), lora=False)
@@ -36,7 +36,7 @@ def test_adamw_is_fused_only_on_cuda():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_adamw_is_fused_on_cuda_but_not_for_deepspeed():
     from grpo.config.schema import OptimConfig
-    from grpo.training.optim import build_optimizer
+    from grpo.parallel.optim import build_optimizer
 
     model = torch.nn.Linear(4, 4).cuda()
     assert build_optimizer(model, OptimConfig(), lora=False).defaults["fused"] is True
@@ -48,7 +48,7 @@ def test_adamw_is_fused_on_cuda_but_not_for_deepspeed():
 def test_torch_learner_drops_autocasts_stale_weight_copies_after_each_update():
     # Training runs inside one long bf16 autocast context (fp32 master weights); autocast caches the
     # bf16 copy of each weight and would keep serving it after the optimizer changed the weight.
-    from grpo.training.learners import TorchLearner
+    from grpo.parallel.learners import TorchLearner
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(8, 8)

@@ -9,7 +9,7 @@ from step_helpers import RecordingLearner, random_batch, settings_with
 
 from grpo.models.tiny import build_qwen2
 from grpo.step.policy_update import LossSettings, rows_by_length, train_on_batch
-from grpo.training.distributed import DistInfo
+from grpo.parallel.distributed import DistInfo
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])

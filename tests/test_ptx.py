@@ -20,7 +20,7 @@ from grpo.models.tiny import build_qwen2
 from grpo.rewards import extract_answer, is_well_formatted
 from grpo.step.policy_update import train_on_batch
 from grpo.step.ptx import PtxData, collate, ptx_nll
-from grpo.training.distributed import DistInfo
+from grpo.parallel.distributed import DistInfo
 
 PAIRS = Path(__file__).parent / "data" / "ptx_pairs.jsonl"
 SYSTEM = "Answer briefly."

@@ -1,4 +1,4 @@
-"""grpo.training.rank_failure on a real TCPStore in this process: the first failure wins and is the one every
+"""grpo.parallel.rank_failure on a real TCPStore in this process: the first failure wins and is the one every
 rank exits with; a watching rank ends when another fails, not when it fails itself; a lost store ends it too.
 (Real ranks under torchrun and DeepSpeed's launcher: tests/reliability/test_rank_failures.py.)"""
 
@@ -13,7 +13,7 @@ from transport_helpers import free_port
 
 from grpo.config import ConfigError
 from grpo.errors import EXIT_BAD_INPUT, EXIT_FAILED
-from grpo.training.rank_failure import FailureWatch, failure_status
+from grpo.parallel.rank_failure import FailureWatch, failure_status
 
 BOUND_S = 30.0  # a bound against hangs only
 

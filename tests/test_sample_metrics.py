@@ -1,4 +1,4 @@
-"""mean@n, unbiased pass@k, maj@n and bootstrap intervals (grpo.tools.sample_metrics) against hand values."""
+"""mean@n, unbiased pass@k, maj@n and bootstrap intervals (grpo.evaluation.sample_metrics) against hand values."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 
 from grpo.rewards import answers_equal
-from grpo.tools.sample_metrics import bootstrap_interval, default_ks, majority_answer, pass_at_k, sample_metrics
+from grpo.evaluation.sample_metrics import bootstrap_interval, default_ks, majority_answer, pass_at_k, sample_metrics
 
 
 @pytest.mark.parametrize("c, expected", [

@@ -18,7 +18,7 @@ from grpo.config import ConfigError, load_config
 from grpo.models.tiny import build_qwen2
 from grpo.step.experience import generation_logprobs
 from grpo.step.policy_update import LossSettings, train_on_batch
-from grpo.training.distributed import DistInfo
+from grpo.parallel.distributed import DistInfo
 
 TOL = 1e-9
 

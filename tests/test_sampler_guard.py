@@ -13,7 +13,7 @@ import torch
 from grpo.algorithm import logprob_mismatch
 from grpo.errors import OffPolicySampling
 from grpo.rollout.offpolicy_guard import check_sampler_logprobs, is_check_step
-from grpo.training.distributed import DistInfo
+from grpo.parallel.distributed import DistInfo
 
 
 def test_logprob_mismatch_is_the_masked_sum_and_count():

@@ -23,7 +23,7 @@ from grpo.step.experience import generation_logprobs
 from grpo.step.logprobs import completion_logprobs
 from grpo.step.policy_update import train_on_batch
 from grpo.step.records import RolloutBatch
-from grpo.training.distributed import DistInfo
+from grpo.parallel.distributed import DistInfo
 
 ENGINES = [LeanEngine, StaticEngine, HFEngine]  # hf, hf-static (eager decode_graph on a CPU), hf-generate
 

@@ -1,4 +1,4 @@
-"""Every rank must see the run folder rank 0 claimed (grpo.training.setup.check_shared_run_folder): two real
+"""Every rank must see the run folder rank 0 claimed (grpo.training.prepare.check_shared_run_folder): two real
 ranks, the second in its own mount namespace with an empty tmpfs over the folder, as a node without the
 shared filesystem would be."""
 
@@ -16,8 +16,8 @@ RANK_SCRIPT = """
 import sys
 from pathlib import Path
 from grpo.config import ConfigError
-from grpo.training.distributed import init_distributed, shutdown
-from grpo.training.setup import check_shared_run_folder
+from grpo.parallel.distributed import init_distributed, shutdown
+from grpo.training.prepare import check_shared_run_folder
 info = init_distributed("cpu", timeout_s=60)
 try:
     check_shared_run_folder(Path(sys.argv[1]), info)

@@ -10,8 +10,8 @@ import statistics
 import pytest
 
 from grpo.step.metrics import reduce_updates, spread_metrics
-from grpo.tools.eval_scoring import length_metrics
-from grpo.tools.sample_metrics import sample_std
+from grpo.evaluation.scoring import length_metrics
+from grpo.evaluation.sample_metrics import sample_std
 
 
 def rank_update(loss, low, high, region, units, low_min, high_max, norm=1.0):

@@ -25,7 +25,8 @@ from grpo.decoupled.wire import (
     pack_bytes,
     unpack_bytes,
 )
-from grpo.step.records import Generation, RolloutBatch
+from grpo.rollout.generation import Generation
+from grpo.step.records import RolloutBatch
 
 MAX = 1 << 20
 META = {"batch_id": "s0:0:7", "sampler_id": "s0", "policy_version": 3, "step": 12, "seed": [1, 2], "note": None}

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from grpo.training.learners import _buckets, zero3_full_state_dict
+from grpo.parallel.learners import _buckets, zero3_full_state_dict
 
 deepspeed = pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
 

@@ -14,7 +14,8 @@ import torch
 import zmq
 
 from grpo.decoupled.transport import RolloutReceiver, RolloutSender
-from grpo.step.records import Generation, RolloutBatch
+from grpo.rollout.generation import Generation
+from grpo.step.records import RolloutBatch
 
 ANY_PORT = "tcp://127.0.0.1:*"
 WAIT = 10.0  # upper bound of any wait that should finish in milliseconds

@@ -8,7 +8,7 @@ from grpo.cli import main
 code = main()
 if int(os.environ.get("WORLD_SIZE", "1")) > 1:
     # A torchrun rank whose work is done and flushed exits without tearing down its process groups and
-    # DDP wrappers: their destructors can deadlock on the GIL (grpo.training.distributed.keep_until_exit).
+    # DDP wrappers: their destructors can deadlock on the GIL (grpo.parallel.distributed.keep_until_exit).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code or 0)

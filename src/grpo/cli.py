@@ -3,7 +3,7 @@
 Exit status (``grpo.errors``): 0 on success, 2 on a configuration or input error (message on stderr; a checkpoint
 that cannot be loaded counts as input), 1 when training cannot go on (aborted, a peer timed out, the disk failed),
 130 on Ctrl-C. On N ranks every rank exits with the status of the first rank that failed
-(``grpo.training.rank_failure``).
+(``grpo.parallel.rank_failure``).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from grpo.tools.evaluate import run_eval_command
+    from grpo.commands.eval_command import run_eval_command
 
     run_eval_command(args.model, data=args.data, split=args.split, limit=args.limit, samples=args.samples,
                      temperature=args.temperature, output=args.output, batch_size=args.batch_size,
@@ -132,7 +132,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
-    from grpo.tools.chat import run_chat
+    from grpo.commands.chat import run_chat
 
     run_chat(args.model, prompt=args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
              device=args.device, system_prompt=args.system_prompt, base_model=args.base_model, dtype=args.dtype,
@@ -141,7 +141,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from grpo.tools.export import export_model
+    from grpo.commands.export import export_model
 
     print(export_model(args.checkpoint, args.out_dir, dtype=args.dtype, overwrite=args.overwrite,
                        base_model=args.base_model))
@@ -149,7 +149,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_memory(args: argparse.Namespace) -> int:
-    from grpo.tools.memory import run_memory_command
+    from grpo.commands.memory import run_memory_command
 
     return run_memory_command(args.config, args.overrides, gpus=args.gpus, gpu_gb=args.gpu_gb,
                               json_output=args.json, mixed_precision=args.mixed_precision,
@@ -330,9 +330,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _rank_failure_watch():
-    """The process group's failure watch (``grpo.training.rank_failure``) while this process is one of several
+    """The process group's failure watch (``grpo.parallel.rank_failure``) while this process is one of several
     ranks; looked up, not imported (torch), as a process that never imported it has none."""
-    module = sys.modules.get("grpo.training.rank_failure")
+    module = sys.modules.get("grpo.parallel.rank_failure")
     return module.current_watch() if module is not None else None
 
 

@@ -189,7 +189,7 @@ def test_grpos_own_data_without_reward_funcs_gets_the_tasks_rewards(tiny_model_d
         seen.update(kwargs)
         raise StopIteration  # enough: the call's arguments are what this test reads
 
-    monkeypatch.setattr("grpo.training.evaluation.evaluate_records", recording_evaluate)
+    monkeypatch.setattr("grpo.training.evaluator.evaluate_records", recording_evaluate)
     trainer = GRPOTrainer(str(tiny_model_dir), args=args_for(tmp_path / "run", grpo_overrides=kk))
     with pytest.raises(StopIteration):
         trainer.evaluate(rows(2))
@@ -197,7 +197,7 @@ def test_grpos_own_data_without_reward_funcs_gets_the_tasks_rewards(tiny_model_d
 
 
 def test_evaluate_scores_as_a_run_does_with_samples_rewards_and_named_sets(tiny_model_dir, tmp_path):
-    """evaluate() before training is the run's evaluation (grpo.training.evaluation): greedy accuracy, the
+    """evaluate() before training is the run's evaluation (grpo.training.evaluator): greedy accuracy, the
     rewards' means and stds, lengths and, with eval.num_samples, pass@k, for each named set, under TRL's names."""
     trainer = GRPOTrainer(str(tiny_model_dir), reward_funcs=[digit_reward, length_reward], train_dataset=rows(),
                           eval_dataset={"easy": rows(4), "more": rows(6)},

@@ -74,7 +74,7 @@ def test_tools_with_a_system_message_train_and_prompt_lengths_count_both(tmp_pat
 
 
 def test_start_up_measures_a_few_prompts_and_a_sampled_one_too_long_fails_before_its_update(tmp_path, monkeypatch):
-    import grpo.api.prompts as prompts
+    import grpo.api.prompt_lengths as prompts
 
     measured = []
     real = prompts.rendered_length

@@ -100,8 +100,8 @@ def _ddp_rank(rank: int, port: int, model_dir: str, out: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from grpo.step.policy_update import train_on_batch
-    from grpo.training.distributed import DistInfo, keep_until_exit
-    from grpo.training.learners import TorchLearner
+    from grpo.parallel.distributed import DistInfo, keep_until_exit
+    from grpo.parallel.learners import TorchLearner
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -116,7 +116,7 @@ def _ddp_rank(rank: int, port: int, model_dir: str, out: str) -> None:
     save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, Path(out) / f"rank{rank}.safetensors")
     dist.barrier()
     # As a torchrun rank of `python -m grpo` does: exit without tearing the DDP wrapper and its gloo group
-    # down, whose destructors can deadlock on the GIL (grpo.training.distributed.keep_until_exit; this test hung
+    # down, whose destructors can deadlock on the GIL (grpo.parallel.distributed.keep_until_exit; this test hung
     # there once, a rank stuck in ~ProcessGroupGloo under the Reducer's dealloc as the rank returned).
     sys.stdout.flush()
     sys.stderr.flush()

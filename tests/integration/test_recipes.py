@@ -28,8 +28,8 @@ from grpo.config import load_config
 from grpo.data import generate_problems, write_gsm8k_jsonl
 from grpo.data.locations import looks_like_hub_id
 from grpo.models.tiny import build_qwen2
-from grpo.tools.memory.shapes import load_model_config
-from grpo.training.evaluation import eval_sources
+from grpo.commands.memory.shapes import load_model_config
+from grpo.training.evaluator import eval_sources
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

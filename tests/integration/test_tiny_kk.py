@@ -113,7 +113,7 @@ def test_shipped_model_reproduces_its_reported_greedy_accuracy():
 
     from grpo.data import load_dataset_source
     from grpo.tasks import resolve_task
-    from grpo.tools.evaluate import evaluate
+    from grpo.evaluation.evaluate import evaluate
 
     report = json.loads((ASSET / "build_report.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(ASSET, dtype=torch.float32)

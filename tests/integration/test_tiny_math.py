@@ -94,7 +94,7 @@ def test_shipped_model_reproduces_its_reported_greedy_accuracy(shipped):
     # Greedy decoding is deterministic: the first 100 held-out problems must score what the report's
     # per-example accuracy implies for them, within a few problems (CPU kernels may flip a tie).
     from grpo.data import load_dataset_source
-    from grpo.tools.evaluate import evaluate
+    from grpo.evaluation.evaluate import evaluate
 
     model, tokenizer = shipped
     report = json.loads((ASSET / "build_report.json").read_text())

@@ -16,7 +16,7 @@ from grpo.multiturn.driver import MultiTurnRollout
 from grpo.multiturn.environments import Environments
 from grpo.rollout.engine import SamplingParams, completion_mask_from_ids
 from grpo.rollout.hf import left_pad
-from grpo.step.records import Generation
+from grpo.rollout.generation import Generation
 
 
 def qwen25_template() -> str:

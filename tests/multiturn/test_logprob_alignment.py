@@ -17,7 +17,7 @@ from grpo.models.tiny import build_qwen2
 from grpo.multiturn.driver import MultiTurnRollout
 from grpo.rollout.engine import SamplingParams
 from grpo.step.logprobs import LogprobPass
-from grpo.training.distributed import DistInfo
+from grpo.parallel.distributed import DistInfo
 
 
 class RecordingEngine(ScriptedEngine):

@@ -153,7 +153,7 @@ def test_no_reward_at_all_is_a_configuration_error_naming_both_sources(tmp_path,
         "calc_env_for_test", "calc_env_no_reward"))
     assert main(["train", str(recipe)]) == 2
     from grpo.config import load_config
-    from grpo.multiturn.setup import turn_spec
+    from grpo.multiturn.wiring import turn_spec
 
     with pytest.raises(ConfigError, match="define no get_reward"):
         turn_spec(load_config(recipe)).with_environment_rewards([], [])

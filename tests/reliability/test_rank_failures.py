@@ -1,4 +1,4 @@
-"""One rule for a failure on N ranks (grpo.training.rank_failure), with real launchers and two ranks: the failure
+"""One rule for a failure on N ranks (grpo.parallel.rank_failure), with real launchers and two ranks: the failure
 of one rank reaches the other within seconds, every rank stops, and the first error is printed once, naming its
 rank and host. Before, an error on rank 0 of the decoupled trainer left rank 1 waiting in the step's broadcast
 (and rank 0 in shutdown's barrier) for the collective timeout, printing nothing.

@@ -174,7 +174,7 @@ def test_trls_own_rewards_run_unchanged():
 
 def test_a_logged_metric_that_would_overwrite_one_of_grpos_is_an_error():
     from grpo.step.metrics import reward_logged_metrics
-    from grpo.training.distributed import DistInfo
+    from grpo.parallel.distributed import DistInfo
 
     with pytest.raises(RewardError, match=r"log_metric used the names \['loss'\], which grpo logs itself"):
         reward_logged_metrics({"loss": 1.0, "judge/s": 2.0}, {"loss", "kl"}, DistInfo())

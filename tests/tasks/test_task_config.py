@@ -184,7 +184,7 @@ def test_every_role_renders_and_loads_through_the_task(decoupled_sampler, monkey
     task's system prompt, and ``load_data`` (both roles' data) reads through the task's own loader."""
     from grpo.tasks import resolve_task
     from grpo.training.settings import experience_settings
-    from grpo.training.setup import load_data
+    from grpo.training.prepare import load_data
 
     def settings(*overrides):
         cfg = load_config(None, ["data.train=kk:seed=1,n=4,people=2", *overrides])

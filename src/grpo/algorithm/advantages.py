@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from grpo.algorithm.registry import lookup
+from grpo.algorithm.lookup import lookup
 
 
 def _scale_group(centred: Tensor, grouped: Tensor, eps: float) -> Tensor:

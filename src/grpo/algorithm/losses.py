@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from grpo.algorithm.clipping import clip_counts
-from grpo.algorithm.registry import lookup
+from grpo.algorithm.lookup import lookup
 
 
 def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:

@@ -287,7 +287,7 @@ TRL_EVAL_NAMES = {
 
 def trl_eval_metrics(metrics: dict[str, float], reward_names: list[str], examples: int, batch_size: int,
                      prefix: str = "eval") -> dict[str, float]:
-    """An evaluation's ``eval/*`` metrics (``grpo.training.evaluation.eval_metrics``; ``time/eval_s`` its seconds)
+    """An evaluation's ``eval/*`` metrics (``grpo.training.evaluator.eval_metrics``; ``time/eval_s`` its seconds)
     under the names TRL's evaluation loop logs: ``{prefix}_reward``, ``{prefix}_reward_std``,
     ``{prefix}_rewards/<fn>/mean|std``, ``{prefix}_completions/*``, ``{prefix}_runtime``,
     ``{prefix}_samples_per_second`` / ``_steps_per_second`` (``examples`` rows in batches of ``batch_size``, as

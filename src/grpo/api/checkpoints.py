@@ -14,7 +14,7 @@ TRAINER_STATE_FILE = "trainer_state.json"  # transformers' TrainerState, beside 
 
 def resumed_checkpoint(resume: bool | str | Path | None, cfg: RunConfig) -> Path | None:
     """The checkpoint folder ``train(resume_from_checkpoint=resume)`` continues from; None: a new run."""
-    from grpo.training.setup import run_layout
+    from grpo.training.prepare import run_layout
 
     if resume is None or resume is False:
         return None

@@ -21,7 +21,7 @@ from grpo.api.callbacks import CallbackHooks, trl_eval_metrics
 from grpo.api.checkpoints import TRAINER_STATE_FILE, resumed_checkpoint
 from grpo.api.datasets import to_examples
 from grpo.api.mapping import batch_shape, grpo_steps, to_run_config
-from grpo.api.prompts import check_longest, context_length, explainer, prompt_limit
+from grpo.api.prompt_lengths import check_longest, context_length, explainer, prompt_limit
 from grpo.api.rewards import build_reward_functions, reward_name
 from grpo.data import DataError, PromptTooLong
 
@@ -130,7 +130,7 @@ class GRPOTrainer(TrainerAttributes):
                                     rewards=None if config_rewards else self._reward_specs(),
                                     rollout=self._turn_keys())
         if config_rewards:
-            from grpo.training.setup import build_rewards
+            from grpo.training.prepare import build_rewards
 
             self.reward_fns, self.reward_weights = build_rewards(self.config)
         sets = {"train_dataset": self.train_set or [], **self.eval_sets}
@@ -284,16 +284,16 @@ class GRPOTrainer(TrainerAttributes):
 
     def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """grpo's held-out evaluation of the model as it is now, the way a run evaluates
-        (``grpo.training.evaluation``): greedy answer accuracy and format rate, the rewards' means, and with
+        (``grpo.training.evaluator``): greedy answer accuracy and format rate, the rewards' means, and with
         ``eval.num_samples`` k (``grpo_overrides``) mean@k / pass@k / maj@k, through the run's engine (multi-turn
         with tools or environments). Under TRL's names (``grpo.api.callbacks.trl_eval_metrics``: ``{prefix}_reward``,
         ``{prefix}_rewards/<fn>/mean``, ``{prefix}_completions/mean_length``, ``{prefix}_runtime``, ...) beside
         grpo's own (``{prefix}_accuracy``; ``{prefix}_{name}_...`` for a dict of sets); logged (``on_log``) and
         ``on_evaluate``, as Trainer.evaluate."""
-        from grpo.multiturn.setup import with_turns
+        from grpo.multiturn.wiring import with_turns
         from grpo.rollout.build import evaluation_engine
-        from grpo.training.distributed import DistInfo
-        from grpo.training.evaluation import eval_metrics, run_evaluator
+        from grpo.parallel.distributed import DistInfo
+        from grpo.training.evaluator import eval_metrics, run_evaluator
         from grpo.training.inputs import tokenizer_and_data
 
         sets = _eval_sets(eval_dataset, not self.args.remove_unused_columns) if eval_dataset is not None \

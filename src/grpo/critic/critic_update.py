@@ -17,9 +17,9 @@ from grpo.config import RunConfig
 from grpo.critic.value_model import ValueModel, completion_values, load_value_model
 from grpo.step.policy_update import rows_by_length
 from grpo.step.records import RolloutBatch
-from grpo.training.distributed import DistInfo
-from grpo.training.learners import Learner, build_learner
-from grpo.training.optim import build_optimizer, build_scheduler
+from grpo.parallel.distributed import DistInfo
+from grpo.parallel.learners import Learner, build_learner
+from grpo.parallel.optim import build_optimizer, build_scheduler
 
 
 @dataclass

@@ -23,13 +23,13 @@ from grpo.decoupled.link_settings import config_fingerprint, max_message_bytes, 
 from grpo.decoupled.rendezvous import is_wildcard, read_trainer_address, split_tcp
 from grpo.decoupled.weight_sync import ReceivedWeights, is_broadcast
 from grpo.decoupled.transport import PeerClosed, PeerTimeout, RolloutSender
-from grpo.multiturn.setup import turn_spec, with_turns
+from grpo.multiturn.wiring import turn_spec, with_turns
 from grpo.models.loading import load_policy, load_reference, load_tokenizer, resolve_device
 from grpo.rollout.build import build_engine, holds_own_weights
 from grpo.step.experience import local_reference, rank_experience
 from grpo.step.records import RolloutBatch
 from grpo.training.settings import dynamic_rounds, experience_settings, logprob_pass, logprob_processing
-from grpo.training.setup import build_rewards, load_data
+from grpo.training.prepare import build_rewards, load_data
 from grpo.weight_store import WeightStore, apply_to_model
 from grpo.weight_store.broadcast import WeightBroadcast
 

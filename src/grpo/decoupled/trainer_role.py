@@ -23,7 +23,7 @@ from grpo.decoupled.link_settings import config_fingerprint, max_message_bytes, 
 from grpo.decoupled.transport import IncomingBatch, PeerTimeout
 from grpo.decoupled.wire import batch_to_message, decode, encode, message_to_batch, pack_bytes, unpack_bytes
 from grpo.models.loading import check_memory_savers, compute_context, load_policy, load_tokenizer, uses_autocast
-from grpo.multiturn.setup import with_turns
+from grpo.multiturn.wiring import with_turns
 from grpo.rollout.build import evaluation_engine
 from grpo.run.best import BestMetric
 from grpo.run.progress import LineProgress
@@ -32,13 +32,14 @@ from grpo.decoupled.rendezvous import advertised_address, publish_trainer_addres
 from grpo.decoupled.weight_sync import BroadcastPublisher
 from grpo.decoupled.work_plan import Chunk, WorkPlan, chunk_of
 from grpo.step.batching import concat_batches, rank_slice
-from grpo.training.distributed import DistInfo, barrier, shutdown
-from grpo.training.evaluation import RunEvaluator, eval_sources, run_evaluator
+from grpo.parallel.distributed import DistInfo, barrier, shutdown
+from grpo.training.evaluator import RunEvaluator, eval_sources, run_evaluator
 from grpo.training.inputs import GivenInputs, tokenizer_and_data
 from grpo.training.loop import Collected, Loop, PolicyUpdate, run_loop
 from grpo.tasks import run_task
 from grpo.training.settings import logprob_processing, loop_schedule, loss_settings
-from grpo.training.setup import build_trainable, load_ptx_data, open_run, start_process
+from grpo.parallel.trainable import build_trainable
+from grpo.training.prepare import load_ptx_data, open_run, start_process
 from grpo.weight_store.broadcast import WeightBroadcast
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ def publish_weights(store, trainable, version: int, keep: int, info: DistInfo, p
     """Write weights ``version`` (rank 0; gathered from every rank first under ZeRO-3); returns the path to
     announce. With a ``BroadcastPublisher`` (rank 0, ``decoupled.weight_sync: broadcast``) full weights are
     broadcast to the samplers first (``grpo.decoupled.weight_sync``)."""
-    from grpo.training.learners import zero3_full_state_dict
+    from grpo.parallel.learners import zero3_full_state_dict
     from grpo.weight_store import state_dict_for_publish
 
     gathered = zero3_full_state_dict(trainable.learner)  # a collective under ZeRO-3

@@ -28,7 +28,7 @@ from grpo.multiturn.tool_calls import TOOL_CALL_FORMATS, ToolCall, detect_format
 from grpo.multiturn.tools import PendingCall, Toolbox, ToolOutcome
 from grpo.rollout.engine import PrefixCachingEngine, SamplingParams, TokenIdsEngine
 from grpo.rollout.hf import left_pad
-from grpo.step.records import Generation
+from grpo.rollout.generation import Generation
 
 
 def environment_row(example) -> dict:

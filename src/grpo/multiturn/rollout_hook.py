@@ -21,7 +21,7 @@ import torch
 from grpo.multiturn.driver import TurnsResult
 from grpo.rollout.engine import SamplingParams
 from grpo.rollout.hf import left_pad
-from grpo.step.records import Generation
+from grpo.rollout.generation import Generation
 
 REQUIRED = ("prompt_ids", "completion_ids", "logprobs")
 

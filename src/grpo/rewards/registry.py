@@ -22,7 +22,7 @@ import inspect
 from typing import Any
 
 from grpo.data.tags import TagStyle
-from grpo.rewards import builtin
+from grpo.rewards import builtin_rewards
 from grpo.rewards.remote import make_remote_reward
 from grpo.rewards.reward_model import make_model_reward
 from grpo.rewards.signature import RewardCallable, RewardFactory, named
@@ -37,13 +37,13 @@ def make_kk_logic(tag_style: TagStyle | str = "think") -> RewardCallable:
 
 
 REWARD_REGISTRY: dict[str, RewardFactory] = {
-    "answer_correct": builtin.make_answer_correct,
-    "format_think_answer": builtin.make_format_think_answer,
-    "xmlcount": builtin.make_xmlcount,
-    "soft_format": builtin.make_soft_format,
-    "strict_format": builtin.make_strict_format,
-    "int_answer": builtin.make_int_answer,
-    "correctness": builtin.make_correctness,
+    "answer_correct": builtin_rewards.make_answer_correct,
+    "format_think_answer": builtin_rewards.make_format_think_answer,
+    "xmlcount": builtin_rewards.make_xmlcount,
+    "soft_format": builtin_rewards.make_soft_format,
+    "strict_format": builtin_rewards.make_strict_format,
+    "int_answer": builtin_rewards.make_int_answer,
+    "correctness": builtin_rewards.make_correctness,
     "kk_logic": make_kk_logic,
     "model": make_model_reward,
     "remote": make_remote_reward,

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from grpo.algorithm.registry import lookup
+from grpo.algorithm.lookup import lookup
 from grpo.config import ConfigError, RunConfig
 from grpo.rollout.engine import OwnWeightsEngine, RolloutEngine
 from grpo.config.device_defaults import AUTO, resolve_engine_name

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 import torch
 from torch import Tensor
 
-from grpo.step.records import Generation
+from grpo.rollout.generation import Generation
 
 if TYPE_CHECKING:
     from grpo.weight_store.layout import LoadedWeights

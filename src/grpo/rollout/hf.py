@@ -11,7 +11,7 @@ from torch import Tensor
 from grpo.compat import generate_repetition_penalty
 from grpo.models.wrappers import eos_token_ids, unwrap_model
 from grpo.rollout.engine import SamplingParams, completion_mask_from_ids
-from grpo.step.records import Generation
+from grpo.rollout.generation import Generation
 
 
 @contextmanager

@@ -28,7 +28,7 @@ from grpo.rollout.engine import SamplingParams, completion_mask_from_ids
 from grpo.rollout.hf import eval_mode, left_pad
 from grpo.rollout.prefill import prefill
 from grpo.rollout.prefix_cache import CachedTurns, PrefixCache, cached_turns
-from grpo.step.records import Generation
+from grpo.rollout.generation import Generation
 
 
 def folded_lora_weights(model: torch.nn.Module) -> dict[str, Tensor] | None:

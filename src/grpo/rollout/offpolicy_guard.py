@@ -21,7 +21,7 @@ from torch import Tensor
 
 from grpo.algorithm import logprob_mismatch
 from grpo.errors import OffPolicySampling
-from grpo.training.distributed import DistInfo, all_reduce_sum
+from grpo.parallel.distributed import DistInfo, all_reduce_sum
 
 
 def is_check_step(step: int, every: int, first_step: int = 1) -> bool:

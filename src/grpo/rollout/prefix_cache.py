@@ -26,7 +26,7 @@ from typing import Iterator, Sequence
 from torch import Tensor
 
 from grpo.rollout.engine import SamplingParams
-from grpo.step.records import Generation
+from grpo.rollout.generation import Generation
 
 
 @dataclass

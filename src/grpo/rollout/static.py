@@ -53,7 +53,7 @@ from grpo.rollout.lean import apply_processors, assemble_generation, filter_logi
 from grpo.rollout.prefill import prefill
 from grpo.rollout.prefix_cache import CachedTurns, PrefixCache, cached_turns
 from grpo.rollout.sampling_copy import SamplingCopy
-from grpo.step.records import Generation
+from grpo.rollout.generation import Generation
 
 CACHE_BUCKET = 128  # cache lengths rounded up to this: steps with slightly different prompt widths reuse shapes
 DECODE_GRAPHS = ("cuda-graph", "compile", "eager")

@@ -3,7 +3,7 @@
 Data flow: rendered prompts are tokenized with the run's HF tokenizer (so prompt ids are exactly the
 trainer's; ``generate_ids`` takes ids directly, for multi-turn rows), the ids go to ``vllm.LLM.generate`` as ``{"prompt_token_ids": ...}`` with one
 ``vllm.SamplingParams`` whose fields map one to one from ours (n, temperature, top_p, top_k,
-max_tokens, seed), and the ``RequestOutput`` objects come back as a ``grpo.step.records.Generation``
+max_tokens, seed), and the ``RequestOutput`` objects come back as a ``grpo.rollout.generation.Generation``
 (rows grouped per prompt, completions right-padded with the pad id).
 
 Log-probs: vLLM also returns the sampler's log-prob of each sampled token (the generation's ``sampler_logprobs``, [N, Lc]),
@@ -58,7 +58,7 @@ from torch import Tensor
 
 from grpo.rollout.engine import SamplingParams
 from grpo.rollout.hf import left_pad
-from grpo.step.records import Generation
+from grpo.rollout.generation import Generation
 from grpo.weight_store.layout import LoadedWeights, WeightStoreError
 
 INSTALL_HINT = ("vLLM is not installed: `pip install 'grpo[vllm]'` on a GPU machine, or `make test-vllm` here "

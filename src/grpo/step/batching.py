@@ -9,7 +9,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from grpo.step.records import Generation, RolloutBatch
+from grpo.rollout.generation import Generation
+from grpo.step.records import RolloutBatch
 
 
 def _pad(tensors: list[Tensor], width: int, value, left: bool) -> Tensor:

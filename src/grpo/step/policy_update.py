@@ -1,6 +1,6 @@
 """The learner's half of a step: the clipped-surrogate update over a rollout batch in micro-batches with
 gradient accumulation (plus the PTX micro-batch, if any); the optimizer and schedule it steps are
-``grpo.training.optim``'s."""
+``grpo.parallel.optim``'s."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from grpo.config.device_defaults import pass_defaults
 from grpo.step.logprobs import DEVICE_DEFAULT_PASS, LogprobPass, completion_logprobs
 from grpo.step.ptx import ptx_nll
 from grpo.step.records import RolloutBatch, SftBatch, StepUpdate, UpdateStats
-from grpo.training.distributed import DistInfo, all_reduce_sum
-from grpo.training.learners import Learner
+from grpo.parallel.distributed import DistInfo, all_reduce_sum
+from grpo.parallel.learners import Learner
 
 
 @dataclass(frozen=True)

@@ -11,47 +11,6 @@ from torch import Tensor
 
 
 @dataclass
-class Generation:
-    """What a rollout engine returns for a batch of prompts, ``N = P * G`` rows.
-
-    prompt_ids:      [N, Lp] long, left-padded with the pad id.
-    prompt_mask:     [N, Lp] long, 1 for real prompt tokens.
-    completion_ids:  [N, Lc] long, right-padded with the pad id (Lc <= max_completion_length).
-    completion_mask: [N, Lc] long, 1 for tokens up to and including the first EOS, 0 after it.
-    truncated:       [N] bool, True when no EOS was produced within max_completion_length.
-    completions:     N decoded completion texts (special tokens removed).
-    sampler_logprobs: [N, Lc] float32 the engine's own log-prob of each sampled token (0 on padding), from
-                     an engine whose weights are not the trainer's (vLLM); None when it samples from the
-                     policy itself. ``sample_and_score`` carries it into ``RolloutBatch.sampler_logprobs``.
-                     In a multi-turn row it is 0 on the environment's tokens (nothing sampled them).
-    loss_mask:       [N, Lc] long, 1 on the tokens the model sampled (the actions), 0 on tokens the environment
-                     inserted (tool results, an environment's turns) and on padding; always <= completion_mask.
-                     None for single-turn rows: every real completion token was sampled (``sampled_mask``).
-                     Environment tokens stay in completion_ids and completion_mask: they are context that
-                     every log-prob pass sees, never a term of the loss, the KL, the entropy or a length.
-    messages:        N completions as chat messages (assistant turns with their ``tool_calls``, ``tool``
-                     messages), as TRL passes multi-turn completions to rewards; None for single-turn rows.
-    rollout_metrics: name -> mean over the rows, from the multi-turn driver (``tools/calls_per_completion``...).
-    """
-
-    prompt_ids: Tensor
-    prompt_mask: Tensor
-    completion_ids: Tensor
-    completion_mask: Tensor
-    truncated: Tensor
-    completions: list[str]
-    sampler_logprobs: Tensor | None = None
-    loss_mask: Tensor | None = None
-    messages: list[list[dict]] | None = None
-    rollout_metrics: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def sampled_mask(self) -> Tensor:
-        """[N, Lc] long: 1 on the tokens that carry the loss (``loss_mask``, or ``completion_mask`` when single-turn)."""
-        return self.completion_mask if self.loss_mask is None else self.loss_mask
-
-
-@dataclass
 class RolloutBatch:
     """One step's training data: a ``Generation`` scored and ready for the loss.
 

@@ -1,2 +1,3 @@
-"""How a run is driven: setup from the config, the loop skeleton both modes share, the colocated loop,
-the learner (torch/DDP or DeepSpeed), ranks, and the guards against NaN steps and badly timed Ctrl-C."""
+"""How a run is assembled and driven: setup from the config (``prepare``), the loop skeleton both modes share
+(``loop``), the colocated loop, evaluation during training (``evaluator``), resume, and the guards against NaN
+steps and badly timed Ctrl-C."""

@@ -20,21 +20,22 @@ from grpo.config import RunConfig
 from grpo.critic import build_critic, generation_values
 from grpo.data.prompt_sampler import PromptSampler
 from grpo.models.loading import check_memory_savers, compute_context, load_reference
-from grpo.multiturn.setup import with_turns
+from grpo.multiturn.wiring import with_turns
 from grpo.rollout.build import build_engine, check_engine_available, holds_own_weights, push_policy_weights
 from grpo.rollout.offpolicy_guard import check_sampler_logprobs, is_check_step
 from grpo.run.best import BestMetric
 from grpo.run.progress import StepProgress
 from grpo.run.run_dir import check_output_dir
 from grpo.step.experience import ExperienceSettings, generation_logprobs, local_reference, rank_experience
-from grpo.training.distributed import shutdown
+from grpo.parallel.distributed import shutdown
 from grpo.tasks import run_task
-from grpo.training.evaluation import primary_result, run_evaluator
+from grpo.training.evaluator import primary_result, run_evaluator
 from grpo.training.loop import Collected, Loop, PolicyUpdate, run_loop
 from grpo.training.settings import (critic_settings, dynamic_rounds, experience_settings, logprob_pass,
                                     logprob_processing, loop_schedule, loss_settings, needs_critic)
 from grpo.training.inputs import GivenInputs, policy_for, tokenizer_and_data
-from grpo.training.setup import build_trainable, load_ptx_data, open_run, start_process
+from grpo.parallel.trainable import build_trainable
+from grpo.training.prepare import load_ptx_data, open_run, start_process
 
 
 @dataclass

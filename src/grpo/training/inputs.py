@@ -11,9 +11,9 @@ import torch
 
 from grpo.config import RunConfig
 from grpo.models.loading import load_policy, load_tokenizer, policy_dtype, prepare_policy, uses_autocast
-from grpo.multiturn.setup import TurnSpec, turn_spec
+from grpo.multiturn.wiring import TurnSpec, turn_spec
 from grpo.training.loop import LoopHooks
-from grpo.training.setup import build_rewards, load_data
+from grpo.training.prepare import build_rewards, load_data
 
 
 @dataclass
@@ -51,11 +51,11 @@ class RunInputs:
 
     tokenizer: object
     train_set: list
-    eval_sets: dict[str, list]  # {set name: examples}; "" the one unnamed set (grpo.training.evaluation)
+    eval_sets: dict[str, list]  # {set name: examples}; "" the one unnamed set (grpo.training.evaluator)
     reward_fns: list
     reward_weights: list[float]
     hooks: LoopHooks
-    turns: TurnSpec  # tools, environments, a rollout hook (``grpo.multiturn.setup.with_turns`` wraps the engine)
+    turns: TurnSpec  # tools, environments, a rollout hook (``grpo.multiturn.wiring.with_turns`` wraps the engine)
 
 
 def tokenizer_and_data(cfg: RunConfig, given: GivenInputs) -> RunInputs:

@@ -16,7 +16,7 @@ from grpo.rollout import SamplingParams
 from grpo.step.experience import ExperienceSettings, GaeSettings
 from grpo.step.logprobs import LogprobPass
 from grpo.step.policy_update import LossSettings
-from grpo.training.evaluation import eval_sources, primary_metric
+from grpo.training.evaluator import eval_sources, primary_metric
 from grpo.training.loop import Schedule
 
 

@@ -10,7 +10,8 @@ import torch
 from torch import Tensor
 
 from grpo.decoupled.wire.messages import FIELD_TYPES, KINDS, Message, WireError, _check_fields
-from grpo.step.records import Generation, RolloutBatch
+from grpo.rollout.generation import Generation
+from grpo.step.records import RolloutBatch
 
 # name -> (what the dtype must be, accepted dtypes, dims); dims name N (rows), Lp, Lc, F (reward functions)
 _INTEGER = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})

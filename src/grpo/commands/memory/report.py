@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from grpo.tools.memory.estimate import COMPONENTS, MemoryEstimate, estimate_memory
+from grpo.commands.memory.estimate import COMPONENTS, MemoryEstimate, estimate_memory
 
 
 def format_table(estimate: MemoryEstimate) -> str:

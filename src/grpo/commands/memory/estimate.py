@@ -1,6 +1,6 @@
 """Peak memory per device of a run's config: model states, activations, logits, reference, KV cache.
 
-A step has three phases whose transients never overlap (four with PPO's critic, ``grpo.tools.memory.critic``; one
+A step has three phases whose transients never overlap (four with PPO's critic, ``grpo.commands.memory.critic``; one
 more with the PTX loss, ``ptx_update_bytes``): the rollout (sampling with a KV cache, then
 no-grad reference/old log-probs), the update (forward and backward of each micro-batch, gradients
 accumulating), and the optimizer step. The peak is the largest phase plus the CUDA allowance. The
@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass, field, replace
 from grpo.config import ConfigError, RunConfig
 from grpo.config.rules import ptx_max_length
 from grpo.config.device_defaults import pass_defaults, resolve_engine_name
-from grpo.tools.memory.critic import critic_memory
-from grpo.tools.memory.formulas import (
+from grpo.commands.memory.critic import critic_memory
+from grpo.commands.memory.formulas import (
     LORA_BYTES,
     activation_bytes,
     autocast_extra_bytes,
@@ -43,8 +43,8 @@ from grpo.tools.memory.formulas import (
     sdpa_mask_keys,
     shared_prompt_activation_bytes,
 )
-from grpo.tools.memory.shapes import ModelShape, load_model_config, lora_targets
-from grpo.tools.memory.states import DeepSpeedSettings, ModelStates, _count, model_states, read_deepspeed  # noqa: F401
+from grpo.commands.memory.shapes import ModelShape, load_model_config, lora_targets
+from grpo.commands.memory.states import DeepSpeedSettings, ModelStates, _count, model_states, read_deepspeed  # noqa: F401
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -300,7 +300,7 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
         phases["ptx_update"] = persistent + states.gradients + ptx
         notes.append(f"{ptx_how}: {_gb(ptx):.2f} GB in its own phase, after the policy's micro-batches")
     # grpo's torch AdamW is per tensor on the CPU (a sqrt(v) of the largest tensor at a time) and fused on
-    # CUDA (grpo.training.optim.build_optimizer: in place, no temporaries; the foreach one it replaced took a
+    # CUDA (grpo.parallel.optim.build_optimizer: in place, no temporaries; the foreach one it replaced took a
     # sqrt(v) of every tensor at once, which was the H200 check's optimizer-step peak). DeepSpeed's Adam,
     # bitsandbytes' 8-bit AdamW and the fused AdamW a forced --mixed-precision run is taken to use need none.
     step_temporaries = 0

@@ -1,5 +1,5 @@
 """``grpo eval``: resolve the model (folder, checkpoint or run folder), load its eval sets with the task,
-evaluate each (``grpo.tools.evaluate``), print, write the JSON report and the per-example records.
+evaluate each (``grpo.evaluation.evaluate``), print, write the JSON report and the per-example records.
 
 What a run evaluates with comes from its ``config.yaml`` when there is one: the task (``data.task``), the
 sets (``data.eval``, one or named), the rewards (``rewards``), the tools; each has an option that replaces it.
@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from grpo.rollout import LeanEngine
-from grpo.tools.eval_scoring import EvalRewards, logged_metrics, write_records
-from grpo.tools.evaluate import evaluate
+from grpo.evaluation.scoring import EvalRewards, logged_metrics, write_records
+from grpo.evaluation.evaluate import evaluate
 
 _SET_NAME = re.compile(r"[A-Za-z_][\w.-]*")
 
@@ -48,7 +48,7 @@ def _eval_rewards(config, rewards: list[str] | None, tag_style: str, examples) -
     import dataclasses
 
     from grpo.config import RewardConfig, RunConfig
-    from grpo.training.setup import build_rewards
+    from grpo.training.prepare import build_rewards
 
     if rewards is not None:
         if not rewards:
@@ -199,7 +199,7 @@ def _tool_engine(config, tools: list[str] | None, model, tokenizer, batch_size: 
     import dataclasses
 
     from grpo.config import RunConfig
-    from grpo.multiturn.setup import turn_spec, with_turns
+    from grpo.multiturn.wiring import turn_spec, with_turns
 
     config = config or RunConfig()
     if tools is not None:

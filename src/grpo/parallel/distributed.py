@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from grpo.training import rank_failure
+from grpo.parallel import rank_failure
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def keep_until_exit(obj):
 def shutdown(info: DistInfo, failed: BaseException | None = None) -> None:
     """Barrier then destroy: without the barrier a fast rank 0 may tear the group down under rank 1. After
     this rank ``failed`` (not a Ctrl-C, which every rank takes at the same step), no collective: the failure
-    goes to every rank through the store (``grpo.training.rank_failure``) and the process exits as it is."""
+    goes to every rank through the store (``grpo.parallel.rank_failure``) and the process exits as it is."""
     if not (info.enabled and dist.is_initialized()):
         return
     watch = rank_failure.current_watch()

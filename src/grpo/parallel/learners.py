@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from grpo.config import ConfigError
-from grpo.training.distributed import keep_until_exit
+from grpo.parallel.distributed import keep_until_exit
 
 
 class Learner(Protocol):

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 
 from grpo.config.device_defaults import fused_head_by_size
-from grpo.tools.memory.shapes import ModelShape
+from grpo.commands.memory.shapes import ModelShape
 
 LORA_BYTES = 4  # peft's get_peft_model(autocast_adapter_dtype=True) keeps bf16/fp16 adapters in fp32
 

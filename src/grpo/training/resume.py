@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from grpo.run.checkpoint import GRPO_LAYOUT, CheckpointLayout
-from grpo.training.distributed import DistInfo, barrier
-from grpo.training.learners import zero3_full_state_dict
+from grpo.parallel.distributed import DistInfo, barrier
+from grpo.parallel.learners import zero3_full_state_dict
 
 if TYPE_CHECKING:
-    from grpo.training.setup import Trainable
+    from grpo.parallel.trainable import Trainable
 
 
 def _deepspeed_dir(out: Path, step: int, layout: CheckpointLayout) -> Path:

@@ -19,7 +19,7 @@ from typing import Any
 
 from grpo.data import Example
 from grpo.tasks import Task
-from grpo.tools.sample_metrics import bootstrap_interval, default_ks, majority_answer, pass_at_k, sample_std
+from grpo.evaluation.sample_metrics import bootstrap_interval, default_ks, majority_answer, pass_at_k, sample_std
 
 BOOTSTRAP_LEVEL = 0.95
 

@@ -14,12 +14,11 @@ from grpo.config.rules import ptx_max_length
 from grpo.tasks import run_system_prompt, run_task
 from grpo.models.loading import resolve_device
 from grpo.run.checkpoint import CheckpointLayout, checkpoint_layout
-from grpo.run.resume import resume_checkpoint
+from grpo.training.resume import resume_checkpoint
 from grpo.run.run_dir import claim_output_dir
 from grpo.run.tracking import MetricsLogger
-from grpo.training.distributed import DistInfo, all_gather_json, barrier, init_distributed, print0
-from grpo.training.learners import Learner, build_learner, deepspeed_config
-from grpo.training.optim import build_optimizer, build_scheduler
+from grpo.parallel.distributed import DistInfo, all_gather_json, barrier, init_distributed, print0
+from grpo.parallel.trainable import Trainable, build_trainable
 
 
 def start_process(cfg: RunConfig) -> tuple[DistInfo, torch.device]:
@@ -38,7 +37,7 @@ def start_process(cfg: RunConfig) -> tuple[DistInfo, torch.device]:
 def load_data(cfg: RunConfig) -> tuple[list, dict[str, list]]:
     """(training examples, held-out sets ``{name: examples}``: {} without data.eval, the one unnamed set ""
     for a plain source), read by the run's task (``data.task``)."""
-    from grpo.training.evaluation import eval_sources
+    from grpo.training.evaluator import eval_sources
 
     task = run_task(cfg)
     train_set = task.load(cfg.data.train, cfg.data.split, cfg.data.train_limit)
@@ -89,40 +88,6 @@ def load_ptx_data(cfg: RunConfig, tokenizer, info: DistInfo):
                  f"{tokenized.cut} responses cut short, {tokenized.dropped} pairs left out (prompt too long)")
     return PtxData(tokenized.rows, micro_batch_size=p.micro_batch_size, world_size=info.world_size,
                    seed=cfg.train.seed, pad_id=tokenizer.pad_token_id)
-
-
-@dataclass
-class Trainable:
-    """The policy and what updates it. ``optimizer``/``scheduler`` are None under DeepSpeed (the engine owns them)."""
-
-    policy: torch.nn.Module
-    learner: Learner
-    optimizer: torch.optim.Optimizer | None
-    scheduler: object | None
-    deepspeed: bool
-
-
-def build_trainable(cfg: RunConfig, policy: torch.nn.Module, info: DistInfo) -> Trainable:
-    """Optimizer, schedule and learner (DeepSpeed when ``train.deepspeed`` names a config, else torch/DDP)."""
-    optimizer = build_optimizer(policy, cfg.optim, lora=cfg.model.lora_r > 0,
-                                allow_fused=not cfg.train.deepspeed)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps * cfg.loss.num_iterations)
-    ds_config = None
-    if cfg.train.deepspeed:
-        completions_per_rank = cfg.train.prompts_per_step * cfg.rollout.num_generations // info.world_size
-        ds_config = deepspeed_config(
-            cfg.train.deepspeed, micro_batch_size=cfg.train.micro_batch_size,
-            # + 1 with PTX: its micro-batch's backward comes before each update too (see train_on_batch), and
-            # DeepSpeed steps at its own count of backwards.
-            accumulation_steps=max(1, completions_per_rank // cfg.train.micro_batch_size) + bool(cfg.ptx.data),
-            world_size=info.world_size, max_grad_norm=cfg.optim.max_grad_norm, bf16=cfg.model.bf16)
-    learner = build_learner(policy, optimizer, scheduler, ddp=info.enabled, deepspeed_config_dict=ds_config,
-                            max_grad_norm=cfg.optim.max_grad_norm)
-    if ds_config is not None:
-        return Trainable(policy, learner, None, None, deepspeed=True)
-    return Trainable(policy, learner, optimizer, scheduler, deepspeed=False)
-
-
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Model states per device: the weights, gradients and AdamW states of a trained model, and the
-DeepSpeed ZeRO settings that divide them over GPUs (bytes per parameter: see ``grpo.tools.memory.estimate``)."""
+DeepSpeed ZeRO settings that divide them over GPUs (bytes per parameter: see ``grpo.commands.memory.estimate``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpo.config import ConfigError
-from grpo.tools.memory.formulas import LORA_BYTES
-from grpo.tools.memory.shapes import ModelShape, lora_params
+from grpo.commands.memory.formulas import LORA_BYTES
+from grpo.commands.memory.shapes import ModelShape, lora_params
 
 
 @dataclass(frozen=True)

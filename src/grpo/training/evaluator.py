@@ -18,9 +18,9 @@ import torch
 from grpo.config import RunConfig
 from grpo.models.wrappers import unwrap_model
 from grpo.tasks import Task, run_system_prompt, run_task
-from grpo.tools.eval_scoring import EvalRewards, logged_metrics, summarize, write_records
-from grpo.tools.evaluate import call_unit, evaluate_records, mean_rollout_metrics
-from grpo.training.distributed import DistInfo, all_gather_json
+from grpo.evaluation.scoring import EvalRewards, logged_metrics, summarize, write_records
+from grpo.evaluation.evaluate import call_unit, evaluate_records, mean_rollout_metrics
+from grpo.parallel.distributed import DistInfo, all_gather_json
 
 UNNAMED = ""  # the set of a plain ``data.eval`` source: its metrics are eval/accuracy, ... as before named sets
 RECORDS_DIR = "eval"

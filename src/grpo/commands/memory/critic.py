@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from grpo.config import RunConfig
-from grpo.tools.memory.formulas import activation_bytes, autocast_extra_bytes
-from grpo.tools.memory.shapes import ModelShape, load_model_config, lora_targets
-from grpo.tools.memory.states import _count, model_states
+from grpo.commands.memory.formulas import activation_bytes, autocast_extra_bytes
+from grpo.commands.memory.shapes import ModelShape, load_model_config, lora_targets
+from grpo.commands.memory.states import _count, model_states
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,11 @@ from k samples, all scored by the run's task.
 Data flow: Examples -> system prompt + history through the chat template (``grpo.data``) -> completions
 from a rollout engine (``grpo.rollout``: the run's own in training, a lean one in ``grpo eval``) -> each
 completion scored by the task (``grpo.tasks.Task.score``: the prediction, whether it is right, whether the
-tags are) and the rewards (``grpo.tools.eval_scoring``: one JSON record per example) -> metrics of the
+tags are) and the rewards (``grpo.evaluation.scoring``: one JSON record per example) -> metrics of the
 records (``eval_scoring.summarize``).
 
 ``evaluate_records`` gives the records of some examples (a slice of a set, for one rank of several);
-``evaluate`` is the whole of it for one set. ``grpo eval`` is ``grpo.tools.eval_command``.
+``evaluate`` is the whole of it for one set. ``grpo eval`` is ``grpo.commands.eval_command``.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from grpo.data.prompts import build_prompt_messages
 from grpo.data.tags import get_tag_style
 from grpo.rewards.answers import final_text
 from grpo.rollout import LeanEngine, RolloutEngine, SamplingParams
-from grpo.step.records import Generation
+from grpo.rollout.generation import Generation
 from grpo.tasks import Task
-from grpo.tasks.builtin import BUILTIN_TASKS, numeric_score
-from grpo.tools.eval_scoring import EvalRewards, RewardInputs, example_records, reward_values, summarize
-from grpo.tools.sample_metrics import pass_at_k
+from grpo.tasks.builtin_tasks import BUILTIN_TASKS, numeric_score
+from grpo.evaluation.scoring import EvalRewards, RewardInputs, example_records, reward_values, summarize
+from grpo.evaluation.sample_metrics import pass_at_k
 
-__all__ = ["evaluate", "evaluate_records", "pass_at_k", "run_eval_command", "score_completion"]
+__all__ = ["evaluate", "evaluate_records", "pass_at_k", "score_completion"]
 
 score_completion = numeric_score  # the gsm8k task's scorer, by the name it had before tasks
 
@@ -150,7 +150,7 @@ def evaluate_records(
     max_written: int | None = None,
     first_example: int = 0,
 ) -> tuple[list[dict[str, Any]], list[dict]]:
-    """The records (``grpo.tools.eval_scoring.example_records``) of ``examples`` and the rollout engine's
+    """The records (``grpo.evaluation.scoring.example_records``) of ``examples`` and the rollout engine's
     per-call metrics (multi-turn: tool calls; row-weighted by ``mean_rollout_metrics``). Arguments as
     ``evaluate``'s; ``first_example``: the index of ``examples[0]`` in its whole set, a multiple of
     ``call_unit(batch_size, samples)`` (a rank's slice: the seeds of its calls are the whole set's)."""
@@ -268,10 +268,3 @@ def evaluate(
     if return_records:
         metrics["records"] = records
     return metrics
-
-
-def run_eval_command(*args, **kwargs) -> dict[str, Any]:
-    """``grpo eval`` (``grpo.tools.eval_command.run_eval_command``; imported on use, it imports this module)."""
-    from grpo.tools.eval_command import run_eval_command as command
-
-    return command(*args, **kwargs)

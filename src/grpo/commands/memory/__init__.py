@@ -3,8 +3,8 @@
 Parts: the policy's weights, gradients and AdamW states (full or LoRA; bf16/fp32; mixed precision;
 ZeRO-1/2/3 over N GPUs), activations (with or without gradient checkpointing), the logits and
 log-softmax of a micro-batch, the reference model, a colocated vLLM's KV cache, and a CUDA
-allowance. The formulas are in ``grpo.tools.memory.formulas`` (activations counted tensor by tensor as
-autograd keeps them) and ``grpo.tools.memory.estimate`` (model states and phases).
+allowance. The formulas are in ``grpo.commands.memory.formulas`` (activations counted tensor by tensor as
+autograd keeps them) and ``grpo.commands.memory.estimate`` (model states and phases).
 
 The seeds' tables for Qwen2.5-3B on one GPU, reproduced (tests/test_memory.py), with gradient
 checkpointing and micro-batches of 4 x (256 prompt + 512 completion) tokens:
@@ -22,9 +22,9 @@ mixed precision, split differently.
 benchmarks/memory_check.py compares the estimate with the measured peak of real CPU training steps.
 """
 
-from grpo.tools.memory.estimate import COMPONENTS, CudaAllowance, MemoryEstimate, estimate_memory, read_deepspeed
-from grpo.tools.memory.report import format_table, run_memory_command
-from grpo.tools.memory.shapes import BUILTIN_CONFIGS, ModelShape, load_model_config
+from grpo.commands.memory.estimate import COMPONENTS, CudaAllowance, MemoryEstimate, estimate_memory, read_deepspeed
+from grpo.commands.memory.report import format_table, run_memory_command
+from grpo.commands.memory.shapes import BUILTIN_CONFIGS, ModelShape, load_model_config
 
 __all__ = ["BUILTIN_CONFIGS", "COMPONENTS", "CudaAllowance", "MemoryEstimate", "ModelShape", "estimate_memory",
            "format_table", "load_model_config", "read_deepspeed", "run_memory_command"]
