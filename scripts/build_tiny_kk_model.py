@@ -30,7 +30,7 @@ Everything is deterministic from ``--seed`` on a CPU when the length is given in
 a GPU; ``--set KEY=VALUE`` overrides any ``BuildSettings`` field.
 
 What is built, and why:
-1. **Puzzles** — ``grpo.tasks.knights_knaves.generate_puzzles`` with 2-3 people (``people``), all six
+1. **Puzzles** — ``grpo.data.knights_knaves.generate_puzzles`` with 2-3 people (``people``), all six
    statement forms, training seeds from 10**6 up (never the held-out seed 123). Larger puzzles would need
    16+ trace lines: too long for a small model to learn in the budget and for GRPO sampling on a CPU.
 2. **Tokenizer** — byte-level BPE (``grpo.models.tiny.build_tokenizer``, a 1024-token vocabulary) trained on the rendered
@@ -95,8 +95,8 @@ from grpo.data import render_example  # noqa: E402
 from grpo.models.tiny import build_qwen2, build_tokenizer  # noqa: E402
 from grpo.rollout import LeanEngine, SamplingParams  # noqa: E402
 from grpo.tasks import resolve_task  # noqa: E402
-from grpo.tasks.knights_knaves.generate import generate_puzzles  # noqa: E402
-from grpo.tasks.knights_knaves.logic import solve  # noqa: E402
+from grpo.data.knights_knaves.generate import generate_puzzles  # noqa: E402
+from grpo.data.knights_knaves.logic import solve  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -47,9 +47,9 @@ import re
 from grpo.data import Example, render_example
 from grpo.models.tiny import build_tokenizer
 from grpo.tasks.builtin_tasks import kk_system_prompt
-from grpo.tasks.knights_knaves.generate import NAMES, draw_statement, generate_puzzles
-from grpo.tasks.knights_knaves.logic import Puzzle, holds, solve, statement_text
-from grpo.tasks.knights_knaves.text import quiz_text, solution_text
+from grpo.data.knights_knaves.generate import NAMES, draw_statement, generate_puzzles
+from grpo.data.knights_knaves.logic import Puzzle, holds, solve, statement_text
+from grpo.data.knights_knaves.text import quiz_text, solution_text
 from tiny_math_sft_data import span_labelled  # this folder: sys.path[0] when run as a script
 
 TAG_STYLE = "think"

@@ -81,7 +81,7 @@ def test_quick_build_learns_the_answer_format(quick_build):
     from grpo.data import load_dataset_source
     from grpo.rewards.answers import extract_answer
     from grpo.tasks import resolve_task
-    from grpo.tasks.knights_knaves.text import solution_roles
+    from grpo.data.knights_knaves.text import solution_roles
 
     (example,) = load_dataset_source(held_out["data"], limit=1)
     completion = held_out["example_completion"]

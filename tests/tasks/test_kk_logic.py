@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from grpo.tasks.knights_knaves import And, Iff, Implies, Is, Not, Or, Puzzle, generate_puzzles, holds, solve
-from grpo.tasks.knights_knaves.logic import statement_text
+from grpo.data.knights_knaves import And, Iff, Implies, Is, Not, Or, Puzzle, generate_puzzles, holds, solve
+from grpo.data.knights_knaves.logic import statement_text
 
 NAMES = ("Zoey", "Oliver", "Emma")
 T, F = True, False  # knight, knave

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from grpo.data import DataError
-from grpo.tasks.knights_knaves import read_kk_jsonl
+from grpo.data.knights_knaves import read_kk_jsonl
 
 # One line of the benchmark's test/people2 file, its unused keys cut short.
 LINE = {

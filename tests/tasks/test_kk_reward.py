@@ -6,7 +6,7 @@ import pytest
 
 from grpo.rewards import get_reward_function, list_rewards
 from grpo.rewards.context import RewardContext
-from grpo.tasks.knights_knaves import per_person_accuracy
+from grpo.rewards.knights_knaves import per_person_accuracy
 
 GOLD = "(1) Zoey is a knight\n(2) Oliver is a knave"
 RIGHT = "(1) Zoey is a knight\n(2) Oliver is a knave"

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from grpo.data import DataError, load_dataset_source
-from grpo.tasks.knights_knaves import parse_roles, solution_roles, solve
-from grpo.tasks.knights_knaves.generate import generate_puzzles
+from grpo.data.knights_knaves import parse_roles, solution_roles, solve
+from grpo.data.knights_knaves.generate import generate_puzzles
 
 
 def test_generated_examples():

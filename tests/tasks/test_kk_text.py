@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from grpo.tasks.knights_knaves import Iff, Is, Not, Puzzle, parse_roles, quiz_text, solution_roles, solution_text
+from grpo.data.knights_knaves import Iff, Is, Not, Puzzle, parse_roles, quiz_text, solution_roles, solution_text
 
 NAMES = ("Zoey", "Oliver")
 

@@ -163,7 +163,7 @@ def test_the_kk_gpu_recipes_train_kk_with_kk_logic(recipe):
     from pathlib import Path
 
     from grpo.tasks import run_task
-    from grpo.tasks.knights_knaves.text import solution_roles
+    from grpo.data.knights_knaves.text import solution_roles
 
     path = Path(__file__).resolve().parents[2] / "configs" / recipe
     cfg = load_config(path)

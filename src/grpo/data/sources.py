@@ -7,7 +7,7 @@ Forms, looked up by the prefix before the first ":" in `SOURCE_KINDS`:
   job), small ones or both (`grpo.data.arithmetic_tools`, size large|small|mix).
 - ``kk:seed=1,n=500[,people=2-8]``: generated Knights-and-Knaves logic puzzles with exactly one solution,
   2 to 8 people each by default (``people=LO-HI`` or one number); ``kk:path=people3_num100.jsonl``: a public
-  K&K benchmark file, quiz text verbatim (`grpo.tasks.knights_knaves`; the reward is ``kk_logic``).
+  K&K benchmark file, quiz text verbatim (`grpo.data.knights_knaves`; the reward is ``kk_logic``).
 - ``prompts:path=chat.jsonl[,question_column=src][,answer_column=answer][,answer_format=gsm8k]
   [,tgt_column=tgt]``: any prompt file (`grpo.data.prompt_datasets.load_prompts`).
 - anything else: GSM8K from a file, a folder (the split's file inside) or a hub id such as
@@ -55,7 +55,7 @@ def _load_tool_problems(options: dict[str, Any], split: str, limit: int | None) 
 def _load_kk(options: dict[str, Any], split: str, limit: int | None) -> list[Example]:
     # Imported on use: the task package builds on grpo.data (Example, readers), so a top-level import here
     # would be circular.
-    from grpo.tasks.knights_knaves.examples import file_examples, generated_examples
+    from grpo.data.knights_knaves.examples import file_examples, generated_examples
 
     if "path" in options:  # one file: the split is ignored, as for any single file
         if len(options) > 1:

@@ -29,9 +29,9 @@ from grpo.rewards.signature import RewardCallable, RewardFactory, named
 
 
 def make_kk_logic(tag_style: TagStyle | str = "think") -> RewardCallable:
-    """``kk_logic``: the Knights-and-Knaves rule reward (``grpo.tasks.knights_knaves.reward``)."""
+    """``kk_logic``: the Knights-and-Knaves rule reward (``grpo.rewards.knights_knaves``)."""
     # Imported on use: the task's reward builds on grpo.rewards.answers, so a top-level import would be circular.
-    from grpo.tasks.knights_knaves.reward import make_kk_logic as make
+    from grpo.rewards.knights_knaves import make_kk_logic as make
 
     return make(tag_style)
 

@@ -60,7 +60,7 @@ class Task:
 
 def _builtin_tasks() -> dict[str, Task]:
     # Imported on use: the built-in tasks pull in grpo.data's loaders and grpo.rewards, which import this
-    # package's neighbours (grpo.tasks.knights_knaves builds on grpo.data).
+    # package's neighbours (grpo.data.knights_knaves builds on grpo.data).
     from grpo.tasks.builtin_tasks import BUILTIN_TASKS
 
     return BUILTIN_TASKS

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import re
 
-from grpo.tasks.knights_knaves.logic import Puzzle, statement_text
+from grpo.data.knights_knaves.logic import Puzzle, statement_text
 
 INTRODUCTION = ("A very special island is inhabited only by knights and knaves. "
                 "Knights always tell the truth, and knaves always lie.")

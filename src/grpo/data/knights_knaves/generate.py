@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import random
 
-from grpo.tasks.knights_knaves.logic import MAX_PEOPLE, And, Iff, Implies, Is, Not, Or, Puzzle, Statement, solve
-from grpo.tasks.knights_knaves.text import SAYINGS
+from grpo.data.knights_knaves.logic import MAX_PEOPLE, And, Iff, Implies, Is, Not, Or, Puzzle, Statement, solve
+from grpo.data.knights_knaves.text import SAYINGS
 
 MIN_PEOPLE = 2
 # About a third of draws have a single solution, at every size from 2 to 8 people (measured over 400

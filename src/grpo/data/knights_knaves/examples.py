@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from grpo.data.example import DataError, Example
-from grpo.tasks.knights_knaves.generate import MIN_PEOPLE, check_people, generate_puzzles
-from grpo.tasks.knights_knaves.logic import MAX_PEOPLE, solve
-from grpo.tasks.knights_knaves.reader import read_kk_jsonl
-from grpo.tasks.knights_knaves.text import quiz_text, solution_text
+from grpo.data.knights_knaves.generate import MIN_PEOPLE, check_people, generate_puzzles
+from grpo.data.knights_knaves.logic import MAX_PEOPLE, solve
+from grpo.data.knights_knaves.reader import read_kk_jsonl
+from grpo.data.knights_knaves.text import quiz_text, solution_text
 
 
 def generated_examples(n: int, seed: int, people: tuple[int, int] = (MIN_PEOPLE, MAX_PEOPLE)) -> list[Example]:

@@ -4,12 +4,13 @@
 - ``generate``: ``generate_puzzles``: deterministic puzzles with exactly one solution, 2-8 people
 - ``text``:     the quiz text, the canonical solution text, ``parse_roles`` (claims read out of an answer)
 - ``reader``:   ``read_kk_jsonl``: the public K&K files, quiz text verbatim
-- ``reward``:   the Logic-RL rule reward (built-in ``kk_logic``) and ``per_person_accuracy``
 - ``examples``: puzzles and files as ``Example`` records (the ``kk:`` data source)
+
+The Logic-RL rule reward over these puzzles (``kk_logic``) is ``grpo.rewards.knights_knaves``.
 """
 
-from grpo.tasks.knights_knaves.generate import NAMES, generate_puzzles
-from grpo.tasks.knights_knaves.logic import (
+from grpo.data.knights_knaves.generate import NAMES, generate_puzzles
+from grpo.data.knights_knaves.logic import (
     ROLES,
     And,
     Iff,
@@ -24,9 +25,8 @@ from grpo.tasks.knights_knaves.logic import (
     solve,
     statement_text,
 )
-from grpo.tasks.knights_knaves.reader import PublishedQuiz, read_kk_jsonl
-from grpo.tasks.knights_knaves.reward import kk_logic_score, make_kk_logic, per_person_accuracy
-from grpo.tasks.knights_knaves.text import parse_roles, quiz_text, solution_roles, solution_text
+from grpo.data.knights_knaves.reader import PublishedQuiz, read_kk_jsonl
+from grpo.data.knights_knaves.text import parse_roles, quiz_text, solution_roles, solution_text
 
 __all__ = [
     "NAMES",
@@ -43,10 +43,7 @@ __all__ = [
     "generate_puzzles",
     "holds",
     "is_consistent",
-    "kk_logic_score",
-    "make_kk_logic",
     "parse_roles",
-    "per_person_accuracy",
     "quiz_text",
     "read_kk_jsonl",
     "solution_roles",
