@@ -3,13 +3,14 @@
 ``from grpo import GRPOConfig, GRPOTrainer``: the Python API (``grpo.api``), loaded on first use so that
 ``import grpo`` (and the ``grpo`` command) stays light."""
 
-__version__ = "0.1.0"
+import importlib
+
+from grpo.version import __version__
+
 __all__ = ["GRPOConfig", "GRPOTrainer"]
 
 
 def __getattr__(name: str):
-    if name in __all__:
-        import grpo.api
-
-        return getattr(grpo.api, name)
+    if name in __all__:  # PEP 562: the API (torch, transformers) loads on first use, not with every submodule
+        return getattr(importlib.import_module("grpo.api"), name)
     raise AttributeError(f"module 'grpo' has no attribute {name!r}")

@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from grpo import __version__
+from grpo.version import __version__
 
 
 def _cmd_config(args: argparse.Namespace) -> int:

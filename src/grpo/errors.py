@@ -1,10 +1,15 @@
 """Errors the command line turns into a clear message and an exit status (kept import-light), and the
 statuses themselves (the README's exit-status table is checked against these)."""
+import sys
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # training cannot go on: aborted, a peer timed out, the disk failed, an unexpected error
 EXIT_BAD_INPUT = 2  # a configuration or input error (the message names the key, file or line)
 EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM, after a checkpoint of the last finished step
+
+
+class ConfigError(ValueError):
+    """A configuration the run cannot start with; the message names the source, the key and why."""
 
 
 class RewardError(ValueError):
@@ -24,10 +29,9 @@ def exit_status(err: BaseException) -> tuple[int, str] | None:
     """``(status, one-line message)`` for an error the command line reports without a traceback; None for any
     other (a bug: its traceback is the report). The modules are looked up, not imported: an error of a module
     never imported cannot have been raised."""
-    import sys
-
-    kinds = [("grpo.config", "ConfigError", EXIT_BAD_INPUT, "configuration error"),
-             ("grpo.data", "DataError", EXIT_BAD_INPUT, "data error"),
+    if isinstance(err, ConfigError):
+        return EXIT_BAD_INPUT, f"grpo: configuration error: {err}"
+    kinds = [("grpo.data", "DataError", EXIT_BAD_INPUT, "data error"),
              ("grpo.run.checkpoint", "CheckpointError", EXIT_BAD_INPUT, "checkpoint error")]
     for module, name, code, kind in kinds:
         error_type = getattr(sys.modules.get(module), name, None)

@@ -6,9 +6,9 @@ import textwrap
 
 import pytest
 
+from grpo.config import RewardConfig
 from grpo.rewards import (
     REWARD_REGISTRY,
-    RewardSpec,
     build_reward_functions,
     get_reward_function,
     list_rewards,
@@ -104,7 +104,7 @@ def test_dotted_path_loads_a_trl_reward_unchanged(tmp_path, monkeypatch):
     assert get_reward_function("my_rewards_probe:Holder.one")(["p"], ["x"]) == [1.0]
 
     fns = build_reward_functions(
-        [RewardSpec("my_rewards_probe:brevity", weight=2.0), RewardSpec("xmlcount", weight=0.0)], tag_style="think"
+        [RewardConfig("my_rewards_probe:brevity", weight=2.0), RewardConfig("xmlcount", weight=0.0)], tag_style="think"
     )
     assert [f.name for f in fns] == ["brevity", "xmlcount"]
     assert score(fns, [2.0, 0.0], ["p"], ["abcd"], {}).total.tolist() == [0.5]  # 2 * 1/4

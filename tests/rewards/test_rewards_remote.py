@@ -10,7 +10,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from grpo.rewards import RemoteRewardError, RewardError, RewardSpec, build_reward_functions, get_reward_function, score
+from grpo.config import RewardConfig
+
+from grpo.rewards import RemoteRewardError, RewardError, build_reward_functions, get_reward_function, score
 
 # (status, JSON-able body or raw text, seconds to wait before answering)
 Reply = tuple[int, object, float]
@@ -170,7 +172,7 @@ def test_an_endpoint_down_from_the_start_is_an_error_naming_it(caplog):
     # A remote reward that never answered is a configuration error (wrong URL, server not started);
     # one that has worked and then fails abstains for that batch (test_rewards_scoring).
     url = f"http://127.0.0.1:{free_port()}/score"
-    specs = [RewardSpec("remote", params={"url": url, "retries": 0, "timeout_s": 1}), RewardSpec("xmlcount")]
+    specs = [RewardConfig("remote", params={"url": url, "retries": 0, "timeout_s": 1}), RewardConfig("xmlcount")]
     fns = build_reward_functions(specs, tag_style="reasoning")
     with pytest.raises(RewardError, match=r"(?s)'remote_127.0.0.1_\d+' failed on every one of the 2 samples.*"
                                           r"RemoteRewardError.*connection failed"):

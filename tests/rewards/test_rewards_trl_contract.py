@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from grpo.config import RewardConfig
+
 from grpo.config import ConfigError, load_config
-from grpo.rewards import RewardError, RewardFunction, RewardSpec, build_reward_functions, score
+from grpo.rewards import RewardError, RewardFunction, build_reward_functions, score
 from grpo.rewards.context import RewardContext, make_trainer_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
@@ -51,8 +53,8 @@ def test_the_unsloth_five_as_users_write_them_match_the_builtins():
     names = {"correctness_reward_func": "correctness", "int_reward_func": "int_answer",
              "strict_format_reward_func": "strict_format", "soft_format_reward_func": "soft_format",
              "xmlcount_reward_func": "xmlcount"}
-    user = run([RewardSpec(f"unsloth_rewards:{fn}") for fn in names])
-    builtin = run([RewardSpec(name) for name in names.values()])
+    user = run([RewardConfig(f"unsloth_rewards:{fn}") for fn in names])
+    builtin = run([RewardConfig(name) for name in names.values()])
     assert user.per_function.tolist() == builtin.per_function.tolist()
     # hand-computed for GOOD: correctness 2.0, int 0.5, strict 0.5, soft 0.0 (no DOTALL: the seed's
     # regex cannot cross the newlines), xmlcount 4 x 0.125 minus 0.001 x (len("\n") - 1) = 0.5
@@ -61,7 +63,7 @@ def test_the_unsloth_five_as_users_write_them_match_the_builtins():
 
 def test_log_metric_and_log_extra_collect_in_the_context():
     context = RewardContext(make_trainer_state(global_step=5, max_steps=10))
-    scores = run([RewardSpec("unsloth_rewards:length_curriculum")], context)
+    scores = run([RewardConfig("unsloth_rewards:length_curriculum")], context)
     assert scores.per_function[:, 0].tolist() == pytest.approx([-0.5 * 3 / 100, -0.5 * 9 / 100, -0.5 * 12 / 100])
     assert context.metric_means() == {"curriculum/progress": 0.5}
     assert context.extra_columns(3) == {"num_tokens": [3, 9, 12]}
@@ -101,16 +103,16 @@ def test_an_async_reward_that_fails_on_every_sample_is_an_error():
 
 
 def test_a_user_factory_is_built_once_with_its_arguments():
-    spec = RewardSpec("unsloth_rewards:make_keyword_bonus", factory_args={"keyword": "2+2", "bonus": 0.25})
+    spec = RewardConfig("unsloth_rewards:make_keyword_bonus", factory_args={"keyword": "2+2", "bonus": 0.25})
     scores = run([spec])
     assert scores.names == ["keyword_bonus"] and scores.total.tolist() == [0.25, 0.0, 0.0]
 
 
 def test_factory_errors_name_the_factory():
     with pytest.raises(ValueError, match=r"make_keyword_bonus.*bad factory_args \['bonus', 'typo'\].*accepted"):
-        run([RewardSpec("unsloth_rewards:make_keyword_bonus", factory_args={"typo": 1, "bonus": 1.0})])
+        run([RewardConfig("unsloth_rewards:make_keyword_bonus", factory_args={"typo": 1, "bonus": 1.0})])
     with pytest.raises(ValueError, match="a built-in reward takes its settings in params"):
-        run([RewardSpec("xmlcount", factory_args={})])
+        run([RewardConfig("xmlcount", factory_args={})])
 
 
 def test_a_signature_that_cannot_take_the_keyword_call_is_refused_before_the_run(monkeypatch):
@@ -125,7 +127,7 @@ def test_a_signature_that_cannot_take_the_keyword_call_is_refused_before_the_run
     for name in ("reads_a_missing_column", "no_kwargs"):
         with pytest.raises(ValueError, match=rf"reward 'unsloth_rewards:{name}' cannot be called with the "
                                              r"keywords.*\*\*kwargs"):
-            build_reward_functions([RewardSpec(f"unsloth_rewards:{name}")], "think", column_names=list(COLUMNS))
+            build_reward_functions([RewardConfig(f"unsloth_rewards:{name}")], "think", column_names=list(COLUMNS))
 
 
 def test_column_mapping_reads_a_column_under_another_name():
@@ -135,7 +137,7 @@ def test_column_mapping_reads_a_column_under_another_name():
     fn = RewardFunction(reads_solution, column_map={"solution": "answer"})
     assert fn(PROMPTS, COMPLETIONS, IDS, None, **COLUMNS) == [4.0, 4.0, 4.0]
     with pytest.raises(ValueError, match=r"columns reads the dataset columns \['gold'\].*its columns"):
-        run([RewardSpec("unsloth_rewards:int_reward_func", columns={"x": "gold"})])
+        run([RewardConfig("unsloth_rewards:int_reward_func", columns={"x": "gold"})])
 
 
 def test_config_checks_factory_args_and_columns(tmp_path):
@@ -150,9 +152,9 @@ trl_rewards = pytest.importorskip("trl.rewards")  # the test extra installs trl;
 
 
 def test_trls_own_rewards_run_unchanged():
-    specs = [RewardSpec("trl.rewards:think_format_reward"),
-             RewardSpec("trl.rewards:accuracy_reward", columns={"solution": "answer"}),
-             RewardSpec("trl.rewards:get_soft_overlong_punishment",
+    specs = [RewardConfig("trl.rewards:think_format_reward"),
+             RewardConfig("trl.rewards:accuracy_reward", columns={"solution": "answer"}),
+             RewardConfig("trl.rewards:get_soft_overlong_punishment",
                         factory_args={"max_completion_len": 10, "soft_punish_cache": 4})]
     context = RewardContext()
     scores = run(specs, context)

@@ -8,14 +8,13 @@ from pathlib import Path
 
 from grpo.config import RunConfig
 from grpo.run.checkpoint import complete_checkpoints
+from grpo.training.prepare import run_layout
 
 TRAINER_STATE_FILE = "trainer_state.json"  # transformers' TrainerState, beside grpo's own state
 
 
 def resumed_checkpoint(resume: bool | str | Path | None, cfg: RunConfig) -> Path | None:
     """The checkpoint folder ``train(resume_from_checkpoint=resume)`` continues from; None: a new run."""
-    from grpo.training.prepare import run_layout
-
     if resume is None or resume is False:
         return None
     out = Path(cfg.train.output_dir)

@@ -15,6 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpo.step.records import RolloutBatch
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
 
 
 @dataclass
@@ -49,7 +53,7 @@ def completion_table(batch: RolloutBatch) -> CompletionTable:
 
 def log_completions(table: CompletionTable, step: int, output_dir: str | Path, num_to_print: int | None) -> Path:
     """Print ``table`` as TRL's panel and write its parquet file; returns the file."""
-    import pandas as pd
+    import pandas as pd  # slow to import; only the parquet completions table needs it
 
     print_table(table, step, num_to_print)
     folder = Path(output_dir) / "completions"
@@ -63,10 +67,6 @@ def log_completions(table: CompletionTable, step: int, output_dir: str | Path, n
 
 def print_table(table: CompletionTable, step: int, num_to_print: int | None) -> None:
     """TRL's panel: a row per completion (a random ``num_to_print`` of them; None: all)."""
-    from rich.console import Console
-    from rich.panel import Panel
-    from rich.table import Table
-
     rows = list(range(len(table.prompt)))
     if num_to_print is not None and num_to_print <= 0:
         return
@@ -95,8 +95,6 @@ def _number(value: float | None) -> str:
 def entry_text(entry):
     """A prompt or completion as TRL prints it: each message's ROLE, its content and its tool calls as
     ``name(arg=value, ...)``; anything else as its str()."""
-    from rich.text import Text
-
     text = Text()
     if not (isinstance(entry, list) and all(isinstance(m, dict) for m in entry)):
         text.append(str(entry))

@@ -15,6 +15,7 @@ from typing import Any
 
 from grpo.api.arguments import GRPOConfig
 from grpo.config import RunConfig, config_from_dict, config_to_dict
+import torch
 
 OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_8bit": "adamw_8bit",
               "adamw_bnb_8bit": "adamw_8bit"}
@@ -66,7 +67,6 @@ def _bf16(args: GRPOConfig) -> bool:
     dtype = str((args.model_init_kwargs or {}).get("dtype") or (args.model_init_kwargs or {}).get("torch_dtype"))
     if args.bf16 is not None:
         return bool(args.bf16) or dtype.endswith("bfloat16")
-    import torch
 
     return dtype.endswith("bfloat16") or (not args.use_cpu and torch.cuda.is_available()
                                            and torch.cuda.is_bf16_supported())

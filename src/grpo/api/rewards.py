@@ -12,6 +12,9 @@ from typing import Any, Sequence
 from grpo.rewards import RewardFunction
 from grpo.rewards.context import CONTEXT_KEYS
 from grpo.rewards.registry import check_call_signature
+from grpo.rewards.reward_model import make_model_reward
+from grpo.rewards.reward_model import model_reward_from
+from transformers import AutoTokenizer
 
 
 def reward_name(fn: Any) -> str:
@@ -55,8 +58,6 @@ def build_reward_functions(reward_funcs: Any, reward_weights: Sequence[float] | 
     for fn, tokenizer in zip(funcs, classes):
         name = reward_name(fn)
         if isinstance(fn, (str, Path)):
-            from grpo.rewards.reward_model import make_model_reward
-
             if not Path(str(fn)).expanduser().exists() and str(fn).count("/") != 1:
                 raise ValueError(f"reward_funcs: {str(fn)!r} is neither a local reward model folder nor a hub id")
             fn = make_model_reward(path=str(fn), name=name)
@@ -73,14 +74,11 @@ def build_reward_functions(reward_funcs: Any, reward_weights: Sequence[float] | 
 
 
 def _model_reward(model: Any, tokenizer: Any, name: str):
-    from grpo.rewards.reward_model import model_reward_from
-
     if tokenizer is None:
         path = getattr(model.config, "_name_or_path", None)
         if not path or not Path(path).exists():
             raise ValueError(f"reward model {name!r}: give its tokenizer in reward_processing_classes (its "
                              f"name_or_path {path!r} is no local folder to load one from)")
-        from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(path)
     device = next(model.parameters()).device

@@ -24,6 +24,26 @@ from grpo.api.mapping import batch_shape, grpo_steps, to_run_config
 from grpo.api.prompt_lengths import check_longest, context_length, explainer, prompt_limit
 from grpo.api.rewards import build_reward_functions, reward_name
 from grpo.data import DataError, PromptTooLong
+from grpo.config import dump_config
+from grpo.models.loading import load_policy, prepare_policy, resolve_device, uses_autocast
+from grpo.models.loading import load_tokenizer
+from grpo.models.wrappers import unwrap_model
+from grpo.multiturn.environments import Environments
+from grpo.multiturn.environments import environment_methods
+from grpo.multiturn.tools import tool_schema
+from grpo.multiturn.wiring import with_turns
+from grpo.parallel.distributed import DistInfo
+from grpo.rollout.build import evaluation_engine
+from grpo.run.plots import RunPlots, plot_run
+from grpo.training.colocated import train
+from grpo.training.evaluator import eval_metrics, run_evaluator
+from grpo.training.inputs import GivenInputs
+from grpo.training.inputs import tokenizer_and_data
+from grpo.training.prepare import build_rewards
+from transformers import AutoConfig
+from transformers import TrainerControl, TrainerState
+from transformers import TrainerState
+from transformers.trainer_utils import TrainOutput
 
 LORA_FIELDS = {"r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout", "target_modules": "target_modules"}
 PEFT_MODEL_AND_CONFIG = (
@@ -35,7 +55,7 @@ PEFT_MODEL_AND_CONFIG = (
 def lora_keys(peft_config: Any) -> dict:
     """``model.lora_*`` keys of a peft ``LoraConfig``; a field grpo does not implement, set away from peft's
     default, is a ValueError naming it."""
-    from peft import LoraConfig
+    from peft import LoraConfig  # peft takes seconds to import; only LoRA runs need it
 
     if not isinstance(peft_config, LoraConfig):
         raise TypeError(f"peft_config must be a peft LoraConfig, got {type(peft_config).__name__}")
@@ -70,8 +90,6 @@ class GRPOTrainer(TrainerAttributes):
                  reward_processing_classes: Any = None, callbacks: list | None = None, peft_config: Any = None,
                  optimizers: tuple = (None, None), quantization_config: Any = None, tools: Any = None,
                  rollout_func: Any = None, environment_factory: Any = None):
-        from transformers import TrainerControl, TrainerState
-
         refused = {"optimizers": (optimizers != (None, None), "grpo builds AdamW and its schedule from the arguments"),
                    "quantization_config": (quantization_config is not None, "use grpo_overrides model.load_in_4bit")}
         for name, (given, why) in refused.items():
@@ -100,8 +118,6 @@ class GRPOTrainer(TrainerAttributes):
             raise TypeError(f"tools must be a list of functions, got {type(tools).__name__}")
         self.environments = None  # built once: each factory's probe instance seeds the pool (TRL's one probe)
         if environment_factory is not None:
-            from grpo.multiturn.environments import Environments
-
             self.environments = Environments(environment_factory)
         columns = sorted(self.train_set[0].columns()) if self.train_set else []
         if environment_factory is not None:
@@ -130,8 +146,6 @@ class GRPOTrainer(TrainerAttributes):
                                     rewards=None if config_rewards else self._reward_specs(),
                                     rollout=self._turn_keys())
         if config_rewards:
-            from grpo.training.prepare import build_rewards
-
             self.reward_fns, self.reward_weights = build_rewards(self.config)
         sets = {"train_dataset": self.train_set or [], **self.eval_sets}
         check_longest(self.processing_class, sets, self._tool_schemas(), self.config.data.max_prompt_length,
@@ -158,7 +172,7 @@ class GRPOTrainer(TrainerAttributes):
 
     @staticmethod
     def _lora(model: Any, peft_config: Any) -> dict | None:
-        from peft import PeftModel
+        from peft import PeftModel  # peft takes seconds to import; only LoRA runs need it
 
         if isinstance(model, PeftModel):
             if peft_config is not None:
@@ -168,15 +182,12 @@ class GRPOTrainer(TrainerAttributes):
 
     @staticmethod
     def _load_tokenizer(name_or_path: str, args: GRPOConfig):
-        from grpo.models.loading import load_tokenizer
-
         return load_tokenizer(name_or_path, args.trust_remote_code)
 
     @staticmethod
     def _model_config(model: Any, name_or_path: str, args: GRPOConfig):
         if not isinstance(model, (str, Path)):
             return model.config
-        from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(name_or_path, trust_remote_code=args.trust_remote_code)
 
@@ -186,9 +197,6 @@ class GRPOTrainer(TrainerAttributes):
     def _tool_schemas(self) -> list[dict]:
         """Every tool's schema (the standalone tools and each environment's methods), as the rollout renders them
         (an environment's ``reset`` text is known only then, and measured there)."""
-        from grpo.multiturn.environments import environment_methods
-        from grpo.multiturn.tools import tool_schema
-
         tools = list(self.tools or [])
         if self.environments is not None:
             tools += [m for pool in self.environments.pool.values() for m in environment_methods(pool[0])]
@@ -221,8 +229,6 @@ class GRPOTrainer(TrainerAttributes):
         return keys
 
     def _prepare_model(self, model: Any):
-        from grpo.models.loading import load_policy, prepare_policy, resolve_device, uses_autocast
-
         if isinstance(model, (str, Path)):
             device = resolve_device(self.config.train.device)
             return load_policy(self.config.model, device, master_weights=uses_autocast(self.config.model, False))
@@ -235,11 +241,6 @@ class GRPOTrainer(TrainerAttributes):
         ``args.output_dir``, a path from that checkpoint (its ``trainer_state.json`` restores ``state``, the log
         history included). Returns ``TrainOutput(global_step, training_loss, metrics)``. Ctrl-C saves the last
         finished step and returns here."""
-        from transformers import TrainerState
-        from transformers.trainer_utils import TrainOutput
-
-        from grpo.training.colocated import train
-
         checkpoint = resumed_checkpoint(resume_from_checkpoint, self.config)
         cfg = dataclasses.replace(self.config, train=dataclasses.replace(
             self.config.train, resume=False, resume_from=str(checkpoint) if checkpoint else None))
@@ -269,8 +270,6 @@ class GRPOTrainer(TrainerAttributes):
 
     def _given(self, train_set, eval_set):
         """The objects this trainer holds, as ``GivenInputs`` (no policy or hooks: ``train()`` adds them)."""
-        from grpo.training.inputs import GivenInputs
-
         return GivenInputs(tokenizer=self.processing_class, train_set=train_set, eval_set=eval_set,
                            reward_fns=self.reward_fns, reward_weights=self.reward_weights,
                            tools=list(self.tools) if self.tools is not None else None,
@@ -290,12 +289,6 @@ class GRPOTrainer(TrainerAttributes):
         ``{prefix}_rewards/<fn>/mean``, ``{prefix}_completions/mean_length``, ``{prefix}_runtime``, ...) beside
         grpo's own (``{prefix}_accuracy``; ``{prefix}_{name}_...`` for a dict of sets); logged (``on_log``) and
         ``on_evaluate``, as Trainer.evaluate."""
-        from grpo.multiturn.wiring import with_turns
-        from grpo.rollout.build import evaluation_engine
-        from grpo.parallel.distributed import DistInfo
-        from grpo.training.evaluator import eval_metrics, run_evaluator
-        from grpo.training.inputs import tokenizer_and_data
-
         sets = _eval_sets(eval_dataset, not self.args.remove_unused_columns) if eval_dataset is not None \
             else self.eval_sets
         if not sets:
@@ -327,9 +320,6 @@ class GRPOTrainer(TrainerAttributes):
 
     def save_model(self, output_dir: str | None = None) -> None:
         """The adapter (a PEFT model) or the full model, with the tokenizer, as TRL writes them."""
-        from grpo.config import dump_config
-        from grpo.models.wrappers import unwrap_model
-
         if int(os.environ.get("RANK", "0")) != 0:  # under torchrun one rank writes, as TRL's should_save
             return
         folder = Path(output_dir or self.args.output_dir or "trainer_output")
@@ -342,8 +332,6 @@ class GRPOTrainer(TrainerAttributes):
         """Draw the training curves of ``args.output_dir`` (its ``metrics.jsonl``) into ``plots/*.png``, as
         ``plot_at_end=True`` does after ``train()``; the returned ``RunPlots`` shows the summary inline when a
         notebook cell returns it. Before ``train()`` wrote any metrics: ``FileNotFoundError``/``ValueError``."""
-        from grpo.run.plots import RunPlots, plot_run
-
         return RunPlots(tuple(plot_run(self.config.train.output_dir)))
 
     def add_callback(self, callback: Any) -> None:

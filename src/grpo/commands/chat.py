@@ -14,6 +14,7 @@ import torch
 
 from grpo.data import render_prompt
 from grpo.rollout import LeanEngine, RolloutEngine, SamplingParams
+from grpo.models.source import load_model_for_inference, resolve_model_source
 
 EXIT_WORDS = ("exit", "quit")
 RESET_WORD = "/reset"
@@ -53,8 +54,6 @@ def run_chat(
     temperature: 0 = greedy. In the loop, "/reset" starts a new conversation. Replies go to stdout,
     everything else to stderr, so ``grpo chat RUN --prompt ...`` can be piped.
     """
-    from grpo.models.source import load_model_for_inference, resolve_model_source
-
     params = sampling_params(max_new_tokens, temperature)
     source = resolve_model_source(model_path, base_model=base_model)
     system_prompt = source.system_prompt if system_prompt is None else system_prompt

@@ -16,6 +16,16 @@ from typing import Any
 from grpo.rollout import LeanEngine
 from grpo.evaluation.scoring import EvalRewards, logged_metrics, write_records
 from grpo.evaluation.evaluate import evaluate
+from grpo.config import ConfigError
+from grpo.config import RewardConfig, RunConfig
+from grpo.config import RunConfig
+from grpo.models.source import load_model_for_inference, resolve_model_source
+from grpo.multiturn.wiring import turn_spec, with_turns
+from grpo.tasks import resolve_task, run_task
+from grpo.training.prepare import build_rewards
+from rich.console import Console
+from rich.table import Table
+import dataclasses
 
 _SET_NAME = re.compile(r"[A-Za-z_][\w.-]*")
 
@@ -28,7 +38,6 @@ def parse_data_sets(data: str | list[str] | dict[str, str] | None) -> dict[str, 
         return None
     if isinstance(data, dict):
         return dict(data)
-    from grpo.config import ConfigError
 
     sets: dict[str, str] = {}
     for item in [data] if isinstance(data, str) else data:
@@ -45,11 +54,6 @@ def parse_data_sets(data: str | list[str] | dict[str, str] | None) -> dict[str, 
 
 def _eval_rewards(config, rewards: list[str] | None, tag_style: str, examples) -> EvalRewards | None:
     """The run's rewards (``rewards`` in its config), or the named ones; None for none."""
-    import dataclasses
-
-    from grpo.config import RewardConfig, RunConfig
-    from grpo.training.prepare import build_rewards
-
     if rewards is not None:
         if not rewards:
             return None
@@ -96,10 +100,6 @@ def run_eval_command(
     'module:function' tools the model may call (None: the run's ``rollout.tools`` and ``rollout.environment``;
     [] none), run as in training (``grpo.multiturn``). bootstrap: resamples for 95% intervals (0: none).
     """
-    from grpo.config import ConfigError
-    from grpo.models.source import load_model_for_inference, resolve_model_source
-    from grpo.tasks import resolve_task, run_task
-
     source = resolve_model_source(model_path, base_model=base_model)
     config = source.config
     sets = parse_data_sets(data)
@@ -171,9 +171,6 @@ def run_eval_command(
 
 def print_report(report: dict[str, Any], console=None) -> None:
     """A small rich table of the metrics in ``report``."""
-    from rich.console import Console
-    from rich.table import Table
-
     console = console or Console()
     table = Table(title=f"eval: {report.get('model', '')}", show_header=True)
     table.add_column("metric")
@@ -196,11 +193,6 @@ def _tool_names(config, tools: list[str] | None) -> list[str]:
 
 def _tool_engine(config, tools: list[str] | None, model, tokenizer, batch_size: int):
     """A multi-turn engine over the lean one when the run (or ``tools``) names tools or an environment; else None."""
-    import dataclasses
-
-    from grpo.config import RunConfig
-    from grpo.multiturn.wiring import turn_spec, with_turns
-
     config = config or RunConfig()
     if tools is not None:
         rollout = dataclasses.replace(config.rollout, tools=list(tools), environment=None)

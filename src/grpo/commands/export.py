@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 from grpo.config import ConfigError
+from grpo.models.source import load_model_for_inference, resolve_model_source
 
 
 def _is_inside(path: Path, folder: Path) -> bool:
@@ -31,8 +32,6 @@ def export_model(
     config). overwrite: replace a non-empty ``out_dir`` (refused otherwise). base_model: the base of a
     LoRA adapter when its recorded path moved. Returns ``out_dir``.
     """
-    from grpo.models.source import load_model_for_inference, resolve_model_source
-
     out_dir = Path(out_dir).expanduser().resolve()
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"export: {out_dir} exists and is not a folder")

@@ -17,10 +17,8 @@ from typing import Any, Iterable
 import yaml
 
 from grpo.config.schema import RewardConfig, RunConfig
-
-
-class ConfigError(ValueError):
-    """A configuration the run cannot start with; the message names the source, the key and why."""
+from grpo.errors import ConfigError
+from grpo.tasks import resolve_task
 
 
 # ---------------------------------------------------------------- YAML with line numbers
@@ -261,8 +259,6 @@ def _with_task_rewards(config: RunConfig) -> RunConfig:
     """``config`` with its task's default rewards (``grpo.tasks.Task.rewards``: kk_logic for K&K, answer and
     format for the numeric tasks), for a recipe that lists none. A ``data.task`` that does not resolve keeps
     the schema's default; the ``data.task`` rule then reports it."""
-    from grpo.tasks import resolve_task  # here: the tasks import grpo.data and grpo.rewards
-
     try:
         task = resolve_task(config.data.task, config.data.train)
     except (ValueError, TypeError):

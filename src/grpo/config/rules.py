@@ -11,7 +11,11 @@ import re
 
 from typing import TYPE_CHECKING
 
+import zmq
+
+from grpo.algorithm import advantage_estimator
 from grpo.config.schema import CriticConfig, PtxConfig
+from grpo.tasks import resolve_task
 
 if TYPE_CHECKING:
     from grpo.config.schema import RunConfig
@@ -110,8 +114,6 @@ def config_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
 def task_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
     """data.task resolves to a task (a registered name, or a dotted path that imports and gives a
     ``grpo.tasks.Task``): checked with the config, not found mid-run when the data loads."""
-    from grpo.tasks import resolve_task  # here: the tasks import grpo.data and grpo.rewards
-
     try:
         resolve_task(cfg.data.task, cfg.data.train)
     except (ValueError, TypeError) as err:
@@ -204,8 +206,6 @@ def encryption_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
     (encrypted, if redundant on one machine); inproc:// does not, so nothing would be encrypted."""
     if not cfg.decoupled.encrypt:
         return []
-    import zmq  # here: only a config that asks for encryption needs it
-
     problems = []
     if not zmq.has("curve"):
         problems.append(("decoupled.encrypt", (
@@ -219,9 +219,6 @@ def encryption_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
 
 
 def _estimator(cfg: "RunConfig"):
-    # Imported here: grpo.algorithm needs torch, which `grpo config` and the schema do not.
-    from grpo.algorithm import advantage_estimator
-
     return advantage_estimator(cfg.algorithm.advantage_estimator)
 
 

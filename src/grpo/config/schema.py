@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from grpo.config.eval_schema import EvalConfig  # noqa: F401  (the eval section, in its own module)
 from grpo.config.fields import opt
+from grpo.rewards.scoring import RewardSpec
+from grpo.tasks.builtin_tasks import NUMERIC_REWARDS
 from grpo.config.rollout_schema import RolloutConfig  # noqa: F401  (the rollout section, in its own module)
 
 
@@ -315,7 +317,7 @@ class LogConfig:
 
 
 @dataclass
-class RewardConfig:
+class RewardConfig(RewardSpec):
     name: str = opt("answer_correct", "A built-in reward, 'model', 'remote', or a dotted path pkg.module:function.")
     weight: float = opt(1.0, "Weight in the total reward.")
     params: dict = opt({}, "Keyword arguments for the reward (e.g. path, url, timeout); for a dotted path, "
@@ -329,8 +331,7 @@ class RewardConfig:
 
 def default_rewards() -> list[RewardConfig]:
     """The default reward list (a fresh list per config)."""
-    # The seeds' reward: answer correct +1 / wrong -1, format ok +1.25 / bad -1.
-    return [RewardConfig("answer_correct", 1.0), RewardConfig("format_think_answer", 1.0)]
+    return [RewardConfig(name, weight) for name, weight in NUMERIC_REWARDS]
 
 
 @dataclass

@@ -17,6 +17,8 @@ from torch import Tensor
 from grpo.config import ConfigError, CriticConfig, ModelConfig
 from grpo.models.loading import policy_dtype
 from grpo.step.logprobs import checkpointing_paused, position_ids_from_mask
+from grpo.run.checkpoint import CheckpointError, _read_safetensors
+from transformers import AutoModel
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 
@@ -63,8 +65,6 @@ def load_value_model(critic: CriticConfig, model: ModelConfig, device: torch.dev
     when ``critic.lora_r > 0`` (the value head is always trained), gradient checkpointing as asked.
     A folder holding ``value_head.safetensors`` (a grpo checkpoint's ``critic/``) gives its head too;
     otherwise the head starts at zero."""
-    from transformers import AutoModel
-
     name = critic.name_or_path or model.name_or_path
     key = "critic.name_or_path" if critic.name_or_path else "model.name_or_path"
     local = Path(name).expanduser()
@@ -81,7 +81,7 @@ def load_value_model(critic: CriticConfig, model: ModelConfig, device: torch.dev
         _enable_checkpointing(body)
         body.config.use_cache = False
     if critic.lora_r > 0:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig, get_peft_model  # peft takes seconds to import; only LoRA runs need it
 
         if critic.gradient_checkpointing:
             body.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need grads
@@ -100,8 +100,6 @@ def load_value_model(critic: CriticConfig, model: ModelConfig, device: torch.dev
 def load_value_head(value_model: ValueModel, file: Path) -> None:
     """Read ``value_head.safetensors`` into the head; a missing, corrupt or misfit file raises
     ``CheckpointError`` naming it."""
-    from grpo.run.checkpoint import CheckpointError, _read_safetensors
-
     state = _read_safetensors(file)
     try:
         value_model.value_head.load_state_dict(state)

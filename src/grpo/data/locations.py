@@ -51,7 +51,7 @@ def iter_rows(source: str | Path, split: str, hub_config: str | None = None) -> 
 def _hub_rows(hub_id: str, config: str | None, split: str) -> Iterator[Row]:
     # Imported here: loading `datasets` is slow and only hub users need it.
     import datasets
-    from datasets.exceptions import DatasetsError
+    from datasets.exceptions import DatasetsError  # `datasets` is slow to import; only hub users need it
 
     try:
         dataset = datasets.load_dataset(hub_id, config, split=split)

@@ -27,6 +27,7 @@ from grpo.data.gsm8k import load_gsm8k
 from grpo.data.locations import check_limit
 from grpo.data.prompt_datasets import load_prompts
 from grpo.data.synthetic import generate_problems
+from grpo.data.knights_knaves.examples import file_examples, generated_examples
 
 
 @dataclass(frozen=True)
@@ -53,10 +54,6 @@ def _load_tool_problems(options: dict[str, Any], split: str, limit: int | None) 
 
 
 def _load_kk(options: dict[str, Any], split: str, limit: int | None) -> list[Example]:
-    # Imported on use: the task package builds on grpo.data (Example, readers), so a top-level import here
-    # would be circular.
-    from grpo.data.knights_knaves.examples import file_examples, generated_examples
-
     if "path" in options:  # one file: the split is ignored, as for any single file
         if len(options) > 1:
             raise DataError(f"data source kk: path= reads a file and takes no other key, got {sorted(options)}")

@@ -6,6 +6,11 @@ import os
 from pathlib import Path
 
 from grpo.config import ConfigError, RunConfig
+from grpo.config import config_to_dict
+from grpo.decoupled.transport.curve_keys import PUBLIC_KEY_FILE, read_server_key
+from grpo.decoupled.transport.curve_keys import server_secret_key
+import hashlib
+import json
 
 
 def shared_token(cfg: RunConfig) -> str:
@@ -27,17 +32,12 @@ def curve_dir(cfg: RunConfig) -> Path:
 def trainer_curve_key(cfg: RunConfig) -> bytes | None:
     """The trainer's CURVE secret key, its pair made on the first start and kept for resumes (a sampler
     holding the public key keeps working); None when ``decoupled.encrypt`` is off."""
-    # Imported here: the transport package loads torch, which this module's other readers do not need.
-    from grpo.decoupled.transport.curve_keys import server_secret_key
-
     return server_secret_key(curve_dir(cfg)) if cfg.decoupled.encrypt else None
 
 
 def sampler_curve_key(cfg: RunConfig) -> tuple[bytes | None, str]:
     """The trainer's CURVE public key and the file it came from, waiting up to ``decoupled.peer_timeout_s``
     for the trainer to write it; ``(None, "")`` when ``decoupled.encrypt`` is off."""
-    from grpo.decoupled.transport.curve_keys import PUBLIC_KEY_FILE, read_server_key
-
     if not cfg.decoupled.encrypt:
         return None, ""
     folder = curve_dir(cfg)
@@ -55,11 +55,6 @@ ROLE_LOCAL_KEYS = frozenset({
 def config_fingerprint(cfg: RunConfig) -> str:
     """A hash of the config every role must share (all keys but ``ROLE_LOCAL_KEYS``): a sampler started
     from another version of the recipe would make batches the trainer must not train on."""
-    import hashlib
-    import json
-
-    from grpo.config import config_to_dict
-
     tree = config_to_dict(cfg)
     for key in ROLE_LOCAL_KEYS:
         section, name = key.split(".")

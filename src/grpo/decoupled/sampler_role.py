@@ -32,6 +32,7 @@ from grpo.training.settings import dynamic_rounds, experience_settings, logprob_
 from grpo.training.prepare import build_rewards, load_data
 from grpo.weight_store import WeightStore, apply_to_model
 from grpo.weight_store.broadcast import WeightBroadcast
+from grpo.decoupled.ref_server import RefServerClient
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +43,6 @@ def reference_logprobs_fn(cfg: RunConfig, policy, tokenizer, device, token: str,
     if cfg.loss.beta == 0:
         return None
     if cfg.decoupled.ref_server_url:
-        from grpo.decoupled.ref_server import RefServerClient
-
         client = RefServerClient(cfg.decoupled.ref_server_url, token=token or None,
                                  timeout_s=cfg.decoupled.peer_timeout_s, retry_s=cfg.decoupled.ref_server_retry_s)
         client.wait_ready(timeout_s=cfg.decoupled.peer_timeout_s)

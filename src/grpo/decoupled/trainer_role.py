@@ -41,6 +41,10 @@ from grpo.training.settings import logprob_processing, loop_schedule, loss_setti
 from grpo.parallel.trainable import build_trainable
 from grpo.training.prepare import load_ptx_data, open_run, start_process
 from grpo.weight_store.broadcast import WeightBroadcast
+from grpo.decoupled.transport import RolloutReceiver
+from grpo.parallel.learners import zero3_full_state_dict
+from grpo.weight_store import WeightStore
+from grpo.weight_store import state_dict_for_publish
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +79,6 @@ def publish_weights(store, trainable, version: int, keep: int, info: DistInfo, p
     """Write weights ``version`` (rank 0; gathered from every rank first under ZeRO-3); returns the path to
     announce. With a ``BroadcastPublisher`` (rank 0, ``decoupled.weight_sync: broadcast``) full weights are
     broadcast to the samplers first (``grpo.decoupled.weight_sync``)."""
-    from grpo.parallel.learners import zero3_full_state_dict
-    from grpo.weight_store import state_dict_for_publish
-
     gathered = zero3_full_state_dict(trainable.learner)  # a collective under ZeRO-3
     path = ""
     if info.is_main:
@@ -253,9 +254,6 @@ def trainer_evaluator(cfg: RunConfig, policy: torch.nn.Module, tokenizer, info: 
 
 def run_trainer(cfg: RunConfig) -> int:
     """Train ``train.max_steps`` steps on batches from the samplers; returns the exit status."""
-    from grpo.decoupled.transport import RolloutReceiver
-    from grpo.weight_store import WeightStore
-
     info, device = start_process(cfg)
     receiver = publisher = failed = None
     try:

@@ -30,6 +30,9 @@ from grpo.tasks import Task
 from grpo.tasks.builtin_tasks import BUILTIN_TASKS, numeric_score
 from grpo.evaluation.scoring import EvalRewards, RewardInputs, example_records, reward_values, summarize
 from grpo.evaluation.sample_metrics import pass_at_k
+from grpo.multiturn.driver import ExampleRollout
+from grpo.run.progress import in_notebook
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 __all__ = ["evaluate", "evaluate_records", "pass_at_k", "score_completion"]
 
@@ -176,15 +179,10 @@ def evaluate_records(
                      system_prompt if system_prompt is not None else task.system_prompt(tag_style))
     if engine is None:
         engine = LeanEngine(model, tokenizer, batch_size=batch_size)
-    from grpo.multiturn.driver import ExampleRollout
 
     turns = (examples, system_prompt, max_prompt_length) if isinstance(engine, ExampleRollout) else None
     prompts = ([e.question for e in examples] if turns is not None  # rendered by the engine, with the tools
                else [render_example(tokenizer, e, system_prompt) for e in examples])
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from grpo.run.progress import in_notebook
 
     # Transient, so nothing of it stays; in a notebook rich's live display would only warn (grpo.run.progress).
     bar = Progress(TextColumn("[bold]eval[/] {task.description}"), BarColumn(), MofNCompleteColumn(),

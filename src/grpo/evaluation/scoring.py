@@ -20,6 +20,8 @@ from typing import Any
 from grpo.data import Example
 from grpo.tasks import Task
 from grpo.evaluation.sample_metrics import bootstrap_interval, default_ks, majority_answer, pass_at_k, sample_std
+from grpo.rewards.context import RewardContext
+from grpo.rewards.scoring import score
 
 BOOTSTRAP_LEVEL = 0.95
 
@@ -46,9 +48,6 @@ class RewardInputs:
 
 def reward_values(rewards: EvalRewards, inputs: RewardInputs) -> list[dict[str, float | None]]:
     """Per example: each reward function's value (None where it abstained) and the weighted ``total``."""
-    from grpo.rewards.context import RewardContext
-    from grpo.rewards.scoring import score
-
     scores = score(rewards.functions, rewards.weights, inputs.prompts, inputs.completions, inputs.columns,
                    inputs.completion_ids, RewardContext())
     rows = []

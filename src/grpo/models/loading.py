@@ -10,6 +10,12 @@ import torch
 
 from grpo.config import ConfigError, ModelConfig
 from grpo.config.rules import sdpa_backend_names
+from grpo.models.wrappers import unwrap_model
+from torch.nn.attention import SDPBackend
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+from transformers import AutoTokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -29,8 +35,6 @@ def _looks_local(name: str) -> bool:
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
     """The policy's tokenizer, left padding (for batched generation), a pad token, and a chat template."""
-    from transformers import AutoTokenizer
-
     if _looks_local(name_or_path) and not Path(name_or_path).expanduser().exists():
         raise ConfigError(f"model.name_or_path: {name_or_path!r} does not exist (a local folder or a hub id org/name)")
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
@@ -44,8 +48,6 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
 
 
 def _load_causal_lm(name_or_path: str, dtype: torch.dtype, cfg: ModelConfig, key: str):
-    from transformers import AutoModelForCausalLM
-
     if _looks_local(name_or_path) and not Path(name_or_path).expanduser().exists():
         raise ConfigError(f"{key}: {name_or_path!r} does not exist (a local folder or a hub id org/name)")
     kwargs = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code}
@@ -57,8 +59,7 @@ def _load_causal_lm(name_or_path: str, dtype: torch.dtype, cfg: ModelConfig, key
 def _load_4bit(cfg: ModelConfig, device: torch.device):
     """The base in 4-bit NF4 with double quantisation (the QLoRA recipe), compute in bf16/fp32, made
     ready for k-bit training (norms in fp32, input grads for checkpointing) by peft."""
-    from peft import prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from peft import prepare_model_for_kbit_training  # peft takes seconds to import; only LoRA runs need it
 
     quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                       bnb_4bit_compute_dtype=policy_dtype(cfg))
@@ -104,7 +105,6 @@ def sdpa_backends(names: str | None) -> tuple[str, ...] | None:
     benchmark's ``--sdpa-backends``): names of SDPBackend, checked; None or ``"auto"``: None (torch's choice)."""
     if names in (None, "auto"):
         return None
-    from torch.nn.attention import SDPBackend
 
     chosen = sdpa_backend_names(names)
     missing = [n for n in chosen if not hasattr(SDPBackend, n)]
@@ -118,7 +118,6 @@ def sdpa_context(backends: tuple[str, ...] | None):
     that order of preference); a no-op context for None (torch's own choice)."""
     if not backends:
         return nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([getattr(SDPBackend, name) for name in backends], set_priority=True)
 
@@ -175,7 +174,7 @@ def prepare_policy(model: torch.nn.Module, cfg: ModelConfig, device: torch.devic
     its user's model here, so that the user's object ends up holding the trained weights."""
     if device is not None or dtype is not None:
         model.to(device=device, dtype=dtype)
-    from peft import PeftModel
+    from peft import PeftModel  # peft takes seconds to import; only LoRA runs need it
 
     already_peft = isinstance(model, PeftModel)
     if cfg.gradient_checkpointing:
@@ -187,7 +186,7 @@ def prepare_policy(model: torch.nn.Module, cfg: ModelConfig, device: torch.devic
         if cfg.lora_r > 0 or already_peft:
             model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need grads
     if cfg.lora_r > 0 and not already_peft:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig, get_peft_model  # peft takes seconds to import; only LoRA runs need it
 
         lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                           target_modules=cfg.lora_target_modules, task_type="CAUSAL_LM")
@@ -217,8 +216,6 @@ def load_reference(cfg: ModelConfig, policy: torch.nn.Module, tokenizer, device:
 
 def check_same_vocabulary(cfg: ModelConfig, tokenizer, reference: torch.nn.Module) -> None:
     """A teacher of another tokenizer family would score other tokens: refuse it with the numbers."""
-    from transformers import AutoTokenizer
-
     ref_tok = AutoTokenizer.from_pretrained(cfg.ref_name_or_path, trust_remote_code=cfg.trust_remote_code)
     if ref_tok.get_vocab() != tokenizer.get_vocab():
         raise ConfigError(
@@ -238,7 +235,6 @@ def reference_context(policy: torch.nn.Module, reference: torch.nn.Module | None
         with nullcontext():
             yield reference
         return
-    from grpo.models.wrappers import unwrap_model
 
     base = unwrap_model(policy)
     with base.disable_adapter():

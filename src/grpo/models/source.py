@@ -20,6 +20,12 @@ from pathlib import Path
 import torch
 
 from grpo.config import ConfigError, RunConfig, load_config
+from grpo.data import resolve_system_prompt
+from grpo.models.loading import DTYPES
+from grpo.models.loading import load_tokenizer, resolve_device
+from grpo.tasks import run_system_prompt
+from transformers import AutoModelForCausalLM
+import json
 
 ADAPTER_CONFIG = "adapter_config.json"
 RUN_CONFIG = "config.yaml"
@@ -59,9 +65,6 @@ class ModelSource:
         """The system prompt the model was trained with: the run's (``data.system_prompt``, else its task's,
         ``grpo.tasks.run_system_prompt``), or the think style's default for a model without a run config; None:
         the run added none (``data.add_system_prompt: false``)."""
-        from grpo.data import resolve_system_prompt
-        from grpo.tasks import run_system_prompt
-
         return run_system_prompt(self.config) if self.config is not None else resolve_system_prompt(None, "think")
 
     def describe(self) -> str:
@@ -145,8 +148,6 @@ def _read_run_config(model_dir: Path, run_dir: Path | None) -> RunConfig | None:
 
 def _adapter_base(model_dir: Path, config: RunConfig | None, base_model: str | None) -> str:
     """The base model of a LoRA adapter: the override, the adapter's own record, or the run config's."""
-    import json
-
     if base_model is not None:
         return base_model
     recorded = json.loads((model_dir / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("base_model_name_or_path")
@@ -187,8 +188,6 @@ def resolve_model_source(path: str | Path, base_model: str | None = None) -> Mod
 
 def inference_dtype(source: ModelSource, dtype: str | None) -> torch.dtype:
     """``dtype`` by name; None = the run's training dtype (bfloat16 when model.bf16), else float32."""
-    from grpo.models.loading import DTYPES
-
     if dtype is None:
         return torch.bfloat16 if source.config is not None and source.config.model.bf16 else torch.float32
     if dtype not in DTYPES:
@@ -204,16 +203,12 @@ def load_model_for_inference(source: ModelSource, device: torch.device | str = "
     folded into the base weights (``merge_and_unload``): generation then runs at the speed of the
     plain model, and the result is a plain ``PreTrainedModel`` (what ``export`` saves).
     """
-    from transformers import AutoModelForCausalLM
-
-    from grpo.models.loading import load_tokenizer, resolve_device
-
     device = resolve_device(device) if isinstance(device, str) else device
     torch_dtype = inference_dtype(source, dtype)
     trust = source.config.model.trust_remote_code if source.config is not None else False
     tokenizer = load_tokenizer(source.tokenizer_dir, trust_remote_code=trust)
     if source.is_adapter:
-        from peft import PeftModel
+        from peft import PeftModel  # peft takes seconds to import; only LoRA runs need it
 
         base_path = source.base_model
         assert base_path is not None

@@ -10,6 +10,9 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 # The Qwen2.5 chat format: <|im_start|>role\ncontent<|im_end|>\n ..., generation prompt "<|im_start|>assistant\n".
 QWEN_CHAT_TEMPLATE = (
@@ -38,9 +41,6 @@ def build_tokenizer(corpus: Iterable[str] = DEFAULT_CORPUS, vocab_size: int = 51
     turn, as Qwen2.5-Instruct), ``pad_token = "<|endoftext|>"``, left padding (for batched generation)
     and the Qwen chat template. Deterministic for a given corpus and vocab size.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(models.BPE())
     # Digits one per token before byte-level splitting: "1080" -> 1 0 8 0.
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -92,7 +92,6 @@ def build_qwen2(
     """
     if vocab_size is not None and vocab_size < len(tokenizer):
         raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
         vocab_size=len(tokenizer) if vocab_size is None else vocab_size,

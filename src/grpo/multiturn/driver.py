@@ -29,6 +29,7 @@ from grpo.multiturn.tools import PendingCall, Toolbox, ToolOutcome
 from grpo.rollout.engine import PrefixCachingEngine, SamplingParams, TokenIdsEngine
 from grpo.rollout.hf import left_pad
 from grpo.rollout.generation import Generation
+from grpo.data import DataError, PromptTooLong, build_prompt_messages
 
 
 def environment_row(example) -> dict:
@@ -108,8 +109,6 @@ class MultiTurnRollout:
     def rollout(self, examples: Sequence, system_prompt: str | None, max_prompt_length: int,
                 params: SamplingParams, seed: int | None) -> TurnsResult:
         """``params.n`` multi-turn rollouts per example, rows grouped per example."""
-        from grpo.data import DataError, PromptTooLong, build_prompt_messages
-
         G = params.n
         rows, chat_prompts, texts = [], [], []
         envs = (self.environments.instances([environment_row(e) for e in examples for _ in range(G)])

@@ -22,6 +22,7 @@ from grpo.multiturn.driver import TurnsResult
 from grpo.rollout.engine import SamplingParams
 from grpo.rollout.hf import left_pad
 from grpo.rollout.generation import Generation
+from grpo.data import PromptTooLong, build_prompt_messages
 
 REQUIRED = ("prompt_ids", "completion_ids", "logprobs")
 
@@ -50,8 +51,6 @@ class RolloutHook:
 
     def rollout(self, examples: Sequence, system_prompt: str | None, max_prompt_length: int,
                 params: SamplingParams, seed: int | None) -> TurnsResult:
-        from grpo.data import PromptTooLong, build_prompt_messages
-
         G = params.n
         prompts = [e.question if e.plain_text else build_prompt_messages(e, system_prompt)
                    for e in examples for _ in range(G)]

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from grpo.rewards.async_loop import event_loop, is_async_callable
+from transformers.utils import get_json_schema
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +61,6 @@ def load_callable(spec: str, key: str) -> Callable:
 def tool_schema(fn: Callable) -> dict:
     """The JSON schema the chat template renders, read from ``fn``'s signature and docstring as TRL does;
     ValueError naming the tool when they cannot describe it (missing type hints or argument docs)."""
-    from transformers.utils import get_json_schema
-
     try:
         return get_json_schema(fn)
     except Exception as exc:  # transformers raises its own TypeHintParsingException / DocstringParsingException

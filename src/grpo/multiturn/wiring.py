@@ -9,6 +9,11 @@ from typing import Any, Callable
 
 from grpo.multiturn.environments import Environments
 from grpo.multiturn.tools import load_callable
+from grpo.config import ConfigError
+from grpo.models.wrappers import eos_token_ids, unwrap_model
+from grpo.multiturn.driver import MultiTurnRollout
+from grpo.multiturn.rollout_hook import RolloutHook
+from grpo.rewards import RewardFunction
 
 
 @dataclass
@@ -25,9 +30,6 @@ class TurnSpec:
 
     def with_environment_rewards(self, reward_fns: list, reward_weights: list[float]) -> tuple[list, list[float]]:
         """The run's rewards plus each environment class's ``get_reward`` (weight 1, named after the class, as TRL)."""
-        from grpo.config import ConfigError
-        from grpo.rewards import RewardFunction
-
         extra = [RewardFunction(fn) for fn in self.environments.reward_functions()] if self.environments else []
         if not reward_fns and not extra:
             raise ConfigError("rewards: none given, and the environment's classes define no get_reward; "
@@ -39,8 +41,6 @@ def turn_spec(cfg, tools: list | None = None, environment_factory: Any = None,
               rollout_func: Callable | None = None) -> TurnSpec:
     """Given objects win over config names; a name that does not import is a ConfigError naming the key.
     ``environment_factory`` may be ``Environments`` built already (the Python API builds them once, as TRL)."""
-    from grpo.config import ConfigError
-
     r = cfg.rollout
     try:
         if tools is None:
@@ -67,10 +67,6 @@ def with_turns(engine, spec: TurnSpec, cfg, policy, tokenizer):
     the engine itself when ``spec`` is not active. A chat template or tool that cannot work is a ConfigError."""
     if not spec.active:
         return engine
-    from grpo.config import ConfigError
-    from grpo.models.wrappers import eos_token_ids, unwrap_model
-    from grpo.multiturn.driver import MultiTurnRollout
-    from grpo.multiturn.rollout_hook import RolloutHook
 
     eos_ids = eos_token_ids(unwrap_model(policy), tokenizer)
     if spec.rollout_func is not None:

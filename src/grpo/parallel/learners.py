@@ -17,6 +17,7 @@ import torch
 
 from grpo.config import ConfigError
 from grpo.parallel.distributed import keep_until_exit
+import torch.distributed as dist
 
 
 class Learner(Protocol):
@@ -129,7 +130,7 @@ def build_learner(model: torch.nn.Module, optimizer, scheduler, *, ddp: bool, de
                   max_grad_norm: float | None) -> Learner:
     """A DeepSpeed learner when a DeepSpeed config is given, else torch (DDP-wrapped when ``ddp``)."""
     if deepspeed_config_dict is not None:
-        import deepspeed
+        import deepspeed  # optional extra (grpo[deepspeed])
 
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                config=deepspeed_config_dict)
@@ -147,8 +148,7 @@ def zero3_full_state_dict(learner: Learner, bucket_numel: int = 1 << 25) -> dict
     engine = getattr(learner, "engine", None)
     if engine is None or engine.zero_optimization_stage() != 3:
         return None
-    import deepspeed
-    import torch.distributed as dist
+    import deepspeed  # optional extra (grpo[deepspeed])
 
     module = engine.module
     keep = not dist.is_initialized() or dist.get_rank() == 0

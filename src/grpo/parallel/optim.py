@@ -25,7 +25,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lora: bool, allow_
     groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
               if g["params"]]
     if cfg.optimizer == "adamw_8bit":  # bitsandbytes (checked by models.check_memory_savers): 2 B of states/param
-        import bitsandbytes as bnb
+        import bitsandbytes as bnb  # optional: only 8-bit optimizers and 4-bit loading need it
 
         return bnb.optim.AdamW8bit(groups, lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
     trainable = decay + no_decay

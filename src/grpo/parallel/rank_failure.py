@@ -19,12 +19,13 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from grpo.errors import EXIT_FAILED, exit_status
+
 FAILURE_KEY = "grpo/failure"
 SEEN_KEY = "grpo/failure_seen"
 POLL_S = 0.5
 STORE_LOST_POLLS = 6  # the store gone for this many polls in a row: its host (node 0) is gone
 ACK_WAIT_S = 5.0  # how long a rank that hosts the store stays up for the others to read the failure
-EXIT_FAILED = 1  # grpo.errors.EXIT_FAILED (this module is imported before the command line's errors)
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,6 @@ class RankFailure:
 def failure_status(err: BaseException) -> tuple[int, str]:
     """The exit status and the message of an exception that ends a run: the command line's one-line message
     for the errors it knows (``grpo.errors.exit_status``), else the traceback with status 1."""
-    from grpo.errors import EXIT_FAILED, exit_status
-
     known = exit_status(err)
     if known is not None:
         return known

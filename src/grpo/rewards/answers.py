@@ -171,7 +171,7 @@ def _math_parse(text: str, timeout: int | None) -> list[Any]:
 
 
 def _math_verify_equal(pred: str, gold: str) -> bool:
-    from math_verify import verify
+    from math_verify import verify  # it pulls in sympy, which is slow to import
 
     timeout = _math_verify_timeout()
     gold_parsed = _math_parse(gold, timeout)

@@ -26,13 +26,13 @@ from grpo.rewards import builtin_rewards
 from grpo.rewards.remote import make_remote_reward
 from grpo.rewards.reward_model import make_model_reward
 from grpo.rewards.signature import RewardCallable, RewardFactory, named
+from grpo.rewards.async_loop import is_async_callable
+from grpo.rewards.knights_knaves import make_kk_logic as make
+from grpo.rewards.reward_function import SIGNATURE_HINT
 
 
 def make_kk_logic(tag_style: TagStyle | str = "think") -> RewardCallable:
     """``kk_logic``: the Knights-and-Knaves rule reward (``grpo.rewards.knights_knaves``)."""
-    # Imported on use: the task's reward builds on grpo.rewards.answers, so a top-level import would be circular.
-    from grpo.rewards.knights_knaves import make_kk_logic as make
-
     return make(tag_style)
 
 
@@ -141,8 +141,6 @@ def check_call_signature(fn: Any, name: str, keywords: list[str]) -> None:
     """Raise ValueError if ``fn`` cannot be called with exactly ``keywords`` as keyword arguments (TRL's
     call, see ``reward_function.py``): a required parameter it would not get, or a keyword it would refuse. A
     callable whose signature cannot be read is left to the call itself."""
-    from grpo.rewards.reward_function import SIGNATURE_HINT
-
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -155,8 +153,6 @@ def check_call_signature(fn: Any, name: str, keywords: list[str]) -> None:
 
 
 def _bind_params(fn: RewardCallable, params: dict[str, Any]) -> RewardCallable:
-    from grpo.rewards.async_loop import is_async_callable
-
     if is_async_callable(fn):
         async def with_params(**keywords: Any) -> list[float | None]:  # type: ignore[misc]
             return await fn(**{**keywords, **params})

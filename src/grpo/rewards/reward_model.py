@@ -21,6 +21,7 @@ import torch
 from grpo.data.tags import TagStyle
 from grpo.rewards.answers import completion_text
 from grpo.rewards.signature import RewardCallable, named
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 
 def _default_name(path: str) -> str:
@@ -64,8 +65,6 @@ def make_model_reward(
             completion, which is where the score is read; None: no truncation.
         name: the reward's name in logs; default ``model_<folder name>``.
     """
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer  # slow import
-
     if batch_size < 1:
         raise ValueError(f"reward model batch_size must be >= 1, got {batch_size}")
     if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):

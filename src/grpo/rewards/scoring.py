@@ -18,12 +18,11 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from grpo.config.schema import RewardConfig
 from grpo.data.tags import TagStyle
 from grpo.rewards.async_loop import run_coroutine
 from grpo.rewards.context import CONTEXT_KEYS, RewardContext
@@ -31,8 +30,16 @@ from grpo.rewards.registry import check_call_signature, get_reward_function
 from grpo.rewards.reward_function import RewardFunction
 from grpo.rewards.signature import RewardCallable
 
-# A configured reward (name, weight, params) is the config tree's record; one type for one thing.
-RewardSpec = RewardConfig
+@dataclass
+class RewardSpec:
+    """A configured reward: a name (built-in, ``model``, ``remote`` or ``pkg.module:function``), its weight and
+    keyword arguments. The config tree's ``RewardConfig`` is this record with each field's documentation."""
+
+    name: str
+    weight: float = 1.0
+    params: dict = field(default_factory=dict)
+    factory_args: dict | None = None
+    columns: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -21,6 +21,9 @@ from grpo.config.device_defaults import AUTO, resolve_engine_name
 from grpo.rollout.hf import HFEngine
 from grpo.rollout.lean import LeanEngine
 from grpo.rollout.static import StaticEngine
+from grpo.rollout.vllm_engine import VLLMEngine
+from grpo.rollout.vllm_engine import import_vllm
+from grpo.weight_store import LoadedWeights, state_dict_for_publish
 
 
 @dataclass(frozen=True)
@@ -46,8 +49,6 @@ def _over_policy(engine_class) -> Callable[[RunConfig, torch.nn.Module, object],
 
 
 def _check_vllm() -> None:
-    from grpo.rollout.vllm_engine import import_vllm
-
     try:
         import_vllm()
     except ImportError as exc:
@@ -56,8 +57,6 @@ def _check_vllm() -> None:
 
 
 def _build_vllm(cfg: RunConfig, policy: torch.nn.Module, tokenizer) -> RolloutEngine:
-    from grpo.rollout.vllm_engine import VLLMEngine
-
     return VLLMEngine(
         cfg.model.name_or_path, tokenizer, dtype=cfg.rollout.vllm_dtype, seed=cfg.train.seed,
         enable_lora=cfg.model.lora_r > 0, max_lora_rank=max(cfg.model.lora_r, 8),
@@ -125,8 +124,6 @@ def holds_own_weights(engine: RolloutEngine) -> bool:
 
 def push_policy_weights(engine: OwnWeightsEngine, policy: torch.nn.Module, version: int) -> None:
     """Load ``policy``'s current weights (full, or the LoRA adapter) into ``engine`` as ``version``."""
-    from grpo.weight_store import LoadedWeights, state_dict_for_publish
-
     state, kind, adapter_config = state_dict_for_publish(policy)
     state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in state.items()}
     engine.update_weights(LoadedWeights(version=version, kind=kind, state_dict=state, adapter_config=adapter_config))

@@ -12,6 +12,7 @@ from grpo.compat import generate_repetition_penalty
 from grpo.models.wrappers import eos_token_ids, unwrap_model
 from grpo.rollout.engine import SamplingParams, completion_mask_from_ids
 from grpo.rollout.generation import Generation
+from transformers import GenerationConfig
 
 
 @contextmanager
@@ -94,8 +95,6 @@ class HFEngine:
 
     @staticmethod
     def _generation_config(params: SamplingParams, pad_id: int, eos_ids: list[int]):
-        from transformers import GenerationConfig
-
         greedy = params.greedy or params.temperature == 0
         sampling = {} if greedy else {"temperature": params.temperature, "top_p": params.top_p,
                                       "top_k": params.top_k or 0,  # 0, not None: None falls back to 50

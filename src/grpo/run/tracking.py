@@ -229,7 +229,7 @@ def _start_tensorboard(log_dir: Path, resume_step: int | None):
 def _start_wandb(output_dir: Path, config: dict, project: str, resume: bool):
     """Start (or, on resume, continue) the run's W&B run; its id is kept in the run folder."""
     try:
-        import wandb
+        import wandb  # optional extra (grpo[wandb])
     except ImportError as err:
         raise ImportError(
             "log.report_to includes 'wandb' but the wandb package is not installed; "

@@ -27,6 +27,7 @@ from grpo.step.dynamic_sampling import sample_until_full
 from grpo.step.logprobs import DEVICE_DEFAULT_PASS, LogprobPass, completion_logprobs
 from grpo.rollout.generation import Generation
 from grpo.step.records import RolloutBatch
+from grpo.algorithm.ppo import ppo_advantages
 
 
 @dataclass(frozen=True)
@@ -247,8 +248,6 @@ def _ppo_advantages(rewards: torch.Tensor, generation: Generation, values_fn: Va
                     old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None,
                     gae: GaeSettings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """([N, Lc] whitened advantages, [N, Lc] values, [N, Lc] returns), on the CPU like the rollout's tensors."""
-    from grpo.algorithm.ppo import ppo_advantages
-
     # The critic's values come from a pass over every completion token (environment tokens are context);
     # the actions, the rewards' chain and the whitening are the sampled tokens' (grpo.algorithm.ppo).
     mask = generation.sampled_mask  # [N, Lc]

@@ -7,7 +7,6 @@ disagree). ``kk`` reads each person's role out of the answer (``knights_knaves.t
 
 from __future__ import annotations
 
-from grpo.config.schema import default_rewards
 from grpo.data.example import Example
 from grpo.data.sources import load_dataset_source
 from grpo.data.tags import get_tag_style
@@ -18,7 +17,8 @@ from grpo.tasks.task import Score, Task
 
 # The seeds' reward (answer correct +1 / wrong -1, format ok +1.25 / bad -1): the config schema's default list,
 # so that a RunConfig built without a recipe and a numeric-task recipe without rewards train alike.
-NUMERIC_REWARDS = tuple((r.name, r.weight) for r in default_rewards())
+# The seeds' reward: answer correct +1 / wrong -1, format ok +1.25 / bad -1 (also the config's default list).
+NUMERIC_REWARDS = (("answer_correct", 1.0), ("format_think_answer", 1.0))
 
 
 def numeric_score(text: str, gold: str, tag_style: str) -> Score:

@@ -21,6 +21,8 @@ from grpo.tasks import Task, run_system_prompt, run_task
 from grpo.evaluation.scoring import EvalRewards, logged_metrics, summarize, write_records
 from grpo.evaluation.evaluate import call_unit, evaluate_records, mean_rollout_metrics
 from grpo.parallel.distributed import DistInfo, all_gather_json
+from grpo.config import ConfigError
+from grpo.multiturn.driver import ExampleRollout
 
 UNNAMED = ""  # the set of a plain ``data.eval`` source: its metrics are eval/accuracy, ... as before named sets
 RECORDS_DIR = "eval"
@@ -98,8 +100,6 @@ class RunEvaluator:
     def __post_init__(self) -> None:
         # Checked on every rank for the whole sets: a rank whose slice failed alone would leave the others
         # waiting in the gather.
-        from grpo.config import ConfigError
-
         for name, examples in self.sets.items():
             label = f"data.eval set {name!r}" if name else "data.eval"
             if not examples:
@@ -110,8 +110,6 @@ class RunEvaluator:
                                   f"{unanswered[0]}; evaluation needs an answer column")
 
     def __call__(self, step: int) -> dict[str, dict]:
-        from grpo.multiturn.driver import ExampleRollout
-
         s = self.settings
         unit = call_unit(s.batch_size, s.samples)
         # The sets share generation calls (fewer, fuller calls), except multi-turn, whose per-call tool metrics

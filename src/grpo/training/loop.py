@@ -28,6 +28,7 @@ from grpo.training.evaluator import eval_metrics
 from grpo.training.guards import DeferredInterrupt, RankAgreedStop, SkipGuard, sigterm_as_interrupt
 from grpo.parallel.learners import zero3_full_state_dict
 from grpo.parallel.trainable import Trainable
+from grpo.run.plots import plot_run
 
 
 @dataclass
@@ -208,8 +209,6 @@ def run_loop(loop: Loop, source: StepSource, start_step: int, eval_before: dict 
         if loop.info.is_main:
             save_final(loop.out, loop.trainable.policy, loop.tokenizer, state_dict=final_weights)
     if loop.schedule.plots and loop.info.is_main:
-        from grpo.run.plots import plot_run  # matplotlib: imported only by a run that draws
-
         plot_run(loop.out)
     barrier(loop.info)
     loop.hooks.train_end(last_step)

@@ -19,6 +19,14 @@ from grpo.run.run_dir import claim_output_dir
 from grpo.run.tracking import MetricsLogger
 from grpo.parallel.distributed import DistInfo, all_gather_json, barrier, init_distributed, print0
 from grpo.parallel.trainable import Trainable, build_trainable
+from grpo.config import ConfigError
+from grpo.data import load_sft_pairs
+from grpo.data.sft_tokens import tokenize_pairs
+from grpo.rewards import build_reward_functions
+from grpo.step.ptx import PtxData
+from grpo.training.evaluator import eval_sources
+import secrets
+import socket
 
 
 def start_process(cfg: RunConfig) -> tuple[DistInfo, torch.device]:
@@ -37,8 +45,6 @@ def start_process(cfg: RunConfig) -> tuple[DistInfo, torch.device]:
 def load_data(cfg: RunConfig) -> tuple[list, dict[str, list]]:
     """(training examples, held-out sets ``{name: examples}``: {} without data.eval, the one unnamed set ""
     for a plain source), read by the run's task (``data.task``)."""
-    from grpo.training.evaluator import eval_sources
-
     task = run_task(cfg)
     train_set = task.load(cfg.data.train, cfg.data.split, cfg.data.train_limit)
     eval_sets = {name: task.load(source, cfg.data.eval_split, cfg.data.eval_limit)
@@ -50,9 +56,6 @@ def build_rewards(cfg: RunConfig, examples: Sequence | None = None) -> tuple[lis
     """The configured reward functions and their weights; a reward that cannot be built (unknown
     name, a dotted path that does not import, bad params or factory_args) or, given the training
     ``examples``, cannot take TRL's keyword call with their columns is a configuration error naming it."""
-    from grpo.config import ConfigError
-    from grpo.rewards import build_reward_functions
-
     column_names = list(examples[0].columns()) if examples else None
     if not cfg.rewards:  # allowed by the rules only with rollout.environment: its get_reward (multiturn.setup)
         return [], []
@@ -75,9 +78,6 @@ def load_ptx_data(cfg: RunConfig, tokenizer, info: DistInfo):
     is printed once."""
     if cfg.ptx.data is None:
         return None
-    from grpo.data import load_sft_pairs
-    from grpo.data.sft_tokens import tokenize_pairs
-    from grpo.step.ptx import PtxData
 
     p = cfg.ptx
     pairs = load_sft_pairs(p.data, p.prompt_column, p.response_column, p.response_format, cfg.data.tag_style,
@@ -107,10 +107,6 @@ def check_shared_run_folder(out: Path, info: DistInfo) -> None:
     random token there, every rank reads it back; a ConfigError on every rank names the hosts that cannot."""
     if not info.enabled:
         return
-    import secrets
-    import socket
-
-    from grpo.config import ConfigError
 
     marker = out / ".grpo-shared-check"
     if info.is_main:

@@ -10,6 +10,13 @@ from typing import TYPE_CHECKING
 from grpo.run.checkpoint import GRPO_LAYOUT, CheckpointLayout
 from grpo.parallel.distributed import DistInfo, barrier
 from grpo.parallel.learners import zero3_full_state_dict
+from grpo.critic import CRITIC_DIR, load_critic
+from grpo.critic import CRITIC_DIR, save_critic
+from grpo.run.checkpoint import CheckpointError, complete_checkpoints
+from grpo.run.checkpoint import load_checkpoint
+from grpo.run.checkpoint import save_checkpoint
+import json
+import shutil
 
 if TYPE_CHECKING:
     from grpo.parallel.trainable import Trainable
@@ -26,9 +33,6 @@ def save_run_checkpoint(out: Path, step: int, trainable: Trainable, tokenizer, s
     engine state (partitioned optimizer) to ``deepspeed-step-N/``; rank 0 then writes the HF-format
     checkpoint, whose appearance (atomic rename) marks the whole checkpoint complete. PPO's ``critic``
     (a ``grpo.critic.Critic``) goes into its ``critic/`` folder; ``layout`` names the folder. Returns it."""
-    from grpo.critic import CRITIC_DIR, save_critic
-    from grpo.run.checkpoint import save_checkpoint
-
     write_critic = (lambda folder: save_critic(folder / CRITIC_DIR, critic)) if critic is not None else None
 
     if trainable.deepspeed:
@@ -46,8 +50,6 @@ def save_run_checkpoint(out: Path, step: int, trainable: Trainable, tokenizer, s
 
 def _prune_deepspeed_dirs(out: Path, keep: int | None, layout: CheckpointLayout) -> None:
     # Engine states whose HF checkpoint was pruned are unreachable: drop them too.
-    import shutil
-
     live = {str(layout.step_of(p.name)) for p in layout.root(out).glob(f"{layout.prefix}*")}
     for engine_dir in layout.root(out).glob("deepspeed-step-*"):
         if keep is not None and engine_dir.name.removeprefix("deepspeed-step-") not in live:
@@ -59,11 +61,6 @@ def load_run_checkpoint(checkpoint: Path, trainable: Trainable, critic=None,
     """Restore weights, optimizer, schedule and RNG from ``checkpoint`` (and PPO's ``critic`` from its
     ``critic/`` folder); returns its trainer state. Under DeepSpeed the engine restores weights and its
     partitioned optimizer itself."""
-    import json
-
-    from grpo.critic import CRITIC_DIR, load_critic
-    from grpo.run.checkpoint import load_checkpoint
-
     if critic is not None:  # first: a checkpoint without a critic must fail before the policy is overwritten
         load_critic(checkpoint / CRITIC_DIR, critic)
     if trainable.deepspeed:
@@ -87,8 +84,6 @@ def resume_checkpoint(out: Path, trainable: Trainable, info: DistInfo, critic=No
     the run saves that step again. When no checkpoint loads (e.g. the model no longer fits them) the
     newest one's error is raised: starting from scratch would silently discard the run.
     """
-    from grpo.run.checkpoint import CheckpointError, complete_checkpoints
-
     candidates = complete_checkpoints(out, layout)[::-1]  # newest first
     if only is not None:
         if Path(only).resolve() not in [c.resolve() for c in candidates]:

@@ -33,7 +33,7 @@ def state_dict_for_publish(model: torch.nn.Module) -> tuple[dict[str, torch.Tens
     """
     model = _unwrap(model)
     if _is_peft(model):
-        from peft import get_peft_model_state_dict
+        from peft import get_peft_model_state_dict  # peft takes seconds to import; only LoRA runs need it
 
         state = get_peft_model_state_dict(model)
         adapter_config: dict[str, Any] | None = _json_safe(model.peft_config[model.active_adapter].to_dict())
@@ -93,7 +93,7 @@ def _apply_full(model: torch.nn.Module, loaded: LoadedWeights, where: str) -> No
 
 
 def _apply_adapter(model: torch.nn.Module, loaded: LoadedWeights, where: str) -> None:
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict  # peft takes seconds to import
 
     own_config = model.peft_config[model.active_adapter].to_dict()
     published = loaded.adapter_config or {}

@@ -18,6 +18,7 @@ from grpo.config import RunConfig
 from grpo.commands.memory.formulas import activation_bytes, autocast_extra_bytes
 from grpo.commands.memory.shapes import ModelShape, load_model_config, lora_targets
 from grpo.commands.memory.states import _count, model_states
+from grpo.algorithm import advantage_estimator
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,6 @@ def critic_memory(cfg: RunConfig, *, policy_shape: ModelShape, gpus: int, attent
                   critic_config: dict | None = None) -> CriticMemory | None:
     """The critic of a run whose estimator needs one (gae; None for the others). ``critic_config``: the config.json
     of ``critic.name_or_path`` (default: read it; the policy's shape when that key is null)."""
-    from grpo.algorithm import advantage_estimator  # here: the estimate itself needs no torch
-
     if not advantage_estimator(cfg.algorithm.advantage_estimator).needs_critic:
         return None
     c = cfg.critic

@@ -6,6 +6,7 @@ import json
 import sys
 
 from grpo.commands.memory.estimate import COMPONENTS, MemoryEstimate, estimate_memory
+from grpo.config import load_config
 
 
 def format_table(estimate: MemoryEstimate) -> str:
@@ -36,8 +37,6 @@ def run_memory_command(config_path: str | None, overrides: list[str], gpus: int 
     The model's shape comes from model.name_or_path's config.json (a local folder or the HF cache) or
     the built-in table; otherwise a ConfigError names the key.
     """
-    from grpo.config import load_config
-
     cfg = load_config(config_path, overrides)
     estimate = estimate_memory(cfg, gpus=gpus, gpu_gb=gpu_gb, mixed_precision=mixed_precision,
                                vllm_gpu_memory_utilization=vllm_gpu_memory_utilization)

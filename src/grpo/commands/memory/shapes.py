@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from huggingface_hub import try_to_load_from_cache
+
 from grpo.config import ConfigError
 
 # The linear layers of one Llama/Qwen2-style decoder layer; ``all-linear`` LoRA targets all of them.
@@ -139,11 +141,7 @@ def load_model_config(name_or_path: str, key: str) -> tuple[dict, str]:
         raise ConfigError(f"{key}: {name_or_path!r} has no config.json (a local checkpoint folder or a hub id "
                           "org/name is expected)")
     try:
-        from huggingface_hub import try_to_load_from_cache
-
         cached = try_to_load_from_cache(name_or_path, "config.json")
-    except ImportError:  # huggingface_hub comes with transformers; without it only the table is consulted
-        cached = None
     except ValueError:  # not a valid repo id (HFValidationError): then not in the cache either
         cached = None
     if isinstance(cached, str) and Path(cached).is_file():

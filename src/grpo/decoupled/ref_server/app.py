@@ -28,6 +28,11 @@ from grpo.decoupled.ref_server.protocol import (
     encode_response,
 )
 from grpo.step.logprobs import DEVICE_DEFAULT_PASS, LogprobPass, completion_logprobs
+from grpo.decoupled.transport.common import hidden_loopback
+from grpo.models.loading import DTYPES, resolve_device
+from transformers import AutoModelForCausalLM
+import socket
+import uvicorn
 
 logger = logging.getLogger("grpo.decoupled.ref_server")  # the package's name, as before the split: log lines show it
 
@@ -177,11 +182,6 @@ def make_server(
     Raises ConfigError (before loading anything) for a non-loopback host without a token, an unset
     token variable, an unknown dtype or a non-positive temperature.
     """
-    import uvicorn
-    from transformers import AutoModelForCausalLM
-
-    from grpo.models.loading import DTYPES, resolve_device
-
     token = None
     if token_env is not None:
         token = os.environ.get(token_env)
@@ -190,7 +190,6 @@ def make_server(
     if not is_loopback(host) and token is None:
         raise ConfigError(f"host: refusing to serve on {host!r} without authentication; bind 127.0.0.1 or set a "
                           "token with token_env (anyone who can reach the port could use the model otherwise)")
-    from grpo.decoupled.transport.common import hidden_loopback
 
     try:
         hidden = hidden_loopback(host)
@@ -219,8 +218,6 @@ def make_server(
 
 def check_port_free(host: str, port: int) -> None:
     """ConfigError naming the port when ``host:port`` cannot be bound (another process listens there)."""
-    import socket
-
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
