@@ -19,7 +19,7 @@ def test_hf_engines_by_name_sample_from_the_policy_itself():
     for name, kind in (("hf", LeanEngine), ("hf-static", StaticEngine), ("hf-generate", HFEngine)):
         engine = build_engine(load_config(None, [f"rollout.engine={name}"]), model, tokenizer)
         assert isinstance(engine, kind) and not holds_own_weights(engine)
-        assert not ENGINES[name].own_weights
+        assert not ENGINES[name].traits.own_weights
 
 
 def test_auto_engine_is_hf_static_on_cuda_and_hf_elsewhere():
@@ -68,7 +68,7 @@ def test_the_config_offers_exactly_the_registered_engines():
 
     engine = next(f for f in fields(RolloutConfig) if f.name == "engine")
     assert set(engine.metadata["choices"]) == {"auto", *ENGINES} and engine.default == "auto"
-    assert [n for n, k in ENGINES.items() if k.own_weights] == ["vllm"]
+    assert [n for n, k in ENGINES.items() if k.traits.own_weights] == ["vllm"]
 
 
 def test_an_engine_with_update_weights_is_an_own_weights_engine():
