@@ -25,21 +25,27 @@ class EngineTraits:
         and ``loss.sampler_is_correction`` mean something only with it).
     fixed_context: its sequences are sized when it is built (``data.max_prompt_length +
         rollout.max_completion_length``, which must fit the model's context), so a prompt is bounded by that.
+    sampling_copy: it samples from a copy of the policy's weights refreshed at every call (bf16 on CUDA, LoRA
+        merged), held for the whole run beside the policy (``grpo memory`` counts it).
     """
 
     own_weights: bool = False
     fixed_context: bool = False
+    sampling_copy: bool = False
 
 
 ENGINE_TRAITS: dict[str, EngineTraits] = {
     "hf": EngineTraits(),  # a lean loop over the model's KV cache
-    "hf-static": EngineTraits(),  # static cache, decode step as a CUDA graph
+    "hf-static": EngineTraits(sampling_copy=True),  # static cache, decode step as a CUDA graph
     "hf-generate": EngineTraits(),  # model.generate itself
     "vllm": EngineTraits(own_weights=True, fixed_context=True),  # the optional vllm extra
 }
 
-# ``auto`` picks only engines that sample from the policy itself (``device_defaults.resolve_engine_name``).
+# ``auto`` picks only engines that sample from the policy itself, with no fixed context; whether the one it picks
+# has a sampling copy depends on the device (resolve the name first: ``device_defaults.resolve_engine_name``).
 AUTO_ENGINE_TRAITS = EngineTraits()
+
+VLLM_ENGINE = "vllm"  # the engine TRL's use_vllm=True asks for (grpo.api.mapping)
 
 # log.report_to's trackers (grpo.run.tracking starts them).
 TRACKERS = ("tensorboard", "wandb")
@@ -49,6 +55,6 @@ TOOL_CALL_MARKERS: dict[str, str] = {"hermes": "<tool_call>"}
 
 
 def engine_traits(name: str) -> EngineTraits:
-    """The traits of ``rollout.engine: name`` (``auto``'s are those of every engine it may pick); ValueError
-    listing the known names."""
+    """The traits of ``rollout.engine: name`` (``auto``: ``AUTO_ENGINE_TRAITS``); ValueError listing the known
+    names."""
     return AUTO_ENGINE_TRAITS if name == AUTO else lookup(ENGINE_TRAITS, "rollout engine", name)
