@@ -31,6 +31,11 @@ from grpo.rollout.hf import left_pad
 from grpo.rollout.generation import Generation
 
 
+# Tool round k samples with seed + k * this: a seed of its own, far from the seeds a call's neighbours use
+# (seed + 1, seed + 2, ... for the next calls of an evaluation), so two rounds never draw the same stream.
+TURN_SEED_STRIDE = 7919
+
+
 def environment_row(example) -> dict:
     """What ``reset(**row)`` gets: the row's columns and its ``prompt`` messages, as TRL passes a dataset row."""
     return {**example.columns(), "prompt": [dict(m) for m in example.messages]}
@@ -168,7 +173,7 @@ class MultiTurnRollout:
                 return
             iteration += 1
             room = max(budget - len(rows[k].ids) for k in continuing)
-            turn_seed = None if seed is None else seed + 7919 * iteration
+            turn_seed = None if seed is None else seed + TURN_SEED_STRIDE * iteration
             out = engine.generate_ids([rows[k].prompt_ids + rows[k].ids for k in continuing],
                                       replace(params, n=1, max_tokens=room, min_new_tokens=0), seed=turn_seed)
             self._take(rows, continuing, out, eos_ids, budget)

@@ -29,7 +29,7 @@ from grpo.decoupled.ref_server.protocol import (
 )
 from grpo.step.logprobs import DEVICE_DEFAULT_PASS, LogprobPass, completion_logprobs
 
-logger = logging.getLogger("grpo.decoupled.ref_server")  # the package's name, as before the split: log lines show it
+logger = logging.getLogger("grpo.decoupled.ref_server")  # the package's name: its modules log as one
 
 
 def build_app(
