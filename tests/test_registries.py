@@ -16,6 +16,7 @@ from grpo.algorithm import (
     LOSS_AGGREGATIONS,
     SAMPLER_CORRECTIONS,
 )
+from grpo.algorithm.schedules import LR_SCHEDULES
 from grpo.api import mapping
 from grpo.api.arguments import GRPOConfig
 from grpo.config import RunConfig, iter_config_keys, load_config
@@ -37,6 +38,8 @@ KEYED = {
     "loss.sampler_is_mode": (SAMPLER_CORRECTIONS, ()),
     "data.tag_style": (TAG_STYLES, ()),
     "ptx.response_format": (RESPONSE_FORMATS, ()),
+    "optim.lr_scheduler_type": (LR_SCHEDULES, ()),
+    "critic.lr_scheduler_type": (LR_SCHEDULES, ()),
     "rollout.engine": (ENGINES, (AUTO,)),
     "rollout.tool_call_format": (TOOL_CALL_FORMATS, (AUTO,)),
 }
@@ -106,6 +109,7 @@ def test_the_python_api_accepts_exactly_the_registered_names():
         assert scale == (None if name == "group" else name)
     with pytest.raises(ValueError, match="scale_rewards='std': one of " + ", ".join(ADVANTAGE_SCALES)):
         GRPOConfig(scale_rewards="std", use_cpu=True, max_steps=1).to_run_config()
+    assert set(mapping.SCHEDULES.values()) == set(LR_SCHEDULES)  # TRL's schedules onto ours, each of ours reached
     # TRL's use_vllm is the engine with its own weights and a context fixed when built, both ways
     assert [n for n, t in ENGINE_TRAITS.items() if t.own_weights or t.fixed_context] == [VLLM_ENGINE]
     cfg = GRPOConfig(use_vllm=True, use_cpu=True, max_steps=1).to_run_config()

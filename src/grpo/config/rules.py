@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
+import zmq
+
 from grpo.algorithm import advantage_estimator
 from grpo.config.kinds import TRACKERS, engine_traits
 from grpo.config.schema import CriticConfig, PtxConfig
@@ -46,7 +48,7 @@ def loss_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
         problems.append(("loss.epsilon_high", (
             f"{cfg.loss.epsilon_high} < loss.epsilon {cfg.loss.epsilon}: the asymmetric clip (DAPO) only "
             "raises the upper bound")))
-    if cfg.loss.scale_rewards is not None and cfg.algorithm.advantage_estimator != "grpo":
+    if cfg.loss.scale_rewards is not None and not _estimator(cfg).takes_scale:
         problems.append(("loss.scale_rewards", (
             f"is {cfg.loss.scale_rewards!r} but algorithm.advantage_estimator is "
             f"{cfg.algorithm.advantage_estimator!r}, whose scaling is part of its definition (rloo: none; "
@@ -246,8 +248,6 @@ def encryption_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
     (encrypted, if redundant on one machine); inproc:// does not, so nothing would be encrypted."""
     if not cfg.decoupled.encrypt:
         return []
-    import zmq  # here: only a config that asks for encryption needs it
-
     problems = []
     if not zmq.has("curve"):
         problems.append(("decoupled.encrypt", (

@@ -17,6 +17,7 @@ from grpo.algorithm import (
     LOSS_AGGREGATIONS,
     SAMPLER_CORRECTIONS,
 )
+from grpo.algorithm.schedules import LR_SCHEDULES
 from grpo.config.eval_schema import EvalConfig  # noqa: F401  (the eval section, in its own module)
 from grpo.config.fields import opt
 from grpo.config.rollout_schema import RolloutConfig  # noqa: F401  (the rollout section, in its own module)
@@ -109,8 +110,9 @@ class CriticConfig:
     weight_decay: float = opt(0.0, "gae: the critic's AdamW weight decay.", ge=0)
     warmup_ratio: float = opt(0.0, "gae: share of the critic's updates with linear warm-up.", ge=0, le=1)
     lr_scheduler_type: str = opt(
-        "constant", "gae: the critic's decay after warm-up (constant: its targets keep moving with the policy).",
-        choices=("constant", "linear", "cosine"))
+        "constant", "gae: the critic's decay after warm-up: constant (its targets keep moving with the policy), linear "
+        "or cosine.",
+        choices=tuple(LR_SCHEDULES))
     max_grad_norm: float | None = opt(1.0, "gae: clip the critic's gradient norm; null = no clipping.", gt=0)
     gradient_checkpointing: bool = opt(False, "gae: recompute the critic's activations in backward.")
     lora_r: int = opt(0, "gae: LoRA rank of the critic's body; 0 = full fine-tuning (the value head always trains).",
@@ -200,7 +202,8 @@ class OptimConfig:
     adam_beta1: float = opt(0.9, "AdamW beta1.", ge=0, le=1)
     adam_beta2: float = opt(0.99, "AdamW beta2.", ge=0, le=1)
     warmup_ratio: float = opt(0.0, "Share of max_steps with linear warm-up.", ge=0, le=1)
-    lr_scheduler_type: str = opt("cosine", "Decay after warm-up.", choices=("constant", "linear", "cosine"))
+    lr_scheduler_type: str = opt("cosine", "Decay after warm-up: constant, linear or cosine (to 0 at the last "
+                                            "update).", choices=tuple(LR_SCHEDULES))
     max_grad_norm: float | None = opt(1.0, "Clip the global gradient norm; null = no clipping.", gt=0)
     optimizer: str = opt("adamw", "adamw (torch) or adamw_8bit (bitsandbytes 8-bit states; CUDA only, refused on CPU).",
                          choices=("adamw", "adamw_8bit"))
