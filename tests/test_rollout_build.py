@@ -86,6 +86,24 @@ def test_an_engine_with_update_weights_is_an_own_weights_engine():
     assert not holds_own_weights(Plain())
 
 
+def test_a_wrapper_has_only_its_own_abilities_its_engines_are_asked_of_the_engine():
+    """A multi-turn or hook wrapper forwards nothing: asked of the wrapper, the vLLM-like engine's abilities
+    would be guessed; ``sampling_engine`` names the engine that has them."""
+    from grpo.multiturn.driver import sampling_engine
+    from grpo.multiturn.rollout_hook import RolloutHook
+
+    class Pushed:
+        def generate(self, prompts, params, seed=None): ...
+
+        def update_weights(self, weights) -> None: ...
+
+    engine = Pushed()
+    hook = RolloutHook(lambda prompts, context: {}, engine, tokenizer=None, eos_ids=[0])
+    assert not holds_own_weights(hook) and not hasattr(hook, "update_weights")
+    assert sampling_engine(hook) is engine and holds_own_weights(sampling_engine(hook))
+    assert sampling_engine(engine) is engine
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
 def test_vllm_without_vllm_is_a_config_error_naming_the_key():
     with pytest.raises(ConfigError, match=r"rollout.engine: vllm: vLLM is not installed: "

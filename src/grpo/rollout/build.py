@@ -1,10 +1,10 @@
-"""The run's rollout engine from its config (``ENGINES``: each name with how to build it and whether it holds
-its own weights), and keeping such an engine in step with the policy.
+"""The run's rollout engine from its config (``ENGINES``: each name, declared with its traits in
+``grpo.config.kinds``, with how to build it), and keeping an engine with its own weights in step with the policy.
 
 ``hf`` / ``hf-static`` / ``hf-generate`` sample from the training model itself, so they always see the
-newest weights. ``auto`` (the default) is ``hf-static`` on CUDA and ``hf`` elsewhere (``resolve_engine_name``). ``vllm`` holds its own copy (an ``OwnWeightsEngine``): colocated training pushes the
-policy's weights into it after every update (``push_policy_weights``); a decoupled sampler hands it each
-published version it loads.
+newest weights. ``auto`` (the default) is ``hf-static`` on CUDA and ``hf`` elsewhere (``resolve_engine_name``).
+``vllm`` holds its own copy (an ``OwnWeightsEngine``): colocated training pushes the policy's weights into it
+after every update (``push_policy_weights``); a decoupled sampler hands it each published version it loads.
 """
 
 from __future__ import annotations
@@ -119,7 +119,8 @@ def evaluation_engine(cfg: RunConfig, policy: torch.nn.Module, tokenizer) -> Rol
 
 
 def holds_own_weights(engine: RolloutEngine) -> bool:
-    """True for engines that sample from their own copy of the weights (vLLM)."""
+    """True for engines that sample from their own copy of the weights (vLLM). Asked of the engine itself, not of
+    a wrapper that makes rollouts with it (``grpo.multiturn.driver.sampling_engine``)."""
     return isinstance(engine, OwnWeightsEngine)
 
 
