@@ -72,6 +72,15 @@ def test_the_schema_allows_exactly_the_registered_names_and_documents_each(key):
     assert SHOWN[key] == "one of " + ", ".join("null" if c is None else c for c in (*extra, *registry))
 
 
+# Keys whose few values pick a branch where they are read, not an entry of a registry (dtypes: torch's names).
+SWITCHES = {"algorithm.kl_penalty", "train.mode", "train.best_metric_mode", "train.checkpoint_layout",
+            "decoupled.weight_sync", "optim.optimizer", "model.ref_torch_dtype", "rollout.vllm_dtype"}
+
+
+def test_every_key_with_choices_reads_a_registry_or_is_a_listed_switch():
+    assert {key for key, f in FIELDS.items() if f.metadata.get("choices")} == set(KEYED) | SWITCHES
+
+
 def test_the_tasks_key_names_every_builtin_task():  # data.task takes a dotted path too, so it has no choices
     assert all(_names_word(HELP["data.task"], name) for name in BUILTIN_TASKS)
     assert all(_names_word(HELP["log.report_to"], name) for name in TRACKERS)
