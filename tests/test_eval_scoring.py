@@ -16,7 +16,7 @@ from grpo.tasks import resolve_task
 from grpo.commands.eval_command import parse_data_sets
 from grpo.evaluation.scoring import EvalRewards, logged_metrics, summarize
 from grpo.evaluation.evaluate import call_unit, evaluate, evaluate_records
-from grpo.training.evaluator import eval_sources, primary_metric, rank_slice
+from grpo.training.evaluator import eval_sources, primary_metric, rank_example_range
 
 TAGGED = "<think>\nwork\n</think>\n<answer>\n{}\n</answer>"
 
@@ -140,13 +140,13 @@ class SeededEngine:
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_rank_slices_give_the_whole_sets_records(tiny_tokenizer, world_size):
+def test_rank_example_ranges_give_the_whole_sets_records(tiny_tokenizer, world_size):
     examples = numeric_examples(23)
     settings = dict(engine=SeededEngine(), batch_size=6, samples=4, temperature=1.0, seed=7, progress=False)
     whole, _ = evaluate_records(None, tiny_tokenizer, examples, **settings)
     unit = call_unit(6, 4)
     assert unit == 6  # greedy: 6 prompts per call; 4 samples: 1 prompt per call
-    slices = [rank_slice(len(examples), unit, rank, world_size) for rank in range(world_size)]
+    slices = [rank_example_range(len(examples), unit, rank, world_size) for rank in range(world_size)]
     assert slices[0][0] == 0 and slices[-1][1] == 23
     assert all(a[1] == b[0] for a, b in zip(slices, slices[1:]))  # contiguous, covering the set
     parts = []

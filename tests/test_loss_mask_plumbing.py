@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from grpo.decoupled.wire import PROTOCOL_VERSION, WireError, batch_to_message, decode, encode, message_to_batch
-from grpo.step.batching import concat_batches, rank_slice, select_groups
+from grpo.step.batching import concat_batches, rank_groups, select_groups
 from grpo.step.dynamic_sampling import merge_rounds
 from grpo.step.metrics import rollout_metrics
 from grpo.rollout.generation import Generation
@@ -59,7 +59,7 @@ def assert_aligned(batch: RolloutBatch) -> None:
             assert g.messages[i] == [{"role": "assistant", "content": text}]
 
 
-def test_concat_select_and_rank_slice_keep_loss_mask_and_messages_with_their_rows():
+def test_concat_select_and_rank_groups_keep_loss_mask_and_messages_with_their_rows():
     a, b = make_round("a", 2, 5, calls=1.0), make_round("bb", 3, 8, calls=2.0)
     joined = concat_batches([a, b], pad_id=0)
     assert joined.generation.completion_ids.shape == (10, 8)
@@ -70,7 +70,7 @@ def test_concat_select_and_rank_slice_keep_loss_mask_and_messages_with_their_row
     assert picked.generation.completions == ["bb:4", "bb:5", "a:0", "a:1", "bb:0", "bb:1"]
     assert_aligned(picked)
     for rank in range(5):
-        assert_aligned(rank_slice(joined, rank, 5))
+        assert_aligned(rank_groups(joined, rank, 5))
 
 
 def test_a_single_turn_part_joins_with_its_completion_mask_and_text_and_single_turn_stays_none():

@@ -19,7 +19,7 @@ def test_hf_engines_by_name_sample_from_the_policy_itself():
     for name, kind in (("hf", LeanEngine), ("hf-static", StaticEngine), ("hf-generate", HFEngine)):
         engine = build_engine(load_config(None, [f"rollout.engine={name}"]), model, tokenizer)
         assert isinstance(engine, kind) and not holds_own_weights(engine)
-        assert not ENGINES[name].own_weights
+        assert not ENGINES[name].traits.own_weights
 
 
 def test_auto_engine_is_hf_static_on_cuda_and_hf_elsewhere():
@@ -68,7 +68,7 @@ def test_the_config_offers_exactly_the_registered_engines():
 
     engine = next(f for f in fields(RolloutConfig) if f.name == "engine")
     assert set(engine.metadata["choices"]) == {"auto", *ENGINES} and engine.default == "auto"
-    assert [n for n, k in ENGINES.items() if k.own_weights] == ["vllm"]
+    assert [n for n, k in ENGINES.items() if k.traits.own_weights] == ["vllm"]
 
 
 def test_an_engine_with_update_weights_is_an_own_weights_engine():
@@ -84,6 +84,24 @@ def test_an_engine_with_update_weights_is_an_own_weights_engine():
 
     assert isinstance(Pushed(), OwnWeightsEngine) and holds_own_weights(Pushed())
     assert not holds_own_weights(Plain())
+
+
+def test_a_wrapper_has_only_its_own_abilities_its_engines_are_asked_of_the_engine():
+    """A multi-turn or hook wrapper forwards nothing: asked of the wrapper, the vLLM-like engine's abilities
+    would be guessed; ``sampling_engine`` names the engine that has them."""
+    from grpo.multiturn.driver import sampling_engine
+    from grpo.multiturn.rollout_hook import RolloutHook
+
+    class Pushed:
+        def generate(self, prompts, params, seed=None): ...
+
+        def update_weights(self, weights) -> None: ...
+
+    engine = Pushed()
+    hook = RolloutHook(lambda prompts, context: {}, engine, tokenizer=None, eos_ids=[0])
+    assert not holds_own_weights(hook) and not hasattr(hook, "update_weights")
+    assert sampling_engine(hook) is engine and holds_own_weights(sampling_engine(hook))
+    assert sampling_engine(engine) is engine
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")

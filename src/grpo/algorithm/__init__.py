@@ -14,8 +14,9 @@ prompt ``i``; ``N = P*G``. ``L`` is the completion length (padded), ``T`` a full
   weights, the sampler/trainer log-prob gap.
 
 Variants are looked up by name in ``ADVANTAGE_ESTIMATORS``, ``ADVANTAGE_SCALES``,
-``IMPORTANCE_SAMPLING_LEVELS``, ``LOSS_AGGREGATIONS`` and ``SAMPLER_CORRECTIONS``; an unknown name
-raises a ``ValueError`` listing the known ones.
+``IMPORTANCE_SAMPLING_LEVELS``, ``LOSS_AGGREGATIONS``, ``SAMPLER_CORRECTIONS`` and ``schedules.LR_SCHEDULES``
+(the learning rate's decay); an unknown name raises a ``ValueError`` listing the known ones. The config's
+choices are these registries' names.
 """
 
 from grpo.algorithm.advantages import (

@@ -88,11 +88,14 @@ class AdvantageEstimator:
         estimator that does not work from group rewards (``gae``: ``grpo.algorithm.ppo.ppo_advantages``).
     needs_critic: a value model is trained beside the policy (``grpo.critic``).
     token_level: advantages are ``[N, L]`` per token, not ``[N]`` per completion.
+    takes_scale: its scaling is chosen (``ADVANTAGE_SCALES``, ``loss.scale_rewards``); the others' is part of
+        their definition.
     """
 
     from_group: Callable[[Tensor, str | None, float], Tensor] | None
     needs_critic: bool = False
     token_level: bool = False
+    takes_scale: bool = False
 
     @property
     def group_baseline(self) -> bool:
@@ -101,7 +104,7 @@ class AdvantageEstimator:
 
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
-    "grpo": AdvantageEstimator(_grpo),
+    "grpo": AdvantageEstimator(_grpo, takes_scale=True),
     "rloo": AdvantageEstimator(_rloo),
     "reinforce_pp": AdvantageEstimator(_reinforce_pp),
     "gae": AdvantageEstimator(None, needs_critic=True, token_level=True),  # PPO

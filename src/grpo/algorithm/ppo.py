@@ -1,7 +1,7 @@
 """PPO's token-level advantages: sequence reward (and per-token KL penalty) -> token rewards -> GAE
 over the critic's values -> whitened advantages and the critic's return targets.
 
-Multi-turn rows (issue 27): the actions are the sampled tokens only. Tokens an environment inserted (tool
+Multi-turn rows: the actions are the sampled tokens only. Tokens an environment inserted (tool
 results) are part of the transition from one action's state to the next, so GAE chains each action to the
 next *sampled* token (its ``V``, of a state that includes the inserted tokens as context), skipping them.
 

@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from grpo.algorithm.losses import LOSS_AGGREGATIONS
+
 # Fields grpo does not implement: (TRL's default, why). Setting one to anything else is a ValueError.
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "router_aux_loss_coef": (None, "grpo adds no MoE load-balancing loss"),
@@ -150,8 +152,8 @@ class GRPOConfig:
     eval_on_start: bool = False
     max_tool_calling_iterations: int | None = None  # tool rounds after the first turn; None: until the length budget
     # -- grpo's own options (not TRL's)
-    advantage_estimator: str = "grpo"  # grpo, rloo, reinforce_pp, gae (PPO with a critic)
-    rollout_engine: str | None = None  # auto, hf, hf-static, hf-generate; None: auto (vllm with use_vllm=True)
+    advantage_estimator: str = "grpo"  # a grpo.algorithm.ADVANTAGE_ESTIMATORS name (gae: PPO with a critic)
+    rollout_engine: str | None = None  # a rollout.engine value (grpo.config.kinds); None: auto (vllm: use_vllm=True)
     dynamic_sampling: bool = False  # DAPO's: resample groups whose rewards are all equal
     ptx_data: str | None = None  # an SFT file whose NLL is added to the loss (PaddleNLP's PTX)
     ptx_coef: float | None = None  # its weight; None: grpo's default (ptx.coef)
@@ -168,8 +170,7 @@ class GRPOConfig:
                 raise ValueError(f"GRPOConfig.{name}={value!r} is not supported by grpo: {UNSUPPORTED[name][1]} "
                                  f"(TRL's default {UNSUPPORTED[name][0]!r} is)")
         checks = [
-            (self.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"), "loss_type",
-             "grpo implements grpo, bnpo, dr_grpo and dapo"),
+            (self.loss_type in LOSS_AGGREGATIONS, "loss_type", f"grpo implements {', '.join(LOSS_AGGREGATIONS)}"),
             (self.steps_per_generation in (None, self.gradient_accumulation_steps), "steps_per_generation",
              "a grpo step updates on its whole rollout batch: steps_per_generation must equal "
              "gradient_accumulation_steps (TRL's default)"),

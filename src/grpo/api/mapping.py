@@ -14,13 +14,14 @@ import math
 from typing import Any
 
 from grpo.api.arguments import GRPOConfig
+from grpo.algorithm.advantages import ADVANTAGE_SCALES
 from grpo.config import RunConfig, config_from_dict, config_to_dict
 import torch
+from grpo.config.kinds import TRACKERS, VLLM_ENGINE
 
 OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_8bit": "adamw_8bit",
               "adamw_bnb_8bit": "adamw_8bit"}
 SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant"}
-TRACKERS = ("tensorboard", "wandb")
 
 
 def batch_shape(args: GRPOConfig, num_processes: int) -> tuple[int, int]:
@@ -97,8 +98,8 @@ def to_run_config(args: GRPOConfig, *, num_processes: int = 1, train_size: int |
                          f"{list(TRACKERS)} (or 'none')")
     scale = {True: None, False: "none", "group": None, "batch": "batch", "none": "none"}
     if args.scale_rewards not in scale:
-        raise ValueError(f"GRPOConfig.scale_rewards={args.scale_rewards!r}: one of group, batch, none")
-    if args.use_vllm and args.rollout_engine not in (None, "vllm"):
+        raise ValueError(f"GRPOConfig.scale_rewards={args.scale_rewards!r}: one of {', '.join(ADVANTAGE_SCALES)}")
+    if args.use_vllm and args.rollout_engine not in (None, VLLM_ENGINE):
         raise ValueError(f"GRPOConfig: use_vllm=True and rollout_engine={args.rollout_engine!r} disagree")
     init = args.model_init_kwargs or {}
     tree: dict[str, Any] = {
@@ -111,7 +112,7 @@ def to_run_config(args: GRPOConfig, *, num_processes: int = 1, train_size: int |
                     "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k or None,
                     "min_p": args.min_p or 0.0, "repetition_penalty": args.repetition_penalty,
                     "min_new_tokens": (args.generation_kwargs or {}).get("min_new_tokens", 0),
-                    "engine": "vllm" if args.use_vllm else args.rollout_engine or "auto",
+                    "engine": VLLM_ENGINE if args.use_vllm else args.rollout_engine or "auto",
                     "vllm_enable_sleep_mode": args.vllm_enable_sleep_mode,
                     "vllm_gpu_memory_utilization": args.vllm_gpu_memory_utilization,
                     "dynamic_sampling": args.dynamic_sampling,
@@ -184,8 +185,8 @@ def from_run_config(cfg: RunConfig) -> GRPOConfig:
         gradient_checkpointing=m.gradient_checkpointing, seed=t.seed, use_cpu=t.device == "cpu",
         trust_remote_code=m.trust_remote_code, max_completion_length=r.max_completion_length,
         temperature=r.temperature, top_p=r.top_p, top_k=r.top_k or 0, min_p=r.min_p or None,
-        repetition_penalty=r.repetition_penalty, shuffle_dataset=cfg.data.shuffle, use_vllm=r.engine == "vllm",
-        rollout_engine=None if r.engine == "vllm" else r.engine, beta=loss.beta, num_iterations=ni,
+        repetition_penalty=r.repetition_penalty, shuffle_dataset=cfg.data.shuffle, use_vllm=r.engine == VLLM_ENGINE,
+        rollout_engine=None if r.engine == VLLM_ENGINE else r.engine, beta=loss.beta, num_iterations=ni,
         epsilon=loss.epsilon, epsilon_high=loss.epsilon_high, importance_sampling_level=loss.importance_sampling_level,
         scale_rewards=loss.scale_rewards or "group", loss_type=loss.loss_type,
         mask_truncated_completions=loss.mask_truncated_completions, use_bias_correction_kl=loss.kl_times_ratio,

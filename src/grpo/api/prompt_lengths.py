@@ -24,10 +24,10 @@ def context_length(model_config: Any) -> int | None:
     return getattr(model_config, "max_position_embeddings", None)
 
 
-def prompt_limit(context: int | None, max_completion_length: int, vllm: bool) -> int:
-    """``NO_BOUND``, or with vLLM the longest prompt a completion of ``max_completion_length`` still fits after in
-    the model's context."""
-    if not vllm or context is None:
+def prompt_limit(context: int | None, max_completion_length: int, fixed_context: bool) -> int:
+    """``NO_BOUND``, or for an engine whose context is fixed when built (``EngineTraits.fixed_context``: vLLM) the
+    longest prompt a completion of ``max_completion_length`` still fits after in the model's context."""
+    if not fixed_context or context is None:
         return NO_BOUND
     return max(1, context - max_completion_length)
 

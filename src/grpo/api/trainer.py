@@ -23,6 +23,7 @@ from grpo.api.datasets import to_examples
 from grpo.api.mapping import batch_shape, grpo_steps, to_run_config
 from grpo.api.prompt_lengths import check_longest, context_length, explainer, prompt_limit
 from grpo.api.rewards import build_reward_functions, reward_name
+from grpo.config.kinds import ENGINE_TRAITS, VLLM_ENGINE
 from grpo.data import DataError, PromptTooLong
 from grpo.config import dump_config
 from grpo.models.loading import load_policy, prepare_policy, resolve_device, uses_autocast
@@ -135,9 +136,11 @@ class GRPOTrainer(TrainerAttributes):
         elif not config_rewards:
             self.reward_fns, self.reward_weights = build_reward_functions(
                 reward_funcs, args.reward_weights, reward_processing_classes, columns)
-        vllm = "vllm" in (args.rollout_engine, args.grpo_overrides.get("rollout.engine")) or args.use_vllm
-        self.context_length = context_length(self._model_config(model, name_or_path, args)) if vllm else None
-        data = {"max_prompt_length": prompt_limit(self.context_length, args.max_completion_length, vllm)}
+        engines = (args.rollout_engine, args.grpo_overrides.get("rollout.engine"),
+                   VLLM_ENGINE if args.use_vllm else None)
+        fixed = any(ENGINE_TRAITS[name].fixed_context for name in engines if name in ENGINE_TRAITS)  # vLLM's
+        self.context_length = context_length(self._model_config(model, name_or_path, args)) if fixed else None
+        data = {"max_prompt_length": prompt_limit(self.context_length, args.max_completion_length, fixed)}
         if self.train_set:  # TRL's rows carry their own system turn, if any
             data.update(add_system_prompt=False, train=f"python:train_dataset ({len(self.train_set)} rows)")
         self.config = to_run_config(args, num_processes=self.num_processes,

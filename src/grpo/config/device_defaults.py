@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
-AUTO = "auto"  # rollout.engine's default: the device's engine (resolve_engine_name)
+AUTO = "auto"  # rollout.engine: the device's engine (resolve_engine_name); tool_call_format: the template's
 
 
 def resolve_engine_name(name: str, device_type: str, *, quantized: bool = False, full_attention: bool = True,

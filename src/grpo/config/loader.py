@@ -293,8 +293,16 @@ def dump_config(config: RunConfig, path: str | Path | None = None) -> str:
     return text
 
 
+def _choices_or_type(choices: tuple | None, tp: Any) -> str:
+    """A key's allowed values as the docs show them (read from the registries the schema's choices come from),
+    else its type."""
+    if choices is None:
+        return _type_name(tp)
+    return "one of " + ", ".join("null" if c is None else str(c) for c in choices)
+
+
 def iter_config_keys(cls: type = RunConfig, prefix: str = "") -> Iterable[tuple[str, str, Any, str]]:
-    """Yield ``(dotted key, type, default, help)`` for every leaf, for docs and ``--help``."""
+    """Yield ``(dotted key, type or allowed values, default, help)`` for every leaf, for docs and ``--help``."""
     hints = typing.get_type_hints(cls)
     defaults = cls()
     for f in dataclasses.fields(cls):
@@ -305,4 +313,4 @@ def iter_config_keys(cls: type = RunConfig, prefix: str = "") -> Iterable[tuple[
             default = getattr(defaults, f.name)
             if isinstance(default, list) and default and dataclasses.is_dataclass(default[0]):
                 default = [dataclasses.asdict(r) for r in default]
-            yield key, _type_name(hints[f.name]), default, f.metadata.get("help", "")
+            yield key, _choices_or_type(f.metadata.get("choices"), hints[f.name]), default, f.metadata.get("help", "")

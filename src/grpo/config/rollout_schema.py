@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from grpo.config.fields import opt
+from grpo.config.kinds import AUTO, ENGINE_TRAITS, TOOL_CALL_MARKERS
 
 
 @dataclass
@@ -14,7 +15,7 @@ class RolloutConfig:
                       "hf-static (for CUDA: static KV cache, decode step replayed as a CUDA graph, bf16 sampling copy "
                       "with LoRA merged), hf-generate (model.generate; same distribution, slower) or vllm (the "
                       "optional vllm extra; weights pushed in place after every update).",
-                      choices=("auto", "hf", "hf-static", "hf-generate", "vllm"))
+                      choices=(AUTO, *ENGINE_TRAITS))
     num_generations: int = opt(8, "G: completions sampled per prompt (the group); 1 only with "
                                "algorithm.advantage_estimator gae (a group of one has no baseline).", ge=1)
     max_completion_length: int = opt(256, "Maximum new tokens per completion.", ge=1)
@@ -75,7 +76,7 @@ class RolloutConfig:
     tool_timeout_s: float = opt(30.0, "A tool call running longer is answered with a timeout error.", gt=0)
     tool_call_format: str = opt("auto", "How tool calls are read from a turn: auto (from the chat template) or "
                                         "hermes (<tool_call>{json}</tool_call>, Qwen2.5/Qwen3).",
-                                choices=("auto", "hermes"))
+                                choices=(AUTO, *TOOL_CALL_MARKERS))
     rollout_func: str | None = opt(
         None, "'module:function' that makes the rollouts instead of grpo's engines (TRL's rollout_func): called with "
               "the step's prompts (each repeated num_generations times) and a context, it returns prompt_ids, "

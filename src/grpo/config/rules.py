@@ -8,12 +8,12 @@ readable; ``RunConfig.check`` calls ``config_problems``.
 from __future__ import annotations
 
 import re
-
 from typing import TYPE_CHECKING
 
 import zmq
 
 from grpo.algorithm import advantage_estimator
+from grpo.config.kinds import TRACKERS, engine_traits
 from grpo.config.schema import CriticConfig, PtxConfig
 from grpo.tasks import resolve_task
 
@@ -22,14 +22,25 @@ if TYPE_CHECKING:
 
 
 def config_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
-    """Cross-field rules: returns ``(key, why)`` for each violated one (empty when valid)."""
-    problems = []
+    """Cross-field rules: returns ``(key, why)`` for each violated one (empty when valid), in ``RULES``' order
+    (the loader reports the first with where its key was set)."""
+    return [problem for rule in RULES for problem in rule(cfg)]
+
+
+def batch_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
+    """The step's completions split into equal micro-batches."""
     completions = cfg.train.prompts_per_step * cfg.rollout.num_generations
     if completions % cfg.train.micro_batch_size != 0:
-        problems.append(("train.micro_batch_size", (
+        return [("train.micro_batch_size", (
             f"{cfg.train.micro_batch_size} does not divide the step's {completions} completions "
             f"(train.prompts_per_step {cfg.train.prompts_per_step} x rollout.num_generations "
-            f"{cfg.rollout.num_generations}); gradient accumulation needs equal micro-batches")))
+            f"{cfg.rollout.num_generations}); gradient accumulation needs equal micro-batches"))]
+    return []
+
+
+def loss_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
+    """The reference, the clip range and the reward scaling against the loss and the estimator."""
+    problems = []
     if cfg.model.ref_name_or_path is not None and cfg.loss.beta == 0:
         problems.append(("model.ref_name_or_path", (
             "is set but loss.beta is 0: the reference only serves the KL term and would be loaded for "
@@ -38,21 +49,30 @@ def config_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
         problems.append(("loss.epsilon_high", (
             f"{cfg.loss.epsilon_high} < loss.epsilon {cfg.loss.epsilon}: the asymmetric clip (DAPO) only "
             "raises the upper bound")))
-    if cfg.loss.scale_rewards is not None and cfg.algorithm.advantage_estimator != "grpo":
+    if cfg.loss.scale_rewards is not None and not _estimator(cfg).takes_scale:
         problems.append(("loss.scale_rewards", (
             f"is {cfg.loss.scale_rewards!r} but algorithm.advantage_estimator is "
             f"{cfg.algorithm.advantage_estimator!r}, whose scaling is part of its definition (rloo: none; "
             "reinforce_pp: the batch std of the centred rewards; gae: whitening of the token advantages); "
             "set loss.scale_rewards: null")))
-    problems.extend(ppo_problems(cfg))
-    problems.extend(ptx_problems(cfg))
+    return problems
+
+
+def memory_saver_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
+    """4-bit weights and 8-bit optimizer states (bitsandbytes) against LoRA and DeepSpeed."""
+    problems = []
     if cfg.model.load_in_4bit and cfg.model.lora_r == 0:
         problems.append(("model.load_in_4bit", "needs model.lora_r > 0: 4-bit weights are frozen (QLoRA trains "
                                                "a LoRA adapter over them)"))
     if (cfg.model.load_in_4bit or cfg.optim.optimizer == "adamw_8bit") and cfg.train.deepspeed:
         problems.append(("train.deepspeed", "cannot be combined with model.load_in_4bit or optim.optimizer "
                                             "adamw_8bit (bitsandbytes); DeepSpeed has its own optimizer"))
-    budget = cfg.train.max_tokens_per_micro_batch
+    return problems
+
+
+def token_budget_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
+    """train.max_tokens_per_micro_batch: its value, and DeepSpeed's fixed accumulation."""
+    budget, problems = cfg.train.max_tokens_per_micro_batch, []
     if isinstance(budget, str) and budget != "auto" or isinstance(budget, int) and budget < 1:
         problems.append(("train.max_tokens_per_micro_batch", f"must be auto, null or a token count >= 1, got "
                                                              f"{budget!r}"))
@@ -61,9 +81,20 @@ def config_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
             "cannot be combined with train.deepspeed: DeepSpeed steps after a fixed number of micro-batches "
             "(gradient_accumulation_steps), and a token budget makes a different number each step; drop one "
             "(auto, the default, runs fixed rows under DeepSpeed)")))
+    return problems
+
+
+def lora_rate_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
+    """optim.lora_learning_rate needs LoRA parameters to apply to."""
     if cfg.optim.lora_learning_rate is not None and cfg.model.lora_r == 0:
-        problems.append(("optim.lora_learning_rate",
-                         "is set but model.lora_r is 0 (full fine-tuning has no LoRA parameters)"))
+        return [("optim.lora_learning_rate",
+                 "is set but model.lora_r is 0 (full fine-tuning has no LoRA parameters)")]
+    return []
+
+
+def reward_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
+    """At least one reward, and each entry's name, factory_args and columns."""
+    problems = []
     if not cfg.rewards and not cfg.rollout.environment:  # an environment's get_reward may be the only reward
         problems.append(("rewards", "is empty (given as [], or the task's default rewards are none): GRPO "
                                     "needs at least one reward function"))
@@ -79,9 +110,18 @@ def config_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
                 problems.append((f"rewards[{i}].columns", (
                     f"maps {keyword!r} to {column!r}: each entry is keyword: column, both names (strings), "
                     "the keyword a valid Python identifier")))
-    for tracker in cfg.log.report_to:
-        if tracker not in ("tensorboard", "wandb"):
-            problems.append(("log.report_to", f"unknown tracker {tracker!r}; allowed: tensorboard, wandb"))
+    return problems
+
+
+def tracker_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
+    """log.report_to names known trackers."""
+    return [("log.report_to", f"unknown tracker {tracker!r}; allowed: {', '.join(TRACKERS)}")
+            for tracker in cfg.log.report_to if tracker not in TRACKERS]
+
+
+def decoupled_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
+    """Staleness against the publishing interval, broadcast against LoRA, whole groups per trainer rank."""
+    problems = []
     if cfg.train.mode == "decoupled" and cfg.train.max_staleness < cfg.train.sync_steps - 1:
         problems.append(("train.max_staleness", (
             f"{cfg.train.max_staleness} < train.sync_steps - 1 = {cfg.train.sync_steps - 1}: weights are "
@@ -94,21 +134,18 @@ def config_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
         problems.append(("decoupled.trainer_ranks", (
             f"{cfg.decoupled.trainer_ranks} does not divide train.prompts_per_step "
             f"{cfg.train.prompts_per_step}: each rank trains whole prompt groups")))
+    return problems
+
+
+def engine_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
+    """The off-policy check of an engine with its own weights (vLLM) against truncated sampling."""
     r = cfg.rollout
-    if r.engine == "vllm" and r.vllm_check_steps > 0 and (r.top_p < 1 or r.top_k):
-        problems.append(("rollout.vllm_check_steps", (
+    if engine_traits(r.engine).own_weights and r.vllm_check_steps > 0 and (r.top_p < 1 or r.top_k):
+        return [("rollout.vllm_check_steps", (
             f"is {r.vllm_check_steps} with rollout.top_p {r.top_p} / top_k {r.top_k}: vLLM's log-probs are then "
             "renormalised over the kept tokens while the trainer's are not, so the check would measure the "
-            "truncation, not the weights; sample without top_p/top_k or set rollout.vllm_check_steps: 0")))
-    problems.extend(sampler_problems(cfg))
-    problems.extend(encryption_problems(cfg))
-    problems.extend(sampling_control_problems(cfg))
-    if cfg.train.early_stop_accuracy is not None and cfg.data.eval is None:
-        problems.append(("train.early_stop_accuracy", "needs data.eval (a held-out set to measure accuracy on)"))
-    problems.extend(eval_problems(cfg))
-    problems.extend(sdpa_problems(cfg))
-    problems.extend(task_problems(cfg))
-    return problems
+            "truncation, not the weights; sample without top_p/top_k or set rollout.vllm_check_steps: 0"))]
+    return []
 
 
 def task_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
@@ -124,9 +161,12 @@ def task_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
 EVAL_SET_NAME = re.compile(r"[A-Za-z_][\w.-]*")
 
 
-def eval_problems(cfg) -> list[tuple[str, str]]:
-    """data.eval's set names (they become metric names and file names) and train.best_metric."""
+def eval_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
+    """What needs data.eval (early stopping, train.best_metric), and its set names (they become metric names and
+    file names)."""
     problems = []
+    if cfg.train.early_stop_accuracy is not None and cfg.data.eval is None:
+        problems.append(("train.early_stop_accuracy", "needs data.eval (a held-out set to measure accuracy on)"))
     if isinstance(cfg.data.eval, dict):
         bad = [name for name in cfg.data.eval if not EVAL_SET_NAME.fullmatch(name)]
         if bad:
@@ -193,7 +233,8 @@ def sampler_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
         problems.append(("loss.sampler_is_min", (
             f"{cfg.loss.sampler_is_min} must be below loss.sampler_is_cap ({cfg.loss.sampler_is_cap}): the weights "
             "are bounded to [sampler_is_min, sampler_is_cap]")))
-    if cfg.loss.sampler_is_correction and cfg.train.mode == "colocated" and cfg.rollout.engine != "vllm":
+    samples_from_policy = not engine_traits(cfg.rollout.engine).own_weights
+    if cfg.loss.sampler_is_correction and cfg.train.mode == "colocated" and samples_from_policy:
         problems.append(("loss.sampler_is_correction", (
             f"is on with rollout.engine {cfg.rollout.engine} in colocated mode, where the trainer's own model "
             "samples: pi_sampler is pi_old, every weight would be exactly 1 and the correction would do nothing; "
@@ -283,3 +324,9 @@ def ptx_max_length(cfg: "RunConfig") -> int:
     """ptx.max_length, whose null default is the longest sequence of the RL update (data.max_prompt_length +
     rollout.max_completion_length): one cross-field default, read by the trainer and by ``grpo memory``."""
     return cfg.ptx.max_length or cfg.data.max_prompt_length + cfg.rollout.max_completion_length
+
+
+# In the order the loader reports them: the first violated rule's key is the one located in the recipe.
+RULES = (batch_problems, loss_problems, ppo_problems, ptx_problems, memory_saver_problems, token_budget_problems,
+         lora_rate_problems, reward_problems, tracker_problems, decoupled_problems, engine_problems, sampler_problems,
+         encryption_problems, sampling_control_problems, eval_problems, sdpa_problems, task_problems)

@@ -10,11 +10,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from grpo.algorithm import (
+    ADVANTAGE_ESTIMATORS,
+    ADVANTAGE_SCALES,
+    IMPORTANCE_SAMPLING_LEVELS,
+    LOSS_AGGREGATIONS,
+    SAMPLER_CORRECTIONS,
+)
+from grpo.algorithm.schedules import LR_SCHEDULES
 from grpo.config.eval_schema import EvalConfig  # noqa: F401  (the eval section, in its own module)
 from grpo.config.fields import opt
 from grpo.rewards.scoring import RewardSpec
 from grpo.tasks.builtin_tasks import NUMERIC_REWARDS
 from grpo.config.rollout_schema import RolloutConfig  # noqa: F401  (the rollout section, in its own module)
+from grpo.data.sft import RESPONSE_FORMATS
+from grpo.data.tags import TAG_STYLES
 
 
 @dataclass
@@ -63,7 +73,7 @@ class DataConfig:
     split: str = opt("train", "Split to read when data.train is a folder or hub id.")
     eval_split: str = opt("test", "Split to read when data.eval is a folder or hub id.")
     tag_style: str = opt("think", "Answer tags: think (<think>/<answer>) or reasoning (<reasoning>/<answer>).",
-                         choices=("think", "reasoning"))
+                         choices=tuple(TAG_STYLES))
     system_prompt: str | None = opt(None, "System prompt; null = the task's, in data.tag_style's tags.")
     add_system_prompt: bool = opt(True, "Add the system prompt to every prompt; false: no system turn from the run "
                                         "(the chat template's own default, if any; the Python API's datasets carry "
@@ -82,7 +92,7 @@ class AlgorithmConfig:
         "batch std of those centred rewards). A batch is one rank's (or one sampler's) rollout batch. Or gae: PPO "
         "with a critic (the critic.* keys), one advantage per token by GAE over the critic's values, whitened over "
         "the rank's batch.",
-        choices=("grpo", "rloo", "reinforce_pp", "gae"))
+        choices=tuple(ADVANTAGE_ESTIMATORS))
     gamma: float = opt(1.0, "gae: discount per completion token.", ge=0, le=1)
     lam: float = opt(0.95, "gae: GAE lambda (1: Monte-Carlo returns, 0: one-step TD on the critic).", ge=0, le=1)
     kl_penalty: str = opt(
@@ -102,8 +112,9 @@ class CriticConfig:
     weight_decay: float = opt(0.0, "gae: the critic's AdamW weight decay.", ge=0)
     warmup_ratio: float = opt(0.0, "gae: share of the critic's updates with linear warm-up.", ge=0, le=1)
     lr_scheduler_type: str = opt(
-        "constant", "gae: the critic's decay after warm-up (constant: its targets keep moving with the policy).",
-        choices=("constant", "linear", "cosine"))
+        "constant", "gae: the critic's decay after warm-up: constant (its targets keep moving with the policy), linear "
+        "or cosine.",
+        choices=tuple(LR_SCHEDULES))
     max_grad_norm: float | None = opt(1.0, "gae: clip the critic's gradient norm; null = no clipping.", gt=0)
     gradient_checkpointing: bool = opt(False, "gae: recompute the critic's activations in backward.")
     lora_r: int = opt(0, "gae: LoRA rank of the critic's body; 0 = full fine-tuning (the value head always trains).",
@@ -121,16 +132,16 @@ class LossConfig:
     epsilon: float = opt(0.2, "Lower clip: ratio >= 1 - epsilon.", gt=0, le=1)
     epsilon_high: float | None = opt(None, "Upper clip: ratio <= 1 + epsilon_high (DAPO); null = epsilon.", gt=0)
     loss_type: str = opt("grpo", "Aggregation: grpo (per-sequence mean), bnpo, dr_grpo, dapo.",
-                         choices=("grpo", "bnpo", "dr_grpo", "dapo"))
+                         choices=tuple(LOSS_AGGREGATIONS))
     scale_rewards: str | None = opt(
         None, "grpo estimator's scaling: group std, batch std (of the raw rewards), or none (Dr. GRPO); null = "
         "group. rloo and reinforce_pp scale by their definition and need null.",
-        choices=(None, "group", "batch", "none"))
+        choices=(None, *ADVANTAGE_SCALES))
     importance_sampling_level: str = opt(
         "token", "token: one ratio per token (GRPO/PPO); sequence: GSPO, one ratio per completion (exp of the mean "
         "token log-ratio), usually with tiny clips (GSPO: epsilon 3e-4, epsilon_high 4e-4). The two differ only "
         "once the policy has moved since sampling (num_iterations > 1, or a stale decoupled rollout).",
-        choices=("token", "sequence"))
+        choices=tuple(IMPORTANCE_SAMPLING_LEVELS))
     mask_truncated_completions: bool = opt(
         False, "DAPO: completions that hit max_completion_length without EOS contribute no loss (they still "
                "count in their group's advantages).")
@@ -144,7 +155,7 @@ class LossConfig:
         "token_truncate", "sampler_is_correction: token_truncate (min(ratio, cap) per token), token_mask (0 where "
         "the ratio is above the cap), sequence_truncate / sequence_mask (one ratio per completion, the product of "
         "its tokens'). TRL's vllm_importance_sampling_mode.",
-        choices=("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"))
+        choices=tuple(SAMPLER_CORRECTIONS))
     sampler_is_cap: float = opt(
         3.0, "sampler_is_correction: the cap C on the weights (TRL's vllm_importance_sampling_clip_max).", gt=0)
     sampler_is_min: float | None = opt(
@@ -181,7 +192,7 @@ class PtxConfig:
     response_format: str = opt(
         "plain", "plain: the response as written; gsm8k: a GSM8K answer ('steps #### N') rewritten in "
         "data.tag_style (<think>steps</think><answer>N</answer>), the format the rewards check.",
-        choices=("plain", "gsm8k"))
+        choices=tuple(RESPONSE_FORMATS))
     split: str = opt("train", "Split to read when ptx.data is a folder or hub id.")
 
 
@@ -193,7 +204,8 @@ class OptimConfig:
     adam_beta1: float = opt(0.9, "AdamW beta1.", ge=0, le=1)
     adam_beta2: float = opt(0.99, "AdamW beta2.", ge=0, le=1)
     warmup_ratio: float = opt(0.0, "Share of max_steps with linear warm-up.", ge=0, le=1)
-    lr_scheduler_type: str = opt("cosine", "Decay after warm-up.", choices=("constant", "linear", "cosine"))
+    lr_scheduler_type: str = opt("cosine", "Decay after warm-up: constant, linear or cosine (to 0 at the last "
+                                            "update).", choices=tuple(LR_SCHEDULES))
     max_grad_norm: float | None = opt(1.0, "Clip the global gradient norm; null = no clipping.", gt=0)
     optimizer: str = opt("adamw", "adamw (torch) or adamw_8bit (bitsandbytes 8-bit states; CUDA only, refused on CPU).",
                          choices=("adamw", "adamw_8bit"))

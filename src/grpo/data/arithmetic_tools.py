@@ -1,4 +1,4 @@
-"""One-step word problems with large or small numbers: the task of the calculator demo (issue 27).
+"""One-step word problems with large or small numbers: the task of the calculator demo.
 
 A *large* problem's numbers are too long for the tiny model to work out in its head (sums and differences
 of 4-6 digit numbers, 3-4 digit times 2-digit products, exact divisions by a 2-digit number with a 3-4 digit

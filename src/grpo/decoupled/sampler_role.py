@@ -23,6 +23,7 @@ from grpo.decoupled.link_settings import config_fingerprint, max_message_bytes, 
 from grpo.decoupled.rendezvous import is_wildcard, read_trainer_address, split_tcp
 from grpo.decoupled.weight_sync import ReceivedWeights, is_broadcast
 from grpo.decoupled.transport import PeerClosed, PeerTimeout, RolloutSender
+from grpo.multiturn.driver import sampling_engine
 from grpo.multiturn.wiring import turn_spec, with_turns
 from grpo.models.loading import load_policy, load_reference, load_tokenizer, resolve_device
 from grpo.rollout.build import build_engine, holds_own_weights
@@ -86,7 +87,7 @@ def run_sampler(cfg: RunConfig) -> int:
     engine = with_turns(build_engine(cfg, policy, tokenizer), turns, cfg, policy, tokenizer)
     correction = cfg.loss.sampler_is_correction
     settings = experience_settings(cfg, processing, decoupled_sampler=True,
-                                   engine_holds_weights=holds_own_weights(engine))
+                                   engine_holds_weights=holds_own_weights(sampling_engine(engine)))
     sender, welcome = connect_to_trainer(cfg, sampler_id, token)
     weights = SamplerWeights(WeightStore(cfg.train.output_dir), policy, engine, d.peer_timeout_s,
                              join_broadcast(cfg, sender.address))
@@ -171,8 +172,8 @@ class SamplerWeights:
             if loaded is None:  # files: checksums verified first; a version pruned meanwhile gives way to the newest
                 loaded = self.store.load_newest(announced, timeout_s=self.timeout_s)
             apply_to_model(self.policy, loaded)
-            if holds_own_weights(self.engine):
-                self.engine.update_weights(loaded)
+            if holds_own_weights(sampling_engine(self.engine)):
+                sampling_engine(self.engine).update_weights(loaded)
             self.version = loaded.version
         return self.version
 

@@ -31,7 +31,7 @@ from grpo.run.run_dir import check_output_dir
 from grpo.decoupled.rendezvous import advertised_address, publish_trainer_address
 from grpo.decoupled.weight_sync import BroadcastPublisher
 from grpo.decoupled.work_plan import Chunk, WorkPlan, chunk_of
-from grpo.step.batching import concat_batches, rank_slice
+from grpo.step.batching import concat_batches, rank_groups
 from grpo.parallel.distributed import DistInfo, barrier, shutdown
 from grpo.training.evaluator import RunEvaluator, eval_sources, run_evaluator
 from grpo.training.inputs import GivenInputs, tokenizer_and_data
@@ -181,7 +181,7 @@ class Receiving:
             if chunks is not None:
                 batch, meta = concat_batches([c.batch for c in chunks], self.pad_token_id), step_meta(chunks)
         batch, self.meta = share_batch(batch, meta, self.info, self.device, max_message_bytes(self.cfg))
-        mine = rank_slice(batch, self.info.rank, self.info.world_size)
+        mine = rank_groups(batch, self.info.rank, self.info.world_size)
         return Collected(mine, time.perf_counter() - started, metrics={"time/wait_for_rollout_s": waited})
 
     def after_update(self, step: int, collected: Collected, checkpointing: bool) -> dict[str, float]:

@@ -1,1 +1,1 @@
-"""Multi-turn rollouts: tools, environments and a user rollout hook (issue 27)."""
+"""Multi-turn rollouts: tools, environments and a user rollout hook."""

@@ -26,10 +26,15 @@ from grpo.multiturn.conversation import check_tool_template, tool_suffix_ids
 from grpo.multiturn.environments import Environments, environment_methods
 from grpo.multiturn.tool_calls import TOOL_CALL_FORMATS, ToolCall, detect_format
 from grpo.multiturn.tools import PendingCall, Toolbox, ToolOutcome
-from grpo.rollout.engine import PrefixCachingEngine, SamplingParams, TokenIdsEngine
+from grpo.rollout.engine import PrefixCachingEngine, RolloutEngine, SamplingParams, TokenIdsEngine
 from grpo.rollout.hf import left_pad
 from grpo.rollout.generation import Generation
 from grpo.data import DataError, PromptTooLong, build_prompt_messages
+
+
+# Tool round k samples with seed + k * this: a seed of its own, far from the seeds a call's neighbours use
+# (seed + 1, seed + 2, ... for the next calls of an evaluation), so two rounds never draw the same stream.
+TURN_SEED_STRIDE = 7919
 
 
 def environment_row(example) -> dict:
@@ -68,11 +73,20 @@ class TurnsResult:
 @runtime_checkable
 class ExampleRollout(Protocol):
     """An engine wrapper that makes a step's rollouts from the examples themselves (it renders their prompts:
-    tools' schemas, environments' observations): ``MultiTurnRollout`` and ``rollout_hook.RolloutHook``."""
+    tools' schemas, environments' observations): ``MultiTurnRollout`` and ``rollout_hook.RolloutHook``.
+    ``engine`` is the engine it wraps: the one whose weights (its own, if it has them) the trainer updates."""
+
+    engine: RolloutEngine
 
     def rollout(self, examples: Sequence, system_prompt: str | None, max_prompt_length: int,
                 params: SamplingParams, seed: int | None) -> TurnsResult:
         ...
+
+
+def sampling_engine(engine) -> RolloutEngine:
+    """The engine that samples for ``engine``: the one an ``ExampleRollout`` wraps, else ``engine`` itself. Its
+    abilities (``OwnWeightsEngine``: update_weights, sleep) are asked of it, never of the wrapper."""
+    return engine.engine if isinstance(engine, ExampleRollout) else engine
 
 
 class MultiTurnRollout:
@@ -102,9 +116,6 @@ class MultiTurnRollout:
         if self.environments is None:
             return []
         return [m for pool in self.environments.pool.values() for m in environment_methods(pool[0])]
-
-    def __getattr__(self, name: str):  # update_weights, sleep, ... reach the wrapped engine
-        return getattr(self.__dict__["engine"], name)
 
     def rollout(self, examples: Sequence, system_prompt: str | None, max_prompt_length: int,
                 params: SamplingParams, seed: int | None) -> TurnsResult:
@@ -161,7 +172,7 @@ class MultiTurnRollout:
                 return
             iteration += 1
             room = max(budget - len(rows[k].ids) for k in continuing)
-            turn_seed = None if seed is None else seed + 7919 * iteration
+            turn_seed = None if seed is None else seed + TURN_SEED_STRIDE * iteration
             out = engine.generate_ids([rows[k].prompt_ids + rows[k].ids for k in continuing],
                                       replace(params, n=1, max_tokens=room, min_new_tokens=0), seed=turn_seed)
             self._take(rows, continuing, out, eos_ids, budget)

@@ -40,14 +40,12 @@ class RolloutHookContext:
 
 
 class RolloutHook:
-    """``rollout(examples, ...)`` through a user function; the engine stays for weight updates."""
+    """``rollout(examples, ...)`` through a user function; ``engine`` stays for weight updates
+    (``driver.sampling_engine``)."""
 
     def __init__(self, fn: Callable, engine, tokenizer, eos_ids: list[int]):
         self.fn, self.engine, self.tokenizer, self.eos_ids = fn, engine, tokenizer, eos_ids
         self.extra_columns: dict[str, list] = {}
-
-    def __getattr__(self, name: str):  # update_weights, sleep, ... reach the wrapped engine
-        return getattr(self.__dict__["engine"], name)
 
     def rollout(self, examples: Sequence, system_prompt: str | None, max_prompt_length: int,
                 params: SamplingParams, seed: int | None) -> TurnsResult:

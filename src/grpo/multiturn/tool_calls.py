@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from grpo.config.kinds import AUTO, TOOL_CALL_MARKERS
+
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -58,19 +60,19 @@ def parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
     return text[:first].rstrip(), calls
 
 
+# Parsers of the formats declared (with the marker ``auto`` recognises) in grpo.config.kinds.TOOL_CALL_MARKERS.
 TOOL_CALL_FORMATS: dict[str, Callable[[str], tuple[str, list[ToolCall]]]] = {"hermes": parse_hermes}
-_MARKERS = {"hermes": "<tool_call>"}
 
 
-def detect_format(chat_template: str | None, name: str = "auto") -> str:
+def detect_format(chat_template: str | None, name: str = AUTO) -> str:
     """The format to parse with: ``name`` when given, else the one whose marker the template renders."""
-    if name != "auto":
+    if name != AUTO:
         if name not in TOOL_CALL_FORMATS:
-            raise ValueError(f"rollout.tool_call_format {name!r}; known: auto, {', '.join(TOOL_CALL_FORMATS)}")
+            raise ValueError(f"rollout.tool_call_format {name!r}; known: {AUTO}, {', '.join(TOOL_CALL_FORMATS)}")
         return name
-    for fmt, marker in _MARKERS.items():
+    for fmt, marker in TOOL_CALL_MARKERS.items():
         if chat_template and marker in chat_template:
             return fmt
     raise ValueError("the chat template renders no tool-call format grpo can read (known: "
-                     f"{', '.join(f'{k} ({v})' for k, v in _MARKERS.items())}); use a template with tool support "
-                     "(e.g. Qwen2.5's) or set rollout.tool_call_format")
+                     f"{', '.join(f'{k} ({v})' for k, v in TOOL_CALL_MARKERS.items())}); use a template with tool "
+                     "support (e.g. Qwen2.5's) or set rollout.tool_call_format")

@@ -3,10 +3,10 @@ learning rate, and linear warm-up followed by a cosine, linear or constant decay
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from grpo.algorithm.lookup import lookup
+from grpo.algorithm.schedules import LR_SCHEDULES
 from grpo.config import OptimConfig
 
 
@@ -38,17 +38,11 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lora: bool, allow_
 
 def lr_multiplier(update: int, total_updates: int, warmup_updates: int, kind: str) -> float:
     """Learning-rate factor for optimizer update ``update`` (0-based): linear warm-up to 1, then
-    constant, linear to 0, or cosine to 0 at ``total_updates``."""
+    constant, linear to 0, or cosine to 0 at ``total_updates`` (``LR_SCHEDULES``)."""
+    decay = lookup(LR_SCHEDULES, "lr_scheduler_type", kind)
     if update < warmup_updates:
         return (update + 1) / warmup_updates
-    if kind == "constant":
-        return 1.0
-    progress = (update - warmup_updates) / max(1, total_updates - warmup_updates)
-    if kind == "linear":
-        return max(0.0, 1.0 - progress)
-    if kind == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-    raise ValueError(f"unknown lr_scheduler_type {kind!r}; known: ['constant', 'cosine', 'linear']")
+    return decay((update - warmup_updates) / max(1, total_updates - warmup_updates))
 
 
 def build_scheduler(optimizer, cfg: OptimConfig, total_updates: int) -> torch.optim.lr_scheduler.LambdaLR:

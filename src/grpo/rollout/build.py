@@ -1,10 +1,10 @@
-"""The run's rollout engine from its config (``ENGINES``: each name with how to build it and whether it holds
-its own weights), and keeping such an engine in step with the policy.
+"""The run's rollout engine from its config (``ENGINES``: each name, declared with its traits in
+``grpo.config.kinds``, with how to build it), and keeping an engine with its own weights in step with the policy.
 
 ``hf`` / ``hf-static`` / ``hf-generate`` sample from the training model itself, so they always see the
-newest weights. ``auto`` (the default) is ``hf-static`` on CUDA and ``hf`` elsewhere (``resolve_engine_name``). ``vllm`` holds its own copy (an ``OwnWeightsEngine``): colocated training pushes the
-policy's weights into it after every update (``push_policy_weights``); a decoupled sampler hands it each
-published version it loads.
+newest weights. ``auto`` (the default) is ``hf-static`` on CUDA and ``hf`` elsewhere (``resolve_engine_name``).
+``vllm`` holds its own copy (an ``OwnWeightsEngine``): colocated training pushes the policy's weights into it
+after every update (``push_policy_weights``); a decoupled sampler hands it each published version it loads.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from grpo.algorithm.lookup import lookup
 from grpo.config import ConfigError, RunConfig
 from grpo.rollout.engine import OwnWeightsEngine, RolloutEngine
 from grpo.config.device_defaults import AUTO, resolve_engine_name
+from grpo.config.kinds import ENGINE_TRAITS, EngineTraits
 from grpo.rollout.hf import HFEngine
 from grpo.rollout.lean import LeanEngine
 from grpo.rollout.static import StaticEngine
@@ -28,16 +29,15 @@ from grpo.weight_store import LoadedWeights, state_dict_for_publish
 
 @dataclass(frozen=True)
 class EngineKind:
-    """A rollout engine the config can name.
+    """A rollout engine the config can name (its name and traits declared in ``grpo.config.kinds``).
 
+    traits: what it can do (``EngineTraits``: own weights, a context fixed when built).
     build: (cfg, policy, tokenizer) -> the engine.
-    own_weights: it samples from its own copy of the weights (an ``OwnWeightsEngine``, in its own memory
-        reservation), so the trainer pushes every new version into it and its log-probs may differ.
     check: raises ConfigError when a package it needs is missing (None: nothing to check).
     """
 
+    traits: EngineTraits
     build: Callable[[RunConfig, torch.nn.Module, object], RolloutEngine]
-    own_weights: bool = False
     check: Callable[[], None] | None = None
 
 
@@ -68,10 +68,10 @@ def _build_vllm(cfg: RunConfig, policy: torch.nn.Module, tokenizer) -> RolloutEn
 
 
 ENGINES: dict[str, EngineKind] = {
-    "hf": EngineKind(_over_policy(LeanEngine)),  # the default: a lean loop over the model's KV cache
-    "hf-static": EngineKind(_over_policy(StaticEngine)),  # static cache, decode step as a CUDA graph
-    "hf-generate": EngineKind(_over_policy(HFEngine)),  # model.generate itself
-    "vllm": EngineKind(_build_vllm, own_weights=True, check=_check_vllm),
+    "hf": EngineKind(ENGINE_TRAITS["hf"], _over_policy(LeanEngine)),
+    "hf-static": EngineKind(ENGINE_TRAITS["hf-static"], _over_policy(StaticEngine)),
+    "hf-generate": EngineKind(ENGINE_TRAITS["hf-generate"], _over_policy(HFEngine)),
+    "vllm": EngineKind(ENGINE_TRAITS["vllm"], _build_vllm, check=_check_vllm),
 }
 
 
@@ -112,13 +112,14 @@ def evaluation_engine(cfg: RunConfig, policy: torch.nn.Module, tokenizer) -> Rol
     rank): ``rollout.engine`` when it samples from the policy, else ``auto``'s choice for the policy's device
     (a vLLM copy of the weights lives with the samplers)."""
     name = cfg.rollout.engine
-    if name != AUTO and engine_kind(name).own_weights:
+    if name != AUTO and engine_kind(name).traits.own_weights:
         name = AUTO
     return engine_kind(policy_engine_name(cfg, policy, name)).build(cfg, policy, tokenizer)
 
 
 def holds_own_weights(engine: RolloutEngine) -> bool:
-    """True for engines that sample from their own copy of the weights (vLLM)."""
+    """True for engines that sample from their own copy of the weights (vLLM). Asked of the engine itself, not of
+    a wrapper that makes rollouts with it (``grpo.multiturn.driver.sampling_engine``)."""
     return isinstance(engine, OwnWeightsEngine)
 
 

@@ -1,4 +1,4 @@
-"""Keys/values kept between the turns of one multi-turn rollout (issue 27), for the ``hf`` and ``hf-static``
+"""Keys/values kept between the turns of one multi-turn rollout, for the ``hf`` and ``hf-static``
 engines: a row's next turn prefills only the tokens its cached prefix lacks.
 
 A multi-turn row's next prompt is its previous prompt + the turn it sampled + the tool result. When a row

@@ -17,11 +17,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from grpo.config.kinds import TRACKERS
+
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id.txt"
-KNOWN_TRACKERS = ("tensorboard", "wandb")
+KNOWN_TRACKERS = TRACKERS  # the names log.report_to may give (declared with the config)
 
 
 def json_safe(value: Any) -> Any:

@@ -92,7 +92,7 @@ def _concat_messages(gens: list[Generation]) -> list[list[dict]] | None:
                       else [[{"role": "assistant", "content": c}] for c in g.completions])]
 
 
-def rank_slice(batch: RolloutBatch, rank: int, world_size: int) -> RolloutBatch:
+def rank_groups(batch: RolloutBatch, rank: int, world_size: int) -> RolloutBatch:
     """Rows ``[rank*N/W, (rank+1)*N/W)`` with the matching prompts; N/W must be whole groups."""
     P = len(batch.prompts)
     if P % world_size:

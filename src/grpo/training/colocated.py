@@ -20,6 +20,7 @@ from grpo.config import RunConfig
 from grpo.critic import build_critic, generation_values
 from grpo.data.prompt_sampler import PromptSampler
 from grpo.models.loading import check_memory_savers, compute_context, load_reference
+from grpo.multiturn.driver import sampling_engine
 from grpo.multiturn.wiring import with_turns
 from grpo.rollout.build import build_engine, check_engine_available, holds_own_weights, push_policy_weights
 from grpo.rollout.offpolicy_guard import check_sampler_logprobs, is_check_step
@@ -67,7 +68,8 @@ class Sampling:
     start_step: int = 0
 
     def __post_init__(self) -> None:
-        self.own_weights = holds_own_weights(self.engine)  # vLLM: a copy to keep in step with the policy
+        self.base_engine = sampling_engine(self.engine)  # what samples, under any tools/hook wrapper
+        self.own_weights = holds_own_weights(self.base_engine)  # vLLM: a copy to keep in step with the policy
         self.check_every = self.cfg.rollout.vllm_check_steps if self.own_weights else 0
         self.sleeps = self.own_weights and self.cfg.rollout.vllm_enable_sleep_mode
 
@@ -84,7 +86,7 @@ class Sampling:
             checked = self.offpolicy_check(batch, step)
         rollout_s = time.perf_counter() - started
         if self.sleeps:
-            self.engine.sleep()  # its GPU memory goes to the update
+            self.base_engine.sleep()  # its GPU memory goes to the update
         return Collected(batch, rollout_s, rollout_stats, checked)
 
     def offpolicy_check(self, batch, step: int) -> dict[str, float]:
@@ -105,8 +107,8 @@ class Sampling:
         if self.own_weights:  # the engine's weight copy becomes the policy's
             started = time.perf_counter()
             if self.sleeps:
-                self.engine.wake_up()
-            push_policy_weights(self.engine, self.policy, step)
+                self.base_engine.wake_up()
+            push_policy_weights(self.base_engine, self.policy, step)
             metrics["time/weight_sync_s"] = time.perf_counter() - started
         return metrics
 
@@ -149,10 +151,10 @@ def train(cfg: RunConfig, given: GivenInputs | None = None) -> TrainResult:
 
         base_engine = build_engine(cfg, policy, tokenizer)
         engine = with_turns(base_engine, inputs.turns, cfg, policy, tokenizer)
-        if holds_own_weights(engine) and run.start_step > 0:
-            push_policy_weights(engine, policy, run.start_step)
+        if holds_own_weights(base_engine) and run.start_step > 0:
+            push_policy_weights(base_engine, policy, run.start_step)
         exp_settings = experience_settings(cfg, processing, decoupled_sampler=False,
-                                           engine_holds_weights=holds_own_weights(engine))
+                                           engine_holds_weights=holds_own_weights(base_engine))
         # PPO: the critic's values after sampling, and its own update after the policy's.
         values_fn = partial(generation_values, critic.model, batch_size=cfg.train.micro_batch_size) if critic else None
         sampling = Sampling(cfg, engine, policy, ref_logprobs, tokenizer, train_set, prompt_sampler, reward_fns,

@@ -24,7 +24,7 @@ from grpo.parallel.distributed import DistInfo, all_gather_json
 from grpo.config import ConfigError
 from grpo.multiturn.driver import ExampleRollout
 
-UNNAMED = ""  # the set of a plain ``data.eval`` source: its metrics are eval/accuracy, ... as before named sets
+UNNAMED = ""  # the set of a plain ``data.eval`` source: its metrics are eval/accuracy, ... (no set name)
 RECORDS_DIR = "eval"
 
 
@@ -72,7 +72,7 @@ def eval_sources(value: str | dict[str, str] | None) -> dict[str, str]:
     return dict(value) if isinstance(value, dict) else {UNNAMED: value}
 
 
-def rank_slice(size: int, unit: int, rank: int, world_size: int) -> tuple[int, int]:
+def rank_example_range(size: int, unit: int, rank: int, world_size: int) -> tuple[int, int]:
     """``[start, end)`` of this rank's contiguous slice of ``size`` examples, cut at multiples of ``unit``
     (whole generation calls), the calls shared out as evenly as they go."""
     calls = -(-size // unit)
@@ -118,7 +118,7 @@ class RunEvaluator:
         results = {}
         for names in [list(self.sets)] if together else [[name] for name in self.sets]:
             examples = [e for name in names for e in self.sets[name]]
-            start, end = rank_slice(len(examples), unit, self.info.rank, self.info.world_size)
+            start, end = rank_example_range(len(examples), unit, self.info.rank, self.info.world_size)
             records, chunks = evaluate_records(
                 unwrap_model(self.policy), self.tokenizer, examples[start:end], task=s.task, tag_style=s.tag_style,
                 system_prompt=s.system_prompt, add_system_prompt=s.add_system_prompt, batch_size=s.batch_size,

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field, replace
 from grpo.config import ConfigError, RunConfig
 from grpo.config.rules import ptx_max_length
 from grpo.config.device_defaults import pass_defaults, resolve_engine_name
+from grpo.config.kinds import engine_traits
 from grpo.commands.memory.critic import critic_memory
 from grpo.commands.memory.formulas import (
     LORA_BYTES,
@@ -117,7 +118,7 @@ def rollout_transient_bytes(shape: ModelShape, cfg: RunConfig, *, rows: int, p: 
     (its logits in ``p``, one fp32 row in logsumexp, one layer's intermediates)."""
     prompt_len, completion_len = cfg.data.max_prompt_length, cfg.rollout.max_completion_length
     generation = 0
-    if cfg.rollout.engine != "vllm":  # vLLM samples inside its own reservation
+    if not engine_traits(cfg.rollout.engine).own_weights:  # vLLM samples inside its own reservation
         prompts = max(1, rows // cfg.rollout.num_generations)
         generation = (kv_cache_bytes(shape, sequences=rows, seq_len=prompt_len + completion_len, p=p)
                       + sampling_bytes(rows=rows, vocab_size=shape.vocab_size)
@@ -273,7 +274,7 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
     sequences = max(1, cfg.train.prompts_per_step // gpus) * cfg.rollout.num_generations
     vllm_reservation = 0.0
     how["kv_cache"] = "none held during the update (the HF engine's cache lives only while sampling)"
-    if cfg.rollout.engine == "vllm" and not decoupled:
+    if engine_traits(cfg.rollout.engine).own_weights and not decoupled:
         utilization = vllm_gpu_memory_utilization or cfg.rollout.vllm_gpu_memory_utilization
         if gpu_gb:
             vllm_reservation = utilization * gpu_gb * GIB
@@ -315,7 +316,7 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
         awake = vllm_reservation if vllm_sleeps else 0  # a sleeping vLLM wakes up to sample
         phases["rollout"] = (persistent + kept_gradients + awake
                              + rollout_transient_bytes(shape, cfg, rows=generation_rows, p=p))
-        if cfg.rollout.engine != "vllm":
+        if not engine_traits(cfg.rollout.engine).own_weights:
             kv = kv_cache_bytes(shape, sequences=generation_rows, seq_len=seq_len, p=p)
             notes.append(f"HF generation KV cache: {generation_rows} x {seq_len} tokens = {kv / GIB:.2f} GB while "
                          "sampling (in the rollout phase)")

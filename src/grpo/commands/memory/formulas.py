@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 
 from grpo.config.device_defaults import fused_head_by_size
+from grpo.config.kinds import engine_traits
 from grpo.commands.memory.shapes import ModelShape
 
 LORA_BYTES = 4  # peft's get_peft_model(autocast_adapter_dtype=True) keeps bf16/fp16 adapters in fp32
@@ -284,9 +285,9 @@ def autocast_extra_bytes(shape: ModelShape, *, tokens: int, gradient_checkpointi
 
 
 def sampling_copy_bytes(shape: ModelShape, *, engine: str, device: str, p: int) -> int:
-    """``rollout.engine: hf-static`` (``auto`` on CUDA) samples from its own copy of the weights, held for the
-    whole run: bf16 on CUDA, the policy's dtype (``p`` bytes) elsewhere. Other engines: 0 (vLLM's is in its
-    reservation). ``engine`` is the resolved name (``grpo.rollout.build.resolve_engine_name``)."""
-    if engine != "hf-static":
+    """An engine with a sampling copy (``EngineTraits.sampling_copy``: ``hf-static``, ``auto`` on CUDA) holds it
+    for the whole run: bf16 on CUDA, the policy's dtype (``p`` bytes) elsewhere. Other engines: 0 (vLLM's is in
+    its reservation). ``engine`` is the resolved name (``grpo.rollout.build.resolve_engine_name``)."""
+    if not engine_traits(engine).sampling_copy:
         return 0
     return shape.num_params() * (2 if device == "cuda" else p)

@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM
 import socket
 import uvicorn
 
-logger = logging.getLogger("grpo.decoupled.ref_server")  # the package's name, as before the split: log lines show it
+logger = logging.getLogger("grpo.decoupled.ref_server")  # the package's name: its modules log as one
 
 
 def build_app(

@@ -18,7 +18,7 @@ from grpo.decoupled.ref_server.protocol import (
     encode_request,
 )
 
-logger = logging.getLogger("grpo.decoupled.ref_server")  # the package's name, as before the split: log lines show it
+logger = logging.getLogger("grpo.decoupled.ref_server")  # the package's name: its modules log as one
 
 BODY_EXCERPT_CHARS = 300
 

@@ -14,7 +14,7 @@ import zmq
 
 from grpo.decoupled.transport.common import MAX_MESSAGES_PER_WAKE, POLL_MS, TransportError
 
-logger = logging.getLogger("grpo.decoupled.transport")  # the package's name, as before the split: log lines show it
+logger = logging.getLogger("grpo.decoupled.transport")  # the package's name: its modules log as one
 
 
 class _Wakeup:

@@ -24,7 +24,7 @@ from grpo.decoupled.transport.receiver_io import _Peer, _Pending, _ReceiverIO
 from grpo.decoupled.wire import DEFAULT_MAX_MESSAGE_BYTES, NUM_FRAMES, encode
 from grpo.decoupled.work_plan import WorkPlan, chunk_of
 
-logger = logging.getLogger("grpo.decoupled.transport")  # the package's name, as before the split: log lines show it
+logger = logging.getLogger("grpo.decoupled.transport")  # the package's name: its modules log as one
 
 
 class RolloutReceiver(_ReceiverIO):

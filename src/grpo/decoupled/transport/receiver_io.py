@@ -23,7 +23,7 @@ from grpo.decoupled.wire import (
     message_to_batch,
 )
 
-logger = logging.getLogger("grpo.decoupled.transport")  # the package's name, as before the split: log lines show it
+logger = logging.getLogger("grpo.decoupled.transport")  # the package's name: its modules log as one
 
 
 @dataclass

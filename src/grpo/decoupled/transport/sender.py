@@ -33,7 +33,7 @@ from grpo.decoupled.wire import (
 )
 from grpo.step.records import RolloutBatch
 
-logger = logging.getLogger("grpo.decoupled.transport")  # the package's name, as before the split: log lines show it
+logger = logging.getLogger("grpo.decoupled.transport")  # the package's name: its modules log as one
 
 
 class RolloutSender(_SenderIO):

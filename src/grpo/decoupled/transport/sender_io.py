@@ -18,7 +18,7 @@ from grpo.decoupled.transport.deliveries import Event
 from grpo.decoupled.transport.io_thread import _IOThread
 from grpo.decoupled.wire import WireError, decode, encode
 
-logger = logging.getLogger("grpo.decoupled.transport")  # the package's name, as before the split: log lines show it
+logger = logging.getLogger("grpo.decoupled.transport")  # the package's name: its modules log as one
 
 
 @dataclass

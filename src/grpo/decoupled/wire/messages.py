@@ -15,7 +15,7 @@ from safetensors.torch import load as load_safetensors_bytes  # parses, never un
 from torch import Tensor
 
 # 2: samplers ask for work (want / work): a chunk of a step each. 3: a batch carries multi-turn rows
-# (loss_mask, messages, rollout_metrics; issue 27): a version-2 trainer would train on environment tokens.
+# (loss_mask, messages, rollout_metrics): a version-2 trainer would train on environment tokens.
 PROTOCOL_VERSION = 3
 
 # The header holds a batch's texts (prompts, completions, dataset columns), so it is allowed to be
