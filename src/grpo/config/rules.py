@@ -14,7 +14,6 @@ import zmq
 
 from grpo.algorithm import advantage_estimator
 from grpo.config.kinds import TRACKERS, engine_traits
-from grpo.config.schema import CriticConfig, PtxConfig
 from grpo.tasks import resolve_task
 
 if TYPE_CHECKING:
@@ -279,7 +278,7 @@ def ppo_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
     if cfg.algorithm.kl_penalty == "reward" and cfg.loss.beta == 0:
         problems.append(("algorithm.kl_penalty", "is 'reward' but loss.beta is 0: there is no penalty to put "
                                                  "in the reward; set loss.beta > 0 (PPO's kl coefficient)"))
-    if not critic and cfg.critic != CriticConfig():
+    if not critic and cfg.critic != type(cfg.critic)():
         problems.append(("critic", (
             "is set but algorithm.advantage_estimator is not gae: only PPO (gae) has a critic; set "
             "algorithm.advantage_estimator: gae or drop the critic keys")))
@@ -314,7 +313,7 @@ def sampling_control_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
 
 def ptx_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
     """The rule of the PTX loss: its keys mean something only with ptx.data (its own ranges are in the schema)."""
-    if cfg.ptx.data is None and cfg.ptx != PtxConfig():
+    if cfg.ptx.data is None and cfg.ptx != type(cfg.ptx)():
         return [("ptx", "keys are set but ptx.data is null: without prompt/response pairs there is no PTX "
                         "loss; set ptx.data to an SFT file or drop the ptx keys")]
     return []

@@ -20,6 +20,7 @@ from grpo.algorithm import (
 from grpo.algorithm.schedules import LR_SCHEDULES
 from grpo.config.eval_schema import EvalConfig  # noqa: F401  (the eval section, in its own module)
 from grpo.config.fields import opt
+from grpo.config.rules import config_problems
 from grpo.rewards.scoring import RewardSpec
 from grpo.tasks.builtin_tasks import NUMERIC_REWARDS
 from grpo.config.rollout_schema import RolloutConfig  # noqa: F401  (the rollout section, in its own module)
@@ -366,6 +367,4 @@ class RunConfig:
 
     def check(self) -> list[tuple[str, str]]:
         """Cross-field rules (``grpo.config.rules``): ``(key, why)`` for each violated one (empty when valid)."""
-        from grpo.config.rules import config_problems
-
         return config_problems(self)
