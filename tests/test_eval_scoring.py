@@ -14,7 +14,7 @@ from grpo.run.best import BestMetric
 from grpo.rollout.generation import Generation
 from grpo.tasks import resolve_task
 from grpo.commands.eval_command import parse_data_sets
-from grpo.evaluation.scoring import EvalRewards, logged_metrics, summarize
+from grpo.evaluation.example_records import EvalRewards, logged_metrics, summarize
 from grpo.evaluation.evaluate import call_unit, evaluate, evaluate_records
 from grpo.training.evaluator import eval_sources, primary_metric, rank_example_range
 

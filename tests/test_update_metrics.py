@@ -10,7 +10,7 @@ import statistics
 import pytest
 
 from grpo.step.metrics import reduce_updates, spread_metrics
-from grpo.evaluation.scoring import length_metrics
+from grpo.evaluation.example_records import length_metrics
 from grpo.evaluation.sample_metrics import sample_std
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo.rollout import LeanEngine
-from grpo.evaluation.scoring import EvalRewards, logged_metrics, write_records
+from grpo.evaluation.example_records import EvalRewards, logged_metrics, write_records
 from grpo.evaluation.evaluate import evaluate
 from grpo.config import ConfigError
 from grpo.config import RewardConfig, RunConfig

@@ -4,7 +4,7 @@ from k samples, all scored by the run's task.
 Data flow: Examples -> system prompt + history through the chat template (``grpo.data``) -> completions
 from a rollout engine (``grpo.rollout``: the run's own in training, a lean one in ``grpo eval``) -> each
 completion scored by the task (``grpo.tasks.Task.score``: the prediction, whether it is right, whether the
-tags are) and the rewards (``grpo.evaluation.scoring``: one JSON record per example) -> metrics of the
+tags are) and the rewards (``grpo.evaluation.example_records``: one JSON record per example) -> metrics of the
 records (``eval_scoring.summarize``).
 
 ``evaluate_records`` gives the records of some examples (a slice of a set, for one rank of several);
@@ -28,7 +28,7 @@ from grpo.rollout import LeanEngine, RolloutEngine, SamplingParams
 from grpo.rollout.generation import Generation
 from grpo.tasks import Task
 from grpo.tasks.builtin_tasks import BUILTIN_TASKS, numeric_score
-from grpo.evaluation.scoring import EvalRewards, RewardInputs, example_records, reward_values, summarize
+from grpo.evaluation.example_records import EvalRewards, RewardInputs, example_records, reward_values, summarize
 from grpo.evaluation.sample_metrics import pass_at_k
 from grpo.multiturn.driver import ExampleRollout
 from grpo.run.progress import in_notebook
@@ -153,7 +153,7 @@ def evaluate_records(
     max_written: int | None = None,
     first_example: int = 0,
 ) -> tuple[list[dict[str, Any]], list[dict]]:
-    """The records (``grpo.evaluation.scoring.example_records``) of ``examples`` and the rollout engine's
+    """The records (``grpo.evaluation.example_records.example_records``) of ``examples`` and the rollout engine's
     per-call metrics (multi-turn: tool calls; row-weighted by ``mean_rollout_metrics``). Arguments as
     ``evaluate``'s; ``first_example``: the index of ``examples[0]`` in its whole set, a multiple of
     ``call_unit(batch_size, samples)`` (a rank's slice: the seeds of its calls are the whole set's)."""

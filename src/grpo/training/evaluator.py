@@ -18,7 +18,7 @@ import torch
 from grpo.config import RunConfig
 from grpo.models.wrappers import unwrap_model
 from grpo.tasks import Task, run_system_prompt, run_task
-from grpo.evaluation.scoring import EvalRewards, logged_metrics, summarize, write_records
+from grpo.evaluation.example_records import EvalRewards, logged_metrics, summarize, write_records
 from grpo.evaluation.evaluate import call_unit, evaluate_records, mean_rollout_metrics
 from grpo.parallel.distributed import DistInfo, all_gather_json
 from grpo.config import ConfigError
