@@ -40,7 +40,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         return run_decoupled(cfg, config_path, overrides)
     result = train(cfg)
-    _print_summary(result)
+    if int(os.environ.get("RANK", "0")) == 0:  # every launcher sets RANK; the summary is the run's, said once
+        _print_summary(result)
     return 0
 
 

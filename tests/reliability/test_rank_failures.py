@@ -115,3 +115,29 @@ def test_deepspeeds_launcher_runs_the_colocated_and_the_decoupled_trainer(tiny_m
     finally:
         stop_all(sampler)
     assert [r["step"] for r in train_rows(decoupled)] == [1, 2]
+
+
+def accelerate_launch(*args) -> list[str]:
+    """``accelerate launch --multi_gpu --num_processes 2 -m grpo ...`` as a user of accelerate types it: on a
+    machine without GPUs accelerate still starts its ranks through torch.distributed.run (gloo on CPU)."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+            str(free_port()), "-m", "grpo", *map(str, args)]
+
+
+def test_accelerates_launcher_runs_two_colocated_ranks(tiny_model_dir, recipe, tmp_path):
+    out = tmp_path / "run"
+    code, text, _ = ends_within(accelerate_launch("train", recipe, *run_args(tiny_model_dir, out, **{
+        "train.max_steps": 2})), 300)
+    assert code == 0, text[-4000:]
+    assert [r["step"] for r in train_rows(out)] == [1, 2]
+    once(text, "run folder:")  # the summary of the run, from rank 0 only
+
+
+def test_a_failure_on_rank_1_under_accelerates_launcher_ends_both_ranks(tiny_model_dir, recipe, tmp_path):
+    out = tmp_path / "run"
+    args = [recipe, *run_args(tiny_model_dir, out, rewards="[{name: 'rewards_for_reliability:fails_on_rank_1'}]")]
+    code, text, took = ends_within(accelerate_launch("train", *args), 60)
+    assert code != 0 and took < 60, (code, took, text[-4000:])
+    once(text, "reward 'fails_on_rank_1' failed on every one of")
+    assert f"grpo: rank 1 of 2 on {socket.gethostname()}: reward error" in text, text[-3000:]
