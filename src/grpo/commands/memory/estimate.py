@@ -1,8 +1,8 @@
 """Peak memory per device of a run's config: model states, activations, logits, reference, KV cache.
 
-A step has three phases whose transients never overlap (four with PPO's critic, ``grpo.commands.memory.critic``; one
-more with the PTX loss, ``ptx_update_bytes``): the rollout (sampling with a KV cache, then
-no-grad reference/old log-probs), the update (forward and backward of each micro-batch, gradients
+A step has three phases whose transients never overlap (four with PPO's critic, ``grpo.commands.memory.critic``;
+one more with the PTX loss; each phase's bytes: ``grpo.commands.memory.phases``): the rollout (sampling with a
+KV cache, then no-grad reference/old log-probs), the update (forward and backward of each micro-batch, gradients
 accumulating), and the optimizer step. The peak is the largest phase plus the CUDA allowance. The
 reported components are those of the update phase; ``peak_phase`` says when another phase is larger.
 
@@ -40,7 +40,7 @@ from grpo.commands.memory.phases import (
     update_pass,
     vllm_hold,
 )
-from grpo.commands.memory.states import ModelStates, model_states, read_deepspeed  # noqa: F401 (read_deepspeed: the package's)
+from grpo.commands.memory.states import ModelStates, model_states, read_deepspeed  # noqa: F401 (the package's)
 
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "reference", "critic", "kv_cache",
               "overhead")
@@ -138,7 +138,8 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
              "activations": update.activations, "logits": update.logits, "reference": reference,
              "critic": critic.states if critic else 0, "kv_cache": vllm.during_update, "overhead": overhead}
     total_gb = gb(tensors + overhead)
-    sampler = sampler_bytes(run, states, reference=sampler_reference, sampling_copy=sampling_copy) if run.decoupled else 0
+    sampler = (sampler_bytes(run, states, reference=sampler_reference, sampling_copy=sampling_copy)
+               if run.decoupled else 0)
     notes += closing_notes(run, phases, peak_phase, sampler)
     return MemoryEstimate(per_device_gb={k: gb(parts[k]) for k in COMPONENTS}, total_gb=total_gb,
                           fits=None if gpu_gb is None else total_gb <= gpu_gb, notes=notes,
