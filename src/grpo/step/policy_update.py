@@ -349,8 +349,8 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
     the same gradient, before clipping and the optimizer step; ``loss/ptx`` is that NLL (unscaled), averaged
     over the updates. The same PTX micro-batch serves every iteration, as the rollout batch does.
     """
-    inputs = prepare_batch(batch, s, dist_info, next(learner.module.parameters()).device)
-    device = inputs.sampled.device
+    device = next(learner.module.parameters()).device
+    inputs = prepare_batch(batch, s, dist_info, device)
     stats = StepStats(s.num_iterations, device, inputs.sampler_logprobs is not None, ptx is not None)
     first_rate = learner.lr  # the rate of this step's first update (the schedule moves in finish_update)
     old = inputs.old_logprobs
