@@ -117,6 +117,11 @@ def one(arg: str, key: str, to: Callable[[Any], Any], back: Callable[[Any], Any]
                 None if back is None else (lambda c, value: {arg: back(value)}))
 
 
+def forward(arg: str, key: str, to: Callable[[Any], Any] = lambda value: value) -> Link:
+    """``arg`` sets ``key`` (through ``to``), but a recipe's ``key`` is not read back into ``arg``."""
+    return one(arg, key, to, None)
+
+
 def fixed(key: str, value: Any) -> Link:
     """A key TRL's trainer always runs with ``value`` (not read back)."""
     return Link((), (key,), lambda c: (value,), None)
@@ -141,7 +146,7 @@ LINKS: tuple[Link, ...] = (
     Link(("trust_remote_code", "model_init_kwargs"), ("model.trust_remote_code",),
          lambda c, trust, init: (bool(trust or (init or {}).get("trust_remote_code")),),
          lambda c, trust: {"trust_remote_code": trust}),
-    one("model_init_kwargs", "model.attn_implementation", lambda init: (init or {}).get("attn_implementation"), None),
+    forward("model_init_kwargs", "model.attn_implementation", lambda init: (init or {}).get("attn_implementation")),
     same("shuffle_dataset", "data.shuffle"),
     Link(("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations"),
          ("train.micro_batch_size", "train.prompts_per_step", "rollout.num_generations"),
@@ -154,14 +159,14 @@ LINKS: tuple[Link, ...] = (
     one("top_k", "rollout.top_k", lambda k: k or None, lambda k: k or 0),
     one("min_p", "rollout.min_p", lambda p: p or 0.0, lambda p: p or None),
     same("repetition_penalty", "rollout.repetition_penalty"),
-    one("generation_kwargs", "rollout.min_new_tokens", lambda kw: (kw or {}).get("min_new_tokens", 0), None),
+    forward("generation_kwargs", "rollout.min_new_tokens", lambda kw: (kw or {}).get("min_new_tokens", 0)),
     Link(("use_vllm", "rollout_engine"), ("rollout.engine",),
          lambda c, vllm, engine: ("vllm" if vllm else engine or "auto",),
          lambda c, engine: {"use_vllm": engine == "vllm", "rollout_engine": None if engine == "vllm" else engine}),
-    one("vllm_enable_sleep_mode", "rollout.vllm_enable_sleep_mode", lambda v: v, None),
-    one("vllm_gpu_memory_utilization", "rollout.vllm_gpu_memory_utilization", lambda v: v, None),
+    forward("vllm_enable_sleep_mode", "rollout.vllm_enable_sleep_mode"),
+    forward("vllm_gpu_memory_utilization", "rollout.vllm_gpu_memory_utilization"),
     same("dynamic_sampling", "rollout.dynamic_sampling"),
-    one("max_tool_calling_iterations", "rollout.max_tool_calling_iterations", lambda v: v, None),
+    forward("max_tool_calling_iterations", "rollout.max_tool_calling_iterations"),
     same("advantage_estimator", "algorithm.advantage_estimator"),
     same("beta", "loss.beta"),
     same("use_bias_correction_kl", "loss.kl_times_ratio"),
