@@ -184,12 +184,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"grpo {__version__}")
     _launcher_arguments(parser)
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_config_parser, _add_train_parser, _add_roles_parser, _add_plot_parser, _add_eval_parser,
+                _add_chat_parser, _add_export_parser, _add_memory_parser, _add_keys_parser):
+        add(sub)
+    return parser
 
+
+DTYPES = ("float32", "bfloat16", "float16")  # --dtype's choices
+
+
+def _add_config_parser(sub) -> None:
+    """``grpo config``: print the resolved config."""
     config = sub.add_parser("config", help="print the resolved config (file + overrides) as YAML")
     config.add_argument("config", nargs="?", help="YAML recipe (default: built-in defaults)")
     config.add_argument("overrides", nargs="*", help="section.key=value (value parsed as YAML)")
     config.set_defaults(func=_cmd_config)
 
+
+def _add_train_parser(sub) -> None:
+    """``grpo train``: the colocated run (or the decoupled launcher)."""
     train = sub.add_parser("train", help="train with GRPO (colocated: sampling and learning in this process)")
     train.add_argument("config", nargs="?", help="YAML recipe (default: configs/demo-cpu.yaml)")
     train.add_argument("overrides", nargs="*", help="section.key=value (value parsed as YAML)")
@@ -198,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     _launcher_arguments(train)
     train.set_defaults(func=_cmd_train)
 
+
+def _add_roles_parser(sub) -> None:
+    """``grpo sampler|trainer|ref-server``: one role of a decoupled run each."""
     for role, text in (("sampler", "decoupled mode: sample rollout batches and send them to the trainer"),
                        ("trainer", "decoupled mode: train on the samplers' batches (one per rank under torchrun)"),
                        ("ref-server", "serve reference log-probs over HTTP (decoupled.ref_server_host)")):
@@ -211,11 +227,16 @@ def build_parser() -> argparse.ArgumentParser:
             _launcher_arguments(role_parser)
         role_parser.set_defaults(func=_cmd_role)
 
+
+def _add_plot_parser(sub) -> None:
+    """``grpo plot``: a run's metrics as PNGs."""
     plot = sub.add_parser("plot", help="write plots/*.png of a run's metrics")
     plot.add_argument("run_dir")
     plot.set_defaults(func=_cmd_plot)
 
-    dtypes = ("float32", "bfloat16", "float16")
+
+def _add_eval_parser(sub) -> None:
+    """``grpo eval``: accuracy of a model on a data set."""
     ev = sub.add_parser("eval", help="greedy answer accuracy and format rate (mean@k, pass@1..k, maj@k with --samples k)")
     ev.add_argument("model", help="model folder, checkpoint, or run folder (uses final/ or the newest checkpoint)")
     ev.add_argument("--data", action="append", metavar="[NAME=]SOURCE",
@@ -240,13 +261,16 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", default="auto")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--base-model", help="base model of a LoRA checkpoint (default: from adapter_config.json)")
-    ev.add_argument("--dtype", choices=dtypes)
+    ev.add_argument("--dtype", choices=DTYPES)
     ev.add_argument("--no-progress", action="store_true")
     ev.add_argument("--tools", nargs="*", metavar="MODULE:FN",
                     help="tools the model may call, as in rollout.tools (default: the run's rollout.tools and "
                          "rollout.environment; --tools with no name: none)")
     ev.set_defaults(func=_cmd_eval)
 
+
+def _add_chat_parser(sub) -> None:
+    """``grpo chat``: talk to a model."""
     chat = sub.add_parser("chat", help="talk to a model with the training system prompt")
     chat.add_argument("model", help="model folder, checkpoint, or run folder")
     chat.add_argument("--prompt", help="answer this once and exit (otherwise interactive)")
@@ -255,18 +279,24 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system-prompt", help="override the run's system prompt")
     chat.add_argument("--device", default="auto")
     chat.add_argument("--base-model")
-    chat.add_argument("--dtype", choices=dtypes)
+    chat.add_argument("--dtype", choices=DTYPES)
     chat.add_argument("--seed", type=int)
     chat.set_defaults(func=_cmd_chat)
 
+
+def _add_export_parser(sub) -> None:
+    """``grpo export``: a checkpoint as a plain HF model."""
     export = sub.add_parser("export", help="write a checkpoint as a plain HF model (LoRA merged into its base)")
     export.add_argument("checkpoint")
     export.add_argument("out_dir")
-    export.add_argument("--dtype", choices=dtypes)
+    export.add_argument("--dtype", choices=DTYPES)
     export.add_argument("--overwrite", action="store_true")
     export.add_argument("--base-model")
     export.set_defaults(func=_cmd_export)
 
+
+def _add_memory_parser(sub) -> None:
+    """``grpo memory``: the peak-memory estimate."""
     mem = sub.add_parser("memory", help="estimate peak GPU memory per device (model states, activations, logits, PTX, "
                                         "reference, KV cache) and whether it fits")
     mem.add_argument("config", nargs="?", help="YAML recipe (default: built-in defaults)")
@@ -280,10 +310,13 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--vllm-gpu-memory-utilization", type=float, help="share of --gpu-gb a colocated vLLM reserves")
     mem.set_defaults(func=_cmd_memory)
 
+
+def _add_keys_parser(sub) -> None:
+    """``grpo keys``: every config key."""
     keys = sub.add_parser("keys", help="list every config key with its type, default and meaning")
     keys.add_argument("--markdown", action="store_true", help="print the README's markdown table")
     keys.set_defaults(func=_cmd_keys)
-    return parser
+
 
 
 def _split_config_and_overrides(args: argparse.Namespace) -> None:

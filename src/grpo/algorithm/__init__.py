@@ -10,8 +10,9 @@ prompt ``i``; ``N = P*G``. ``L`` is the completion length (padded), ``T`` a full
 - ``processing``: the sampling controls (repetition penalty, min_new_tokens, min_p) as Hugging Face
   applies them, per position for the samplers and over every completion position for the log-probs.
 - ``losses``: the clipped policy surrogate (token or sequence importance ratios), its aggregation,
-  PPO's clipped value loss, the PTX next-token loss (``sft_loss``), the sampler correction's importance
-  weights, the sampler/trainer log-prob gap.
+  PPO's clipped value loss, the PTX next-token loss (``sft_loss``).
+- ``sampler_correction``: the importance weights for tokens another engine sampled, the sampler/trainer
+  log-prob gap.
 
 Variants are looked up by name in ``ADVANTAGE_ESTIMATORS``, ``ADVANTAGE_SCALES``,
 ``IMPORTANCE_SAMPLING_LEVELS``, ``LOSS_AGGREGATIONS``, ``SAMPLER_CORRECTIONS`` and ``schedules.LR_SCHEDULES``
@@ -33,18 +34,20 @@ from grpo.algorithm.losses import (
     IMPORTANCE_SAMPLING_LEVELS,
     LOSS_AGGREGATIONS,
     LossAggregation,
-    SAMPLER_CORRECTIONS,
     aggregate_loss,
     kl_k3,
     loss_aggregation,
-    logprob_mismatch,
     policy_loss,
-    sampler_importance_weights,
     sft_loss,
-    truncated_importance_weights,
     value_loss,
 )
 from grpo.algorithm.processing import LogprobProcessing, processed_token_entropy, processed_token_logprobs
+from grpo.algorithm.sampler_correction import (
+    SAMPLER_CORRECTIONS,
+    logprob_mismatch,
+    sampler_importance_weights,
+    truncated_importance_weights,
+)
 from grpo.algorithm.tokens import token_entropy, token_logprobs
 
 __all__ = [

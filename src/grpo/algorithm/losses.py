@@ -1,6 +1,5 @@
-"""Losses: the clipped policy surrogate with its KL penalty and aggregation, PPO's clipped value loss, the
-PTX next-token loss, and the (truncated or masked) importance weights that correct for a sampler that is
-not the trainer.
+"""Losses: the clipped policy surrogate with its KL penalty and aggregation, PPO's clipped value loss and the
+PTX next-token loss (the sampler correction's weights on the surrogate: ``grpo.algorithm.sampler_correction``).
 
 ``N`` completions of padded length ``L``; masks are ``[N, L]``, 1 for the tokens that carry the loss: the sampled
 ones (``Generation.sampled_mask``: a multi-turn row's environment tokens are 0, like padding).
@@ -176,34 +175,16 @@ def policy_loss(
         ``ratio_max``; at the sequence level a row's ratio counts once per real token; TRL's clip counts
         (``clipping.clip_counts``: ``clip_low|high|region|units``, ``clip_low_row_min``, ``clip_high_row_max``).
     """
-    if beta != 0 and ref_logprobs is None:
-        raise ValueError("ref_logprobs may be None only when beta == 0")
-    if not (logprobs.shape == old_logprobs.shape == mask.shape):
-        raise ValueError(f"shape mismatch: logprobs {tuple(logprobs.shape)}, old_logprobs "
-                         f"{tuple(old_logprobs.shape)}, mask {tuple(mask.shape)}")
-    if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
-        raise ValueError(f"advantages must be [N]={logprobs.shape[0]} or [N, L]={tuple(logprobs.shape)}, got "
-                         f"{tuple(advantages.shape)}")
+    _check_policy_inputs(logprobs, old_logprobs, ref_logprobs, advantages, mask, sampler_weights, beta)
     eps_high = epsilon if epsilon_high is None else epsilon_high
     level = lookup(IMPORTANCE_SAMPLING_LEVELS, "importance_sampling_level", importance_sampling_level)
-    # Padding is masked out of every sum, but inf * 0 is NaN: whatever values the passes left at padded
-    # positions (another model's, or 0 where a pass skipped the column) must not overflow exp().
-    padding = mask == 0
-    logprobs = logprobs.masked_fill(padding, 0.0)
-    old_logprobs = old_logprobs.masked_fill(padding, 0.0)
-    if ref_logprobs is not None:
-        ref_logprobs = ref_logprobs.masked_fill(padding, 0.0)
-    mask = mask.to(logprobs.dtype)
-    adv = advantages.detach().to(logprobs.dtype)  # [N] or [N, L]
-    adv = adv.masked_fill(padding, 0.0) if adv.dim() == 2 else adv.unsqueeze(1)  # [N, L] or [N, 1]
+    logprobs, old_logprobs, ref_logprobs, adv, mask = _padding_zeroed(logprobs, old_logprobs, ref_logprobs,
+                                                                      advantages, mask)
     ratio = torch.exp(level(logprobs - old_logprobs.detach(), mask))  # [N, L]
     unclipped = ratio * adv  # [N, L]
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high) * adv  # [N, L]
     objective = torch.min(unclipped, clipped)  # [N, L]
     if sampler_weights is not None:
-        if sampler_weights.shape != objective.shape:
-            raise ValueError(f"sampler_weights must be [N, L]={tuple(objective.shape)}, got "
-                             f"{tuple(sampler_weights.shape)}")
         objective = objective * sampler_weights.detach().to(objective.dtype)
     if ref_logprobs is not None:
         kl = kl_k3(logprobs, ref_logprobs.detach())  # [N, L]
@@ -215,25 +196,63 @@ def policy_loss(
         kl = torch.zeros_like(logprobs)
     loss = aggregate_loss(-objective, mask, loss_type, normalizer=normalizer,
                           max_completion_length=max_completion_length)
+    return loss, surrogate_stats(ratio, unclipped, clipped, kl, advantages, mask, epsilon, eps_high,
+                                 per_sequence=importance_sampling_level == "sequence")
 
-    with torch.no_grad():
-        n_tokens = mask.sum().clamp(min=1)
-        was_clipped = (clipped < unclipped).to(mask.dtype)  # min() picked the clipped branch
-        stats = {
-            "kl": (kl * mask).sum() / n_tokens,
-            "clip_fraction": (was_clipped * mask).sum() / n_tokens,
-            "ratio_mean": (ratio * mask).sum() / n_tokens,
-            # 1 when no token counts; torch.where, not `if mask.any()`, which would wait for the GPU.
-            "ratio_max": (torch.where(mask.any(), ratio.masked_fill(mask == 0, float("-inf")).max(), 1.0)
-                          if ratio.numel() else ratio.new_ones(())),
-        }
-        clip = clip_counts(ratio, advantages, mask, epsilon, eps_high,
-                           per_sequence=importance_sampling_level == "sequence")
-        bound = torch.full((1,), float("inf"), dtype=ratio.dtype, device=ratio.device)  # no host copy: no GPU wait
-        stats.update(clip_low=clip.low, clip_high=clip.high, clip_region=clip.region, clip_units=clip.units,
-                     clip_low_row_min=torch.cat([clip.row_low.nan_to_num(float("inf")), bound]).min(),
-                     clip_high_row_max=torch.cat([clip.row_high.nan_to_num(float("-inf")), -bound]).max())
-    return loss, {k: v.detach() for k, v in stats.items()}
+
+def _check_policy_inputs(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | None, advantages: Tensor,
+                         mask: Tensor, sampler_weights: Tensor | None, beta: float) -> None:
+    """``policy_loss``'s shape checks: a ValueError naming the argument and the shapes."""
+    if beta != 0 and ref_logprobs is None:
+        raise ValueError("ref_logprobs may be None only when beta == 0")
+    if not (logprobs.shape == old_logprobs.shape == mask.shape):
+        raise ValueError(f"shape mismatch: logprobs {tuple(logprobs.shape)}, old_logprobs "
+                         f"{tuple(old_logprobs.shape)}, mask {tuple(mask.shape)}")
+    if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
+        raise ValueError(f"advantages must be [N]={logprobs.shape[0]} or [N, L]={tuple(logprobs.shape)}, got "
+                         f"{tuple(advantages.shape)}")
+    if sampler_weights is not None and sampler_weights.shape != logprobs.shape:
+        raise ValueError(f"sampler_weights must be [N, L]={tuple(logprobs.shape)}, got "
+                         f"{tuple(sampler_weights.shape)}")
+
+
+def _padding_zeroed(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | None, advantages: Tensor,
+                    mask: Tensor) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:
+    """(logprobs, old_logprobs, ref_logprobs [N, L] with 0 on padding; the advantages detached, [N, L] with 0
+    on padding or [N, 1]; the mask as a float [N, L]). Padding is masked out of every sum, but inf * 0 is
+    NaN: whatever values the passes left at padded positions (another model's, or 0 where a pass skipped
+    the column) must not overflow exp()."""
+    padding = mask == 0
+    logprobs = logprobs.masked_fill(padding, 0.0)
+    old_logprobs = old_logprobs.masked_fill(padding, 0.0)
+    if ref_logprobs is not None:
+        ref_logprobs = ref_logprobs.masked_fill(padding, 0.0)
+    adv = advantages.detach().to(logprobs.dtype)  # [N] or [N, L]
+    adv = adv.masked_fill(padding, 0.0) if adv.dim() == 2 else adv.unsqueeze(1)  # [N, L] or [N, 1]
+    return logprobs, old_logprobs, ref_logprobs, adv, mask.to(logprobs.dtype)
+
+
+@torch.no_grad()
+def surrogate_stats(ratio: Tensor, unclipped: Tensor, clipped: Tensor, kl: Tensor, advantages: Tensor,
+                    mask: Tensor, epsilon: float, epsilon_high: float, per_sequence: bool) -> dict[str, Tensor]:
+    """``policy_loss``'s statistics (detached 0-d tensors, see there) from its ``[N, L]`` ratio, unclipped and
+    clipped objectives, KL term and float mask; ``advantages`` [N] or [N, L] as given to it."""
+    n_tokens = mask.sum().clamp(min=1)
+    was_clipped = (clipped < unclipped).to(mask.dtype)  # min() picked the clipped branch
+    stats = {
+        "kl": (kl * mask).sum() / n_tokens,
+        "clip_fraction": (was_clipped * mask).sum() / n_tokens,
+        "ratio_mean": (ratio * mask).sum() / n_tokens,
+        # 1 when no token counts; torch.where, not `if mask.any()`, which would wait for the GPU.
+        "ratio_max": (torch.where(mask.any(), ratio.masked_fill(mask == 0, float("-inf")).max(), 1.0)
+                      if ratio.numel() else ratio.new_ones(())),
+    }
+    clip = clip_counts(ratio, advantages, mask, epsilon, epsilon_high, per_sequence=per_sequence)
+    bound = torch.full((1,), float("inf"), dtype=ratio.dtype, device=ratio.device)  # no host copy: no GPU wait
+    stats.update(clip_low=clip.low, clip_high=clip.high, clip_region=clip.region, clip_units=clip.units,
+                 clip_low_row_min=torch.cat([clip.row_low.nan_to_num(float("inf")), bound]).min(),
+                 clip_high_row_max=torch.cat([clip.row_high.nan_to_num(float("-inf")), -bound]).max())
+    return {k: v.detach() for k, v in stats.items()}
 
 
 def sft_loss(logprobs: Tensor, mask: Tensor) -> Tensor:
@@ -291,110 +310,3 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     with torch.no_grad():
         stats = {"value_clip_fraction": ((clipped_loss > unclipped_loss).to(mask.dtype) * mask).sum() / n_tokens}
     return loss, stats
-
-
-# Each mode: (log_ratio [N, L], mask [N, L] float, cap, floor or None) -> (weights [N, L], outside [N, L]
-# bool: the ratio above the cap or below the floor).
-def _outside(ratio: Tensor, cap: float, floor: float | None) -> Tensor:
-    return ratio > cap if floor is None else (ratio > cap) | (ratio < floor)
-
-
-def _token_truncate(log_ratio: Tensor, mask: Tensor, cap: float, floor: float | None) -> tuple[Tensor, Tensor]:
-    ratio = torch.exp(log_ratio)
-    return torch.clamp(ratio, min=floor, max=cap), _outside(ratio, cap, floor)
-
-
-def _token_mask(log_ratio: Tensor, mask: Tensor, cap: float, floor: float | None) -> tuple[Tensor, Tensor]:
-    ratio = torch.exp(log_ratio)
-    outside = _outside(ratio, cap, floor)
-    return ratio.masked_fill(outside, 0.0), outside
-
-
-def _sequence_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
-    # One ratio per completion: the product of its tokens' (the likelihood ratio of the whole sequence,
-    # as TRL's sequence modes; not GSPO's geometric mean), broadcast over its tokens.
-    return torch.exp((log_ratio * mask).sum(-1, keepdim=True)).expand_as(log_ratio)  # [N, L]
-
-
-def _sequence_truncate(log_ratio: Tensor, mask: Tensor, cap: float, floor: float | None) -> tuple[Tensor, Tensor]:
-    ratio = _sequence_ratio(log_ratio, mask)
-    return torch.clamp(ratio, min=floor, max=cap), _outside(ratio, cap, floor)
-
-
-def _sequence_mask(log_ratio: Tensor, mask: Tensor, cap: float, floor: float | None) -> tuple[Tensor, Tensor]:
-    ratio = _sequence_ratio(log_ratio, mask)
-    outside = _outside(ratio, cap, floor)
-    return ratio.masked_fill(outside, 0.0), outside
-
-
-SAMPLER_CORRECTIONS: dict[str, Callable[[Tensor, Tensor, float, float | None], tuple[Tensor, Tensor]]] = {
-    "token_truncate": _token_truncate,
-    "token_mask": _token_mask,
-    "sequence_truncate": _sequence_truncate,
-    "sequence_mask": _sequence_mask,
-}
-
-
-def sampler_importance_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, cap: float,
-                               mode: str = "token_truncate", floor: float | None = None) -> tuple[Tensor, Tensor]:
-    """Per-token weights from ``pi_old / pi_sampler`` for tokens sampled by another engine, bounded by ``cap``
-    (and from below by ``floor``, when given).
-
-    A sampler that is not the trainer (vLLM, or a decoupled sampler with stale weights or other numerics)
-    draws from a slightly different distribution than the trainer's old policy; weighting each token's
-    loss by the ratio corrects the mismatch, and the cap bounds the variance (truncated importance
-    sampling, TRL's ``vllm_importance_sampling_correction`` and ``vllm_importance_sampling_mode``).
-
-    Args:
-        old_logprobs: ``[N, L]`` the trainer's log-probs of the sampled tokens at the weights that start the update.
-        sampler_logprobs: ``[N, L]`` the sampler's own log-probs of the same tokens.
-        mask: ``[N, L]`` 1 for real tokens.
-        cap: ``C > 0``.
-        mode: a name in ``SAMPLER_CORRECTIONS``: ``token_truncate`` ``min(r_t, C)``; ``token_mask`` ``r_t``,
-            or 0 where ``r_t > C``; ``sequence_truncate`` / ``sequence_mask`` the same on the completion's
-            ratio ``prod_t r_t``, given to each of its tokens.
-        floor: ``0 <= C_min < C`` or None (TRL's ``vllm_importance_sampling_clip_min``): the truncate modes
-            raise ratios below it to it, the mask modes zero them; None: no lower bound.
-
-    Returns:
-        ``(weights, outside)``, both ``[N, L]`` and detached: the weights (0 on padding), and True on the
-        real tokens whose ratio was outside ``[floor, cap]`` (truncated or masked).
-    """
-    if not (old_logprobs.shape == sampler_logprobs.shape == mask.shape):
-        raise ValueError(f"shape mismatch: old_logprobs {tuple(old_logprobs.shape)}, sampler_logprobs "
-                         f"{tuple(sampler_logprobs.shape)}, mask {tuple(mask.shape)}")
-    if cap <= 0:
-        raise ValueError(f"cap must be > 0, got {cap}")
-    if floor is not None and not 0 <= floor < cap:
-        raise ValueError(f"floor must be in [0, cap={cap}), got {floor}")
-    correct = lookup(SAMPLER_CORRECTIONS, "sampler correction mode", mode)
-    with torch.no_grad():
-        padding = mask == 0
-        log_ratio = (old_logprobs - sampler_logprobs).masked_fill(padding, 0.0)  # [N, L]
-        weights, outside = correct(log_ratio, mask.to(log_ratio.dtype), cap, floor)
-        return weights.masked_fill(padding, 0.0), outside & ~padding
-
-
-def truncated_importance_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor,
-                                 cap: float) -> Tensor:
-    """``[N, L]`` detached weights ``min(exp(old - sampler), cap)`` on real tokens, 0 on padding: the
-    ``token_truncate`` mode of ``sampler_importance_weights`` (see there)."""
-    return sampler_importance_weights(old_logprobs, sampler_logprobs, mask, cap, "token_truncate")[0]
-
-
-def logprob_mismatch(sampler_logprobs: Tensor, trainer_logprobs: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """How far the sampler's log-probs of the sampled tokens are from the trainer's, as a masked sum.
-
-    Args:
-        sampler_logprobs: ``[N, L]`` the rollout engine's log-prob of each sampled token.
-        trainer_logprobs: ``[N, L]`` the trainer's log-prob of the same tokens, same temperature.
-        mask: ``[N, L]`` 1 on completion tokens, 0 on padding.
-
-    Returns:
-        ``(total, count)``: the sum of |sampler - trainer| over the masked tokens and their number, both
-        float64 scalars. A sum and a count rather than the mean, so that ranks can add theirs before
-        dividing (the mean over all tokens of the step, not a mean of per-rank means).
-    """
-    keep = mask.bool()
-    gap = (sampler_logprobs.double() - trainer_logprobs.double()).abs()[keep]  # [tokens]
-    return gap.sum(), keep.sum().double()

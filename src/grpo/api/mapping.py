@@ -2,7 +2,8 @@
 
 ``to_run_config`` is what ``GRPOTrainer`` trains with and what ``GRPOConfig.to_yaml`` writes;
 ``from_run_config`` reads a recipe back as arguments (the keys TRL has no name for travel in
-``grpo_overrides``), so that ``from_run_config(cfg).to_run_config() == cfg``.
+``grpo_overrides``), so that ``from_run_config(cfg).to_run_config() == cfg``. Both read one table, ``LINKS``:
+each entry names TRL arguments, the grpo keys they set, and the conversion each way.
 
 TRL counts optimizer updates; a grpo step is one rollout and ``num_iterations`` updates, so TRL's
 ``max_steps``/``save_steps``/``eval_steps``/``logging_steps`` are divided by ``num_iterations`` here.
@@ -11,17 +12,21 @@ TRL counts optimizer updates; a grpo step is one rollout and ``num_iterations`` 
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import Any, Callable
 
-from grpo.api.arguments import GRPOConfig
-from grpo.algorithm.advantages import ADVANTAGE_SCALES
-from grpo.config import RunConfig, config_from_dict, config_to_dict
 import torch
+
+from grpo.algorithm.advantages import ADVANTAGE_SCALES
+from grpo.api.arguments import GRPOConfig
+from grpo.config import RunConfig, config_from_dict, config_to_dict
 from grpo.config.kinds import TRACKERS, VLLM_ENGINE
 
 OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_8bit": "adamw_8bit",
               "adamw_bnb_8bit": "adamw_8bit"}
 SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant"}
+SCALE_REWARDS = {True: None, False: "none", "group": None, "batch": "batch", "none": "none"}
 
 
 def batch_shape(args: GRPOConfig, num_processes: int) -> tuple[int, int]:
@@ -64,84 +69,198 @@ def _per_step(value: float, ni: int, max_updates: int) -> int:
     return max(1, math.ceil(updates / ni))
 
 
-def _bf16(args: GRPOConfig) -> bool:
-    dtype = str((args.model_init_kwargs or {}).get("dtype") or (args.model_init_kwargs or {}).get("torch_dtype"))
-    if args.bf16 is not None:
-        return bool(args.bf16) or dtype.endswith("bfloat16")
-
-    return dtype.endswith("bfloat16") or (not args.use_cpu and torch.cuda.is_available()
+def _bf16(bf16: bool | None, init: dict | None, use_cpu: bool) -> bool:
+    """``model.bf16`` of TRL's ``bf16``, ``model_init_kwargs`` and ``use_cpu``."""
+    dtype = str((init or {}).get("dtype") or (init or {}).get("torch_dtype"))
+    if bf16 is not None:
+        return bool(bf16) or dtype.endswith("bfloat16")
+    return dtype.endswith("bfloat16") or (not use_cpu and torch.cuda.is_available()
                                            and torch.cuda.is_bf16_supported())
 
 
-def to_run_config(args: GRPOConfig, *, num_processes: int = 1, train_size: int | None = None,
-                  model: str | None = None, lora: dict | None = None, data: dict | None = None,
-                  rewards: list[dict] | None = None, rollout: dict | None = None) -> RunConfig:
-    """The checked ``RunConfig`` of ``args``. ``model``: the policy's path or hub id; ``lora``: ``model.lora_*``
-    keys (a peft config's); ``data``: ``data.*`` keys the trainer derives from its datasets; ``rewards``: the
-    ``rewards`` list; ``rollout``: ``rollout.*`` keys naming the trainer's tools/environment/rollout hook. A value
-    grpo cannot take is a ``ValueError`` naming the argument."""
-    P, B = batch_shape(args, num_processes)
-    ni = args.num_iterations
-    steps = grpo_steps(args, P, train_size)
-    updates = steps * ni
+@dataclass(frozen=True)
+class Counts:
+    """What converts TRL's counts to grpo's and back: ``processes`` (ranks; 1 reading a recipe back), ``ni``
+    (updates per grpo step: num_iterations), ``steps`` (grpo steps) and ``updates`` (steps x ni)."""
+
+    processes: int
+    ni: int
+    steps: int
+    updates: int
+
+
+OMIT = object()  # a ``Link.to`` value that leaves the key out of the tree (grpo's default then)
+
+
+@dataclass(frozen=True)
+class Link:
+    """TRL arguments and the grpo keys they set, read both ways.
+
+    ``to(counts, *argument values)``: the keys' values, in ``keys`` order (``OMIT``: leave it out);
+    ``back(counts, *key values)``: ``{argument: value}`` for the arguments the keys say, or None when the keys
+    are not read back (they travel in ``grpo_overrides`` where they differ from what the arguments give).
+    """
+
+    args: tuple[str, ...]
+    keys: tuple[str, ...]
+    to: Callable[..., tuple]
+    back: Callable[..., dict[str, Any]] | None
+
+
+def same(arg: str, key: str) -> Link:
+    """``arg`` is ``key``'s value as it is."""
+    return Link((arg,), (key,), lambda c, value: (value,), lambda c, value: {arg: value})
+
+
+def one(arg: str, key: str, to: Callable[[Any], Any], back: Callable[[Any], Any] | None) -> Link:
+    """``arg`` is ``key``'s value through ``to`` (and ``back``)."""
+    return Link((arg,), (key,), lambda c, value: (to(value),),
+                None if back is None else (lambda c, value: {arg: back(value)}))
+
+
+def forward(arg: str, key: str, to: Callable[[Any], Any] = lambda value: value) -> Link:
+    """``arg`` sets ``key`` (through ``to``), but a recipe's ``key`` is not read back into ``arg``."""
+    return one(arg, key, to, None)
+
+
+def fixed(key: str, value: Any) -> Link:
+    """A key TRL's trainer always runs with ``value`` (not read back)."""
+    return Link((), (key,), lambda c: (value,), None)
+
+
+def _warmup_ratio(c: Counts, schedule: str, warmup_steps: float) -> float:
+    warmup = 0 if schedule == "constant" else (  # TRL's constant schedule has no warm-up
+        math.ceil(warmup_steps * c.updates) if warmup_steps < 1 else int(warmup_steps))
+    return warmup / c.updates
+
+
+def _report_to(value: str | list[str]) -> list[str]:
+    report_to = [value] if isinstance(value, str) else list(value)
+    return [] if report_to in ([], ["none"]) else ["tensorboard"] if report_to == ["all"] else report_to
+
+
+# In the config tree's order: model, data, rollout, algorithm, loss, ptx, optim, train, log.
+LINKS: tuple[Link, ...] = (
+    Link(("bf16", "model_init_kwargs", "use_cpu"), ("model.bf16",),
+         lambda c, bf16, init, cpu: (_bf16(bf16, init, cpu),), lambda c, bf16: {"bf16": bf16}),
+    same("gradient_checkpointing", "model.gradient_checkpointing"),
+    Link(("trust_remote_code", "model_init_kwargs"), ("model.trust_remote_code",),
+         lambda c, trust, init: (bool(trust or (init or {}).get("trust_remote_code")),),
+         lambda c, trust: {"trust_remote_code": trust}),
+    forward("model_init_kwargs", "model.attn_implementation", lambda init: (init or {}).get("attn_implementation")),
+    same("shuffle_dataset", "data.shuffle"),
+    Link(("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations"),
+         ("train.micro_batch_size", "train.prompts_per_step", "rollout.num_generations"),
+         lambda c, B, GA, G: (B, B * c.processes * GA // G, G),  # batch_shape's arithmetic
+         lambda c, B, P, G: {"per_device_train_batch_size": B, "gradient_accumulation_steps": P * G // B,
+                             "num_generations": G}),
+    same("max_completion_length", "rollout.max_completion_length"),
+    same("temperature", "rollout.temperature"),
+    same("top_p", "rollout.top_p"),
+    one("top_k", "rollout.top_k", lambda k: k or None, lambda k: k or 0),
+    one("min_p", "rollout.min_p", lambda p: p or 0.0, lambda p: p or None),
+    same("repetition_penalty", "rollout.repetition_penalty"),
+    forward("generation_kwargs", "rollout.min_new_tokens", lambda kw: (kw or {}).get("min_new_tokens", 0)),
+    Link(("use_vllm", "rollout_engine"), ("rollout.engine",),
+         lambda c, vllm, engine: (VLLM_ENGINE if vllm else engine or "auto",),
+         lambda c, engine: {"use_vllm": engine == VLLM_ENGINE, "rollout_engine": None if engine == VLLM_ENGINE else engine}),
+    forward("vllm_enable_sleep_mode", "rollout.vllm_enable_sleep_mode"),
+    forward("vllm_gpu_memory_utilization", "rollout.vllm_gpu_memory_utilization"),
+    same("dynamic_sampling", "rollout.dynamic_sampling"),
+    forward("max_tool_calling_iterations", "rollout.max_tool_calling_iterations"),
+    same("advantage_estimator", "algorithm.advantage_estimator"),
+    same("beta", "loss.beta"),
+    same("use_bias_correction_kl", "loss.kl_times_ratio"),
+    same("num_iterations", "loss.num_iterations"),
+    same("epsilon", "loss.epsilon"),
+    same("epsilon_high", "loss.epsilon_high"),
+    same("importance_sampling_level", "loss.importance_sampling_level"),
+    one("scale_rewards", "loss.scale_rewards", SCALE_REWARDS.__getitem__, lambda scale: scale or "group"),
+    same("loss_type", "loss.loss_type"),
+    same("mask_truncated_completions", "loss.mask_truncated_completions"),
+    Link(("use_vllm", "vllm_importance_sampling_correction"), ("loss.sampler_is_correction",),
+         lambda c, vllm, correction: (vllm and correction,),
+         lambda c, correction: {"vllm_importance_sampling_correction": correction}),
+    same("vllm_importance_sampling_mode", "loss.sampler_is_mode"),
+    same("vllm_importance_sampling_clip_max", "loss.sampler_is_cap"),
+    same("vllm_importance_sampling_clip_min", "loss.sampler_is_min"),
+    Link(("ptx_data", "ptx_coef"), ("ptx.data", "ptx.coef"),
+         lambda c, data, coef: (data, OMIT if coef is None else coef),
+         lambda c, data, coef: {"ptx_data": data, "ptx_coef": coef if data else None}),
+    same("learning_rate", "optim.learning_rate"),
+    Link(("lr_scheduler_type", "warmup_steps"), ("optim.lr_scheduler_type", "optim.warmup_ratio"),
+         lambda c, schedule, warmup: (SCHEDULES[schedule], _warmup_ratio(c, schedule, warmup)),
+         lambda c, schedule, ratio: {"lr_scheduler_type": ("constant_with_warmup" if schedule == "constant" and ratio
+                                                           else schedule),
+                                     "warmup_steps": int(round(ratio * c.updates))}),
+    one("optim", "optim.optimizer", OPTIMIZERS.__getitem__,
+        lambda optimizer: "adamw_torch" if optimizer == "adamw" else "adamw_8bit"),
+    same("weight_decay", "optim.weight_decay"),
+    same("adam_beta1", "optim.adam_beta1"),
+    same("adam_beta2", "optim.adam_beta2"),
+    one("max_grad_norm", "optim.max_grad_norm", lambda norm: norm or None, lambda norm: norm or 0.0),
+    Link(("max_steps",), ("train.max_steps",), lambda c, max_steps: (c.steps,),  # grpo_steps'
+         lambda c, steps: {"max_steps": steps * c.ni}),
+    one("output_dir", "train.output_dir", lambda path: path or "trainer_output", lambda path: path),
+    fixed("train.overwrite", True),  # as TRL writes
+    same("seed", "train.seed"),
+    Link(("save_steps",), ("train.save_steps",), lambda c, every: (_per_step(every, c.ni, c.updates),),
+         lambda c, every: {"save_steps": every * c.ni}),
+    same("save_total_limit", "train.save_total_limit"),
+    one("use_cpu", "train.device", lambda cpu: "cpu" if cpu else "auto", lambda device: device == "cpu"),
+    Link(("eval_strategy", "eval_steps", "logging_steps"), ("train.eval_steps",),
+         lambda c, strategy, every, logging: (_per_step(every or logging, c.ni, c.updates)
+                                              if strategy == "steps" else None,),
+         lambda c, every: {"eval_strategy": "steps" if every else "no", "eval_steps": (every or 0) * c.ni or None}),
+    same("eval_on_start", "train.eval_on_start"),
+    fixed("train.checkpoint_layout", "trl"),
+    fixed("train.eval_at_end", False),  # TRL evaluates the last step inside it
+    same("save_final_model", "train.save_final"),
+    Link(("logging_steps",), ("log.logging_steps",), lambda c, every: (_per_step(every, c.ni, c.updates),),
+         lambda c, every: {"logging_steps": every * c.ni}),
+    one("report_to", "log.report_to", _report_to, lambda trackers: list(trackers) or "none"),
+    one("disable_tqdm", "log.progress_bar", lambda disable: not disable, lambda progress: not progress),
+    same("plot_at_end", "log.plots"),
+)
+
+
+def check_arguments(args: GRPOConfig) -> None:
+    """The values of ``args`` grpo cannot take (beyond ``batch_shape``'s and ``grpo_steps``'): a ``ValueError``
+    naming the argument."""
     if args.lr_scheduler_type not in SCHEDULES:
         raise ValueError(f"GRPOConfig.lr_scheduler_type={args.lr_scheduler_type!r} is not supported: grpo has "
                          f"{sorted(SCHEDULES)}")
     if args.optim not in OPTIMIZERS:
         raise ValueError(f"GRPOConfig.optim={args.optim!r} is not supported: grpo has {sorted(OPTIMIZERS)}")
-    warmup = 0 if args.lr_scheduler_type == "constant" else (  # TRL's constant schedule has no warm-up
-        math.ceil(args.warmup_steps * updates) if args.warmup_steps < 1 else int(args.warmup_steps))
-    report_to = [args.report_to] if isinstance(args.report_to, str) else list(args.report_to)
-    report_to = [] if report_to in ([], ["none"]) else ["tensorboard"] if report_to == ["all"] else report_to
-    if set(report_to) - set(TRACKERS):
+    if set(_report_to(args.report_to)) - set(TRACKERS):
         raise ValueError(f"GRPOConfig.report_to={args.report_to!r} is not supported: grpo reports to "
                          f"{list(TRACKERS)} (or 'none')")
-    scale = {True: None, False: "none", "group": None, "batch": "batch", "none": "none"}
-    if args.scale_rewards not in scale:
+    if args.scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"GRPOConfig.scale_rewards={args.scale_rewards!r}: one of {', '.join(ADVANTAGE_SCALES)}")
     if args.use_vllm and args.rollout_engine not in (None, VLLM_ENGINE):
         raise ValueError(f"GRPOConfig: use_vllm=True and rollout_engine={args.rollout_engine!r} disagree")
-    init = args.model_init_kwargs or {}
-    tree: dict[str, Any] = {
-        "model": {"bf16": _bf16(args), "gradient_checkpointing": args.gradient_checkpointing,
-                  "trust_remote_code": bool(args.trust_remote_code or init.get("trust_remote_code")),
-                  "attn_implementation": init.get("attn_implementation"), **({"name_or_path": model} if model else {}),
-                  **{f"lora_{k}": v for k, v in (lora or {}).items()}},
-        "data": {"shuffle": args.shuffle_dataset, **(data or {})},
-        "rollout": {"num_generations": args.num_generations, "max_completion_length": args.max_completion_length,
-                    "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k or None,
-                    "min_p": args.min_p or 0.0, "repetition_penalty": args.repetition_penalty,
-                    "min_new_tokens": (args.generation_kwargs or {}).get("min_new_tokens", 0),
-                    "engine": VLLM_ENGINE if args.use_vllm else args.rollout_engine or "auto",
-                    "vllm_enable_sleep_mode": args.vllm_enable_sleep_mode,
-                    "vllm_gpu_memory_utilization": args.vllm_gpu_memory_utilization,
-                    "dynamic_sampling": args.dynamic_sampling,
-                    "max_tool_calling_iterations": args.max_tool_calling_iterations},
-        "algorithm": {"advantage_estimator": args.advantage_estimator},
-        "loss": {"beta": args.beta, "kl_times_ratio": args.use_bias_correction_kl, "num_iterations": ni, "epsilon": args.epsilon, "epsilon_high": args.epsilon_high,
-                 "importance_sampling_level": args.importance_sampling_level, "scale_rewards": scale[args.scale_rewards],
-                 "loss_type": args.loss_type, "mask_truncated_completions": args.mask_truncated_completions,
-                 "sampler_is_correction": args.use_vllm and args.vllm_importance_sampling_correction,
-                 "sampler_is_mode": args.vllm_importance_sampling_mode,
-                 "sampler_is_cap": args.vllm_importance_sampling_clip_max,
-                 "sampler_is_min": args.vllm_importance_sampling_clip_min},
-        "ptx": {"data": args.ptx_data, **({"coef": args.ptx_coef} if args.ptx_coef is not None else {})},
-        "optim": {"learning_rate": args.learning_rate, "lr_scheduler_type": SCHEDULES[args.lr_scheduler_type],
-                  "warmup_ratio": warmup / updates, "optimizer": OPTIMIZERS[args.optim],
-                  "weight_decay": args.weight_decay, "adam_beta1": args.adam_beta1, "adam_beta2": args.adam_beta2,
-                  "max_grad_norm": args.max_grad_norm or None},
-        "train": {"prompts_per_step": P, "micro_batch_size": B, "max_steps": steps,
-                  "output_dir": args.output_dir or "trainer_output", "overwrite": True,  # as TRL writes
-                  "seed": args.seed, "save_steps": _per_step(args.save_steps, ni, updates),
-                  "save_total_limit": args.save_total_limit, "device": "cpu" if args.use_cpu else "auto",
-                  "eval_steps": (_per_step(args.eval_steps or args.logging_steps, ni, updates)
-                                 if args.eval_strategy == "steps" else None),
-                  "eval_on_start": args.eval_on_start, "checkpoint_layout": "trl",
-                  "eval_at_end": False,  # TRL evaluates the last step inside it
-                  "save_final": args.save_final_model},
-        "log": {"logging_steps": _per_step(args.logging_steps, ni, updates), "report_to": report_to,
-                "progress_bar": not args.disable_tqdm, "plots": args.plot_at_end},
-    }
+
+
+def to_run_config(args: GRPOConfig, *, num_processes: int = 1, train_size: int | None = None,
+                  model: str | None = None, lora: dict | None = None, data: dict | None = None,
+                  rewards: list[dict] | None = None, rollout: dict | None = None) -> RunConfig:
+    """The checked ``RunConfig`` of ``args`` (``LINKS`` read forwards). ``model``: the policy's path or hub id;
+    ``lora``: ``model.lora_*`` keys (a peft config's); ``data``: ``data.*`` keys the trainer derives from its
+    datasets; ``rewards``: the ``rewards`` list; ``rollout``: ``rollout.*`` keys naming the trainer's
+    tools/environment/rollout hook. A value grpo cannot take is a ``ValueError`` naming the argument."""
+    P, _ = batch_shape(args, num_processes)
+    steps = grpo_steps(args, P, train_size)
+    check_arguments(args)
+    counts = Counts(num_processes, args.num_iterations, steps, steps * args.num_iterations)
+    tree: dict[str, Any] = {}
+    for link in LINKS:
+        for key, value in zip(link.keys, link.to(counts, *(getattr(args, name) for name in link.args))):
+            if value is not OMIT:
+                _set(tree, key, value)
+    if model:
+        tree["model"]["name_or_path"] = model
+    tree["model"].update({f"lora_{k}": v for k, v in (lora or {}).items()})
+    tree["data"].update(data or {})
     if rewards is not None:
         tree["rewards"] = rewards
     tree["rollout"].update(rollout or {})
@@ -169,35 +288,15 @@ def _flat(tree: dict) -> dict[str, Any]:
 
 
 def from_run_config(cfg: RunConfig) -> GRPOConfig:
-    """TRL-named arguments for a grpo config, with every key TRL cannot say in ``grpo_overrides``."""
-    t, r, loss, o, m = cfg.train, cfg.rollout, cfg.loss, cfg.optim, cfg.model
-    ni = loss.num_iterations
-    updates = t.max_steps * ni
-    args = GRPOConfig(
-        output_dir=t.output_dir, per_device_train_batch_size=t.micro_batch_size,
-        gradient_accumulation_steps=t.prompts_per_step * r.num_generations // t.micro_batch_size,
-        num_generations=r.num_generations, max_steps=updates, learning_rate=o.learning_rate,
-        lr_scheduler_type=("constant_with_warmup" if o.lr_scheduler_type == "constant" and o.warmup_ratio
-                           else o.lr_scheduler_type),
-        warmup_steps=int(round(o.warmup_ratio * updates)),
-        optim="adamw_torch" if o.optimizer == "adamw" else "adamw_8bit", weight_decay=o.weight_decay,
-        adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, max_grad_norm=o.max_grad_norm or 0.0, bf16=m.bf16,
-        gradient_checkpointing=m.gradient_checkpointing, seed=t.seed, use_cpu=t.device == "cpu",
-        trust_remote_code=m.trust_remote_code, max_completion_length=r.max_completion_length,
-        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k or 0, min_p=r.min_p or None,
-        repetition_penalty=r.repetition_penalty, shuffle_dataset=cfg.data.shuffle, use_vllm=r.engine == VLLM_ENGINE,
-        rollout_engine=None if r.engine == VLLM_ENGINE else r.engine, beta=loss.beta, num_iterations=ni,
-        epsilon=loss.epsilon, epsilon_high=loss.epsilon_high, importance_sampling_level=loss.importance_sampling_level,
-        scale_rewards=loss.scale_rewards or "group", loss_type=loss.loss_type,
-        mask_truncated_completions=loss.mask_truncated_completions, use_bias_correction_kl=loss.kl_times_ratio,
-        vllm_importance_sampling_correction=loss.sampler_is_correction, vllm_importance_sampling_mode=loss.sampler_is_mode,
-        vllm_importance_sampling_clip_max=loss.sampler_is_cap, vllm_importance_sampling_clip_min=loss.sampler_is_min,
-        logging_steps=cfg.log.logging_steps * ni, report_to=list(cfg.log.report_to) or "none",
-        disable_tqdm=not cfg.log.progress_bar, save_steps=t.save_steps * ni, save_total_limit=t.save_total_limit,
-        eval_strategy="steps" if t.eval_steps else "no", eval_steps=(t.eval_steps or 0) * ni or None,
-        eval_on_start=t.eval_on_start, advantage_estimator=cfg.algorithm.advantage_estimator,
-        dynamic_sampling=r.dynamic_sampling, ptx_data=cfg.ptx.data, ptx_coef=cfg.ptx.coef if cfg.ptx.data else None,
-        save_final_model=t.save_final, plot_at_end=cfg.log.plots)
+    """TRL-named arguments for a grpo config (``LINKS`` read backwards), with every key TRL cannot say in
+    ``grpo_overrides``."""
+    ni = cfg.loss.num_iterations
+    counts = Counts(1, ni, cfg.train.max_steps, cfg.train.max_steps * ni)
+    values: dict[str, Any] = {}
+    for link in LINKS:
+        if link.back is not None:
+            values.update(link.back(counts, *(attrgetter(key)(cfg) for key in link.keys)))
+    args = GRPOConfig(**values)
     want = _flat(config_to_dict(cfg))
     got = _flat(config_to_dict(to_run_config(args)))
     args.grpo_overrides = {key: value for key, value in want.items() if got.get(key) != value}

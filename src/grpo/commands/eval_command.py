@@ -13,6 +13,12 @@ import re
 from pathlib import Path
 from typing import Any
 
+from grpo.config import ConfigError, RunConfig
+from grpo.evaluation.evaluate import evaluate
+from grpo.evaluation.example_records import EvalRewards, logged_metrics, write_records
+from grpo.models.source import ModelSource, load_model_for_inference, resolve_model_source
+from grpo.rollout import LeanEngine
+from grpo.tasks import Task, resolve_task, run_task
 from grpo.rollout import LeanEngine
 from grpo.evaluation.example_records import EvalRewards, logged_metrics, write_records
 from grpo.evaluation.evaluate import evaluate
@@ -102,33 +108,18 @@ def run_eval_command(
     """
     source = resolve_model_source(model_path, base_model=base_model)
     config = source.config
-    sets = parse_data_sets(data)
-    if sets is None:
-        if config is None or config.data.eval is None:
-            raise ConfigError(f"{model_path}: no data given and no run config with data.eval; pass the data "
-                              "(a GSM8K file or folder, a hub id, or synthetic:seed=S,n=N)")
-        sets = parse_data_sets(config.data.eval)
+    sets = eval_sets(model_path, config, data)
     if split is None:
         split = config.data.eval_split if config is not None else "test"
-    try:
-        the_task = (resolve_task(task, next(iter(sets.values()))) if task is not None or config is None
-                    else run_task(config))
-    except ValueError as error:
-        raise ConfigError(f"--task: {error}") from None
-    tag_style = source.tag_style
-    system_prompt = source.system_prompt
-    if task is not None or config is None:  # the task's prompt, unless the run set its own
-        own = config.data.system_prompt if config is not None else None
-        system_prompt = own if own is not None else the_task.system_prompt(tag_style)
-        if config is not None and not config.data.add_system_prompt:
-            system_prompt = None
+    the_task = eval_task(task, config, sets)
+    system_prompt = eval_system_prompt(source, the_task, own_task=task is not None)
     examples = {name: the_task.load(src, split, limit) for name, src in sets.items()}
-    eval_rewards = _eval_rewards(config, rewards, tag_style, next(iter(examples.values())))
+    eval_rewards = _eval_rewards(config, rewards, source.tag_style, next(iter(examples.values())))
     model, tokenizer = load_model_for_inference(source, device, dtype)
     engine = _tool_engine(config, tools, model, tokenizer, batch_size)
     results, records = {}, {}
     for name, set_examples in examples.items():
-        result = evaluate(model, tokenizer, set_examples, task=the_task, tag_style=tag_style,
+        result = evaluate(model, tokenizer, set_examples, task=the_task, tag_style=source.tag_style,
                           system_prompt=system_prompt, add_system_prompt=system_prompt is not None,
                           batch_size=batch_size, max_new_tokens=max_new_tokens, samples=samples,
                           temperature=temperature, seed=seed, progress=progress, return_records=True,
@@ -136,7 +127,7 @@ def run_eval_command(
         records[name] = result.pop("records")
         results[name] = result
     report = {
-        **results.get("", {}),  # one unnamed set: its metrics at the top, as before named sets
+        **results.get("", {}),  # one unnamed set: its metrics at the top
         **({"sets": results} if "" not in results else {}),
         "metrics": logged_metrics(results),
         "model": str(source.model_dir),
@@ -151,11 +142,53 @@ def run_eval_command(
         "bootstrap": bootstrap,
         "max_new_tokens": max_new_tokens,
         "seed": seed,
-        "tag_style": tag_style,
+        "tag_style": source.tag_style,
         "system_prompt": system_prompt,
         "tools": _tool_names(config, tools),
     }
     print_report(report)
+    write_eval_outputs(report, records, output, records_output)
+    return report
+
+
+def eval_sets(model_path: str | Path, config: RunConfig | None,
+              data: str | list[str] | dict[str, str] | None) -> dict[str, str]:
+    """``{set name: source}`` of ``--data``, else of the run's ``data.eval``; a ConfigError when neither is."""
+    sets = parse_data_sets(data)
+    if sets is None:
+        if config is None or config.data.eval is None:
+            raise ConfigError(f"{model_path}: no data given and no run config with data.eval; pass the data "
+                              "(a GSM8K file or folder, a hub id, or synthetic:seed=S,n=N)")
+        sets = parse_data_sets(config.data.eval)
+    return sets
+
+
+def eval_task(task: str | None, config: RunConfig | None, sets: dict[str, str]) -> Task:
+    """``--task``, else the run's (``data.task``), else the task of the first source."""
+    try:
+        return (resolve_task(task, next(iter(sets.values()))) if task is not None or config is None
+                else run_task(config))
+    except ValueError as error:
+        raise ConfigError(f"--task: {error}") from None
+
+
+def eval_system_prompt(source: ModelSource, the_task: Task, own_task: bool) -> str | None:
+    """The run's system prompt (None: none); with ``--task`` (``own_task``) or without a run config, the task's,
+    unless the run set its own or turned it off."""
+    config, run_prompt = source.config, source.system_prompt
+    if not own_task and config is not None:
+        return run_prompt
+    own = config.data.system_prompt if config is not None else None
+    system_prompt = own if own is not None else the_task.system_prompt(source.tag_style)
+    if config is not None and not config.data.add_system_prompt:
+        return None
+    return system_prompt
+
+
+def write_eval_outputs(report: dict[str, Any], records: dict[str, list], output: str | Path | None,
+                       records_output: str | Path | None) -> None:
+    """The JSON report to ``output`` and each set's records to ``records_output`` (named sets: one file each,
+    ``<stem>-<set><suffix>``); None: not written."""
     if output is not None:
         output = Path(output)
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -166,7 +199,6 @@ def run_eval_command(
             path = records_output if name == "" else records_output.with_name(
                 f"{records_output.stem}-{name}{records_output.suffix}")
             write_records(path, rows)
-    return report
 
 
 def print_report(report: dict[str, Any], console=None) -> None:

@@ -23,6 +23,7 @@ import os
 import re
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
@@ -99,6 +100,34 @@ def make_remote_reward(
             read once, here.
         name: the reward's name in logs; default ``remote_<host>_<port>``.
     """
+    token = _checked_token(url, timeout_s, retries, backoff_s, token, token_env)
+    reward_name = name or _default_name(url)
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    endpoint = RemoteEndpoint(url, reward_name, headers, timeout_s, retries, backoff_s, requests.Session())
+
+    def remote_reward(prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Any = None,
+                      trainer_state: Any = None, log_extra: Any = None, log_metric: Any = None,
+                      **columns: Any) -> list[float | None]:
+        # TRL's completion_ids and context keywords are not part of wire format 1: only the columns go.
+        try:
+            data = json.dumps(build_payload(prompts, completions, columns), default=_jsonable)
+        except TypeError as error:
+            raise endpoint.fail(f"cannot encode the batch as JSON: {error}") from error
+        response = endpoint.post(data)
+        try:
+            return parse_rewards(response.json(), len(completions))
+        except ValueError as error:  # includes invalid JSON (requests' JSONDecodeError)
+            raise endpoint.fail(f"bad answer: {error}", response) from error
+
+    remote_reward.per_sample_fallback = False  # type: ignore[attr-defined]  # see reward_function.py
+    return named(remote_reward, reward_name)
+
+
+def _checked_token(url: str, timeout_s: float, retries: int, backoff_s: float, token: str | None,
+                   token_env: str | None) -> str | None:
+    """``make_remote_reward``'s arguments checked (a ValueError naming the bad one); the bearer token, or None."""
     if urlparse(url).scheme not in ("http", "https"):
         raise ValueError(f"remote reward url must start with http:// or https://, got {url!r}")
     if timeout_s <= 0 or retries < 0 or backoff_s < 0:
@@ -112,49 +141,48 @@ def make_remote_reward(
         token = os.environ.get(token_env)
         if not token:
             raise ValueError(f"remote reward: environment variable {token_env!r} (token_env) is not set")
-    reward_name = name or _default_name(url)
-    headers = {"Content-Type": "application/json"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    session = requests.Session()
+    return token
 
-    def fail(message: str, response: requests.Response | None = None) -> RemoteRewardError:
+
+@dataclass(frozen=True)
+class RemoteEndpoint:
+    """Where a remote reward POSTs, and how it retries (see the module docstring)."""
+
+    url: str
+    name: str
+    headers: dict[str, str]
+    timeout_s: float
+    retries: int
+    backoff_s: float
+    session: requests.Session
+
+    def fail(self, message: str, response: requests.Response | None = None) -> RemoteRewardError:
+        """The error naming the reward, the URL and (with ``response``) the status and an excerpt of the body."""
         detail = ""
         if response is not None:
             detail = f" (HTTP {response.status_code}; body: {response.text[:BODY_EXCERPT_CHARS]!r})"
-        return RemoteRewardError(f"remote reward {reward_name!r} at {url}: {message}{detail}")
+        return RemoteRewardError(f"remote reward {self.name!r} at {self.url}: {message}{detail}")
 
-    def remote_reward(prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Any = None,
-                      trainer_state: Any = None, log_extra: Any = None, log_metric: Any = None,
-                      **columns: Any) -> list[float | None]:
-        # TRL's completion_ids and context keywords are not part of wire format 1: only the columns go.
-        try:
-            data = json.dumps(build_payload(prompts, completions, columns), default=_jsonable)
-        except TypeError as error:
-            raise fail(f"cannot encode the batch as JSON: {error}") from error
+    def post(self, data: str) -> requests.Response:
+        """The 200 answer to ``data``: connection errors and 5xx answers retried with exponential backoff; a
+        read timeout or another status is a ``RemoteRewardError``."""
+        retries = self.retries
         for attempt in range(retries + 1):
             if attempt:
-                time.sleep(backoff_s * 2 ** (attempt - 1))
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
             last_try = attempt == retries
             try:
-                response = session.post(url, data=data, headers=headers, timeout=timeout_s)
+                response = self.session.post(self.url, data=data, headers=self.headers, timeout=self.timeout_s)
             except requests.ConnectionError as error:  # includes ConnectTimeout: the server never saw it
                 if last_try:
-                    raise fail(f"connection failed after {retries + 1} attempts: {error}") from error
+                    raise self.fail(f"connection failed after {retries + 1} attempts: {error}") from error
                 continue
             except requests.Timeout as error:  # a read timeout: the server is slow, not gone
-                raise fail(f"no answer within timeout_s={timeout_s} s") from error
+                raise self.fail(f"no answer within timeout_s={self.timeout_s} s") from error
             if response.status_code >= 500 and not last_try:
                 continue
             if response.status_code != 200:
                 attempts = f" after {retries + 1} attempts" if response.status_code >= 500 else ""
-                raise fail(f"request failed{attempts}", response)
-            try:
-                return parse_rewards(response.json(), len(completions))
-            except ValueError as error:  # includes invalid JSON (requests' JSONDecodeError)
-                raise fail(f"bad answer: {error}", response) from error
+                raise self.fail(f"request failed{attempts}", response)
+            return response
         raise AssertionError("unreachable: the last attempt returns or raises")
-
-    remote_reward.per_sample_fallback = False  # type: ignore[attr-defined]  # see reward_function.py
-    return named(remote_reward, reward_name)
-

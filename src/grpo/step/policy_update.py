@@ -4,13 +4,16 @@ gradient accumulation (plus the PTX micro-batch, if any); the optimizer and sche
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
 import torch
 
-from grpo.algorithm import LogprobProcessing, loss_aggregation, policy_loss, sampler_importance_weights
+from grpo.algorithm import (LogprobProcessing, LossAggregation, loss_aggregation, policy_loss,
+                            sampler_importance_weights)
 from grpo.config.device_defaults import pass_defaults
+from grpo.rollout.generation import Generation
 from grpo.step.logprobs import DEVICE_DEFAULT_PASS, LogprobPass, completion_logprobs
 from grpo.step.ptx import ptx_nll
 from grpo.step.records import RolloutBatch, SftBatch, StepUpdate, UpdateStats
@@ -87,18 +90,250 @@ def token_budget_micro_batches(order: torch.Tensor, prompt_mask: torch.Tensor, c
     return [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-_SUMMED = ("loss", "kl", "clip_fraction", "ratio_mean")  # statistics summed over micro-batches
+# Token means within a micro-batch, weighted by its share of the batch's loss tokens into the batch's.
+_TOKEN_MEANS = ("kl", "clip_fraction", "ratio_mean")
 # Token means over the first iteration (the sampler correction's weights are the same in every iteration).
 _SAMPLER_IS = ("sampler_is/weight_mean", "sampler_is/capped_fraction", "sampler_is/logprob_diff")
-# [loss, kl, clip_fraction, ratio_mean, entropy, loss/ptx, *_SAMPLER_IS]: one device tensor, so the step's
-# statistics reach the host at once
-_SLOTS = _SUMMED + ("entropy", "loss/ptx") + _SAMPLER_IS
-_ENTROPY, _PTX = _SLOTS.index("entropy"), _SLOTS.index("loss/ptx")
-# Each update's own statistics (UpdateStats' fields), one row per update, on the device until the step ends;
-# the row min/max start at +-inf (no row yet) and become NaN if no row had tokens.
-_UPDATE_SLOTS = ("loss", "kl", "entropy", "ratio_mean", "clip_low", "clip_high", "clip_region", "clip_units",
-                 "clip_low_row_min", "clip_high_row_max")
-_ROW_MIN, _ROW_MAX = _UPDATE_SLOTS.index("clip_low_row_min"), _UPDATE_SLOTS.index("clip_high_row_max")
+_CLIP_COUNTS = ("clip_low", "clip_high", "clip_region", "clip_units")  # summed per update (grpo.algorithm.clipping)
+
+
+@dataclass
+class LossInputs:
+    """A rollout batch as the update reads it: its per-row tensors on the policy's device (the rollout's may
+    sit on the CPU; decoupled batches always do), the token counts that scale every micro-batch's loss, and
+    the micro-batches.
+
+    sampled:  [N, Lc] float, every sampled token. Multi-turn, the environment's tokens are 0: the forward
+              passes see them (completion_mask), but the loss, its token counts, the KL, the entropy and
+              the sampler correction do not.
+    mask:     [N, Lc] float, the tokens that carry loss (``sampled``, less truncated completions with
+              ``mask_truncated_completions``).
+    advantages: [N] or [N, Lc]; old_logprobs, ref_logprobs, sampler_logprobs: [N, Lc] or None.
+    total_tokens: 0-d, this rank's loss tokens; sampled_tokens: 0-d, its sampled tokens (at least 1);
+    global_tokens: 0-d, the loss tokens over all ranks / world size (DDP averages gradients), at least
+              1 token over all ranks: 0 when every completion was masked, and the numerators are 0 then,
+              so the loss is 0 instead of 0/0.
+    order:    [N] the row order of the micro-batches (CPU); micro_batches: (rows on the CPU, like the
+              rollout's tensors; the same rows on the policy's device) per micro-batch, in order.
+    """
+
+    generation: Generation
+    sampled: torch.Tensor
+    mask: torch.Tensor
+    advantages: torch.Tensor
+    old_logprobs: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None
+    sampler_logprobs: torch.Tensor | None
+    total_tokens: torch.Tensor
+    sampled_tokens: torch.Tensor
+    global_tokens: torch.Tensor
+    aggregation: LossAggregation
+    order: torch.Tensor
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
+
+    def in_row_order(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """[N, ...] the micro-batches' ``parts`` (in micro-batch order) put back in the batch's row order."""
+        return torch.cat(parts)[torch.argsort(self.order).to(parts[0].device)]
+
+
+def prepare_batch(batch: RolloutBatch, s: LossSettings, dist_info: DistInfo, device: torch.device) -> LossInputs:
+    """The update's ``LossInputs`` for ``batch`` on ``device``; the one collective: the global token count."""
+    gen = batch.generation
+    N = gen.completion_ids.shape[0]
+    sampled = gen.sampled_mask.float().to(device)  # [N, Lc]
+    mask = sampled  # [N, Lc]
+    if s.mask_truncated_completions:  # DAPO: a cut-off completion's tokens teach nothing about its end
+        mask = sampled * (~gen.truncated).to(device=device, dtype=sampled.dtype)[:, None]
+    sampler_logprobs = None  # [N, Lc]: the sampler's own log-probs, for the correction
+    if s.sampler_is_mode is not None:
+        if batch.sampler_logprobs is None:
+            raise ValueError("loss.sampler_is_correction is on but the rollout batch has no sampler log-probs: the "
+                             "engine reported none (only a vLLM engine or a decoupled sampler does)")
+        sampler_logprobs = batch.sampler_logprobs.to(device)
+    total_tokens = mask.sum()
+    aggregation = loss_aggregation(s.loss_type)  # how micro-batches add up to the batch's loss
+    world = dist_info.world_size
+    global_tokens = (all_reduce_sum(total_tokens, dist_info) / world).clamp(min=1 / world)
+    # The gradient is a sum over rows, so which rows share a micro-batch changes nothing but padding.
+    P = len(batch.prompts)
+    max_tokens = device_token_budget(s.max_tokens_per_micro_batch, device.type)
+    order = (rows_by_length(gen.completion_mask, N // P)
+             if (N > s.micro_batch_size or max_tokens) and P and N % P == 0
+             else torch.arange(N))  # [N]
+    micro_batches = token_budget_micro_batches(order, gen.prompt_mask, gen.completion_mask, s.micro_batch_size,
+                                               max_tokens)  # row indices, on the CPU
+    # One copy to the device per step: a blocking host-to-device copy per micro-batch waits for the GPU.
+    order_on_device, start, pairs = order.to(device), 0, []  # [N]
+    for rows in micro_batches:
+        pairs.append((rows, order_on_device[start:start + rows.shape[0]]))
+        start += rows.shape[0]
+    return LossInputs(
+        gen, sampled, mask, batch.advantages.to(device),
+        batch.old_logprobs.to(device) if batch.old_logprobs is not None else None,
+        batch.ref_logprobs.to(device) if batch.ref_logprobs is not None else None,
+        sampler_logprobs, total_tokens, sampled.sum().clamp(min=1), global_tokens, aggregation, order, pairs)
+
+
+@dataclass
+class MicroBatchLoss:
+    """One micro-batch's loss and what its statistics are read from (``b`` rows).
+
+    loss: 0-d, ``policy_loss``'s; weight: its weight in the batch's gradient (float or 0-d);
+    stats: ``policy_loss``'s statistics; entropy: [b, Lc] off the same forward's logits;
+    old: [b, Lc] the old log-probs the surrogate used; mask, sampled: [b, Lc] the rows' of ``LossInputs``;
+    is_weights, outside: [b, Lc] the sampler correction's weights and where they were capped (None: off);
+    sampler: [b, Lc] the sampler's log-probs (None: off).
+    """
+
+    loss: torch.Tensor
+    weight: torch.Tensor | float
+    stats: dict[str, torch.Tensor]
+    entropy: torch.Tensor
+    old: torch.Tensor
+    mask: torch.Tensor
+    sampled: torch.Tensor
+    is_weights: torch.Tensor | None
+    outside: torch.Tensor | None
+    sampler: torch.Tensor | None
+
+
+def micro_batch_loss(module: torch.nn.Module, inputs: LossInputs, rows: torch.Tensor, on_device: torch.Tensor,
+                     old_logprobs: torch.Tensor | None, s: LossSettings) -> MicroBatchLoss:
+    """The clipped-surrogate loss of the batch's ``rows`` (CPU indices; ``on_device``: the same on the
+    policy's device) under ``module``. ``old_logprobs`` [N, Lc], or None: the pass's own, detached (the
+    first iteration's weights are still the ones that sampled)."""
+    gen = inputs.generation
+    lp = s.logprob_pass
+    # The entropy is read off this forward's logits (no pass of its own).
+    logprobs, entropy = completion_logprobs(module, gen.prompt_ids[rows], gen.prompt_mask[rows],
+                                            gen.completion_ids[rows], gen.completion_mask[rows], s.temperature,
+                                            share_prompts=lp.share_prompts, column_bucket=lp.column_bucket,
+                                            fused_head=lp.fused_head, pack=lp.pack, with_entropy=True,
+                                            processing=s.processing)  # [b, Lc] each
+    old = old_logprobs[on_device] if old_logprobs is not None else logprobs.detach()
+    ref = inputs.ref_logprobs[on_device] if inputs.ref_logprobs is not None else None
+    mask, sampled = inputs.mask[on_device], inputs.sampled[on_device]
+    is_weights = outside = sampler = None
+    if inputs.sampler_logprobs is not None:  # [b, Lc] each; old is pi_old at the weights that start the update
+        sampler = inputs.sampler_logprobs[on_device]
+        is_weights, outside = sampler_importance_weights(old, sampler, sampled, s.sampler_is_cap,
+                                                          s.sampler_is_mode, s.sampler_is_min)
+    loss, stats = policy_loss(
+        logprobs, old, ref, inputs.advantages[on_device], mask, epsilon=s.epsilon, epsilon_high=s.epsilon_high,
+        beta=s.beta, loss_type=s.loss_type, max_completion_length=s.max_completion_length,
+        normalizer=inputs.global_tokens, importance_sampling_level=s.importance_sampling_level,
+        sampler_weights=is_weights, kl_times_ratio=s.kl_times_ratio)
+    N = gen.completion_ids.shape[0]
+    weight, _ = inputs.aggregation.micro_batch_weights(logprobs.shape[0], mask.sum(), N, inputs.total_tokens)
+    return MicroBatchLoss(loss, weight, stats, entropy, old, mask, sampled, is_weights, outside, sampler)
+
+
+class StepStats:
+    """A step's statistics, summed by name as float64 0-d tensors on the policy's device until the step ends:
+    a float() per micro-batch would make the host wait for the GPU to finish that micro-batch before it may
+    queue the next one. float64, so that the sums equal Python float sums of the fp32 terms (each converted
+    to double, divided and summed). ``result`` brings them all to the host in one transfer.
+
+    ``totals``: the step's (means over its updates; the entropy and ``sampler_is/*`` the first iteration's,
+    whose weights are still the ones that sampled); ``updates``: each update's own, by ``UpdateStats``'
+    field names, the row min/max starting at +-inf (no row yet).
+    """
+
+    def __init__(self, num_iterations: int, device: torch.device, sampler_is: bool, ptx: bool):
+        def zero() -> torch.Tensor:
+            return torch.zeros((), dtype=torch.float64, device=device)
+
+        def bound(value: float) -> torch.Tensor:
+            return torch.full((), value, dtype=torch.float64, device=device)
+
+        names = ("loss", *_TOKEN_MEANS, "entropy", *(("loss/ptx",) if ptx else ()),
+                 *(_SAMPLER_IS if sampler_is else ()))
+        self.num_iterations = num_iterations
+        self.totals = {name: zero() for name in names}
+        self.updates = [{**{name: zero() for name in ("loss", "kl", "entropy", "ratio_mean", *_CLIP_COUNTS)},
+                         "clip_low_row_min": bound(float("inf")), "clip_high_row_max": bound(float("-inf"))}
+                        for _ in range(num_iterations)]
+        self.grad_norms: list[float | None] = []
+        self.learning_rates: list[float] = []
+        self.seconds: list[float] = []
+
+    @torch.no_grad()
+    def add_micro_batch(self, part: MicroBatchLoss, inputs: LossInputs, iteration: int) -> None:
+        """Add one micro-batch of update ``iteration``."""
+        totals, update, n = self.totals, self.updates[iteration], self.num_iterations
+        # kl, clip_fraction and ratio_mean are token means within the micro-batch: weighted by its share of the
+        # batch's tokens they are the batch's token means, however the rows were split
+        token_share = (part.mask.sum() / inputs.total_tokens.clamp(min=1)).double()
+        loss = (part.loss.detach() * part.weight).double()
+        means = {key: part.stats[key].double() * token_share for key in _TOKEN_MEANS}
+        totals["loss"] += loss / n
+        for key, value in means.items():
+            totals[key] += value / n
+        entropy = ((part.entropy * part.sampled).sum() / inputs.sampled_tokens).double()
+        if iteration == 0:  # token mean over every sampled token of the step
+            totals["entropy"] += entropy
+        for key, value in (("loss", loss), ("kl", means["kl"]), ("entropy", entropy),
+                           ("ratio_mean", means["ratio_mean"])):
+            update[key] += value
+        for key in _CLIP_COUNTS:
+            update[key] += part.stats[key].double()
+        update["clip_low_row_min"] = torch.minimum(update["clip_low_row_min"], part.stats["clip_low_row_min"].double())
+        update["clip_high_row_max"] = torch.maximum(update["clip_high_row_max"],
+                                                    part.stats["clip_high_row_max"].double())
+        if part.is_weights is not None and iteration == 0:
+            gap = (part.old - part.sampler).abs().masked_fill(part.sampled == 0, 0.0)  # padding may hold -inf
+            for key, summed in zip(_SAMPLER_IS, ((part.is_weights * part.sampled).sum(),
+                                                 (part.outside * part.sampled).sum(), gap.sum())):
+                totals[key] += (summed / inputs.sampled_tokens).double()
+
+    def add_ptx(self, nll: torch.Tensor) -> None:
+        self.totals["loss/ptx"] += nll.detach().double() / self.num_iterations
+
+    def end_update(self, grad_norm: float | None, learning_rate: float, seconds: float) -> None:
+        """The update's host values: its gradient norm (None: skipped), rate and wall time."""
+        self.grad_norms.append(grad_norm)
+        self.learning_rates.append(learning_rate)
+        self.seconds.append(seconds)
+
+    def result(self, learning_rate: float) -> StepUpdate:
+        """The step's ``StepUpdate``; ``learning_rate``: its first update's."""
+        named = [*self.totals.values(), *(value for update in self.updates for value in update.values())]
+        values = iter(torch.stack(named).tolist())  # the step's one transfer of its statistics
+        totals = {name: next(values) for name in self.totals}
+        nan_if_inf = (lambda v: float("nan") if math.isinf(v) else v)  # a bound never met: no row had tokens
+        rows = [{name: nan_if_inf(next(values)) for name in update} for update in self.updates]
+        norms = [norm for norm in self.grad_norms if norm is not None]
+        totals["learning_rate"] = learning_rate
+        totals["grad_norm"] = sum(norms) / len(norms) if norms else float("nan")
+        totals["skipped_updates"] = float(len(self.grad_norms) - len(norms))
+        return StepUpdate(totals, [UpdateStats(**row, grad_norm=norm, learning_rate=rate, seconds=seconds)
+                                   for row, norm, rate, seconds in zip(rows, self.grad_norms, self.learning_rates,
+                                                                       self.seconds)])
+
+
+def policy_backward(learner: Learner, inputs: LossInputs, old_logprobs: torch.Tensor | None, s: LossSettings,
+                    stats: StepStats, iteration: int, closes_update: bool, keep_old: bool) -> list[torch.Tensor]:
+    """Update ``iteration``'s backward passes over the batch, one per micro-batch; ``closes_update``: the last
+    one lets DDP sync (not when a PTX micro-batch follows). Returns the old log-probs each micro-batch used
+    (in micro-batch order) when ``keep_old``, else []."""
+    olds = []
+    for index, (rows, on_device) in enumerate(inputs.micro_batches):
+        with learner.accumulating(last=closes_update and index == len(inputs.micro_batches) - 1):
+            part = micro_batch_loss(learner.module, inputs, rows, on_device, old_logprobs, s)
+            learner.backward(part.loss * part.weight)
+        stats.add_micro_batch(part, inputs, iteration)
+        if keep_old:
+            olds.append(part.old)
+    return olds
+
+
+def ptx_backward(learner: Learner, ptx: SftBatch, s: LossSettings, stats: StepStats) -> None:
+    """The PTX micro-batch's backward, closing the update: PaddleNLP's loss + ptx_coeff * ptx_loss, in one
+    accumulated gradient."""
+    with learner.accumulating(last=True):
+        nll = ptx_nll(learner.module, ptx, s.logprob_pass)
+        learner.backward(nll * s.ptx_coef)
+    stats.add_ptx(nll)
 
 
 def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_info: DistInfo,
@@ -114,140 +349,23 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
     the same gradient, before clipping and the optimizer step; ``loss/ptx`` is that NLL (unscaled), averaged
     over the updates. The same PTX micro-batch serves every iteration, as the rollout batch does.
     """
-    gen = batch.generation
-    N = gen.completion_ids.shape[0]
-    # The rollout's per-row tensors may sit on the CPU (decoupled batches always do): the loss needs
-    # them beside the log-probs, on the policy's device.
     device = next(learner.module.parameters()).device
-    # [N, Lc]: every sampled token. Multi-turn, environment tokens are 0 (issue 27): the forward passes see
-    # them (completion_mask), but the loss, its token counts, the KL, the entropy and the correction do not.
-    sampled = gen.sampled_mask.float().to(device)
-    mask = sampled  # [N, Lc]: the tokens that carry loss
-    if s.mask_truncated_completions:  # DAPO: a cut-off completion's tokens teach nothing about its end
-        mask = sampled * (~gen.truncated).to(device=device, dtype=sampled.dtype)[:, None]
-    advantages = batch.advantages.to(device)  # [N]
-    old_all = batch.old_logprobs.to(device) if batch.old_logprobs is not None else None  # [N, Lc]
-    ref_all = batch.ref_logprobs.to(device) if batch.ref_logprobs is not None else None  # [N, Lc]
-    sampler_all = None  # [N, Lc]: the sampler's own log-probs, for the correction
-    if s.sampler_is_mode is not None:
-        if batch.sampler_logprobs is None:
-            raise ValueError("loss.sampler_is_correction is on but the rollout batch has no sampler log-probs: the "
-                             "engine reported none (only a vLLM engine or a decoupled sampler does)")
-        sampler_all = batch.sampler_logprobs.to(device)
-    # dapo: the token count over all ranks; DDP averages gradients, so scale it back by the world size.
-    total_tokens = mask.sum()
-    aggregation = loss_aggregation(s.loss_type)  # how micro-batches add up to the batch's loss
-    sampled_tokens = sampled.sum().clamp(min=1)
-    # Clamped to its smallest non-zero value (1 token over all ranks): 0 when mask_truncated_completions
-    # masked every completion, and the numerators are 0 then, so the loss is 0 instead of 0/0.
-    world = dist_info.world_size
-    global_tokens = (all_reduce_sum(total_tokens, dist_info) / world).clamp(min=1 / world)
-    # The statistics stay on the device until the step ends: a float() per micro-batch would make the
-    # host wait for the GPU to finish that micro-batch before it may queue the next one. float64, so that
-    # the sums equal Python float sums of the fp32 terms (each converted to double, divided and summed).
-    sums = torch.zeros(len(_SLOTS), dtype=torch.float64, device=device)  # see _SLOTS
-    learning_rate = learner.lr  # the rate of this step's first update (the schedule moves in finish_update)
-    grad_norms, skipped = [], 0
-    per_update = torch.zeros(s.num_iterations, len(_UPDATE_SLOTS), dtype=torch.float64, device=device)
-    per_update[:, _ROW_MIN], per_update[:, _ROW_MAX] = float("inf"), float("-inf")
-    update_norms, update_rates, update_seconds = [], [], []
-    # The gradient is a sum over rows, so which rows share a micro-batch changes nothing but padding.
-    P = len(batch.prompts)
-    max_tokens = device_token_budget(s.max_tokens_per_micro_batch, device.type)
-    order = (rows_by_length(gen.completion_mask, N // P)
-             if (N > s.micro_batch_size or max_tokens) and P and N % P == 0
-             else torch.arange(N))  # [N]
-    micro_batches = token_budget_micro_batches(order, gen.prompt_mask, gen.completion_mask, s.micro_batch_size,
-                                               max_tokens)  # row indices, on the CPU
-    # One copy to the device per step: a blocking host-to-device copy per micro-batch waits for the GPU.
-    order_on_device = order.to(device)  # [N]
-    # Without old log-probs from the rollout (colocated), the first iteration's own log-probs are
-    # exactly the old policy's: no update has happened since sampling. They are kept for the later
-    # iterations, which saves the separate forward pass over the batch that would compute the same.
-    captured: list[torch.Tensor] | None = [] if old_all is None and s.num_iterations > 1 else None
+    inputs = prepare_batch(batch, s, dist_info, device)
+    stats = StepStats(s.num_iterations, device, inputs.sampler_logprobs is not None, ptx is not None)
+    first_rate = learner.lr  # the rate of this step's first update (the schedule moves in finish_update)
+    old = inputs.old_logprobs
     for iteration in range(s.num_iterations):
-        start, update_started = 0, time.perf_counter()
-        update_rates.append(learner.lr)
-        this = per_update[iteration]  # [len(_UPDATE_SLOTS)]
-        for index, rows in enumerate(micro_batches):  # rows on the CPU, like the rollout's tensors
-            on_device = order_on_device[start:start + rows.shape[0]]
-            start += rows.shape[0]
-            # With PTX, its micro-batch closes the update: DDP must sync only after that last backward.
-            with learner.accumulating(last=index == len(micro_batches) - 1 and ptx is None):
-                # The entropy is read off this forward's logits (no pass of its own); the step's is the first
-                # iteration's, whose weights are still the ones that sampled; each update logs its own (as TRL).
-                first = iteration == 0
-                result = completion_logprobs(learner.module, gen.prompt_ids[rows], gen.prompt_mask[rows],
-                                             gen.completion_ids[rows], gen.completion_mask[rows], s.temperature,
-                                             share_prompts=s.logprob_pass.share_prompts,
-                                             column_bucket=s.logprob_pass.column_bucket,
-                                             fused_head=s.logprob_pass.fused_head, pack=s.logprob_pass.pack,
-                                             with_entropy=True, processing=s.processing)
-                logprobs, entropy = result  # [b, Lc] each
-                old = old_all[on_device] if old_all is not None else logprobs.detach()
-                if captured is not None and iteration == 0:
-                    captured.append(old)
-                ref = ref_all[on_device] if ref_all is not None else None
-                rows_mask = mask[on_device]
-                is_weights = outside = None
-                if sampler_all is not None:  # [b, Lc] each; old is pi_old at the weights that start the update
-                    is_weights, outside = sampler_importance_weights(old, sampler_all[on_device],
-                                                                      sampled[on_device], s.sampler_is_cap,
-                                                                      s.sampler_is_mode, s.sampler_is_min)
-                loss, stats = policy_loss(
-                    logprobs, old, ref, advantages[on_device], rows_mask, epsilon=s.epsilon,
-                    epsilon_high=s.epsilon_high, beta=s.beta, loss_type=s.loss_type,
-                    max_completion_length=s.max_completion_length, normalizer=global_tokens,
-                    importance_sampling_level=s.importance_sampling_level, sampler_weights=is_weights,
-                    kl_times_ratio=s.kl_times_ratio)
-                weight, _ = aggregation.micro_batch_weights(logprobs.shape[0], rows_mask.sum(), N, total_tokens)
-                learner.backward(loss * weight)
-            with torch.no_grad():
-                # kl, clip_fraction and ratio_mean are token means within the micro-batch: weighted by its share of
-                # the batch's tokens they are the batch's token means, however the rows were split
-                token_share = (rows_mask.sum() / total_tokens.clamp(min=1)).double()
-                terms = [(loss.detach() * weight).double()] + [stats[key].double() * token_share
-                                                               for key in _SUMMED[1:]]
-                sums[:len(_SUMMED)] += torch.stack(terms) / s.num_iterations
-                entropy_part = ((entropy * sampled[on_device]).sum() / sampled_tokens).double()
-                if first:  # token mean over every sampled token of the step
-                    sums[_ENTROPY] += entropy_part
-                this[:_ROW_MIN] += torch.stack([terms[0], terms[1], entropy_part, terms[3]] + [
-                    stats[key].double() for key in ("clip_low", "clip_high", "clip_region", "clip_units")])
-                this[_ROW_MIN] = torch.minimum(this[_ROW_MIN], stats["clip_low_row_min"].double())
-                this[_ROW_MAX] = torch.maximum(this[_ROW_MAX], stats["clip_high_row_max"].double())
-                if is_weights is not None and first:
-                    real = sampled[on_device]  # [b, Lc]
-                    gap = (old - sampler_all[on_device]).abs().masked_fill(real == 0, 0.0)  # padding may hold -inf
-                    terms = torch.stack([(is_weights * real).sum(), (outside * real).sum(), gap.sum()])
-                    sums[-len(_SAMPLER_IS):] += (terms / sampled_tokens).double()
-        if ptx is not None:  # PaddleNLP's loss + ptx_coeff * ptx_loss, in one accumulated gradient
-            with learner.accumulating(last=True):
-                nll = ptx_nll(learner.module, ptx, s.logprob_pass)
-                learner.backward(nll * s.ptx_coef)
-            sums[_PTX] += nll.detach().double() / s.num_iterations
-        if captured is not None and iteration == 0:
-            old_all = torch.cat(captured)[torch.argsort(order).to(device)]  # [N, Lc], back in row order
+        started, rate = time.perf_counter(), learner.lr
+        # Without old log-probs from the rollout (colocated), the first iteration's own log-probs are exactly
+        # the old policy's: no update has happened since sampling. They are kept for the later iterations,
+        # which saves the separate forward pass over the batch that would compute the same.
+        keep_old = old is None and s.num_iterations > 1
+        olds = policy_backward(learner, inputs, old, s, stats, iteration, closes_update=ptx is None,
+                               keep_old=keep_old)
+        if ptx is not None:
+            ptx_backward(learner, ptx, s, stats)
+        if keep_old:
+            old = inputs.in_row_order(olds)  # [N, Lc]
         norm = learner.finish_update()  # the learner's one host sync per update (it decides the skip)
-        update_norms.append(norm)
-        update_seconds.append(time.perf_counter() - update_started)
-        if norm is None:
-            skipped += 1
-        else:
-            grad_norms.append(norm)
-    per_update = per_update.masked_fill(per_update.isinf(), float("nan"))  # a bound never met: no row had tokens
-    values = torch.cat([sums, per_update.flatten()]).tolist()  # the step's one transfer of its statistics
-    totals = dict(zip(_SLOTS, values[:len(_SLOTS)]))
-    width, flat = len(_UPDATE_SLOTS), values[len(_SLOTS):]
-    rows = [flat[i * width:(i + 1) * width] for i in range(s.num_iterations)]
-    if sampler_all is None:
-        for name in _SAMPLER_IS:
-            del totals[name]
-    if ptx is None:
-        del totals["loss/ptx"]
-    totals["learning_rate"] = learning_rate
-    totals["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
-    totals["skipped_updates"] = float(skipped)
-    updates = [UpdateStats(**dict(zip(_UPDATE_SLOTS, row)), grad_norm=norm, learning_rate=rate, seconds=seconds)
-               for row, norm, rate, seconds in zip(rows, update_norms, update_rates, update_seconds)]
-    return StepUpdate(totals, updates)
+        stats.end_update(norm, rate, time.perf_counter() - started)
+    return stats.result(first_rate)

@@ -4,7 +4,8 @@ Parts: the policy's weights, gradients and AdamW states (full or LoRA; bf16/fp32
 ZeRO-1/2/3 over N GPUs), activations (with or without gradient checkpointing), the logits and
 log-softmax of a micro-batch, the reference model, a colocated vLLM's KV cache, and a CUDA
 allowance. The formulas are in ``grpo.commands.memory.formulas`` (activations counted tensor by tensor as
-autograd keeps them) and ``grpo.commands.memory.estimate`` (model states and phases).
+autograd keeps them), ``grpo.commands.memory.phases`` (each phase of a step) and
+``grpo.commands.memory.estimate`` (the peak).
 
 The seeds' tables for Qwen2.5-3B on one GPU, reproduced (tests/test_memory.py), with gradient
 checkpointing and micro-batches of 4 x (256 prompt + 512 completion) tokens:

@@ -59,12 +59,7 @@ def build_app(
         logprob_pass: how the log-prob passes run (``grpo.training.settings.logprob_pass``: the run's
             train.shared_prompt_pass and train.column_bucket); default: the device type's choices.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if max_request_bytes < 1:
-        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
-    if micro_batch_size is not None and micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size must be >= 1 or None, got {micro_batch_size}")
+    _check_app_arguments(temperature, max_request_bytes, micro_batch_size)
     model.eval()
     model.requires_grad_(False)
     vocab_size = model.get_input_embeddings().weight.shape[0]
@@ -72,22 +67,6 @@ def build_app(
     expected_auth = None if token is None else f"Bearer {token}".encode()
     forward_lock = threading.Lock()  # one forward at a time: the device holds one batch's activations
     app = FastAPI(title="grpo reference log-probs", docs_url=None, redoc_url=None, openapi_url=None)
-
-    def error(status: int, message: str) -> JSONResponse:
-        return JSONResponse({"error": message, "protocol": PROTOCOL}, status_code=status,
-                            headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
-
-    def authorised(request: Request) -> bool:
-        if expected_auth is None:
-            return True
-        # Starlette decodes headers as latin-1; encoding back gives the bytes that were sent.
-        given = request.headers.get("authorization", "").encode("latin-1")
-        if hmac.compare_digest(given, expected_auth):
-            return True
-        client = request.client.host if request.client else "?"
-        logger.warning("ref server: refused %s %s from %s: %s bearer token", request.method, request.url.path,
-                       client, "wrong" if given else "missing")
-        return False
 
     def compute(req: RefRequest) -> Tensor:
         with forward_lock, torch.no_grad():
@@ -99,51 +78,93 @@ def build_app(
 
     @app.get("/v1/health")
     def health(request: Request):
-        if not authorised(request):
-            return error(401, "missing or wrong bearer token")
+        if not authorised(request, expected_auth):
+            return error_response(401, "missing or wrong bearer token")
         return {"protocol": PROTOCOL, "model": name, "temperature": temperature, "vocab_size": vocab_size,
                 "max_request_bytes": max_request_bytes}
 
     @app.post("/v1/logprobs")
     async def logprobs(request: Request):
-        if not authorised(request):
-            return error(401, "missing or wrong bearer token")
-        version = request.headers.get(PROTOCOL_HEADER)
-        if version is None:
-            return error(400, f"missing header {PROTOCOL_HEADER} (this server speaks protocol {PROTOCOL})")
-        if version.strip() != str(PROTOCOL):
-            return error(426, f"{PROTOCOL_HEADER}: {version[:20]!r} is not supported; this server speaks {PROTOCOL}")
-        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if content_type != CONTENT_TYPE:
-            return error(415, f"Content-Type must be {CONTENT_TYPE}, got {content_type!r}")
-        declared = request.headers.get("content-length")
-        if declared is not None:
-            if not (declared.isascii() and declared.isdigit()):
-                return error(400, f"Content-Length {declared[:20]!r} is not a number")
-            if int(declared) > max_request_bytes:
-                return error(413, f"body of {declared} bytes exceeds the limit of {max_request_bytes}")
-        body = bytearray()
-        async for chunk in request.stream():  # counted as it arrives: chunked bodies have no Content-Length
-            body += chunk
-            if len(body) > max_request_bytes:
-                return error(413, f"body exceeds the limit of {max_request_bytes} bytes")
-        try:
-            req = decode_request(bytes(body), vocab_size)
-        except RefProtocolError as err:
-            return error(err.status, str(err))
-        if req.temperature is not None and req.temperature != temperature:
-            return error(400, f"the client expects temperature {req.temperature}, but this server computes "
-                              f"log-probs at {temperature}")
+        if not authorised(request, expected_auth):
+            return error_response(401, "missing or wrong bearer token")
+        req = await read_ref_request(request, max_request_bytes=max_request_bytes, vocab_size=vocab_size,
+                                     temperature=temperature)
+        if isinstance(req, JSONResponse):
+            return req
         try:
             ref_logprobs = await run_in_threadpool(compute, req)  # the event loop keeps answering /health
         except Exception as err:  # any forward failure (OOM, ...) becomes a 500, logged; the server lives on
             logger.exception("ref server: forward pass failed for a [%d, %d] request",
                              req.completion_ids.shape[0], req.prompt_ids.shape[1] + req.completion_ids.shape[1])
-            return error(500, f"forward pass failed: {type(err).__name__}: {str(err)[:200]}")
+            return error_response(500, f"forward pass failed: {type(err).__name__}: {str(err)[:200]}")
         return Response(encode_response(ref_logprobs), media_type=CONTENT_TYPE,
                         headers={PROTOCOL_HEADER: str(PROTOCOL)})
 
     return app
+
+
+def _check_app_arguments(temperature: float, max_request_bytes: int, micro_batch_size: int | None) -> None:
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+    if micro_batch_size is not None and micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1 or None, got {micro_batch_size}")
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    """The JSON error body every refusal carries (with the protocol, so a client sees what the server speaks)."""
+    return JSONResponse({"error": message, "protocol": PROTOCOL}, status_code=status,
+                        headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
+
+
+def authorised(request: Request, expected_auth: bytes | None) -> bool:
+    """Whether ``request`` carries the expected ``Authorization`` header (None: none is needed); a refusal is
+    logged with the client's address."""
+    if expected_auth is None:
+        return True
+    # Starlette decodes headers as latin-1; encoding back gives the bytes that were sent.
+    given = request.headers.get("authorization", "").encode("latin-1")
+    if hmac.compare_digest(given, expected_auth):
+        return True
+    client = request.client.host if request.client else "?"
+    logger.warning("ref server: refused %s %s from %s: %s bearer token", request.method, request.url.path,
+                   client, "wrong" if given else "missing")
+    return False
+
+
+async def read_ref_request(request: Request, *, max_request_bytes: int, vocab_size: int,
+                           temperature: float) -> RefRequest | JSONResponse:
+    """The ``/v1/logprobs`` request decoded, or the error response that refuses it: protocol header, content
+    type, body size (declared and as it arrives), the body itself, and the client's temperature."""
+    version = request.headers.get(PROTOCOL_HEADER)
+    if version is None:
+        return error_response(400, f"missing header {PROTOCOL_HEADER} (this server speaks protocol {PROTOCOL})")
+    if version.strip() != str(PROTOCOL):
+        return error_response(426, f"{PROTOCOL_HEADER}: {version[:20]!r} is not supported; this server speaks "
+                                   f"{PROTOCOL}")
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type != CONTENT_TYPE:
+        return error_response(415, f"Content-Type must be {CONTENT_TYPE}, got {content_type!r}")
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not (declared.isascii() and declared.isdigit()):
+            return error_response(400, f"Content-Length {declared[:20]!r} is not a number")
+        if int(declared) > max_request_bytes:
+            return error_response(413, f"body of {declared} bytes exceeds the limit of {max_request_bytes}")
+    body = bytearray()
+    async for chunk in request.stream():  # counted as it arrives: chunked bodies have no Content-Length
+        body += chunk
+        if len(body) > max_request_bytes:
+            return error_response(413, f"body exceeds the limit of {max_request_bytes} bytes")
+    try:
+        req = decode_request(bytes(body), vocab_size)
+    except RefProtocolError as err:
+        return error_response(err.status, str(err))
+    if req.temperature is not None and req.temperature != temperature:
+        return error_response(400, f"the client expects temperature {req.temperature}, but this server computes "
+                                   f"log-probs at {temperature}")
+    return req
 
 
 def is_loopback(host: str) -> bool:
