@@ -25,7 +25,7 @@ def test_deepspeeds_local_rank_argument_is_accepted(flag, monkeypatch):
 
 
 def test_ref_server_host_reaches_the_server(monkeypatch):
-    import grpo.decoupled.ref_server as ref_server
+    import grpo.cli as ref_server  # the command calls the name it imported
 
     calls = []
     monkeypatch.setattr(ref_server, "run_ref_server", lambda path, **kwargs: calls.append(kwargs))

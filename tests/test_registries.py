@@ -122,4 +122,4 @@ def test_the_python_api_accepts_exactly_the_registered_names():
     # TRL's use_vllm is the engine with its own weights and a context fixed when built, both ways
     assert [n for n, t in ENGINE_TRAITS.items() if t.own_weights or t.fixed_context] == [VLLM_ENGINE]
     cfg = GRPOConfig(use_vllm=True, use_cpu=True, max_steps=1).to_run_config()
-    assert cfg.rollout.engine == VLLM_ENGINE and mapping.from_run_config(cfg).use_vllm
+    assert cfg.rollout.engine == VLLM_ENGINE and GRPOConfig.from_run_config(cfg).use_vllm

@@ -12,20 +12,36 @@ import argparse
 import os
 import sys
 
+from grpo.decoupled.sampler_role import main as run_sampler_role
+from grpo.decoupled.trainer_role import main as run_trainer_role
 from grpo.version import __version__
+from grpo.commands.chat import run_chat
+from grpo.commands.eval_command import run_eval_command
+from grpo.commands.export import export_model
+from grpo.commands.memory import run_memory_command
+from grpo.config import ConfigError
+from grpo.config import dump_config, load_config
+from grpo.config import iter_config_keys
+from grpo.config import load_config
+from grpo.config.docs import config_keys_markdown
+from grpo.decoupled.launcher import run_decoupled
+from grpo.decoupled.link_settings import shared_token
+from grpo.decoupled.ref_server import run_ref_server
+from grpo.decoupled.transport import check_bind_address
+from grpo.errors import exit_status
+from grpo.run.plots import plot_run
+from grpo.training.colocated import train
+from grpo.training.settings import logprob_pass
+from pathlib import Path
+import json
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from grpo.config import dump_config, load_config
-
     sys.stdout.write(dump_config(load_config(args.config, args.overrides)))
     return 0
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from grpo.config import load_config
-    from grpo.training.colocated import train
-
     overrides = list(args.overrides)
     if args.resume:
         overrides.append("train.resume=true")
@@ -34,8 +50,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
     config_path = args.config or _default_recipe()
     cfg = load_config(config_path, overrides)
     if cfg.train.mode == "decoupled":
-        from grpo.decoupled.launcher import run_decoupled
-
         _check_listen_address(cfg)
 
         return run_decoupled(cfg, config_path, overrides)
@@ -46,8 +60,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_role(args: argparse.Namespace) -> int:
-    from grpo.config import load_config
-
     overrides = list(args.overrides)
     if getattr(args, "host", None):
         overrides.append(f"decoupled.ref_server_host={args.host}")
@@ -55,21 +67,15 @@ def _cmd_role(args: argparse.Namespace) -> int:
     if args.command == "trainer":
         _check_listen_address(cfg)
     if args.command == "sampler":
-        from grpo.decoupled.sampler_role import main as role_main
-    elif args.command == "trainer":
-        from grpo.decoupled.trainer_role import main as role_main
-    else:
-        return _ref_server(cfg)
-    return role_main(cfg)
+        return run_sampler_role(cfg)
+    if args.command == "trainer":
+        return run_trainer_role(cfg)
+    return _ref_server(cfg)
 
 
 def _check_listen_address(cfg) -> None:
     """Refuse a trainer address beyond this machine without a token before anything starts. The receiver
     refuses it too, but only after the models are loaded and the run folder claimed, with a traceback."""
-    from grpo.config import ConfigError
-    from grpo.decoupled.link_settings import shared_token
-    from grpo.decoupled.transport import check_bind_address
-
     token = shared_token(cfg)  # a ConfigError of its own when decoupled.token_env names an unset variable
     try:
         check_bind_address(cfg.decoupled.address, token)
@@ -78,9 +84,6 @@ def _check_listen_address(cfg) -> None:
 
 
 def _ref_server(cfg) -> int:
-    from grpo.decoupled.ref_server import run_ref_server
-    from grpo.training.settings import logprob_pass
-
     run_ref_server(cfg.model.ref_name_or_path or cfg.model.name_or_path, host=cfg.decoupled.ref_server_host,
                    port=cfg.decoupled.ref_server_port, temperature=cfg.rollout.temperature,
                    token_env=cfg.decoupled.token_env, device=cfg.decoupled.ref_server_device,
@@ -90,8 +93,6 @@ def _ref_server(cfg) -> int:
 
 def _default_recipe() -> str | None:
     # `grpo train` with no recipe runs the embedded default when it is present.
-    from pathlib import Path
-
     recipe = Path("configs/demo-cpu.yaml")
     return str(recipe) if recipe.is_file() else None
 
@@ -105,7 +106,6 @@ def _print_summary(result) -> None:
               f"format rate {b['format_rate']:.1%} -> {a['format_rate']:.1%}")
     best = result.output_dir / "best" / "best.json"
     if best.is_file():  # train.best_metric
-        import json
 
         saved = json.loads(best.read_text(encoding="utf-8"))
         print(f"best model: {best.parent} (step {saved['step']}: {saved['metric']} {saved['value']:.4g})")
@@ -113,16 +113,12 @@ def _print_summary(result) -> None:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from grpo.run.plots import plot_run
-
     for path in plot_run(args.run_dir):
         print(path)
     return 0
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from grpo.commands.eval_command import run_eval_command
-
     run_eval_command(args.model, data=args.data, split=args.split, limit=args.limit, samples=args.samples,
                      temperature=args.temperature, output=args.output, batch_size=args.batch_size,
                      max_new_tokens=args.max_new_tokens, device=args.device, seed=args.seed,
@@ -133,8 +129,6 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
-    from grpo.commands.chat import run_chat
-
     run_chat(args.model, prompt=args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
              device=args.device, system_prompt=args.system_prompt, base_model=args.base_model, dtype=args.dtype,
              seed=args.seed)
@@ -142,27 +136,19 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from grpo.commands.export import export_model
-
     print(export_model(args.checkpoint, args.out_dir, dtype=args.dtype, overwrite=args.overwrite,
                        base_model=args.base_model))
     return 0
 
 
 def _cmd_memory(args: argparse.Namespace) -> int:
-    from grpo.commands.memory import run_memory_command
-
     return run_memory_command(args.config, args.overrides, gpus=args.gpus, gpu_gb=args.gpu_gb,
                               json_output=args.json, mixed_precision=args.mixed_precision,
                               vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization)
 
 
 def _cmd_keys(args: argparse.Namespace) -> int:
-    from grpo.config import iter_config_keys
-
     if args.markdown:
-        from grpo.config.docs import config_keys_markdown
-
         print(config_keys_markdown())
         return 0
     for key, type_name, default, help_text in iter_config_keys():
@@ -342,8 +328,6 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; returns the exit status (``grpo.errors``: 0 ok, 1 training cannot go on,
     2 configuration/input error, 130 Ctrl-C)."""
-    from grpo.errors import exit_status
-
     args = parse_arguments(argv)
     if getattr(args, "local_rank", None) is not None:  # the launcher's own variable wins where it set one
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))

@@ -60,7 +60,6 @@ def test_a_recipe_that_lists_rewards_keeps_them_exactly(tmp_path):
 
 def test_the_python_api_mapping_gets_the_tasks_rewards():
     from grpo.api import GRPOConfig
-    from grpo.api.mapping import from_run_config
 
     assert _names(config_from_dict({"data": {"train": "kk:seed=1,n=50"}}, "test")) == [("kk_logic", 1.0)]
     args = GRPOConfig(max_steps=2, per_device_train_batch_size=4, num_generations=4, use_cpu=True,
@@ -70,7 +69,7 @@ def test_the_python_api_mapping_gets_the_tasks_rewards():
     # only where they differ from the task's)
     for overrides in (["data.train=kk:seed=1,n=50"], ["data.train=kk:seed=1,n=50", "rewards=[answer_correct]"]):
         cfg = load_config(None, overrides)
-        assert from_run_config(cfg).to_run_config() == cfg
+        assert GRPOConfig.from_run_config(cfg).to_run_config() == cfg
 
 
 def _user_module(monkeypatch) -> types.ModuleType:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grpo.algorithm.losses import LOSS_AGGREGATIONS
+from grpo.api.mapping import to_run_config, trl_values, untranslated_keys
+from grpo.config import dump_config, load_config
 
 # Fields grpo does not implement: (TRL's default, why). Setting one to anything else is a ValueError.
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
@@ -204,21 +206,22 @@ class GRPOConfig:
     @classmethod
     def from_yaml(cls, path) -> "GRPOConfig":
         """A recipe of ``grpo train`` as a ``GRPOConfig`` (``to_run_config`` gives the recipe's config back)."""
-        from grpo.api.mapping import from_run_config
-        from grpo.config import load_config
+        return cls.from_run_config(load_config(path))
 
-        return from_run_config(load_config(path))
+    @classmethod
+    def from_run_config(cls, cfg) -> "GRPOConfig":
+        """TRL-named arguments for a grpo config, with every key TRL cannot say in ``grpo_overrides``
+        (``grpo.api.mapping``: ``from_run_config(cfg).to_run_config() == cfg``)."""
+        args = cls(**trl_values(cfg))
+        args.grpo_overrides = untranslated_keys(cfg, args.to_run_config())
+        return args
 
     def to_run_config(self, num_processes: int = 1, train_size: int | None = None):
         """The ``RunConfig`` ``grpo train`` would run (``grpo.api.mapping.to_run_config``)."""
-        from grpo.api.mapping import to_run_config
-
         return to_run_config(self, num_processes=num_processes, train_size=train_size)
 
     def to_yaml(self, path, num_processes: int = 1, train_size: int | None = None) -> str:
         """Write the recipe ``grpo train`` runs for these arguments; returns its text."""
-        from grpo.config import dump_config
-
         return dump_config(self.to_run_config(num_processes, train_size), path)
 
 

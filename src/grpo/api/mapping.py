@@ -1,8 +1,9 @@
 """The one mapping between TRL's ``GRPOConfig`` arguments and grpo's config tree, both ways.
 
 ``to_run_config`` is what ``GRPOTrainer`` trains with and what ``GRPOConfig.to_yaml`` writes;
-``from_run_config`` reads a recipe back as arguments (the keys TRL has no name for travel in
-``grpo_overrides``), so that ``from_run_config(cfg).to_run_config() == cfg``. Both read one table, ``LINKS``:
+``trl_values`` (with ``untranslated_keys``) reads a recipe back as arguments (the keys TRL has no name for
+travel in ``grpo_overrides``), so that ``GRPOConfig.from_run_config(cfg).to_run_config() == cfg``. Both read one
+table, ``LINKS``:
 each entry names TRL arguments, the grpo keys they set, and the conversion each way.
 
 TRL counts optimizer updates; a grpo step is one rollout and ``num_iterations`` updates, so TRL's
@@ -14,14 +15,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from grpo.algorithm.advantages import ADVANTAGE_SCALES
-from grpo.api.arguments import GRPOConfig
 from grpo.config import RunConfig, config_from_dict, config_to_dict
 from grpo.config.kinds import TRACKERS, VLLM_ENGINE
+
+if TYPE_CHECKING:
+    from grpo.api.arguments import GRPOConfig
 
 OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_8bit": "adamw_8bit",
               "adamw_bnb_8bit": "adamw_8bit"}
@@ -287,17 +290,19 @@ def _flat(tree: dict) -> dict[str, Any]:
     return flat
 
 
-def from_run_config(cfg: RunConfig) -> GRPOConfig:
-    """TRL-named arguments for a grpo config (``LINKS`` read backwards), with every key TRL cannot say in
-    ``grpo_overrides``."""
+def trl_values(cfg: RunConfig) -> dict[str, Any]:
+    """TRL-named argument values for a grpo config (``LINKS`` read backwards); ``GRPOConfig.from_run_config``."""
     ni = cfg.loss.num_iterations
     counts = Counts(1, ni, cfg.train.max_steps, cfg.train.max_steps * ni)
     values: dict[str, Any] = {}
     for link in LINKS:
         if link.back is not None:
             values.update(link.back(counts, *(attrgetter(key)(cfg) for key in link.keys)))
-    args = GRPOConfig(**values)
-    want = _flat(config_to_dict(cfg))
-    got = _flat(config_to_dict(to_run_config(args)))
-    args.grpo_overrides = {key: value for key, value in want.items() if got.get(key) != value}
-    return args
+    return values
+
+
+def untranslated_keys(cfg: RunConfig, translated: RunConfig) -> dict[str, Any]:
+    """The keys of ``cfg`` that TRL's arguments cannot say (``translated`` is what they give back), as
+    ``grpo_overrides``."""
+    want, got = _flat(config_to_dict(cfg)), _flat(config_to_dict(translated))
+    return {key: value for key, value in want.items() if got.get(key) != value}
