@@ -24,6 +24,10 @@ from grpo.api.mapping import batch_shape, grpo_steps, to_run_config
 from grpo.api.prompt_lengths import check_longest, context_length, explainer, prompt_limit
 from grpo.api.rewards import build_reward_functions, reward_name
 from grpo.data import DataError, PromptTooLong
+from grpo.parallel.distributed import DistInfo
+from grpo.training.evaluator import eval_metrics
+from grpo.training.inputs import GivenInputs, build_rewards, tokenizer_and_data
+from grpo.training.prepare import build_evaluator
 
 LORA_FIELDS = {"r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout", "target_modules": "target_modules"}
 PEFT_MODEL_AND_CONFIG = (
@@ -130,8 +134,6 @@ class GRPOTrainer(TrainerAttributes):
                                     rewards=None if config_rewards else self._reward_specs(),
                                     rollout=self._turn_keys())
         if config_rewards:
-            from grpo.training.prepare import build_rewards
-
             self.reward_fns, self.reward_weights = build_rewards(self.config)
         sets = {"train_dataset": self.train_set or [], **self.eval_sets}
         check_longest(self.processing_class, sets, self._tool_schemas(), self.config.data.max_prompt_length,
@@ -269,8 +271,6 @@ class GRPOTrainer(TrainerAttributes):
 
     def _given(self, train_set, eval_set):
         """The objects this trainer holds, as ``GivenInputs`` (no policy or hooks: ``train()`` adds them)."""
-        from grpo.training.inputs import GivenInputs
-
         return GivenInputs(tokenizer=self.processing_class, train_set=train_set, eval_set=eval_set,
                            reward_fns=self.reward_fns, reward_weights=self.reward_weights,
                            tools=list(self.tools) if self.tools is not None else None,
@@ -290,24 +290,15 @@ class GRPOTrainer(TrainerAttributes):
         ``{prefix}_rewards/<fn>/mean``, ``{prefix}_completions/mean_length``, ``{prefix}_runtime``, ...) beside
         grpo's own (``{prefix}_accuracy``; ``{prefix}_{name}_...`` for a dict of sets); logged (``on_log``) and
         ``on_evaluate``, as Trainer.evaluate."""
-        from grpo.multiturn.wiring import with_turns
-        from grpo.rollout.build import evaluation_engine
-        from grpo.parallel.distributed import DistInfo
-        from grpo.training.evaluator import eval_metrics, run_evaluator
-        from grpo.training.inputs import tokenizer_and_data
-
         sets = _eval_sets(eval_dataset, not self.args.remove_unused_columns) if eval_dataset is not None \
             else self.eval_sets
         if not sets:
             raise ValueError("evaluate() needs an eval_dataset (here or in the constructor)")
-        cfg = self.config
-        inputs = tokenizer_and_data(cfg, self._given(self.train_set or [], dict(sets)))
-        base_engine = evaluation_engine(cfg, self.model, inputs.tokenizer)
-        engine = with_turns(base_engine, inputs.turns, cfg, self.model, inputs.tokenizer)
+        inputs = tokenizer_and_data(self.config, self._given(self.train_set or [], dict(sets)))
+        evaluate = build_evaluator(self.config, inputs, self.model, DistInfo())
         started = time.perf_counter()
         try:
-            results = run_evaluator(cfg, inputs, engine, base_engine, self.model, DistInfo(), out=None)(
-                self.state.global_step)
+            results = evaluate(self.state.global_step)
         except PromptTooLong as err:
             raise self._explain(err) from None
         seconds = time.perf_counter() - started

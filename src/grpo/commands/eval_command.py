@@ -48,7 +48,7 @@ def _eval_rewards(config, rewards: list[str] | None, tag_style: str, examples) -
     import dataclasses
 
     from grpo.config import RewardConfig, RunConfig
-    from grpo.training.prepare import build_rewards
+    from grpo.training.inputs import build_rewards
 
     if rewards is not None:
         if not rewards:

@@ -44,7 +44,6 @@ class ExperienceSettings:
 
     sampling: SamplingParams
     system_prompt: str | None
-    tag_style: str
     max_prompt_length: int
     advantage_estimator: str  # a name in grpo.algorithm.ADVANTAGE_ESTIMATORS, or "gae" (PPO: then ``gae`` is set)
     scale_rewards: str | None  # the grpo estimator's scaling; None for its default (group) and the others
