@@ -178,19 +178,20 @@ def train_with_baseline(cfg, baseline) -> None:
     """``grpo.training.colocated.train(cfg)``, calling ``baseline()`` right after the policy is loaded: what a
     check measures is the memory above that point."""
     import grpo.training.colocated
+    import grpo.training.prepare
 
-    load_policy = grpo.training.colocated.policy_for
+    load_policy = grpo.training.prepare.policy_for  # prepare loads the policy for train
 
     def load_policy_then_baseline(*args, **kwargs):
         policy = load_policy(*args, **kwargs)
         baseline()
         return policy
 
-    grpo.training.colocated.policy_for = load_policy_then_baseline
+    grpo.training.prepare.policy_for = load_policy_then_baseline
     try:
         grpo.training.colocated.train(cfg)
     finally:
-        grpo.training.colocated.policy_for = load_policy
+        grpo.training.prepare.policy_for = load_policy
 
 
 def run_child(script: str, case: dict, case_file: Path, env: dict) -> dict:

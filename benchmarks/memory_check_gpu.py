@@ -87,8 +87,10 @@ def train_with_phase_peaks(cfg, peaks: PhasePeaks) -> None:
 
     import grpo.training.colocated
     import grpo.training.loop
+    import grpo.training.prepare
 
-    load_policy, train_on_batch = grpo.training.colocated.policy_for, grpo.training.loop.train_on_batch
+    # prepare loads the policy for train
+    load_policy, train_on_batch = grpo.training.prepare.policy_for, grpo.training.loop.train_on_batch
 
     def load_policy_then_start(*args, **kwargs):
         policy = load_policy(*args, **kwargs)
@@ -101,12 +103,12 @@ def train_with_phase_peaks(cfg, peaks: PhasePeaks) -> None:
 
     hooks = [optim_hooks.register_optimizer_step_pre_hook(lambda *_: peaks.mark("update")),
              optim_hooks.register_optimizer_step_post_hook(lambda *_: peaks.mark("optimizer_step"))]
-    grpo.training.colocated.policy_for, grpo.training.loop.train_on_batch = load_policy_then_start, update
+    grpo.training.prepare.policy_for, grpo.training.loop.train_on_batch = load_policy_then_start, update
     try:
         grpo.training.colocated.train(cfg)
         peaks.mark("after_training")
     finally:
-        grpo.training.colocated.policy_for, grpo.training.loop.train_on_batch = load_policy, train_on_batch
+        grpo.training.prepare.policy_for, grpo.training.loop.train_on_batch = load_policy, train_on_batch
         for hook in hooks:
             hook.remove()
 

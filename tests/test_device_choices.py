@@ -34,6 +34,7 @@ from grpo.step.policy_update import LossSettings, train_on_batch
 from grpo.rollout.generation import Generation
 from grpo.step.records import RolloutBatch
 from grpo.parallel.distributed import DistInfo
+from grpo.tasks import run_task
 from grpo.training.settings import experience_settings, logprob_pass, loss_settings
 
 
@@ -112,8 +113,9 @@ def test_pass_keys_are_checked_and_reach_the_settings():
     cfg = load_config(None, ["train.shared_prompt_pass=off", "train.column_bucket=8"])  # YAML: off is false
     chosen = LogprobPass(share_prompts=False, column_bucket=8)
     assert logprob_pass(cfg) == chosen
-    assert loss_settings(cfg, None).logprob_pass == chosen
-    assert experience_settings(cfg, None, decoupled_sampler=False, engine_holds_weights=False).logprob_pass == chosen
+    assert loss_settings(cfg, None, "cpu").logprob_pass == chosen
+    assert experience_settings(cfg, None, task=run_task(cfg), decoupled_sampler=False,
+                               engine_holds_weights=False).logprob_pass == chosen
     assert logprob_pass(load_config(None, ["train.shared_prompt_pass=on"])).share_prompts is True
     with pytest.raises(ConfigError, match="train.column_bucket: 0 is out of range: must be >= 1"):
         load_config(None, ["train.column_bucket=0"])
@@ -166,8 +168,7 @@ def test_old_logprobs_and_the_update_follow_their_settings(tiny_tokenizer, share
     N = gen.prompt_ids.shape[0]
     batch = RolloutBatch(generation=gen, rewards=torch.randn(N), reward_parts=torch.zeros(N, 1), reward_names=["r"],
                          advantages=torch.zeros(N), old_logprobs=None, ref_logprobs=None, prompts=["a", "b"])
-    settings = ExperienceSettings(sampling=SamplingParams(n=2), system_prompt=None, tag_style="think",
-                                  max_prompt_length=64, advantage_estimator="grpo", scale_rewards=None,
+    settings = ExperienceSettings(sampling=SamplingParams(n=2), system_prompt=None, max_prompt_length=64, advantage_estimator="grpo", scale_rewards=None,
                                   advantage_eps=1e-4, need_old_logprobs=True, logprob_batch_size=4)
     with_old = finish_experience(batch, model, None, dataclasses.replace(settings, logprob_pass=plain))
     assert shared_calls == [] and with_old.old_logprobs is not None  # the old log-probs' pass follows the settings

@@ -216,7 +216,10 @@ def test_run_evaluator_refuses_sets_it_cannot_score_before_any_rank_starts():
     from grpo.parallel.distributed import DistInfo
     from grpo.training.evaluator import RunEvaluator, eval_settings
 
-    settings = eval_settings(load_config(None, ["data.eval=x"]))
+    from grpo.tasks import run_task
+
+    cfg = load_config(None, ["data.eval=x"])
+    settings = eval_settings(cfg, run_task(cfg))
     unanswered = numeric_examples(3)
     unanswered[2] = Example(messages=[{"role": "user", "content": "Q"}], answer=None, answer_raw=None,
                             source="test:open", solution=None)

@@ -201,11 +201,21 @@ def test_token_budget_cuts_where_rows_times_the_widest_row_exceed_it():
     assert token_budget_micro_batches(order[:0], prompt_mask, completion_mask, 2, "auto") == []
 
 
-def test_auto_budget_is_fixed_rows_on_cuda():
-    from grpo.step.policy_update import device_token_budget
+def test_auto_budget_is_fixed_rows_on_cuda_and_under_deepspeed():
+    from grpo.config import load_config
+    from grpo.training.settings import loss_settings, micro_batch_tokens
+
+    def budget(value, device_type, *extra):
+        return micro_batch_tokens(load_config(None, [f"train.max_tokens_per_micro_batch={value}", *extra]),
+                                  device_type)
 
     # On the H200 a step of auto's varying row counts ran its update in 2.5-4.4 s where fixed rows took
     # 2.1 s (new shapes: new kernels and attention plans); a CPU gains from the fewer passes
-    assert device_token_budget("auto", "cpu") == "auto" and device_token_budget("auto", "cuda") is None
-    assert device_token_budget("auto", "meta") == "auto"  # other device types: the CPU's
-    assert device_token_budget(1792, "cuda") == 1792 and device_token_budget(None, "cpu") is None  # as given
+    assert budget("auto", "cpu") == "auto" and budget("auto", "cuda") is None
+    assert budget("auto", "meta") == "auto"  # other device types: the CPU's
+    assert budget(1792, "cuda") == 1792 and budget("null", "cpu") is None  # as given
+    # DeepSpeed steps after a fixed number of micro-batches: auto is fixed rows there on any device
+    assert budget("auto", "cpu", "train.deepspeed=configs/ds_zero2.json", "train.mode=decoupled") is None
+    cfg = load_config(None, ["train.max_tokens_per_micro_batch=auto"])
+    assert loss_settings(cfg, None, "cpu").max_tokens_per_micro_batch == "auto"
+    assert loss_settings(cfg, None, "cuda").max_tokens_per_micro_batch is None

@@ -9,31 +9,28 @@ that cannot be loaded counts as input), 1 when training cannot go on (aborted, a
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from pathlib import Path
 
-from grpo.decoupled.sampler_role import main as run_sampler_role
-from grpo.decoupled.trainer_role import main as run_trainer_role
-from grpo.version import __version__
 from grpo.commands.chat import run_chat
 from grpo.commands.eval_command import run_eval_command
 from grpo.commands.export import export_model
 from grpo.commands.memory import run_memory_command
-from grpo.config import ConfigError
-from grpo.config import dump_config, load_config
-from grpo.config import iter_config_keys
-from grpo.config import load_config
+from grpo.config import ConfigError, dump_config, iter_config_keys, load_config
 from grpo.config.docs import config_keys_markdown
 from grpo.decoupled.launcher import run_decoupled
 from grpo.decoupled.link_settings import shared_token
 from grpo.decoupled.ref_server import run_ref_server
+from grpo.decoupled.sampler_role import main as run_sampler_role
+from grpo.decoupled.trainer_role import main as run_trainer_role
 from grpo.decoupled.transport import check_bind_address
 from grpo.errors import exit_status
 from grpo.run.plots import plot_run
 from grpo.training.colocated import train
 from grpo.training.settings import logprob_pass
-from pathlib import Path
-import json
+from grpo.version import __version__
 
 
 def _cmd_config(args: argparse.Namespace) -> int:

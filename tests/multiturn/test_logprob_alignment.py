@@ -60,7 +60,7 @@ def test_the_old_reference_and_training_passes_see_the_sampled_conversation(tiny
     reference = build_qwen2(tokenizer, hidden_size=32, num_layers=1, seed=1)
     one_pass = LogprobPass(share_prompts=False, column_bucket=1)
     settings = experience.ExperienceSettings(
-        sampling=SamplingParams(n=2, max_tokens=200, temperature=0.9), system_prompt="Use tools.", tag_style="answer",
+        sampling=SamplingParams(n=2, max_tokens=200, temperature=0.9), system_prompt="Use tools.",
         max_prompt_length=4096, advantage_estimator="grpo", scale_rewards=None, advantage_eps=1e-4,
         need_old_logprobs=True, logprob_batch_size=8, logprob_pass=one_pass)
     seen = spy_passes(monkeypatch)

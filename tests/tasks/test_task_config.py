@@ -181,13 +181,14 @@ def test_the_kk_gpu_recipes_train_kk_with_kk_logic(recipe):
 def test_every_role_renders_and_loads_through_the_task(decoupled_sampler, monkeypatch):
     """The rollout settings of the colocated loop and the decoupled sampler (``experience_settings``) carry the
     task's system prompt, and ``load_data`` (both roles' data) reads through the task's own loader."""
-    from grpo.tasks import resolve_task
+    from grpo.tasks import resolve_task, run_task
+    from grpo.training.inputs import load_data
     from grpo.training.settings import experience_settings
-    from grpo.training.prepare import load_data
 
     def settings(*overrides):
         cfg = load_config(None, ["data.train=kk:seed=1,n=4,people=2", *overrides])
-        return experience_settings(cfg, None, decoupled_sampler=decoupled_sampler, engine_holds_weights=False)
+        return experience_settings(cfg, None, task=run_task(cfg), decoupled_sampler=decoupled_sampler,
+                                   engine_holds_weights=False)
 
     assert settings().system_prompt == resolve_task("kk").system_prompt("think")
     assert settings("data.tag_style=reasoning").system_prompt == resolve_task("kk").system_prompt("reasoning")
@@ -200,5 +201,5 @@ def test_every_role_renders_and_loads_through_the_task(decoupled_sampler, monkey
         (source, split, limit)) or [])
     cfg = load_config(None, ["data.task=tasks_for_config_test:echo", "data.train=mine:train", "data.eval=mine:eval",
                              "data.train_limit=3"])
-    assert load_data(cfg) == ([], {"": []})  # one unnamed held-out set (data.eval a plain source)
+    assert load_data(cfg, run_task(cfg)) == ([], {"": []})  # one unnamed held-out set (data.eval a plain source)
     assert calls == [("mine:train", "train", 3), ("mine:eval", "test", None)]

@@ -14,11 +14,12 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo.step.records import RolloutBatch
 from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
+
+from grpo.step.records import RolloutBatch
 
 
 @dataclass

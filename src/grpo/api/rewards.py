@@ -9,12 +9,12 @@ import functools
 from pathlib import Path
 from typing import Any, Sequence
 
+from transformers import AutoTokenizer
+
 from grpo.rewards import RewardFunction
 from grpo.rewards.context import CONTEXT_KEYS
 from grpo.rewards.registry import check_call_signature
-from grpo.rewards.reward_model import make_model_reward
-from grpo.rewards.reward_model import model_reward_from
-from transformers import AutoTokenizer
+from grpo.rewards.reward_model import make_model_reward, model_reward_from
 
 
 def reward_name(fn: Any) -> str:

@@ -15,6 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from transformers import AutoConfig, TrainerControl, TrainerState
+from transformers.trainer_utils import TrainOutput
+
 from grpo.api.arguments import GRPOConfig
 from grpo.api.attributes import TrainerAttributes
 from grpo.api.callbacks import CallbackHooks, trl_eval_metrics
@@ -23,28 +26,19 @@ from grpo.api.datasets import to_examples
 from grpo.api.mapping import batch_shape, grpo_steps, to_run_config
 from grpo.api.prompt_lengths import check_longest, context_length, explainer, prompt_limit
 from grpo.api.rewards import build_reward_functions, reward_name
+from grpo.config import dump_config
 from grpo.config.kinds import ENGINE_TRAITS, VLLM_ENGINE
 from grpo.data import DataError, PromptTooLong
-from grpo.config import dump_config
-from grpo.models.loading import load_policy, prepare_policy, resolve_device, uses_autocast
-from grpo.models.loading import load_tokenizer
+from grpo.models.loading import load_policy, load_tokenizer, prepare_policy, resolve_device, uses_autocast
 from grpo.models.wrappers import unwrap_model
-from grpo.multiturn.environments import Environments
-from grpo.multiturn.environments import environment_methods
+from grpo.multiturn.environments import Environments, environment_methods
 from grpo.multiturn.tools import tool_schema
-from grpo.multiturn.wiring import with_turns
 from grpo.parallel.distributed import DistInfo
-from grpo.rollout.build import evaluation_engine
 from grpo.run.plots import RunPlots, plot_run
 from grpo.training.colocated import train
-from grpo.training.evaluator import eval_metrics, run_evaluator
-from grpo.training.inputs import GivenInputs
-from grpo.training.inputs import tokenizer_and_data
-from grpo.training.prepare import build_rewards
-from transformers import AutoConfig
-from transformers import TrainerControl, TrainerState
-from transformers import TrainerState
-from transformers.trainer_utils import TrainOutput
+from grpo.training.evaluator import eval_metrics
+from grpo.training.inputs import GivenInputs, build_rewards, tokenizer_and_data
+from grpo.training.prepare import build_evaluator
 
 LORA_FIELDS = {"r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout", "target_modules": "target_modules"}
 PEFT_MODEL_AND_CONFIG = (
@@ -296,14 +290,11 @@ class GRPOTrainer(TrainerAttributes):
             else self.eval_sets
         if not sets:
             raise ValueError("evaluate() needs an eval_dataset (here or in the constructor)")
-        cfg = self.config
-        inputs = tokenizer_and_data(cfg, self._given(self.train_set or [], dict(sets)))
-        base_engine = evaluation_engine(cfg, self.model, inputs.tokenizer)
-        engine = with_turns(base_engine, inputs.turns, cfg, self.model, inputs.tokenizer)
+        inputs = tokenizer_and_data(self.config, self._given(self.train_set or [], dict(sets)))
+        evaluate = build_evaluator(self.config, inputs, self.model, DistInfo())
         started = time.perf_counter()
         try:
-            results = run_evaluator(cfg, inputs, engine, base_engine, self.model, DistInfo(), out=None)(
-                self.state.global_step)
+            results = evaluate(self.state.global_step)
         except PromptTooLong as err:
             raise self._explain(err) from None
         seconds = time.perf_counter() - started

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from grpo.data import render_prompt
-from grpo.rollout import LeanEngine, RolloutEngine, SamplingParams
 from grpo.models.source import load_model_for_inference, resolve_model_source
+from grpo.rollout import LeanEngine, RolloutEngine, SamplingParams
 
 EXIT_WORDS = ("exit", "quit")
 RESET_WORD = "/reset"

@@ -8,30 +8,23 @@ The report's ``metrics`` use the names the run logs (``eval/accuracy``, ``eval/<
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
 from typing import Any
 
-from grpo.config import ConfigError, RunConfig
+from rich.console import Console
+from rich.table import Table
+
+from grpo.config import ConfigError, RewardConfig, RunConfig
 from grpo.evaluation.evaluate import evaluate
 from grpo.evaluation.example_records import EvalRewards, logged_metrics, write_records
 from grpo.models.source import ModelSource, load_model_for_inference, resolve_model_source
+from grpo.multiturn.wiring import turn_spec, with_turns
 from grpo.rollout import LeanEngine
 from grpo.tasks import Task, resolve_task, run_task
-from grpo.rollout import LeanEngine
-from grpo.evaluation.example_records import EvalRewards, logged_metrics, write_records
-from grpo.evaluation.evaluate import evaluate
-from grpo.config import ConfigError
-from grpo.config import RewardConfig, RunConfig
-from grpo.config import RunConfig
-from grpo.models.source import load_model_for_inference, resolve_model_source
-from grpo.multiturn.wiring import turn_spec, with_turns
-from grpo.tasks import resolve_task, run_task
-from grpo.training.prepare import build_rewards
-from rich.console import Console
-from rich.table import Table
-import dataclasses
+from grpo.training.inputs import build_rewards
 
 _SET_NAME = re.compile(r"[A-Za-z_][\w.-]*")
 

@@ -20,7 +20,6 @@ from grpo.config.schema import RewardConfig, RunConfig
 from grpo.errors import ConfigError
 from grpo.tasks import resolve_task
 
-
 # ---------------------------------------------------------------- YAML with line numbers
 
 

@@ -20,12 +20,12 @@ from grpo.algorithm import (
 from grpo.algorithm.schedules import LR_SCHEDULES
 from grpo.config.eval_schema import EvalConfig  # noqa: F401  (the eval section, in its own module)
 from grpo.config.fields import opt
-from grpo.config.rules import config_problems
-from grpo.rewards.scoring import RewardSpec
-from grpo.tasks.builtin_tasks import NUMERIC_REWARDS
 from grpo.config.rollout_schema import RolloutConfig  # noqa: F401  (the rollout section, in its own module)
+from grpo.config.rules import config_problems
 from grpo.data.sft import RESPONSE_FORMATS
 from grpo.data.tags import TAG_STYLES
+from grpo.rewards.scoring import RewardSpec
+from grpo.tasks.builtin_tasks import NUMERIC_REWARDS
 
 
 @dataclass

@@ -15,11 +15,11 @@ import torch
 from grpo.algorithm import value_loss
 from grpo.config import RunConfig
 from grpo.critic.value_model import ValueModel, completion_values, load_value_model
-from grpo.step.policy_update import rows_by_length
-from grpo.step.records import RolloutBatch
 from grpo.parallel.distributed import DistInfo
 from grpo.parallel.learners import Learner, build_learner
 from grpo.parallel.optim import build_optimizer, build_scheduler
+from grpo.step.policy_update import rows_by_length
+from grpo.step.records import RolloutBatch
 
 
 @dataclass

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+from transformers import AutoModel
 
 from grpo.config import ConfigError, CriticConfig, ModelConfig
 from grpo.models.loading import policy_dtype
-from grpo.step.logprobs import checkpointing_paused, position_ids_from_mask
 from grpo.run.checkpoint import CheckpointError, _read_safetensors
-from transformers import AutoModel
+from grpo.step.logprobs import checkpointing_paused, position_ids_from_mask
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 

@@ -24,10 +24,10 @@ from typing import Any
 from grpo.data.arithmetic_tools import generate_tool_problems
 from grpo.data.example import DataError, Example
 from grpo.data.gsm8k import load_gsm8k
+from grpo.data.knights_knaves.examples import file_examples, generated_examples
 from grpo.data.locations import check_limit
 from grpo.data.prompt_datasets import load_prompts
 from grpo.data.synthetic import generate_problems
-from grpo.data.knights_knaves.examples import file_examples, generated_examples
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,17 @@
-"""Small settings the decoupled roles share: the shared token, the CURVE keys and message limits."""
+"""Small settings the decoupled roles share: the shared token, the CURVE keys and message limits, and the
+trainer's step source's settings record (built here, not in grpo.training.settings: training/ does not
+import decoupled/)."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
-from grpo.config import ConfigError, RunConfig
-from grpo.config import config_to_dict
-from grpo.decoupled.transport.curve_keys import PUBLIC_KEY_FILE, read_server_key
-from grpo.decoupled.transport.curve_keys import server_secret_key
 import hashlib
 import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from grpo.config import ConfigError, RunConfig, config_to_dict
+from grpo.decoupled.transport.curve_keys import PUBLIC_KEY_FILE, read_server_key, server_secret_key
 
 
 def shared_token(cfg: RunConfig) -> str:
@@ -64,3 +65,22 @@ def config_fingerprint(cfg: RunConfig) -> str:
 
 def max_message_bytes(cfg: RunConfig) -> int:
     return cfg.decoupled.max_message_mb * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ReceivingSettings:
+    """What the trainer role's step source (``grpo.decoupled.trainer_role.Receiving``) reads."""
+
+    trainer_ranks: int  # W: a step is W chunks, one per trainer rank
+    max_staleness: int  # train.max_staleness: how many versions a chunk's weights may lag its step
+    peer_timeout_s: float  # waiting longer than this for any chunk is an error
+    max_message_bytes: int  # the largest batch rank 0 shares with the other ranks
+    sync_steps: int  # train.sync_steps: weights are published every N steps
+    weights_keep: int  # decoupled.weights_keep: published versions kept on disk
+
+
+def receiving_settings(cfg: RunConfig) -> ReceivingSettings:
+    d = cfg.decoupled
+    return ReceivingSettings(trainer_ranks=d.trainer_ranks, max_staleness=cfg.train.max_staleness,
+                             peer_timeout_s=d.peer_timeout_s, max_message_bytes=max_message_bytes(cfg),
+                             sync_steps=cfg.train.sync_steps, weights_keep=d.weights_keep)

@@ -20,20 +20,20 @@ import torch
 from grpo.config import RunConfig
 from grpo.data.prompt_sampler import PromptSampler
 from grpo.decoupled.link_settings import config_fingerprint, max_message_bytes, sampler_curve_key, shared_token
+from grpo.decoupled.ref_server import RefServerClient
 from grpo.decoupled.rendezvous import is_wildcard, read_trainer_address, split_tcp
-from grpo.decoupled.weight_sync import ReceivedWeights, is_broadcast
 from grpo.decoupled.transport import PeerClosed, PeerTimeout, RolloutSender
+from grpo.decoupled.weight_sync import ReceivedWeights, is_broadcast
+from grpo.models.loading import load_policy, load_reference, resolve_device
 from grpo.multiturn.driver import sampling_engine
-from grpo.multiturn.wiring import turn_spec, with_turns
-from grpo.models.loading import load_policy, load_reference, load_tokenizer, resolve_device
+from grpo.multiturn.wiring import with_turns
 from grpo.rollout.build import build_engine, holds_own_weights
 from grpo.step.experience import local_reference, rank_experience
 from grpo.step.records import RolloutBatch
+from grpo.training.inputs import GivenInputs, tokenizer_and_data
 from grpo.training.settings import dynamic_rounds, experience_settings, logprob_pass, logprob_processing
-from grpo.training.prepare import build_rewards, load_data
 from grpo.weight_store import WeightStore, apply_to_model
 from grpo.weight_store.broadcast import WeightBroadcast
-from grpo.decoupled.ref_server import RefServerClient
 
 logger = logging.getLogger(__name__)
 
@@ -75,18 +75,16 @@ def run_sampler(cfg: RunConfig) -> int:
     sampler_id = f"sampler-{d.sampler_index}"
     token = shared_token(cfg)
     device = resolve_device(d.sampler_device)
-    tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
-    train_set, _ = load_data(cfg)
+    inputs = tokenizer_and_data(cfg, GivenInputs())  # the trainers' task, data and rewards, as they load them
+    tokenizer, train_set = inputs.tokenizer, inputs.train_set
     prompt_sampler = PromptSampler(len(train_set), cfg.train.prompts_per_step, cfg.train.seed, cfg.data.shuffle)
     policy = load_policy(cfg.model, device).eval()
     policy.requires_grad_(False)
     processing = logprob_processing(cfg, policy, tokenizer)  # old and reference log-probs follow the controls
     ref_logprobs = reference_logprobs_fn(cfg, policy, tokenizer, device, token, processing)
-    turns = turn_spec(cfg)  # tools, an environment or a rollout hook, named in the recipe
-    reward_fns, reward_weights = turns.with_environment_rewards(*build_rewards(cfg, train_set))
-    engine = with_turns(build_engine(cfg, policy, tokenizer), turns, cfg, policy, tokenizer)
+    engine = with_turns(build_engine(cfg, policy, tokenizer), inputs.turns, cfg, policy, tokenizer)
     correction = cfg.loss.sampler_is_correction
-    settings = experience_settings(cfg, processing, decoupled_sampler=True,
+    settings = experience_settings(cfg, processing, task=inputs.task, decoupled_sampler=True,
                                    engine_holds_weights=holds_own_weights(sampling_engine(engine)))
     sender, welcome = connect_to_trainer(cfg, sampler_id, token)
     weights = SamplerWeights(WeightStore(cfg.train.output_dir), policy, engine, d.peer_timeout_s,
@@ -98,9 +96,9 @@ def run_sampler(cfg: RunConfig) -> int:
             version = weights.at_least(work["min_version"], sender)
             started = time.perf_counter()
             chunk, dynamic = rank_experience(
-                engine, policy, ref_logprobs, tokenizer, train_set, prompt_sampler, reward_fns, reward_weights,
-                settings, step=work["step"], rank=work["rank"], world_size=W, seed=cfg.train.seed,
-                max_rounds=dynamic_rounds(cfg))
+                engine, policy, ref_logprobs, tokenizer, train_set, prompt_sampler, inputs.reward_fns,
+                inputs.reward_weights, settings, step=work["step"], rank=work["rank"], world_size=W,
+                seed=cfg.train.seed, max_rounds=dynamic_rounds(cfg))
             seconds = time.perf_counter() - started
             tokens = float(chunk.generation.sampled_mask.sum())  # generated: environment tokens are not
             sender.send_batch(for_correction(chunk, correction), {

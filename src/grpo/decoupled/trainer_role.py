@@ -19,32 +19,28 @@ import torch
 import torch.distributed as dist
 
 from grpo.config import RunConfig
-from grpo.decoupled.link_settings import config_fingerprint, max_message_bytes, shared_token, trainer_curve_key
-from grpo.decoupled.transport import IncomingBatch, PeerTimeout
-from grpo.decoupled.wire import batch_to_message, decode, encode, message_to_batch, pack_bytes, unpack_bytes
-from grpo.models.loading import check_memory_savers, compute_context, load_policy, load_tokenizer, uses_autocast
-from grpo.multiturn.wiring import with_turns
-from grpo.rollout.build import evaluation_engine
-from grpo.run.best import BestMetric
-from grpo.run.progress import LineProgress
-from grpo.run.run_dir import check_output_dir
+from grpo.decoupled.link_settings import (
+    ReceivingSettings,
+    config_fingerprint,
+    max_message_bytes,
+    receiving_settings,
+    shared_token,
+    trainer_curve_key,
+)
 from grpo.decoupled.rendezvous import advertised_address, publish_trainer_address
+from grpo.decoupled.transport import IncomingBatch, PeerTimeout, RolloutReceiver
 from grpo.decoupled.weight_sync import BroadcastPublisher
+from grpo.decoupled.wire import batch_to_message, decode, encode, message_to_batch, pack_bytes, unpack_bytes
 from grpo.decoupled.work_plan import Chunk, WorkPlan, chunk_of
-from grpo.step.batching import concat_batches, rank_groups
 from grpo.parallel.distributed import DistInfo, barrier, shutdown
-from grpo.training.evaluator import RunEvaluator, eval_sources, run_evaluator
-from grpo.training.inputs import GivenInputs, tokenizer_and_data
-from grpo.training.loop import Collected, Loop, PolicyUpdate, run_loop
-from grpo.tasks import run_task
-from grpo.training.settings import logprob_processing, loop_schedule, loss_settings
-from grpo.parallel.trainable import build_trainable
-from grpo.training.prepare import load_ptx_data, open_run, start_process
-from grpo.weight_store.broadcast import WeightBroadcast
-from grpo.decoupled.transport import RolloutReceiver
 from grpo.parallel.learners import zero3_full_state_dict
-from grpo.weight_store import WeightStore
-from grpo.weight_store import state_dict_for_publish
+from grpo.run.progress import LineProgress
+from grpo.step.batching import concat_batches, rank_groups
+from grpo.training.inputs import GivenInputs
+from grpo.training.loop import Collected, run_loop
+from grpo.training.prepare import OpenedRun, build_evaluator, make_loop, prepare, start_process
+from grpo.weight_store import WeightStore, state_dict_for_publish
+from grpo.weight_store.broadcast import WeightBroadcast
 
 logger = logging.getLogger(__name__)
 
@@ -101,21 +97,21 @@ def is_fresh(incoming: IncomingBatch, chunk: Chunk, max_staleness: int) -> bool:
     return (chunk.step - 1) - incoming.policy_version <= max_staleness
 
 
-def step_chunks(receiver, step: int, cfg: RunConfig, held: dict, counts,
+def step_chunks(receiver, step: int, settings: ReceivingSettings, held: dict, counts,
                 stop_requested=lambda: False) -> tuple[list[IncomingBatch] | None, float]:
     """Step ``step``'s W chunks, in rank order, with the seconds spent waiting. Chunks of later steps that
     arrive meanwhile are kept in ``held``; a stale one is dropped (counted in ``counts.dropped``) and made
     again. Waiting longer than the peer timeout for any chunk is an error, not a hang; None when
     ``stop_requested()`` turns true meanwhile (SIGTERM while the samplers are gone must not wait that long)."""
     started = last_arrival = last_status = time.perf_counter()
-    wanted = [Chunk(step, rank) for rank in range(cfg.decoupled.trainer_ranks)]
+    wanted = [Chunk(step, rank) for rank in range(settings.trainer_ranks)]
     while not all(c in held for c in wanted):
         incoming = receiver.next_batch(timeout_s=1.0)
         now = time.perf_counter()
         if incoming is None:
             if stop_requested():
                 return None, now - started
-            if now - last_arrival > cfg.decoupled.peer_timeout_s:
+            if now - last_arrival > settings.peer_timeout_s:
                 missing = [c.id for c in wanted if c not in held]
                 raise PeerTimeout(f"no rollout chunk from any sampler for {now - last_arrival:.0f} s "
                                   f"(decoupled.peer_timeout_s); step {step} misses {missing}; "
@@ -129,9 +125,9 @@ def step_chunks(receiver, step: int, cfg: RunConfig, held: dict, counts,
         chunk = chunk_of(incoming.batch_id)
         if chunk.step < step:  # a copy from before a restart of a step trained since
             receiver.drop(incoming.batch_id, f"step {chunk.step} is trained already", final=False)
-        elif not is_fresh(incoming, chunk, cfg.train.max_staleness):
+        elif not is_fresh(incoming, chunk, settings.max_staleness):
             receiver.drop(incoming.batch_id, f"stale: made with version {incoming.policy_version} for step "
-                          f"{chunk.step}, max_staleness {cfg.train.max_staleness}", final=False)
+                          f"{chunk.step}, max_staleness {settings.max_staleness}", final=False)
             counts.dropped += 1
         else:
             held[chunk] = incoming
@@ -160,7 +156,7 @@ class Receiving:
     plan in its receiver tells them which to make) and every rank takes its own; after the update, weights
     are published and the chunks acknowledged (a ``grpo.training.loop.StepSource``)."""
 
-    cfg: RunConfig
+    settings: ReceivingSettings
     receiver: object | None  # grpo.decoupled.transport.RolloutReceiver on rank 0, None elsewhere
     store: object  # grpo.weight_store.WeightStore
     trainable: object
@@ -177,10 +173,10 @@ class Receiving:
         started = time.perf_counter()
         batch, meta, waited = None, None, 0.0
         if self.info.is_main:
-            chunks, waited = step_chunks(self.receiver, step, self.cfg, self.held, self, stop_requested)
+            chunks, waited = step_chunks(self.receiver, step, self.settings, self.held, self, stop_requested)
             if chunks is not None:
                 batch, meta = concat_batches([c.batch for c in chunks], self.pad_token_id), step_meta(chunks)
-        batch, self.meta = share_batch(batch, meta, self.info, self.device, max_message_bytes(self.cfg))
+        batch, self.meta = share_batch(batch, meta, self.info, self.device, self.settings.max_message_bytes)
         mine = rank_groups(batch, self.info.rank, self.info.world_size)
         return Collected(mine, time.perf_counter() - started, metrics={"time/wait_for_rollout_s": waited})
 
@@ -188,9 +184,9 @@ class Receiving:
         started, meta = time.perf_counter(), self.meta
         if self.receiver:
             self.receiver.step_trained(step)
-        if step % self.cfg.train.sync_steps == 0:
+        if step % self.settings.sync_steps == 0:
             self.version = step
-            path = publish_weights(self.store, self.trainable, self.version, self.cfg.decoupled.weights_keep,
+            path = publish_weights(self.store, self.trainable, self.version, self.settings.weights_keep,
                                    self.info, self.publisher)
             if self.receiver:
                 self.receiver.announce_weights(self.version, path)
@@ -239,19 +235,6 @@ def start_broadcast(cfg: RunConfig, store) -> BroadcastPublisher | None:
         op_timeout_s=d.peer_timeout_s, token=token))  # rank 0 is its own store's client, over loopback
 
 
-def trainer_evaluator(cfg: RunConfig, policy: torch.nn.Module, tokenizer, info: DistInfo,
-                      out) -> RunEvaluator | None:
-    """The trainer ranks' evaluation of ``data.eval`` (None without one): the samplers run on other
-    weights, so the ranks evaluate the newest ones themselves, each a slice, through an engine over their own
-    policy (``rollout.engine``, or for vLLM ``auto``'s), scored by the run's task and rewards."""
-    if not eval_sources(cfg.data.eval):
-        return None
-    inputs = tokenizer_and_data(cfg, GivenInputs(tokenizer=tokenizer))  # the rank's tokenizer, not a second
-    base_engine = evaluation_engine(cfg, policy, inputs.tokenizer)
-    engine = with_turns(base_engine, inputs.turns, cfg, policy, inputs.tokenizer)
-    return run_evaluator(cfg, inputs, engine, base_engine, policy, info, out)
-
-
 def run_trainer(cfg: RunConfig) -> int:
     """Train ``train.max_steps`` steps on batches from the samplers; returns the exit status."""
     info, device = start_process(cfg)
@@ -261,50 +244,26 @@ def run_trainer(cfg: RunConfig) -> int:
             raise ValueError(f"decoupled.trainer_ranks is {cfg.decoupled.trainer_ranks} but {info.world_size} "
                              "ranks were launched; samplers cut batches by trainer_ranks")
         if info.is_main:
-            check_output_dir(cfg)
             advertised_address(cfg.decoupled.address, cfg.decoupled.advertise_host)  # a bad one fails before a write
-        torch.manual_seed(cfg.train.seed)
-        tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
-        ptx_data = load_ptx_data(cfg, tokenizer, info)  # PTX pairs (ptx.data): the trainer ranks' own data
-        check_memory_savers(cfg.model, cfg.optim.optimizer, device)
-        deepspeed = bool(cfg.train.deepspeed)
-        policy = load_policy(cfg.model, device, master_weights=uses_autocast(cfg.model, deepspeed))
-        compute = compute_context(cfg.model, device, deepspeed)  # bf16 autocast over fp32 master weights
-        trainable = build_trainable(cfg, policy, info)
-        run = open_run(cfg, trainable, info)
-        state = run.resumed_state or {}
+        p = prepare(cfg, GivenInputs(), info, device, samples=False)
+        run, trainable = p.run, p.trainable
         store = WeightStore(run.out)
         version, path = run.start_step, ""  # version 0: the initial weights (model.name_or_path)
         if run.start_step > 0:  # samplers must continue from the checkpointed weights, not the base model
             path = publish_weights(store, trainable, version, cfg.decoupled.weights_keep, info)
         if info.is_main:
-            # The queue holds chunks: every rank's of max_staleness + 1 steps may wait in it.
-            queue_size = cfg.decoupled.trainer_ranks * max(cfg.decoupled.queue_size, cfg.train.max_staleness + 1)
-            receiver = RolloutReceiver(cfg.decoupled.address, token=shared_token(cfg),
-                                       max_message_bytes=max_message_bytes(cfg), queue_size=queue_size,
-                                       trained_ids=state.get("trained_batch_ids", {}),
-                                       dropped_ids=state.get("dropped_batch_ids", {}), policy_version=version,
-                                       config_hash=config_fingerprint(cfg), curve_secret_key=trainer_curve_key(cfg),
-                                       work_plan=WorkPlan(cfg.decoupled.trainer_ranks, cfg.train.max_staleness,
-                                                          trained_steps=run.start_step, version=version))
+            receiver = open_receiver(cfg, run, version)
             publish_trainer_address(run.out, advertised_address(receiver.address, cfg.decoupled.advertise_host),
                                     receiver.trainer_id)
             if run.start_step > 0:
                 receiver.announce_weights(version, path)
             publisher = start_broadcast(cfg, store)
-        receiving = Receiving(cfg, receiver, store, trainable, info, device, version, tokenizer.pad_token_id,
-                              publisher=publisher)
-        update = PolicyUpdate(trainable, loss_settings(cfg, logprob_processing(cfg, policy, tokenizer)), info,
-                              ptx_data)  # the samplers' sampling controls
-        evaluate = trainer_evaluator(cfg, policy, tokenizer, info, run.out)
-        best = (BestMetric.resumed(run.out, cfg.train.best_metric, cfg.train.best_metric_mode)
-                if cfg.train.best_metric and evaluate is not None else None)
-        loop = Loop(loop_schedule(cfg), update, trainable, tokenizer, run.out, info, run.logger,
-                    LineProgress(enabled=info.is_main), compute,
-                    cfg.rollout.num_generations, cfg.data.tag_style, cfg.train.save_total_limit,
-                    evaluate=evaluate, best=best, layout=run.layout,
-                    score=run_task(cfg).score)  # the logged accuracy, by the task's own scorer
-        run_loop(loop, receiving, run.start_step, run.resumed_state.get("eval_before") if run.resumed_state else None)
+        receiving = Receiving(receiving_settings(cfg), receiver, store, trainable, info, device, version,
+                              p.inputs.tokenizer.pad_token_id, publisher=publisher)
+        # The samplers run on other weights: the ranks evaluate the newest ones themselves, each a slice.
+        evaluate = build_evaluator(cfg, p.inputs, p.policy, info, run.out)
+        run_loop(make_loop(cfg, p, LineProgress(enabled=info.is_main), evaluate), receiving, run.start_step,
+                 run.eval_before)
         return 0
     except BaseException as err:
         failed = err
@@ -317,6 +276,21 @@ def run_trainer(cfg: RunConfig) -> int:
             if receiver is not None:
                 receiver.close(bye_reason="training finished" if failed is None else "the trainer failed")
         shutdown(info, failed)
+
+
+def open_receiver(cfg: RunConfig, run: OpenedRun, version: int) -> RolloutReceiver:
+    """Rank 0's receiver, bound, its work plan continuing after the run's checkpointed steps (``version``: the
+    newest weights)."""
+    state = run.resumed_state or {}
+    # The queue holds chunks: every rank's of max_staleness + 1 steps may wait in it.
+    queue_size = cfg.decoupled.trainer_ranks * max(cfg.decoupled.queue_size, cfg.train.max_staleness + 1)
+    return RolloutReceiver(cfg.decoupled.address, token=shared_token(cfg),
+                           max_message_bytes=max_message_bytes(cfg), queue_size=queue_size,
+                           trained_ids=state.get("trained_batch_ids", {}),
+                           dropped_ids=state.get("dropped_batch_ids", {}), policy_version=version,
+                           config_hash=config_fingerprint(cfg), curve_secret_key=trainer_curve_key(cfg),
+                           work_plan=WorkPlan(cfg.decoupled.trainer_ranks, cfg.train.max_staleness,
+                                              trained_steps=run.start_step, version=version))
 
 
 def main(cfg: RunConfig) -> int:

@@ -19,20 +19,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from grpo.data import Example, render_example
 from grpo.data.prompts import build_prompt_messages
 from grpo.data.tags import get_tag_style
-from grpo.rewards.answers import final_text
-from grpo.rollout import LeanEngine, RolloutEngine, SamplingParams
-from grpo.rollout.generation import Generation
-from grpo.tasks import Task
-from grpo.tasks.builtin_tasks import BUILTIN_TASKS, numeric_score
 from grpo.evaluation.example_records import EvalRewards, RewardInputs, example_records, reward_values, summarize
 from grpo.evaluation.sample_metrics import pass_at_k
 from grpo.multiturn.driver import ExampleRollout
+from grpo.rewards.answers import final_text
+from grpo.rollout import LeanEngine, RolloutEngine, SamplingParams
+from grpo.rollout.generation import Generation
 from grpo.run.progress import in_notebook
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from grpo.tasks import Task
+from grpo.tasks.builtin_tasks import BUILTIN_TASKS, numeric_score
 
 __all__ = ["evaluate", "evaluate_records", "pass_at_k", "score_completion"]
 

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from grpo.data import Example
-from grpo.tasks import Task
 from grpo.evaluation.sample_metrics import bootstrap_interval, default_ks, majority_answer, pass_at_k, sample_std
 from grpo.rewards.context import RewardContext
 from grpo.rewards.scoring import score
+from grpo.tasks import Task
 
 BOOTSTRAP_LEVEL = 0.95
 

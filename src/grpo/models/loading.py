@@ -7,15 +7,12 @@ from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from grpo.config import ConfigError, ModelConfig
 from grpo.config.rules import sdpa_backend_names
 from grpo.models.wrappers import unwrap_model
-from torch.nn.attention import SDPBackend
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import AutoModelForCausalLM
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-from transformers import AutoTokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

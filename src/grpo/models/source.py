@@ -12,20 +12,19 @@ same format the reward checked.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from grpo.config import ConfigError, RunConfig, load_config
 from grpo.data import resolve_system_prompt
-from grpo.models.loading import DTYPES
-from grpo.models.loading import load_tokenizer, resolve_device
+from grpo.models.loading import DTYPES, load_tokenizer, resolve_device
 from grpo.tasks import run_system_prompt
-from transformers import AutoModelForCausalLM
-import json
 
 ADAPTER_CONFIG = "adapter_config.json"
 RUN_CONFIG = "config.yaml"

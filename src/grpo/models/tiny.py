@@ -11,8 +11,7 @@ from typing import Iterable
 
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 # The Qwen2.5 chat format: <|im_start|>role\ncontent<|im_end|>\n ..., generation prompt "<|im_start|>assistant\n".
 QWEN_CHAT_TEMPLATE = (

@@ -22,15 +22,14 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from grpo.data import DataError, PromptTooLong, build_prompt_messages
 from grpo.multiturn.conversation import check_tool_template, tool_suffix_ids
 from grpo.multiturn.environments import Environments, environment_methods
 from grpo.multiturn.tool_calls import TOOL_CALL_FORMATS, ToolCall, detect_format
 from grpo.multiturn.tools import PendingCall, Toolbox, ToolOutcome
 from grpo.rollout.engine import PrefixCachingEngine, RolloutEngine, SamplingParams, TokenIdsEngine
-from grpo.rollout.hf import left_pad
 from grpo.rollout.generation import Generation
-from grpo.data import DataError, PromptTooLong, build_prompt_messages
-
+from grpo.rollout.hf import left_pad
 
 # Tool round k samples with seed + k * this: a seed of its own, far from the seeds a call's neighbours use
 # (seed + 1, seed + 2, ... for the next calls of an evaluation), so two rounds never draw the same stream.

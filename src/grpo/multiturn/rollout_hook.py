@@ -18,11 +18,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from grpo.data import PromptTooLong, build_prompt_messages
 from grpo.multiturn.driver import TurnsResult
 from grpo.rollout.engine import SamplingParams
-from grpo.rollout.hf import left_pad
 from grpo.rollout.generation import Generation
-from grpo.data import PromptTooLong, build_prompt_messages
+from grpo.rollout.hf import left_pad
 
 REQUIRED = ("prompt_ids", "completion_ids", "logprobs")
 

@@ -22,8 +22,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from grpo.rewards.async_loop import event_loop, is_async_callable
 from transformers.utils import get_json_schema
+
+from grpo.rewards.async_loop import event_loop, is_async_callable
 
 logger = logging.getLogger(__name__)
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from grpo.multiturn.environments import Environments
-from grpo.multiturn.tools import load_callable
 from grpo.config import ConfigError
 from grpo.models.wrappers import eos_token_ids, unwrap_model
 from grpo.multiturn.driver import MultiTurnRollout
+from grpo.multiturn.environments import Environments
 from grpo.multiturn.rollout_hook import RolloutHook
+from grpo.multiturn.tools import load_callable
 from grpo.rewards import RewardFunction
 
 

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from grpo.config import ConfigError
 from grpo.parallel.distributed import keep_until_exit
-import torch.distributed as dist
 
 
 class Learner(Protocol):

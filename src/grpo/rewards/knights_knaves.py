@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from grpo.data.knights_knaves.text import parse_roles, role_claims, solution_roles
 from grpo.data.tags import TagStyle
 from grpo.rewards.answers import extract_answer, final_text, is_well_formatted, style_of
 from grpo.rewards.signature import RewardCallable
-from grpo.data.knights_knaves.text import parse_roles, role_claims, solution_roles
 
 FORMAT_SCORES = {"well_formatted": 1.0, "not": -1.0}
 ANSWER_SCORES = {"right": 2.0, "wrong": -1.5, "unparseable": -2.0}

@@ -23,12 +23,12 @@ from typing import Any
 
 from grpo.data.tags import TagStyle
 from grpo.rewards import builtin_rewards
-from grpo.rewards.remote import make_remote_reward
-from grpo.rewards.reward_model import make_model_reward
-from grpo.rewards.signature import RewardCallable, RewardFactory, named
 from grpo.rewards.async_loop import is_async_callable
 from grpo.rewards.knights_knaves import make_kk_logic as make
+from grpo.rewards.remote import make_remote_reward
 from grpo.rewards.reward_function import SIGNATURE_HINT
+from grpo.rewards.reward_model import make_model_reward
+from grpo.rewards.signature import RewardCallable, RewardFactory, named
 
 
 def make_kk_logic(tag_style: TagStyle | str = "think") -> RewardCallable:

@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from grpo.data.tags import TagStyle
 from grpo.rewards.answers import completion_text
 from grpo.rewards.signature import RewardCallable, named
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 
 def _default_name(path: str) -> str:

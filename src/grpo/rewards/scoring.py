@@ -30,6 +30,7 @@ from grpo.rewards.registry import check_call_signature, get_reward_function
 from grpo.rewards.reward_function import RewardFunction
 from grpo.rewards.signature import RewardCallable
 
+
 @dataclass
 class RewardSpec:
     """A configured reward: a name (built-in, ``model``, ``remote`` or ``pkg.module:function``), its weight and

@@ -16,14 +16,13 @@ import torch
 
 from grpo.algorithm.lookup import lookup
 from grpo.config import ConfigError, RunConfig
-from grpo.rollout.engine import OwnWeightsEngine, RolloutEngine
 from grpo.config.device_defaults import AUTO, resolve_engine_name
 from grpo.config.kinds import ENGINE_TRAITS, EngineTraits
+from grpo.rollout.engine import OwnWeightsEngine, RolloutEngine
 from grpo.rollout.hf import HFEngine
 from grpo.rollout.lean import LeanEngine
 from grpo.rollout.static import StaticEngine
-from grpo.rollout.vllm_engine import VLLMEngine
-from grpo.rollout.vllm_engine import import_vllm
+from grpo.rollout.vllm_engine import VLLMEngine, import_vllm
 from grpo.weight_store import LoadedWeights, state_dict_for_publish
 
 

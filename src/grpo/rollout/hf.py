@@ -7,12 +7,12 @@ from typing import Sequence
 
 import torch
 from torch import Tensor
+from transformers import GenerationConfig
 
 from grpo.compat import generate_repetition_penalty
 from grpo.models.wrappers import eos_token_ids, unwrap_model
 from grpo.rollout.engine import SamplingParams, completion_mask_from_ids
 from grpo.rollout.generation import Generation
-from transformers import GenerationConfig
 
 
 @contextmanager

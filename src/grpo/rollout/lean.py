@@ -25,10 +25,10 @@ from grpo.algorithm.processing import eos_mask, min_p_removed, penalize_repeats,
 from grpo.compat import cache_argument
 from grpo.models.wrappers import eos_token_ids, unwrap_model
 from grpo.rollout.engine import SamplingParams, completion_mask_from_ids
+from grpo.rollout.generation import Generation
 from grpo.rollout.hf import eval_mode, left_pad
 from grpo.rollout.prefill import prefill
 from grpo.rollout.prefix_cache import CachedTurns, PrefixCache, cached_turns
-from grpo.rollout.generation import Generation
 
 
 def folded_lora_weights(model: torch.nn.Module) -> dict[str, Tensor] | None:

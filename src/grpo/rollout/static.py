@@ -49,11 +49,11 @@ from grpo.algorithm.processing import eos_mask, prompt_presence
 from grpo.compat import cache_argument
 from grpo.models.wrappers import eos_token_ids
 from grpo.rollout.engine import SamplingParams
+from grpo.rollout.generation import Generation
 from grpo.rollout.lean import apply_processors, assemble_generation, filter_logits, seeded_generator
 from grpo.rollout.prefill import prefill
 from grpo.rollout.prefix_cache import CachedTurns, PrefixCache, cached_turns
 from grpo.rollout.sampling_copy import SamplingCopy
-from grpo.rollout.generation import Generation
 
 CACHE_BUCKET = 128  # cache lengths rounded up to this: steps with slightly different prompt widths reuse shapes
 DECODE_GRAPHS = ("cuda-graph", "compile", "eager")

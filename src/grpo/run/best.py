@@ -8,8 +8,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo.run.checkpoint import BEST_DIR, BEST_FILE
 from grpo.config import ConfigError
+from grpo.run.checkpoint import BEST_DIR, BEST_FILE
 
 
 @dataclass

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 from grpo.algorithm import LogprobProcessing, group_advantages
+from grpo.algorithm.ppo import ppo_advantages
 from grpo.data import Example, PromptTooLong, build_prompt_messages, render_example
 from grpo.data.prompt_sampler import PromptSampler, step_seed
 from grpo.models.loading import reference_context
@@ -23,11 +24,10 @@ from grpo.multiturn.driver import ExampleRollout
 from grpo.rewards import score
 from grpo.rewards.context import RewardContext, make_trainer_state
 from grpo.rollout import RolloutEngine, SamplingParams
+from grpo.rollout.generation import Generation
 from grpo.step.dynamic_sampling import sample_until_full
 from grpo.step.logprobs import DEVICE_DEFAULT_PASS, LogprobPass, completion_logprobs
-from grpo.rollout.generation import Generation
 from grpo.step.records import RolloutBatch
-from grpo.algorithm.ppo import ppo_advantages
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,6 @@ class ExperienceSettings:
 
     sampling: SamplingParams
     system_prompt: str | None
-    tag_style: str
     max_prompt_length: int
     advantage_estimator: str  # a name in grpo.algorithm.ADVANTAGE_ESTIMATORS, or "gae" (PPO: then ``gae`` is set)
     scale_rewards: str | None  # the grpo estimator's scaling; None for its default (group) and the others

@@ -10,10 +10,10 @@ from dataclasses import asdict
 import torch
 
 from grpo.errors import RewardError
-from grpo.rewards import answers_equal, extract_answer, is_well_formatted
-from grpo.step.records import RolloutBatch, UpdateStats
 from grpo.evaluation.sample_metrics import sample_std
 from grpo.parallel.distributed import DistInfo, all_gather_json, all_reduce_mean
+from grpo.rewards import answers_equal, extract_answer, is_well_formatted
+from grpo.step.records import RolloutBatch, UpdateStats
 
 # Statistics only some runs have, averaged over ranks: grpo.critic.train_critic's (PPO), the PTX loss and
 # the sampler correction's.

@@ -10,15 +10,13 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo.algorithm import (LogprobProcessing, LossAggregation, loss_aggregation, policy_loss,
-                            sampler_importance_weights)
-from grpo.config.device_defaults import pass_defaults
+from grpo.algorithm import LogprobProcessing, LossAggregation, loss_aggregation, policy_loss, sampler_importance_weights
+from grpo.parallel.distributed import DistInfo, all_reduce_sum
+from grpo.parallel.learners import Learner
 from grpo.rollout.generation import Generation
 from grpo.step.logprobs import DEVICE_DEFAULT_PASS, LogprobPass, completion_logprobs
 from grpo.step.ptx import ptx_nll
 from grpo.step.records import RolloutBatch, SftBatch, StepUpdate, UpdateStats
-from grpo.parallel.distributed import DistInfo, all_reduce_sum
-from grpo.parallel.learners import Learner
 
 
 @dataclass(frozen=True)
@@ -41,7 +39,9 @@ class LossSettings:
     processing: LogprobProcessing | None = None  # the sampling controls the log-probs follow (None: off)
     ptx_coef: float = 0.0  # weight of the PTX micro-batch's mean NLL in each update (ptx.coef)
     logprob_pass: LogprobPass = DEVICE_DEFAULT_PASS  # how the update's log-prob passes run (None fields: the device's default)
-    max_tokens_per_micro_batch: int | str | None = None  # train.max_tokens_per_micro_batch: N, "auto" or None (rows)
+    # micro-batches by padded tokens: N, "auto" (token_budget_micro_batches) or None (rows); decided for the run's
+    # device and learner by grpo.training.settings.micro_batch_tokens
+    max_tokens_per_micro_batch: int | str | None = None
 
 
 def rows_by_length(completion_mask: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -51,13 +51,6 @@ def rows_by_length(completion_mask: torch.Tensor, group_size: int) -> torch.Tens
     longest = completion_mask.sum(-1).view(-1, group_size).amax(-1)  # [P]
     groups = torch.argsort(longest, stable=True)  # [P]
     return (groups[:, None] * group_size + torch.arange(group_size, device=groups.device)).flatten()
-
-
-def device_token_budget(max_tokens: int | str | None, device_type: str) -> int | str | None:
-    """``train.max_tokens_per_micro_batch`` as the update runs it on a ``device_type`` device: ``auto`` is
-    fixed rows (None) where the device's defaults say so (CUDA: repeated shapes are reused, new ones cost
-    more than the padding they save; ``grpo.config.device_defaults``)."""
-    return None if max_tokens == "auto" and not pass_defaults(device_type).token_budget else max_tokens
 
 
 def token_budget_micro_batches(order: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor,
@@ -156,7 +149,7 @@ def prepare_batch(batch: RolloutBatch, s: LossSettings, dist_info: DistInfo, dev
     global_tokens = (all_reduce_sum(total_tokens, dist_info) / world).clamp(min=1 / world)
     # The gradient is a sum over rows, so which rows share a micro-batch changes nothing but padding.
     P = len(batch.prompts)
-    max_tokens = device_token_budget(s.max_tokens_per_micro_batch, device.type)
+    max_tokens = s.max_tokens_per_micro_batch
     order = (rows_by_length(gen.completion_mask, N // P)
              if (N > s.micro_batch_size or max_tokens) and P and N % P == 0
              else torch.arange(N))  # [N]

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from grpo.rollout.generation import Generation
+
 
 @dataclass
 class RolloutBatch:

@@ -8,11 +8,11 @@ disagree). ``kk`` reads each person's role out of the answer (``knights_knaves.t
 from __future__ import annotations
 
 from grpo.data.example import Example
+from grpo.data.knights_knaves.text import parse_roles, solution_roles, solution_text
 from grpo.data.sources import load_dataset_source
 from grpo.data.tags import get_tag_style
 from grpo.rewards.answers import answers_equal, extract_answer, is_well_formatted
 from grpo.rewards.knights_knaves import answer_verdict, per_person_accuracy
-from grpo.data.knights_knaves.text import parse_roles, solution_roles, solution_text
 from grpo.tasks.task import Score, Task
 
 # The seeds' reward (answer correct +1 / wrong -1, format ok +1.25 / bad -1): the config schema's default list,

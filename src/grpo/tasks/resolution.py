@@ -64,11 +64,11 @@ def run_task(cfg) -> Task:
         raise ConfigError(f"data.task: {error}") from None
 
 
-def run_system_prompt(cfg) -> str | None:
-    """A run's system turn: ``data.system_prompt``, else its task's for ``data.tag_style``; None with
-    ``data.add_system_prompt: false`` (no system turn from the run)."""
+def run_system_prompt(cfg, task: Task | None = None) -> str | None:
+    """A run's system turn: ``data.system_prompt``, else its task's for ``data.tag_style`` (``task``: the run's,
+    resolved already; None: resolved here); None with ``data.add_system_prompt: false`` (no system turn)."""
     if not cfg.data.add_system_prompt:
         return None
     if cfg.data.system_prompt is not None:
         return cfg.data.system_prompt
-    return run_task(cfg).system_prompt(cfg.data.tag_style)
+    return (task if task is not None else run_task(cfg)).system_prompt(cfg.data.tag_style)

@@ -15,14 +15,13 @@ from pathlib import Path
 
 import torch
 
-from grpo.config import RunConfig
-from grpo.models.wrappers import unwrap_model
-from grpo.tasks import Task, run_system_prompt, run_task
-from grpo.evaluation.example_records import EvalRewards, logged_metrics, summarize, write_records
+from grpo.config import ConfigError, RunConfig
 from grpo.evaluation.evaluate import call_unit, evaluate_records, mean_rollout_metrics
-from grpo.parallel.distributed import DistInfo, all_gather_json
-from grpo.config import ConfigError
+from grpo.evaluation.example_records import EvalRewards, logged_metrics, summarize, write_records
+from grpo.models.wrappers import unwrap_model
 from grpo.multiturn.driver import ExampleRollout
+from grpo.parallel.distributed import DistInfo, all_gather_json
+from grpo.tasks import Task, run_system_prompt
 
 UNNAMED = ""  # the set of a plain ``data.eval`` source: its metrics are eval/accuracy, ... (no set name)
 RECORDS_DIR = "eval"
@@ -50,13 +49,14 @@ class EvalSettings:
     max_written: int
 
 
-def eval_settings(cfg: RunConfig, world_size: int = 1) -> EvalSettings:
+def eval_settings(cfg: RunConfig, task: Task, world_size: int = 1) -> EvalSettings:
+    """How a run with ``task`` (its own, resolved once: ``grpo.training.inputs``) evaluates on ``world_size`` ranks."""
     e = cfg.eval
     # By default a call holds what a training step generates at once on a rank: it fits, and fewer, fuller
     # calls cost less than many small ones (each decode step's fixed cost is paid per call).
     step_rows = (cfg.rollout.generation_batch_size
                  or cfg.train.prompts_per_step * cfg.rollout.num_generations // world_size)
-    return EvalSettings(task=run_task(cfg), tag_style=cfg.data.tag_style, system_prompt=run_system_prompt(cfg),
+    return EvalSettings(task=task, tag_style=cfg.data.tag_style, system_prompt=run_system_prompt(cfg, task),
                         add_system_prompt=cfg.data.add_system_prompt,
                         batch_size=e.batch_size or max(step_rows, 16),
                         max_new_tokens=cfg.rollout.max_completion_length,
@@ -84,6 +84,7 @@ def rank_example_range(size: int, unit: int, rank: int, world_size: int) -> tupl
 class RunEvaluator:
     """The run's evaluation, called with the step whose weights it measures (0: before training); returns
     ``{set name: metrics}`` (``eval_scoring.summarize``'s, plus multi-turn tool metrics), the same on every rank.
+    Built by ``grpo.training.prepare.build_evaluator``.
 
     ``engine``: the run's rollout engine (multi-turn when the run has tools; a rollout hook's engine is the one
     it wraps, as a hook's rollouts are the user's); ``policy``: its module (for the RNG streams kept untouched)."""
@@ -134,17 +135,6 @@ class RunEvaluator:
                 if s.save_records and self.out is not None and self.info.is_main:
                     write_records(self.out / RECORDS_DIR / f"step_{step}" / f"{name or 'eval'}.jsonl", records)
         return results
-
-
-def run_evaluator(cfg: RunConfig, inputs, engine, base_engine, policy: torch.nn.Module, info: DistInfo,
-                  out: Path) -> RunEvaluator:
-    """The run's evaluation through ``engine`` (multi-turn when the run has tools or environments; under a
-    rollout hook ``base_engine``, the one the hook wraps, without rewards: a hook's rollouts and the columns
-    its rewards read are the user's), scored by its task and rewards (``inputs``: ``grpo.training.inputs``)."""
-    hooked = inputs.turns.rollout_func is not None
-    rewards = EvalRewards(inputs.reward_fns, inputs.reward_weights) if inputs.reward_fns and not hooked else None
-    return RunEvaluator(eval_settings(cfg, info.world_size), inputs.eval_sets, base_engine if hooked else engine,
-                        policy, inputs.tokenizer, info, rewards, out)
 
 
 def eval_metrics(results: dict[str, dict] | None) -> dict[str, float]:

@@ -16,19 +16,19 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from grpo.critic import CriticSettings, train_critic
+from grpo.parallel.distributed import DistInfo, all_gather_json, barrier, print0
+from grpo.parallel.learners import zero3_full_state_dict
+from grpo.parallel.trainable import Trainable
 from grpo.run.best import BestMetric
 from grpo.run.checkpoint import GRPO_LAYOUT, CheckpointLayout, save_best, save_final
-from grpo.training.resume import save_run_checkpoint
+from grpo.run.plots import plot_run
 from grpo.run.tracking import MetricsLogger
 from grpo.step.metrics import sample_records, step_metrics, update_metrics
 from grpo.step.policy_update import LossSettings, train_on_batch
 from grpo.step.records import RolloutBatch, StepUpdate
-from grpo.parallel.distributed import DistInfo, all_gather_json, barrier, print0
 from grpo.training.evaluator import eval_metrics
 from grpo.training.guards import DeferredInterrupt, RankAgreedStop, SkipGuard, sigterm_as_interrupt
-from grpo.parallel.learners import zero3_full_state_dict
-from grpo.parallel.trainable import Trainable
-from grpo.run.plots import plot_run
+from grpo.training.resume import save_run_checkpoint
 
 
 @dataclass

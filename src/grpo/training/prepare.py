@@ -1,32 +1,50 @@
-"""Setup shared by the roles that train or sample (colocated loop, decoupled trainer and sampler): the
-process and its device, data, rewards, PTX pairs, the learner, and the run folder (claim, resume, logger)."""
+"""One assembly of a run, for both modes: ``prepare`` builds what a trainer process trains with (the process's
+device, inputs, PTX pairs, the learner, the run folder: claim, resume, logger), ``make_loop`` the loop over
+it and ``build_evaluator`` its held-out evaluation (also the Python API's ``GRPOTrainer.evaluate``). A mode
+adds only its ``StepSource``: the colocated ``Sampling``, the decoupled trainer's ``Receiving``."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import secrets
+import socket
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from grpo.config import RunConfig, config_to_dict
+from grpo.algorithm import LogprobProcessing
+from grpo.config import ConfigError, RunConfig, config_to_dict
 from grpo.config.rules import ptx_max_length
-from grpo.tasks import run_system_prompt, run_task
-from grpo.models.loading import resolve_device
-from grpo.run.checkpoint import CheckpointLayout, checkpoint_layout
-from grpo.training.resume import resume_checkpoint
-from grpo.run.run_dir import claim_output_dir
-from grpo.run.tracking import MetricsLogger
+from grpo.critic import Critic, build_critic
+from grpo.data import load_sft_pairs
+from grpo.data.prompt_sampler import PromptSampler
+from grpo.data.sft_tokens import tokenize_pairs
+from grpo.evaluation.example_records import EvalRewards
+from grpo.models.loading import check_memory_savers, compute_context, load_reference, resolve_device
+from grpo.multiturn.wiring import with_turns
 from grpo.parallel.distributed import DistInfo, all_gather_json, barrier, init_distributed, print0
 from grpo.parallel.trainable import Trainable, build_trainable
-from grpo.config import ConfigError
-from grpo.data import load_sft_pairs
-from grpo.data.sft_tokens import tokenize_pairs
-from grpo.rewards import build_reward_functions
+from grpo.rollout.build import evaluation_engine
+from grpo.run.best import BestMetric
+from grpo.run.checkpoint import CheckpointLayout, checkpoint_layout
+from grpo.run.run_dir import check_output_dir, claim_output_dir
+from grpo.run.tracking import MetricsLogger
+from grpo.step.experience import RefLogprobs, local_reference
 from grpo.step.ptx import PtxData
-from grpo.training.evaluator import eval_sources
-import secrets
-import socket
+from grpo.tasks import Task, run_system_prompt
+from grpo.training.evaluator import RunEvaluator, eval_settings, eval_sources
+from grpo.training.inputs import GivenInputs, RunInputs, policy_for, tokenizer_and_data
+from grpo.training.loop import Loop, PolicyUpdate
+from grpo.training.resume import resume_checkpoint
+from grpo.training.settings import (
+    critic_settings,
+    logprob_pass,
+    logprob_processing,
+    loop_schedule,
+    loss_settings,
+    needs_critic,
+)
 
 
 def start_process(cfg: RunConfig) -> tuple[DistInfo, torch.device]:
@@ -42,40 +60,10 @@ def start_process(cfg: RunConfig) -> tuple[DistInfo, torch.device]:
     return info, device
 
 
-def load_data(cfg: RunConfig) -> tuple[list, dict[str, list]]:
-    """(training examples, held-out sets ``{name: examples}``: {} without data.eval, the one unnamed set ""
-    for a plain source), read by the run's task (``data.task``)."""
-    task = run_task(cfg)
-    train_set = task.load(cfg.data.train, cfg.data.split, cfg.data.train_limit)
-    eval_sets = {name: task.load(source, cfg.data.eval_split, cfg.data.eval_limit)
-                 for name, source in eval_sources(cfg.data.eval).items()}
-    return train_set, eval_sets
-
-
-def build_rewards(cfg: RunConfig, examples: Sequence | None = None) -> tuple[list, list[float]]:
-    """The configured reward functions and their weights; a reward that cannot be built (unknown
-    name, a dotted path that does not import, bad params or factory_args) or, given the training
-    ``examples``, cannot take TRL's keyword call with their columns is a configuration error naming it."""
-    column_names = list(examples[0].columns()) if examples else None
-    if not cfg.rewards:  # allowed by the rules only with rollout.environment: its get_reward (multiturn.setup)
-        return [], []
-    try:
-        functions = build_reward_functions(cfg.rewards, cfg.data.tag_style, column_names)
-    except (ValueError, ImportError) as err:
-        raise ConfigError(f"rewards: {err}") from None
-    except SyntaxError as err:
-        # A user's reward module with a syntax error is not an ImportError: without this it left the
-        # command with a traceback (exit 1) instead of a configuration error naming the reward.
-        names = ", ".join(repr(r.name) for r in cfg.rewards if ":" in r.name)
-        raise ConfigError(f"rewards: reward {names} does not import: {err.filename}:{err.lineno}: "
-                          f"SyntaxError: {err.msg}") from None
-    return functions, [r.weight for r in cfg.rewards]
-
-
-def load_ptx_data(cfg: RunConfig, tokenizer, info: DistInfo):
-    """The PTX pairs tokenized (a ``grpo.step.ptx.PtxData``), or None when ``ptx.data`` is null. Every rank
-    reads the whole file (the order picks its rows); how many pairs were cut or left out to fit ptx.max_length
-    is printed once."""
+def load_ptx_data(cfg: RunConfig, tokenizer, info: DistInfo, task: Task):
+    """The PTX pairs tokenized (a ``grpo.step.ptx.PtxData``), under the run's system prompt (``task``'s unless
+    data.system_prompt), or None when ``ptx.data`` is null. Every rank reads the whole file (the order picks its
+    rows); how many pairs were cut or left out to fit ptx.max_length is printed once."""
     if cfg.ptx.data is None:
         return None
 
@@ -83,7 +71,7 @@ def load_ptx_data(cfg: RunConfig, tokenizer, info: DistInfo):
     pairs = load_sft_pairs(p.data, p.prompt_column, p.response_column, p.response_format, cfg.data.tag_style,
                            p.split)
     max_length = ptx_max_length(cfg)
-    tokenized = tokenize_pairs(tokenizer, pairs, run_system_prompt(cfg), max_length)
+    tokenized = tokenize_pairs(tokenizer, pairs, run_system_prompt(cfg, task), max_length)
     print0(info, f"ptx: {len(tokenized.rows)} of {len(pairs)} pairs from {p.data}; ptx.max_length {max_length}: "
                  f"{tokenized.cut} responses cut short, {tokenized.dropped} pairs left out (prompt too long)")
     return PtxData(tokenized.rows, micro_batch_size=p.micro_batch_size, world_size=info.world_size,
@@ -99,6 +87,11 @@ class OpenedRun:
     resumed_state: dict | None  # the checkpoint's trainer state, None for a new run
     logger: MetricsLogger
     layout: CheckpointLayout  # where its checkpoints go (train.checkpoint_layout)
+
+    @property
+    def eval_before(self) -> dict | None:
+        """The evaluation before training that a resumed checkpoint recorded (None for a new run)."""
+        return self.resumed_state.get("eval_before") if self.resumed_state else None
 
 
 def check_shared_run_folder(out: Path, info: DistInfo) -> None:
@@ -152,3 +145,90 @@ def open_run(cfg: RunConfig, trainable: Trainable, info: DistInfo, critic=None) 
 
 def run_layout(cfg: RunConfig) -> CheckpointLayout:
     return checkpoint_layout(cfg.train.checkpoint_layout, cfg.loss.num_iterations)
+
+
+@dataclass
+class Prepared:
+    """What a trainer process trains with, built alike in both modes by ``prepare``."""
+
+    info: DistInfo
+    device: torch.device
+    inputs: RunInputs  # the task, tokenizer, data and rewards (a decoupled trainer's data: only to evaluate)
+    ptx_data: object | None  # grpo.step.ptx.PtxData (ptx.data), None when off
+    policy: torch.nn.Module
+    compute: AbstractContextManager  # bf16 autocast over fp32 master weights (grpo.models.loading)
+    processing: LogprobProcessing | None  # the sampling controls every log-prob pass follows
+    trainable: Trainable
+    run: OpenedRun
+    prompt_sampler: PromptSampler | None = None  # colocated: which prompts a rank samples at a step
+    ref_logprobs: RefLogprobs | None = None  # colocated with loss.beta > 0: the frozen initial weights'
+    critic: Critic | None = None  # PPO (algorithm.advantage_estimator gae), colocated only
+
+
+def prepare(cfg: RunConfig, given: GivenInputs, info: DistInfo, device: torch.device, *,
+            samples: bool) -> Prepared:
+    """Everything a trainer process builds before its loop, in one order for both modes: checks, the inputs,
+    PTX pairs, the policy and its learner, PPO's critic, then the run folder (claimed only now that the setup
+    succeeded, and resumed when asked). ``samples``: this process samples its own batches (colocated), so it
+    loads the training data, a prompt sampler and the reference; a decoupled trainer's samplers do that, and it
+    loads data only to evaluate."""
+    if info.is_main:
+        check_output_dir(cfg)
+    torch.manual_seed(cfg.train.seed)
+    inputs = tokenizer_and_data(cfg, given, data=samples or bool(eval_sources(cfg.data.eval)))
+    tokenizer = inputs.tokenizer
+    ptx_data = load_ptx_data(cfg, tokenizer, info, inputs.task)
+    prompt_sampler = None
+    if samples:
+        prompt_sampler = PromptSampler(len(inputs.train_set), cfg.train.prompts_per_step, cfg.train.seed,
+                                       cfg.data.shuffle)
+        prompt_sampler.rank_indices(1, info.rank, info.world_size)  # checks P is divisible by the ranks, early
+    check_memory_savers(cfg.model, cfg.optim.optimizer, device)
+    deepspeed = bool(cfg.train.deepspeed)
+    policy = policy_for(cfg, given, device, deepspeed)
+    compute = compute_context(cfg.model, device, deepspeed)  # bf16 autocast over fp32 master weights
+    local_ref = samples and cfg.loss.beta > 0
+    reference = load_reference(cfg.model, policy, tokenizer, device) if local_ref else None  # before any update
+    processing = logprob_processing(cfg, policy, tokenizer)  # every log-prob pass follows the sampling controls
+    ref_logprobs = (local_reference(policy, reference, cfg.rollout.temperature, cfg.train.micro_batch_size,
+                                    processing, logprob_pass(cfg)) if local_ref else None)
+    trainable = build_trainable(cfg, policy, info)
+    critic = build_critic(cfg, info, device) if needs_critic(cfg) else None
+    run = open_run(cfg, trainable, info, critic)
+    return Prepared(info, device, inputs, ptx_data, policy, compute, processing, trainable, run, prompt_sampler,
+                    ref_logprobs, critic)
+
+
+def build_evaluator(cfg: RunConfig, inputs: RunInputs, policy: torch.nn.Module, info: DistInfo,
+                    out: Path | None = None, engine=None, base_engine=None) -> RunEvaluator | None:
+    """The run's evaluation of its held-out sets (None without any), scored by its task and rewards, records
+    written to ``out`` (None: not written). ``engine``: the one the run samples with (colocated; multi-turn when
+    the run has tools or environments), ``base_engine`` the one it wraps; None: an evaluation engine over
+    ``policy`` (``rollout.engine``, for vLLM ``auto``'s: a decoupled trainer's samplers and the Python API's
+    weights are elsewhere), wrapped for the run's turns. Under a rollout hook the evaluation runs
+    ``base_engine``, without rewards: a hook's rollouts and the columns its rewards read are the user's."""
+    if not inputs.eval_sets:
+        return None
+    if engine is None:
+        base_engine = evaluation_engine(cfg, policy, inputs.tokenizer)
+        engine = with_turns(base_engine, inputs.turns, cfg, policy, inputs.tokenizer)
+    hooked = inputs.turns.rollout_func is not None
+    rewards = EvalRewards(inputs.reward_fns, inputs.reward_weights) if inputs.reward_fns and not hooked else None
+    return RunEvaluator(eval_settings(cfg, inputs.task, info.world_size), inputs.eval_sets,
+                        base_engine if hooked else engine, policy, inputs.tokenizer, info, rewards, out)
+
+
+def make_loop(cfg: RunConfig, prepared: Prepared, progress: AbstractContextManager,
+              evaluate: RunEvaluator | None = None) -> Loop:
+    """The loop over ``prepared``'s run: its update (the policy with the step's PTX micro-batch, then PPO's
+    critic), schedule, evaluation (``build_evaluator``'s) with ``train.best_metric``'s best weights, and the
+    logged accuracy by the task's own scorer; ``progress`` shows the steps (grpo.run.progress)."""
+    p, run, info = prepared, prepared.run, prepared.info
+    update = PolicyUpdate(p.trainable, loss_settings(cfg, p.processing, p.device.type), info, p.ptx_data,
+                          p.critic, critic_settings(cfg))
+    best = (BestMetric.resumed(run.out, cfg.train.best_metric, cfg.train.best_metric_mode)
+            if cfg.train.best_metric and evaluate is not None else None)
+    return Loop(loop_schedule(cfg), update, p.trainable, p.inputs.tokenizer, run.out, info, run.logger, progress,
+                p.compute, cfg.rollout.num_generations, cfg.data.tag_style, cfg.train.save_total_limit,
+                evaluate=evaluate, best=best, critic=p.critic, hooks=p.inputs.hooks, score=p.inputs.task.score,
+                layout=run.layout)

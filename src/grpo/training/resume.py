@@ -3,20 +3,23 @@ PPO's critic), load, and resume from the newest checkpoint that loads."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from grpo.run.checkpoint import GRPO_LAYOUT, CheckpointLayout
+from grpo.critic import CRITIC_DIR, load_critic, save_critic
 from grpo.parallel.distributed import DistInfo, barrier
 from grpo.parallel.learners import zero3_full_state_dict
-from grpo.critic import CRITIC_DIR, load_critic
-from grpo.critic import CRITIC_DIR, save_critic
-from grpo.run.checkpoint import CheckpointError, complete_checkpoints
-from grpo.run.checkpoint import load_checkpoint
-from grpo.run.checkpoint import save_checkpoint
-import json
-import shutil
+from grpo.run.checkpoint import (
+    GRPO_LAYOUT,
+    CheckpointError,
+    CheckpointLayout,
+    complete_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 if TYPE_CHECKING:
     from grpo.parallel.trainable import Trainable

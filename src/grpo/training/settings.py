@@ -1,21 +1,24 @@
-"""The config tree projected into the step's frozen settings records, in one place: what the rollout
-side reads (``ExperienceSettings``, ``grpo.step.experience``) and what the update reads (``LossSettings``,
-``grpo.step.policy_update``), plus the sampling controls every log-prob pass follows and how it runs
-(``logprob_pass``)."""
+"""The config tree projected into the frozen settings records, in one place: what the rollout side reads
+(``ExperienceSettings``, ``grpo.step.experience``), what the update reads (``LossSettings``,
+``grpo.step.policy_update``), what the colocated mode's step source reads (``SamplingSettings``), the loop's
+schedule, plus the sampling controls every log-prob pass follows and how it runs (``logprob_pass``)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from grpo.algorithm import LogprobProcessing, advantage_estimator
 from grpo.config import RunConfig
+from grpo.config.device_defaults import pass_defaults
 from grpo.critic import CriticSettings
-from grpo.tasks import run_system_prompt
 from grpo.models.wrappers import eos_token_ids
 from grpo.rollout import SamplingParams
 from grpo.step.experience import ExperienceSettings, GaeSettings
 from grpo.step.logprobs import LogprobPass
 from grpo.step.policy_update import LossSettings
+from grpo.tasks import Task, run_system_prompt
 from grpo.training.evaluator import eval_sources, primary_metric
 from grpo.training.loop import Schedule
 
@@ -61,11 +64,11 @@ def old_logprobs_after_sampling(cfg: RunConfig, *, decoupled_sampler: bool, engi
     return engine_holds_weights and cfg.loss.num_iterations > 1
 
 
-def experience_settings(cfg: RunConfig, processing: LogprobProcessing | None, *, decoupled_sampler: bool,
-                        engine_holds_weights: bool) -> ExperienceSettings:
+def experience_settings(cfg: RunConfig, processing: LogprobProcessing | None, *, task: Task,
+                        decoupled_sampler: bool, engine_holds_weights: bool) -> ExperienceSettings:
     """The rollout-side settings from the config tree; old log-probs as ``old_logprobs_after_sampling`` rules.
     ``processing``: ``logprob_processing``'s (a required argument, so that no role can compute raw log-probs
-    of processed samples by omission)."""
+    of processed samples by omission); ``task``: the run's (its system prompt)."""
     r = cfg.rollout
     gae = None
     if needs_critic(cfg):  # GAE over the critic's values
@@ -76,8 +79,7 @@ def experience_settings(cfg: RunConfig, processing: LogprobProcessing | None, *,
                                 temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                 repetition_penalty=r.repetition_penalty, min_new_tokens=r.min_new_tokens,
                                 min_p=r.min_p),
-        system_prompt=run_system_prompt(cfg),
-        tag_style=cfg.data.tag_style, max_prompt_length=cfg.data.max_prompt_length,
+        system_prompt=run_system_prompt(cfg, task), max_prompt_length=cfg.data.max_prompt_length,
         advantage_estimator=cfg.algorithm.advantage_estimator, scale_rewards=cfg.loss.scale_rewards,
         advantage_eps=cfg.loss.advantage_eps,
         need_old_logprobs=old_logprobs_after_sampling(cfg, decoupled_sampler=decoupled_sampler,
@@ -86,8 +88,20 @@ def experience_settings(cfg: RunConfig, processing: LogprobProcessing | None, *,
         logprob_pass=logprob_pass(cfg))
 
 
-def loss_settings(cfg: RunConfig, processing: LogprobProcessing | None) -> LossSettings:
-    """The update-side settings from the config tree; ``processing`` as ``experience_settings``."""
+def micro_batch_tokens(cfg: RunConfig, device_type: str) -> int | str | None:
+    """``train.max_tokens_per_micro_batch`` as the update on a ``device_type`` device runs it. ``auto`` is fixed
+    rows (None) under DeepSpeed, which steps after a fixed number of micro-batches, and where the device's
+    defaults say so (CUDA: repeated shapes are reused, new ones cost more than the padding they save;
+    ``grpo.config.device_defaults``); elsewhere it stays ``auto`` (``token_budget_micro_batches``)."""
+    budget = cfg.train.max_tokens_per_micro_batch
+    if budget == "auto" and (cfg.train.deepspeed or not pass_defaults(device_type).token_budget):
+        return None
+    return budget
+
+
+def loss_settings(cfg: RunConfig, processing: LogprobProcessing | None, device_type: str) -> LossSettings:
+    """The update-side settings from the config tree, for an update on a ``device_type`` device (the token
+    budget); ``processing`` as ``experience_settings``."""
     return LossSettings(
         # With the KL in the reward, the loss has none (the reference log-probs still give the kl metric).
         epsilon=cfg.loss.epsilon, epsilon_high=cfg.loss.epsilon_high, beta=0.0 if kl_in_reward(cfg) else cfg.loss.beta,
@@ -95,9 +109,7 @@ def loss_settings(cfg: RunConfig, processing: LogprobProcessing | None) -> LossS
         loss_type=cfg.loss.loss_type, max_completion_length=cfg.rollout.max_completion_length,
         temperature=cfg.rollout.temperature, num_iterations=cfg.loss.num_iterations,
         micro_batch_size=cfg.train.micro_batch_size, max_grad_norm=cfg.optim.max_grad_norm,
-        # auto: fixed rows under DeepSpeed, which steps after a fixed number of micro-batches
-        max_tokens_per_micro_batch=(None if cfg.train.deepspeed and cfg.train.max_tokens_per_micro_batch == "auto"
-                                    else cfg.train.max_tokens_per_micro_batch),
+        max_tokens_per_micro_batch=micro_batch_tokens(cfg, device_type),
         importance_sampling_level=cfg.loss.importance_sampling_level,
         mask_truncated_completions=cfg.loss.mask_truncated_completions,
         sampler_is_mode=cfg.loss.sampler_is_mode if cfg.loss.sampler_is_correction else None,
@@ -108,6 +120,28 @@ def loss_settings(cfg: RunConfig, processing: LogprobProcessing | None) -> LossS
 def dynamic_rounds(cfg: RunConfig) -> int | None:
     """The cap on dynamic sampling's rounds (``rank_experience``'s ``max_rounds``); None when off."""
     return cfg.rollout.dynamic_sampling_max_rounds if cfg.rollout.dynamic_sampling else None
+
+
+# Defined here rather than beside its reader (grpo.training.colocated.Sampling): that module imports this
+# one's builders, and a record there would make the import circular.
+@dataclass(frozen=True)
+class SamplingSettings:
+    """What the colocated mode's step source reads beyond the rollout step's own settings."""
+
+    experience: ExperienceSettings
+    seed: int  # train.seed: with the step and rank, the prompts and sampling seeds
+    prompts_per_step: int
+    max_rounds: int | None  # dynamic sampling's cap on rounds (None: off)
+    check_steps: int  # rollout.vllm_check_steps: the off-policy guard's schedule (engines with their own weights)
+    max_logprob_diff: float  # rollout.vllm_max_logprob_diff: the guard's bound
+    sleep_mode: bool  # rollout.vllm_enable_sleep_mode: the engine sleeps through the update
+
+
+def sampling_settings(cfg: RunConfig, experience: ExperienceSettings) -> SamplingSettings:
+    r = cfg.rollout
+    return SamplingSettings(experience=experience, seed=cfg.train.seed, prompts_per_step=cfg.train.prompts_per_step,
+                            max_rounds=dynamic_rounds(cfg), check_steps=r.vllm_check_steps,
+                            max_logprob_diff=r.vllm_max_logprob_diff, sleep_mode=r.vllm_enable_sleep_mode)
 
 
 def loop_schedule(cfg: RunConfig) -> Schedule:

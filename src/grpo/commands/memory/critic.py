@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from grpo.config import RunConfig
+from grpo.algorithm import advantage_estimator
 from grpo.commands.memory.formulas import activation_bytes, autocast_extra_bytes
 from grpo.commands.memory.shapes import ModelShape, load_model_config, lora_targets
 from grpo.commands.memory.states import _count, model_states
-from grpo.algorithm import advantage_estimator
+from grpo.config import RunConfig
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from grpo.config import ConfigError, RunConfig
-from grpo.config.device_defaults import resolve_engine_name
 from grpo.commands.memory.critic import critic_memory
 from grpo.commands.memory.formulas import LORA_BYTES, sampling_copy_bytes
 from grpo.commands.memory.phases import (
@@ -41,6 +39,8 @@ from grpo.commands.memory.phases import (
     vllm_hold,
 )
 from grpo.commands.memory.states import ModelStates, model_states, read_deepspeed  # noqa: F401 (the package's)
+from grpo.config import ConfigError, RunConfig
+from grpo.config.device_defaults import resolve_engine_name
 
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "reference", "critic", "kv_cache",
               "overhead")

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import math
 
+from grpo.commands.memory.shapes import ModelShape
 from grpo.config.device_defaults import fused_head_by_size
 from grpo.config.kinds import engine_traits
-from grpo.commands.memory.shapes import ModelShape
 
 LORA_BYTES = 4  # peft's get_peft_model(autocast_adapter_dtype=True) keeps bf16/fp16 adapters in fp32
 

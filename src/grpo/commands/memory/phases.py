@@ -6,18 +6,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from grpo.config.kinds import engine_traits
-from grpo.config import RunConfig
-from grpo.config.rules import ptx_max_length
-from grpo.config.device_defaults import pass_defaults
 from grpo.commands.memory.critic import CriticMemory
 from grpo.commands.memory.formulas import (
     activation_bytes,
     autocast_extra_bytes,
     forward_transient_bytes,
-    kv_cache_bytes,
     fused_head,
     fused_logits_bytes,
+    kv_cache_bytes,
     logits_bytes,
     prompts_per_micro_batch,
     sampling_bytes,
@@ -26,6 +22,10 @@ from grpo.commands.memory.formulas import (
 )
 from grpo.commands.memory.shapes import ModelShape, load_model_config, lora_targets
 from grpo.commands.memory.states import DeepSpeedSettings, ModelStates, _count, read_deepspeed
+from grpo.config import RunConfig
+from grpo.config.device_defaults import pass_defaults
+from grpo.config.kinds import engine_traits
+from grpo.config.rules import ptx_max_length
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -7,9 +7,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo.config import ConfigError
 from grpo.commands.memory.formulas import LORA_BYTES
 from grpo.commands.memory.shapes import ModelShape, lora_params
+from grpo.config import ConfigError
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpo.data.example import DataError
+from grpo.data.knights_knaves.text import solution_roles, solution_text
 from grpo.data.locations import check_limit, require
 from grpo.data.readers import Row, read_rows
-from grpo.data.knights_knaves.text import solution_roles, solution_text
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,11 @@ import hmac
 import ipaddress
 import logging
 import os
+import socket
 import threading
 
 import torch
+import uvicorn
 from fastapi import (  # at module level: FastAPI resolves `request: Request` in module globals
     FastAPI,
     Request,
@@ -16,6 +18,7 @@ from fastapi import (  # at module level: FastAPI resolves `request: Request` in
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from torch import Tensor
+from transformers import AutoModelForCausalLM
 
 from grpo.config import ConfigError
 from grpo.decoupled.ref_server.protocol import (
@@ -27,12 +30,9 @@ from grpo.decoupled.ref_server.protocol import (
     decode_request,
     encode_response,
 )
-from grpo.step.logprobs import DEVICE_DEFAULT_PASS, LogprobPass, completion_logprobs
 from grpo.decoupled.transport.common import hidden_loopback
 from grpo.models.loading import DTYPES, resolve_device
-from transformers import AutoModelForCausalLM
-import socket
-import uvicorn
+from grpo.step.logprobs import DEVICE_DEFAULT_PASS, LogprobPass, completion_logprobs
 
 logger = logging.getLogger("grpo.decoupled.ref_server")  # the package's name: its modules log as one
 

@@ -13,7 +13,6 @@ import zmq
 from grpo.decoupled.transport.common import HWM, LOST_AFTER_S, MAX_WARNED_PEERS, _label, routing_id
 from grpo.decoupled.transport.deliveries import IncomingBatch
 from grpo.decoupled.transport.io_thread import _IOThread
-from grpo.decoupled.work_plan import Assignment, WorkPlan, chunk_of
 from grpo.decoupled.wire import (
     PROTOCOL_VERSION,
     Message,
@@ -22,6 +21,7 @@ from grpo.decoupled.wire import (
     encode,
     message_to_batch,
 )
+from grpo.decoupled.work_plan import Assignment, WorkPlan, chunk_of
 
 logger = logging.getLogger("grpo.decoupled.transport")  # the package's name: its modules log as one
 
