@@ -36,6 +36,13 @@ def make_kk_logic(tag_style: TagStyle | str = "think") -> RewardCallable:
     return make(tag_style)
 
 
+def make_reasoning_gym(tag_style: TagStyle | str = "think") -> RewardCallable:
+    """``reasoning_gym``: the answer scored by its reasoning-gym dataset (``grpo.tasks.reasoning_gym``)."""
+    from grpo.tasks.reasoning_gym import make_reasoning_gym as make  # on use, as kk_logic
+
+    return make(tag_style)
+
+
 REWARD_REGISTRY: dict[str, RewardFactory] = {
     "answer_correct": builtin.make_answer_correct,
     "format_think_answer": builtin.make_format_think_answer,
@@ -45,6 +52,7 @@ REWARD_REGISTRY: dict[str, RewardFactory] = {
     "int_answer": builtin.make_int_answer,
     "correctness": builtin.make_correctness,
     "kk_logic": make_kk_logic,
+    "reasoning_gym": make_reasoning_gym,
     "model": make_model_reward,
     "remote": make_remote_reward,
 }
