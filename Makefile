@@ -26,7 +26,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	PIP_CONSTRAINT=$(CONSTRAINTS) DS_BUILD_OPS=0 $(PY) -m pip install --quiet -e ".[test,deepspeed]"
+	PIP_CONSTRAINT=$(CONSTRAINTS) DS_BUILD_OPS=0 $(PY) -m pip install --quiet -e ".[test,deepspeed,envs]"
 	touch $(STAMP)
 
 test: install

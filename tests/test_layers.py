@@ -26,7 +26,7 @@ LAYERS = ["version", "errors", "algorithm", "compat", "data", "rewards", "tasks"
 
 # Third-party imports allowed inside functions: optional extras, and packages that take seconds to import and
 # that only some paths need (LoRA, the hub, parquet, math-verify's sympy, TensorBoard, plots).
-OPTIONAL = {"vllm", "deepspeed", "bitsandbytes", "wandb", "IPython"}
+OPTIONAL = {"vllm", "deepspeed", "bitsandbytes", "wandb", "IPython", "reasoning_gym"}
 SLOW_ON_SOME_PATHS = {"peft", "datasets", "pyarrow", "pandas", "math_verify", "matplotlib", "torch.utils.tensorboard"}
 
 

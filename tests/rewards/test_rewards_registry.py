@@ -23,6 +23,7 @@ BUILTINS = [
     "int_answer",
     "kk_logic",
     "model",
+    "reasoning_gym",
     "remote",
     "soft_format",
     "strict_format",

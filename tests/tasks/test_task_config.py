@@ -102,7 +102,7 @@ def test_a_users_task_gives_its_rewards(monkeypatch):
 
 
 @pytest.mark.parametrize("task, why", [
-    ("nope", r"unknown task 'nope'; built in: \['arithmetic', 'gsm8k', 'kk'\]"),
+    ("nope", r"unknown task 'nope'; built in: \['arithmetic', 'gsm8k', 'kk', 'reasoning_gym'\]"),
     ("no_such_module_xyz:task", r"module 'no_such_module_xyz' does not import: ModuleNotFoundError"),
     ("tasks_for_config_test:missing", r"has no 'missing'"),
     ("tasks_for_config_test:three", r"is a int, not a grpo.tasks.Task"),

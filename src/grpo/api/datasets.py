@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 from grpo.data import DataError, Example
 from grpo.data.gold_formats import normalise_answer
+from grpo.data.reasoning_gym import dataset_examples, is_reasoning_gym_dataset
 
 NOT_PASSED = ("prompt", "completion", "completion_ids")  # the columns TRL keeps from reward functions
 
@@ -35,7 +36,10 @@ def dataset_rows(dataset: Any, name: str, limit: int | None = None) -> list[dict
 def to_examples(dataset: Any, name: str, *, pass_columns: bool = True, limit: int | None = None) -> Sequence[Example]:
     """One ``Example`` per row. ``pass_columns`` False (TRL's remove_unused_columns=True): rewards get no
     dataset columns. ``answer``, when a column, also feeds grpo's accuracy metric. Errors name the row.
-    A ``datasets.Dataset`` is read lazily (``LazyExamples``): its columns are checked now, a row when it is read."""
+    A ``datasets.Dataset`` is read lazily (``LazyExamples``): its columns are checked now, a row when it is read.
+    A reasoning-gym dataset object gives its items, scored by the ``reasoning_gym`` task (``grpo.data.reasoning_gym``)."""
+    if is_reasoning_gym_dataset(dataset):
+        return dataset_examples(dataset, name, limit)
     lazy = not isinstance(dataset, dict) and hasattr(dataset, "column_names") and hasattr(dataset, "__len__")
     if lazy and hasattr(dataset, "__getitem__"):
         return LazyExamples(dataset, name, pass_columns)

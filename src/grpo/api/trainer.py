@@ -29,6 +29,7 @@ from grpo.api.rewards import build_reward_functions, reward_name
 from grpo.config import dump_config
 from grpo.config.kinds import ENGINE_TRAITS, VLLM_ENGINE
 from grpo.data import DataError, PromptTooLong
+from grpo.data.reasoning_gym import is_reasoning_gym_dataset
 from grpo.models.loading import load_policy, load_tokenizer, prepare_policy, resolve_device, uses_autocast
 from grpo.models.wrappers import unwrap_model
 from grpo.multiturn.environments import Environments, environment_methods
@@ -121,7 +122,10 @@ class GRPOTrainer(TrainerAttributes):
             columns = None  # its extra output keys are columns too, known only when it runs
         # grpo's own data (grpo_overrides' data.train) without reward_funcs: the config's rewards (grpo_overrides'
         # rewards, else its task's defaults); TRL has no data of its own to default from, so it needs reward_funcs.
-        config_rewards = reward_funcs is None and self.train_set is None and not self._environment_owns_reward()
+        # A reasoning-gym dataset brings its own scorer: its task's rewards, system prompt and accuracy, as grpo's data.
+        reasoning_gym = is_reasoning_gym_dataset(train_dataset)
+        config_rewards = (reward_funcs is None and (self.train_set is None or reasoning_gym)
+                          and not self._environment_owns_reward())
         if config_rewards and args.reward_weights is not None:
             raise ValueError("GRPOConfig.reward_weights is set but reward_funcs is None (the config's rewards, "
                              "which carry their own weights): give reward_funcs or drop reward_weights")
@@ -137,6 +141,8 @@ class GRPOTrainer(TrainerAttributes):
         data = {"max_prompt_length": prompt_limit(self.context_length, args.max_completion_length, fixed)}
         if self.train_set:  # TRL's rows carry their own system turn, if any
             data.update(add_system_prompt=False, train=f"python:train_dataset ({len(self.train_set)} rows)")
+        if reasoning_gym:
+            data.update(task="reasoning_gym", add_system_prompt=True)
         self.config = to_run_config(args, num_processes=self.num_processes,
                                     train_size=len(self.train_set) if self.train_set else None,
                                     model=name_or_path, lora=lora, data=data,

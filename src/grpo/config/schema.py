@@ -61,11 +61,14 @@ class DataConfig:
         "Training prompts: a GSM8K .jsonl/.json/.parquet file, a folder, a hub id (openai/gsm8k), "
         "synthetic:seed=S,n=N[,difficulty=D], arithmetic-tools:seed=S,n=N[,size=large|small|mix] (the "
         "calculator demo's problems), kk:seed=S,n=N[,people=LO-HI] or kk:path=FILE (Knights and Knaves "
-        "puzzles, generated or a public K&K file), or prompts:path=P[,question_column=C][,answer_column=A] "
-        "for any prompt file (plain or chat-message questions, src/tgt multi-turn)."))
+        "puzzles, generated or a public K&K file), prompts:path=P[,question_column=C][,answer_column=A] "
+        "for any prompt file (plain or chat-message questions, src/tgt multi-turn), or "
+        "reasoning_gym:NAME[,size=N,seed=S,<options>][+NAME[*WEIGHT]...] (reasoning-gym's datasets, one or a "
+        "weighted mix; pip install 'grpo[envs]')."))
     task: str | None = opt(
-        None, "The task (grpo.tasks): gsm8k, arithmetic, kk, or a dotted path pkg.module:name to a user's "
-        "grpo.tasks.Task; null = by data.train (kk: -> kk, synthetic:/arithmetic-tools: -> arithmetic, else gsm8k). "
+        None, "The task (grpo.tasks): gsm8k, arithmetic, kk, reasoning_gym, or a dotted path pkg.module:name to a "
+        "user's grpo.tasks.Task; null = by data.train (kk: -> kk, reasoning_gym: -> reasoning_gym, "
+        "synthetic:/arithmetic-tools: -> arithmetic, else gsm8k). "
         "It loads the data, scores answers in evaluation and gives the default system prompt and rewards.")
     eval: str | dict[str, str] | None = opt(
         None, "Held-out set(s) for eval_steps and the before/after report: a source (metrics eval/accuracy, ...) "

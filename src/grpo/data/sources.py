@@ -8,6 +8,8 @@ Forms, looked up by the prefix before the first ":" in `SOURCE_KINDS`:
 - ``kk:seed=1,n=500[,people=2-8]``: generated Knights-and-Knaves logic puzzles with exactly one solution,
   2 to 8 people each by default (``people=LO-HI`` or one number); ``kk:path=people3_num100.jsonl``: a public
   K&K benchmark file, quiz text verbatim (`grpo.data.knights_knaves`; the reward is ``kk_logic``).
+- ``reasoning_gym:chain_sum,size=500,seed=1[,<dataset options>][+NAME[*WEIGHT]...]``: reasoning-gym's
+  procedural datasets, one or a weighted mix (`grpo.data.reasoning_gym`, which parses its own options).
 - ``prompts:path=chat.jsonl[,question_column=src][,answer_column=answer][,answer_format=gsm8k]
   [,tgt_column=tgt]``: any prompt file (`grpo.data.prompt_datasets.load_prompts`).
 - anything else: GSM8K from a file, a folder (the split's file inside) or a hub id such as
@@ -27,6 +29,7 @@ from grpo.data.gsm8k import load_gsm8k
 from grpo.data.knights_knaves.examples import file_examples, generated_examples
 from grpo.data.locations import check_limit
 from grpo.data.prompt_datasets import load_prompts
+from grpo.data.reasoning_gym import load_reasoning_gym
 from grpo.data.synthetic import generate_problems
 
 
@@ -39,6 +42,8 @@ class SourceKind:
     keys: dict[str, type | Callable[[str], Any]]
     required: tuple[str, ...]
     load: Callable[[dict[str, Any], str, int | None], list[Example]]
+    # a kind whose options are no flat key=value list parses them itself: (spec, option text) -> options
+    parse: Callable[[str, str], dict[str, Any]] | None = None
 
 
 def _load_synthetic(options: dict[str, Any], split: str, limit: int | None) -> list[Example]:
@@ -77,6 +82,10 @@ def people_range(text: str) -> tuple[int, int]:
     return bounds
 
 
+def _load_reasoning_gym(options: dict[str, Any], split: str, limit: int | None) -> list[Example]:
+    return load_reasoning_gym(options["spec"], options["text"], limit)  # as synthetic: the split is ignored
+
+
 def _load_prompt_file(options: dict[str, Any], split: str, limit: int | None) -> list[Example]:
     path = options.pop("path")
     return load_prompts(path, split=split, limit=limit, **options)
@@ -103,6 +112,9 @@ SOURCE_KINDS: dict[str, SourceKind] = {
         required=("path",),
         load=_load_prompt_file,
     ),
+    "reasoning_gym": SourceKind(
+        keys={}, required=(), load=_load_reasoning_gym, parse=lambda spec, text: {"spec": spec, "text": text},
+    ),
 }
 
 
@@ -120,7 +132,7 @@ def load_dataset_source(spec: str, split: str = "train", limit: int | None = Non
     kind = SOURCE_KINDS.get(kind_name) if separator else None
     if kind is None:
         return load_gsm8k(spec, split=split, limit=limit)
-    options = parse_options(spec, option_text, kind)
+    options = kind.parse(spec, option_text) if kind.parse is not None else parse_options(spec, option_text, kind)
     return kind.load(options, split, limit)
 
 

@@ -24,17 +24,12 @@ from typing import Any
 from grpo.data.tags import TagStyle
 from grpo.rewards import builtin_rewards
 from grpo.rewards.async_loop import is_async_callable
-from grpo.rewards.knights_knaves import make_kk_logic as make
+from grpo.rewards.knights_knaves import make_kk_logic
+from grpo.rewards.reasoning_gym import make_reasoning_gym
 from grpo.rewards.remote import make_remote_reward
 from grpo.rewards.reward_function import SIGNATURE_HINT
 from grpo.rewards.reward_model import make_model_reward
 from grpo.rewards.signature import RewardCallable, RewardFactory, named
-
-
-def make_kk_logic(tag_style: TagStyle | str = "think") -> RewardCallable:
-    """``kk_logic``: the Knights-and-Knaves rule reward (``grpo.rewards.knights_knaves``)."""
-    return make(tag_style)
-
 
 REWARD_REGISTRY: dict[str, RewardFactory] = {
     "answer_correct": builtin_rewards.make_answer_correct,
@@ -45,6 +40,7 @@ REWARD_REGISTRY: dict[str, RewardFactory] = {
     "int_answer": builtin_rewards.make_int_answer,
     "correctness": builtin_rewards.make_correctness,
     "kk_logic": make_kk_logic,
+    "reasoning_gym": make_reasoning_gym,
     "model": make_model_reward,
     "remote": make_remote_reward,
 }

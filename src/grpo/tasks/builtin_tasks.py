@@ -1,4 +1,5 @@
-"""The built-in tasks: ``gsm8k``, ``arithmetic`` (grpo's generated problems) and ``kk`` (Knights and Knaves).
+"""The built-in tasks: ``gsm8k``, ``arithmetic`` (grpo's generated problems), ``kk`` (Knights and Knaves) and
+``reasoning_gym`` (``grpo.tasks.reasoning_gym``).
 
 The two numeric tasks read the answer in the ``<answer>`` tags and compare it as a number
 (``grpo.rewards.answers``, the helpers the rewards use, so a metric and the reward it mirrors cannot
@@ -13,6 +14,7 @@ from grpo.data.sources import load_dataset_source
 from grpo.data.tags import get_tag_style
 from grpo.rewards.answers import answers_equal, extract_answer, is_well_formatted
 from grpo.rewards.knights_knaves import answer_verdict, per_person_accuracy
+from grpo.tasks.reasoning_gym import REASONING_GYM_TASK
 from grpo.tasks.task import Score, Task
 
 # The seeds' reward (answer correct +1 / wrong -1, format ok +1.25 / bad -1): the config schema's default list,
@@ -83,4 +85,5 @@ BUILTIN_TASKS: dict[str, Task] = {
     "kk": Task(name="kk", load=load_dataset_source, system_prompt=kk_system_prompt, score=kk_score,
                rewards=(("kk_logic", 1.0),), same_answer=_same_text, group_of=kk_people,
                metrics=kk_metrics),
+    "reasoning_gym": REASONING_GYM_TASK,  # reasoning-gym's datasets, scored by their own score_answer
 }

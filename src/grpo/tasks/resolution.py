@@ -16,11 +16,12 @@ def task_names() -> list[str]:
 
 
 def task_for_source(source: str) -> str:
-    """The built-in task a data source string belongs to: ``kk`` for ``kk:...``, ``arithmetic`` for
-    ``synthetic:`` / ``arithmetic-tools:``, else ``gsm8k`` (files, folders, hub ids, ``prompts:``)."""
+    """The built-in task a data source string belongs to: ``kk`` / ``reasoning_gym`` for ``kk:`` /
+    ``reasoning_gym:...``, ``arithmetic`` for ``synthetic:`` / ``arithmetic-tools:``, else ``gsm8k`` (files,
+    folders, hub ids, ``prompts:``)."""
     prefix, separator, _ = source.partition(":")
-    if separator and prefix == "kk":
-        return "kk"
+    if separator and prefix in ("kk", "reasoning_gym"):
+        return prefix
     if separator and prefix in ("synthetic", "arithmetic-tools"):
         return "arithmetic"
     return "gsm8k"

@@ -1,0 +1,111 @@
+"""Build ``assets/tiny-rg``: the shipped tiny-math model taught to read reasoning-gym's chain_sum wording (CPU).
+
+The shipped ``assets/tiny-math`` scores 0% on ``reasoning_gym:chain_sum`` (greedy and sampled, format 0%): it
+was trained on grpo's own word problems, and reasoning-gym's "State the final answer to the following
+arithmetic problem: 4 - 1 =" is text it has never read, so GRPO has no reward to follow. This script starts
+from its weights and tokenizer and fine-tunes them (SFT, loss on the completion only) on **one-step** chain_sum
+problems (two one-digit terms) in the task's prompt (``grpo.tasks.reasoning_gym`` system prompt, the chat
+template) with tiny-math's completion format::
+
+    <think>\\n4 - 1 = 3\\n</think>\\n<answer>\\n3\\n</answer>
+
+Two- and three-term sums (``configs/rg-demo-cpu.yaml``'s task) are never shown: tiny-math's own habit of
+stopping a chain after its first step (planted in its build for the main demo, notes in
+``build_tiny_math_model.py``) carries over, so greedy decoding answers the first partial sum, and GRPO's
+reward is what teaches the rest. Training problems use seeds from 1,000,000 on (the held-out set's is 123).
+
+    python scripts/build_tiny_rg_model.py                      # 40 steps: under a minute on 2 idle CPU cores
+    python scripts/build_tiny_rg_model.py --steps 50 --out /tmp/tiny-rg
+Needs reasoning-gym (``pip install 'grpo[envs]'``). Deterministic from ``--seed`` on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from build_tiny_math_model import mean_token_loss  # noqa: E402  (this folder; sets the OpenMP policy first)
+
+import torch  # noqa: E402
+
+from grpo.data import Example, load_dataset_source, render_example  # noqa: E402
+from grpo.tasks.reasoning_gym import rg_system_prompt  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TRAIN_TASK = "chain_sum,min_terms=2,max_terms=2,min_digits=1,max_digits=1"  # one step: a + b, a - b
+
+
+def completion_text(example: Example) -> str:
+    """The one-step chain in tiny-math's format: the expression and its value, then the value as the answer."""
+    expression = example.question.rsplit(":", 1)[1].strip().rstrip("=").strip()
+    return f"<think>\n{expression} = {example.answer_raw}\n</think>\n<answer>\n{example.answer_raw}\n</answer>"
+
+
+def rows_for(tokenizer, examples: list[Example], system_prompt: str) -> list[tuple[list[int], list[int]]]:
+    """(ids, labels) per example: the prompt as the trainer renders it (no loss), completion + EOS (loss)."""
+    prompts = [render_example(tokenizer, e, system_prompt) for e in examples]
+    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    completion_ids = tokenizer([completion_text(e) for e in examples], add_special_tokens=False)["input_ids"]
+    rows = []
+    for p, c in zip(prompt_ids, completion_ids, strict=True):
+        target = c + [tokenizer.eos_token_id]
+        rows.append((p + target, [-100] * len(p) + target))
+    return rows
+
+
+def sft(model, tokenizer, steps: int, batch_size: int, learning_rate: float, seed: int) -> list[dict]:
+    """``steps`` AdamW steps, the learning rate decaying linearly to 0; returns the logged losses."""
+    system_prompt = rg_system_prompt("think")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, betas=(0.9, 0.99), weight_decay=0.0)
+    model.train()
+    history = []
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate * (1.0 - step / steps)
+        source = f"reasoning_gym:{TRAIN_TASK},size={batch_size},seed={1_000_000 + seed * 100_000 + step}"
+        loss = mean_token_loss(model, rows_for(tokenizer, load_dataset_source(source), system_prompt),
+                               tokenizer.pad_token_id, chunks=1)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step % 25 == 0 or step == steps - 1:
+            history.append({"step": step + 1, "loss": round(loss.item(), 4)})
+            print(json.dumps(history[-1]), flush=True)
+    return history
+
+
+def main(argv: list[str] | None = None) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", type=Path, default=REPO_ROOT / "assets" / "tiny-math", help="model to start from")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "assets" / "tiny-rg", help="output folder")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--learning-rate", type=float, default=5e-4)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(2)  # the demo machine: 2 CPU cores
+    torch.manual_seed(args.seed)
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(args.base)
+    model = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch.float32)
+    history = sft(model, tokenizer, args.steps, args.batch_size, args.learning_rate, args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(args.out)
+    tokenizer.save_pretrained(args.out)
+    report = {"base": str(args.base.relative_to(REPO_ROOT) if args.base.is_relative_to(REPO_ROOT) else args.base),
+              "train_task": f"reasoning_gym:{TRAIN_TASK}", "steps": args.steps, "batch_size": args.batch_size,
+              "learning_rate": args.learning_rate, "seed": args.seed, "losses": history,
+              "wall_seconds": round(time.perf_counter() - start, 1)}
+    (args.out / "build_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out} in {report['wall_seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
