@@ -1,7 +1,7 @@
 """The package's layers hold: every import of a grpo module (at module level, inside a function, under
 TYPE_CHECKING, or by ``importlib.import_module("grpo....")``) goes to the same layer or one below; the modules
-import each other without a cycle; and an import inside a function is only of a third-party package that is
-optional or slow to import, with its reason on the line.
+import each other without a cycle; and an import inside a function is only of an optional third-party package (an
+extra), with its reason on the line.
 
 Read from the source with ``ast``: nothing is imported, so a violation is found before it can hide behind an
 import order that happens to work."""
@@ -24,10 +24,8 @@ LAYERS = ["version", "errors", "algorithm", "compat", "data", "rewards", "tasks"
           "weight_store", "rollout", "multiturn", "evaluation", "step", "critic", "training", "decoupled", "api",
           "commands", "cli", "__main__", "__init__"]
 
-# Third-party imports allowed inside functions: optional extras, and packages that take seconds to import and
-# that only some paths need (LoRA, the hub, parquet, math-verify's sympy, TensorBoard, plots).
+# Third-party imports allowed inside functions: the optional extras (and IPython, present only in a notebook).
 OPTIONAL = {"vllm", "deepspeed", "bitsandbytes", "wandb", "IPython", "reasoning_gym"}
-SLOW_ON_SOME_PATHS = {"peft", "datasets", "pyarrow", "pandas", "math_verify", "matplotlib", "torch.utils.tensorboard"}
 
 
 def _modules() -> dict[str, Path]:
@@ -139,7 +137,7 @@ def test_no_import_goes_up_a_layer():
     assert not upward, "imports that go up a layer:\n" + "\n".join(upward)
 
 
-def test_imports_inside_functions_are_only_optional_or_slow_packages_with_a_reason():
+def test_imports_inside_functions_are_only_optional_packages_with_a_reason():
     wrong = []
     for module, path, lines, found in _imports():
         for node, in_function, _ in found:
@@ -150,8 +148,7 @@ def test_imports_inside_functions_are_only_optional_or_slow_packages_with_a_reas
                     wrong.append(f"{_where(path, node)}: import_module of a grpo module inside a function")
                 continue
             name = node.names[0].name if isinstance(node, ast.Import) else node.module
-            allowed = OPTIONAL | SLOW_ON_SOME_PATHS
-            if not any(name == p or name.startswith(p + ".") for p in allowed):
+            if not any(name == p or name.startswith(p + ".") for p in OPTIONAL):
                 wrong.append(f"{_where(path, node)}: `{ast.unparse(node)}` inside a function")
                 continue
             line, above = lines[node.lineno - 1], lines[node.lineno - 2].strip()
@@ -206,7 +203,7 @@ def test_modules_import_without_a_cycle():
 
 @pytest.mark.parametrize("bad, message", [
     ("import grpo.cli\n", "go up"), ("def f():\n    import grpo.data.planted\n", "inside a function"),
-    ("def f():\n    import peft\n", "needs its reason"),
+    ("def f():\n    import vllm\n", "needs its reason"),
 ])
 def test_the_checks_catch_what_they_are_for(bad, message, monkeypatch, tmp_path):
     """Each check fails on a planted module (a check that cannot fail would prove nothing)."""
@@ -215,7 +212,7 @@ def test_the_checks_catch_what_they_are_for(bad, message, monkeypatch, tmp_path)
     planted.write_text(bad)
     cli.write_text("")
     monkeypatch.setattr(sys.modules[__name__], "MODULES", {"grpo.data.planted": planted, "grpo.cli": cli})
-    checks = [test_no_import_goes_up_a_layer, test_imports_inside_functions_are_only_optional_or_slow_packages_with_a_reason]
+    checks = [test_no_import_goes_up_a_layer, test_imports_inside_functions_are_only_optional_packages_with_a_reason]
     failures = []
     for check in checks:
         try:

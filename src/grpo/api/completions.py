@@ -14,6 +14,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import pandas as pd
 from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
@@ -54,8 +55,6 @@ def completion_table(batch: RolloutBatch) -> CompletionTable:
 
 def log_completions(table: CompletionTable, step: int, output_dir: str | Path, num_to_print: int | None) -> Path:
     """Print ``table`` as TRL's panel and write its parquet file; returns the file."""
-    import pandas as pd  # slow to import; only the parquet completions table needs it
-
     print_table(table, step, num_to_print)
     folder = Path(output_dir) / "completions"
     folder.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from peft import LoraConfig, PeftModel
 from transformers import AutoConfig, TrainerControl, TrainerState
 from transformers.trainer_utils import TrainOutput
 
@@ -51,8 +52,6 @@ PEFT_MODEL_AND_CONFIG = (
 def lora_keys(peft_config: Any) -> dict:
     """``model.lora_*`` keys of a peft ``LoraConfig``; a field grpo does not implement, set away from peft's
     default, is a ValueError naming it."""
-    from peft import LoraConfig  # peft takes seconds to import; only LoRA runs need it
-
     if not isinstance(peft_config, LoraConfig):
         raise TypeError(f"peft_config must be a peft LoraConfig, got {type(peft_config).__name__}")
     default = LoraConfig()
@@ -175,8 +174,6 @@ class GRPOTrainer(TrainerAttributes):
 
     @staticmethod
     def _lora(model: Any, peft_config: Any) -> dict | None:
-        from peft import PeftModel  # peft takes seconds to import; only LoRA runs need it
-
         if isinstance(model, PeftModel):
             if peft_config is not None:
                 raise ValueError(PEFT_MODEL_AND_CONFIG)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from peft import LoraConfig, get_peft_model
 from torch import Tensor
 from transformers import AutoModel
 
@@ -81,8 +82,6 @@ def load_value_model(critic: CriticConfig, model: ModelConfig, device: torch.dev
         _enable_checkpointing(body)
         body.config.use_cache = False
     if critic.lora_r > 0:
-        from peft import LoraConfig, get_peft_model  # peft takes seconds to import; only LoRA runs need it
-
         if critic.gradient_checkpointing:
             body.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need grads
         body = get_peft_model(body, LoraConfig(r=critic.lora_r, lora_alpha=critic.lora_alpha,

@@ -14,6 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import datasets
+from datasets.exceptions import DatasetsError
+
 from grpo.data.example import DataError
 from grpo.data.readers import READERS, Row, read_rows, resolve_split_files
 
@@ -49,10 +52,6 @@ def iter_rows(source: str | Path, split: str, hub_config: str | None = None) -> 
 
 
 def _hub_rows(hub_id: str, config: str | None, split: str) -> Iterator[Row]:
-    # Imported here: loading `datasets` is slow and only hub users need it.
-    import datasets
-    from datasets.exceptions import DatasetsError  # `datasets` is slow to import; only hub users need it
-
     try:
         dataset = datasets.load_dataset(hub_id, config, split=split)
     except (OSError, DatasetsError) as err:

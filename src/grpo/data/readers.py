@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet
+
 from grpo.data.example import DataError
 
 
@@ -107,8 +109,6 @@ def _read_json_array(path: Path, text: str, start: int) -> Iterator[Row]:
 
 
 def _read_parquet(path: Path) -> Iterator[Row]:
-    import pyarrow.parquet  # imported here: only parquet users pay for the import
-
     for row_number, value in enumerate(pyarrow.parquet.read_table(path).to_pylist(), start=1):
         yield _as_row(path, row_number, "row", value)
 

@@ -7,6 +7,7 @@ from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 
 import torch
+from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
@@ -56,8 +57,6 @@ def _load_causal_lm(name_or_path: str, dtype: torch.dtype, cfg: ModelConfig, key
 def _load_4bit(cfg: ModelConfig, device: torch.device):
     """The base in 4-bit NF4 with double quantisation (the QLoRA recipe), compute in bf16/fp32, made
     ready for k-bit training (norms in fp32, input grads for checkpointing) by peft."""
-    from peft import prepare_model_for_kbit_training  # peft takes seconds to import; only LoRA runs need it
-
     quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                       bnb_4bit_compute_dtype=policy_dtype(cfg))
     kwargs = {"quantization_config": quantization, "device_map": {"": device.index or 0},
@@ -171,7 +170,6 @@ def prepare_policy(model: torch.nn.Module, cfg: ModelConfig, device: torch.devic
     its user's model here, so that the user's object ends up holding the trained weights."""
     if device is not None or dtype is not None:
         model.to(device=device, dtype=dtype)
-    from peft import PeftModel  # peft takes seconds to import; only LoRA runs need it
 
     already_peft = isinstance(model, PeftModel)
     if cfg.gradient_checkpointing:
@@ -183,8 +181,6 @@ def prepare_policy(model: torch.nn.Module, cfg: ModelConfig, device: torch.devic
         if cfg.lora_r > 0 or already_peft:
             model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need grads
     if cfg.lora_r > 0 and not already_peft:
-        from peft import LoraConfig, get_peft_model  # peft takes seconds to import; only LoRA runs need it
-
         lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                           target_modules=cfg.lora_target_modules, task_type="CAUSAL_LM")
         model = get_peft_model(model, lora)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from grpo.config import ConfigError, RunConfig, load_config
@@ -207,8 +208,6 @@ def load_model_for_inference(source: ModelSource, device: torch.device | str = "
     trust = source.config.model.trust_remote_code if source.config is not None else False
     tokenizer = load_tokenizer(source.tokenizer_dir, trust_remote_code=trust)
     if source.is_adapter:
-        from peft import PeftModel  # peft takes seconds to import; only LoRA runs need it
-
         base_path = source.base_model
         assert base_path is not None
         try:

@@ -17,6 +17,8 @@ import threading
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from math_verify import parse, verify
+
 from grpo.data.tags import TagStyle, get_tag_style
 
 # math-verify's own default, in seconds, for each parse and each comparison.
@@ -161,8 +163,6 @@ def _math_parse(text: str, timeout: int | None) -> list[Any]:
     expression extractor would pick out the number ``1``. Wrapping in ``$...$`` keeps the whole
     expression; the plain extractor is only the fallback when that finds nothing.
     """
-    from math_verify import parse  # imported here: it pulls in sympy, which is slow to import
-
     if "$" not in text and "\\(" not in text and "\\[" not in text:
         parsed = parse(f"${text}$", parsing_timeout=timeout)
         if parsed:
@@ -171,8 +171,6 @@ def _math_parse(text: str, timeout: int | None) -> list[Any]:
 
 
 def _math_verify_equal(pred: str, gold: str) -> bool:
-    from math_verify import verify  # it pulls in sympy, which is slow to import
-
     timeout = _math_verify_timeout()
     gold_parsed = _math_parse(gold, timeout)
     pred_parsed = _math_parse(pred, timeout)

@@ -18,6 +18,8 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Sequence
 
 import torch
+from peft import PeftModel
+from peft.tuners.lora import LoraLayer
 from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
@@ -35,11 +37,6 @@ def folded_lora_weights(model: torch.nn.Module) -> dict[str, Tensor] | None:
     """For a peft LoRA model: ``{parameter name: W + delta}`` for every adapted base weight (active
     adapters folded in, as peft's own merge computes them), to sample with in place of those weights
     (``weights_swapped``) with the adapter layers disabled; None for any other model."""
-    try:
-        from peft import PeftModel  # peft takes seconds to import; only LoRA runs need it
-        from peft.tuners.lora import LoraLayer  # peft takes seconds to import; only LoRA runs need it
-    except ImportError:
-        return None
     if not isinstance(model, PeftModel):
         return None
     folded = {}

@@ -17,17 +17,10 @@ from __future__ import annotations
 import copy
 
 import torch
+from peft.tuners.lora import LoraLayer
 from torch import Tensor
 
 from grpo.models.wrappers import unwrap_model
-
-
-def _lora_layer_type():
-    try:
-        from peft.tuners.lora import LoraLayer  # peft takes seconds to import; only LoRA runs need it
-    except ImportError:
-        return None
-    return LoraLayer
 
 
 def _base_model(policy: torch.nn.Module) -> torch.nn.Module:
@@ -53,9 +46,7 @@ class SamplingCopy:
     def __init__(self, policy: torch.nn.Module, dtype: torch.dtype):
         self.policy, self.dtype = policy, dtype
         base = _base_model(policy)
-        lora_type = _lora_layer_type()
-        lora_names = [name for name, module in base.named_modules()
-                      if lora_type is not None and isinstance(module, lora_type)]
+        lora_names = [name for name, module in base.named_modules() if isinstance(module, LoraLayer)]
         for name in lora_names:
             weight = getattr(base.get_submodule(name).base_layer, "weight", None)
             if weight is None or not weight.is_floating_point():

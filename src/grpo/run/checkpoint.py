@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import safetensors.torch
 import torch
+from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors import SafetensorError
 
 from grpo.models.state_dicts import unmatched_keys
@@ -187,8 +188,6 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _is_peft(model: torch.nn.Module) -> bool:
-    from peft import PeftModel  # imported here: peft takes seconds to import
-
     return isinstance(model, PeftModel)
 
 
@@ -348,8 +347,6 @@ def _load_full_model(path: Path, model: torch.nn.Module) -> None:
 
 
 def _load_adapter(path: Path, model: torch.nn.Module) -> None:
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict  # peft takes seconds to import
-
     file = path / ADAPTER_FILE
     if not file.exists() and (path / MODEL_FILE).exists():
         raise CheckpointError(f"{path} holds full model weights, but the model to load into is a PeftModel")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 
 from grpo.models.state_dicts import storage_key, unmatched_keys
 from grpo.weight_store.files import _json_safe
@@ -17,8 +18,6 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _is_peft(model: torch.nn.Module) -> bool:
-    from peft import PeftModel  # imported here: peft takes seconds to import
-
     return isinstance(model, PeftModel)
 
 
@@ -33,8 +32,6 @@ def state_dict_for_publish(model: torch.nn.Module) -> tuple[dict[str, torch.Tens
     """
     model = _unwrap(model)
     if _is_peft(model):
-        from peft import get_peft_model_state_dict  # peft takes seconds to import; only LoRA runs need it
-
         state = get_peft_model_state_dict(model)
         adapter_config: dict[str, Any] | None = _json_safe(model.peft_config[model.active_adapter].to_dict())
         kind: Kind = "lora"
@@ -93,8 +90,6 @@ def _apply_full(model: torch.nn.Module, loaded: LoadedWeights, where: str) -> No
 
 
 def _apply_adapter(model: torch.nn.Module, loaded: LoadedWeights, where: str) -> None:
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict  # peft takes seconds to import
-
     own_config = model.peft_config[model.active_adapter].to_dict()
     published = loaded.adapter_config or {}
     for key in ("r", "lora_alpha", "use_rslora"):  # a different scaling would load silently otherwise
