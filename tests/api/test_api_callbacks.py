@@ -142,17 +142,17 @@ def test_a_dict_of_eval_sets_gives_an_entry_per_set_as_trl():
 
 def test_each_set_is_logged_and_the_best_metric_kept_as_trainer_does(tmp_path):
     """In training, each set's entry is logged and passed to on_evaluate; metric_for_best_model then reads the
-    merged metrics (the last set's value of a shared name, as Trainer's), and trainer_state.json names the best
-    checkpoint once its folder exists."""
+    merged metrics (the last set's value of a shared name, as Trainer's), trainer_state.json names the best
+    checkpoint once its folder exists, and save_total_limit keeps it (with the newest) as Trainer's rotation."""
     import types
 
     args = types.SimpleNamespace(metric_for_best_model="reward", greater_is_better=None)
     state, recorder = TrainerState(), Recorder()
     hooks = CallbackHooks(args, state, TrainerControl(), [recorder], model=None, tokenizer=None, reward_names=[],
                           completions_per_step=8, updates_per_step=1, logging_steps=1, write_trainer_state=True,
-                          eval_rows={"easy": 4, "hard": 2})
-    hooks.train_begin(0, 3)
-    for step, (easy, hard) in zip((1, 2, 3), ((0.1, 0.5), (0.9, 0.7), (0.8, 0.6))):
+                          eval_rows={"easy": 4, "hard": 2}, save_total_limit=1)
+    hooks.train_begin(0, 4)
+    for step, (easy, hard) in zip((1, 2, 3, 4), ((0.1, 0.5), (0.9, 0.7), (0.8, 0.6), (0.0, 0.0))):
         hooks.step_begin(step)
         hooks.evaluated(step, {"eval/easy/reward/total": easy, "eval/easy/accuracy": 0.0,
                                "eval/hard/reward/total": hard, "eval/hard/accuracy": 0.0, "time/eval_s": 1.0})
@@ -161,17 +161,19 @@ def test_each_set_is_logged_and_the_best_metric_kept_as_trainer_does(tmp_path):
             hooks.saved(step, tmp_path / f"checkpoint-{step}")
         hooks.step_end(step, StepReport(step_metrics(step), [], None))
     evaluations = [e for e in state.log_history if any(k.startswith("eval_") for k in e)]
-    assert [(e["step"], e["eval_reward"], "eval_easy_runtime" in e) for e in evaluations] == [
+    assert [(e["step"], e["eval_reward"], "eval_easy_runtime" in e) for e in evaluations[:6]] == [
         (1, 0.1, True), (1, 0.5, False), (2, 0.9, True), (2, 0.7, False), (3, 0.8, True), (3, 0.6, False)]
-    assert [e for e in recorder.events if e[0] == "on_evaluate"] == [("on_evaluate", s) for s in (1, 1, 2, 2, 3, 3)]
+    assert [e for e in recorder.events if e[0] == "on_evaluate"] == [("on_evaluate", s)
+                                                                     for s in (1, 1, 2, 2, 3, 3, 4, 4)]
     assert (state.best_metric, state.best_global_step) == (0.7, 2)  # hard's, the last set's
     assert state.best_model_checkpoint == str(tmp_path / "checkpoint-1")  # Trainer's: kept, checkpoint-2 never saved
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "checkpoint-4"]  # the best, the newest
     saved = TrainerState.load_from_json(str(tmp_path / "checkpoint-1" / "trainer_state.json"))
     assert (saved.best_metric, saved.best_global_step) == (0.5, 1)
     assert saved.best_model_checkpoint == str(tmp_path / "checkpoint-1")
     args.metric_for_best_model = "eval_accuracy"
     with pytest.raises(KeyError, match="'eval_accuracy', which is not found in the evaluation metrics"):
-        hooks.evaluated(3, {"eval/easy/accuracy": 0.0, "eval/hard/accuracy": 0.0})
+        hooks.evaluated(4, {"eval/easy/accuracy": 0.0, "eval/hard/accuracy": 0.0})
 
 
 def test_the_last_step_is_evaluated_inside_it_under_trls_rule():

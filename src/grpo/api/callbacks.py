@@ -16,6 +16,8 @@ import os
 import time
 from pathlib import Path
 
+from transformers.trainer_utils import rotate_checkpoints
+
 from grpo.api.completions import CompletionTable, completion_table, log_completions
 from grpo.training.loop import LoopHooks, StepReport
 
@@ -94,13 +96,16 @@ class CallbackHooks(LoopHooks):
 
     def __init__(self, args, state, control, callbacks: list, *, model, tokenizer, reward_names: list[str],
                  completions_per_step: int, updates_per_step: int, logging_steps: int,
-                 write_trainer_state: bool = False, eval_rows: dict[str, int] | None = None):
+                 write_trainer_state: bool = False, eval_rows: dict[str, int] | None = None,
+                 save_total_limit: int | None = None):
         self.args, self.state, self.control, self.callbacks = args, state, control, callbacks
         self.model, self.tokenizer = model, tokenizer
         self.reward_names, self.completions, self.ni = reward_names, completions_per_step, updates_per_step
         self.logging_steps = logging_steps  # in updates, as TRL's
         self.write_trainer_state = write_trainer_state  # into each checkpoint folder, as Trainer does (TRL's layout)
         self.eval_rows = eval_rows or {}  # {eval set: rows} ("": the unnamed set), an entry each
+        # checkpoints kept, rotated here by Trainer's rule (the best one kept too) when the run itself does not
+        self.save_total_limit = save_total_limit
         self.window: list[dict[str, float]] = []
         # the running step's on_evaluate/on_save/on_epoch_end, fired after its updates' events
         self.pending: list[tuple[str, dict]] = []
@@ -202,6 +207,8 @@ class CallbackHooks(LoopHooks):
             partial = path / ".trainer_state.json.tmp"
             self.state.save_to_json(str(partial))
             os.replace(partial, path / "trainer_state.json")
+            if self.save_total_limit:  # by step, as grpo prunes (Trainer's own sorts by mtime)
+                rotate_checkpoints(str(Path(path).parent), self.save_total_limit, self.state.best_model_checkpoint)
         self._call("on_save")
 
     def step_end(self, step: int, report: StepReport) -> bool:

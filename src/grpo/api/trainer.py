@@ -239,8 +239,12 @@ class GRPOTrainer(TrainerAttributes):
         ``trainer_state.json`` restores ``state``, the log history and best metric included). Returns
         ``TrainOutput(global_step, training_loss, metrics)``. Ctrl-C saves the last finished step and returns here."""
         checkpoint = resumed_checkpoint(resume_from_checkpoint, self.config)
+        # With metric_for_best_model the hooks rotate the checkpoints, keeping the best one as Trainer does
+        keeps_best = getattr(self.args, "metric_for_best_model", None) is not None
+        limit = self.config.train.save_total_limit
         cfg = dataclasses.replace(self.config, train=dataclasses.replace(
-            self.config.train, resume=False, resume_from=str(checkpoint) if checkpoint else None))
+            self.config.train, resume=False, resume_from=str(checkpoint) if checkpoint else None,
+            save_total_limit=None if keeps_best else limit))
         state_file = checkpoint / TRAINER_STATE_FILE if checkpoint else None
         # A fresh state per train(), as Trainer's; a resumed one is the checkpoint's, its log history included.
         self.state = TrainerState.load_from_json(str(state_file)) if state_file and state_file.is_file() \
@@ -248,7 +252,7 @@ class GRPOTrainer(TrainerAttributes):
         if self.state.best_model_checkpoint and not Path(self.state.best_model_checkpoint).is_dir():
             self.state.best_model_checkpoint = None  # as Trainer: a best checkpoint deleted since is forgotten
         self.state.save_steps, self.state.train_batch_size = self.args.save_steps, self.args.per_device_train_batch_size
-        hooks = self._hooks(cfg, self.eval_sets)
+        hooks = self._hooks(cfg, self.eval_sets, save_total_limit=limit if keeps_best else None)
         evaluating = self.args.eval_strategy != "no" and self.eval_sets
         given = dataclasses.replace(self._given(self.train_set, dict(self.eval_sets) if evaluating else None),
                                     policy=self.model, hooks=hooks)  # named sets: eval/<name>/...
@@ -262,13 +266,15 @@ class GRPOTrainer(TrainerAttributes):
         summary = hooks.summary()
         return TrainOutput(self.state.global_step, summary.get("train_loss", 0.0), summary)
 
-    def _hooks(self, cfg, eval_sets: dict[str, list]) -> CallbackHooks:
-        """The loop's callouts into ``state`` and the callbacks, evaluating ``eval_sets`` (an entry each)."""
+    def _hooks(self, cfg, eval_sets: dict[str, list], save_total_limit: int | None = None) -> CallbackHooks:
+        """The loop's callouts into ``state`` and the callbacks, evaluating ``eval_sets`` (an entry each);
+        ``save_total_limit``: the checkpoints the hooks keep (None: the run prunes them itself)."""
         return CallbackHooks(self.args, self.state, self.control, self.callbacks, model=self.model,
                              tokenizer=self.processing_class, reward_names=[f.name for f in self.reward_fns],
                              completions_per_step=cfg.train.prompts_per_step * cfg.rollout.num_generations,
                              updates_per_step=cfg.loss.num_iterations, logging_steps=self._logging_updates(cfg),
-                             write_trainer_state=True, eval_rows={name: len(s) for name, s in eval_sets.items()})
+                             write_trainer_state=True, eval_rows={name: len(s) for name, s in eval_sets.items()},
+                             save_total_limit=save_total_limit)
 
     def _given(self, train_set, eval_set):
         """The objects this trainer holds, as ``GivenInputs`` (no policy or hooks: ``train()`` adds them)."""
