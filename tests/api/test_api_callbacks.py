@@ -138,6 +138,12 @@ def test_a_dict_of_eval_sets_gives_an_entry_per_set_as_trl():
     assert hard == {"eval_hard_accuracy": 0.1, "eval_reward": 0.2, "eval_completions/max_length": 9.0,
                     "eval_hard_runtime": 1.0, "eval_hard_samples_per_second": 2.0,
                     "eval_hard_steps_per_second": 1.0}
+    # the config's own data.eval (grpo_overrides), whose rows the API does not hold: the sets the metrics name
+    easy, hard = trl_eval_entries(metrics, {}, batch_size=4)
+    assert (easy["eval_easy_accuracy"], easy["eval_easy_runtime"], hard["eval_hard_samples_per_second"]) == (0.5, 1.5,
+                                                                                                           0.0)
+    [one] = trl_eval_entries({"eval/accuracy": 0.5, "eval/accuracy/people=3": 1.0}, {}, batch_size=4)
+    assert one == {"eval_accuracy": 0.5, "eval_accuracy/people=3": 1.0}
 
 
 def test_each_set_is_logged_and_the_best_metric_kept_as_trainer_does(tmp_path):

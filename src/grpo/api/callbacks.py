@@ -342,6 +342,12 @@ def eval_set_metrics(metrics: dict[str, float], set_names: list[str]) -> dict[st
     return by_set
 
 
+def _named_sets(metrics: dict[str, float]) -> list[str]:
+    """The named sets an evaluation's metrics hold (each has its own ``eval/<set>/accuracy``)."""
+    heads = dict.fromkeys(name.split("/")[1] for name in metrics if name.startswith("eval/") and name.count("/") > 1)
+    return [head for head in heads if f"eval/{head}/accuracy" in metrics]
+
+
 def trl_eval_entries(metrics: dict[str, float], set_rows: dict[str, int], batch_size: int,
                      prefix: str = "eval") -> list[dict[str, float]]:
     """An evaluation's ``eval/*`` metrics (``time/eval_s`` its seconds) as the log entries Trainer.evaluate makes,
@@ -353,8 +359,10 @@ def trl_eval_entries(metrics: dict[str, float], set_rows: dict[str, int], batch_
     ``metric_key_prefix`` for a dict of sets) ``runtime``, ``samples_per_second`` and ``steps_per_second``
     (rows in batches of ``batch_size``, as Trainer counts them) and grpo's own (accuracy, pass@k, ...), as a
     ``compute_metrics`` result would be. The sets share generation calls, so a set's runtime is its rows' share
-    of the evaluation's seconds."""
-    seconds, total = metrics.get("time/eval_s"), max(sum(set_rows.values()), 1)
+    of the evaluation's seconds. No ``set_rows`` (the config's own ``data.eval``, through ``grpo_overrides``): the
+    sets the metrics name, their rows unknown (rates 0, the seconds shared evenly)."""
+    set_rows = set_rows or dict.fromkeys(_named_sets(metrics) or [""], 0)
+    seconds, total = metrics.get("time/eval_s"), sum(set_rows.values())
     entries = []
     for set_name, rest_values in eval_set_metrics(metrics, list(set_rows)).items():
         own = f"{prefix}_{set_name}" if set_name else prefix
@@ -368,7 +376,7 @@ def trl_eval_entries(metrics: dict[str, float], set_rows: dict[str, int], batch_
             entry[f"{prefix}_{key}" if key else f"{own}_{rest}"] = value
         if seconds:
             rows = set_rows[set_name]
-            runtime = seconds * rows / total
+            runtime = seconds * (rows / total if total else 1 / len(set_rows))
             entry[f"{own}_runtime"] = round(runtime, 4)
             entry[f"{own}_samples_per_second"] = round(rows / runtime, 3)
             entry[f"{own}_steps_per_second"] = round(math.ceil(rows / max(batch_size, 1)) / runtime, 3)
