@@ -9,7 +9,7 @@ import math
 import pytest
 from transformers import TrainerCallback, TrainerControl, TrainerState
 
-from grpo.api.callbacks import CallbackHooks, trl_eval_metrics, trl_metrics, update_entries
+from grpo.api.callbacks import CallbackHooks, trl_eval_entries, trl_metrics, update_entries
 from grpo.training.loop import StepReport
 
 
@@ -64,7 +64,7 @@ def test_two_iterations_log_and_call_back_per_update_as_trl():
     evaluation at global step 2 and the last step's checkpoint."""
     state, control, recorder = TrainerState(), TrainerControl(), Recorder()
     hooks = CallbackHooks(None, state, control, [recorder], model=None, tokenizer=None, reward_names=["judge"],
-                          completions_per_step=8, updates_per_step=2, logging_steps=1, eval_examples=8)
+                          completions_per_step=8, updates_per_step=2, logging_steps=1, eval_rows={"": 8})
     hooks.train_begin(0, 2)
     for step in (1, 2):
         hooks.step_begin(step)
@@ -115,16 +115,71 @@ def test_eval_metrics_under_trls_names():
     metrics = {"eval/accuracy": 0.5, "eval/reward/total": 1.5, "eval/reward_std/total": 0.5,
                "eval/reward/judge": 1.0, "eval/reward_std/judge": 0.1, "eval/truncated_rate": 0.25,
                "eval/completion_length/mean": 7.0, "eval/terminated_length/min": 3.0,
-               "eval/hard/accuracy": 0.1, "eval/hard/reward/total": 0.2, "eval/accuracy/people=3": 1.0,
-               "time/eval_s": 4.0}
-    got = trl_eval_metrics(metrics, ["judge"], examples=10, batch_size=4)
+               "eval/accuracy/people=3": 1.0, "time/eval_s": 4.0}
+    [got] = trl_eval_entries(metrics, {"": 10}, batch_size=4)
     assert got == {
         "eval_accuracy": 0.5, "eval_reward": 1.5, "eval_reward_std": 0.5, "eval_rewards/judge/mean": 1.0,
         "eval_rewards/judge/std": 0.1, "eval_completions/clipped_ratio": 0.25, "eval_completions/mean_length": 7.0,
-        "eval_completions/min_terminated_length": 3.0, "eval_hard_accuracy": 0.1, "eval_hard_reward": 0.2,
-        "eval_accuracy/people=3": 1.0, "eval_runtime": 4.0, "eval_samples_per_second": 2.5,
-        "eval_steps_per_second": 0.75}  # 10 rows in 3 batches of 4, as Trainer counts them
-    assert "test_reward" in trl_eval_metrics(metrics, [], 10, 4, prefix="test")
+        "eval_completions/min_terminated_length": 3.0, "eval_accuracy/people=3": 1.0, "eval_runtime": 4.0,
+        "eval_samples_per_second": 2.5, "eval_steps_per_second": 0.75}  # 10 rows in 3 batches of 4, as Trainer's
+    assert "test_reward" in trl_eval_entries(metrics, {"": 10}, 4, prefix="test")[0]
+
+
+def test_a_dict_of_eval_sets_gives_an_entry_per_set_as_trl():
+    """Trainer.evaluate with a dict: one entry per set, TRL's GRPO metrics under eval_ in each (TRL's log adds
+    eval_ whatever the set), the set's runtime and grpo's own metrics under eval_<set>_ (metric_key_prefix)."""
+    metrics = {"eval/easy/accuracy": 0.5, "eval/easy/reward/total": 1.5, "eval/easy/reward/judge": 1.0,
+               "eval/hard/accuracy": 0.1, "eval/hard/reward/total": 0.2, "eval/hard/completion_length/max": 9.0,
+               "time/eval_s": 3.0}
+    easy, hard = trl_eval_entries(metrics, {"easy": 4, "hard": 2}, batch_size=4)
+    assert easy == {"eval_easy_accuracy": 0.5, "eval_reward": 1.5, "eval_rewards/judge/mean": 1.0,
+                    "eval_easy_runtime": 2.0, "eval_easy_samples_per_second": 2.0,
+                    "eval_easy_steps_per_second": 0.5}  # 4 of the 6 rows: 2 of the 3 shared seconds
+    assert hard == {"eval_hard_accuracy": 0.1, "eval_reward": 0.2, "eval_completions/max_length": 9.0,
+                    "eval_hard_runtime": 1.0, "eval_hard_samples_per_second": 2.0,
+                    "eval_hard_steps_per_second": 1.0}
+    # the config's own data.eval (grpo_overrides), whose rows the API does not hold: the sets the metrics name
+    easy, hard = trl_eval_entries(metrics, {}, batch_size=4)
+    assert (easy["eval_easy_accuracy"], easy["eval_easy_runtime"], hard["eval_hard_samples_per_second"]) == (0.5, 1.5,
+                                                                                                           0.0)
+    [one] = trl_eval_entries({"eval/accuracy": 0.5, "eval/accuracy/people=3": 1.0}, {}, batch_size=4)
+    assert one == {"eval_accuracy": 0.5, "eval_accuracy/people=3": 1.0}
+
+
+def test_each_set_is_logged_and_the_best_metric_kept_as_trainer_does(tmp_path):
+    """In training, each set's entry is logged and passed to on_evaluate; metric_for_best_model then reads the
+    merged metrics (the last set's value of a shared name, as Trainer's), trainer_state.json names the best
+    checkpoint once its folder exists, and save_total_limit keeps it (with the newest) as Trainer's rotation."""
+    import types
+
+    args = types.SimpleNamespace(metric_for_best_model="reward", greater_is_better=None)
+    state, recorder = TrainerState(), Recorder()
+    hooks = CallbackHooks(args, state, TrainerControl(), [recorder], model=None, tokenizer=None, reward_names=[],
+                          completions_per_step=8, updates_per_step=1, logging_steps=1, write_trainer_state=True,
+                          eval_rows={"easy": 4, "hard": 2}, save_total_limit=1)
+    hooks.train_begin(0, 4)
+    for step, (easy, hard) in zip((1, 2, 3, 4), ((0.1, 0.5), (0.9, 0.7), (0.8, 0.6), (0.0, 0.0))):
+        hooks.step_begin(step)
+        hooks.evaluated(step, {"eval/easy/reward/total": easy, "eval/easy/accuracy": 0.0,
+                               "eval/hard/reward/total": hard, "eval/hard/accuracy": 0.0, "time/eval_s": 1.0})
+        if step != 2:  # no checkpoint-2: the best step's folder is named only once it exists
+            (tmp_path / f"checkpoint-{step}").mkdir()
+            hooks.saved(step, tmp_path / f"checkpoint-{step}")
+        hooks.step_end(step, StepReport(step_metrics(step), [], None))
+    evaluations = [e for e in state.log_history if any(k.startswith("eval_") for k in e)]
+    assert [(e["step"], e["eval_reward"], "eval_easy_runtime" in e) for e in evaluations[:6]] == [
+        (1, 0.1, True), (1, 0.5, False), (2, 0.9, True), (2, 0.7, False), (3, 0.8, True), (3, 0.6, False)]
+    assert [e for e in recorder.events if e[0] == "on_evaluate"] == [("on_evaluate", s)
+                                                                     for s in (1, 1, 2, 2, 3, 3, 4, 4)]
+    assert (state.best_metric, state.best_global_step) == (0.7, 2)  # hard's, the last set's
+    assert state.best_model_checkpoint == str(tmp_path / "checkpoint-1")  # Trainer's: kept, checkpoint-2 never saved
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "checkpoint-4"]  # the best, the newest
+    saved = TrainerState.load_from_json(str(tmp_path / "checkpoint-1" / "trainer_state.json"))
+    assert (saved.best_metric, saved.best_global_step) == (0.5, 1)
+    assert saved.best_model_checkpoint == str(tmp_path / "checkpoint-1")
+    args.metric_for_best_model = "eval_accuracy"
+    with pytest.raises(KeyError, match="'eval_accuracy', which is not found in the evaluation metrics"):
+        hooks.evaluated(4, {"eval/easy/accuracy": 0.0, "eval/hard/accuracy": 0.0})
 
 
 def test_the_last_step_is_evaluated_inside_it_under_trls_rule():

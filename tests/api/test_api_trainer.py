@@ -203,14 +203,17 @@ def test_evaluate_scores_as_a_run_does_with_samples_rewards_and_named_sets(tiny_
                           eval_dataset={"easy": rows(4), "more": rows(6)},
                           args=args_for(tmp_path / "run", grpo_overrides={"eval.num_samples": 2}))
     metrics = trainer.evaluate()
-    for name in ("easy", "more"):
-        for key in ("accuracy", "format_rate", "pass@2", "mean@2", "rewards/digit_reward/mean",
-                    "rewards/length_reward/std", "reward", "reward_std", "completions/mean_length"):
-            assert f"eval_{name}_{key}" in metrics, (name, key, sorted(metrics))
-    assert metrics["eval_more_rewards/length_reward/mean"] <= 0  # the reward itself, not a stand-in
-    for key in ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "eval_num_tokens"):
-        assert key in metrics, key  # TRL's evaluation loop's
-    assert trainer.state.log_history[-1]["eval_easy_accuracy"] == metrics["eval_easy_accuracy"]
+    easy, more = trainer.state.log_history[-2:]  # an entry per set, as Trainer.evaluate logs a dict of sets
+    for name, entry in (("easy", easy), ("more", more)):
+        for key in ("accuracy", "format_rate", "pass@2", "mean@2", "runtime", "samples_per_second",
+                    "steps_per_second"):
+            assert f"eval_{name}_{key}" in entry and f"eval_{name}_{key}" in metrics, (name, key, sorted(entry))
+        for key in ("rewards/digit_reward/mean", "rewards/length_reward/std", "reward", "reward_std",
+                    "completions/mean_length", "num_tokens"):  # TRL's own: eval_ in each set's entry
+            assert f"eval_{key}" in entry, (name, key, sorted(entry))
+    assert more["eval_rewards/length_reward/mean"] <= 0  # the reward itself, not a stand-in
+    assert metrics["eval_reward"] == more["eval_reward"]  # merged as Trainer's: the last set's value
+    assert easy["eval_easy_accuracy"] == metrics["eval_easy_accuracy"] and "eval_more_accuracy" not in easy
     one = trainer.evaluate(rows(4), metric_key_prefix="test")
     assert one["test_accuracy"] == metrics["eval_easy_accuracy"]  # greedy: the same 4 problems, the same score
     assert not (tmp_path / "run").exists()  # evaluation writes nothing

@@ -6,6 +6,7 @@ instance per rollout (no extra probe)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -128,17 +129,17 @@ def test_rollout_func_gets_the_trainer_with_its_current_weights(tiny_model_dir, 
 @pytest.mark.slow
 def test_checkpoints_and_resume_follow_trl(tiny_model_dir, tmp_path):
     """num_iterations=2: checkpoint-<optimizer update> with transformers' trainer_state.json; resuming from a
-    named checkpoint trains from it (not from the newest) to the same weights and restores the log history."""
+    named checkpoint trains from it (not from the newest) to the same weights and restores the log history, in
+    its own output_dir or in another run's folder."""
     from transformers import AutoModelForCausalLM, TrainerState
 
     rows = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}]} for i in range(16)]
 
-    def run(resume=None):
+    def run(resume=None, out=tmp_path / "run"):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-        trainer = GRPOTrainer(model, number_reward, args_for(tmp_path / "run", per_device_train_batch_size=8,
-                                                              num_generations=4, max_steps=4, num_iterations=2,
-                                                              save_steps=2),
-                              train_dataset=rows)
+        args = args_for(out, per_device_train_batch_size=8, num_generations=4, max_steps=4, num_iterations=2,
+                        save_steps=2)
+        trainer = GRPOTrainer(model, number_reward, args, train_dataset=rows)
         return trainer, trainer.train(resume_from_checkpoint=resume)
 
     first, output = run()
@@ -159,6 +160,20 @@ def test_checkpoints_and_resume_follow_trl(tiny_model_dir, tmp_path):
 
     with pytest.raises(ValueError, match="Can't find a valid checkpoint at"):
         resumed.train(resume_from_checkpoint=str(out / "checkpoint-6"))
+
+    # another run's checkpoint, as TRL resumes it: this run starts from its state and writes into its own folder
+    elsewhere, output = run(resume=str(out / "checkpoint-2"), out=tmp_path / "other")
+    assert output.global_step == 4 and elsewhere.state.log_history[:len(saved.log_history)] == saved.log_history
+    assert sorted(p.name for p in (tmp_path / "other").glob("checkpoint-*")) == ["checkpoint-4"]
+    got = elsewhere.model.state_dict()
+    assert all(torch.equal(want[k], got[k]) for k in want)  # the same steps 3 and 4 from the same state
+    trl_written = tmp_path / "trl" / "checkpoint-2"  # TRL's own trainer writes no grpo_state.json
+    shutil.copytree(out / "checkpoint-2", trl_written)
+    (trl_written / "grpo_state.json").unlink()
+    with pytest.raises(ValueError, match="has no grpo_state.json: grpo resumes the checkpoints it wrote"):
+        elsewhere.train(resume_from_checkpoint=str(trl_written))
+    with pytest.raises(ValueError, match="not a checkpoint folder of this run's shape"):
+        elsewhere.train(resume_from_checkpoint=str(tmp_path / "trl"))
     with pytest.raises(ValueError, match="No valid checkpoint found in output directory"):
         GRPOTrainer(str(tiny_model_dir), number_reward, args_for(tmp_path / "empty"),
                     train_dataset=rows).train(resume_from_checkpoint=True)

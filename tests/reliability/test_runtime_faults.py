@@ -214,6 +214,23 @@ def test_no_loadable_checkpoint_is_an_error_naming_the_file(finished_run, tiny_m
         "a failed resume must not start the run over (metrics, checkpoints untouched)"
 
 
+def test_resume_from_another_runs_checkpoint_starts_a_new_run_from_it(finished_run, tiny_model_dir, recipe,
+                                                                       tmp_path, capsys):
+    """train.resume_from naming another run's checkpoint: a new run in output_dir (guarded as one) that trains
+    steps 3 and 4 from step 2's state, as the finished run did; the source run is left as it was."""
+    before = snapshot(finished_run)
+    source = finished_run / "checkpoints" / "step-2"
+    out = tmp_path / "continued"
+    assert train(recipe, tiny_model_dir, out, **{"train.max_steps": 4, "train.save_total_limit": None,
+                                                 "train.resume_from": str(source)}) == 0
+    assert [r["step"] for r in train_rows(out)] == [3, 4]
+    assert same_weights(model_weights(out / "final"), model_weights(finished_run / "final"))
+    assert snapshot(finished_run) == before
+    capsys.readouterr()
+    assert train(recipe, tiny_model_dir, out, **{"train.resume_from": str(source)}) == 2  # out holds a run now
+    assert "already holds a run" in grpo_message(capsys.readouterr().err)
+
+
 # ---------------------------------------------------------------- another run's folder
 
 

@@ -16,6 +16,8 @@ import os
 import time
 from pathlib import Path
 
+from transformers.trainer_utils import rotate_checkpoints
+
 from grpo.api.completions import CompletionTable, completion_table, log_completions
 from grpo.training.loop import LoopHooks, StepReport
 
@@ -94,13 +96,16 @@ class CallbackHooks(LoopHooks):
 
     def __init__(self, args, state, control, callbacks: list, *, model, tokenizer, reward_names: list[str],
                  completions_per_step: int, updates_per_step: int, logging_steps: int,
-                 write_trainer_state: bool = False, eval_examples: int = 0):
+                 write_trainer_state: bool = False, eval_rows: dict[str, int] | None = None,
+                 save_total_limit: int | None = None):
         self.args, self.state, self.control, self.callbacks = args, state, control, callbacks
         self.model, self.tokenizer = model, tokenizer
         self.reward_names, self.completions, self.ni = reward_names, completions_per_step, updates_per_step
         self.logging_steps = logging_steps  # in updates, as TRL's
         self.write_trainer_state = write_trainer_state  # into each checkpoint folder, as Trainer does (TRL's layout)
-        self.eval_examples = eval_examples  # rows of the eval set(s), for eval_samples_per_second
+        self.eval_rows = eval_rows or {}  # {eval set: rows} ("": the unnamed set), an entry each
+        # checkpoints kept, rotated here by Trainer's rule (the best one kept too) when the run itself does not
+        self.save_total_limit = save_total_limit
         self.window: list[dict[str, float]] = []
         # the running step's on_evaluate/on_save/on_epoch_end, fired after its updates' events
         self.pending: list[tuple[str, dict]] = []
@@ -141,20 +146,50 @@ class CallbackHooks(LoopHooks):
         self._begin_update()
 
     def evaluated(self, step: int, metrics: dict[str, float]) -> None:
-        entry = trl_eval_metrics(metrics, self.reward_names, self.eval_examples,
-                                 getattr(self.args, "per_device_eval_batch_size", 8))  # TRL's default: 8
+        entries = self.eval_entries(metrics)
         if self.in_step:  # logged once the step's updates are: with their num_tokens and epoch
-            self.pending.append(("on_evaluate", entry))
+            self.pending.append(("on_evaluate", {"entries": entries}))
         else:
-            self._log_evaluation(entry)
+            self._track_best(self.log_evaluation(entries))
 
-    def _log_evaluation(self, entry: dict) -> None:
-        entry["eval_num_tokens"] = float(self.state.num_input_tokens_seen or 0)  # TRL's: the training's so far
-        if self.state.epoch is not None:
-            entry["epoch"] = self.state.epoch
-        entry["step"] = self.state.global_step
-        self._log(entry)
-        self._call("on_evaluate", metrics=entry)
+    def eval_entries(self, metrics: dict[str, float], prefix: str = "eval") -> list[dict[str, float]]:
+        """An evaluation's metrics as TRL's entries, one per eval set (``trl_eval_entries``)."""
+        return trl_eval_entries(metrics, self.eval_rows, getattr(self.args, "per_device_eval_batch_size", 8),
+                                prefix)  # TRL's default batch: 8
+
+    def log_evaluation(self, entries: list[dict[str, float]], prefix: str = "eval") -> dict[str, float]:
+        """Log each set's entry and call on_evaluate with it, as Trainer.evaluate does set by set; returns them
+        merged as Trainer.evaluate returns a dict of sets' metrics (a later set's value of a shared name wins)."""
+        merged: dict[str, float] = {}
+        for entry in entries:
+            entry[f"{prefix}_num_tokens"] = float(self.state.num_input_tokens_seen or 0)  # the training's so far
+            if self.state.epoch is not None:
+                entry["epoch"] = self.state.epoch
+            self._log({**entry, "step": self.state.global_step})
+            self._call("on_evaluate", metrics=entry)
+            merged.update(entry)
+        return merged
+
+    def _track_best(self, metrics: dict[str, float]) -> None:
+        """``state.best_metric`` / ``best_global_step`` by ``metric_for_best_model``, as Trainer's
+        ``_determine_best_metric`` after each evaluation during training (``best_model_checkpoint`` is set when
+        a checkpoint is saved and that step's folder exists)."""
+        name = getattr(self.args, "metric_for_best_model", None)
+        if name is None:
+            return
+        key = name if name.startswith("eval_") else f"eval_{name}"
+        if key not in metrics:
+            raise KeyError(f"The `metric_for_best_model` training argument is set to '{key}', which is not found "
+                           f"in the evaluation metrics. The available evaluation metrics are: {list(metrics)}. "
+                           "Consider changing the `metric_for_best_model` via the TrainingArguments.")  # TRL's words
+        greater = getattr(self.args, "greater_is_better", None)
+        greater = not name.endswith("loss") if greater is None else greater
+        best = self.state.best_metric
+        if best is None:
+            best = float("-inf") if greater else float("inf")
+        value = metrics[key]
+        if value > best if greater else value < best:
+            self.state.best_metric, self.state.best_global_step = value, self.state.global_step
 
     def saved(self, step: int, path: Path) -> None:
         if self.in_step:
@@ -165,9 +200,15 @@ class CallbackHooks(LoopHooks):
     def _saved(self, path: Path) -> None:
         """transformers' ``trainer_state.json`` (the log history to this step) into the checkpoint, then on_save."""
         if self.write_trainer_state and self.state.is_world_process_zero:  # one writer, as Trainer's should_save
+            if self.state.best_global_step:  # as Trainer's _save_checkpoint: once the best step's folder exists
+                best = Path(path).parent / f"checkpoint-{self.state.best_global_step}"
+                if best.is_dir():
+                    self.state.best_model_checkpoint = str(best)
             partial = path / ".trainer_state.json.tmp"
             self.state.save_to_json(str(partial))
             os.replace(partial, path / "trainer_state.json")
+            if self.save_total_limit:  # by step, as grpo prunes (Trainer's own sorts by mtime)
+                rotate_checkpoints(str(Path(path).parent), self.save_total_limit, self.state.best_model_checkpoint)
         self._call("on_save")
 
     def step_end(self, step: int, report: StepReport) -> bool:
@@ -205,7 +246,7 @@ class CallbackHooks(LoopHooks):
         self.previous_epoch = self.state.epoch
         for event, entry in self.pending:  # Trainer's order: evaluation, checkpoint, end of epoch
             if event == "on_evaluate":
-                self._log_evaluation(entry)
+                self._track_best(self.log_evaluation(entry["entries"]))
             elif event == "on_save":
                 self._saved(entry["path"])
             else:
@@ -285,32 +326,59 @@ TRL_EVAL_NAMES = {
 }
 
 
-def trl_eval_metrics(metrics: dict[str, float], reward_names: list[str], examples: int, batch_size: int,
-                     prefix: str = "eval") -> dict[str, float]:
-    """An evaluation's ``eval/*`` metrics (``grpo.training.evaluator.eval_metrics``; ``time/eval_s`` its seconds)
-    under the names TRL's evaluation loop logs: ``{prefix}_reward``, ``{prefix}_reward_std``,
-    ``{prefix}_rewards/<fn>/mean|std``, ``{prefix}_completions/*``, ``{prefix}_runtime``,
-    ``{prefix}_samples_per_second`` / ``_steps_per_second`` (``examples`` rows in batches of ``batch_size``, as
-    Trainer counts them); a named set's as ``{prefix}_<set>_...``. grpo's own (accuracy, pass@k, ...) keep their
-    names after the prefix."""
-    out = {}
+def eval_set_metrics(metrics: dict[str, float], set_names: list[str]) -> dict[str, dict[str, float]]:
+    """An evaluation's ``eval/*`` metrics (``grpo.training.evaluator.eval_metrics``) by set: ``{set: {name after
+    the set: value}}``; the unnamed set (``""``) takes every ``eval/<name>``."""
+    by_set: dict[str, dict[str, float]] = {name: {} for name in set_names}
     for name, value in metrics.items():
-        if name == "time/eval_s":
+        if not name.startswith("eval/"):
             continue
-        rest = name[len("eval/"):] if name.startswith("eval/") else name
+        rest = name[len("eval/"):]
         head, _, tail = rest.partition("/")
-        set_name = ""
-        if tail and f"eval/{head}/accuracy" in metrics:  # a named set's (each set has its own accuracy)
-            set_name, rest = head, tail
-        key = TRL_EVAL_NAMES.get(rest)
-        if key is None and rest.startswith("reward/"):
-            key = f"rewards/{rest[len('reward/'):]}/mean"
-        elif key is None and rest.startswith("reward_std/"):
-            key = f"rewards/{rest[len('reward_std/'):]}/std"
-        out[f"{prefix}_{set_name}_{key or rest}" if set_name else f"{prefix}_{key or rest}"] = value
-    seconds = metrics.get("time/eval_s")
-    if seconds:
-        out[f"{prefix}_runtime"] = round(seconds, 4)
-        out[f"{prefix}_samples_per_second"] = round(examples / seconds, 3)
-        out[f"{prefix}_steps_per_second"] = round(math.ceil(examples / max(batch_size, 1)) / seconds, 3)
-    return out
+        if "" in by_set:
+            by_set[""][rest] = value
+        elif tail and head in by_set:
+            by_set[head][tail] = value
+    return by_set
+
+
+def _named_sets(metrics: dict[str, float]) -> list[str]:
+    """The named sets an evaluation's metrics hold (each has its own ``eval/<set>/accuracy``)."""
+    heads = dict.fromkeys(name.split("/")[1] for name in metrics if name.startswith("eval/") and name.count("/") > 1)
+    return [head for head in heads if f"eval/{head}/accuracy" in metrics]
+
+
+def trl_eval_entries(metrics: dict[str, float], set_rows: dict[str, int], batch_size: int,
+                     prefix: str = "eval") -> list[dict[str, float]]:
+    """An evaluation's ``eval/*`` metrics (``time/eval_s`` its seconds) as the log entries Trainer.evaluate makes,
+    one per set of ``set_rows`` (``{set: rows}``; ``""``: the one unnamed set), in its order.
+
+    Each entry holds what TRL's GRPO evaluation logs, under ``{prefix}_`` for every set alike (TRL's ``log`` adds
+    ``eval_`` to its own metrics, whatever the set): ``reward``, ``reward_std``, ``rewards/<fn>/mean|std``,
+    ``completions/*``, ``tools/*``; and under the set's own prefix ``{prefix}_<set>_`` (Trainer's
+    ``metric_key_prefix`` for a dict of sets) ``runtime``, ``samples_per_second`` and ``steps_per_second``
+    (rows in batches of ``batch_size``, as Trainer counts them) and grpo's own (accuracy, pass@k, ...), as a
+    ``compute_metrics`` result would be. The sets share generation calls, so a set's runtime is its rows' share
+    of the evaluation's seconds. No ``set_rows`` (the config's own ``data.eval``, through ``grpo_overrides``): the
+    sets the metrics name, their rows unknown (rates 0, the seconds shared evenly)."""
+    set_rows = set_rows or dict.fromkeys(_named_sets(metrics) or [""], 0)
+    seconds, total = metrics.get("time/eval_s"), sum(set_rows.values())
+    entries = []
+    for set_name, rest_values in eval_set_metrics(metrics, list(set_rows)).items():
+        own = f"{prefix}_{set_name}" if set_name else prefix
+        entry = {}
+        for rest, value in rest_values.items():
+            key = TRL_EVAL_NAMES.get(rest)
+            if key is None and rest.startswith("reward/"):
+                key = f"rewards/{rest[len('reward/'):]}/mean"
+            elif key is None and rest.startswith("reward_std/"):
+                key = f"rewards/{rest[len('reward_std/'):]}/std"
+            entry[f"{prefix}_{key}" if key else f"{own}_{rest}"] = value
+        if seconds:
+            rows = set_rows[set_name]
+            runtime = seconds * (rows / total if total else 1 / len(set_rows))
+            entry[f"{own}_runtime"] = round(runtime, 4)
+            entry[f"{own}_samples_per_second"] = round(rows / runtime, 3)
+            entry[f"{own}_steps_per_second"] = round(math.ceil(rows / max(batch_size, 1)) / runtime, 3)
+        entries.append(entry)
+    return entries

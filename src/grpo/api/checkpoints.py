@@ -1,6 +1,7 @@
 """``train(resume_from_checkpoint=...)`` by TRL's rules, over grpo's checkpoints in TRL's layout
 (``<output_dir>/checkpoint-<optimizer update>/``, ``grpo.run.checkpoint.CheckpointLayout``): True is the
-newest, a path is that checkpoint, anything else a ValueError naming it."""
+newest, a path is that checkpoint (of ``output_dir`` or of another run grpo wrote), anything else a ValueError
+naming it."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ def resumed_checkpoint(resume: bool | str | Path | None, cfg: RunConfig) -> Path
     """The checkpoint folder ``train(resume_from_checkpoint=resume)`` continues from; None: a new run."""
     if resume is None or resume is False:
         return None
-    out = Path(cfg.train.output_dir)
-    found = complete_checkpoints(out, run_layout(cfg))
+    out, layout = Path(cfg.train.output_dir), run_layout(cfg)
+    found = complete_checkpoints(out, layout)
     if resume is True:
         if not found:
             raise ValueError(f"No valid checkpoint found in output directory ({out}): "
@@ -29,8 +30,19 @@ def resumed_checkpoint(resume: bool | str | Path | None, cfg: RunConfig) -> Path
     folder = Path(resume)
     if not folder.is_dir():
         raise ValueError(f"Can't find a valid checkpoint at {resume}")
-    if folder.resolve() not in [f.resolve() for f in found]:
+    if folder.resolve() in [f.resolve() for f in found]:
+        return folder
+    if folder.resolve().parent == layout.root(out).resolve():
         names = ", ".join(f.name for f in found) or "none yet"
         raise ValueError(f"resume_from_checkpoint={str(resume)!r} is not a complete checkpoint of args.output_dir "
-                         f"({out}; its checkpoints: {names}): grpo continues a run in its own folder")
+                         f"({out}; its checkpoints: {names})")
+    # Another run's checkpoint: this run starts from its weights, optimizer, schedule, RNG and step, as TRL's.
+    if layout.step_of(folder.name) is None:
+        raise ValueError(f"resume_from_checkpoint={str(resume)!r}: not a checkpoint folder of this run's shape "
+                         f"({layout.prefix}<global step>, the step a multiple of num_iterations "
+                         f"{cfg.loss.num_iterations})")
+    if not (folder / layout.state_file).is_file():
+        raise ValueError(f"resume_from_checkpoint={str(resume)!r} has no {layout.state_file}: grpo resumes the "
+                         "checkpoints it wrote (that file holds the step and the data order; a checkpoint written "
+                         "by TRL's own trainer has none)")
     return folder

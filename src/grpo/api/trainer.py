@@ -21,7 +21,7 @@ from transformers.trainer_utils import TrainOutput
 
 from grpo.api.arguments import GRPOConfig
 from grpo.api.attributes import TrainerAttributes
-from grpo.api.callbacks import CallbackHooks, trl_eval_metrics
+from grpo.api.callbacks import CallbackHooks
 from grpo.api.checkpoints import TRAINER_STATE_FILE, resumed_checkpoint
 from grpo.api.datasets import to_examples
 from grpo.api.mapping import batch_shape, grpo_steps, to_run_config
@@ -238,23 +238,24 @@ class GRPOTrainer(TrainerAttributes):
 
     def train(self, resume_from_checkpoint: bool | str | None = None):
         """Train. ``resume_from_checkpoint``, as TRL's: True continues from the newest ``checkpoint-<step>`` of
-        ``args.output_dir``, a path from that checkpoint (its ``trainer_state.json`` restores ``state``, the log
-        history included). Returns ``TrainOutput(global_step, training_loss, metrics)``. Ctrl-C saves the last
-        finished step and returns here."""
+        ``args.output_dir``, a path from that checkpoint, of ``output_dir`` or of another run (its
+        ``trainer_state.json`` restores ``state``, the log history and best metric included). Returns
+        ``TrainOutput(global_step, training_loss, metrics)``. Ctrl-C saves the last finished step and returns here."""
         checkpoint = resumed_checkpoint(resume_from_checkpoint, self.config)
+        # With metric_for_best_model the hooks rotate the checkpoints, keeping the best one as Trainer does
+        keeps_best = getattr(self.args, "metric_for_best_model", None) is not None
+        limit = self.config.train.save_total_limit
         cfg = dataclasses.replace(self.config, train=dataclasses.replace(
-            self.config.train, resume=False, resume_from=str(checkpoint) if checkpoint else None))
+            self.config.train, resume=False, resume_from=str(checkpoint) if checkpoint else None,
+            save_total_limit=None if keeps_best else limit))
         state_file = checkpoint / TRAINER_STATE_FILE if checkpoint else None
         # A fresh state per train(), as Trainer's; a resumed one is the checkpoint's, its log history included.
         self.state = TrainerState.load_from_json(str(state_file)) if state_file and state_file.is_file() \
             else TrainerState()
+        if self.state.best_model_checkpoint and not Path(self.state.best_model_checkpoint).is_dir():
+            self.state.best_model_checkpoint = None  # as Trainer: a best checkpoint deleted since is forgotten
         self.state.save_steps, self.state.train_batch_size = self.args.save_steps, self.args.per_device_train_batch_size
-        hooks = CallbackHooks(self.args, self.state, self.control, self.callbacks, model=self.model,
-                              tokenizer=self.processing_class, reward_names=[f.name for f in self.reward_fns],
-                              completions_per_step=cfg.train.prompts_per_step * cfg.rollout.num_generations,
-                              updates_per_step=cfg.loss.num_iterations,
-                              logging_steps=self._logging_updates(cfg), write_trainer_state=True,
-                              eval_examples=sum(len(s) for s in self.eval_sets.values()))
+        hooks = self._hooks(cfg, self.eval_sets, save_total_limit=limit if keeps_best else None)
         evaluating = self.args.eval_strategy != "no" and self.eval_sets
         given = dataclasses.replace(self._given(self.train_set, dict(self.eval_sets) if evaluating else None),
                                     policy=self.model, hooks=hooks)  # named sets: eval/<name>/...
@@ -267,6 +268,16 @@ class GRPOTrainer(TrainerAttributes):
             raise self._explain(err) from None
         summary = hooks.summary()
         return TrainOutput(self.state.global_step, summary.get("train_loss", 0.0), summary)
+
+    def _hooks(self, cfg, eval_sets: dict[str, list], save_total_limit: int | None = None) -> CallbackHooks:
+        """The loop's callouts into ``state`` and the callbacks, evaluating ``eval_sets`` (an entry each);
+        ``save_total_limit``: the checkpoints the hooks keep (None: the run prunes them itself)."""
+        return CallbackHooks(self.args, self.state, self.control, self.callbacks, model=self.model,
+                             tokenizer=self.processing_class, reward_names=[f.name for f in self.reward_fns],
+                             completions_per_step=cfg.train.prompts_per_step * cfg.rollout.num_generations,
+                             updates_per_step=cfg.loss.num_iterations, logging_steps=self._logging_updates(cfg),
+                             write_trainer_state=True, eval_rows={name: len(s) for name, s in eval_sets.items()},
+                             save_total_limit=save_total_limit)
 
     def _given(self, train_set, eval_set):
         """The objects this trainer holds, as ``GivenInputs`` (no policy or hooks: ``train()`` adds them)."""
@@ -285,10 +296,11 @@ class GRPOTrainer(TrainerAttributes):
         """grpo's held-out evaluation of the model as it is now, the way a run evaluates
         (``grpo.training.evaluator``): greedy answer accuracy and format rate, the rewards' means, and with
         ``eval.num_samples`` k (``grpo_overrides``) mean@k / pass@k / maj@k, through the run's engine (multi-turn
-        with tools or environments). Under TRL's names (``grpo.api.callbacks.trl_eval_metrics``: ``{prefix}_reward``,
+        with tools or environments). Under TRL's names (``grpo.api.callbacks.trl_eval_entries``: ``{prefix}_reward``,
         ``{prefix}_rewards/<fn>/mean``, ``{prefix}_completions/mean_length``, ``{prefix}_runtime``, ...) beside
-        grpo's own (``{prefix}_accuracy``; ``{prefix}_{name}_...`` for a dict of sets); logged (``on_log``) and
-        ``on_evaluate``, as Trainer.evaluate."""
+        grpo's own (``{prefix}_accuracy``); a dict of sets is logged set by set as Trainer.evaluate logs it (an entry
+        and ``on_evaluate`` each, ``{prefix}_<set>_runtime``, ``{prefix}_<set>_accuracy``, ...) and its metrics
+        returned merged."""
         sets = _eval_sets(eval_dataset, not self.args.remove_unused_columns) if eval_dataset is not None \
             else self.eval_sets
         if not sets:
@@ -301,19 +313,9 @@ class GRPOTrainer(TrainerAttributes):
         except PromptTooLong as err:
             raise self._explain(err) from None
         seconds = time.perf_counter() - started
-        metrics = trl_eval_metrics({**eval_metrics(results), "time/eval_s": seconds},
-                                   [f.name for f in self.reward_fns], sum(len(s) for s in sets.values()),
-                                   getattr(self.args, "per_device_eval_batch_size", 8), prefix=metric_key_prefix)
-        metrics[f"{metric_key_prefix}_num_tokens"] = float(self.state.num_input_tokens_seen or 0)
-        if self.state.epoch is not None:
-            metrics["epoch"] = self.state.epoch
-        entry = {**metrics, "step": self.state.global_step}
-        self.state.log_history.append(entry)
-        for callback in self.callbacks:
-            callback.on_log(self.args, self.state, self.control, logs=entry)
-        for callback in self.callbacks:
-            callback.on_evaluate(self.args, self.state, self.control, metrics=metrics)
-        return metrics
+        hooks = self._hooks(self.config, sets)
+        entries = hooks.eval_entries({**eval_metrics(results), "time/eval_s": seconds}, metric_key_prefix)
+        return hooks.log_evaluation(entries, metric_key_prefix)
 
     def save_model(self, output_dir: str | None = None) -> None:
         """The adapter (a PEFT model) or the full model, with the tokenizer, as TRL writes them."""

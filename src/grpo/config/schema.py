@@ -264,7 +264,8 @@ class TrainConfig:
     best_metric_mode: str = opt("max", "train.best_metric: max (higher is better) or min.", choices=("max", "min"))
     resume: bool = opt(False, "Continue from the newest checkpoint in output_dir.")
     resume_from: str | None = opt(
-        None, "Continue from this checkpoint folder of output_dir instead of the newest (implies train.resume).")
+        None, "Continue from this checkpoint folder of output_dir instead of the newest (implies train.resume); "
+        "another run's checkpoint folder starts a new run in output_dir from its weights, optimizer and step.")
     checkpoint_layout: str = opt(
         "grpo", "Checkpoint folders: grpo (checkpoints/step-N) or trl (checkpoint-<optimizer update>/ with "
         "transformers' trainer_state.json, as TRL writes them; the Python API's).", choices=("grpo", "trl"))

@@ -7,17 +7,29 @@ import shutil
 from pathlib import Path
 
 from grpo.config import ConfigError, RunConfig, dump_config
-from grpo.run.checkpoint import GRPO_LAYOUT, CheckpointLayout
+from grpo.run.checkpoint import GRPO_LAYOUT, CheckpointLayout, checkpoint_layout
 
 MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
 RUN_FILES = MARKERS + ("samples.jsonl", "plots", "tensorboard", "final", "best", "eval", "weights")
+
+
+def continues_own_run(cfg: RunConfig) -> bool:
+    """Whether the run continues the one in its ``output_dir`` (``train.resume``, or ``train.resume_from`` naming
+    a checkpoint folder there); a ``resume_from`` elsewhere (another run's checkpoint) is a new run in
+    ``output_dir`` that starts from that checkpoint's weights, optimizer and step, guarded as any new run."""
+    if cfg.train.resume:
+        return True
+    if cfg.train.resume_from is None:
+        return False
+    layout = checkpoint_layout(cfg.train.checkpoint_layout, cfg.loss.num_iterations)
+    return Path(cfg.train.resume_from).resolve().parent == layout.root(cfg.train.output_dir).resolve()
 
 
 def check_output_dir(cfg: RunConfig) -> Path:
     """Refuse a ``train.output_dir`` that holds a run unless resuming or overwriting. Writes nothing."""
     out = Path(cfg.train.output_dir)
     has_run = out.is_dir() and any((out / m).exists() for m in MARKERS)
-    resuming = cfg.train.resume or cfg.train.resume_from is not None
+    resuming = continues_own_run(cfg)
     if has_run and not (resuming or cfg.train.overwrite):
         raise ConfigError(f"train.output_dir: {out} already holds a run (config.yaml/metrics/checkpoints); "
                           "pass --resume to continue it, --overwrite to replace it, or choose another folder")
@@ -35,7 +47,7 @@ def claim_output_dir(cfg: RunConfig, is_main: bool, layout: CheckpointLayout = G
     out = Path(cfg.train.output_dir)
     if not is_main:
         return out
-    if cfg.train.overwrite and not (cfg.train.resume or cfg.train.resume_from):
+    if cfg.train.overwrite and not continues_own_run(cfg):
         in_root = not layout.parent and out.is_dir()  # TRL's checkpoint-N sit beside the run's files
         stale = [p.name for p in out.iterdir() if layout.step_of(p.name) is not None] if in_root else []
         for name in [*RUN_FILES, *stale]:

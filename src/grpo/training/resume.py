@@ -76,8 +76,8 @@ def load_run_checkpoint(checkpoint: Path, trainable: Trainable, critic=None,
 
 def resume_checkpoint(out: Path, trainable: Trainable, info: DistInfo, critic=None,
                       layout: CheckpointLayout = GRPO_LAYOUT, only: Path | None = None) -> tuple[Path, dict] | None:
-    """Restore the newest checkpoint of ``out`` that loads (``only``: that checkpoint folder, no other); returns
-    it and its trainer state, or None when the folder holds no checkpoint.
+    """Restore the newest checkpoint of ``out`` that loads (``only``: that checkpoint folder, no other, of ``out``
+    or of another run's folder); returns it and its trainer state, or None when the folder holds no checkpoint.
 
     A checkpoint is written to a temporary folder and renamed, so a crash cannot tear one; a torn or
     corrupt file therefore means the disk or someone damaged it. The newest checkpoint that loads is
@@ -89,10 +89,15 @@ def resume_checkpoint(out: Path, trainable: Trainable, info: DistInfo, critic=No
     """
     candidates = complete_checkpoints(out, layout)[::-1]  # newest first
     if only is not None:
-        if Path(only).resolve() not in [c.resolve() for c in candidates]:
-            raise CheckpointError(f"{only} is not a complete checkpoint of {out} (those are: "
-                                  f"{', '.join(c.name for c in candidates[::-1]) or 'none'})")
-        return Path(only), load_run_checkpoint(Path(only), trainable, critic, layout)
+        only = Path(only)
+        elsewhere = only.resolve().parent != layout.root(out).resolve()
+        if elsewhere and layout.step_of(only.name) is not None and (only / layout.state_file).is_file():
+            return only, load_run_checkpoint(only, trainable, critic, layout)
+        if only.resolve() not in [c.resolve() for c in candidates]:
+            raise CheckpointError(f"{only} is not a complete checkpoint ({layout.prefix}<N> with "
+                                  f"{layout.state_file}); those of {out}: "
+                                  f"{', '.join(c.name for c in candidates[::-1]) or 'none'}")
+        return only, load_run_checkpoint(only, trainable, critic, layout)
     first_error = None
     for checkpoint in candidates:
         try:
