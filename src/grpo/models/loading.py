@@ -82,7 +82,7 @@ def check_memory_savers(model_cfg: ModelConfig, optimizer: str, device: torch.de
         raise ConfigError(f"{wanted[0]}: bitsandbytes' 4-bit weights and 8-bit optimizer states need a CUDA GPU; "
                           f"this run is on {device.type} (use full precision here, or run on a GPU)")
     try:
-        import bitsandbytes  # noqa: F401
+        import bitsandbytes  # noqa: F401 (optional: 4-bit loading needs it)
     except ImportError as exc:
         raise ConfigError(f"{wanted[0]}: needs the bitsandbytes package ({exc}); pip install bitsandbytes") from exc
 
