@@ -4,7 +4,7 @@ The shipped ``assets/tiny-math`` scores 0% on ``reasoning_gym:chain_sum`` (greed
 was trained on grpo's own word problems, and reasoning-gym's "State the final answer to the following
 arithmetic problem: 4 - 1 =" is text it has never read, so GRPO has no reward to follow. This script starts
 from its weights and tokenizer and fine-tunes them (SFT, loss on the completion only) on **one-step** chain_sum
-problems (two one-digit terms) in the task's prompt (``grpo.tasks.reasoning_gym`` system prompt, the chat
+problems (two one-digit terms) in the task's prompt (``grpo.tasks.reasoning_gym_task`` system prompt, the chat
 template) with tiny-math's completion format::
 
     <think>\\n4 - 1 = 3\\n</think>\\n<answer>\\n3\\n</answer>
@@ -32,7 +32,7 @@ from build_tiny_math_model import mean_token_loss  # noqa: E402  (this folder; s
 import torch  # noqa: E402
 
 from grpo.data import Example, load_dataset_source, render_example  # noqa: E402
-from grpo.tasks.reasoning_gym import rg_system_prompt  # noqa: E402
+from grpo.tasks.reasoning_gym_task import rg_system_prompt  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRAIN_TASK = "chain_sum,min_terms=2,max_terms=2,min_digits=1,max_digits=1"  # one step: a + b, a - b

@@ -1,4 +1,4 @@
-"""reasoning-gym as a data source, task and reward (grpo.data.reasoning_gym, grpo.tasks.reasoning_gym): the
+"""reasoning-gym as a data source, task and reward (grpo.data.reasoning_gym, grpo.tasks.reasoning_gym_task): the
 spec grammar, items of several datasets and a composite scored by their own score_answer through grpo's answer
 tags, per-dataset accuracy in evaluation, the Python API's dataset objects, and the failure cases (unknown
 dataset or option, malformed spec, missing package)."""
@@ -151,7 +151,7 @@ def test_a_missing_package_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # import reasoning_gym now fails
     with pytest.raises(DataError, match=r"reasoning-gym is not installed: pip install 'grpo\[envs\]'"):
         load_dataset_source("reasoning_gym:chain_sum,size=3")
-    import grpo.rewards.reasoning_gym as task_module
+    import grpo.rewards.reasoning_gym_score as task_module
 
     monkeypatch.setattr(task_module, "score_function", task_module.score_function.__wrapped__)  # no cached scorer
     gold = "{'answer': '3', 'metadata': {'source_dataset': 'chain_sum'}}"

@@ -25,7 +25,7 @@ from grpo.data.tags import TagStyle
 from grpo.rewards import builtin_rewards
 from grpo.rewards.async_loop import is_async_callable
 from grpo.rewards.knights_knaves import make_kk_logic
-from grpo.rewards.reasoning_gym import make_reasoning_gym
+from grpo.rewards.reasoning_gym_score import make_reasoning_gym
 from grpo.rewards.remote import make_remote_reward
 from grpo.rewards.reward_function import SIGNATURE_HINT
 from grpo.rewards.reward_model import make_model_reward

@@ -1,5 +1,5 @@
 """The built-in tasks: ``gsm8k``, ``arithmetic`` (grpo's generated problems), ``kk`` (Knights and Knaves) and
-``reasoning_gym`` (``grpo.tasks.reasoning_gym``).
+``reasoning_gym`` (``grpo.tasks.reasoning_gym_task``).
 
 The two numeric tasks read the answer in the ``<answer>`` tags and compare it as a number
 (``grpo.rewards.answers``, the helpers the rewards use, so a metric and the reward it mirrors cannot
@@ -14,7 +14,7 @@ from grpo.data.sources import load_dataset_source
 from grpo.data.tags import get_tag_style
 from grpo.rewards.answers import answers_equal, extract_answer, is_well_formatted
 from grpo.rewards.knights_knaves import answer_verdict, per_person_accuracy
-from grpo.tasks.reasoning_gym import REASONING_GYM_TASK
+from grpo.tasks.reasoning_gym_task import REASONING_GYM_TASK
 from grpo.tasks.task import Score, Task
 
 # The seeds' reward (answer correct +1 / wrong -1, format ok +1.25 / bad -1): the config schema's default list,

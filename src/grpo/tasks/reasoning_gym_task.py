@@ -5,7 +5,8 @@ The answer is the content of the completion's last ``<answer>`` tag pair (``grpo
 by the item's dataset (``reasoning_gym.get_score_answer_fn(metadata["source_dataset"])``, reasoning-gym's
 own entry point for scoring an entry away from its dataset object) against the entry stored in the gold:
 
-- the ``reasoning_gym`` reward (``grpo.rewards.reasoning_gym``) is that score, 0.0 to 1.0 (some datasets give partial credit), 0.0 without
+- the ``reasoning_gym`` reward (``grpo.rewards.reasoning_gym_score``) is that score, 0.0 to 1.0 (some datasets
+  give partial credit), 0.0 without
   an answer tag; it logs the batch's mean per dataset as ``reasoning_gym/<dataset>``;
 - evaluation's ``correct`` is a score of 1.0, reported per dataset (``eval/<set>/accuracy/<dataset>``)
   beside the mean score (``eval/<set>/score``).
@@ -21,7 +22,7 @@ from grpo.data.reasoning_gym import parse_gold
 from grpo.data.sources import load_dataset_source
 from grpo.data.tags import get_tag_style
 from grpo.rewards.answers import extract_answer, is_well_formatted
-from grpo.rewards.reasoning_gym import entry_score
+from grpo.rewards.reasoning_gym_score import entry_score
 from grpo.tasks.task import Score, Task
 
 # The answer and the format rewards, the format one small: it only keeps the tags the answer is read from.
