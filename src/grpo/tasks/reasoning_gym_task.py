@@ -6,8 +6,7 @@ by the item's dataset (``reasoning_gym.get_score_answer_fn(metadata["source_data
 own entry point for scoring an entry away from its dataset object) against the entry stored in the gold:
 
 - the ``reasoning_gym`` reward (``grpo.rewards.reasoning_gym_score``) is that score, 0.0 to 1.0 (some datasets
-  give partial credit), 0.0 without
-  an answer tag; it logs the batch's mean per dataset as ``reasoning_gym/<dataset>``;
+  give partial credit), 0.0 without an answer tag; it logs the batch's mean per dataset as ``reasoning_gym/<dataset>``;
 - evaluation's ``correct`` is a score of 1.0, reported per dataset (``eval/<set>/accuracy/<dataset>``)
   beside the mean score (``eval/<set>/score``).
 
