@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import sys
-import re
 from collections import defaultdict
 from pathlib import Path
 

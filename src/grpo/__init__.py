@@ -1,7 +1,7 @@
 """grpo: Group Relative Policy Optimization for causal language models.
 
 ``from grpo import GRPOConfig, GRPOTrainer``: the Python API (``grpo.api``), loaded on first use so that
-``import grpo`` (and the ``grpo`` command) stays light."""
+importing one submodule (``grpo.errors``, ``grpo.data``...) does not load the whole API with it."""
 
 import importlib
 
