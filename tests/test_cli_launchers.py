@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -25,7 +27,7 @@ def test_deepspeeds_local_rank_argument_is_accepted(flag, monkeypatch):
 
 
 def test_ref_server_host_reaches_the_server(monkeypatch):
-    import grpo.cli as ref_server  # the command calls the name it imported
+    import grpo.commands.handlers as ref_server  # the command calls the name it imported
 
     calls = []
     monkeypatch.setattr(ref_server, "run_ref_server", lambda path, **kwargs: calls.append(kwargs))
@@ -50,3 +52,24 @@ def test_unknown_arguments_still_fail():
         parse_arguments(["train", "x.yaml", "--overwrite", "--no-such-flag"])
     with pytest.raises(SystemExit):  # plot takes no overrides
         parse_arguments(["plot", "runs/x", "a.b=1"])
+
+
+def test_every_command_names_a_handler_that_exists():
+    import grpo.commands.handlers as handlers
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, __import__("argparse")._SubParsersAction))
+    for name, parser in sub.choices.items():
+        handler = parser.get_default("handler")
+        assert callable(getattr(handlers, handler, None)), f"grpo {name}: no handler {handler!r} in grpo.commands.handlers"
+
+
+def test_help_and_a_mistyped_command_load_no_torch():
+    # `grpo --help` used to import every command (torch, transformers: seconds); the handlers load when one runs.
+    code = ("import sys\nfrom grpo.cli import main\n"
+            "for argv in (['--help'], ['trian']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "heavy = sorted(m for m in ('torch', 'transformers', 'grpo.commands.handlers') if m in sys.modules)\n"
+            "print('HEAVY', heavy)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert "HEAVY []" in done.stdout, done.stdout + done.stderr

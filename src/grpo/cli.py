@@ -9,148 +9,12 @@ that cannot be loaded counts as input), 1 when training cannot go on (aborted, a
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
 import os
 import sys
-from pathlib import Path
 
-from grpo.commands.chat import run_chat
-from grpo.commands.eval_command import run_eval_command
-from grpo.commands.export import export_model
-from grpo.commands.memory import run_memory_command
-from grpo.config import ConfigError, dump_config, iter_config_keys, load_config
-from grpo.config.docs import config_keys_markdown
-from grpo.decoupled.launcher import run_decoupled
-from grpo.decoupled.link_settings import shared_token
-from grpo.decoupled.ref_server import run_ref_server
-from grpo.decoupled.sampler_role import main as run_sampler_role
-from grpo.decoupled.trainer_role import main as run_trainer_role
-from grpo.decoupled.transport import check_bind_address
 from grpo.errors import exit_status
-from grpo.run.plots import plot_run
-from grpo.training.colocated import train
-from grpo.training.settings import logprob_pass
 from grpo.version import __version__
-
-
-def _cmd_config(args: argparse.Namespace) -> int:
-    sys.stdout.write(dump_config(load_config(args.config, args.overrides)))
-    return 0
-
-
-def _cmd_train(args: argparse.Namespace) -> int:
-    overrides = list(args.overrides)
-    if args.resume:
-        overrides.append("train.resume=true")
-    if args.overwrite:
-        overrides.append("train.overwrite=true")
-    config_path = args.config or _default_recipe()
-    cfg = load_config(config_path, overrides)
-    if cfg.train.mode == "decoupled":
-        _check_listen_address(cfg)
-
-        return run_decoupled(cfg, config_path, overrides)
-    result = train(cfg)
-    if int(os.environ.get("RANK", "0")) == 0:  # every launcher sets RANK; the summary is the run's, said once
-        _print_summary(result)
-    return 0
-
-
-def _cmd_role(args: argparse.Namespace) -> int:
-    overrides = list(args.overrides)
-    if getattr(args, "host", None):
-        overrides.append(f"decoupled.ref_server_host={args.host}")
-    cfg = load_config(args.config, overrides)
-    if args.command == "trainer":
-        _check_listen_address(cfg)
-    if args.command == "sampler":
-        return run_sampler_role(cfg)
-    if args.command == "trainer":
-        return run_trainer_role(cfg)
-    return _ref_server(cfg)
-
-
-def _check_listen_address(cfg) -> None:
-    """Refuse a trainer address beyond this machine without a token before anything starts. The receiver
-    refuses it too, but only after the models are loaded and the run folder claimed, with a traceback."""
-    token = shared_token(cfg)  # a ConfigError of its own when decoupled.token_env names an unset variable
-    try:
-        check_bind_address(cfg.decoupled.address, token)
-    except ValueError as err:
-        raise ConfigError(f"decoupled.address: {err}; see decoupled.token_env") from None
-
-
-def _ref_server(cfg) -> int:
-    run_ref_server(cfg.model.ref_name_or_path or cfg.model.name_or_path, host=cfg.decoupled.ref_server_host,
-                   port=cfg.decoupled.ref_server_port, temperature=cfg.rollout.temperature,
-                   token_env=cfg.decoupled.token_env, device=cfg.decoupled.ref_server_device,
-                   dtype=cfg.model.ref_torch_dtype, micro_batch_size=cfg.train.micro_batch_size, logprob_pass=logprob_pass(cfg))
-    return 0
-
-
-def _default_recipe() -> str | None:
-    # `grpo train` with no recipe runs the embedded default when it is present.
-    recipe = Path("configs/demo-cpu.yaml")
-    return str(recipe) if recipe.is_file() else None
-
-
-def _print_summary(result) -> None:
-    print(f"run folder: {result.output_dir}  (last step {result.last_step})")
-    if result.eval_before and result.eval_after:
-        b, a = result.eval_before, result.eval_after
-        print(f"held-out accuracy: {b['accuracy']:.1%} -> {a['accuracy']:.1%} "
-              f"({(a['accuracy'] - b['accuracy']) * 100:+.1f} points); "
-              f"format rate {b['format_rate']:.1%} -> {a['format_rate']:.1%}")
-    best = result.output_dir / "best" / "best.json"
-    if best.is_file():  # train.best_metric
-
-        saved = json.loads(best.read_text(encoding="utf-8"))
-        print(f"best model: {best.parent} (step {saved['step']}: {saved['metric']} {saved['value']:.4g})")
-    print(f"plots: {result.output_dir / 'plots'}   final model: {result.output_dir / 'final'}")
-
-
-def _cmd_plot(args: argparse.Namespace) -> int:
-    for path in plot_run(args.run_dir):
-        print(path)
-    return 0
-
-
-def _cmd_eval(args: argparse.Namespace) -> int:
-    run_eval_command(args.model, data=args.data, split=args.split, limit=args.limit, samples=args.samples,
-                     temperature=args.temperature, output=args.output, batch_size=args.batch_size,
-                     max_new_tokens=args.max_new_tokens, device=args.device, seed=args.seed,
-                     base_model=args.base_model, dtype=args.dtype, records_output=args.save_completions,
-                     progress=not args.no_progress, tools=args.tools, task=args.task, rewards=args.rewards,
-                     bootstrap=args.bootstrap, max_samples_written=args.max_samples_written)
-    return 0
-
-
-def _cmd_chat(args: argparse.Namespace) -> int:
-    run_chat(args.model, prompt=args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-             device=args.device, system_prompt=args.system_prompt, base_model=args.base_model, dtype=args.dtype,
-             seed=args.seed)
-    return 0
-
-
-def _cmd_export(args: argparse.Namespace) -> int:
-    print(export_model(args.checkpoint, args.out_dir, dtype=args.dtype, overwrite=args.overwrite,
-                       base_model=args.base_model))
-    return 0
-
-
-def _cmd_memory(args: argparse.Namespace) -> int:
-    return run_memory_command(args.config, args.overrides, gpus=args.gpus, gpu_gb=args.gpu_gb,
-                              json_output=args.json, mixed_precision=args.mixed_precision,
-                              vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization)
-
-
-def _cmd_keys(args: argparse.Namespace) -> int:
-    if args.markdown:
-        print(config_keys_markdown())
-        return 0
-    for key, type_name, default, help_text in iter_config_keys():
-        print(f"{key:36} {type_name:22} default={default!r}\n    {help_text}")
-    return 0
 
 
 def _launcher_arguments(parser: argparse.ArgumentParser) -> None:
@@ -162,7 +26,8 @@ def _launcher_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of every subcommand (each sets ``func``, the function that runs it)."""
+    """The argument parser of every subcommand (each sets ``handler``, the name of its function in
+    ``grpo.commands.handlers``)."""
     parser = argparse.ArgumentParser(prog="grpo", description="GRPO fine-tuning for causal language models.")
     parser.add_argument("--version", action="version", version=f"grpo {__version__}")
     _launcher_arguments(parser)
@@ -181,7 +46,7 @@ def _add_config_parser(sub) -> None:
     config = sub.add_parser("config", help="print the resolved config (file + overrides) as YAML")
     config.add_argument("config", nargs="?", help="YAML recipe (default: built-in defaults)")
     config.add_argument("overrides", nargs="*", help="section.key=value (value parsed as YAML)")
-    config.set_defaults(func=_cmd_config)
+    config.set_defaults(handler="config_command")
 
 
 def _add_train_parser(sub) -> None:
@@ -192,7 +57,7 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
     train.add_argument("--overwrite", action="store_true", help="replace a previous run in output_dir")
     _launcher_arguments(train)
-    train.set_defaults(func=_cmd_train)
+    train.set_defaults(handler="train_command")
 
 
 def _add_roles_parser(sub) -> None:
@@ -208,14 +73,14 @@ def _add_roles_parser(sub) -> None:
                                                     "one needs decoupled.token_env)")
         else:
             _launcher_arguments(role_parser)
-        role_parser.set_defaults(func=_cmd_role)
+        role_parser.set_defaults(handler="role_command")
 
 
 def _add_plot_parser(sub) -> None:
     """``grpo plot``: a run's metrics as PNGs."""
     plot = sub.add_parser("plot", help="write plots/*.png of a run's metrics")
     plot.add_argument("run_dir")
-    plot.set_defaults(func=_cmd_plot)
+    plot.set_defaults(handler="plot_command")
 
 
 def _add_eval_parser(sub) -> None:
@@ -249,7 +114,7 @@ def _add_eval_parser(sub) -> None:
     ev.add_argument("--tools", nargs="*", metavar="MODULE:FN",
                     help="tools the model may call, as in rollout.tools (default: the run's rollout.tools and "
                          "rollout.environment; --tools with no name: none)")
-    ev.set_defaults(func=_cmd_eval)
+    ev.set_defaults(handler="eval_command")
 
 
 def _add_chat_parser(sub) -> None:
@@ -264,7 +129,7 @@ def _add_chat_parser(sub) -> None:
     chat.add_argument("--base-model")
     chat.add_argument("--dtype", choices=DTYPES)
     chat.add_argument("--seed", type=int)
-    chat.set_defaults(func=_cmd_chat)
+    chat.set_defaults(handler="chat_command")
 
 
 def _add_export_parser(sub) -> None:
@@ -275,7 +140,7 @@ def _add_export_parser(sub) -> None:
     export.add_argument("--dtype", choices=DTYPES)
     export.add_argument("--overwrite", action="store_true")
     export.add_argument("--base-model")
-    export.set_defaults(func=_cmd_export)
+    export.set_defaults(handler="export_command")
 
 
 def _add_memory_parser(sub) -> None:
@@ -291,14 +156,14 @@ def _add_memory_parser(sub) -> None:
     mem.add_argument("--mixed-precision", action="store_true", default=None,
                      help="AdamW with fp32 master weights and m, v (the seeds' tables; DeepSpeed bf16 does this)")
     mem.add_argument("--vllm-gpu-memory-utilization", type=float, help="share of --gpu-gb a colocated vLLM reserves")
-    mem.set_defaults(func=_cmd_memory)
+    mem.set_defaults(handler="memory_command")
 
 
 def _add_keys_parser(sub) -> None:
     """``grpo keys``: every config key."""
     keys = sub.add_parser("keys", help="list every config key with its type, default and meaning")
     keys.add_argument("--markdown", action="store_true", help="print the README's markdown table")
-    keys.set_defaults(func=_cmd_keys)
+    keys.set_defaults(handler="keys_command")
 
 
 
@@ -330,7 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     _split_config_and_overrides(args)
     try:
-        return args.func(args)
+        # The handlers import torch, transformers and every role (seconds): loaded only once a command runs, so
+        # that `grpo --help` and a mistyped command answer at once. tests/test_layers.py allows this one import.
+        handlers = importlib.import_module("grpo.commands.handlers")
+        return getattr(handlers, args.handler)(args)
     except BaseException as err:
         if isinstance(err, SystemExit):
             raise
