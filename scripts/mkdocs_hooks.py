@@ -42,5 +42,7 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
     for line in markdown.split("\n"):
         if FENCE.match(line.lstrip()):
             in_fence = not in_fence
-        out.append(line if in_fence else _rewrite(line, page_dir, docs, repo, config.get("repo_url"), page.file.src_path))
+        if not in_fence:
+            line = _rewrite(line, page_dir, docs, repo, config.get("repo_url"), page.file.src_path)
+        out.append(line)
     return "\n".join(out)

@@ -109,7 +109,8 @@ def _unresolved(names: set[str]) -> list[str]:
 def test_every_grpo_name_the_docs_give_exists():
     """Every dotted ``grpo.x.y`` of the README and the pages is a module that exists (or an attribute of one).
     history.md is left out: it tells of modules as they were."""
-    pages = [REPO / "README.md", *(p for p in DOCS.rglob("*.md") if "_incoming" not in p.parts and p.name != "history.md")]
+    pages = [REPO / "README.md",
+             *(p for p in DOCS.rglob("*.md") if "_incoming" not in p.parts and p.name != "history.md")]
     names = {name for page in pages for name in re.findall(r"(?<![\w./-])grpo(?:\.[A-Za-z_]\w*)+", page.read_text())}
     assert len(names) > 50
     unresolved = _unresolved(names)
