@@ -1,6 +1,6 @@
 # Two commands for a newcomer: `make demo` (train the embedded default) and `make test`.
 #
-# Two tested dependency sets, each a constraints file over pyproject.toml's ranges (README "Install"):
+# Two tested dependency sets, each a constraints file over pyproject.toml's ranges (docs/getting-started/install.md):
 # constraints/lowest.txt pins every range's lower bound (torch 2.11 and transformers 5.17, as on the GPU
 # machines), constraints/newest.txt the newest releases that pass. `make test` runs the whole suite on the
 # lowest set in .venv: the lower bounds are the promise the ranges make, and nothing else tests them.
@@ -18,7 +18,7 @@ NEWEST := .venv-newest
 # The end-to-end training test the newest set runs beside the fast suite (the short `make demo`).
 NEWEST_E2E := tests/integration/test_demo_short.py
 
-.PHONY: install install-newest test test-fast test-newest test-matrix demo clean docs bench bench-gpu test-vllm
+.PHONY: install install-newest chromium test test-fast test-newest test-matrix demo clean docs bench bench-gpu test-vllm
 
 install: $(STAMP)
 
@@ -26,10 +26,20 @@ install: $(STAMP)
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	PIP_CONSTRAINT=$(CONSTRAINTS) DS_BUILD_OPS=0 $(PY) -m pip install --quiet -e ".[test,deepspeed,envs]"
+	PIP_CONSTRAINT=$(CONSTRAINTS) DS_BUILD_OPS=0 $(PY) -m pip install --quiet -e ".[test,deepspeed,envs,docs]"
 	touch $(STAMP)
 
-test: install
+# The docs' browser test (tests/docs/test_docs_site.py) drives headless Chromium from the OS packages: installed
+# here when missing and this is root with apt-get (CI); otherwise that test alone skips, saying why.
+chromium:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get install -y -q chromium >/dev/null \
+		|| { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; } \
+		|| echo "make: could not install chromium; the browser test will skip"; \
+	else echo "make: no chromium and not root: the browser test will skip (apt-get install chromium)"; fi
+
+test: install chromium
 	$(PY) -m pytest -q
 
 test-fast: install
@@ -53,11 +63,13 @@ demo: install
 	$(VENV)/bin/grpo train train.output_dir=$$out
 
 clean:
-	rm -rf $(VENV) $(NEWEST) runs build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(NEWEST) runs build site *.egg-info src/*.egg-info
 
-# Regenerate the README's config-key table from the config tree (a test checks it is current).
+# The documentation site into site/: first the pages generated from the code (config keys, command line; a test
+# checks they are current), then `mkdocs build --strict`, which fails on any broken link, anchor or reference.
 docs: install
-	$(PY) -c "from pathlib import Path; from grpo.config.docs import replace_section; p = Path('README.md'); p.write_text(replace_section(p.read_text()))"
+	$(PY) scripts/docs_pages.py
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # grpo vs TRL's GRPOTrainer on this machine (TRL is the optional `bench` extra). BENCH_ARGS=--quick for ~10 min.
 bench: install

@@ -230,7 +230,7 @@ def test_merge_joins_cases_in_order_and_refuses_other_settings(tmp_path):
 
 def test_generation_speed_tiny_runs_every_engine(tmp_path):
     # benchmarks/generation_speed.py (issue 14's generation target) on a CPU: every engine runs on the full
-    # and the LoRA policy, and the JSON carries the figures the README quotes.
+    # and the LoRA policy, and the JSON carries the figures docs/guides/speed.md quotes.
     out = tmp_path / "gen.json"
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "generation_speed.py"), "--tiny",
                            "--reps", "1", "--out", str(out)], capture_output=True, text=True, timeout=600)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-README = Path(__file__).resolve().parents[1] / "README.md"
+LAYOUT_PAGE = Path(__file__).resolve().parents[1] / "docs" / "development" / "layout.md"
 
 # Lowest first: a package may import only itself and the packages before it.
 LAYERS = ["version", "errors", "algorithm", "compat", "data", "rewards", "tasks", "config", "models", "parallel", "run",
@@ -116,9 +116,9 @@ def _where(path: Path, node: ast.AST) -> str:
     return f"{'/'.join(path.parts[path.parts.index('grpo'):])}:{node.lineno}"
 
 
-def test_the_readme_declares_these_layers():
+def test_the_layout_page_declares_these_layers():
     declared = " < ".join(layer for layer in LAYERS if not layer.startswith("__"))
-    assert declared in README.read_text(encoding="utf-8"), f"README's Layout should name the layers: {declared}"
+    assert declared in LAYOUT_PAGE.read_text(encoding="utf-8"), f"docs/development/layout.md should name the layers: {declared}"
 
 
 def test_every_package_has_a_layer():

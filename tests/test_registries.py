@@ -1,5 +1,5 @@
 """Every registry of names against every place that names its entries: the schema's choices, the keys' help
-(the README's config table), the engines' and tool-call formats' declarations in ``grpo.config.kinds`` and
+(the config-key table of docs/reference/config.md), the engines' and tool-call formats' declarations in ``grpo.config.kinds`` and
 their implementations above it, the Python API's checks and the TRL mapping."""
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _names_word(text: str, name: str) -> bool:
 def test_the_schema_allows_exactly_the_registered_names_and_documents_each(key):
     registry, extra = KEYED[key]
     assert FIELDS[key].metadata["choices"] == (*extra, *registry)
-    for name in registry:  # the prose of the help (the README's table) names every entry, as a word
+    for name in registry:  # the prose of the help (the docs' config-key table) names every entry, as a word
         assert _names_word(HELP[key], name), (key, name)
     assert SHOWN[key] == "one of " + ", ".join("null" if c is None else c for c in (*extra, *registry))
 

@@ -162,7 +162,7 @@ def _add_memory_parser(sub) -> None:
 def _add_keys_parser(sub) -> None:
     """``grpo keys``: every config key."""
     keys = sub.add_parser("keys", help="list every config key with its type, default and meaning")
-    keys.add_argument("--markdown", action="store_true", help="print the README's markdown table")
+    keys.add_argument("--markdown", action="store_true", help="print the markdown table of docs/reference/config.md")
     keys.set_defaults(handler="keys_command")
 
 

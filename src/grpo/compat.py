@@ -1,7 +1,7 @@
 """The one place where grpo depends on which release of a library is installed.
 
-grpo's dependencies are ranges (pyproject.toml; README "Install"), tested at both ends. Where a release in
-a range behaves differently, the difference is handled here, as a question the rest of the code asks,
+grpo's dependencies are ranges (pyproject.toml; docs/getting-started/install.md), tested at both ends. Where a release
+in a range behaves differently, the difference is handled here, as a question the rest of the code asks,
 rather than as version comparisons scattered through it; tests/test_compat.py covers each branch.
 
 * transformers 5.23 made ``generate`` leave each row's left padding out of the repetition penalty

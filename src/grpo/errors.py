@@ -1,5 +1,5 @@
 """Errors the command line turns into a clear message and an exit status (kept import-light), and the
-statuses themselves (the README's exit-status table is checked against these)."""
+statuses themselves (the exit-status table of docs/reference/exit-codes.md is checked against these)."""
 import sys
 
 EXIT_OK = 0

@@ -147,7 +147,7 @@ def test_sampler_killed_and_restarted(tiny_model_dir, tmp_path):
 def test_one_of_two_samplers_killed_the_other_finishes_the_run(tiny_model_dir, tmp_path):
     # The killed sampler's chunk (if it held one) goes to the other once it has been silent for LOST_AFTER_S;
     # every step is trained once, from chunks of that step.
-    # Two trainer ranks, as every failure row of the README is tested: each step is two chunks.
+    # Two trainer ranks, as every failure row of docs/guides/reliability.md is tested: each step is two chunks.
     import sys
 
     out = tmp_path / "run"

@@ -45,7 +45,7 @@ def test_short_demo_run_keeps_accuracy_and_writes_its_outputs(tmp_path, monkeypa
         "log.progress_bar=false",
     ])
     assert cfg.model.name_or_path == "assets/tiny-math" and cfg.train.max_steps == SHORT_STEPS
-    recipe = load_config(DEMO_RECIPE, [])  # two named sets, sampled: README "Evaluation"
+    recipe = load_config(DEMO_RECIPE, [])  # two named sets, sampled: docs/guides/evaluation.md
     assert sorted(recipe.data.eval) == ["demo", "medium"] and recipe.eval.num_samples == 4
     result = train(cfg)
 

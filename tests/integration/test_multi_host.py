@@ -1,6 +1,6 @@
 """More than one machine, on one: every "host" is a network namespace with its own address on a bridge
 (tests/integration/netns.py), so nothing can reach a peer over loopback. Two torchrun nodes, started with the
-README's command, train together (c10d rendezvous), survive a kill -9 of one node with --resume on both, and
+command of docs/guides/multi-node.md, train together (c10d rendezvous), survive a kill -9 of one node with --resume on both, and
 stop together when a rank fails on one; DeepSpeed's launcher runs both trainers over two hosts; decoupled
 roles on four hosts give the one-host run's first step, and each misconfiguration fails within seconds naming
 the cause."""
@@ -40,12 +40,12 @@ def output(proc: subprocess.Popen) -> str:
     return proc.log.read_text()[-3000:]
 
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+MULTI_NODE_PAGE = Path(__file__).resolve().parents[2] / "docs" / "guides" / "multi-node.md"
 
 
-def readme_torchrun_command() -> list[str]:
-    """The README's per-node torchrun command (More than one machine), as words with its placeholders."""
-    text = README.read_text()
+def docs_torchrun_command() -> list[str]:
+    """The per-node torchrun command of docs/guides/multi-node.md, as words with its placeholders."""
+    text = MULTI_NODE_PAGE.read_text()
     start = text.index("torchrun --nnodes N")
     block = text[start:text.index("```", start)]
     words = []
@@ -55,14 +55,14 @@ def readme_torchrun_command() -> list[str]:
 
 
 def torchrun_node(host: Host, head: Host, port: int, run_id: str, args: list[str], logs: Path) -> subprocess.Popen:
-    """One node of a 2-node torchrun (one rank), run as the README says: c10d rendezvous at the head's address,
+    """One node of a 2-node torchrun (one rank), run as docs/guides/multi-node.md says: c10d rendezvous at the head's address,
     ``is_host`` on the head, the node's address given (its name resolves to loopback here, as on many
     machines), and gloo over the host's own interface."""
     values = {"N": "2", "G": "1", "HEAD_IP:29500": f"{head.address}:{port}", "JOB": run_id,
               "is_host=1": f"is_host={int(host is head)}", "NODE_IP": host.address, "RECIPE": SMOKE}
-    readme = readme_torchrun_command()
-    assert readme[0] == "torchrun" and readme[-1] == "..." and set(values) <= set(readme), readme
-    words = [values.get(w, w) for w in readme]
+    documented = docs_torchrun_command()
+    assert documented[0] == "torchrun" and documented[-1] == "..." and set(values) <= set(documented), documented
+    words = [values.get(w, w) for w in documented]
     cmd = host.command(["env", f"GLOO_SOCKET_IFNAME={host.interface}", sys.executable, "-m", "torch.distributed.run",
                         *words[1:-1], *args])
     return logged(cmd, logs / f"{host.name}-{run_id}.log")

@@ -2,7 +2,7 @@
 
 (a) ``--quick`` still builds a working model (so the script cannot rot): it loads with plain
     ``from_pretrained``, its tokenizer keeps the trace and the answer short, its report has every
-    figure the README quotes, and its completions are in the format the ``kk`` task scores.
+    figure docs/guides/tasks.md quotes, and its completions are in the format the ``kk`` task scores.
 (b) The shipped build (``assets/tiny-kk``): its report belongs to the demo recipe's held-out set and
     leaves the planted headroom GRPO is meant to remove, and the weights reproduce the report's greedy
     accuracy (so a rebuilt model cannot ship with a stale report).

@@ -1,7 +1,7 @@
 """The embedded default model (assets/tiny-math) and the script that builds it.
 
 (a) The shipped model loads with plain ``from_pretrained``, is a Qwen2 with the tokenizer the demo
-    needs, and its build report shows the numbers the README and the demo rely on; a greedy re-run
+    needs, and its build report shows the numbers the docs and the demo rely on; a greedy re-run
     on part of the held-out set agrees with the report (the report belongs to these weights).
 (b) ``scripts/build_tiny_math_model.py --quick`` still builds a working model (so the script cannot
     rot): it loads, and on a small held-out set it writes the format and solves some problems.
@@ -75,7 +75,7 @@ def test_shipped_build_report_is_in_the_bands_and_matches_the_demo():
     report = json.loads((ASSET / "build_report.json").read_text())
     held_out = report["held_out"]
     demo = yaml.safe_load(DEMO_RECIPE.read_text())
-    # The report's 500 problems are those the README's demo figures take from `grpo eval`; the recipe's `demo`
+    # The report's 500 problems are those the demo page's figures take from `grpo eval`; the recipe's `demo`
     # set is the first 32 of them.
     assert held_out["data"] == report["settings"]["eval_data"] == "synthetic:seed=123,n=500,difficulty=demo"
     assert demo["data"]["eval"]["demo"] == "synthetic:seed=123,n=32,difficulty=demo"

@@ -1,4 +1,4 @@
-"""A user's own task by dotted path: the shipped example (examples/tasks/reverse_words.py, the README's worked
+"""A user's own task by dotted path: the shipped example (examples/tasks/reverse_words.py, the worked
 example) loads its own data source, scores and rewards its answers; a recipe naming it with ``data.task`` and no
 rewards trains 2 steps with the tiny CPU model through ``grpo train`` and its own rewards, and ``grpo eval`` of
 the run scores with the task's scorer."""
@@ -60,9 +60,9 @@ def test_the_example_scores_and_rewards_its_answers(reverse_words):
     assert task.rewards == (("reverse_words:reversed_words", 1.0), ("format_think_answer", 0.5))
 
 
-def test_the_readme_shows_the_example_file():
-    readme = (REPO / "README.md").read_text()
-    block = readme[readme.index("<!-- task-example:begin -->"):readme.index("<!-- task-example:end -->")]
+def test_the_docs_show_the_example_file():
+    page = (REPO / "docs" / "guides" / "tasks.md").read_text()
+    block = page[page.index("<!-- task-example:begin -->"):page.index("<!-- task-example:end -->")]
     assert block.split("```python\n", 1)[1].split("```", 1)[0] == (EXAMPLES / "reverse_words.py").read_text()
 
 

@@ -1,7 +1,7 @@
 """The one typed config tree: every setting of a run, its default, its allowed values and why.
 
 Leaf names follow TRL's ``GRPOConfig`` where the concept is the same. Each field carries a ``help``
-string (the README's key table is generated from it) and, where it matters, ``choices`` or a range
+string (the key table of docs/reference/config.md is generated from it) and, where it matters, ``choices`` or a range
 (``ge``/``gt``/``le``). Cross-field rules live in ``RunConfig.check`` and say why a combination is
 invalid. No logic beyond checks: loading and overrides are in ``grpo.config.loader``.
 """
