@@ -74,6 +74,7 @@ class GenerateEndpoint:
         self.seeds = itertools.count(seed)
         self.lock = threading.Lock()
         self.sessions: dict[str, list[Turn]] = {}
+        self.engine_logprobs = False  # whether the last reply's log-probs were the engine's own (its own weights)
         self.app = self._build_app()
 
     def turns(self, session: str) -> list[Turn]:
@@ -95,7 +96,8 @@ class GenerateEndpoint:
             out = self.engine.generate_ids([list(prompt_ids)], replace(self.params, n=1, max_tokens=budget),
                                            seed=next(self.seeds))
             ids = out.completion_ids[0][out.completion_mask[0].bool()].tolist()
-            if out.sampler_logprobs is not None:
+            self.engine_logprobs = out.sampler_logprobs is not None
+            if self.engine_logprobs:
                 logprobs = out.sampler_logprobs[0, :len(ids)].tolist()
             elif self.logprobs_fn is not None:
                 logprobs = [float(x) for x in self.logprobs_fn(list(prompt_ids), ids)]

@@ -1,0 +1,139 @@
+"""verifiers environments (``pip install 'grpo[envs]'``; ``verifiers.v1``) as a grpo data source: the
+environment's taskset gives the prompts, one ``Example`` per task; its harness plays the episodes
+(``grpo.multiturn.verifiers_rollout``).
+
+Source string (``data.train``, ``data.eval``), after the ``verifiers:`` prefix::
+
+    TASKSET_ID[,env=ENV_ID][,harness=HARNESS_ID][,limit=N]
+
+``TASKSET_ID`` is what ``vf.load_environment`` takes as ``--env.taskset.id``: an installed module (or package)
+exporting its ``vf.Taskset`` subclass in ``__all__`` (and, optionally, the ``vf.Harness`` that plays it and an
+``vf.Env``). ``env=`` pairs another ``Env`` with the taskset, ``harness=`` pins the agent's harness (default:
+the taskset's own, else verifiers' ``bash``), ``limit=`` keeps the first N tasks (an infinite taskset needs
+it). The agents run in verifiers' local ``subprocess`` runtime: environments that need containers, sandboxes
+or a tunnel are not supported. As with ``synthetic:``, the split is ignored.
+
+Each Example keeps its task's index (column ``verifiers_task``); ``environment(spec)`` is the loaded
+environment, built once per source string (``lru_cache``): the data and the rollouts then share one object.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from grpo.data.example import DataError, Example
+
+INSTALL_HINT = "verifiers is not installed: pip install 'grpo[envs]' (or pip install verifiers==0.4.0)"
+PREFIX = "verifiers"
+KEYS = ("env", "harness", "limit")
+TASK_COLUMN = "verifiers_task"
+
+
+def require_verifiers():
+    """The ``verifiers.v1`` module, or a DataError naming the extra that installs it."""
+    try:
+        import verifiers.v1 as vf  # optional extra (grpo[envs])
+    except ImportError as error:
+        if error.name not in ("verifiers", "verifiers.v1", None):  # installed, but something it needs is broken
+            raise
+        raise DataError(INSTALL_HINT) from None
+    return vf
+
+
+@dataclass(frozen=True)
+class VfSpec:
+    """A parsed ``verifiers:`` source."""
+
+    taskset: str
+    env: str = ""
+    harness: str | None = None
+    limit: int | None = None
+
+
+def parse_spec(spec: str, option_text: str) -> VfSpec:
+    """``option_text`` (after ``verifiers:``) as a ``VfSpec``; a DataError quoting ``spec`` says what is wrong."""
+    head, *items = [item.strip() for item in option_text.split(",")]
+    if not head or "=" in head:
+        raise DataError(f"data source {spec!r}: starts with a verifiers taskset id "
+                        f"(form: {PREFIX}:TASKSET_ID[,env=ENV_ID][,harness=HARNESS_ID][,limit=N])")
+    options: dict[str, Any] = {}
+    for item in items:
+        key, equals, value = (piece.strip() for piece in item.partition("="))
+        if not equals or key not in KEYS or not value:
+            raise DataError(f"data source {spec!r}: expected one of {list(KEYS)} as key=value, got {item!r}")
+        if key in options:
+            raise DataError(f"data source {spec!r}: key {key!r} given twice")
+        options[key] = value
+    if "limit" in options:
+        try:
+            options["limit"] = int(options["limit"])
+        except ValueError:
+            raise DataError(f"data source {spec!r}: limit must be an integer, got {options['limit']!r}") from None
+        if options["limit"] < 1:
+            raise DataError(f"data source {spec!r}: limit must be at least 1")
+    return VfSpec(head, **options)
+
+
+def known_tasksets() -> list[str]:
+    """The taskset ids verifiers ships (``verifiers.v1.tasksets``); any installed module is accepted too."""
+    import pkgutil
+
+    from verifiers.v1 import tasksets  # optional extra (grpo[envs])
+
+    return sorted(m.name for m in pkgutil.iter_modules(tasksets.__path__))
+
+
+@functools.lru_cache(maxsize=None)
+def environment(spec: str) -> Any:
+    """The ``vf.Env`` a ``verifiers:`` source names, loaded once; an unknown id lists the known ones."""
+    _, _, option_text = spec.partition(":")
+    parsed = parse_spec(spec, option_text)
+    require_verifiers()
+    from verifiers.v1.utils.loaders import load_environment, resolve_env_config  # optional extra (grpo[envs])
+
+    agent: dict[str, Any] = {"runtime": {"type": "subprocess"}}  # local only: no container, sandbox or tunnel
+    if parsed.harness:
+        agent["harness"] = {"id": parsed.harness}
+    try:
+        config = resolve_env_config({"id": parsed.env, "taskset": {"id": parsed.taskset}, "agent": agent})
+        return load_environment(config)
+    except ModuleNotFoundError as error:
+        raise DataError(f"data source {spec!r}: {error}; verifiers' own tasksets: {known_tasksets()} (any "
+                        "installed module exporting a vf.Taskset subclass in __all__ works too)") from None
+    except (TypeError, ValueError, AttributeError) as error:
+        raise DataError(f"data source {spec!r}: verifiers refused the environment: {error}") from None
+
+
+@functools.lru_cache(maxsize=None)
+def environment_tasks(spec: str, limit: int | None) -> list[Any]:
+    """The first ``limit`` (else all) tasks of the environment's taskset, read once (the rollouts look the
+    Examples' tasks up here); an infinite one without a limit is a DataError."""
+    env = environment(spec)
+    taskset = env.taskset if limit is None else env.taskset.take(limit)
+    if not taskset.bounded:
+        raise DataError(f"data source {spec!r}: the taskset is infinite; bound it with limit=N")
+    return list(taskset)
+
+
+def task_examples(tasks: list[Any], source: str) -> list[Example]:
+    """One Example per task: its prompt as chat messages (its system prompt as the row's own), its index in
+    column ``verifiers_task``. A task without a prompt (the user opens) has none to show: a DataError."""
+    examples = []
+    for index, task in enumerate(tasks):
+        data, where = task.data, f"{source}#{index}"
+        if data.prompt is None:
+            raise DataError(f"{where}: the task has no prompt (an environment whose user opens the conversation "
+                            "is not supported)")
+        messages = ([{"role": "user", "content": data.prompt}] if isinstance(data.prompt, str)
+                    else [{"role": m.role, "content": m.content} for m in data.prompt if m.role != "system"])
+        row = {TASK_COLUMN: index, "question": messages[-1]["content"], "source": where}
+        examples.append(Example(messages, None, None, where, system=data.system_prompt, row=row))
+    return examples
+
+
+def load_verifiers(spec: str, option_text: str, limit: int | None = None) -> list[Example]:
+    """The Examples of a ``verifiers:`` source string (module docstring); ``limit`` is data.*_limit."""
+    tasks = environment_tasks(spec, parse_spec(spec, option_text).limit)  # indices as the rollouts read them
+    return task_examples(tasks if limit is None else tasks[:limit], spec)
