@@ -4,13 +4,15 @@ environment's taskset gives the prompts, one ``Example`` per task; its harness p
 
 Source string (``data.train``, ``data.eval``), after the ``verifiers:`` prefix::
 
-    TASKSET_ID[,env=ENV_ID][,harness=HARNESS_ID][,limit=N]
+    TASKSET_ID[,env=ENV_ID][,harness=HARNESS_ID][,limit=N][,renderer=NAME[,renderer.KEY=VALUE...]]
 
 ``TASKSET_ID`` is what ``vf.load_environment`` takes as ``--env.taskset.id``: an installed module (or package)
 exporting its ``vf.Taskset`` subclass in ``__all__`` (and, optionally, the ``vf.Harness`` that plays it and an
 ``vf.Env``). ``env=`` pairs another ``Env`` with the taskset, ``harness=`` pins the agent's harness (default:
 the taskset's own, else verifiers' ``bash``), ``limit=`` keeps the first N tasks (an infinite taskset needs
-it). The agents run in verifiers' local ``subprocess`` runtime: environments that need containers, sandboxes
+it). ``renderer=`` names the ``renderers`` renderer verifiers' ``TrainClient`` renders prompts with (default:
+the one its model maps to, else the chat template's, which cannot bridge a turn: ``qwen3``, ``llama3``... do),
+``renderer.KEY=VALUE`` sets its config's fields (``renderer.thinking_retention=all``). The agents run in verifiers' local ``subprocess`` runtime: environments that need containers, sandboxes
 or a tunnel are not supported. As with ``synthetic:``, the split is ignored.
 
 Each Example keeps its task's index (column ``verifiers_task``); ``environment(spec)`` is the loaded
@@ -27,7 +29,8 @@ from grpo.data.example import DataError, Example
 
 INSTALL_HINT = "verifiers is not installed: pip install 'grpo[envs]' (or pip install verifiers==0.4.0)"
 PREFIX = "verifiers"
-KEYS = ("env", "harness", "limit")
+KEYS = ("env", "harness", "limit", "renderer")
+RENDERER_PREFIX = "renderer."
 TASK_COLUMN = "verifiers_task"
 
 
@@ -50,6 +53,7 @@ class VfSpec:
     env: str = ""
     harness: str | None = None
     limit: int | None = None
+    renderer: tuple[tuple[str, str], ...] = ()  # the renderer config's fields ("name", ...), as given
 
 
 def parse_spec(spec: str, option_text: str) -> VfSpec:
@@ -59,13 +63,22 @@ def parse_spec(spec: str, option_text: str) -> VfSpec:
         raise DataError(f"data source {spec!r}: starts with a verifiers taskset id "
                         f"(form: {PREFIX}:TASKSET_ID[,env=ENV_ID][,harness=HARNESS_ID][,limit=N])")
     options: dict[str, Any] = {}
+    renderer: dict[str, str] = {}
     for item in items:
         key, equals, value = (piece.strip() for piece in item.partition("="))
-        if not equals or key not in KEYS or not value:
-            raise DataError(f"data source {spec!r}: expected one of {list(KEYS)} as key=value, got {item!r}")
-        if key in options:
+        field = "name" if key == "renderer" else key.removeprefix(RENDERER_PREFIX) if key.startswith(
+            RENDERER_PREFIX) else None
+        if not equals or (key not in KEYS and field is None) or not value or field == "":
+            raise DataError(f"data source {spec!r}: expected one of {list(KEYS)} or {RENDERER_PREFIX}KEY as "
+                            f"key=value, got {item!r}")
+        if key in options or field in renderer:
             raise DataError(f"data source {spec!r}: key {key!r} given twice")
-        options[key] = value
+        if field is not None:
+            renderer[field] = value
+        else:
+            options[key] = value
+    if renderer and "name" not in renderer:
+        raise DataError(f"data source {spec!r}: {RENDERER_PREFIX}KEY options need renderer=NAME")
     if "limit" in options:
         try:
             options["limit"] = int(options["limit"])
@@ -73,7 +86,7 @@ def parse_spec(spec: str, option_text: str) -> VfSpec:
             raise DataError(f"data source {spec!r}: limit must be an integer, got {options['limit']!r}") from None
         if options["limit"] < 1:
             raise DataError(f"data source {spec!r}: limit must be at least 1")
-    return VfSpec(head, **options)
+    return VfSpec(head, **options, renderer=tuple(renderer.items()))
 
 
 def known_tasksets() -> list[str]:

@@ -101,7 +101,9 @@ class VerifiersRollout:
                  renderer_model: str, max_concurrent: int, episode_timeout_s: float | None, max_model_len: int):
         self.engine, self.tokenizer, self.eos_ids, self.spec = engine, tokenizer, list(eos_ids), spec
         self.env = environment(spec)
-        self.tasks = environment_tasks(spec, parse_spec(spec, spec.partition(":")[2]).limit)
+        parsed = parse_spec(spec, spec.partition(":")[2])
+        self.tasks = environment_tasks(spec, parsed.limit)
+        self.renderer = dict(parsed.renderer) or None  # verifiers' TrainClient's renderer config
         self.names = list(reward_weights(spec))
         self.renderer_model, self.max_concurrent, self.timeout = renderer_model, max_concurrent, episode_timeout_s
         self.endpoint = GenerateEndpoint(engine, tokenizer, SamplingParams(), eos_ids, logprobs_fn, "grpo-policy",
@@ -131,7 +133,8 @@ class VerifiersRollout:
         """Each task's episode (a ``vf.Episode``), or the exception that ended it."""
         from verifiers.v1.clients import ModelContext, TrainClientConfig  # optional extra (grpo[envs])
 
-        client = TrainClientConfig(base_url=self.server.base_url, renderer_model_name=self.renderer_model)
+        client = TrainClientConfig(base_url=self.server.base_url, renderer_model_name=self.renderer_model,
+                                   renderer=self.renderer)
         context = ModelContext(model=self.endpoint.model_name, client=client)
         gate = asyncio.Semaphore(self.max_concurrent)
 

@@ -26,7 +26,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import uvicorn
@@ -87,8 +87,11 @@ class GenerateEndpoint:
         with self.lock:
             self.sessions.clear()
 
-    def sample(self, prompt_ids: list[int], max_tokens: int | None, session: str) -> Turn:
-        """One reply to ``prompt_ids`` with the run's settings, recorded under ``session``."""
+    def sample(self, prompt_ids: list[int], max_tokens: int | None, session: str,
+               stop_ids: Sequence[int] = ()) -> Turn:
+        """One reply to ``prompt_ids`` with the run's settings, recorded under ``session``. It ends at the
+        first of the end-of-turn ids or ``stop_ids`` (vLLM's ``stop_token_ids``: the tokens after one are
+        never sampled there, so cutting them here gives the reply vLLM would have given)."""
         if not prompt_ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
             raise ValueError("token_ids must be a non-empty list of integers")
         budget = self.params.max_tokens if max_tokens is None else max(1, min(int(max_tokens), self.params.max_tokens))
@@ -96,6 +99,9 @@ class GenerateEndpoint:
             out = self.engine.generate_ids([list(prompt_ids)], replace(self.params, n=1, max_tokens=budget),
                                            seed=next(self.seeds))
             ids = out.completion_ids[0][out.completion_mask[0].bool()].tolist()
+            stops = set(self.eos_ids) | {int(t) for t in stop_ids}
+            ends = [i for i, t in enumerate(ids) if t in stops]
+            ids = ids[:ends[0] + 1] if ends else ids
             self.engine_logprobs = out.sampler_logprobs is not None
             if self.engine_logprobs:
                 logprobs = out.sampler_logprobs[0, :len(ids)].tolist()
@@ -103,13 +109,14 @@ class GenerateEndpoint:
                 logprobs = [float(x) for x in self.logprobs_fn(list(prompt_ids), ids)]
             else:
                 raise RuntimeError("the engine reports no log-probs and the endpoint has no logprobs_fn")
-            turn = Turn(list(prompt_ids), ids, logprobs, bool(ids) and ids[-1] in self.eos_ids)
+            turn = Turn(list(prompt_ids), ids, logprobs, bool(ends))
             self.sessions.setdefault(session, []).append(turn)
         return turn
 
     def _generate_reply(self, body: dict, session: str) -> dict:
         sampling = body.get("sampling_params") or {}
-        turn = self.sample(body.get("token_ids") or [], sampling.get("max_tokens"), session)
+        turn = self.sample(body.get("token_ids") or [], sampling.get("max_tokens"), session,
+                           sampling.get("stop_token_ids") or ())
         return {"request_id": f"grpo-{time.monotonic_ns()}", "prompt_token_ids": turn.prompt_ids,
                 "choices": [{"index": 0, "token_ids": turn.completion_ids, "logprobs": _logprob_content(turn),
                              "finish_reason": "stop" if turn.finished else "length"}],
