@@ -24,7 +24,7 @@ LAYERS = ["version", "errors", "algorithm", "compat", "data", "rewards", "tasks"
           "commands", "cli", "__main__", "__init__"]
 
 # Third-party imports allowed inside functions: the optional extras (and IPython, present only in a notebook).
-OPTIONAL = {"vllm", "deepspeed", "bitsandbytes", "wandb", "IPython", "reasoning_gym"}
+OPTIONAL = {"vllm", "deepspeed", "bitsandbytes", "wandb", "IPython", "reasoning_gym", "verifiers"}
 
 
 def _modules() -> dict[str, Path]:
