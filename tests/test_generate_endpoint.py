@@ -127,3 +127,15 @@ def test_logprobs_come_from_logprobs_fn_when_the_engine_reports_none(tiny_tokeni
                                 EOS, logprobs_fn, "m", 64)
     turn = endpoint.sample([1, 2], None, "s")
     assert turn.logprobs == [-2.0, -2.0] and seen == [([1, 2], [5, 6])] and not endpoint.engine_logprobs
+
+
+def test_an_episodes_budget_counts_every_token_after_its_first_prompt(tiny_tokenizer):
+    endpoint = GenerateEndpoint(ScriptedEngine(), tiny_tokenizer, SamplingParams(max_tokens=5), EOS, None, "m", 64)
+    first = endpoint.sample([1, 2], None, "e")  # REPLY up to the EOS: 5 tokens, the whole budget
+    assert first.completion_ids == [5, 6, 0, 7, 2]
+    spent = endpoint.sample([1, 2, 5, 6, 0, 7, 2, 8], None, "e")
+    assert spent.completion_ids == [] and not spent.finished
+    other = endpoint.sample([1, 2, 3], 2, "f")  # another episode, its own budget, lowered by the request
+    assert other.completion_ids == [5, 6]
+    endpoint.sample([1, 2, 3], 2, "")  # requests without a session are each on their own
+    assert endpoint.sample([1, 2, 3, 5, 6, 9, 9], 2, "").completion_ids == [5, 6]

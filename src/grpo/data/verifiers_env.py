@@ -4,13 +4,14 @@ environment's taskset gives the prompts, one ``Example`` per task; its harness p
 
 Source string (``data.train``, ``data.eval``), after the ``verifiers:`` prefix::
 
-    TASKSET_ID[,env=ENV_ID][,harness=HARNESS_ID][,limit=N][,renderer=NAME[,renderer.KEY=VALUE...]]
+    TASKSET_ID[,env=ENV_ID][,harness=HARNESS_ID][,limit=N][,max_tokens=N][,renderer=NAME[,renderer.KEY=VALUE...]]
 
 ``TASKSET_ID`` is what ``vf.load_environment`` takes as ``--env.taskset.id``: an installed module (or package)
 exporting its ``vf.Taskset`` subclass in ``__all__`` (and, optionally, the ``vf.Harness`` that plays it and an
 ``vf.Env``). ``env=`` pairs another ``Env`` with the taskset, ``harness=`` pins the agent's harness (default:
 the taskset's own, else verifiers' ``bash``), ``limit=`` keeps the first N tasks (an infinite taskset needs
-it). ``renderer=`` names the ``renderers`` renderer verifiers' ``TrainClient`` renders prompts with (default:
+it), ``max_tokens=`` caps each model reply (verifiers' sampling setting: its ``TrainClient`` sends it, not the
+agent program's own request; the run's ``rollout.max_completion_length`` bounds the whole episode). ``renderer=`` names the ``renderers`` renderer verifiers' ``TrainClient`` renders prompts with (default:
 the one its model maps to, else the chat template's, which cannot bridge a turn: ``qwen3``, ``llama3``... do),
 ``renderer.KEY=VALUE`` sets its config's fields (``renderer.thinking_retention=all``). The agents run in verifiers' local ``subprocess`` runtime: environments that need containers, sandboxes
 or a tunnel are not supported. As with ``synthetic:``, the split is ignored.
@@ -22,6 +23,7 @@ environment, built once per source string (``lru_cache``): the data and the roll
 from __future__ import annotations
 
 import functools
+import pkgutil
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +31,7 @@ from grpo.data.example import DataError, Example
 
 INSTALL_HINT = "verifiers is not installed: pip install 'grpo[envs]' (or pip install verifiers==0.4.0)"
 PREFIX = "verifiers"
-KEYS = ("env", "harness", "limit", "renderer")
+KEYS = ("env", "harness", "limit", "max_tokens", "renderer")
 RENDERER_PREFIX = "renderer."
 TASK_COLUMN = "verifiers_task"
 
@@ -53,6 +55,7 @@ class VfSpec:
     env: str = ""
     harness: str | None = None
     limit: int | None = None
+    max_tokens: int | None = None
     renderer: tuple[tuple[str, str], ...] = ()  # the renderer config's fields ("name", ...), as given
 
 
@@ -79,20 +82,20 @@ def parse_spec(spec: str, option_text: str) -> VfSpec:
             options[key] = value
     if renderer and "name" not in renderer:
         raise DataError(f"data source {spec!r}: {RENDERER_PREFIX}KEY options need renderer=NAME")
-    if "limit" in options:
+    for key in ("limit", "max_tokens"):
+        if key not in options:
+            continue
         try:
-            options["limit"] = int(options["limit"])
+            options[key] = int(options[key])
         except ValueError:
-            raise DataError(f"data source {spec!r}: limit must be an integer, got {options['limit']!r}") from None
-        if options["limit"] < 1:
-            raise DataError(f"data source {spec!r}: limit must be at least 1")
+            raise DataError(f"data source {spec!r}: {key} must be an integer, got {options[key]!r}") from None
+        if options[key] < 1:
+            raise DataError(f"data source {spec!r}: {key} must be at least 1")
     return VfSpec(head, **options, renderer=tuple(renderer.items()))
 
 
 def known_tasksets() -> list[str]:
     """The taskset ids verifiers ships (``verifiers.v1.tasksets``); any installed module is accepted too."""
-    import pkgutil
-
     from verifiers.v1 import tasksets  # optional extra (grpo[envs])
 
     return sorted(m.name for m in pkgutil.iter_modules(tasksets.__path__))

@@ -27,6 +27,7 @@ import torch
 from grpo.data import build_prompt_messages
 from grpo.data.verifiers_env import TASK_COLUMN, environment, environment_tasks, parse_spec
 from grpo.multiturn.driver import TurnsResult
+from grpo.rewards.async_loop import run_coroutine
 from grpo.rollout.engine import SamplingParams, TokenIdsEngine
 from grpo.rollout.generate_endpoint import EndpointServer, GenerateEndpoint, LogprobsFn, Turn
 from grpo.rollout.generation import Generation
@@ -104,6 +105,7 @@ class VerifiersRollout:
         parsed = parse_spec(spec, spec.partition(":")[2])
         self.tasks = environment_tasks(spec, parsed.limit)
         self.renderer = dict(parsed.renderer) or None  # verifiers' TrainClient's renderer config
+        self.reply_tokens = parsed.max_tokens  # verifiers' sampling max_tokens: each reply's cap
         self.names = list(reward_weights(spec))
         self.renderer_model, self.max_concurrent, self.timeout = renderer_model, max_concurrent, episode_timeout_s
         self.endpoint = GenerateEndpoint(engine, tokenizer, SamplingParams(), eos_ids, logprobs_fn, "grpo-policy",
@@ -121,7 +123,9 @@ class VerifiersRollout:
         self.endpoint.params = replace(params, n=1)
         self.endpoint.seeds = iter(range(seed or 0, 2**62))
         tasks = [self.tasks[e.columns()[TASK_COLUMN]] for e in examples for _ in range(G)]
-        episodes = asyncio.run(self._episodes(tasks))
+        # On the process's one loop: verifiers and renderers keep asyncio locks and clients across calls, bound
+        # to the loop they first ran on (a fresh asyncio.run per step breaks them).
+        episodes = run_coroutine(self._episodes(tasks))
         rows = [self._row(example, episode, params.max_tokens, system_prompt)
                 for example, episode in zip([e for e in examples for _ in range(G)], episodes)]
         self.extra_columns = {REWARDS_COLUMN: [r.rewards for r in rows]}
@@ -132,10 +136,12 @@ class VerifiersRollout:
     async def _episodes(self, tasks: list) -> list[Any]:
         """Each task's episode (a ``vf.Episode``), or the exception that ended it."""
         from verifiers.v1.clients import ModelContext, TrainClientConfig  # optional extra (grpo[envs])
+        from verifiers.v1.types import SamplingConfig  # optional extra (grpo[envs])
 
         client = TrainClientConfig(base_url=self.server.base_url, renderer_model_name=self.renderer_model,
                                    renderer=self.renderer)
-        context = ModelContext(model=self.endpoint.model_name, client=client)
+        context = ModelContext(model=self.endpoint.model_name, client=client,
+                               sampling=SamplingConfig(max_tokens=self.reply_tokens))
         gate = asyncio.Semaphore(self.max_concurrent)
 
         async def play(task):

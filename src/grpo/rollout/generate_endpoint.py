@@ -12,8 +12,9 @@ Routes (HTTP, JSON):
 - ``GET /v1/models``: the one model, with ``max_model_len`` (the run's prompt limit plus completion budget).
 
 Every reply is sampled with the run's sampling settings (temperature, top-p/top-k...), whatever the request
-asks: the trained tokens must come from the distribution the loss assumes. A request's ``max_tokens`` can only
-lower the run's completion budget. The log-probs are the engine's own when it reports them (vLLM), else
+asks: the trained tokens must come from the distribution the loss assumes. The run's completion budget
+(``max_tokens``) holds per episode, as in a multi-turn row: a session's replies and the tokens between them
+count toward it (a reply past it is empty, finish_reason "length"); a request's ``max_tokens`` can only lower it. The log-probs are the engine's own when it reports them (vLLM), else
 ``logprobs_fn``'s (the policy's, at the run's temperature). Every turn is recorded under the request's
 ``X-Session-ID`` header (verifiers sends its trace id there), so the caller reads back each episode's exact
 tokens (``turns``) instead of re-tokenising text.
@@ -94,8 +95,12 @@ class GenerateEndpoint:
         never sampled there, so cutting them here gives the reply vLLM would have given)."""
         if not prompt_ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
             raise ValueError("token_ids must be a non-empty list of integers")
-        budget = self.params.max_tokens if max_tokens is None else max(1, min(int(max_tokens), self.params.max_tokens))
         with self.lock:
+            budget = self._budget(prompt_ids, session, max_tokens)
+            if budget <= 0:  # the episode's completion budget is spent: an empty reply, cut by length
+                turn = Turn(list(prompt_ids), [], [], False)
+                self.sessions.setdefault(session, []).append(turn)
+                return turn
             out = self.engine.generate_ids([list(prompt_ids)], replace(self.params, n=1, max_tokens=budget),
                                            seed=next(self.seeds))
             ids = out.completion_ids[0][out.completion_mask[0].bool()].tolist()
@@ -112,6 +117,15 @@ class GenerateEndpoint:
             turn = Turn(list(prompt_ids), ids, logprobs, bool(ends))
             self.sessions.setdefault(session, []).append(turn)
         return turn
+
+    def _budget(self, prompt_ids: list[int], session: str, max_tokens: int | None) -> int:
+        """Tokens this reply may sample: the run's completion budget less what the session's episode already
+        holds after its first prompt (replies and the tokens between them count, as in a multi-turn row),
+        lowered by the request's ``max_tokens``."""
+        earlier = self.sessions.get(session) if session != NO_SESSION else None
+        used = max(0, len(prompt_ids) - len(earlier[0].prompt_ids)) if earlier else 0
+        budget = self.params.max_tokens - used
+        return budget if max_tokens is None else min(budget, max(1, int(max_tokens)))
 
     def _generate_reply(self, body: dict, session: str) -> dict:
         sampling = body.get("sampling_params") or {}
