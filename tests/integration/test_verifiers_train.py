@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 
 import pytest
 
@@ -17,7 +19,7 @@ from grpo.config import load_config  # noqa: E402 - after the skip: the modules 
 from grpo.models.tiny import build_qwen2, build_tokenizer  # noqa: E402
 from grpo.multiturn import verifiers_rollout  # noqa: E402
 from grpo.training.colocated import train  # noqa: E402
-from run_helpers import SMOKE, as_overrides  # noqa: E402
+from run_helpers import SMOKE, as_overrides, cli_env, free_port  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 # Qwen3's renderer bridges a turn token-exactly; it needs the Qwen3 special tokens in the vocabulary and an unk
@@ -54,13 +56,20 @@ def captured(monkeypatch):
     return records
 
 
-def run(model_dir, out, source, **extra):
-    overrides = as_overrides({
+def overrides(model_dir, out, source, **extra) -> list[str]:
+    return as_overrides({
         "model.name_or_path": model_dir, "data.train": source, "data.eval": None, "rewards": "[]",
         "rollout.num_generations": 2, "rollout.max_completion_length": 48, "train.prompts_per_step": 2,
         "train.micro_batch_size": 4, "train.max_steps": 2, "train.save_steps": 10, "train.output_dir": out,
         "log.report_to": "[]", "log.progress_bar": False, "optim.learning_rate": 1e-3, **extra})
-    train(load_config(SMOKE, overrides))
+
+
+def run(model_dir, out, source, **extra):
+    train(load_config(SMOKE, overrides(model_dir, out, source, **extra)))
+    return steps_of(out)
+
+
+def steps_of(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
 
 
@@ -80,6 +89,17 @@ def test_a_single_agent_taskset_trains_on_the_sampled_tokens(tiny_model_dir, tmp
         assert record["verifiers/failed_episodes"] == 0.0
     assert len(captured) == 2
     assert_rows_are_the_replies(captured)
+
+
+def test_two_ranks_each_play_their_episodes_against_their_own_endpoint(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "-m", "grpo", "train", SMOKE, *overrides(tiny_model_dir, out, "verifiers:vf_echo_env")]
+    result = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = steps_of(out)
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all("reward/has_digit" in s and s["verifiers/failed_episodes"] == 0.0 for s in steps)
 
 
 def test_a_multi_turn_tool_harness_trains_replies_and_keeps_tool_results_as_context(qwen3_model_dir, tmp_path,
@@ -109,3 +129,23 @@ def test_an_episode_that_raises_or_hangs_is_a_zero_reward_and_a_counted_warning(
     assert len(failures) == 8 and "(8 in this run)" in failures[-1]
     assert any("the agent program crashed" in m for m in failures)
     assert any("timed out after 3 s" in m for m in failures)
+
+
+def test_the_python_api_trains_on_an_environment_object_with_its_tasks_rewards(tiny_model_dir, tmp_path,
+                                                                               monkeypatch, captured):
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+    from verifiers.v1.utils.loaders import load_environment, resolve_env_config
+
+    from grpo import GRPOConfig, GRPOTrainer
+
+    env = load_environment(resolve_env_config({"taskset": {"id": "vf_echo_env"},
+                                               "agent": {"runtime": {"type": "subprocess"}}}))
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, num_generations=2,
+                      max_completion_length=8, max_steps=2, learning_rate=1e-3, logging_steps=1, save_steps=2,
+                      use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none", disable_tqdm=True)
+    trainer = GRPOTrainer(str(tiny_model_dir), args=args, train_dataset=env)
+    assert trainer.config.data.train == "verifiers:vf_echo_env" and trainer.config.rewards == []  # its own rewards
+    assert trainer.train().global_step == 2
+    steps = [e for e in trainer.state.log_history if "loss" in e]
+    assert len(steps) == 2 and all("rewards/has_digit/mean" in e for e in steps)
+    assert_rows_are_the_replies(captured)

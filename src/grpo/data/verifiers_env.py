@@ -101,9 +101,32 @@ def known_tasksets() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(tasksets.__path__))
 
 
-@functools.lru_cache(maxsize=None)
+def is_verifiers_environment(value: Any) -> bool:
+    """Whether ``value`` is a verifiers ``Env`` object (checked without importing verifiers)."""
+    return any(cls.__module__.startswith("verifiers.") and cls.__name__ == "Env" for cls in type(value).__mro__)
+
+
+def given_environment(env: Any, registry: dict[str, Any]) -> str:
+    """The ``verifiers:`` source string that names ``env`` (an object the Python API was handed), put in
+    ``registry`` (``GIVEN``) so that ``environment`` returns it instead of loading one."""
+    spec = f"{PREFIX}:{env.config.env_id}"
+    if registry.get(spec, env) is not env:
+        raise ValueError(f"two different verifiers environments of taskset {env.config.env_id!r} in one process")
+    registry[spec] = env
+    return spec
+
+
+GIVEN: dict[str, Any] = {}  # environments handed over as objects (given_environment), by their source string
+
+
 def environment(spec: str) -> Any:
-    """The ``vf.Env`` a ``verifiers:`` source names, loaded once; an unknown id lists the known ones."""
+    """The ``vf.Env`` a ``verifiers:`` source names: a given one, else loaded once; an unknown id lists the
+    known ones."""
+    return GIVEN[spec] if spec in GIVEN else _load_environment(spec)
+
+
+@functools.lru_cache(maxsize=None)
+def _load_environment(spec: str) -> Any:
     _, _, option_text = spec.partition(":")
     parsed = parse_spec(spec, option_text)
     require_verifiers()
