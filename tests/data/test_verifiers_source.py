@@ -16,9 +16,10 @@ from grpo.rollout.generate_endpoint import Turn
 
 def test_spec_taskset_options_and_renderer_fields():
     assert parse_spec("s", "my-tasks") == VfSpec("my-tasks")
-    spec = parse_spec("s", "my_tasks, env=best-of-n ,harness=bash,limit=7,max_tokens=9,renderer=qwen3,"
-                           "renderer.thinking_retention=all")
-    assert spec == VfSpec("my_tasks", "best-of-n", "bash", 7, 9, (("name", "qwen3"), ("thinking_retention", "all")))
+    spec = parse_spec("s", "my_tasks, env=best-of-n ,harness=bash,limit=7,max_tokens=9,concurrency=3,timeout_s=2.5,"
+                           "renderer=qwen3,renderer.thinking_retention=all")
+    assert spec == VfSpec("my_tasks", "best-of-n", "bash", 7, 9, 3, 2.5,
+                          (("name", "qwen3"), ("thinking_retention", "all")))
 
 
 @pytest.mark.parametrize("text, says", [
@@ -27,7 +28,11 @@ def test_spec_taskset_options_and_renderer_fields():
     ("t,limit=x", "limit must be an integer"),
     ("t,limit=0", "at least 1"),
     ("t,max_tokens=0", "at least 1"),
-    ("t,color=red", "expected one of ['env', 'harness', 'limit', 'max_tokens', 'renderer'] or renderer.KEY"),
+    ("t,concurrency=0", "at least 1"),
+    ("t,timeout_s=-1", "positive"),
+    ("t,timeout_s=soon", "must be a number"),
+    ("t,color=red", "expected one of ['env', 'harness', 'limit', 'max_tokens', 'concurrency', 'timeout_s', "
+                    "'renderer'] or renderer.KEY"),
     ("t,env", "expected one of"),
     ("t,env=a,env=b", "given twice"),
     ("t,renderer.thinking_retention=all", "need renderer=NAME"),

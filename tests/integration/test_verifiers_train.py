@@ -120,8 +120,8 @@ def test_an_episode_that_raises_or_hangs_is_a_zero_reward_and_a_counted_warning(
                                                                                monkeypatch, caplog):
     monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
     caplog.set_level(logging.WARNING, logger="grpo.multiturn.verifiers_rollout")
-    steps = run(tiny_model_dir, tmp_path / "run", "verifiers:vf_failing_env",
-                **{"rollout.episode_timeout_s": 3, "train.prompts_per_step": 4, "rollout.max_completion_length": 8})
+    steps = run(tiny_model_dir, tmp_path / "run", "verifiers:vf_failing_env,timeout_s=3",
+                **{"train.prompts_per_step": 4, "rollout.max_completion_length": 8})
     assert [s["step"] for s in steps] == [1, 2]
     # each step plays all 4 tasks twice: tasks 0 and 1 fail (4 of 8 episodes), the others reply
     assert all(s["verifiers/failed_episodes"] == 0.5 and s["reward/replied"] == 0.5 for s in steps)

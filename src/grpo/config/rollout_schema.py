@@ -74,10 +74,6 @@ class RolloutConfig:
         None, "Tool rounds after the first turn; null = until max_completion_length (tool tokens count toward it).",
         ge=0)
     tool_timeout_s: float = opt(30.0, "A tool call running longer is answered with a timeout error.", gt=0)
-    max_concurrent_episodes: int = opt(
-        8, "A verifiers environment's episodes in flight at once (data.train=verifiers:...).", ge=1)
-    episode_timeout_s: float = opt(
-        600.0, "A verifiers environment's episode running longer is a zero reward with a counted warning.", gt=0)
     tool_call_format: str = opt("auto", "How tool calls are read from a turn: auto (from the chat template) or "
                                         "hermes (<tool_call>{json}</tool_call>, Qwen2.5/Qwen3).",
                                 choices=(AUTO, *TOOL_CALL_MARKERS))

@@ -4,14 +4,17 @@ environment's taskset gives the prompts, one ``Example`` per task; its harness p
 
 Source string (``data.train``, ``data.eval``), after the ``verifiers:`` prefix::
 
-    TASKSET_ID[,env=ENV_ID][,harness=HARNESS_ID][,limit=N][,max_tokens=N][,renderer=NAME[,renderer.KEY=VALUE...]]
+    TASKSET_ID[,env=ENV_ID][,harness=HARNESS_ID][,limit=N][,max_tokens=N][,concurrency=N][,timeout_s=S]
+              [,renderer=NAME[,renderer.KEY=VALUE...]]
 
 ``TASKSET_ID`` is what ``vf.load_environment`` takes as ``--env.taskset.id``: an installed module (or package)
 exporting its ``vf.Taskset`` subclass in ``__all__`` (and, optionally, the ``vf.Harness`` that plays it and an
 ``vf.Env``). ``env=`` pairs another ``Env`` with the taskset, ``harness=`` pins the agent's harness (default:
 the taskset's own, else verifiers' ``bash``), ``limit=`` keeps the first N tasks (an infinite taskset needs
 it), ``max_tokens=`` caps each model reply (verifiers' sampling setting: its ``TrainClient`` sends it, not the
-agent program's own request; the run's ``rollout.max_completion_length`` bounds the whole episode). ``renderer=`` names the ``renderers`` renderer verifiers' ``TrainClient`` renders prompts with (default:
+agent program's own request; the run's ``rollout.max_completion_length`` bounds the whole episode),
+``concurrency=`` bounds the episodes in flight at once (default 8), ``timeout_s=`` each episode's seconds (default
+600; one running longer is a zero reward with a counted warning). ``renderer=`` names the ``renderers`` renderer verifiers' ``TrainClient`` renders prompts with (default:
 the one its model maps to, else the chat template's, which cannot bridge a turn: ``qwen3``, ``llama3``... do),
 ``renderer.KEY=VALUE`` sets its config's fields (``renderer.thinking_retention=all``). The agents run in verifiers' local ``subprocess`` runtime: environments that need containers, sandboxes
 or a tunnel are not supported. As with ``synthetic:``, the split is ignored.
@@ -31,7 +34,7 @@ from grpo.data.example import DataError, Example
 
 INSTALL_HINT = "verifiers is not installed: pip install 'grpo[envs]' (or pip install verifiers==0.4.0)"
 PREFIX = "verifiers"
-KEYS = ("env", "harness", "limit", "max_tokens", "renderer")
+KEYS = ("env", "harness", "limit", "max_tokens", "concurrency", "timeout_s", "renderer")
 RENDERER_PREFIX = "renderer."
 TASK_COLUMN = "verifiers_task"
 
@@ -56,6 +59,8 @@ class VfSpec:
     harness: str | None = None
     limit: int | None = None
     max_tokens: int | None = None
+    concurrency: int = 8  # episodes in flight at once
+    timeout_s: float = 600.0  # one episode's bound
     renderer: tuple[tuple[str, str], ...] = ()  # the renderer config's fields ("name", ...), as given
 
 
@@ -82,15 +87,17 @@ def parse_spec(spec: str, option_text: str) -> VfSpec:
             options[key] = value
     if renderer and "name" not in renderer:
         raise DataError(f"data source {spec!r}: {RENDERER_PREFIX}KEY options need renderer=NAME")
-    for key in ("limit", "max_tokens"):
+    for key in ("limit", "max_tokens", "concurrency", "timeout_s"):
         if key not in options:
             continue
+        kind = float if key == "timeout_s" else int
         try:
-            options[key] = int(options[key])
+            options[key] = kind(options[key])
         except ValueError:
-            raise DataError(f"data source {spec!r}: {key} must be an integer, got {options[key]!r}") from None
-        if options[key] < 1:
-            raise DataError(f"data source {spec!r}: {key} must be at least 1")
+            raise DataError(f"data source {spec!r}: {key} must be {'a number' if kind is float else 'an integer'}, "
+                            f"got {options[key]!r}") from None
+        if options[key] <= 0 or (kind is int and options[key] < 1):
+            raise DataError(f"data source {spec!r}: {key} must be {'positive' if kind is float else 'at least 1'}")
     return VfSpec(head, **options, renderer=tuple(renderer.items()))
 
 

@@ -2,7 +2,7 @@
 
 For a step's examples (one per task of the environment's taskset, ``grpo.data.verifiers_env``) each task is
 played ``G`` times (a group) by the environment (``vf.Env.run_slot``: its harness, its task's rewards),
-concurrently, at most ``max_concurrent`` episodes at once, each within ``episode_timeout_s``. The harness
+concurrently, at most ``concurrency`` episodes at once, each within ``timeout_s`` (the source's options). The harness
 reaches the model through verifiers' ``TrainClient`` (its ``X-Session-ID`` is the episode's trace id) calling
 ``grpo.rollout.generate_endpoint``, which samples with the run's engine and settings and records each turn's
 exact tokens. A row is its episode's recorded turns as one sequence: the first turn's prompt is the prompt,
@@ -94,20 +94,20 @@ class VerifiersRollout:
         engine: the run's engine (its weights, if its own, updated through ``engine``).
         eos_ids: the ids that end a turn. logprobs_fn: the policy's log-probs, for engines that report none.
         renderer_model: what verifiers' renderer loads its tokenizer from (the policy's name or folder).
-        max_concurrent: episodes in flight at once. episode_timeout_s: bound of one episode (None: none).
         max_model_len: the context length ``/v1/models`` reports.
     """
 
     def __init__(self, engine: TokenIdsEngine, tokenizer, eos_ids: list[int], spec: str, logprobs_fn: LogprobsFn,
-                 renderer_model: str, max_concurrent: int, episode_timeout_s: float | None, max_model_len: int):
+                 renderer_model: str, max_model_len: int):
         self.engine, self.tokenizer, self.eos_ids, self.spec = engine, tokenizer, list(eos_ids), spec
         self.env = environment(spec)
         parsed = parse_spec(spec, spec.partition(":")[2])
         self.tasks = environment_tasks(spec, parsed.limit)
         self.renderer = dict(parsed.renderer) or None  # verifiers' TrainClient's renderer config
         self.reply_tokens = parsed.max_tokens  # verifiers' sampling max_tokens: each reply's cap
+        self.max_concurrent, self.timeout = parsed.concurrency, parsed.timeout_s
         self.names = list(reward_weights(spec))
-        self.renderer_model, self.max_concurrent, self.timeout = renderer_model, max_concurrent, episode_timeout_s
+        self.renderer_model = renderer_model
         self.endpoint = GenerateEndpoint(engine, tokenizer, SamplingParams(), eos_ids, logprobs_fn, "grpo-policy",
                                          max_model_len)
         self.server: EndpointServer | None = None  # started at the first rollout, a daemon thread for the run

@@ -87,8 +87,8 @@ def with_turns(engine, spec: TurnSpec, cfg, policy, tokenizer):
     if spec.verifiers is not None:
         return VerifiersRollout(engine, tokenizer, eos_ids, spec.verifiers,
                                 policy_logprobs(unwrap_model(policy), r.temperature),
-                                tokenizer.name_or_path or cfg.model.name_or_path, r.max_concurrent_episodes,
-                                r.episode_timeout_s, cfg.data.max_prompt_length + r.max_completion_length)
+                                tokenizer.name_or_path or cfg.model.name_or_path,
+                                cfg.data.max_prompt_length + r.max_completion_length)
     try:
         return MultiTurnRollout(engine, tokenizer, eos_ids, spec.tools, spec.environments,
                                 r.max_tool_calling_iterations, r.tool_timeout_s, r.tool_call_format)
