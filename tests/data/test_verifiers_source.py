@@ -77,3 +77,16 @@ def test_a_turn_that_does_not_extend_the_last_is_refused():
         merge_turns([turn([1, 2], [3, 4]), turn([1, 2, 3, 5], [9])])  # the reply was re-rendered
     with pytest.raises(ValueError, match="no model call"):
         merge_turns([])
+
+
+def test_a_verifiers_rollout_refuses_an_example_of_another_source():
+    from grpo.data import Example
+    from grpo.multiturn.verifiers_rollout import VerifiersRollout
+
+    rollout = VerifiersRollout.__new__(VerifiersRollout)  # only the spec is read
+    rollout.spec, rollout.tasks = "verifiers:mine", ["task 0"]
+    mine = Example([{"role": "user", "content": "q"}], None, None, "verifiers:mine#0", row={"verifiers_task": 0})
+    assert rollout._task(mine) == "task 0"
+    other = Example([{"role": "user", "content": "q"}], "4", "4", "data/test.jsonl:3")
+    with pytest.raises(DataError, match="data/test.jsonl:3: not a task of 'verifiers:mine'"):
+        rollout._task(other)

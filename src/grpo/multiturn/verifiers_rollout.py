@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from grpo.data import build_prompt_messages
+from grpo.data import DataError, build_prompt_messages
 from grpo.data.verifiers_env import TASK_COLUMN, environment, environment_tasks, parse_spec
 from grpo.multiturn.driver import TurnsResult
 from grpo.rewards.async_loop import run_coroutine
@@ -122,7 +122,7 @@ class VerifiersRollout:
         self.endpoint.clear()
         self.endpoint.params = replace(params, n=1)
         self.endpoint.seeds = iter(range(seed or 0, 2**62))
-        tasks = [self.tasks[e.columns()[TASK_COLUMN]] for e in examples for _ in range(G)]
+        tasks = [self._task(e) for e in examples for _ in range(G)]
         # On the process's one loop: verifiers and renderers keep asyncio locks and clients across calls, bound
         # to the loop they first ran on (a fresh asyncio.run per step breaks them).
         episodes = run_coroutine(self._episodes(tasks))
@@ -132,6 +132,14 @@ class VerifiersRollout:
         chat_prompts = [build_prompt_messages(e, system_prompt) for e in examples for _ in range(G)]
         rendered = [self.tokenizer.decode(r.prompt_ids) for r in rows[::G]]
         return TurnsResult(self._generation(rows), rendered, chat_prompts, None)
+
+    def _task(self, example) -> Any:
+        """The environment's task ``example`` stands for; a DataError for an example of another source (an eval
+        set other than the training environment's tasks cannot be played by it)."""
+        if example.source.rpartition("#")[0] != self.spec or TASK_COLUMN not in example.columns():
+            raise DataError(f"{example.source}: not a task of {self.spec!r}, the environment this run plays; "
+                            "evaluation sets must be that same source")
+        return self.tasks[example.columns()[TASK_COLUMN]]
 
     async def _episodes(self, tasks: list) -> list[Any]:
         """Each task's episode (a ``vf.Episode``), or the exception that ended it."""
