@@ -119,9 +119,7 @@ class VerifiersRollout:
         G = params.n
         if self.server is None:
             self.server = EndpointServer(self.endpoint).start()
-        self.endpoint.clear()
-        self.endpoint.params = replace(params, n=1)
-        self.endpoint.seeds = iter(range(seed or 0, 2**62))
+        self.endpoint.restart(replace(params, n=1), seed or 0)
         tasks = [self._task(e) for e in examples for _ in range(G)]
         # On the process's one loop: verifiers and renderers keep asyncio locks and clients across calls, bound
         # to the loop they first ran on (a fresh asyncio.run per step breaks them).
@@ -164,34 +162,41 @@ class VerifiersRollout:
             return await asyncio.gather(*(play(task) for task in tasks))
 
     def _row(self, example, episode: Any, budget: int, system_prompt: str | None) -> Row:
-        problem = self._problem(episode)
+        problem, turns = self._problem(episode), self._turns(episode)
         if problem is None:
-            trace = episode.traces[0]
             try:
-                prompt, ids, loss, logprobs = merge_turns(self.endpoint.turns(trace.id))
+                prompt, ids, loss, logprobs = merge_turns(turns)
             except ValueError as error:
                 problem = str(error)
         if problem is not None:
             self.failed_episodes += 1
             logger.warning("verifiers episode of %s failed (%d in this run): %s; its reward is 0",
                            example.source, self.failed_episodes, problem)
-            turns = self.endpoint.turns(episode.traces[0].id) if not isinstance(episode, BaseException) and \
-                episode.traces else []
-            if turns:  # what it sampled stays in the group, rewarded 0
-                prompt, ids = list(turns[0].prompt_ids), list(turns[0].completion_ids)
-                loss, logprobs = [1] * len(ids), list(turns[0].logprobs)
-            else:  # nothing sampled: an end-of-turn token as context, nothing trained
-                prompt = list(self.tokenizer.apply_chat_template(
-                    build_prompt_messages(example, system_prompt), tokenize=True, add_generation_prompt=True,
-                    return_dict=False))
-                ids, loss, logprobs = [self.eos_ids[0]], [0], [0.0]
-        cut = len(ids) > budget
+            prompt, ids, loss, logprobs = self._failed_tokens(example, turns, system_prompt)
+        cut = len(ids) > budget  # the tokens between replies can pass the budget the replies keep to
         ids, loss, logprobs = ids[:budget], loss[:budget], logprobs[:budget]
         rewards = {} if problem is not None else {
             name: float(reward.score) if (reward := episode.traces[0].rewards.get(name)) is not None else 0.0
             for name in self.names}
         truncated = cut or not ids or ids[-1] not in self.eos_ids
         return Row(prompt, ids, loss, logprobs, rewards, truncated, problem is not None)
+
+    def _turns(self, episode: Any) -> list[Turn]:
+        """The endpoint's record of ``episode``'s replies (its first trace's; [] for one that never started)."""
+        if isinstance(episode, BaseException) or not episode.traces:
+            return []
+        return self.endpoint.turns(episode.traces[0].id)
+
+    def _failed_tokens(self, example, turns: list[Turn], system_prompt: str | None):
+        """A failed episode's (prompt, ids, loss mask, log-probs): its first reply, trained with the group's zero
+        reward (it was sampled); else its prompt and an end-of-turn token as context, nothing trained."""
+        if turns and turns[0].completion_ids:
+            first = turns[0]
+            return list(first.prompt_ids), list(first.completion_ids), [1] * len(first.completion_ids), \
+                list(first.logprobs)
+        prompt = self.tokenizer.apply_chat_template(build_prompt_messages(example, system_prompt), tokenize=True,
+                                                    add_generation_prompt=True, return_dict=False)
+        return list(prompt), [self.eos_ids[0]], [0], [0.0]
 
     def _problem(self, episode: Any) -> str | None:
         """Why ``episode`` yields no reward, or None."""

@@ -88,6 +88,12 @@ class GenerateEndpoint:
         with self.lock:
             self.sessions.clear()
 
+    def restart(self, params: SamplingParams, seed: int) -> None:
+        """A new batch of episodes: no recorded turns, ``params`` for every reply, seeds from ``seed`` on."""
+        with self.lock:
+            self.sessions.clear()
+            self.params, self.seeds = params, itertools.count(seed)
+
     def sample(self, prompt_ids: list[int], max_tokens: int | None, session: str,
                stop_ids: Sequence[int] = ()) -> Turn:
         """One reply to ``prompt_ids`` with the run's settings, recorded under ``session``. It ends at the
