@@ -57,6 +57,8 @@ def test_an_unknown_taskset_lists_the_known_ones():
     pytest.importorskip("verifiers.v1")
     with pytest.raises(DataError, match=r"no_such_taskset_for_grpo_tests.*verifiers' own tasksets: \[.*openenv"):
         load_dataset_source("verifiers:no_such_taskset_for_grpo_tests")
+    with pytest.raises(DataError, match=r"environment 'no_such_env'.*environments: \[.*'single_agent'"):
+        load_dataset_source("verifiers:openenv,env=no_such_env")
 
 
 def turn(prompt, completion, logprob=-1.0):

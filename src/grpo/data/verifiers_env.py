@@ -101,11 +101,12 @@ def parse_spec(spec: str, option_text: str) -> VfSpec:
     return VfSpec(head, **options, renderer=tuple(renderer.items()))
 
 
-def known_tasksets() -> list[str]:
-    """The taskset ids verifiers ships (``verifiers.v1.tasksets``); any installed module is accepted too."""
-    from verifiers.v1 import tasksets  # optional extra (grpo[envs])
+def known_ids() -> dict[str, list[str]]:
+    """The taskset, environment and harness ids verifiers ships; any installed module is accepted too."""
+    from verifiers.v1 import envs, harnesses, tasksets  # optional extra (grpo[envs])
 
-    return sorted(m.name for m in pkgutil.iter_modules(tasksets.__path__))
+    return {kind: sorted(m.name for m in pkgutil.iter_modules(package.__path__))
+            for kind, package in (("tasksets", tasksets), ("environments", envs), ("harnesses", harnesses))}
 
 
 def is_verifiers_environment(value: Any) -> bool:
@@ -146,8 +147,9 @@ def _load_environment(spec: str) -> Any:
         config = resolve_env_config({"id": parsed.env, "taskset": {"id": parsed.taskset}, "agent": agent})
         return load_environment(config)
     except ModuleNotFoundError as error:
-        raise DataError(f"data source {spec!r}: {error}; verifiers' own tasksets: {known_tasksets()} (any "
-                        "installed module exporting a vf.Taskset subclass in __all__ works too)") from None
+        known = "; ".join(f"{kind}: {names}" for kind, names in known_ids().items())
+        raise DataError(f"data source {spec!r}: {error}; verifiers' own {known} (any installed module exporting "
+                        "its vf.Taskset / vf.Env / vf.Harness subclass in __all__ works too)") from None
     except (TypeError, ValueError, AttributeError) as error:
         raise DataError(f"data source {spec!r}: verifiers refused the environment: {error}") from None
 
