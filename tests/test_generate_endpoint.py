@@ -50,7 +50,7 @@ def test_renderers_generate_client_gets_the_exact_tokens_and_logprobs(served, ti
     from openai import AsyncOpenAI
     from renderers import create_renderer
 
-    engine, endpoint, server = served
+    _, endpoint, server = served
     renderer = create_renderer(tiny_tokenizer, None)
 
     async def call():
@@ -95,7 +95,7 @@ def test_generate_route_wire_format_stop_ids_and_sessions(served):
 
 
 def test_chat_completions_route(served, tiny_tokenizer):
-    engine, endpoint, server = served
+    _, endpoint, server = served
     messages = [{"role": "user", "content": "hi"}]
     reply = requests.post(f"{server.base_url}/chat/completions", json={"model": "m", "messages": messages},
                           headers={"X-Session-ID": "c"}, timeout=30).json()

@@ -15,11 +15,12 @@ import pytest
 
 pytest.importorskip("verifiers.v1")
 
-from grpo.config import load_config  # noqa: E402 - after the skip: the modules below need verifiers at run time
-from grpo.models.tiny import build_qwen2, build_tokenizer  # noqa: E402
-from grpo.multiturn import verifiers_rollout  # noqa: E402
-from grpo.training.colocated import train  # noqa: E402
-from run_helpers import SMOKE, as_overrides, cli_env, free_port  # noqa: E402
+from run_helpers import SMOKE, as_overrides, cli_env, free_port
+
+from grpo.config import load_config
+from grpo.models.tiny import build_qwen2, build_tokenizer
+from grpo.multiturn import verifiers_rollout
+from grpo.training.colocated import train
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 # Qwen3's renderer bridges a turn token-exactly; it needs the Qwen3 special tokens in the vocabulary and an unk

@@ -44,4 +44,4 @@ class ChatHarness(vf.Harness[vf.HarnessConfig]):
         return ProgramResult(0, "", "")
 
 
-__all__ = ["EchoTaskset", "ChatHarness"]
+__all__ = ["ChatHarness", "EchoTaskset"]

@@ -38,4 +38,4 @@ class FailingHarness(vf.Harness[vf.HarnessConfig]):
         return ProgramResult(0, "", "")
 
 
-__all__ = ["FailingTaskset", "FailingHarness"]
+__all__ = ["FailingHarness", "FailingTaskset"]
