@@ -50,7 +50,7 @@ def test_renderers_generate_client_gets_the_exact_tokens_and_logprobs(served, ti
     from openai import AsyncOpenAI
     from renderers import create_renderer
 
-    _, endpoint, server = served
+    engine, endpoint, server = served
     renderer = create_renderer(tiny_tokenizer, None)
 
     async def call():
