@@ -53,6 +53,7 @@ def test_a_missing_package_names_the_extra(monkeypatch):
         load_dataset_source("verifiers:no_such_taskset_for_grpo_tests")
 
 
+@pytest.mark.slow  # imports verifiers (seconds)
 def test_an_unknown_taskset_lists_the_known_ones():
     pytest.importorskip("verifiers.v1")
     with pytest.raises(DataError, match=r"no_such_taskset_for_grpo_tests.*verifiers' own tasksets: \[.*openenv"):
