@@ -23,11 +23,11 @@ LAYERS = ["version", "errors", "algorithm", "compat", "data", "rewards", "tasks"
           "weight_store", "rollout", "multiturn", "evaluation", "step", "critic", "training", "decoupled", "api",
           "commands", "cli", "__main__", "__init__"]
 
-# Third-party imports allowed inside functions: the optional extras (and IPython, present only in a notebook).
 # The grpo modules loaded on first use, one per importer: the package's ``grpo.GRPOTrainer`` (PEP 562), and the
 # command handlers, so that ``grpo --help`` needs no torch.
 LAZY_GRPO_IMPORTS = {"grpo": "grpo.api", "grpo.cli": "grpo.commands.handlers"}
-OPTIONAL = {"vllm", "deepspeed", "bitsandbytes", "wandb", "IPython", "reasoning_gym"}
+# Third-party imports allowed inside functions: the optional extras (and IPython, present only in a notebook).
+OPTIONAL = {"vllm", "deepspeed", "bitsandbytes", "wandb", "IPython", "reasoning_gym", "verifiers"}
 
 
 def _modules() -> dict[str, Path]:

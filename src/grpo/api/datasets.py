@@ -7,12 +7,15 @@ prompt is used as written, without the chat template (``Example.plain_text``), a
 
 from __future__ import annotations
 
+import copy
+
 import itertools
 from typing import Any, Sequence
 
 from grpo.data import DataError, Example
 from grpo.data.gold_formats import normalise_answer
 from grpo.data.reasoning_gym import dataset_examples, is_reasoning_gym_dataset
+from grpo.data.verifiers_env import GIVEN, given_environment, is_verifiers_environment
 
 NOT_PASSED = ("prompt", "completion", "completion_ids")  # the columns TRL keeps from reward functions
 
@@ -31,6 +34,20 @@ def dataset_rows(dataset: Any, name: str, limit: int | None = None) -> list[dict
         raise TypeError(f"{name} must be a datasets.Dataset, IterableDataset or a list of dicts, got "
                         f"{type(dataset).__name__}")
     return rows
+
+
+def verifiers_arguments(train_dataset: Any, reward_funcs: Any, args: Any) -> tuple[Any, Any]:
+    """(train_dataset, args) for a verifiers environment given as ``train_dataset``: none, and ``args`` (a copy)
+    whose ``grpo_overrides`` name it as ``data.train`` (its taskset's prompts, its harness's episodes), with no
+    rewards but its tasks' own unless ``reward_funcs`` are given. Anything else comes back as it was."""
+    if not is_verifiers_environment(train_dataset):
+        return train_dataset, args
+    overrides = {"data.train": given_environment(train_dataset, GIVEN)}
+    if reward_funcs is None:
+        overrides["rewards"] = []
+    args = copy.copy(args)
+    args.grpo_overrides = {**args.grpo_overrides, **overrides}
+    return None, args
 
 
 def to_examples(dataset: Any, name: str, *, pass_columns: bool = True, limit: int | None = None) -> Sequence[Example]:

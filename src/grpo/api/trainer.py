@@ -23,7 +23,7 @@ from grpo.api.arguments import GRPOConfig
 from grpo.api.attributes import TrainerAttributes
 from grpo.api.callbacks import CallbackHooks
 from grpo.api.checkpoints import TRAINER_STATE_FILE, resumed_checkpoint
-from grpo.api.datasets import to_examples
+from grpo.api.datasets import to_examples, verifiers_arguments
 from grpo.api.mapping import batch_shape, grpo_steps, to_run_config
 from grpo.api.prompt_lengths import check_longest, context_length, explainer, prompt_limit
 from grpo.api.rewards import build_reward_functions, reward_name
@@ -92,6 +92,7 @@ class GRPOTrainer(TrainerAttributes):
                 raise ValueError(f"GRPOTrainer({name}=...) is not supported: {why}")
         name_or_path = self._model_name(model)
         args = args or GRPOConfig(output_dir=f"{Path(name_or_path).name}-GRPO")
+        train_dataset, args = verifiers_arguments(train_dataset, reward_funcs, args)  # a vf.Env: data.train
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"args must be a grpo.GRPOConfig, got {type(args).__name__}")
         lora = self._lora(model, peft_config)

@@ -94,7 +94,8 @@ def lora_rate_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
 def reward_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
     """At least one reward, and each entry's name, factory_args and columns."""
     problems = []
-    if not cfg.rewards and not cfg.rollout.environment:  # an environment's get_reward may be the only reward
+    # an environment's get_reward, or a verifiers environment's task rewards, may be the only rewards
+    if not cfg.rewards and not cfg.rollout.environment and not str(cfg.data.train).startswith("verifiers:"):
         problems.append(("rewards", "is empty (given as [], or the task's default rewards are none): GRPO "
                                     "needs at least one reward function"))
     for i, r in enumerate(cfg.rewards):

@@ -10,6 +10,8 @@ Forms, looked up by the prefix before the first ":" in `SOURCE_KINDS`:
   K&K benchmark file, quiz text verbatim (`grpo.data.knights_knaves`; the reward is ``kk_logic``).
 - ``reasoning_gym:chain_sum,size=500,seed=1[,<dataset options>][+NAME[*WEIGHT]...]``: reasoning-gym's
   procedural datasets, one or a weighted mix (`grpo.data.reasoning_gym`, which parses its own options).
+- ``verifiers:TASKSET_ID[,env=ENV_ID][,harness=HARNESS_ID][,limit=N]``: a verifiers environment's taskset, one
+  prompt per task; its harness plays the episodes (`grpo.data.verifiers_env`, `grpo.multiturn.verifiers_rollout`).
 - ``prompts:path=chat.jsonl[,question_column=src][,answer_column=answer][,answer_format=gsm8k]
   [,tgt_column=tgt]``: any prompt file (`grpo.data.prompt_datasets.load_prompts`).
 - anything else: GSM8K from a file, a folder (the split's file inside) or a hub id such as
@@ -31,6 +33,7 @@ from grpo.data.locations import check_limit
 from grpo.data.prompt_datasets import load_prompts
 from grpo.data.reasoning_gym import load_reasoning_gym
 from grpo.data.synthetic import generate_problems
+from grpo.data.verifiers_env import load_verifiers
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,10 @@ def _load_reasoning_gym(options: dict[str, Any], split: str, limit: int | None) 
     return load_reasoning_gym(options["spec"], options["text"], limit)  # as synthetic: the split is ignored
 
 
+def _load_verifiers(options: dict[str, Any], split: str, limit: int | None) -> list[Example]:
+    return load_verifiers(options["spec"], options["text"], limit)  # a taskset has no splits
+
+
 def _load_prompt_file(options: dict[str, Any], split: str, limit: int | None) -> list[Example]:
     path = options.pop("path")
     return load_prompts(path, split=split, limit=limit, **options)
@@ -114,6 +121,9 @@ SOURCE_KINDS: dict[str, SourceKind] = {
     ),
     "reasoning_gym": SourceKind(
         keys={}, required=(), load=_load_reasoning_gym, parse=lambda spec, text: {"spec": spec, "text": text},
+    ),
+    "verifiers": SourceKind(
+        keys={}, required=(), load=_load_verifiers, parse=lambda spec, text: {"spec": spec, "text": text},
     ),
 }
 
