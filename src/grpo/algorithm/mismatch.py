@@ -51,7 +51,8 @@ def mismatch_sums(trainer_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tens
         log_ratio = (trainer_logprobs.double() - sampler_logprobs.double()).masked_fill(~keep, 0.0)  # [N, L]
         ratio = torch.exp(log_ratio)
         k3 = ((ratio - 1.0 - log_ratio) * keep).sum()
-        ratio_max = ratio.masked_fill(~keep, 0.0).amax() if keep.any() else ratio.new_zeros(())
+        # numel, not keep.any(): no host sync (the update sums these per micro-batch on the device)
+        ratio_max = ratio.masked_fill(~keep, 0.0).amax() if ratio.numel() else ratio.new_zeros(())
         masked = ((is_weights == 0) & keep).sum().double() if is_weights is not None else ratio.new_zeros(())
         return MismatchSums(k3, ratio_max, masked, keep.sum().double())
 
