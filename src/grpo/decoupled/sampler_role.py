@@ -5,7 +5,9 @@ A chunk is trainer rank ``r``'s share of step ``s`` (``grpo.decoupled.work_plan`
 seeds that rank would sample colocated, so at ``max_staleness = 0`` any number of samplers reproduce
 colocated training (dynamic sampling included: a chunk runs the rounds its rank would), and K samplers
 share one step's W chunks. The trainer says which chunk to make and from which weights at least; a
-restarted sampler simply asks again, and a chunk's id (``step-s/rank-r``) is trained at most once.
+restarted sampler simply asks again, and a chunk's id (``step-s/rank-r``) is trained at most once. Every sampled
+token carries the version of the weights that drew it (``grpo.decoupled.token_versions``): one per chunk, or,
+with ``decoupled.weight_update: in_flight``, newer ones loaded between decode steps (``grpo.rollout.in_flight``).
 """
 
 from __future__ import annotations

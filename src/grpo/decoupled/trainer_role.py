@@ -5,8 +5,9 @@ Rank 0 owns the ZeroMQ receiver, its work plan (which sampler makes which chunk,
 and the weight store; it hands every step's batch to the other ranks as wire-format bytes over the process
 group (never pickle). A chunk is acknowledged after it was trained, provisionally until a checkpoint lists it
 (the sampler keeps it until then, to resend after a crash); the trained chunk ids go into every checkpoint,
-so a restarted trainer only acknowledges a chunk it trained before. A chunk more than ``train.max_staleness``
-versions behind its step (possible only across a restart) is dropped, counted and made again.
+so a restarted trainer only acknowledges a chunk it trained before. A chunk whose oldest token is more than
+``train.max_staleness`` versions behind its step (possible only across a restart) is dropped, counted and made
+again.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ def step_chunks(receiver, step: int, settings: ReceivingSettings, held: dict, co
             receiver.drop(incoming.batch_id, f"stale: made with version {chunk_version(incoming)} for step "
                           f"{chunk.step}, max_staleness {settings.max_staleness}", final=False)
             counts.dropped += 1
-        else:  # a chunk of an older sampler has no token versions: its header's version made every token
+        else:  # a chunk without token versions (none are required on the wire): its header's version made each
             held[chunk] = replace(incoming, batch=stamped(incoming.batch, incoming.policy_version))
     return [held.pop(c) for c in wanted], time.perf_counter() - started
 
