@@ -108,7 +108,7 @@ def test_wrong_protocol_version_rejected(receiver):
                                              "incarnation": 0}).encode(), b""])
         reply = decode(raw.recv_multipart(), max_bytes=1 << 20)
         assert reply.kind == "error" and reply.header["code"] == "bad_message"
-        assert f"protocol version {PROTOCOL_VERSION + 1} is not" in reply.header["reason"]
+        assert f"sampler 'old' speaks protocol version {PROTOCOL_VERSION + 1}, not" in reply.header["reason"]
     assert receiver.stats["rejected"] == 1 and receiver.peers() == {}
 
 

@@ -13,6 +13,8 @@ prompt ``i``; ``N = P*G``. ``L`` is the completion length (padded), ``T`` a full
   PPO's clipped value loss, the PTX next-token loss (``sft_loss``).
 - ``sampler_correction``: the importance weights for tokens another engine sampled, the sampler/trainer
   log-prob gap.
+- ``mismatch``: the sampler/trainer mismatch a step logs (k3, largest ratio, masked tokens) and the staleness
+  of each token's policy version.
 
 Variants are looked up by name in ``ADVANTAGE_ESTIMATORS``, ``ADVANTAGE_SCALES``,
 ``IMPORTANCE_SAMPLING_LEVELS``, ``LOSS_AGGREGATIONS``, ``SAMPLER_CORRECTIONS`` and ``schedules.LR_SCHEDULES``
@@ -41,6 +43,7 @@ from grpo.algorithm.losses import (
     sft_loss,
     value_loss,
 )
+from grpo.algorithm.mismatch import MismatchSums, mismatch_sums, oldest_version, token_staleness
 from grpo.algorithm.processing import LogprobProcessing, processed_token_entropy, processed_token_logprobs
 from grpo.algorithm.sampler_correction import (
     SAMPLER_CORRECTIONS,
@@ -52,7 +55,8 @@ from grpo.algorithm.tokens import token_entropy, token_logprobs
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "ADVANTAGE_SCALES", "IMPORTANCE_SAMPLING_LEVELS", "LOSS_AGGREGATIONS", "LogprobProcessing",
-    "SAMPLER_CORRECTIONS", "AdvantageEstimator", "LossAggregation", "advantage_estimator", "loss_aggregation",
+    "SAMPLER_CORRECTIONS", "AdvantageEstimator", "LossAggregation", "MismatchSums", "mismatch_sums",
+    "oldest_version", "token_staleness", "advantage_estimator", "loss_aggregation",
     "aggregate_loss", "gae_advantages", "group_advantages", "kl_k3", "kl_penalized_token_rewards", "logprob_mismatch",
     "policy_loss", "processed_token_entropy", "processed_token_logprobs", "sampler_importance_weights", "sft_loss",
     "token_entropy", "token_logprobs", "truncated_importance_weights", "value_loss", "whiten",

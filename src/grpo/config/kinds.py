@@ -27,15 +27,18 @@ class EngineTraits:
         rollout.max_completion_length``, which must fit the model's context), so a prompt is bounded by that.
     sampling_copy: it samples from a copy of the policy's weights refreshed at every call (bf16 on CUDA, LoRA
         merged), held for the whole run beside the policy (``grpo memory`` counts it).
+    in_flight: it can load newer weights between two decode steps and continue its open sequences
+        (``decoupled.weight_update: in_flight``, ``grpo.rollout.in_flight``).
     """
 
     own_weights: bool = False
     fixed_context: bool = False
     sampling_copy: bool = False
+    in_flight: bool = False
 
 
 ENGINE_TRAITS: dict[str, EngineTraits] = {
-    "hf": EngineTraits(),  # a lean loop over the model's KV cache
+    "hf": EngineTraits(in_flight=True),  # a lean loop over the model's KV cache
     "hf-static": EngineTraits(sampling_copy=True),  # static cache, decode step as a CUDA graph
     "hf-generate": EngineTraits(),  # model.generate itself
     "vllm": EngineTraits(own_weights=True, fixed_context=True),  # the optional vllm extra

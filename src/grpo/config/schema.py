@@ -321,6 +321,16 @@ class DecoupledConfig:
                                        "127.0.0.1 only).",
                                 ge=1, le=65535)
     restart_samplers: bool = opt(True, "The launcher restarts a sampler that dies.")
+    weight_update: str = opt(
+        "per_chunk", "When a sampler loads newer weights: per_chunk (before each chunk; a chunk is made by one "
+                     "version) or in_flight (also while generating: every decoupled.inflight_check_tokens tokens it "
+                     "loads the newest published version in place and continues the open sequences with their KV "
+                     "caches kept; each token records the version and the log-prob it was sampled with). in_flight "
+                     "needs rollout.engine hf, full fine-tuning, single-turn rollouts and rollout.min_p 0.",
+        choices=("per_chunk", "in_flight"))
+    inflight_check_tokens: int = opt(
+        16, "decoupled.weight_update in_flight: a sampler looks for newer weights every this many generated tokens.",
+        ge=1)
 
 
 @dataclass

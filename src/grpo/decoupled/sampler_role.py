@@ -5,7 +5,9 @@ A chunk is trainer rank ``r``'s share of step ``s`` (``grpo.decoupled.work_plan`
 seeds that rank would sample colocated, so at ``max_staleness = 0`` any number of samplers reproduce
 colocated training (dynamic sampling included: a chunk runs the rounds its rank would), and K samplers
 share one step's W chunks. The trainer says which chunk to make and from which weights at least; a
-restarted sampler simply asks again, and a chunk's id (``step-s/rank-r``) is trained at most once.
+restarted sampler simply asks again, and a chunk's id (``step-s/rank-r``) is trained at most once. Every sampled
+token carries the version of the weights that drew it (``grpo.decoupled.token_versions``): one per chunk, or,
+with ``decoupled.weight_update: in_flight``, newer ones loaded between decode steps (``grpo.rollout.in_flight``).
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ from grpo.data.prompt_sampler import PromptSampler
 from grpo.decoupled.link_settings import config_fingerprint, max_message_bytes, sampler_curve_key, shared_token
 from grpo.decoupled.ref_server import RefServerClient
 from grpo.decoupled.rendezvous import is_wildcard, read_trainer_address, split_tcp
+from grpo.decoupled.token_versions import stamped
 from grpo.decoupled.transport import PeerClosed, PeerTimeout, RolloutSender
 from grpo.decoupled.weight_sync import ReceivedWeights, is_broadcast
 from grpo.models.loading import load_policy, load_reference, resolve_device
 from grpo.multiturn.driver import sampling_engine
 from grpo.multiturn.wiring import with_turns
-from grpo.rollout.build import build_engine, holds_own_weights
+from grpo.rollout.build import build_engine, holds_own_weights, policy_engine_name
+from grpo.rollout.in_flight import InFlight, in_flight_engine
 from grpo.step.experience import local_reference, rank_experience
 from grpo.step.records import RolloutBatch
 from grpo.training.inputs import GivenInputs, tokenizer_and_data
@@ -53,7 +57,7 @@ def reference_logprobs_fn(cfg: RunConfig, policy, tokenizer, device, token: str,
                            logprob_pass(cfg))
 
 
-def for_correction(batch: RolloutBatch, correction: bool) -> RolloutBatch:
+def for_correction(batch: RolloutBatch, correction: bool, in_flight: bool = False) -> RolloutBatch:
     """What the trainer gets of the batch's log-probs.
 
     Correction off: the old log-probs, taken here at this sampler's (maybe stale) weights, are the ratio's
@@ -61,9 +65,12 @@ def for_correction(batch: RolloutBatch, correction: bool) -> RolloutBatch:
     travel as ``sampler_logprobs`` (vLLM's when the engine reports them, else those old log-probs of this
     sampler's weights) and ``old_logprobs`` stay empty, so the trainer takes its own at the weights that
     start the update: the ratio then measures the update alone and the truncated weight the staleness.
+    ``in_flight`` (weights loaded mid-generation): the engine's per-token log-probs, each under the weights
+    that drew its token, are the sampler's; a pass after generating would see only the last weights.
     """
     if not correction:
-        return replace(batch, sampler_logprobs=None)
+        old = batch.sampler_logprobs if in_flight else batch.old_logprobs
+        return replace(batch, old_logprobs=old, sampler_logprobs=None)
     sampler = batch.sampler_logprobs if batch.sampler_logprobs is not None else batch.old_logprobs
     return replace(batch, old_logprobs=None, sampler_logprobs=sampler)
 
@@ -83,6 +90,7 @@ def run_sampler(cfg: RunConfig) -> int:
     processing = logprob_processing(cfg, policy, tokenizer)  # old and reference log-probs follow the controls
     ref_logprobs = reference_logprobs_fn(cfg, policy, tokenizer, device, token, processing)
     engine = with_turns(build_engine(cfg, policy, tokenizer), inputs.turns, cfg, policy, tokenizer)
+    in_flight = d.weight_update == "in_flight"
     correction = cfg.loss.sampler_is_correction
     settings = experience_settings(cfg, processing, task=inputs.task, decoupled_sampler=True,
                                    engine_holds_weights=holds_own_weights(sampling_engine(engine)))
@@ -90,6 +98,9 @@ def run_sampler(cfg: RunConfig) -> int:
     weights = SamplerWeights(WeightStore(cfg.train.output_dir), policy, engine, d.peer_timeout_s,
                              join_broadcast(cfg, sender.address))
     logger.info("%s connected to %s: policy version %s", sampler_id, sender.address, welcome.get("policy_version"))
+    if in_flight:  # every decode step's weights: the newest announced, loaded without waiting
+        engine = in_flight_engine(engine, InFlight(d.inflight_check_tokens, lambda: weights.newest(sender)), tokenizer,
+                                  policy_engine_name(cfg, policy))
     try:
         while True:
             work = sender.request_work()
@@ -100,8 +111,9 @@ def run_sampler(cfg: RunConfig) -> int:
                 inputs.reward_weights, settings, step=work["step"], rank=work["rank"], world_size=W,
                 seed=cfg.train.seed, max_rounds=dynamic_rounds(cfg))
             seconds = time.perf_counter() - started
+            chunk = stamped(chunk, version)  # every token was made by weights ``version``
             tokens = float(chunk.generation.sampled_mask.sum())  # generated: environment tokens are not
-            sender.send_batch(for_correction(chunk, correction), {
+            sender.send_batch(for_correction(chunk, correction, in_flight), {
                 "batch_id": work["batch_id"], "policy_version": version, "step_index": work["step"],
                 "rank": work["rank"], "sampler_seconds": seconds, "sampler_tokens": tokens, **dynamic})
     except PeerClosed:
@@ -163,6 +175,15 @@ class SamplerWeights:
         announced, path = sender.latest_weights or (0, "")
         if announced < min_version:
             announced, path = sender.wait_for_weights(min_version)
+        return self._load(announced, path)
+
+    def newest(self, sender: RolloutSender) -> int:
+        """Load the newest announced weights when newer than the loaded ones, without waiting for any (in
+        flight: between two decode steps); returns the loaded version."""
+        announced, path = sender.latest_weights or (0, "")
+        return self._load(announced, path)
+
+    def _load(self, announced: int, path: str) -> int:
         if announced > self.version:
             loaded = None
             if self.received is not None and is_broadcast(path):

@@ -5,15 +5,16 @@ Rank 0 owns the ZeroMQ receiver, its work plan (which sampler makes which chunk,
 and the weight store; it hands every step's batch to the other ranks as wire-format bytes over the process
 group (never pickle). A chunk is acknowledged after it was trained, provisionally until a checkpoint lists it
 (the sampler keeps it until then, to resend after a crash); the trained chunk ids go into every checkpoint,
-so a restarted trainer only acknowledges a chunk it trained before. A chunk more than ``train.max_staleness``
-versions behind its step (possible only across a restart) is dropped, counted and made again.
+so a restarted trainer only acknowledges a chunk it trained before. A chunk whose oldest token is more than
+``train.max_staleness`` versions behind its step (possible only across a restart) is dropped, counted and made
+again.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from grpo.decoupled.link_settings import (
     trainer_curve_key,
 )
 from grpo.decoupled.rendezvous import advertised_address, publish_trainer_address
+from grpo.decoupled.token_versions import chunk_version, stamped, staleness_metrics
 from grpo.decoupled.transport import IncomingBatch, PeerTimeout, RolloutReceiver
 from grpo.decoupled.weight_sync import BroadcastPublisher
 from grpo.decoupled.wire import batch_to_message, decode, encode, message_to_batch, pack_bytes, unpack_bytes
@@ -92,9 +94,9 @@ def publish_weights(store, trainable, version: int, keep: int, info: DistInfo, p
 
 
 def is_fresh(incoming: IncomingBatch, chunk: Chunk, max_staleness: int) -> bool:
-    """Whether a chunk for step ``chunk.step`` was made from weights new enough (the work plan asks for
-    them; older ones come only from before a trainer restart)."""
-    return (chunk.step - 1) - incoming.policy_version <= max_staleness
+    """Whether a chunk for step ``chunk.step`` was made from weights new enough: its oldest token's (the work
+    plan asks for new enough weights; older ones come only from before a trainer restart)."""
+    return (chunk.step - 1) - chunk_version(incoming) <= max_staleness
 
 
 def step_chunks(receiver, step: int, settings: ReceivingSettings, held: dict, counts,
@@ -126,11 +128,11 @@ def step_chunks(receiver, step: int, settings: ReceivingSettings, held: dict, co
         if chunk.step < step:  # a copy from before a restart of a step trained since
             receiver.drop(incoming.batch_id, f"step {chunk.step} is trained already", final=False)
         elif not is_fresh(incoming, chunk, settings.max_staleness):
-            receiver.drop(incoming.batch_id, f"stale: made with version {incoming.policy_version} for step "
+            receiver.drop(incoming.batch_id, f"stale: made with version {chunk_version(incoming)} for step "
                           f"{chunk.step}, max_staleness {settings.max_staleness}", final=False)
             counts.dropped += 1
-        else:
-            held[chunk] = incoming
+        else:  # a chunk without token versions (none are required on the wire): its header's version made each
+            held[chunk] = replace(incoming, batch=stamped(incoming.batch, incoming.policy_version))
     return [held.pop(c) for c in wanted], time.perf_counter() - started
 
 
@@ -142,7 +144,7 @@ def step_meta(chunks: list[IncomingBatch]) -> dict:
     return {"batch_id": ",".join(c.batch_id for c in chunks),
             "sampler_id": ",".join(sorted({c.sampler_id for c in chunks})),
             "samplers": len({c.sampler_id for c in chunks}),
-            "policy_version": min(c.policy_version for c in chunks),
+            "policy_version": min(chunk_version(c) for c in chunks),
             "chunk_ids": [c.batch_id for c in chunks], "chunk_samplers": [c.sampler_id for c in chunks],
             "sampler_seconds": sum(float(m.get("sampler_seconds", float("nan"))) for m in metas) / len(metas),
             "sampler_tokens_per_s": sum(float(m.get("sampler_tokens", float("nan"))) for m in metas)
@@ -175,7 +177,8 @@ class Receiving:
         if self.info.is_main:
             chunks, waited = step_chunks(self.receiver, step, self.settings, self.held, self, stop_requested)
             if chunks is not None:
-                batch, meta = concat_batches([c.batch for c in chunks], self.pad_token_id), step_meta(chunks)
+                batch = concat_batches([c.batch for c in chunks], self.pad_token_id)
+                meta = {**step_meta(chunks), **staleness_metrics(batch, step - 1)}
         batch, self.meta = share_batch(batch, meta, self.info, self.device, self.settings.max_message_bytes)
         mine = rank_groups(batch, self.info.rank, self.info.world_size)
         return Collected(mine, time.perf_counter() - started, metrics={"time/wait_for_rollout_s": waited})
@@ -201,6 +204,8 @@ class Receiving:
         return {
             "batch_id": meta["batch_id"], "sampler_id": meta["sampler_id"], "samplers/per_step": float(meta["samplers"]),
             "staleness/mean": float((step - 1) - meta["policy_version"]),
+            "staleness/token_mean": float(meta["staleness/token_mean"]),
+            "staleness/token_max": float(meta["staleness/token_max"]),
             "queue/depth": float(self.receiver.stats.get("queue_depth", 0)),
             "rollouts/dropped": float(self.dropped), "time/weight_sync_s": time.perf_counter() - started,
             "sampler/seconds_per_chunk": float(meta["sampler_seconds"]),

@@ -29,6 +29,10 @@ class Generation:
                      None for single-turn rows: every real completion token was sampled (``sampled_mask``).
                      Environment tokens stay in completion_ids and completion_mask: they are context that
                      every log-prob pass sees, never a term of the loss, the KL, the entropy or a length.
+    token_versions:  [N, Lc] long, the policy version of the weights that sampled each token (decoupled mode;
+                     read under ``sampled_mask``, 0 elsewhere): one version for a whole generation, or several when
+                     the weights changed mid-sequence (``decoupled.weight_update: in_flight``). None when the
+                     engine does not track versions (colocated: the trainer's own weights sampled).
     messages:        N completions as chat messages (assistant turns with their ``tool_calls``, ``tool``
                      messages), as TRL passes multi-turn completions to rewards; None for single-turn rows.
     rollout_metrics: name -> mean over the rows, from the multi-turn driver (``tools/calls_per_completion``...).
@@ -42,6 +46,7 @@ class Generation:
     completions: list[str]
     sampler_logprobs: Tensor | None = None
     loss_mask: Tensor | None = None
+    token_versions: Tensor | None = None
     messages: list[list[dict]] | None = None
     rollout_metrics: dict[str, float] = field(default_factory=dict)
 

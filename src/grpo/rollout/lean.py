@@ -29,6 +29,7 @@ from grpo.models.wrappers import eos_token_ids, unwrap_model
 from grpo.rollout.engine import SamplingParams, completion_mask_from_ids
 from grpo.rollout.generation import Generation
 from grpo.rollout.hf import eval_mode, left_pad
+from grpo.rollout.in_flight import InFlight, TokenRecord, with_records
 from grpo.rollout.prefill import prefill
 from grpo.rollout.prefix_cache import CachedTurns, PrefixCache, cached_turns
 
@@ -194,25 +195,40 @@ class LeanEngine:
                                  params, seed)
 
     def generate_ids(self, prompt_ids: Sequence[list[int]], params: SamplingParams, seed: int | None = None, *,
-                     prefix_cache: PrefixCache | None = None) -> Generation:
+                     prefix_cache: PrefixCache | None = None, in_flight: InFlight | None = None) -> Generation:
         """``generate`` from token ids. ``prefix_cache`` (from ``cached_turns()``): each prompt continues from
-        the longest stored row it extends, and every row's keys/values are stored when it stops."""
+        the longest stored row it extends, and every row's keys/values are stored when it stops. ``in_flight``:
+        newer weights are loaded between decode steps (``generate_in_flight``)."""
         model = unwrap_model(self.model)
         pad_id = self.tokenizer.pad_token_id
         eos_ids = eos_token_ids(model, self.tokenizer)
         encoded = [list(ids) for ids in prompt_ids]
         generator = seeded_generator(params, seed, next(model.parameters()).device)
         per_call = max(1, (self.batch_size or len(encoded) * params.n) // params.n)
-        chunks = []
+        chunks, records = [], []
         with eval_mode(model), torch.no_grad():
             folded = folded_lora_weights(model)
+            if folded is not None and in_flight is not None:  # the folded copy would not see a new version
+                raise ValueError("in-flight weight updates need full weights, not a LoRA policy")
             # LoRA: the adapter layers off, their base weights replaced by W + delta for the call
             with (model.disable_adapter() if folded is not None else nullcontext(),
                   weights_swapped(model, folded) if folded is not None else nullcontext()):
                 for start in range(0, len(encoded), per_call):
-                    chunks.append(self._sample(model, model, encoded[start:start + per_call], params, eos_ids,
-                                               pad_id, generator, prefix_cache))
-        return assemble_generation(chunks, encoded, params.n, eos_ids, pad_id, self.tokenizer)
+                    prompts = encoded[start:start + per_call]
+                    record = (TokenRecord(in_flight, len(prompts) * params.n, params.max_tokens,
+                                          1.0 if params.greedy or params.temperature == 0 else params.temperature,
+                                          next(model.parameters()).device) if in_flight is not None else None)
+                    chunks.append(self._sample(model, model, prompts, params, eos_ids, pad_id, generator,
+                                               prefix_cache, record))
+                    if record is not None:
+                        records.append(record.taken(chunks[-1].shape[1]))
+        generation = assemble_generation(chunks, encoded, params.n, eos_ids, pad_id, self.tokenizer)
+        return with_records(generation, records) if records else generation
+
+    def generate_in_flight(self, prompt_ids: Sequence[list[int]], params: SamplingParams, seed: int | None,
+                           in_flight: InFlight) -> Generation:
+        """See ``grpo.rollout.in_flight.InFlightCapable``."""
+        return self.generate_ids(prompt_ids, params, seed, in_flight=in_flight)
 
     def cached_turns(self) -> AbstractContextManager[CachedTurns]:
         """See ``grpo.rollout.engine.PrefixCachingEngine``: the rows' keys/values kept between calls."""
@@ -220,7 +236,8 @@ class LeanEngine:
 
     @staticmethod
     def _sample(forward, model, encoded: list[list[int]], params: SamplingParams, eos_ids: list[int], pad_id: int,
-                generator: torch.Generator, prefix_cache: PrefixCache | None = None) -> Tensor:
+                generator: torch.Generator, prefix_cache: PrefixCache | None = None,
+                record: TokenRecord | None = None) -> Tensor:
         device = next(model.parameters()).device
         first = prefill(forward, encoded, pad_id, device, prefix_cache)
         cache, width = first.cache, first.key_mask.shape[1]
@@ -255,6 +272,8 @@ class LeanEngine:
                 probs = filter_logits(logits, params.temperature, params.top_k, params.top_p, params.min_p).softmax(-1)
                 tokens = draw_tokens(probs, generator)  # [b]
             result[active, t] = tokens
+            if record is not None:
+                record.drawn(active, t, tokens, logits)
             if seen is not None:
                 seen.scatter_(1, tokens[:, None], True)
             done = torch.isin(tokens, eos)
@@ -271,6 +290,8 @@ class LeanEngine:
                 active, tokens, mask, next_pos = active[keep], tokens[keep], mask[keep], next_pos[keep]
                 seen = seen[keep] if seen is not None else None
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            if record is not None:
+                record.before_next(t)  # newer weights, if any, make the next token's logits
             out = forward(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos,
                           **cache_argument(cache), use_cache=True)
             logits = out.logits[:, -1]

@@ -49,6 +49,8 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
             # A single-turn part's sampled tokens are its completion_mask (what sampled_mask says it means).
             loss_mask=(None if all(g.loss_mask is None for g in gens)
                        else _pad([g.sampled_mask for g in gens], lc, 0, left=False)),
+            token_versions=(None if any(g.token_versions is None for g in gens)
+                            else _pad([g.token_versions for g in gens], lc, 0, left=False)),
             messages=_concat_messages(gens),
             rollout_metrics=mean_of_present([g.rollout_metrics for g in gens],
                                              [g.completion_ids.shape[0] for g in gens])),
@@ -122,6 +124,7 @@ def select_groups(batch: RolloutBatch, groups: Sequence[int]) -> RolloutBatch:
                               completion_ids=cut(g.completion_ids), completion_mask=cut(g.completion_mask),
                               truncated=cut(g.truncated), completions=[g.completions[r] for r in rows],
                               sampler_logprobs=cut(g.sampler_logprobs), loss_mask=cut(g.loss_mask),
+                              token_versions=cut(g.token_versions),
                               messages=None if g.messages is None else [g.messages[r] for r in rows],
                               rollout_metrics=dict(g.rollout_metrics)),
         rewards=cut(batch.rewards), reward_parts=cut(batch.reward_parts), reward_names=batch.reward_names,

@@ -17,7 +17,9 @@ from grpo.step.records import RolloutBatch, UpdateStats
 
 # Statistics only some runs have, averaged over ranks: grpo.critic.train_critic's (PPO), the PTX loss and
 # the sampler correction's.
-OPTIONAL_PREFIXES = ("critic/", "loss/value", "loss/ptx", "sampler_is/")
+OPTIONAL_PREFIXES = ("critic/", "loss/value", "loss/ptx", "sampler_is/", "mismatch/")
+# Of those, the maxima: the largest over the ranks, not their mean.
+RANK_MAXIMA = ("mismatch/ratio_max",)
 # A task's answer scorer (grpo.tasks.Task.score): (text, gold, tag_style) -> {"correct", "formatted", ...}
 Scorer = Callable[[str, str, str], dict]
 
@@ -76,6 +78,9 @@ def step_metrics(batch: RolloutBatch, train_stats: dict, group_size: int, tag_st
     keys = sorted(local)
     averaged = all_reduce_mean(torch.tensor([local[k] for k in keys], dtype=torch.float64), info)
     metrics = dict(zip(keys, averaged.tolist()))
+    maxima = [k for k in RANK_MAXIMA if k in local]  # every rank has the same names
+    if maxima:
+        metrics.update(dict(zip(maxima, map(max, zip(*all_gather_json([local[k] for k in maxima], info))))))
     # reward/std over all ranks from the averaged first and second moments
     metrics["reward/std"] = max(metrics.pop("reward/mean_sq") - metrics["reward/mean"] ** 2, 0.0) ** 0.5
     step_s = time.perf_counter() - started

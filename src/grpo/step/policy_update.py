@@ -10,7 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo.algorithm import LogprobProcessing, LossAggregation, loss_aggregation, policy_loss, sampler_importance_weights
+from grpo.algorithm import (
+    LogprobProcessing,
+    LossAggregation,
+    loss_aggregation,
+    mismatch_sums,
+    policy_loss,
+    sampler_importance_weights,
+)
 from grpo.parallel.distributed import DistInfo, all_reduce_sum
 from grpo.parallel.learners import Learner
 from grpo.rollout.generation import Generation
@@ -87,6 +94,9 @@ def token_budget_micro_batches(order: torch.Tensor, prompt_mask: torch.Tensor, c
 _TOKEN_MEANS = ("kl", "clip_fraction", "ratio_mean")
 # Token means over the first iteration (the sampler correction's weights are the same in every iteration).
 _SAMPLER_IS = ("sampler_is/weight_mean", "sampler_is/capped_fraction", "sampler_is/logprob_diff")
+# The sampler/trainer mismatch (grpo.algorithm.mismatch), first iteration: k3 and the masked share are token
+# means, ratio_max the largest ratio (a maximum over ranks too: grpo.step.metrics.RANK_MAXIMA).
+_MISMATCH = ("mismatch/k3", "mismatch/ratio_max", "mismatch/masked_fraction")
 _CLIP_COUNTS = ("clip_low", "clip_high", "clip_region", "clip_units")  # summed per update (grpo.algorithm.clipping)
 
 
@@ -102,6 +112,9 @@ class LossInputs:
     mask:     [N, Lc] float, the tokens that carry loss (``sampled``, less truncated completions with
               ``mask_truncated_completions``).
     advantages: [N] or [N, Lc]; old_logprobs, ref_logprobs, sampler_logprobs: [N, Lc] or None.
+    reported_logprobs: [N, Lc] the sampling side's own log-probs of the tokens, for the mismatch metrics: the
+              batch's ``sampler_logprobs``, else its ``old_logprobs`` (taken where it was sampled); None when
+              the update's own first pass is pi_old (colocated), with nothing to compare.
     total_tokens: 0-d, this rank's loss tokens; sampled_tokens: 0-d, its sampled tokens (at least 1);
     global_tokens: 0-d, the loss tokens over all ranks / world size (DDP averages gradients), at least
               1 token over all ranks: 0 when every completion was masked, and the numerators are 0 then,
@@ -117,6 +130,7 @@ class LossInputs:
     old_logprobs: torch.Tensor | None
     ref_logprobs: torch.Tensor | None
     sampler_logprobs: torch.Tensor | None
+    reported_logprobs: torch.Tensor | None
     total_tokens: torch.Tensor
     sampled_tokens: torch.Tensor
     global_tokens: torch.Tensor
@@ -143,6 +157,7 @@ def prepare_batch(batch: RolloutBatch, s: LossSettings, dist_info: DistInfo, dev
             raise ValueError("loss.sampler_is_correction is on but the rollout batch has no sampler log-probs: the "
                              "engine reported none (only a vLLM engine or a decoupled sampler does)")
         sampler_logprobs = batch.sampler_logprobs.to(device)
+    reported = batch.sampler_logprobs if batch.sampler_logprobs is not None else batch.old_logprobs
     total_tokens = mask.sum()
     aggregation = loss_aggregation(s.loss_type)  # how micro-batches add up to the batch's loss
     world = dist_info.world_size
@@ -164,7 +179,7 @@ def prepare_batch(batch: RolloutBatch, s: LossSettings, dist_info: DistInfo, dev
         gen, sampled, mask, batch.advantages.to(device),
         batch.old_logprobs.to(device) if batch.old_logprobs is not None else None,
         batch.ref_logprobs.to(device) if batch.ref_logprobs is not None else None,
-        sampler_logprobs, total_tokens, sampled.sum().clamp(min=1), global_tokens, aggregation, order, pairs)
+        sampler_logprobs, reported.to(device) if reported is not None else None, total_tokens, sampled.sum().clamp(min=1), global_tokens, aggregation, order, pairs)
 
 
 @dataclass
@@ -175,7 +190,8 @@ class MicroBatchLoss:
     stats: ``policy_loss``'s statistics; entropy: [b, Lc] off the same forward's logits;
     old: [b, Lc] the old log-probs the surrogate used; mask, sampled: [b, Lc] the rows' of ``LossInputs``;
     is_weights, outside: [b, Lc] the sampler correction's weights and where they were capped (None: off);
-    sampler: [b, Lc] the sampler's log-probs (None: off).
+    sampler: [b, Lc] the sampler's log-probs (None: off); current: [b, Lc] this pass's log-probs, detached;
+    reported: [b, Lc] the rows' ``LossInputs.reported_logprobs`` (None: none).
     """
 
     loss: torch.Tensor
@@ -188,6 +204,8 @@ class MicroBatchLoss:
     is_weights: torch.Tensor | None
     outside: torch.Tensor | None
     sampler: torch.Tensor | None
+    current: torch.Tensor
+    reported: torch.Tensor | None
 
 
 def micro_batch_loss(module: torch.nn.Module, inputs: LossInputs, rows: torch.Tensor, on_device: torch.Tensor,
@@ -218,7 +236,9 @@ def micro_batch_loss(module: torch.nn.Module, inputs: LossInputs, rows: torch.Te
         sampler_weights=is_weights, kl_times_ratio=s.kl_times_ratio)
     N = gen.completion_ids.shape[0]
     weight, _ = inputs.aggregation.micro_batch_weights(logprobs.shape[0], mask.sum(), N, inputs.total_tokens)
-    return MicroBatchLoss(loss, weight, stats, entropy, old, mask, sampled, is_weights, outside, sampler)
+    reported = inputs.reported_logprobs[on_device] if inputs.reported_logprobs is not None else None
+    return MicroBatchLoss(loss, weight, stats, entropy, old, mask, sampled, is_weights, outside, sampler,
+                          logprobs.detach(), reported)
 
 
 class StepStats:
@@ -232,7 +252,7 @@ class StepStats:
     field names, the row min/max starting at +-inf (no row yet).
     """
 
-    def __init__(self, num_iterations: int, device: torch.device, sampler_is: bool, ptx: bool):
+    def __init__(self, num_iterations: int, device: torch.device, sampler_is: bool, ptx: bool, mismatch: bool = False):
         def zero() -> torch.Tensor:
             return torch.zeros((), dtype=torch.float64, device=device)
 
@@ -240,7 +260,7 @@ class StepStats:
             return torch.full((), value, dtype=torch.float64, device=device)
 
         names = ("loss", *_TOKEN_MEANS, "entropy", *(("loss/ptx",) if ptx else ()),
-                 *(_SAMPLER_IS if sampler_is else ()))
+                 *(_SAMPLER_IS if sampler_is else ()), *(_MISMATCH if mismatch else ()))
         self.num_iterations = num_iterations
         self.totals = {name: zero() for name in names}
         self.updates = [{**{name: zero() for name in ("loss", "kl", "entropy", "ratio_mean", *_CLIP_COUNTS)},
@@ -278,6 +298,11 @@ class StepStats:
             for key, summed in zip(_SAMPLER_IS, ((part.is_weights * part.sampled).sum(),
                                                  (part.outside * part.sampled).sum(), gap.sum())):
                 totals[key] += (summed / inputs.sampled_tokens).double()
+        if part.reported is not None and iteration == 0:  # the weights that start the update vs the sampler's
+            sums = mismatch_sums(part.current, part.reported, part.sampled, part.is_weights)
+            totals["mismatch/k3"] += sums.k3 / inputs.sampled_tokens.double()
+            totals["mismatch/masked_fraction"] += sums.masked / inputs.sampled_tokens.double()
+            totals["mismatch/ratio_max"] = torch.maximum(totals["mismatch/ratio_max"], sums.ratio_max)
 
     def add_ptx(self, nll: torch.Tensor) -> None:
         self.totals["loss/ptx"] += nll.detach().double() / self.num_iterations
@@ -338,13 +363,16 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
     ``s.sampler_is_mode`` each token's surrogate is weighted by ``sampler_importance_weights`` of the old
     log-probs (the batch's, else the first iteration's own) over ``batch.sampler_logprobs``; the weights'
     token mean, the share of tokens over the cap and the mean |old - sampler| are logged as ``sampler_is/*``.
+    When the batch carries the sampling side's log-probs (``LossInputs.reported_logprobs``), the first pass's
+    mismatch with them is logged as ``mismatch/*`` (``grpo.algorithm.mismatch_sums``).
     With a PTX micro-batch (``grpo.step.ptx``), each update also adds ``s.ptx_coef x`` its mean response NLL to
     the same gradient, before clipping and the optimizer step; ``loss/ptx`` is that NLL (unscaled), averaged
     over the updates. The same PTX micro-batch serves every iteration, as the rollout batch does.
     """
     device = next(learner.module.parameters()).device
     inputs = prepare_batch(batch, s, dist_info, device)
-    stats = StepStats(s.num_iterations, device, inputs.sampler_logprobs is not None, ptx is not None)
+    stats = StepStats(s.num_iterations, device, inputs.sampler_logprobs is not None, ptx is not None,
+                      mismatch=inputs.reported_logprobs is not None)
     first_rate = learner.lr  # the rate of this step's first update (the schedule moves in finish_update)
     old = inputs.old_logprobs
     for iteration in range(s.num_iterations):

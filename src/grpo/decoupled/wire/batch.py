@@ -29,8 +29,10 @@ BATCH_TENSORS: dict[str, tuple[str, frozenset, tuple[str, ...]]] = {
     "ref_logprobs": ("floating", _FLOAT, ("N", "Lc")),
     "sampler_logprobs": ("floating", _FLOAT, ("N", "Lc")),  # for loss.sampler_is_correction
     "loss_mask": ("integer or bool", _INTEGER | {torch.bool}, ("N", "Lc")),  # multi-turn: the sampled tokens
+    "token_versions": ("integer", _INTEGER, ("N", "Lc")),  # the policy version that sampled each token
 }
-OPTIONAL_BATCH_TENSORS = ("old_logprobs", "ref_logprobs", "sampler_logprobs", "loss_mask")
+OPTIONAL_BATCH_TENSORS = ("old_logprobs", "ref_logprobs", "sampler_logprobs", "loss_mask", "token_versions")
+_GENERATION_TENSORS = ("loss_mask", "token_versions")  # on the batch's Generation, not the RolloutBatch
 META_FIELDS = {"batch_id": "str", "sampler_id": "str", "policy_version": "int"}
 
 
@@ -62,6 +64,8 @@ def _check_batch(tensors: Mapping[str, Tensor], completions: list, prompts: list
     if "loss_mask" in tensors and bool((tensors["loss_mask"].long() > tensors["completion_mask"].long()).any()):
         raise WireError("batch tensor loss_mask is 1 where completion_mask is 0: a sampled token must be a "
                         "completion token")
+    if "token_versions" in tensors and bool((tensors["token_versions"].long() < 0).any()):
+        raise WireError("batch tensor token_versions holds a negative policy version")
     n = dims["N"]
     if len(completions) != n:
         raise WireError(f"batch has {len(completions)} completion texts for N={n} rows")
@@ -109,7 +113,7 @@ def batch_to_message(batch: RolloutBatch, meta: Mapping[str, Any]) -> tuple[dict
         "rewards": batch.rewards, "reward_parts": batch.reward_parts, "advantages": batch.advantages,
     }
     for name in OPTIONAL_BATCH_TENSORS:
-        value = gen.loss_mask if name == "loss_mask" else getattr(batch, name)
+        value = getattr(gen if name in _GENERATION_TENSORS else batch, name)
         if value is not None:  # absent on the wire: None again on the other side
             tensors[name] = value
     header = {
@@ -144,7 +148,8 @@ def message_to_batch(message: Message) -> tuple[RolloutBatch, dict]:
             prompt_ids=tensors["prompt_ids"], prompt_mask=tensors["prompt_mask"],
             completion_ids=tensors["completion_ids"], completion_mask=tensors["completion_mask"],
             truncated=tensors["truncated"], completions=list(header["completions"]),
-            loss_mask=tensors.get("loss_mask"), messages=header.get("messages"),
+            loss_mask=tensors.get("loss_mask"), token_versions=tensors.get("token_versions"),
+            messages=header.get("messages"),
             rollout_metrics=dict(header.get("rollout_metrics", {}))),
         rewards=tensors["rewards"], reward_parts=tensors["reward_parts"], reward_names=list(header["reward_names"]),
         advantages=tensors["advantages"], old_logprobs=tensors.get("old_logprobs"),

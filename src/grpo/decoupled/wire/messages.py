@@ -15,8 +15,9 @@ from safetensors.torch import load as load_safetensors_bytes  # parses, never un
 from torch import Tensor
 
 # 2: samplers ask for work (want / work): a chunk of a step each. 3: a batch carries multi-turn rows
-# (loss_mask, messages, rollout_metrics): a version-2 trainer would train on environment tokens.
-PROTOCOL_VERSION = 3
+# (loss_mask, messages, rollout_metrics): a version-2 trainer would train on environment tokens. 4: a batch
+# carries each token's policy version (token_versions): a version-3 trainer would judge staleness per chunk.
+PROTOCOL_VERSION = 4
 
 # The header holds a batch's texts (prompts, completions, dataset columns), so it is allowed to be
 # larger than a control message needs: a 1 MiB cap would refuse a batch of 512 completions of 1k
@@ -195,6 +196,14 @@ def _frame_len(frame: Any) -> int:
     return frame.nbytes if isinstance(frame, memoryview) else len(frame)
 
 
+def _peer_name(header: Mapping) -> str:
+    """Who sent a header, for refusing it by name: its sampler or trainer id, when it carries a string one."""
+    for field_name in ("sampler_id", "trainer_id"):
+        if isinstance(header.get(field_name), str):
+            return f"{field_name.split('_')[0]} {header[field_name][:64]!r}"
+    return "a peer"
+
+
 def decode(frames: Sequence[Any], *, token: str = "", max_bytes: int,
            max_header_bytes: int = MAX_HEADER_BYTES) -> Message:
     """Check and parse the frames of one message. Raises WireError (only) if it must be rejected."""
@@ -227,8 +236,8 @@ def decode(frames: Sequence[Any], *, token: str = "", max_bytes: int,
     if not _is_int(version):
         raise WireError("header has no integer protocol version 'v'")
     if version != PROTOCOL_VERSION:
-        raise WireError(f"protocol version {version} is not this endpoint's version {PROTOCOL_VERSION}: samplers "
-                        "and the trainer must run the same grpo release")
+        raise WireError(f"{_peer_name(header)} speaks protocol version {version}, not this endpoint's version "
+                        f"{PROTOCOL_VERSION}: samplers and the trainer must run the same grpo release")
     spec = _kind(header.pop("kind", None))
     try:
         _check_fields(spec, header)
