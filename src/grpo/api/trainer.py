@@ -37,10 +37,12 @@ from grpo.multiturn.environments import Environments, environment_methods
 from grpo.multiturn.tools import tool_schema
 from grpo.parallel.distributed import DistInfo
 from grpo.run.plots import RunPlots, plot_run
+from grpo.step.experience import local_reference
 from grpo.training.colocated import train
 from grpo.training.evaluator import eval_metrics
 from grpo.training.inputs import GivenInputs, build_rewards, tokenizer_and_data
 from grpo.training.prepare import build_evaluator
+from grpo.training.settings import logprob_pass, logprob_processing
 
 LORA_FIELDS = {"r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout", "target_modules": "target_modules"}
 PEFT_MODEL_AND_CONFIG = (
@@ -306,7 +308,7 @@ class GRPOTrainer(TrainerAttributes):
         if not sets:
             raise ValueError("evaluate() needs an eval_dataset (here or in the constructor)")
         inputs = tokenizer_and_data(self.config, self._given(self.train_set or [], dict(sets)))
-        evaluate = build_evaluator(self.config, inputs, self.model, DistInfo())
+        evaluate = build_evaluator(self.config, inputs, self.model, DistInfo(), ref_logprobs=self._reference())
         started = time.perf_counter()
         try:
             results = evaluate(self.state.global_step)
@@ -316,6 +318,17 @@ class GRPOTrainer(TrainerAttributes):
         hooks = self._hooks(self.config, sets)
         entries = hooks.eval_entries({**eval_metrics(results), "time/eval_s": seconds}, metric_key_prefix)
         return hooks.log_evaluation(entries, metric_key_prefix)
+
+    def _reference(self):
+        """The reference log-probs ``evaluate()``'s loss pass reads for ``eval_kl`` (loss.beta > 0): a LoRA
+        policy's own with the adapter off; None for a full model, whose initial weights ``train()`` held only
+        while it ran (no ``eval_kl`` then, where TRL keeps a reference copy for the trainer's lifetime)."""
+        cfg = self.config
+        if not cfg.loss.beta or cfg.model.lora_r <= 0 or cfg.model.ref_name_or_path is not None:
+            return None
+        return local_reference(self.model, None, cfg.rollout.temperature, cfg.train.micro_batch_size,
+                               logprob_processing(cfg, unwrap_model(self.model), self.processing_class),
+                               logprob_pass(cfg))
 
     def save_model(self, output_dir: str | None = None) -> None:
         """The adapter (a PEFT model) or the full model, with the tokenizer, as TRL writes them."""
