@@ -5,7 +5,8 @@ by the run's task and rewards, as ``eval.*`` says (greedy, plus k samples).
 On N ranks each rank evaluates a contiguous slice of each set; the per-example records are gathered, so every
 rank computes the same metrics (those of one process evaluating the whole set: the slices start where the
 whole set's generation calls do, so each call holds the same prompts with the same seed). Rank 0 writes the
-records to ``<output_dir>/eval/step_<N>/<set>.jsonl``.
+records to ``<output_dir>/eval/step_<N>/<set>.jsonl``. With ``eval.loss_pass`` each set's loss on sampled groups
+is added (``grpo.training.eval_loss``: TRL's ``eval_loss``), its batches sliced over the ranks the same way.
 """
 
 from __future__ import annotations
