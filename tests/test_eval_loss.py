@@ -5,6 +5,7 @@ Trainer and TRL's log average them."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from step_helpers import settings_with
@@ -12,6 +13,7 @@ from step_helpers import settings_with
 from grpo.algorithm import group_advantages
 from grpo.models.tiny import build_qwen2
 from grpo.rollout.generation import Generation
+from grpo.step.experience import generation_logprobs
 from grpo.step.records import RolloutBatch
 from grpo.training.eval_loss import batch_loss_metrics, mean_of_batches
 
@@ -57,3 +59,17 @@ def test_batches_average_as_trainer_and_trl_log_them():
     assert mean["loss"] == (1.0 * 8 + 4.0 * 4) / 12  # Trainer: every row's batch loss, averaged
     assert mean["entropy"] == 1.0 and mean["clip_ratio/low_min"] == 0.25  # TRL's log: NaN-free plain means
     assert "rows" not in mean and mean_of_batches([]) == {}
+
+
+def test_with_beta_the_kl_to_the_reference_is_logged_and_added(tiny_tokenizer):
+    model = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=1, seed=0)
+    batch = scored_batch(len(tiny_tokenizer))
+    s = settings_with(loss_type="dapo", micro_batch_size=4, beta=0.5)
+    same = replace(batch, ref_logprobs=generation_logprobs(model, batch.generation, s.temperature, 4))
+    without = batch_loss_metrics(model, batch, settings_with(loss_type="dapo", micro_batch_size=4))
+    metrics = batch_loss_metrics(model, same, s)
+    assert abs(metrics["kl"]) < 1e-6 and math.isclose(metrics["loss"], without["loss"], abs_tol=1e-6)
+    other = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=1, seed=1)  # a reference elsewhere: KL > 0
+    apart = replace(batch, ref_logprobs=generation_logprobs(other, batch.generation, s.temperature, 4))
+    metrics = batch_loss_metrics(model, apart, s)
+    assert metrics["kl"] > 0 and metrics["loss"] > without["loss"]
