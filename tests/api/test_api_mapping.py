@@ -115,3 +115,7 @@ def test_the_docs_table_names_every_refused_field():
     section = (REPO / "docs" / "guides" / "python-api.md").read_text()
     missing = [name for name in UNSUPPORTED if f"`{name}`" not in section]
     assert not missing, f"docs/guides/python-api.md does not name {missing}"
+    # and lists none the API accepts (issue 42: max_tool_calling_iterations stayed there once it worked)
+    table = section[section.index("| field | why |"):].split("\n\n")[0]
+    listed = [row.split("`")[1] for row in table.splitlines()[2:]]
+    assert set(listed) == set(UNSUPPORTED), f"refused in docs/guides/python-api.md but accepted: {sorted(set(listed) - set(UNSUPPORTED))}"

@@ -209,12 +209,16 @@ def test_evaluate_scores_as_a_run_does_with_samples_rewards_and_named_sets(tiny_
                     "steps_per_second"):
             assert f"eval_{name}_{key}" in entry and f"eval_{name}_{key}" in metrics, (name, key, sorted(entry))
         for key in ("rewards/digit_reward/mean", "rewards/length_reward/std", "reward", "reward_std",
-                    "completions/mean_length", "num_tokens"):  # TRL's own: eval_ in each set's entry
+                    "completions/mean_length", "num_tokens", "entropy", "frac_reward_zero_std",
+                    "clip_ratio/region_mean"):  # TRL's own: eval_ in each set's entry
             assert f"eval_{key}" in entry, (name, key, sorted(entry))
+        assert entry["eval_clip_ratio/region_mean"] == 0.0  # the loss pass's ratio is 1: nothing clipped
+        assert f"eval_{name}_loss" in entry and "eval_loss" not in entry  # the set's loss: Trainer's prefix
     assert more["eval_rewards/length_reward/mean"] <= 0  # the reward itself, not a stand-in
     assert metrics["eval_reward"] == more["eval_reward"]  # merged as Trainer's: the last set's value
     assert easy["eval_easy_accuracy"] == metrics["eval_easy_accuracy"] and "eval_more_accuracy" not in easy
     one = trainer.evaluate(rows(4), metric_key_prefix="test")
+    assert "test_loss" in one
     assert one["test_accuracy"] == metrics["eval_easy_accuracy"]  # greedy: the same 4 problems, the same score
     assert not (tmp_path / "run").exists()  # evaluation writes nothing
 

@@ -65,23 +65,24 @@ def run_both(name: str, tmp: Path) -> dict[str, dict]:
     return reports
 
 
-# TRL's evaluation runs its training loss on the sampled eval completions; grpo's evaluation generates and scores
-# but computes no loss pass, so these are still missing (issue 42 stays open for them). Pinned, not skipped: the
-# test fails when one appears (drop it here) or when any other key goes missing.
-EVAL_LOSS_KEYS = {"eval_loss", "eval_entropy", "eval_frac_reward_zero_std", "eval_clip_ratio/low_mean",
-                  "eval_clip_ratio/low_min", "eval_clip_ratio/high_mean", "eval_clip_ratio/high_max",
-                  "eval_clip_ratio/region_mean"}
+# TRL's evaluation runs its loss on sampled groups with the current weights as the old policy: the ratio is 1, so
+# nothing is clipped on either side (grpo.training.eval_loss)
+EVAL_CLIP_RATIOS = ("eval_clip_ratio/low_mean", "eval_clip_ratio/low_min", "eval_clip_ratio/high_mean",
+                    "eval_clip_ratio/high_max", "eval_clip_ratio/region_mean")
 
 
 def missing_keys(trl_entry: dict, grpo_entry: dict) -> list[str]:
-    missing = set(trl_entry) - set(grpo_entry)
-    if any(key.startswith("eval_") for key in trl_entry):
-        # a named set's loss is eval_<set>_loss (Trainer's metric_key_prefix)
-        pinned = {k for k in trl_entry if k in EVAL_LOSS_KEYS or (k.startswith("eval_") and k.endswith("_loss"))}
-        assert len(pinned) >= len(EVAL_LOSS_KEYS) and pinned <= missing, (
-            f"grpo now logs {sorted(pinned - missing)}: drop them from EVAL_LOSS_KEYS")
-        missing -= pinned
-    return sorted(missing)
+    return sorted(set(trl_entry) - set(grpo_entry))
+
+
+def check_eval_loss(trl_entry: dict, grpo_entry: dict) -> None:
+    """An evaluation's loss-pass values as TRL's: a finite loss and entropy per set, no clipping."""
+    losses = [k for k in trl_entry if k.startswith("eval_") and k.endswith("_loss")]
+    for key in losses + (["eval_entropy"] if losses else []):
+        assert isinstance(grpo_entry[key], float) and grpo_entry[key] == grpo_entry[key], (key, grpo_entry[key])
+    for key in EVAL_CLIP_RATIOS:
+        if key in trl_entry:
+            assert grpo_entry[key] == trl_entry[key] == 0.0, (key, grpo_entry[key], trl_entry[key])
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -96,5 +97,7 @@ def test_script_behaves_as_under_trl(name, tmp_path):
         assert not missing_keys(trl_entry, grpo_entry), (
             f"log_history[{index}] (step {trl_entry.get('step')}) lacks TRL's keys "
             f"{missing_keys(trl_entry, grpo_entry)}")
+        check_eval_loss(trl_entry, grpo_entry)
     if "evaluate" in trl:
         assert not missing_keys(trl["evaluate"], grpo["evaluate"]), "evaluate() lacks TRL's keys"
+        check_eval_loss(trl["evaluate"], grpo["evaluate"])

@@ -64,7 +64,7 @@ ACCEPTED_AS_IS = (  # cannot change what a run computes
     "vespo_k_neg", "vespo_lambda_neg", "ref_model_mixup_alpha", "ref_model_sync_steps", "entropy_coef_min",
     "entropy_coef_max", "entropy_coef_delta", "entropy_target", "log_multimodal", "num_completions_to_print",
     "log_unique_prompts", "use_transformers_continuous_batching", "transformers_continuous_batching_config",
-    "gradient_checkpointing_kwargs", "per_device_eval_batch_size", "data_seed", "dataloader_drop_last",
+    "gradient_checkpointing_kwargs", "data_seed", "dataloader_drop_last",
     "dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers", "dataloader_prefetch_factor",
     "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "run_name", "project", "logging_dir",
     "logging_nan_inf_filter", "include_num_input_tokens_seen", "save_only_model", "torch_empty_cache_steps",
@@ -152,6 +152,7 @@ class GRPOConfig:
     eval_strategy: str = "no"
     eval_steps: float | None = None
     eval_on_start: bool = False
+    per_device_eval_batch_size: int = 8  # completions per batch of the evaluation's loss pass (eval_loss)
     max_tool_calling_iterations: int | None = None  # tool rounds after the first turn; None: until the length budget
     # -- grpo's own options (not TRL's)
     advantage_estimator: str = "grpo"  # a grpo.algorithm.ADVANTAGE_ESTIMATORS name (gae: PPO with a critic)

@@ -323,6 +323,10 @@ TRL_EVAL_NAMES = {
     "terminated_length/min": "completions/min_terminated_length",
     "terminated_length/max": "completions/max_terminated_length",
     "tools/calls_per_completion": "tools/call_frequency", "tools/failure_rate": "tools/failure_frequency",
+    # the loss pass's (grpo.training.eval_loss), which TRL's log prefixes eval_ whatever the set; the loss itself
+    # keeps the set's prefix (Trainer's metric_key_prefix): eval_loss, eval_<set>_loss
+    **{name: name for name in ("entropy", "kl", "frac_reward_zero_std", "clip_ratio/low_mean", "clip_ratio/low_min",
+                               "clip_ratio/high_mean", "clip_ratio/high_max", "clip_ratio/region_mean")},
 }
 
 

@@ -218,6 +218,8 @@ LINKS: tuple[Link, ...] = (
     same("eval_on_start", "train.eval_on_start"),
     fixed("train.checkpoint_layout", "trl"),
     fixed("train.eval_at_end", False),  # TRL evaluates the last step inside it
+    fixed("eval.loss_pass", True),  # TRL's evaluation runs its loss on sampled groups (eval_loss)
+    same("per_device_eval_batch_size", "eval.loss_batch_size"),
     same("save_final_model", "train.save_final"),
     Link(("logging_steps",), ("log.logging_steps",), lambda c, every: (_per_step(every, c.ni, c.updates),),
          lambda c, every: {"logging_steps": every * c.ni}),

@@ -9,6 +9,7 @@ to the config tree ``grpo train`` runs (``grpo.api.mapping``). ``train()`` then 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import time
@@ -37,10 +38,12 @@ from grpo.multiturn.environments import Environments, environment_methods
 from grpo.multiturn.tools import tool_schema
 from grpo.parallel.distributed import DistInfo
 from grpo.run.plots import RunPlots, plot_run
+from grpo.step.experience import local_reference
 from grpo.training.colocated import train
 from grpo.training.evaluator import eval_metrics
 from grpo.training.inputs import GivenInputs, build_rewards, tokenizer_and_data
 from grpo.training.prepare import build_evaluator
+from grpo.training.settings import logprob_pass, logprob_processing
 
 LORA_FIELDS = {"r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout", "target_modules": "target_modules"}
 PEFT_MODEL_AND_CONFIG = (
@@ -154,6 +157,7 @@ class GRPOTrainer(TrainerAttributes):
         check_longest(self.processing_class, sets, self._tool_schemas(), self.config.data.max_prompt_length,
                       self._explain)
         self.model = self._prepare_model(model)
+        _import_deepspeed_if_installed()
         self.state, self.control = TrainerState(), TrainerControl()
         self.callbacks = [c() if isinstance(c, type) else c for c in (callbacks or [])]
         for callback in self.callbacks:
@@ -307,7 +311,7 @@ class GRPOTrainer(TrainerAttributes):
         if not sets:
             raise ValueError("evaluate() needs an eval_dataset (here or in the constructor)")
         inputs = tokenizer_and_data(self.config, self._given(self.train_set or [], dict(sets)))
-        evaluate = build_evaluator(self.config, inputs, self.model, DistInfo())
+        evaluate = build_evaluator(self.config, inputs, self.model, DistInfo(), ref_logprobs=self._reference())
         started = time.perf_counter()
         try:
             results = evaluate(self.state.global_step)
@@ -317,6 +321,17 @@ class GRPOTrainer(TrainerAttributes):
         hooks = self._hooks(self.config, sets)
         entries = hooks.eval_entries({**eval_metrics(results), "time/eval_s": seconds}, metric_key_prefix)
         return hooks.log_evaluation(entries, metric_key_prefix)
+
+    def _reference(self):
+        """The reference log-probs ``evaluate()``'s loss pass reads for ``eval_kl`` (loss.beta > 0): a LoRA
+        policy's own with the adapter off; None for a full model, whose initial weights ``train()`` held only
+        while it ran (no ``eval_kl`` then, where TRL keeps a reference copy for the trainer's lifetime)."""
+        cfg = self.config
+        if not cfg.loss.beta or cfg.model.lora_r <= 0 or cfg.model.ref_name_or_path is not None:
+            return None
+        return local_reference(self.model, None, cfg.rollout.temperature, cfg.train.micro_batch_size,
+                               logprob_processing(cfg, unwrap_model(self.model), self.processing_class),
+                               logprob_pass(cfg))
 
     def save_model(self, output_dir: str | None = None) -> None:
         """The adapter (a PEFT model) or the full model, with the tokenizer, as TRL writes them."""
@@ -343,6 +358,14 @@ class GRPOTrainer(TrainerAttributes):
 
 
 __all__ = ["GRPOTrainer", "lora_keys", "reward_name"]
+
+
+def _import_deepspeed_if_installed() -> None:
+    """transformers' ``save_pretrained`` unwraps the model through accelerate, which imports deepspeed when it is
+    installed (~0.5 s on 2 CPU cores, once per process). TRL's trainer pays it in its constructor (its Accelerator);
+    here too, rather than inside the first ``train()``'s last checkpoint."""
+    if importlib.util.find_spec("deepspeed") is not None:
+        import deepspeed  # noqa: F401  optional extra (grpo[deepspeed]): imported for its cost's place, not used
 
 
 def _dotted(obj: Any) -> str | None:

@@ -27,3 +27,11 @@ class EvalConfig:
         "<output_dir>/eval/step_<N>/<set>.jsonl.")
     max_samples_written: int = opt(
         2, "Sampled completions written per example in those records (the greedy one is always written).", ge=0)
+    loss_pass: bool = opt(
+        False, "Also sample rollout.num_generations completions per held-out prompt, score them with the run's "
+        "rewards and log the training loss on them without gradients, the current weights as the old policy "
+        "(eval/loss, eval/entropy, eval/clip_ratio/*, eval/frac_reward_zero_std, eval/kl with loss.beta): TRL's "
+        "eval_loss. The Python API turns it on; it costs a sampled generation beside the greedy one.")
+    loss_batch_size: int = opt(
+        8, "Completions per batch of eval.loss_pass (TRL's per_device_eval_batch_size: that many // "
+        "num_generations prompts); the loss is normalised per batch, as a training micro-batch's.", ge=1)

@@ -135,7 +135,8 @@ def train(cfg: RunConfig, given: GivenInputs | None = None) -> TrainResult:
         engine = with_turns(base_engine, p.inputs.turns, cfg, p.policy, p.inputs.tokenizer)
         if holds_own_weights(base_engine) and p.run.start_step > 0:
             push_policy_weights(base_engine, p.policy, p.run.start_step)
-        evaluate = build_evaluator(cfg, p.inputs, p.policy, info, p.run.out, engine, base_engine)
+        evaluate = build_evaluator(cfg, p.inputs, p.policy, info, p.run.out, engine, base_engine,
+                                   p.ref_logprobs)
         progress = StepProgress(cfg.train.max_steps, p.run.start_step, enabled=info.is_main and cfg.log.progress_bar)
         result = run_loop(make_loop(cfg, p, progress, evaluate), sampling(cfg, p, engine), p.run.start_step,
                           p.run.eval_before)

@@ -5,7 +5,8 @@ by the run's task and rewards, as ``eval.*`` says (greedy, plus k samples).
 On N ranks each rank evaluates a contiguous slice of each set; the per-example records are gathered, so every
 rank computes the same metrics (those of one process evaluating the whole set: the slices start where the
 whole set's generation calls do, so each call holds the same prompts with the same seed). Rank 0 writes the
-records to ``<output_dir>/eval/step_<N>/<set>.jsonl``.
+records to ``<output_dir>/eval/step_<N>/<set>.jsonl``. With ``eval.loss_pass`` each set's loss on sampled groups
+is added (``grpo.training.eval_loss``: TRL's ``eval_loss``), its batches sliced over the ranks the same way.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from grpo.models.wrappers import unwrap_model
 from grpo.multiturn.driver import ExampleRollout
 from grpo.parallel.distributed import DistInfo, all_gather_json
 from grpo.tasks import Task, run_system_prompt
+from grpo.training.eval_loss import LossPass, mean_of_batches
 
 UNNAMED = ""  # the set of a plain ``data.eval`` source: its metrics are eval/accuracy, ... (no set name)
 RECORDS_DIR = "eval"
@@ -97,6 +99,7 @@ class RunEvaluator:
     info: DistInfo
     rewards: EvalRewards | None = None
     out: Path | None = None  # the run folder the records go to (None: not written)
+    loss_pass: LossPass | None = None  # eval.loss_pass: each set's loss on sampled groups (TRL's eval_loss)
 
     def __post_init__(self) -> None:
         # Checked on every rank for the whole sets: a rank whose slice failed alone would leave the others
@@ -134,7 +137,17 @@ class RunEvaluator:
                 results[name] = {**summarize(records, s.samples, s.bootstrap, s.seed), **mean_rollout_metrics(chunks)}
                 if s.save_records and self.out is not None and self.info.is_main:
                     write_records(self.out / RECORDS_DIR / f"step_{step}" / f"{name or 'eval'}.jsonl", records)
+        if self.loss_pass is not None:
+            for name, examples in self.sets.items():
+                results[name].update(self._loss(examples, step))
         return results
+
+    def _loss(self, examples: list, step: int) -> dict[str, float]:
+        """The loss pass over one set: this rank's slice (whole batches), every rank's batches averaged."""
+        unit = self.loss_pass.settings.prompts_per_batch
+        start, end = rank_example_range(len(examples), unit, self.info.rank, self.info.world_size)
+        batches = self.loss_pass(examples[start:end], step, first_example=start)
+        return mean_of_batches([b for part in all_gather_json(batches, self.info) for b in part])
 
 
 def eval_metrics(results: dict[str, dict] | None) -> dict[str, float]:

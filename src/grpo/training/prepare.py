@@ -22,6 +22,7 @@ from grpo.data.prompt_sampler import PromptSampler
 from grpo.data.sft_tokens import tokenize_pairs
 from grpo.evaluation.example_records import EvalRewards
 from grpo.models.loading import check_memory_savers, compute_context, load_reference, resolve_device
+from grpo.models.wrappers import unwrap_model
 from grpo.multiturn.wiring import with_turns
 from grpo.parallel.distributed import DistInfo, all_gather_json, barrier, init_distributed, print0
 from grpo.parallel.trainable import Trainable, build_trainable
@@ -33,12 +34,14 @@ from grpo.run.tracking import MetricsLogger
 from grpo.step.experience import RefLogprobs, local_reference
 from grpo.step.ptx import PtxData
 from grpo.tasks import Task, run_system_prompt
+from grpo.training.eval_loss import LossPass
 from grpo.training.evaluator import RunEvaluator, eval_settings, eval_sources
 from grpo.training.inputs import GivenInputs, RunInputs, policy_for, tokenizer_and_data
 from grpo.training.loop import Loop, PolicyUpdate
 from grpo.training.resume import resume_checkpoint
 from grpo.training.settings import (
     critic_settings,
+    eval_loss_settings,
     logprob_pass,
     logprob_processing,
     loop_schedule,
@@ -200,13 +203,16 @@ def prepare(cfg: RunConfig, given: GivenInputs, info: DistInfo, device: torch.de
 
 
 def build_evaluator(cfg: RunConfig, inputs: RunInputs, policy: torch.nn.Module, info: DistInfo,
-                    out: Path | None = None, engine=None, base_engine=None) -> RunEvaluator | None:
+                    out: Path | None = None, engine=None, base_engine=None,
+                    ref_logprobs: RefLogprobs | None = None) -> RunEvaluator | None:
     """The run's evaluation of its held-out sets (None without any), scored by its task and rewards, records
     written to ``out`` (None: not written). ``engine``: the one the run samples with (colocated; multi-turn when
     the run has tools or environments), ``base_engine`` the one it wraps; None: an evaluation engine over
     ``policy`` (``rollout.engine``, for vLLM ``auto``'s: a decoupled trainer's samplers and the Python API's
     weights are elsewhere), wrapped for the run's turns. Under a rollout hook the evaluation runs
-    ``base_engine``, without rewards: a hook's rollouts and the columns its rewards read are the user's."""
+    ``base_engine``, without rewards: a hook's rollouts and the columns its rewards read are the user's.
+    With ``eval.loss_pass`` each set's loss too (``grpo.training.eval_loss``; ``ref_logprobs``: the reference's,
+    for ``eval/kl``), except under a rollout hook (no rewards) and for PPO (no critic's values there)."""
     if not inputs.eval_sets:
         return None
     if engine is None:
@@ -214,8 +220,15 @@ def build_evaluator(cfg: RunConfig, inputs: RunInputs, policy: torch.nn.Module, 
         engine = with_turns(base_engine, inputs.turns, cfg, policy, inputs.tokenizer)
     hooked = inputs.turns.rollout_func is not None
     rewards = EvalRewards(inputs.reward_fns, inputs.reward_weights) if inputs.reward_fns and not hooked else None
+    loss_pass = None
+    if cfg.eval.loss_pass and rewards is not None and not needs_critic(cfg):
+        module = unwrap_model(policy)
+        settings = eval_loss_settings(cfg, inputs.task, logprob_processing(cfg, module, inputs.tokenizer),
+                                      next(module.parameters()).device.type)
+        loss_pass = LossPass(settings, engine, module, inputs.tokenizer, inputs.reward_fns, inputs.reward_weights,
+                             ref_logprobs)
     return RunEvaluator(eval_settings(cfg, inputs.task, info.world_size), inputs.eval_sets,
-                        base_engine if hooked else engine, policy, inputs.tokenizer, info, rewards, out)
+                        base_engine if hooked else engine, policy, inputs.tokenizer, info, rewards, out, loss_pass)
 
 
 def make_loop(cfg: RunConfig, prepared: Prepared, progress: AbstractContextManager,

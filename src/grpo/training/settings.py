@@ -1,11 +1,12 @@
 """The config tree projected into the frozen settings records, in one place: what the rollout side reads
 (``ExperienceSettings``, ``grpo.step.experience``), what the update reads (``LossSettings``,
 ``grpo.step.policy_update``), what the colocated mode's step source reads (``SamplingSettings``), the loop's
-schedule, plus the sampling controls every log-prob pass follows and how it runs (``logprob_pass``)."""
+schedule, the evaluation's loss pass (``EvalLossSettings``), plus the sampling controls every log-prob pass follows
+and how it runs (``logprob_pass``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -19,6 +20,7 @@ from grpo.step.experience import ExperienceSettings, GaeSettings
 from grpo.step.logprobs import LogprobPass
 from grpo.step.policy_update import LossSettings
 from grpo.tasks import Task, run_system_prompt
+from grpo.training.eval_loss import EvalLossSettings
 from grpo.training.evaluator import eval_sources, primary_metric
 from grpo.training.loop import Schedule
 
@@ -163,3 +165,12 @@ def critic_settings(cfg: RunConfig) -> CriticSettings:
     """PPO's critic update: the same micro-batches and number of passes as the policy's."""
     return CriticSettings(value_clip=cfg.loss.value_clip, micro_batch_size=cfg.train.micro_batch_size,
                           num_iterations=cfg.loss.num_iterations)
+
+
+def eval_loss_settings(cfg: RunConfig, task: Task, processing, device_type: str) -> EvalLossSettings:
+    """``eval.loss_pass``'s settings for a run with ``task`` on a ``device_type`` device (``processing``:
+    ``logprob_processing``'s, as every log-prob pass follows it)."""
+    experience = experience_settings(cfg, processing, task=task, decoupled_sampler=False, engine_holds_weights=False)
+    return EvalLossSettings(replace(experience, need_old_logprobs=False),
+                            replace(loss_settings(cfg, processing, device_type), num_iterations=1, ptx_coef=0.0),
+                            cfg.eval.loss_batch_size, cfg.train.seed)
