@@ -46,7 +46,8 @@ def grpo_source(source: str) -> str:
 
 def run_both(name: str, tmp: Path, echo: EchoServer | None = None) -> dict[str, dict]:
     source = (SCRIPTS / f"{name}.py").read_text()
-    paths = [str(SCRIPTS), str(REPO / "src"), *([str(echo.package_root)] if echo else []), os.environ.get("PYTHONPATH", "")]
+    paths = [str(SCRIPTS), str(REPO / "src"), *([str(echo.package_root)] if echo else []),
+             os.environ.get("PYTHONPATH", "")]
     env = {**{k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}, "PYTHONPATH": os.pathsep.join(paths),
            "TRL_EXPERIMENTAL_SILENCE": "1", "OMP_NUM_THREADS": "1", **({"ECHO_ENV_URL": echo.url} if echo else {})}
     processes = {}
