@@ -250,48 +250,6 @@ def test_decoupled_roles_on_four_hosts_match_the_one_host_run_and_misconfigurati
     assert [r["step"] for r in train_rows(out)] == [1, 2]
 
 
-def test_two_samplers_on_two_hosts_with_one_index_the_older_is_refused_within_seconds(tiny_model_dir, tmp_path):
-    # The README's failure row, with 2 trainer ranks: sampler 0 started on one host, then again on another (a
-    # job resubmitted while the old one still runs). The older scores slowly (10 s a batch) so that it is still
-    # at work when the newer says hello; it must stop at its next word with the trainer (a batch at most), saying
-    # why, and the newer trains the run to its end.
-    port = free_port()
-    slow = "[{name: 'rewards_for_reliability:letters_slowly'}, {name: answer_correct}]"
-    with hosts(3) as (trainer_host, old_host, new_host):
-        out = tmp_path / "run"
-        shared = decoupled_overrides(tiny_model_dir, out, **{
-            "train.mode": "decoupled", "train.max_steps": 4, "loss.beta": 0.0, "rewards": slow,
-            "decoupled.num_samplers": 1, "decoupled.trainer_ranks": 2, "decoupled.token_env": "GRPO_NS_TOKEN",
-            "decoupled.address": f"tcp://0.0.0.0:{port}", "decoupled.advertise_host": trainer_host.address})
-        trainer = role(trainer_host, "trainer", shared, "t" * 32, tmp_path, ranks=2)
-        procs = [trainer]
-        try:
-            wait_until(lambda: (out / "decoupled" / "trainer_address.json").exists(), "the trainer's address",
-                       timeout=300, proc=trainer)
-            older = role(old_host, "sampler", [*shared, "decoupled.sampler_index=0"], "t" * 32, tmp_path, "-older",
-                         env=("GRPO_TEST_REWARD_SLEEP_S=10",))
-            procs.append(older)
-            wait_until(lambda: "connected to" in older.log.read_text(), "the older sampler's hello", timeout=300,
-                       proc=older)
-            newer = role(new_host, "sampler", [*shared, "decoupled.sampler_index=0"], "t" * 32, tmp_path, "-newer")
-            procs.append(newer)
-            wait_until(lambda: "connected to" in newer.log.read_text(), "the newer sampler's hello", timeout=300,
-                       proc=newer)
-            assert older.poll() is None, "the older sampler ended before the newer said hello: " + output(older)
-            fails_within(older, 60, "two processes run as sampler-0", "give every sampler its own "
-                                    "decoupled.sampler_index")
-            trainer.wait(timeout=400)
-            assert trainer.returncode == 0, output(trainer)
-            newer.wait(timeout=120)
-            assert newer.returncode == 0, output(newer)
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-    assert [r["step"] for r in train_rows(out)] == [1, 2, 3, 4]  # every step trained once
-
-
 def test_a_trainer_whose_name_binds_only_loopback_is_refused_at_once(tiny_model_dir, tmp_path):
     # The machine's name mapped to 127.0.1.1 (Debian's installer writes such a line): a trainer told to bind
     # that name, or to bind every interface and publish that name, would be unreachable from other hosts.

@@ -1,0 +1,123 @@
+"""The README's failure rows about samplers and weights, each with 2 trainer ranks and every role on its own host
+(a network namespace, tests/integration/netns.py): two samplers started with one index, and weights pruned while
+a reader on another host holds them."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from netns import hosts
+from run_helpers import decoupled_overrides, free_port, logged_steps, train_rows, wait_until
+from test_multi_host import fails_within, logged, output, role
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# The tests' slow reward (a sampler that scores a batch in GRPO_TEST_REWARD_SLEEP_S seconds): the recipe is the
+# same for every sampler, their pace set per process.
+SLOW = "[{name: 'rewards_for_reliability:letters_slowly'}, {name: answer_correct}]"
+
+
+def test_two_samplers_on_two_hosts_with_one_index_the_older_is_refused_within_seconds(tiny_model_dir, tmp_path):
+    # The README's failure row, with 2 trainer ranks: sampler 0 started on one host, then again on another (a
+    # job resubmitted while the old one still runs). The older scores slowly (10 s a batch) so that it is still
+    # at work when the newer says hello; it must stop at its next word with the trainer (a batch at most), saying
+    # why, and the newer trains the run to its end.
+    port = free_port()
+    with hosts(3) as (trainer_host, old_host, new_host):
+        out = tmp_path / "run"
+        shared = decoupled_overrides(tiny_model_dir, out, **{
+            "train.mode": "decoupled", "train.max_steps": 4, "loss.beta": 0.0, "rewards": SLOW,
+            "decoupled.num_samplers": 1, "decoupled.trainer_ranks": 2, "decoupled.token_env": "GRPO_NS_TOKEN",
+            "decoupled.address": f"tcp://0.0.0.0:{port}", "decoupled.advertise_host": trainer_host.address})
+        trainer = role(trainer_host, "trainer", shared, "t" * 32, tmp_path, ranks=2)
+        procs = [trainer]
+        try:
+            wait_until(lambda: (out / "decoupled" / "trainer_address.json").exists(), "the trainer's address",
+                       timeout=300, proc=trainer)
+            older = role(old_host, "sampler", [*shared, "decoupled.sampler_index=0"], "t" * 32, tmp_path, "-older",
+                         env=("GRPO_TEST_REWARD_SLEEP_S=10",))
+            procs.append(older)
+            wait_until(lambda: "connected to" in older.log.read_text(), "the older sampler's hello", timeout=300,
+                       proc=older)
+            newer = role(new_host, "sampler", [*shared, "decoupled.sampler_index=0"], "t" * 32, tmp_path, "-newer")
+            procs.append(newer)
+            wait_until(lambda: "connected to" in newer.log.read_text(), "the newer sampler's hello", timeout=300,
+                       proc=newer)
+            assert older.poll() is None, "the older sampler ended before the newer said hello: " + output(older)
+            fails_within(older, 60, "two processes run as sampler-0", "give every sampler its own "
+                                    "decoupled.sampler_index")
+            trainer.wait(timeout=400)
+            assert trainer.returncode == 0, output(trainer)
+            newer.wait(timeout=120)
+            assert newer.returncode == 0, output(newer)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    assert [r["step"] for r in train_rows(out)] == [1, 2, 3, 4]  # every step trained once
+
+
+# A reader on a third host: it leases the newest version (as a sampler does before it opens one), writes its
+# number, holds the lease until told to read, then loads that version with its checksums verified.
+LEASE_HOLDER = """
+import sys, time
+from pathlib import Path
+from grpo.weight_store import LEASES_DIR, WeightStore
+from grpo.weight_store.leases import read_lease
+out = Path(sys.argv[1])
+store = WeightStore(out)
+store.wait_for_version(1, timeout_s=300)
+while True:
+    version = store.latest_version()
+    with read_lease(store.dir / LEASES_DIR, version):
+        if not store.version_dir(version).exists():
+            continue  # pruned before the lease was taken: lease the newest again
+        (out / "leased").write_text(str(version))
+        while not (out / "read-now").exists():
+            time.sleep(0.1)
+        loaded = store.load(version)
+        print("read version", loaded.version, "with", len(loaded.state_dict), "tensors", file=sys.stderr)
+        break
+"""
+
+
+def test_weights_a_reader_on_another_host_holds_outlive_prunes_and_go_after_its_release(tiny_model_dir, tmp_path):
+    # The README's row "the trainer prunes weights a sampler is reading", with 2 trainer ranks: weights_keep=1
+    # prunes every older version at each publish, but not the one a reader on another host holds; the reader
+    # then loads it whole, and a publish after its release removes it. Steps take >= 2 s each (a slow reward),
+    # so that publishes still come after the release.
+    port = free_port()
+    with hosts(3) as (trainer_host, sampler_host, reader_host):
+        out = tmp_path / "run"
+        shared = decoupled_overrides(tiny_model_dir, out, **{
+            "train.mode": "decoupled", "train.max_steps": 8, "loss.beta": 0.0, "rewards": SLOW,
+            "decoupled.num_samplers": 1, "decoupled.trainer_ranks": 2, "decoupled.token_env": "GRPO_NS_TOKEN",
+            "decoupled.weights_keep": 1, "decoupled.address": f"tcp://0.0.0.0:{port}",
+            "decoupled.advertise_host": trainer_host.address})
+        trainer = role(trainer_host, "trainer", shared, "t" * 32, tmp_path, ranks=2)
+        sampler = role(sampler_host, "sampler", [*shared, "decoupled.sampler_index=0"], "t" * 32, tmp_path,
+                       env=("GRPO_TEST_REWARD_SLEEP_S=2",))
+        reader = logged(reader_host.command([sys.executable, "-c", LEASE_HOLDER, str(out)]), tmp_path / "reader.log")
+        procs = [trainer, sampler, reader]
+        try:
+            wait_until(lambda: (out / "leased").exists(), "the reader's lease", timeout=300, proc=reader)
+            held = int((out / "leased").read_text())
+            wait_until(lambda: logged_steps(out) >= held + 3, f"{held + 3} steps", timeout=300, proc=trainer)
+            versions = sorted(int(p.name[1:]) for p in (out / "weights").glob("v[0-9]*"))
+            assert versions[0] == held and versions[-1] >= held + 2, versions  # the ones between pruned
+            (out / "read-now").touch()
+            reader.wait(timeout=120)
+            assert reader.returncode == 0, output(reader)
+            assert f"read version {held} with" in output(reader)
+            trainer.wait(timeout=400)
+            assert trainer.returncode == 0, output(trainer)
+            sampler.wait(timeout=120)
+            assert sampler.returncode == 0, output(sampler)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    assert not (out / "weights" / f"v{held}").exists(), f"version {held} outlived its lease"
+    assert [r["step"] for r in train_rows(out)] == list(range(1, 9))
