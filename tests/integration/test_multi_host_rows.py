@@ -1,20 +1,54 @@
-"""The README's failure rows about samplers and weights, each with 2 trainer ranks and every role on its own host
-(a network namespace, tests/integration/netns.py): two samplers started with one index, and weights pruned while
-a reader on another host holds them."""
+"""README failure-table rows, each with 2 trainer ranks and every role on its own host (a network namespace,
+tests/integration/netns.py): a node that does not see the run folder, two samplers started with one index, and
+weights pruned while a reader on another host holds them."""
 
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
 from netns import hosts
 from run_helpers import decoupled_overrides, free_port, logged_steps, train_rows, wait_until
-from test_multi_host import fails_within, logged, output, role
+from test_multi_host import fails_within, logged, output, role, torchrun_node
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 # The tests' slow reward (a sampler that scores a batch in GRPO_TEST_REWARD_SLEEP_S seconds): the recipe is the
 # same for every sampler, their pace set per process.
 SLOW = "[{name: 'rewards_for_reliability:letters_slowly'}, {name: answer_correct}]"
+
+
+def test_a_node_that_does_not_see_the_run_folder_stops_both_nodes_naming_it(tiny_model_dir, tmp_path):
+    # Two torchrun nodes as the README starts them; the second has its own empty folder at the run folder's path
+    # (no shared filesystem there). The error names which rank on which host cannot see rank 0's files, and both
+    # nodes end within seconds of each other, before any step is trained.
+    out = tmp_path / "run"
+    out.mkdir()
+    args = decoupled_overrides(tiny_model_dir, out, **{"train.max_steps": 2})
+    with hosts(2) as (head, other):
+        port = free_port()
+        nodes = [torchrun_node(head, head, port, "blind", args, tmp_path),
+                 torchrun_node(other, head, port, "blind", args, tmp_path, hidden=out)]
+        try:
+            nodes[0].wait(timeout=300)
+            first = time.monotonic()
+            nodes[1].wait(timeout=120)
+            took = time.monotonic() - first
+        finally:
+            for proc in nodes:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    head_log, other_log = (node.log.read_text() for node in nodes)
+    assert all(node.returncode != 0 for node in nodes), (head_log[-3000:], other_log[-3000:])
+    assert took < 60, f"the second node ended {took:.0f} s after the first"
+    # every rank finds it (each reads what every rank saw); the first to fail prints it once, naming the rank and
+    # host that cannot see, and the other stops naming that rank and its status
+    both = head_log + other_log
+    assert both.count("configuration error: train.output_dir:") == 1, both
+    assert "rank 1 on " in both and "cannot see the files" in both, both
+    assert both.count(" stops: rank ") == 1 and "failed (exit 2" in both, both
+    assert not (out / "metrics.jsonl").exists()  # nothing trained
 
 
 def test_two_samplers_on_two_hosts_with_one_index_the_older_is_refused_within_seconds(tiny_model_dir, tmp_path):
