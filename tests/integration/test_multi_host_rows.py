@@ -1,6 +1,7 @@
 """README failure-table rows, each with 2 trainer ranks and every role on its own host (a network namespace,
-tests/integration/netns.py): a node that does not see the run folder, two samplers started with one index, and
-weights pruned while a reader on another host holds them."""
+tests/integration/netns.py): a node that does not see the run folder, two samplers started with one index,
+weights pruned while a reader on another host holds them, and a process without the token at the weight
+broadcast's port."""
 
 from __future__ import annotations
 
@@ -155,3 +156,64 @@ def test_weights_a_reader_on_another_host_holds_outlive_prunes_and_go_after_its_
                     proc.wait()
     assert not (out / "weights" / f"v{held}").exists(), f"version {held} outlived its lease"
     assert [r["step"] for r in train_rows(out)] == list(range(1, 9))
+
+
+# A process on another host that knows the broadcast port but not the run's token: it reaches the port, tries
+# to join as the group's rank 1 and to receive, and says how far it got (exit 3: refused, 0: it got weights).
+INTRUDER = """
+import socket, sys
+from grpo.weight_store.broadcast import WeightBroadcast
+host, port, token = sys.argv[1], int(sys.argv[2]), sys.argv[3] or None
+socket.create_connection((host, port), timeout=10).close()
+print("reached the port", file=sys.stderr, flush=True)
+try:
+    group = WeightBroadcast(host, port, 1, 2, join_timeout_s=5.0, op_timeout_s=5.0, token=token)
+except Exception as err:
+    print("refused:", type(err).__name__, err, file=sys.stderr)
+    sys.exit(3)
+print("received", group.receive() is not None, file=sys.stderr)
+"""
+
+
+def test_a_process_on_another_host_without_the_token_gets_no_broadcast_weights(tiny_model_dir, tmp_path):
+    # The README's row "a process without the token at the weight broadcast's port", with 2 trainer ranks and the
+    # intruders on a host of their own: while the group serves the real sampler (another host), one intruder
+    # with no token and one with a wrong one reach the port, find no group and receive nothing; the run ends.
+    port, weight_port = free_port(), free_port()
+    with hosts(3) as (trainer_host, sampler_host, intruder_host):
+        out = tmp_path / "run"
+        shared = decoupled_overrides(tiny_model_dir, out, **{
+            "train.mode": "decoupled", "train.max_steps": 10, "loss.beta": 0.0, "rewards": SLOW,
+            "decoupled.num_samplers": 1, "decoupled.trainer_ranks": 2, "decoupled.token_env": "GRPO_NS_TOKEN",
+            "decoupled.weight_sync": "broadcast", "decoupled.weight_sync_port": weight_port,
+            "decoupled.address": f"tcp://0.0.0.0:{port}", "decoupled.advertise_host": trainer_host.address})
+        # gloo picks its interface by the host name, which resolves to loopback here: GLOO_SOCKET_IFNAME, as the
+        # README says for such machines
+        trainer = role(trainer_host, "trainer", shared, "t" * 32, tmp_path, ranks=2,
+                       env=(f"GLOO_SOCKET_IFNAME={trainer_host.interface}",))
+        sampler = role(sampler_host, "sampler", [*shared, "decoupled.sampler_index=0"], "t" * 32, tmp_path,
+                       env=("GRPO_TEST_REWARD_SLEEP_S=3", f"GLOO_SOCKET_IFNAME={sampler_host.interface}"))
+        procs = [trainer, sampler]
+        try:
+            wait_until(lambda: "broadcast to 1 samplers" in trainer.log.read_text(), "a weights broadcast",
+                       timeout=200, proc=trainer)
+            intruders = [logged(intruder_host.command([sys.executable, "-c", INTRUDER, trainer_host.address,
+                                                       str(weight_port), token]), tmp_path / f"intruder{k}.log")
+                         for k, token in enumerate(("", "x" * 32))]
+            procs += intruders
+            for intruder in intruders:
+                intruder.wait(timeout=120)
+                log = intruder.log.read_text()
+                assert intruder.returncode == 3 and "reached the port" in log and "received" not in log, log
+            assert trainer.poll() is None, "the run ended before the intruders were done: " + output(trainer)
+            trainer.wait(timeout=400)
+            assert trainer.returncode == 0, output(trainer)
+            sampler.wait(timeout=120)
+            assert sampler.returncode == 0, output(sampler)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    assert "weight broadcast failed" not in trainer.log.read_text()  # the group served the sampler throughout
+    assert [r["step"] for r in train_rows(out)] == list(range(1, 11))
