@@ -217,3 +217,30 @@ def test_a_process_on_another_host_without_the_token_gets_no_broadcast_weights(t
                     proc.wait()
     assert "weight broadcast failed" not in trainer.log.read_text()  # the group served the sampler throughout
     assert [r["step"] for r in train_rows(out)] == list(range(1, 11))
+
+
+def test_a_broadcast_group_that_cannot_form_across_hosts_gives_way_to_files(tiny_model_dir, tmp_path):
+    # Host names resolving to loopback and no GLOO_SOCKET_IFNAME: the sampler's gloo side tries 127.0.0.1 and
+    # gives up, while rank 0's group creation outlives its own timeout. Rank 0 stops waiting for it after
+    # peer_timeout_s (and a margin), says why, and the weights go through files: the run ends, no rank hangs.
+    port, weight_port = free_port(), free_port()
+    with hosts(2) as (trainer_host, sampler_host):
+        out = tmp_path / "run"
+        shared = decoupled_overrides(tiny_model_dir, out, **{
+            "train.mode": "decoupled", "train.max_steps": 3, "loss.beta": 0.0, "decoupled.num_samplers": 1,
+            "decoupled.trainer_ranks": 2, "decoupled.token_env": "GRPO_NS_TOKEN", "decoupled.peer_timeout_s": 30,
+            "decoupled.weight_sync": "broadcast", "decoupled.weight_sync_port": weight_port,
+            "decoupled.address": f"tcp://0.0.0.0:{port}", "decoupled.advertise_host": trainer_host.address})
+        trainer = role(trainer_host, "trainer", shared, "t" * 32, tmp_path, ranks=2)
+        sampler = role(sampler_host, "sampler", [*shared, "decoupled.sampler_index=0"], "t" * 32, tmp_path)
+        try:
+            trainer.wait(timeout=400)  # a hang: until the collectives' 30 min timeout
+            sampler.wait(timeout=120)
+        finally:
+            for proc in (trainer, sampler):
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    assert trainer.returncode == 0 and sampler.returncode == 0, (output(trainer), output(sampler))
+    assert "the broadcast group did not form within 40 s" in trainer.log.read_text()
+    assert [r["step"] for r in train_rows(out)] == [1, 2, 3]
