@@ -74,7 +74,9 @@ def test_two_samplers_on_two_hosts_with_one_index_the_older_is_refused_within_se
             procs.append(older)
             wait_until(lambda: "connected to" in older.log.read_text(), "the older sampler's hello", timeout=300,
                        proc=older)
-            newer = role(new_host, "sampler", [*shared, "decoupled.sampler_index=0"], "t" * 32, tmp_path, "-newer")
+            # the newer scores in 4 s a batch: the run outlasts the older's next heartbeat (5 s), which is refused
+            newer = role(new_host, "sampler", [*shared, "decoupled.sampler_index=0"], "t" * 32, tmp_path, "-newer",
+                         env=("GRPO_TEST_REWARD_SLEEP_S=4",))
             procs.append(newer)
             wait_until(lambda: "connected to" in newer.log.read_text(), "the newer sampler's hello", timeout=300,
                        proc=newer)
@@ -220,9 +222,10 @@ def test_a_process_on_another_host_without_the_token_gets_no_broadcast_weights(t
 
 
 def test_a_broadcast_group_that_cannot_form_across_hosts_gives_way_to_files(tiny_model_dir, tmp_path):
-    # Host names resolving to loopback and no GLOO_SOCKET_IFNAME: the sampler's gloo side tries 127.0.0.1 and
-    # gives up, while rank 0's group creation outlives its own timeout. Rank 0 stops waiting for it after
-    # peer_timeout_s (and a margin), says why, and the weights go through files: the run ends, no rank hangs.
+    # Host names resolving to loopback and no GLOO_SOCKET_IFNAME: gloo's members try 127.0.0.1. Rank 0's group
+    # creation then either fails at once or outlives its own timeout; in the second case rank 0 stops waiting
+    # after peer_timeout_s and a margin. Either way it says why and the weights go through files: the run ends,
+    # no rank hangs.
     port, weight_port = free_port(), free_port()
     with hosts(2) as (trainer_host, sampler_host):
         out = tmp_path / "run"
@@ -242,5 +245,7 @@ def test_a_broadcast_group_that_cannot_form_across_hosts_gives_way_to_files(tiny
                     proc.kill()
                     proc.wait()
     assert trainer.returncode == 0 and sampler.returncode == 0, (output(trainer), output(sampler))
-    assert "the broadcast group did not form within 40 s" in trainer.log.read_text()
+    # gloo fails either at once (rank 0 is refused) or not at all (rank 0 waits): both end in the files
+    log = trainer.log.read_text()
+    assert "weights go through files: " in log and "did not form within" in log, log[-3000:]
     assert [r["step"] for r in train_rows(out)] == [1, 2, 3]
