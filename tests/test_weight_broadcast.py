@@ -122,7 +122,7 @@ def test_a_killed_receiver_makes_the_next_send_raise_and_the_publisher_fall_back
     port, receivers = start_receivers(tmp_path, size=3)
     store = WeightStore(tmp_path / "run")
     publisher = BroadcastPublisher(store, 3, lambda: WeightBroadcast(
-        "127.0.0.1", port, 0, 3, join_timeout_s=TIMEOUT_S, op_timeout_s=TIMEOUT_S))
+        "127.0.0.1", port, 0, 3, join_timeout_s=TIMEOUT_S, op_timeout_s=TIMEOUT_S), form_timeout_s=TIMEOUT_S)
     try:
         assert is_broadcast(publisher.publish(1, tiny_state(1)))
         for rank, process in enumerate(receivers, start=1):
@@ -148,7 +148,7 @@ def test_the_publisher_uses_files_when_the_group_does_not_form(tmp_path):
     store = WeightStore(tmp_path / "run")
     port = free_port()
     publisher = BroadcastPublisher(store, 3, lambda: WeightBroadcast(
-        "127.0.0.1", port, 0, 2, join_timeout_s=1.0, op_timeout_s=1.0))
+        "127.0.0.1", port, 0, 2, join_timeout_s=1.0, op_timeout_s=1.0), form_timeout_s=TIMEOUT_S)
     assert publisher.publish(1, tiny_state(1)) == str(store.version_dir(1))
     publisher.close()
     # A sampler that is not (yet) a member loads from files: it is never kept waiting for the group.

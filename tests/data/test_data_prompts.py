@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from grpo.data import (
@@ -12,6 +14,7 @@ from grpo.data import (
     render_prompt,
     resolve_system_prompt,
 )
+from grpo.data.prompts import with_template_variables
 from grpo.data.tags import get_tag_style
 
 EXAMPLE = Example(
@@ -67,3 +70,25 @@ def test_render_prompt_without_chat_template_names_the_tokenizer() -> None:
     )
     with pytest.raises(ValueError, match=r"tokenizer 'some/base-model' has no chat template"):
         render_prompt(bare, build_prompt_messages(EXAMPLE, "sys"))
+
+
+def test_template_variables_reach_every_rendering_of_a_copy(tiny_tokenizer) -> None:
+    # TRL's chat_template_kwargs: Qwen3's template reads enable_thinking; a toy template reads it and a dict
+    original = tiny_tokenizer.chat_template
+    tokenizer = copy.copy(tiny_tokenizer)
+    tokenizer.chat_template = ("{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}"
+                               "{{ extra.tag if extra is defined else '' }}" + original)
+    rendering = with_template_variables(tokenizer, {"enable_thinking": False, "extra": {"tag": "a\"b", "n": [1, None]}})
+    text = render_prompt(rendering, build_prompt_messages(EXAMPLE, None))
+    assert text == "<no-think>a\"b" + render_prompt(tiny_tokenizer, build_prompt_messages(EXAMPLE, None))
+    assert render_prompt(with_template_variables(tokenizer, {"enable_thinking": True}),
+                         build_prompt_messages(EXAMPLE, None)).startswith("<|im_start|>")
+    assert tokenizer.chat_template.endswith(original) and "set" not in tokenizer.chat_template[:60]  # not mutated
+    assert with_template_variables(tokenizer, None) is tokenizer and with_template_variables(tokenizer, {}) is tokenizer
+
+
+def test_template_variables_refuse_what_a_template_cannot_take(tiny_tokenizer) -> None:
+    with pytest.raises(ValueError, match="not a template variable name"):
+        with_template_variables(tiny_tokenizer, {"enable-thinking": False})
+    with pytest.raises(ValueError, match=r"chat_template_kwargs\['when'\] is a object"):
+        with_template_variables(tiny_tokenizer, {"when": object()})

@@ -8,6 +8,7 @@ the cause."""
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -54,18 +55,23 @@ def docs_torchrun_command() -> list[str]:
     return words
 
 
-def torchrun_node(host: Host, head: Host, port: int, run_id: str, args: list[str], logs: Path) -> subprocess.Popen:
+def torchrun_node(host: Host, head: Host, port: int, run_id: str, args: list[str], logs: Path,
+                  hidden: Path | None = None) -> subprocess.Popen:
     """One node of a 2-node torchrun (one rank), run as docs/guides/multi-node.md says: c10d rendezvous at the head's address,
     ``is_host`` on the head, the node's address given (its name resolves to loopback here, as on many
-    machines), and gloo over the host's own interface."""
+    machines), and gloo over the host's own interface. ``hidden``: a folder this node does not share (an
+    empty tmpfs over it, in the node's own mount namespace)."""
     values = {"N": "2", "G": "1", "HEAD_IP:29500": f"{head.address}:{port}", "JOB": run_id,
               "is_host=1": f"is_host={int(host is head)}", "NODE_IP": host.address, "RECIPE": SMOKE}
     documented = docs_torchrun_command()
     assert documented[0] == "torchrun" and documented[-1] == "..." and set(values) <= set(documented), documented
     words = [values.get(w, w) for w in documented]
-    cmd = host.command(["env", f"GLOO_SOCKET_IFNAME={host.interface}", sys.executable, "-m", "torch.distributed.run",
-                        *words[1:-1], *args])
-    return logged(cmd, logs / f"{host.name}-{run_id}.log")
+    node = ["env", f"GLOO_SOCKET_IFNAME={host.interface}", sys.executable, "-m", "torch.distributed.run",
+            *words[1:-1], *args]
+    if hidden is not None:
+        node = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                f"mount -t tmpfs tmpfs {shlex.quote(str(hidden))} && exec {shlex.join(map(str, node))}"]
+    return logged(host.command(node), logs / f"{host.name}-{run_id}.log")
 
 
 def finish_all(procs: list[subprocess.Popen], timeout: float = 400) -> None:
@@ -173,13 +179,14 @@ def test_deepspeeds_launcher_on_two_hosts_runs_the_colocated_and_the_decoupled_t
 
 
 def role(host: Host, name: str, args: list[str], token: str, logs: Path, tag: str = "",
-         ranks: int = 1) -> subprocess.Popen:
-    """``grpo NAME`` on ``host``; with ``ranks`` > 1 under torchrun (the trainer's ranks on one host)."""
+         ranks: int = 1, env: tuple[str, ...] = ()) -> subprocess.Popen:
+    """``grpo NAME`` on ``host``; with ``ranks`` > 1 under torchrun (the trainer's ranks on one host); ``env``:
+    more ``NAME=value`` settings of its environment."""
     cmd = grpo_cmd(name, SMOKE, *args)
     if ranks > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
                str(free_port()), *cmd[1:]]
-    return logged(host.command(["env", f"GRPO_NS_TOKEN={token}", *cmd]), logs / f"{name}{tag}.log")
+    return logged(host.command(["env", f"GRPO_NS_TOKEN={token}", *env, *cmd]), logs / f"{name}{tag}.log")
 
 
 def fails_within(proc: subprocess.Popen, seconds: float, *needles: str) -> None:

@@ -4,6 +4,7 @@ sampled tokens kept as they were; the loss mask 1 on sampled tokens only; failur
 import asyncio
 import copy
 import json
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 from grpo.data import Example
 from grpo.multiturn.driver import MultiTurnRollout
 from grpo.multiturn.environments import Environments
+from grpo.multiturn.tools import load_callable
 from grpo.rollout.engine import SamplingParams, completion_mask_from_ids
 from grpo.rollout.hf import left_pad
 from grpo.rollout.generation import Generation
@@ -199,6 +201,59 @@ def test_an_environment_resets_per_rollout_and_exposes_its_methods_and_reward(to
     (reward,) = envs.reward_functions()
     assert reward(environments=result.environments) == [1.0, 0.0]
     assert reward.__name__ == "Counter"
+
+
+class Unreachable(Counter):
+    """A client of a server that is down on the first reset and whose reward cannot be read."""
+
+    resets = 0
+
+    def reset(self, **row):
+        Unreachable.resets += 1
+        if Unreachable.resets == 1:
+            raise ConnectionRefusedError("[Errno 111] Connection refused")
+        return super().reset(**row)
+
+    def get_reward(self) -> float:
+        raise ConnectionError("server gone")
+
+
+def test_an_environment_that_raises_is_an_error_observation_or_a_zero_reward_counted(tool_tokenizer, caplog):
+    def script(context, j):
+        return "<answer>done</answer><|im_end|>"
+
+    rows = [Example(messages=[{"role": "user", "content": "Count."}], answer=None, answer_raw=None, source="e#0",
+                    row={"start": 3})]
+    envs = Environments(Unreachable)
+    with caplog.at_level("WARNING", logger="grpo.multiturn.environments"):
+        _, result = run(tool_tokenizer, script, [], rows, n=2, environments=envs)
+        (reward,) = envs.reward_functions()
+        assert reward(environments=result.environments) == [0.0, 0.0]
+    assert result.chat_prompts[0][-1]["content"] == (
+        'Count.\n{"error": "ConnectionRefusedError: [Errno 111] Connection refused"}')
+    assert result.chat_prompts[1][-1]["content"].endswith("Count. Start at 3.")
+    assert result.generation.rollout_metrics["tools/reset_failure_rate"] == 0.5
+    assert envs.failures == {"reset": 1, "get_reward": 2}
+    assert "Unreachable.reset raised ConnectionRefusedError" in caplog.text
+    assert "(2 get_reward failures so far)" in caplog.text
+
+
+def test_an_environment_needing_a_missing_extra_names_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "openenv", None)  # as if not installed: its import raises
+    (tmp_path / "needs_openenv.py").write_text("import openenv\n\nclass Env:\n    def reset(self, **row):\n        pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"rollout.environment: cannot import .*pip install 'grpo\[envs\]'"):
+        load_callable("needs_openenv:Env", "rollout.environment")
+
+    class LazyClient:
+        def __init__(self):
+            import openenv  # noqa: F401
+
+        def reset(self, **row):
+            pass
+
+    with pytest.raises(ImportError, match=r"environment None: .*openenv.*pip install 'grpo\[envs\]'"):
+        Environments(LazyClient)
 
 
 def test_a_template_without_tools_is_refused(tiny_tokenizer):

@@ -43,3 +43,13 @@ def fails_on_rank_1(prompts, completions, **kwargs):
     if os.environ.get("RANK") == "1":
         raise KeyError("gold")
     return [0.0] * len(completions)
+
+
+def letters_slowly(prompts, completions, **kwargs):
+    """The share of letters, after GRPO_TEST_REWARD_SLEEP_S seconds (0 unless set): a sampler that is slow to
+    score, set per process so that two samplers of one recipe differ only in their pace."""
+    import os
+    import time
+
+    time.sleep(float(os.environ.get("GRPO_TEST_REWARD_SLEEP_S", "0")))
+    return [sum(ch.isalpha() for ch in t) / max(len(t), 1) for t in _texts(completions)]

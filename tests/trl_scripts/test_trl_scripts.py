@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from openenv_server import EchoServer, echo_server  # noqa: F401 (a fixture)
+
 pytest.importorskip("trl")
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -27,12 +29,13 @@ MODELS = {  # script -> shipped tiny model it trains
     "evaluate_during_and_after": "tiny-math", "resume_named_checkpoint": "tiny-math",
     "evaluate_named_sets": "tiny-math", "resume_other_folder": "tiny-math",
     "rollout_func_generate": "tiny-math", "tools_with_system_prompt": "tiny-tools",
-    "environment_factory": "tiny-tools",
+    "environment_factory": "tiny-tools", "openenv_echo": "tiny-tools", "openenv_echo_rollout_func": "tiny-math",
 }
+ECHO_SERVER = {"openenv_echo", "openenv_echo_rollout_func"}  # TRL's OpenEnv guide: a local echo server at ECHO_ENV_URL
 # A user runs the script from a plain shell: no launcher's variables (accelerate reads LOCAL_RANK as "launched").
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 SAME = ("global_step", "events", "checkpoints", "missing_checkpoint_error", "environments_created", "rollout_calls",
-        "restored_steps", "best_recorded")
+        "restored_steps", "best_recorded", "env_steps", "echoed_as_sent")
 
 
 def grpo_source(source: str) -> str:
@@ -41,11 +44,12 @@ def grpo_source(source: str) -> str:
     return source.replace(TRL_IMPORT, GRPO_IMPORT)
 
 
-def run_both(name: str, tmp: Path) -> dict[str, dict]:
+def run_both(name: str, tmp: Path, echo: EchoServer | None = None) -> dict[str, dict]:
     source = (SCRIPTS / f"{name}.py").read_text()
-    env = {**{k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), str(REPO / "src"),
-                                                         os.environ.get("PYTHONPATH", "")]),
-           "TRL_EXPERIMENTAL_SILENCE": "1", "OMP_NUM_THREADS": "1"}
+    paths = [str(SCRIPTS), str(REPO / "src"), *([str(echo.package_root)] if echo else []),
+             os.environ.get("PYTHONPATH", "")]
+    env = {**{k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}, "PYTHONPATH": os.pathsep.join(paths),
+           "TRL_EXPERIMENTAL_SILENCE": "1", "OMP_NUM_THREADS": "1", **({"ECHO_ENV_URL": echo.url} if echo else {})}
     processes = {}
     for side, text in (("trl", source), ("grpo", grpo_source(source))):
         script = tmp / side / f"{name}.py"
@@ -86,8 +90,8 @@ def check_eval_loss(trl_entry: dict, grpo_entry: dict) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_script_behaves_as_under_trl(name, tmp_path):
-    reports = run_both(name, tmp_path)
+def test_script_behaves_as_under_trl(name, tmp_path, request):
+    reports = run_both(name, tmp_path, request.getfixturevalue("echo_server") if name in ECHO_SERVER else None)
     trl, grpo = reports["trl"], reports["grpo"]
     for key in SAME:
         assert grpo.get(key) == trl.get(key), f"{key}: grpo {grpo.get(key)} != TRL {trl.get(key)}"

@@ -177,7 +177,6 @@ class GRPOConfig:
             (self.steps_per_generation in (None, self.gradient_accumulation_steps), "steps_per_generation",
              "a grpo step updates on its whole rollout batch: steps_per_generation must equal "
              "gradient_accumulation_steps (TRL's default)"),
-            (not self.chat_template_kwargs, "chat_template_kwargs", "grpo renders prompts with the template's defaults"),
             (self.save_strategy == "steps", "save_strategy",
              "grpo checkpoints every save_steps and at the end ('steps')"),
             (self.eval_strategy in ("no", "steps"), "eval_strategy", "grpo evaluates by steps ('steps') or not ('no')"),

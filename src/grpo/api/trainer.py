@@ -31,6 +31,7 @@ from grpo.api.rewards import build_reward_functions, reward_name
 from grpo.config import dump_config
 from grpo.config.kinds import ENGINE_TRAITS, VLLM_ENGINE
 from grpo.data import DataError, PromptTooLong
+from grpo.data.prompts import with_template_variables
 from grpo.data.reasoning_gym import is_reasoning_gym_dataset
 from grpo.models.loading import load_policy, load_tokenizer, prepare_policy, resolve_device, uses_autocast
 from grpo.models.wrappers import unwrap_model
@@ -112,6 +113,8 @@ class GRPOTrainer(TrainerAttributes):
         if self.train_set is not None:
             grpo_steps(args, prompts_per_step, len(self.train_set))  # max_steps/epochs fit the dataset
         self.processing_class = processing_class or self._load_tokenizer(name_or_path, args)
+        # what the run renders with: chat_template_kwargs set in a copy's template; processing_class stays as given
+        self._rendering = with_template_variables(self.processing_class, args.chat_template_kwargs)
         self.tools, self.environment_factory, self.rollout_func = tools, environment_factory, rollout_func
         if tools is not None and not isinstance(tools, (list, tuple)):
             raise TypeError(f"tools must be a list of functions, got {type(tools).__name__}")
@@ -154,7 +157,7 @@ class GRPOTrainer(TrainerAttributes):
         if config_rewards:
             self.reward_fns, self.reward_weights = build_rewards(self.config)
         sets = {"train_dataset": self.train_set or [], **self.eval_sets}
-        check_longest(self.processing_class, sets, self._tool_schemas(), self.config.data.max_prompt_length,
+        check_longest(self._rendering, sets, self._tool_schemas(), self.config.data.max_prompt_length,
                       self._explain)
         self.model = self._prepare_model(model)
         _import_deepspeed_if_installed()
@@ -286,7 +289,7 @@ class GRPOTrainer(TrainerAttributes):
 
     def _given(self, train_set, eval_set):
         """The objects this trainer holds, as ``GivenInputs`` (no policy or hooks: ``train()`` adds them)."""
-        return GivenInputs(tokenizer=self.processing_class, train_set=train_set, eval_set=eval_set,
+        return GivenInputs(tokenizer=self._rendering, train_set=train_set, eval_set=eval_set,
                            reward_fns=self.reward_fns, reward_weights=self.reward_weights,
                            tools=list(self.tools) if self.tools is not None else None,
                            environment_factory=self.environments, rollout_func=self._rollout_func())

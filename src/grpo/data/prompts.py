@@ -6,6 +6,8 @@ format the prompt asks for is the format the reward checks); the history comes f
 
 from __future__ import annotations
 
+import copy
+import json
 from typing import Any
 
 from grpo.data.example import Example
@@ -67,3 +69,37 @@ def render_example(tokenizer: Any, example: Example, system_prompt: str | None) 
     if example.plain_text:
         return example.question
     return render_prompt(tokenizer, build_prompt_messages(example, system_prompt))
+
+
+def _jinja_literal(value: Any, key: str) -> str:
+    """``value`` (JSON-like: bool, None, number, text, list, dict) as a Jinja literal."""
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "none"}[value]
+    if isinstance(value, (int, float, str)):
+        return json.dumps(value)  # JSON's string escapes are Jinja's
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_jinja_literal(v, key) for v in value) + "]"
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return "{" + ", ".join(f"{json.dumps(k)}: {_jinja_literal(v, key)}" for k, v in value.items()) + "}"
+    raise ValueError(f"chat_template_kwargs[{key!r}] is a {type(value).__name__}; the template's variables may be "
+                     "booleans, None, numbers, text, lists or dicts of these")
+
+
+def with_template_variables(tokenizer: Any, variables: dict[str, Any] | None) -> Any:
+    """A copy of ``tokenizer`` whose chat template starts by setting ``variables`` (TRL's
+    ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}``), so every rendering of the run - prompts,
+    tool turns, length checks - sees them; the tokenizer itself when there are none."""
+    if not variables:
+        return tokenizer
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str) or not template:
+        raise ValueError("chat_template_kwargs is set but the tokenizer has no chat template (one string) to pass "
+                         "them to")
+    settings = []
+    for key, value in variables.items():
+        if not (isinstance(key, str) and key.isidentifier()):
+            raise ValueError(f"chat_template_kwargs key {key!r} is not a template variable name")
+        settings.append(f"{{%- set {key} = {_jinja_literal(value, key)} -%}}")
+    rendering = copy.copy(tokenizer)
+    rendering.chat_template = "".join(settings) + template
+    return rendering

@@ -44,6 +44,9 @@ from grpo.training.prepare import OpenedRun, build_evaluator, make_loop, prepare
 from grpo.weight_store import WeightStore, state_dict_for_publish
 from grpo.weight_store.broadcast import WeightBroadcast
 
+# how much longer than the members' join timeout rank 0 waits for the broadcast group before using files
+FORM_MARGIN_S = 10.0
+
 logger = logging.getLogger(__name__)
 
 
@@ -237,7 +240,8 @@ def start_broadcast(cfg: RunConfig, store) -> BroadcastPublisher | None:
     token = shared_token(cfg)  # without one the store listens on loopback only (grpo.weight_store.broadcast)
     return BroadcastPublisher(store, d.weights_keep, lambda: WeightBroadcast(
         "127.0.0.1", d.weight_sync_port, 0, d.num_samplers + 1, join_timeout_s=d.peer_timeout_s,
-        op_timeout_s=d.peer_timeout_s, token=token))  # rank 0 is its own store's client, over loopback
+        op_timeout_s=d.peer_timeout_s, token=token),  # rank 0 is its own store's client, over loopback
+        form_timeout_s=d.peer_timeout_s + FORM_MARGIN_S)
 
 
 def run_trainer(cfg: RunConfig) -> int:

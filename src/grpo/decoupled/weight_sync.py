@@ -38,9 +38,11 @@ class BroadcastPublisher:
     ``publish(version, state) -> announced path`` broadcasts and mirrors to files, or writes files only once
     the group is gone."""
 
-    def __init__(self, store: WeightStore, keep: int, connect: Callable[[], WeightBroadcast]) -> None:
-        self.store, self.keep = store, keep
+    def __init__(self, store: WeightStore, keep: int, connect: Callable[[], WeightBroadcast],
+                 form_timeout_s: float) -> None:
+        self.store, self.keep, self.form_timeout_s = store, keep, form_timeout_s
         self.group: WeightBroadcast | None = None
+        self.given_up = threading.Event()  # publish stopped waiting for the group: files only, whatever forms
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-to-files")
         self.written: Future | None = None  # the newest version's file write
         self.forming = threading.Thread(target=self._form, args=(connect,), name="weights-group", daemon=True)
@@ -48,13 +50,24 @@ class BroadcastPublisher:
 
     def _form(self, connect: Callable[[], WeightBroadcast]) -> None:
         try:
-            self.group = connect()
+            group = connect()
         except BroadcastError as exc:
             logger.warning("weights go through files: %s", exc)
+            return
+        if not self.given_up.is_set():
+            self.group = group
 
     def publish(self, version: int, state: dict[str, torch.Tensor]) -> str:
         """Send ``version`` (full weights, tensors owned by the caller's copy) and return the path to announce."""
-        self.forming.join()  # bounded by the group's join timeout
+        # gloo's group creation can outlive its own timeout (a member that tried a wrong address and gave up):
+        # wait as long as the members may take to join, then go on with files (the thread cannot be stopped)
+        if not self.given_up.is_set():
+            self.forming.join(self.form_timeout_s)
+        if self.forming.is_alive() and not self.given_up.is_set():
+            self.given_up.set()
+            logger.warning("weights go through files: the broadcast group did not form within %.0f s (can every "
+                           "sampler reach trainer rank 0's address? GLOO_SOCKET_IFNAME picks gloo's interface where "
+                           "the host name resolves to loopback)", self.form_timeout_s)
         self._wait_written()  # one writer at a time, in version order
         if self.group is not None:
             started = time.perf_counter()

@@ -56,6 +56,7 @@ class Row:
     failures: int = 0
     turns: int = 0
     truncated: bool = False
+    reset_failed: bool = False  # its environment's reset raised (the prompt carries the error)
     pending: list[ToolCall] = field(default_factory=list)  # the last turn's calls, not yet run
 
 
@@ -130,8 +131,9 @@ class MultiTurnRollout:
                 k = i * G + g
                 env = envs[k] if envs else None
                 messages = build_prompt_messages(example, system_prompt)
+                reset_failed = False
                 if env is not None:
-                    observation = self.environments.reset(env, environment_row(example))
+                    observation, reset_failed = self.environments.reset(env, environment_row(example))
                     if observation:
                         messages[-1] = {**messages[-1], "content": messages[-1]["content"] + observation}
                 toolbox = Toolbox(self.tools + (environment_methods(env) if env is not None else []),
@@ -141,7 +143,7 @@ class MultiTurnRollout:
                 ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
                 if len(ids) > max_prompt_length:
                     raise PromptTooLong(example.source, len(ids), max_prompt_length, "prompt with its tools")
-                rows.append(Row(ids, toolbox, env))
+                rows.append(Row(ids, toolbox, env, reset_failed=reset_failed))
                 chat_prompts.append(messages)
                 texts.append(text)
         # An engine that can keep the rows' keys/values does so for this rollout only (the weights change after)
@@ -247,6 +249,8 @@ class MultiTurnRollout:
         metrics = {"tools/calls_per_completion": calls / n,
                    "tools/failure_rate": sum(r.failures for r in rows) / calls if calls else 0.0,
                    "tools/turns": sum(r.turns for r in rows) / n}
+        if self.environments is not None:
+            metrics["tools/reset_failure_rate"] = sum(r.reset_failed for r in rows) / n
         return Generation(
             prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
             completion_mask=completion_mask, truncated=torch.tensor([r.truncated for r in rows]),

@@ -5,15 +5,23 @@ before the rollout; a returned string is appended to the user message), public m
 tools (each typed and docstring'd like any tool), and optionally ``get_reward()``, an extra reward source
 named after the class (weight 1), read after the rollout. A dict of factories is picked per row by its
 ``environment`` column. Instances are pooled: built once, ``reset`` for every rollout, as TRL does.
+
+An environment is often a client of a server (OpenEnv's): a ``reset`` or ``get_reward`` that raises does not end
+the run. A failed reset gives the rollout the error as its observation (as a failed tool call gives the model its
+error), a failed get_reward is a zero reward; each is logged with the run's count so far.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
+import logging
 from typing import Any, Callable
 
+from grpo.multiturn.tools import install_hint
 from grpo.rewards.async_loop import is_async_callable, run_coroutine
 
+logger = logging.getLogger(__name__)
 RESERVED = ("reset", "get_reward")
 
 
@@ -33,9 +41,15 @@ class Environments:
         if not self.factories:
             raise ValueError("environment_factory is an empty dict")
         self.pool: dict[Any, list] = {}
+        self.failures = {"reset": 0, "get_reward": 0}  # the run's count of each, for the warnings
         self.reward_types: list[type] = []  # classes with get_reward, one reward column each
         for name, factory in self.factories.items():
-            probe = factory()
+            try:
+                probe = factory()
+            except ImportError as exc:  # a client built lazily, its package missing: name the extra if it is one
+                if not install_hint(exc):
+                    raise
+                raise ImportError(f"environment {name!r}: {exc}{install_hint(exc)}", name=exc.name) from exc
             if not callable(getattr(probe, "reset", None)):
                 raise ValueError(f"environment {name!r}: {type(probe).__name__} has no callable reset(**row)")
             self.pool[name] = [probe]
@@ -64,14 +78,34 @@ class Environments:
             out.append(pool[index])
         return out
 
-    def reset(self, instance: Any, row: dict) -> str | None:
-        """``instance.reset(**row)`` (the ``environment`` column is a control field, not passed); its text."""
+    def reset(self, instance: Any, row: dict) -> tuple[str | None, bool]:
+        """``instance.reset(**row)`` (the ``environment`` column is a control field, not passed): its text, and
+        whether it raised (then the text is the error, as ``{"error": ...}`` on a line of its own)."""
         kwargs = {k: v for k, v in row.items() if k != "environment"} if self.by_row else dict(row)
-        observation = instance.reset(**kwargs)
+        try:
+            observation = instance.reset(**kwargs)
+        except Exception as exc:  # a server down or refusing: this rollout sees the error, the run goes on
+            error = self._failed("reset", instance, exc, "the rollout starts with the error as its observation")
+            return "\n" + json.dumps({"error": error}), True
         if observation is not None and not isinstance(observation, str):
             raise ValueError(f"{type(instance).__name__}.reset returned {type(observation).__name__}; it may return "
                              "text to append to the user message, or None")
-        return observation
+        return observation, False
+
+    def _failed(self, method: str, instance: Any, exc: Exception, outcome: str) -> str:
+        self.failures[method] += 1
+        error = f"{type(exc).__name__}: {exc}"
+        logger.warning("%s.%s raised %s; %s (%d %s failures so far)", type(instance).__name__, method, error, outcome,
+                       self.failures[method], method)
+        return error
+
+    def reward_of(self, env: Any) -> float | None:
+        """``env.get_reward()`` (awaited when async); 0.0 with a counted warning when it raises."""
+        try:
+            return run_coroutine(env.get_reward()) if is_async_callable(env.get_reward) else env.get_reward()
+        except Exception as exc:  # as a failed reset: the run goes on, this rollout scores zero
+            self._failed("get_reward", env, exc, "its reward is 0")
+            return 0.0
 
     def reward_functions(self) -> list[Callable]:
         """One reward function per class with ``get_reward``: the rollout's environment's reward when it is an
@@ -79,15 +113,7 @@ class Environments:
         functions = []
         for env_type in self.reward_types:
             def get_reward(environments, _env_type=env_type, **kwargs):
-                rewards = []
-                for env in environments:
-                    if type(env) is not _env_type:
-                        rewards.append(None)
-                    elif is_async_callable(env.get_reward):
-                        rewards.append(run_coroutine(env.get_reward()))
-                    else:
-                        rewards.append(env.get_reward())
-                return rewards
+                return [self.reward_of(env) if type(env) is _env_type else None for env in environments]
             get_reward.__name__ = env_type.__name__
             functions.append(get_reward)
         return functions

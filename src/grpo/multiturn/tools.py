@@ -40,6 +40,17 @@ class ToolOutcome:
     failed: bool  # raised, timed out, unknown tool or malformed call
 
 
+# packages of grpo's optional extras a user's environment may import (OpenEnv clients import openenv)
+EXTRA_OF_PACKAGE = {"openenv": "envs", "openenv_core": "envs", "reasoning_gym": "envs"}
+
+
+def install_hint(exc: ImportError) -> str:
+    """'; pip install 'grpo[EXTRA]'' when ``exc`` is a missing package of one of grpo's extras, else ''."""
+    missing = (getattr(exc, "name", None) or "").partition(".")[0]
+    extra = EXTRA_OF_PACKAGE.get(missing)
+    return f"; {missing} is in grpo's optional extra: pip install 'grpo[{extra}]'" if extra else ""
+
+
 def load_callable(spec: str, key: str) -> Callable:
     """``'package.module:attribute'`` -> the object; a clear ValueError naming ``key`` otherwise."""
     module_name, sep, attribute = spec.partition(":")
@@ -48,7 +59,7 @@ def load_callable(spec: str, key: str) -> Callable:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"{key}: cannot import module {module_name!r} for {spec!r}: {exc}") from exc
+        raise ValueError(f"{key}: cannot import module {module_name!r} for {spec!r}: {exc}{install_hint(exc)}") from exc
     obj = module
     for part in attribute.split("."):
         if not hasattr(obj, part):
