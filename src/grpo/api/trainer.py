@@ -115,12 +115,7 @@ class GRPOTrainer(TrainerAttributes):
         self.processing_class = processing_class or self._load_tokenizer(name_or_path, args)
         # what the run renders with: chat_template_kwargs set in a copy's template; processing_class stays as given
         self._rendering = with_template_variables(self.processing_class, args.chat_template_kwargs)
-        self.tools, self.environment_factory, self.rollout_func = tools, environment_factory, rollout_func
-        if tools is not None and not isinstance(tools, (list, tuple)):
-            raise TypeError(f"tools must be a list of functions, got {type(tools).__name__}")
-        self.environments = None  # built once: each factory's probe instance seeds the pool (TRL's one probe)
-        if environment_factory is not None:
-            self.environments = Environments(environment_factory)
+        self._take_rollout_hooks(tools, environment_factory, rollout_func)
         columns = sorted(self.train_set[0].columns()) if self.train_set else []
         if environment_factory is not None:
             columns.append("environments")  # the rollouts' instances, as TRL passes them to the rewards
@@ -167,6 +162,15 @@ class GRPOTrainer(TrainerAttributes):
             callback.on_init_end(self.args, self.state, self.control)
 
     # ---------------------------------------------------------------- construction
+
+    def _take_rollout_hooks(self, tools: Any, environment_factory: Any, rollout_func: Any) -> None:
+        """TRL's ``tools=``, ``environment_factory=`` and ``rollout_func=``, checked and kept."""
+        self.tools, self.environment_factory, self.rollout_func = tools, environment_factory, rollout_func
+        if tools is not None and not isinstance(tools, (list, tuple)):
+            raise TypeError(f"tools must be a list of functions, got {type(tools).__name__}")
+        self.environments = None  # built once: each factory's probe instance seeds the pool (TRL's one probe)
+        if environment_factory is not None:
+            self.environments = Environments(environment_factory)
 
     @staticmethod
     def _model_name(model: Any) -> str:
