@@ -318,8 +318,47 @@ def test_two_samplers_with_one_index_are_detected_and_the_older_is_refused():
             with pytest.raises(TransportError, match=r"two processes run as sampler-1: incarnation 11 is still "
                                                      r"running after incarnation 22 \(host .*\) said hello; give "
                                                      r"every sampler its own decoupled.sampler_index"):
-                first.request_work(timeout_s=WAIT)  # its next heartbeat (or question) is refused
+                first.request_work(timeout_s=WAIT)  # refused when the newer said hello, and at its every word
             assert time.monotonic() - started < 5  # within seconds (heartbeats), not after a peer timeout
             assert receiver.peers()["sampler-1"].incarnation == 22
             second.poll(timeout_s=0.5)  # the one that said hello last carries on
             assert not [e for e in second.poll() if e.kind == "error"]
+
+
+def test_an_older_sampler_refused_as_the_run_ends_stops_with_the_duplicate_message_not_a_timeout():
+    # The run ends right after the newer's hello, long before the older's next heartbeat (30 s): the trainer
+    # must tell the older itself, or it would wait out its 60 s peer timeout and end with a timeout.
+    with RolloutReceiver(ANY_PORT) as receiver:
+        with (sender(receiver.address, "sampler-1", heartbeat_s=30.0, timeout_s=60.0) as older,
+              sender(receiver.address, "sampler-1") as newer):
+            older.connect(incarnation=11, timeout_s=WAIT)
+            newer.connect(incarnation=22, timeout_s=WAIT)
+            receiver.close(bye_reason="the run finished")
+            started = time.monotonic()
+            with pytest.raises(TransportError, match=r"refused sampler sampler-1: two processes run as sampler-1: "
+                                                     r"incarnation 11 is still running after incarnation 22"):
+                older.request_work(timeout_s=20)  # without the refusal: "gave up after 20.0 s"
+            assert time.monotonic() - started < 15  # generous: it is there at once, the peer timeout is 60 s
+            with pytest.raises(PeerClosed, match="the run finished"):
+                newer.request_work(timeout_s=WAIT)  # the newer got the run's ordinary bye
+
+
+def test_the_trainer_refuses_a_replaced_process_when_replaced_and_again_as_the_run_ends():
+    # At its replacement, at its every later word (a hello still in flight too: it must not oust the newer), and
+    # at the end of the run in case the first was lost: a bye would tell it that the run finished, not to stop.
+    receiver = RolloutReceiver(ANY_PORT)
+    hello = encode("hello", {"sampler_id": "sampler-1", "incarnation": 11})
+    try:
+        with raw_dealer(receiver.address, b"sampler-1#11") as older, sender(receiver.address, "sampler-1") as newer:
+            older.send_multipart(hello)
+            assert decode(older.recv_multipart(), max_bytes=1 << 20).kind == "welcome"
+            newer.connect(incarnation=22, timeout_s=WAIT)
+            older.send_multipart(hello)
+            replies = [decode(older.recv_multipart(), max_bytes=1 << 20) for _ in range(2)]
+            assert receiver.peers()["sampler-1"].incarnation == 22
+            receiver.close(bye_reason="the run finished")
+            replies.append(decode(older.recv_multipart(), max_bytes=1 << 20))
+        assert [(r.kind, r.header["code"]) for r in replies] == [("error", "duplicate_sampler")] * 3
+        assert all("incarnation 11 is still running after incarnation 22" in r.header["reason"] for r in replies)
+    finally:
+        receiver.close()

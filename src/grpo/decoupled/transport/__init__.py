@@ -39,8 +39,10 @@ heartbeat is answered with ``hello_required``, it says hello again and resends w
 receiver acknowledges a batch it already trained without returning it again, so with ``trained_ids``
 kept in the trainer's checkpoint every batch is trained exactly once.
 
-A sampler process that says hello under a sampler id already in use replaces the older process (a restart);
-should the older one speak again, both are alive, and it is refused with ``duplicate_sampler``.
+A sampler process that says hello under a sampler id already in use replaces the older process (a restart, or
+two processes started with one index): the older one is sent ``duplicate_sampler`` at once, again at the
+receiver's ``close(bye_reason)``, and in answer to anything it says later (a hello too), so a live one stops
+with that reason even when the run ends before it speaks again.
 
 Listening beyond this machine needs a token (``check_bind_address``). A malformed, oversized,
 wrong-version or unauthenticated message is counted in ``stats["rejected"]``, logged (at WARNING the

@@ -238,13 +238,18 @@ class RolloutReceiver(_ReceiverIO):
         return sorted(s for s, p in self.peers().items() if p.seconds_since_seen > timeout_s)
 
     def close(self, bye_reason: str | None = None) -> None:
-        """Stop and close the socket; with ``bye_reason``, say bye to every sampler first (0.5 s linger)."""
+        """Stop and close the socket; with ``bye_reason``, say bye to every sampler first (0.5 s linger), and
+        refuse again every process a newer one with its sampler id replaced (a bye would tell it the run
+        finished; its refusal at the replacement may have been lost)."""
         if bye_reason is not None and getattr(self, "_thread", None) is not None and self._thread.is_alive():
             frames = encode("bye", {"reason": bye_reason}, token=self.token)
 
             def send_byes() -> None:
                 for identity in list(self._peers):
                     self._send_frames(identity, "bye", frames)
+                with self._cond:
+                    superseded = list(self._superseded)
+                self._refuse_superseded(superseded)
 
             self._submit(send_byes)
         self._stop_io(linger_ms=500 if bye_reason is not None else 0)

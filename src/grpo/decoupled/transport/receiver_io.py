@@ -123,6 +123,9 @@ class _ReceiverIO(_IOThread):
             self._reject(identity, str(exc), exc.header)
             return
         with self._cond:
+            if identity in self._superseded and message.kind != "bye":  # hello too: it must not oust the newer
+                self._reject(identity, self._duplicate_reason(identity), message.header, code="duplicate_sampler")
+                return
             if message.kind == "hello":
                 self._on_hello(identity, message.header)
                 return
@@ -131,12 +134,6 @@ class _ReceiverIO(_IOThread):
                              code="unexpected_kind")
                 return
             peer = self._peers.get(identity)
-            if peer is None and identity in self._superseded and message.kind != "bye":
-                sampler_id, older, newer, host = self._superseded[identity]
-                self._reject(identity, f"two processes run as {sampler_id}: incarnation {older} is still running "
-                                       f"after incarnation {newer} (host {host}) said hello; give every sampler its "
-                                       "own decoupled.sampler_index", message.header, code="duplicate_sampler")
-                return
             if peer is None:
                 self._stats["unknown_peer"] += 1
                 if message.kind != "bye":
@@ -159,6 +156,27 @@ class _ReceiverIO(_IOThread):
                 if self._work_plan is not None:
                     self._work_plan.forget_sampler(peer.sampler_id)
                 logger.info("sampler %s said bye: %s", peer.sampler_id, message.header.get("reason", ""))
+
+    def _duplicate_reason(self, identity: bytes) -> str:
+        sampler_id, older, newer, host = self._superseded[identity]
+        return (f"two processes run as {sampler_id}: incarnation {older} is still running after incarnation {newer} "
+                f"(host {host}) said hello; give every sampler its own decoupled.sampler_index")
+
+    def _refuse_superseded(self, identities: list[bytes]) -> None:
+        """Tell replaced sampler processes that a newer one runs as them (I/O thread), so that a live one stops
+        with the reason instead of waiting out its peer timeout. A restart's dead predecessor cannot be reached,
+        which is no news: such a failed send is logged at DEBUG only."""
+        if not self.reply_errors:
+            return
+        with self._cond:
+            messages = [(identity, encode("error", {"reason": self._duplicate_reason(identity)[:500],
+                                                    "code": "duplicate_sampler", "batch_id": None}, token=self.token))
+                        for identity in identities]
+        for identity, frames in messages:
+            try:
+                self._socket.send_multipart([identity, *frames], flags=zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                logger.debug("cannot tell replaced process %s that it is refused: %s", _label(identity), exc)
 
     # --- the work plan (caller holds the lock) --------------------------------------------------
 
@@ -201,11 +219,12 @@ class _ReceiverIO(_IOThread):
         now, wall = time.monotonic(), time.time()
         old_identity, old = next(((i, p) for i, p in self._peers.items() if p.sampler_id == sampler_id), (None, None))
         if old_identity is not None and old_identity != identity:
-            # A restart, or a second process with the same index: the older one is replaced, and should it
-            # speak again it is refused (a restarted sampler's dead predecessor never does).
+            # A restart, or a second process with the same index: the older one is replaced and refused (a
+            # restarted sampler's dead predecessor never hears it).
             del self._peers[old_identity]
             self._superseded[old_identity] = (sampler_id, old.incarnation, incarnation, header.get("host", "?")[:64])
             logger.info("sampler %s restarted (incarnation %d -> %d)", sampler_id, old.incarnation, incarnation)
+            self._refuse_superseded([old_identity])  # now: the run may end before the older speaks again
         elif old is None:
             logger.info("sampler %s connected (incarnation %d)", sampler_id, incarnation)
         if self._work_plan is not None and (old is None or old.incarnation != incarnation):
