@@ -1,5 +1,5 @@
-"""scripts/build_tiny_rg_model.py: the SFT targets are tiny-math's one-step format for reasoning-gym's chain_sum
-wording, and a short build from the shipped tiny-math writes a model whose weights moved and that loads."""
+"""scripts/build_tiny_rg_model.py: the SFT targets are tiny-math's chain format for reasoning-gym's chain_sum
+wording (a planted share of two-step chains stopping after step one), and a short build from the shipped tiny-math writes a model whose weights moved and that loads."""
 
 from __future__ import annotations
 
@@ -17,16 +17,39 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "build_tiny_rg_model.py"
 
 
-def test_the_targets_are_the_one_step_chain_and_its_value():
+def _script():
     sys.path.insert(0, str(SCRIPT.parent))
     try:
-        from build_tiny_rg_model import TRAIN_TASK, completion_text
+        import build_tiny_rg_model
     finally:
         sys.path.remove(str(SCRIPT.parent))
-    for example in load_dataset_source(f"reasoning_gym:{TRAIN_TASK},size=20,seed=4"):
-        a, op, b = example.question.rsplit(":", 1)[1].strip().rstrip("=").split()
-        value = int(a) + int(b) if op == "+" else int(a) - int(b)
-        assert completion_text(example) == f"<think>\n{a} {op} {b} = {value}\n</think>\n<answer>\n{value}\n</answer>"
+    return build_tiny_rg_model
+
+
+def _chain(expression: str) -> list[str]:
+    """A plain reference: each step's line, left to right."""
+    tokens, lines = expression.split(), []
+    value = int(tokens[0])
+    for i in range(1, len(tokens), 2):
+        new = value + int(tokens[i + 1]) if tokens[i] == "+" else value - int(tokens[i + 1])
+        lines.append(f"{value} {tokens[i]} {tokens[i + 1]} = {new}")
+        value = new
+    return lines
+
+
+def test_the_targets_are_the_chain_and_its_value_or_the_planted_first_step():
+    script = _script()
+    examples = load_dataset_source(f"reasoning_gym:{script.TRAIN_TASK},size=40,seed=4")
+    assert {len(e.question.split(":", 1)[1].split()) for e in examples} == {4, 6}  # two and three terms
+    for example in examples:
+        lines = _chain(example.question.rsplit(":", 1)[1].strip().rstrip("=").strip())
+        value = lines[-1].rsplit(" ", 1)[1]
+        assert value == example.answer_raw
+        full = "\n".join(lines)
+        assert script.completion_text(example, planted=False) == f"<think>\n{full}\n</think>\n<answer>\n{value}\n</answer>"
+        first = lines[0].rsplit(" ", 1)[1]
+        assert script.completion_text(example, planted=True) == \
+            f"<think>\n{lines[0]}\n</think>\n<answer>\n{first}\n</answer>"
 
 
 @pytest.mark.integration
