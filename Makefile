@@ -5,7 +5,8 @@
 # machines), constraints/newest.txt the newest releases that pass. `make test` runs the whole suite on the
 # lowest set in .venv: the lower bounds are the promise the ranges make, and nothing else tests them.
 # `make test-newest` runs the fast suite and the short demo end to end on the newest set in .venv-newest
-# (the whole suite twice would double CI's ~25 minutes). `make test-matrix` runs both (CI: .ci/run).
+# (the whole suite twice would double CI's ~25 minutes). `make test-matrix` runs both, then the OpenEnv tests in
+# .venv-openenv (`make test-openenv`: the openenv extra cannot share a venv with verifiers) (CI: .ci/run).
 # PIP_CONSTRAINT (not -c) so that the set's file replaces any machine-wide pip constraint. Both sets
 # take torch from the package index: its Linux builds are CUDA builds (~3 GB with their CUDA libraries,
 # seconds to download here) that run on a CPU too.
@@ -15,10 +16,13 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 CONSTRAINTS ?= constraints/lowest.txt
 NEWEST := .venv-newest
+# OpenEnv cannot share a venv with verifiers 0.4 (pyproject's openenv extra): its tests get a venv of their own.
+OPENENV := .venv-openenv
+EXTRAS ?= test,deepspeed,envs,docs
 # The end-to-end training test the newest set runs beside the fast suite (the short `make demo`).
 NEWEST_E2E := tests/integration/test_demo_short.py
 
-.PHONY: install install-newest chromium test test-fast test-newest test-matrix demo clean docs bench bench-gpu test-vllm
+.PHONY: install install-newest install-openenv test-openenv chromium test test-fast test-newest test-matrix demo clean docs bench bench-gpu test-vllm
 
 install: $(STAMP)
 
@@ -26,7 +30,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	PIP_CONSTRAINT=$(CONSTRAINTS) DS_BUILD_OPS=0 $(PY) -m pip install --quiet -e ".[test,deepspeed,envs,docs]"
+	PIP_CONSTRAINT=$(CONSTRAINTS) DS_BUILD_OPS=0 $(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 # The docs' browser test (tests/docs/test_docs_site.py) drives headless Chromium from the OS packages: installed
@@ -53,7 +57,15 @@ test-newest: install-newest
 	$(NEWEST)/bin/python -m pytest -q -m "not slow and not integration"
 	$(NEWEST)/bin/python -m pytest -q $(NEWEST_E2E)
 
-test-matrix: test test-newest
+# The OpenEnv tests (TRL's OpenEnv guide as scripts, an OpenEnv client training 2 steps) on the lowest set with the
+# openenv extra instead of envs; in .venv they skip, saying so.
+install-openenv:
+	$(MAKE) --no-print-directory install VENV=$(OPENENV) EXTRAS=test,openenv
+
+test-openenv: install-openenv
+	$(OPENENV)/bin/python -m pytest -q tests/multiturn/test_openenv.py tests/trl_scripts -k openenv
+
+test-matrix: test test-newest test-openenv
 
 # The embedded default (configs/demo-cpu.yaml, the recipe `grpo train` runs when given none). A
 # second `make demo` writes a new folder instead of touching the first run's results.

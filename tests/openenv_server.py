@@ -1,4 +1,4 @@
-"""An OpenEnv echo environment served locally, from what the installed ``openenv`` (grpo[envs]) provides.
+"""An OpenEnv echo environment served locally, from what the installed ``openenv`` (grpo[openenv]) provides.
 
 ``openenv init echo_env`` writes the package TRL's OpenEnv guide imports (``from echo_env import EchoEnv``,
 ``from echo_env.models import EchoAction``: its template is the echo environment); the guide's "Server
@@ -54,7 +54,7 @@ def wait_listening(process: subprocess.Popen, port: int, log: Path) -> None:
 @pytest.fixture(scope="session")
 def echo_server(tmp_path_factory):
     """The running echo server (session-wide: a few seconds to start); skipped without openenv."""
-    pytest.importorskip("openenv", reason="OpenEnv is an optional extra: pip install 'grpo[envs]'")
+    pytest.importorskip("openenv", reason="OpenEnv is an optional extra: pip install 'grpo[openenv]' (make test-openenv)")
     root = tmp_path_factory.mktemp("openenv")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     write_echo_package(root, env)

@@ -41,7 +41,7 @@ class ToolOutcome:
 
 
 # packages of grpo's optional extras a user's environment may import (OpenEnv clients import openenv)
-EXTRA_OF_PACKAGE = {"openenv": "envs", "openenv_core": "envs", "reasoning_gym": "envs"}
+EXTRA_OF_PACKAGE = {"openenv": "openenv", "openenv_core": "openenv", "reasoning_gym": "envs", "verifiers": "envs"}
 
 
 def install_hint(exc: ImportError) -> str:
