@@ -242,7 +242,7 @@ def test_an_environment_needing_a_missing_extra_names_it(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "openenv", None)  # as if not installed: its import raises
     (tmp_path / "needs_openenv.py").write_text("import openenv\n\nclass Env:\n    def reset(self, **row):\n        pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ValueError, match=r"rollout.environment: cannot import .*pip install 'grpo\[envs\]'"):
+    with pytest.raises(ValueError, match=r"rollout.environment: cannot import .*pip install 'grpo\[openenv\]'"):
         load_callable("needs_openenv:Env", "rollout.environment")
 
     class LazyClient:
@@ -252,7 +252,7 @@ def test_an_environment_needing_a_missing_extra_names_it(tmp_path, monkeypatch):
         def reset(self, **row):
             pass
 
-    with pytest.raises(ImportError, match=r"environment None: .*openenv.*pip install 'grpo\[envs\]'"):
+    with pytest.raises(ImportError, match=r"environment None: .*openenv.*pip install 'grpo\[openenv\]'"):
         Environments(LazyClient)
 
 

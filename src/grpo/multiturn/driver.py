@@ -61,6 +61,37 @@ class Row:
 
 
 @dataclass
+class PaddedRows:
+    """Multi-turn rows as a batch: prompts left-padded ``[N, Lp]``, each row's turns (replies and what came
+    between them) right-padded ``[N, Lc]`` with their completion and loss masks and sampler log-probs."""
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    sampler_logprobs: torch.Tensor
+    truncated: torch.Tensor
+
+
+def padded_rows(rows: Sequence[Any], pad: int) -> PaddedRows:
+    """``rows``: objects with ``prompt_ids``, ``ids``, ``loss``, ``logprobs`` (per token) and ``truncated``."""
+    prompt_ids, prompt_mask = left_pad([r.prompt_ids for r in rows], pad)
+    width = max(1, max(len(r.ids) for r in rows))
+
+    def right(values: list, fill) -> list:
+        return values + [fill] * (width - len(values))
+
+    return PaddedRows(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+        completion_ids=torch.tensor([right(r.ids, pad) for r in rows], dtype=torch.long),
+        completion_mask=torch.tensor([right([1] * len(r.ids), 0) for r in rows], dtype=torch.long),
+        loss_mask=torch.tensor([right(r.loss, 0) for r in rows], dtype=torch.long),
+        sampler_logprobs=torch.tensor([right(r.logprobs, 0.0) for r in rows], dtype=torch.float32),
+        truncated=torch.tensor([r.truncated for r in rows]))
+
+
+@dataclass
 class TurnsResult:
     """What a multi-turn rollout gives ``sample_and_score``."""
 
@@ -233,17 +264,7 @@ class MultiTurnRollout:
         return toolbox.start(call.name, call.arguments)
 
     def _generation(self, rows: list[Row]) -> Generation:
-        pad = self.tokenizer.pad_token_id
-        prompt_ids, prompt_mask = left_pad([r.prompt_ids for r in rows], pad)
-        width = max(1, max(len(r.ids) for r in rows))
-
-        def right(values: list, fill) -> list:
-            return values + [fill] * (width - len(values))
-
-        completion_ids = torch.tensor([right(r.ids, pad) for r in rows], dtype=torch.long)
-        completion_mask = torch.tensor([right([1] * len(r.ids), 0) for r in rows], dtype=torch.long)
-        loss_mask = torch.tensor([right(r.loss, 0) for r in rows], dtype=torch.long)
-        sampler = torch.tensor([right(r.logprobs, 0.0) for r in rows], dtype=torch.float32)
+        t = padded_rows(rows, self.tokenizer.pad_token_id)
         n = len(rows)
         calls = sum(r.calls for r in rows)
         metrics = {"tools/calls_per_completion": calls / n,
@@ -252,8 +273,8 @@ class MultiTurnRollout:
         if self.environments is not None:
             metrics["tools/reset_failure_rate"] = sum(r.reset_failed for r in rows) / n
         return Generation(
-            prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-            completion_mask=completion_mask, truncated=torch.tensor([r.truncated for r in rows]),
-            completions=self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
-            sampler_logprobs=sampler if self._sampler_logprobs else None,
-            loss_mask=loss_mask, messages=[r.messages for r in rows], rollout_metrics=metrics)
+            prompt_ids=t.prompt_ids, prompt_mask=t.prompt_mask, completion_ids=t.completion_ids,
+            completion_mask=t.completion_mask, truncated=t.truncated,
+            completions=self.tokenizer.batch_decode(t.completion_ids, skip_special_tokens=True),
+            sampler_logprobs=t.sampler_logprobs if self._sampler_logprobs else None,
+            loss_mask=t.loss_mask, messages=[r.messages for r in rows], rollout_metrics=metrics)

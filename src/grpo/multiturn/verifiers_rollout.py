@@ -22,16 +22,13 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
-import torch
-
 from grpo.data import DataError, build_prompt_messages
 from grpo.data.verifiers_env import TASK_COLUMN, environment, environment_tasks, parse_spec
-from grpo.multiturn.driver import TurnsResult
+from grpo.multiturn.driver import TurnsResult, padded_rows
 from grpo.rewards.async_loop import run_coroutine
 from grpo.rollout.engine import SamplingParams, TokenIdsEngine
 from grpo.rollout.generate_endpoint import EndpointServer, GenerateEndpoint, LogprobsFn, Turn
 from grpo.rollout.generation import Generation
-from grpo.rollout.hf import left_pad
 
 logger = logging.getLogger(__name__)
 REWARDS_COLUMN = "verifiers_rewards"  # per row: {reward name: score}, read by ``reward_functions``
@@ -213,20 +210,11 @@ class VerifiersRollout:
         return None
 
     def _generation(self, rows: list[Row]) -> Generation:
-        pad = self.tokenizer.pad_token_id
-        prompt_ids, prompt_mask = left_pad([r.prompt_ids for r in rows], pad)
-        width = max(1, max(len(r.ids) for r in rows))
-
-        def right(values: list, fill) -> list:
-            return values + [fill] * (width - len(values))
-
-        completion_ids = torch.tensor([right(r.ids, pad) for r in rows], dtype=torch.long)  # [N, Lc]
+        t = padded_rows(rows, self.tokenizer.pad_token_id)
         return Generation(
-            prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-            completion_mask=torch.tensor([right([1] * len(r.ids), 0) for r in rows], dtype=torch.long),
-            truncated=torch.tensor([r.truncated for r in rows]),
-            completions=self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
-            sampler_logprobs=(torch.tensor([right(r.logprobs, 0.0) for r in rows], dtype=torch.float32)
-                              if self.endpoint.engine_logprobs else None),
-            loss_mask=torch.tensor([right(r.loss, 0) for r in rows], dtype=torch.long),
+            prompt_ids=t.prompt_ids, prompt_mask=t.prompt_mask, completion_ids=t.completion_ids,
+            completion_mask=t.completion_mask, truncated=t.truncated,
+            completions=self.tokenizer.batch_decode(t.completion_ids, skip_special_tokens=True),
+            sampler_logprobs=t.sampler_logprobs if self.endpoint.engine_logprobs else None,
+            loss_mask=t.loss_mask,
             rollout_metrics={"verifiers/failed_episodes": sum(r.failed for r in rows) / len(rows)})
