@@ -19,6 +19,15 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 SLOW = "[{name: 'rewards_for_reliability:letters_slowly'}, {name: answer_correct}]"
 
 
+def two_rank_overrides(model_dir, out, port: int, trainer_host, **more) -> list[str]:
+    """A decoupled run with 2 trainer ranks on ``trainer_host`` (listening on every interface, advertising its
+    address, the token required) and one sampler, beta 0; ``more`` adds or replaces keys."""
+    return decoupled_overrides(model_dir, out, **{
+        "train.mode": "decoupled", "loss.beta": 0.0, "decoupled.num_samplers": 1, "decoupled.trainer_ranks": 2,
+        "decoupled.token_env": "GRPO_NS_TOKEN", "decoupled.address": f"tcp://0.0.0.0:{port}",
+        "decoupled.advertise_host": trainer_host.address, **more})
+
+
 def test_a_node_that_does_not_see_the_run_folder_stops_both_nodes_naming_it(tiny_model_dir, tmp_path):
     # Two torchrun nodes as docs/guides/multi-node.md starts them; the second has its own empty folder at the run folder's path
     # (no shared filesystem there). The error names which rank on which host cannot see rank 0's files, and both
@@ -60,10 +69,7 @@ def test_two_samplers_on_two_hosts_with_one_index_the_older_is_refused_within_se
     port = free_port()
     with hosts(3) as (trainer_host, old_host, new_host):
         out = tmp_path / "run"
-        shared = decoupled_overrides(tiny_model_dir, out, **{
-            "train.mode": "decoupled", "train.max_steps": 4, "loss.beta": 0.0, "rewards": SLOW,
-            "decoupled.num_samplers": 1, "decoupled.trainer_ranks": 2, "decoupled.token_env": "GRPO_NS_TOKEN",
-            "decoupled.address": f"tcp://0.0.0.0:{port}", "decoupled.advertise_host": trainer_host.address})
+        shared = two_rank_overrides(tiny_model_dir, out, port, trainer_host, **{"train.max_steps": 4, "rewards": SLOW})
         trainer = role(trainer_host, "trainer", shared, "t" * 32, tmp_path, ranks=2)
         procs = [trainer]
         try:
@@ -125,11 +131,8 @@ def test_weights_a_reader_on_another_host_holds_outlive_prunes_and_go_after_its_
     port = free_port()
     with hosts(3) as (trainer_host, sampler_host, reader_host):
         out = tmp_path / "run"
-        shared = decoupled_overrides(tiny_model_dir, out, **{
-            "train.mode": "decoupled", "train.max_steps": 8, "loss.beta": 0.0, "rewards": SLOW,
-            "decoupled.num_samplers": 1, "decoupled.trainer_ranks": 2, "decoupled.token_env": "GRPO_NS_TOKEN",
-            "decoupled.weights_keep": 1, "decoupled.address": f"tcp://0.0.0.0:{port}",
-            "decoupled.advertise_host": trainer_host.address})
+        shared = two_rank_overrides(tiny_model_dir, out, port, trainer_host, **{
+            "train.max_steps": 8, "rewards": SLOW, "decoupled.weights_keep": 1})
         trainer = role(trainer_host, "trainer", shared, "t" * 32, tmp_path, ranks=2)
         sampler = role(sampler_host, "sampler", [*shared, "decoupled.sampler_index=0"], "t" * 32, tmp_path,
                        env=("GRPO_TEST_REWARD_SLEEP_S=2",))
@@ -182,11 +185,9 @@ def test_a_process_on_another_host_without_the_token_gets_no_broadcast_weights(t
     port, weight_port = free_port(), free_port()
     with hosts(3) as (trainer_host, sampler_host, intruder_host):
         out = tmp_path / "run"
-        shared = decoupled_overrides(tiny_model_dir, out, **{
-            "train.mode": "decoupled", "train.max_steps": 10, "loss.beta": 0.0, "rewards": SLOW,
-            "decoupled.num_samplers": 1, "decoupled.trainer_ranks": 2, "decoupled.token_env": "GRPO_NS_TOKEN",
-            "decoupled.weight_sync": "broadcast", "decoupled.weight_sync_port": weight_port,
-            "decoupled.address": f"tcp://0.0.0.0:{port}", "decoupled.advertise_host": trainer_host.address})
+        shared = two_rank_overrides(tiny_model_dir, out, port, trainer_host, **{
+            "train.max_steps": 10, "rewards": SLOW, "decoupled.weight_sync": "broadcast",
+            "decoupled.weight_sync_port": weight_port})
         # gloo picks its interface by the host name, which resolves to loopback here: GLOO_SOCKET_IFNAME, as the
         # docs/guides/multi-node.md says for such machines
         trainer = role(trainer_host, "trainer", shared, "t" * 32, tmp_path, ranks=2,
@@ -227,11 +228,9 @@ def test_a_broadcast_group_that_cannot_form_across_hosts_gives_way_to_files(tiny
     port, weight_port = free_port(), free_port()
     with hosts(2) as (trainer_host, sampler_host):
         out = tmp_path / "run"
-        shared = decoupled_overrides(tiny_model_dir, out, **{
-            "train.mode": "decoupled", "train.max_steps": 3, "loss.beta": 0.0, "decoupled.num_samplers": 1,
-            "decoupled.trainer_ranks": 2, "decoupled.token_env": "GRPO_NS_TOKEN", "decoupled.peer_timeout_s": 30,
-            "decoupled.weight_sync": "broadcast", "decoupled.weight_sync_port": weight_port,
-            "decoupled.address": f"tcp://0.0.0.0:{port}", "decoupled.advertise_host": trainer_host.address})
+        shared = two_rank_overrides(tiny_model_dir, out, port, trainer_host, **{
+            "train.max_steps": 3, "decoupled.peer_timeout_s": 30, "decoupled.weight_sync": "broadcast",
+            "decoupled.weight_sync_port": weight_port})
         trainer = role(trainer_host, "trainer", shared, "t" * 32, tmp_path, ranks=2)
         sampler = role(sampler_host, "sampler", [*shared, "decoupled.sampler_index=0"], "t" * 32, tmp_path)
         try:
