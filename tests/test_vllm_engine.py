@@ -308,3 +308,92 @@ def test_sampling_controls_follow_hf_semantics_and_the_trainers_processed_logpro
     torch.testing.assert_close(gen.sampler_logprobs[mask], ours[mask], atol=2e-4, rtol=0)
     plain = hf_logprobs(model, gen, params.temperature)
     assert float((plain - ours).abs()[mask].max()) > 1e-2  # the controls changed the distribution
+
+
+def kept_cache_logprobs(first, second, gen, k: int, temperature: float, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([N, Lc] log-probs at ``temperature``, [N, Lc] argmax) of a loop that drew completion tokens 0..k-1 with
+    ``first`` and the rest with ``second``, the keys/values of the earlier positions kept: ``first`` reads the
+    prompt and tokens 0..k-2, ``second`` reads token k-1 onwards (the forward that draws token k) over that cache.
+    ``eos`` is forbidden throughout (min_new_tokens = max_tokens: vLLM's processed log-probs exclude it)."""
+    logprobs = torch.zeros(gen.completion_ids.shape)
+    greedy = torch.zeros(gen.completion_ids.shape, dtype=torch.long)
+    for row in range(gen.completion_ids.shape[0]):  # row by row: no padding in the reference
+        prompt = gen.prompt_ids[row][gen.prompt_mask[row].bool()]
+        ids = torch.cat([prompt, gen.completion_ids[row]])[None]  # [1, Lp + Lc]
+        split = len(prompt) + k - 1
+        with torch.no_grad():
+            before = first(input_ids=ids[:, :split], use_cache=True)
+            after = second(input_ids=ids[:, split:-1], past_key_values=before.past_key_values)
+        logits = torch.cat([before.logits, after.logits], dim=1)[0, len(prompt) - 1:]  # [Lc, V]
+        logits[:, eos] = float("-inf")
+        logprobs[row] = torch.log_softmax(logits / temperature, -1).gather(-1, ids[0, len(prompt):, None])[:, 0]
+        greedy[row] = logits.argmax(-1)
+    return logprobs, greedy
+
+
+def test_in_flight_swap_keeps_the_open_requests_and_records_versions(tiny, tmp_path):
+    # Weights v2 are loaded after check_tokens tokens while the requests are open (KV caches kept): the tokens
+    # before the swap are a v1-only run's, every token records the version that drew it, switching exactly at
+    # the check, and vLLM's log-probs (and greedy tokens) after it are those of a loop that swaps at the same
+    # token over a kept cache; a v2 prefill of the whole sequence is a different quantity.
+    from grpo.rollout.in_flight import InFlight
+
+    folder, tokenizer, first = tiny
+    second = tiny_model(tokenizer, seed=1)
+    second.save_pretrained(tmp_path)
+    live = VLLMEngine(folder, tokenizer, seed=0, in_flight=True, **LLM_ARGS)
+    k, sampled = 4, SamplingParams(n=2, max_tokens=10, temperature=0.7, min_new_tokens=10)
+    calls = []
+
+    def refresh() -> int:  # the prefill's call, then one per check: v2 is published before the first check
+        calls.append(len(calls))
+        if len(calls) == 2:
+            live.load_weights_from_dir(tmp_path)
+        return 1 if len(calls) == 1 else 2
+
+    v1_only = live.generate(PROMPTS, sampled, seed=11)
+    gen = live.generate_in_flight([tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS], sampled,
+                                  11, InFlight(k, refresh))
+    assert len(calls) == 1 + (sampled.max_tokens - 1) // k  # no check once every request has ended
+    assert torch.equal(gen.completion_ids[:, :k], v1_only.completion_ids[:, :k])
+    assert torch.equal(gen.sampler_logprobs[:, :k], v1_only.sampler_logprobs[:, :k])
+    assert (gen.token_versions[:, :k] == 1).all() and (gen.token_versions[:, k:] == 2).all()
+    assert not torch.equal(gen.completion_ids, v1_only.completion_ids)  # the new weights drew the rest
+    expected, _ = kept_cache_logprobs(first, second, gen, k, sampled.temperature, tokenizer.eos_token_id)
+    torch.testing.assert_close(gen.sampler_logprobs, expected, atol=2e-4, rtol=0)
+    recomputed, _ = kept_cache_logprobs(second, second, gen, k, sampled.temperature, tokenizer.eos_token_id)
+    assert (gen.sampler_logprobs[:, k:] - recomputed[:, k:]).abs().max() > 1e-2  # the check tells the two apart
+    # greedy: every token after the swap is the kept-cache loop's argmax
+    calls.clear()
+    live.load_weights_from_dir(folder)
+    greedy = live.generate_in_flight([tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"]],
+                                     SamplingParams(n=1, max_tokens=10, greedy=True, min_new_tokens=10), None,
+                                     InFlight(k, refresh))
+    reference, argmax = kept_cache_logprobs(first, second, greedy, k, 1.0, tokenizer.eos_token_id)
+    assert torch.equal(greedy.completion_ids, argmax)
+    torch.testing.assert_close(greedy.sampler_logprobs, reference, atol=2e-4, rtol=0)  # greedy: vLLM takes T = 1
+    # the prefix cache, left alone while the requests ran, is reset after them: v2 alone from here
+    assert sampled_logprob_gap(live, second) < 2e-4
+
+    def failing() -> int:  # a load that fails mid-generation: its requests are aborted, not left running
+        calls.append(len(calls))
+        if len(calls) > 1:
+            raise OSError("weights unreadable")
+        return 2
+
+    with pytest.raises(OSError, match="unreadable"):
+        live.generate_in_flight([tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"]], sampled, 1,
+                                InFlight(k, failing))
+    assert not live.llm.llm_engine.has_unfinished_requests()
+    assert sampled_logprob_gap(live, second) < 2e-4
+
+
+def test_in_flight_needs_the_in_process_engine_core(engine, tiny):
+    # The module's engine runs vLLM's core in its own process, which steps on its own: which tokens a weight load
+    # precedes would be unknown there, so generate_in_flight refuses it, naming the fix.
+    from grpo.rollout.in_flight import InFlight
+
+    _, tokenizer, _ = tiny
+    with pytest.raises(RuntimeError, match="in_flight=True"):
+        engine.generate_in_flight([tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"]],
+                                  SamplingParams(n=1, max_tokens=4), 0, InFlight(2, lambda: 0))

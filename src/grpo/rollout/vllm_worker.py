@@ -6,7 +6,7 @@ into its worker class, whose methods the trainer then calls by name through ``LL
 This module is that class. It is imported by qualified name in every worker process, so it imports
 nothing of grpo's and nothing heavy at module level.
 
-Why not call the worker's ``reload_weights`` alone (vLLM 0.24 and 0.32 both have it: an in-place,
+Why not call the worker's ``reload_weights`` alone (vLLM 0.24 to 0.32 all have it: an in-place,
 layer-by-layer reload that re-runs each layer's ``process_weights_after_loading``)? Because it leaves a
 *tied* output head stale on the CPU backend, and the sampler then draws from a model that is half the
 new policy and half the old one:
@@ -24,8 +24,8 @@ new policy and half the old one:
 
 On CUDA the head's ``apply`` reads ``layer.weight`` itself (no packed copy), so the shared storage is
 enough there. Re-processing the tied head is then a no-op, so the same code runs on both. How a model
-ties is vLLM's choice per release: 0.32's Qwen2 builds a ``ParallelLMHead`` sharing the embedding's
-weight (stale on CPU), 0.24's makes ``lm_head`` the embedding module itself (one module, reloaded once:
+ties is vLLM's choice per release: from 0.28 Qwen2 builds a ``ParallelLMHead`` sharing the embedding's
+weight (stale on CPU), 0.24-0.27 make ``lm_head`` the embedding module itself (one module, reloaded once:
 nothing to refresh). ``tied_layers`` finds either by parameter identity, so no version switch is needed.
 """
 
