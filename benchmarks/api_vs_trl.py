@@ -11,7 +11,8 @@ benchmarks/scripts/tools_lora.py (``tools=[calculator]``, LoRA, ``num_iterations
 Each run is a fresh process (imports, model and dataset loading, training, whatever the script saves), the
 two libraries alternating so that load from other processes hits both alike. For each case the table gives
 each side's median wall time of the whole process and of ``train()`` alone (``train_runtime``), and the ratio
-TRL / grpo (> 1: grpo faster). A case that fails on one side is reported with its error and the others still
+TRL / grpo (> 1: grpo faster), and train() per sampled token (the two sides draw different
+completions, whose lengths a short script does not average out). A case that fails on one side is reported with its error and the others still
 run. The load average before and after is recorded: figures taken beside other work are only indicative.
 Results: benchmarks/results/api_vs_trl.json.
 """
@@ -64,7 +65,10 @@ def command(case: Case, side: str, out: str) -> list[str]:
 
 def run(case: Case, side: str, threads: int) -> dict:
     """One process of the script: its wall time and its train_runtime (from the printed log_history)."""
+    # Bytecode caching on, as a user has it: with PYTHONDONTWRITEBYTECODE (set in some sandboxes) grpo's source would
+    # be compiled in every process while TRL's site-packages come precompiled (0.2-0.3 s here).
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     with tempfile.TemporaryDirectory() as out:
         started = time.perf_counter()
         result = subprocess.run(command(case, side, out), cwd=REPO, env=env, capture_output=True, text=True)
@@ -78,7 +82,12 @@ def run(case: Case, side: str, threads: int) -> dict:
         raise CaseFailed(f"{side} printed no log_history summary (train_runtime)")
     if summary["step"] != case.steps:
         raise CaseFailed(f"{side} ended at global_step {summary['step']}, not {case.steps}")
-    return {"wall_s": wall, "train_s": float(summary["train_runtime"])}
+    # The sampled tokens trained on (mean completion length summed over the logged updates, the model's tokens
+    # only, as both log it): the two sides draw different samples, so a script whose lengths vary with the draw
+    # (a tool call or not) can give one side more to train on; train() per token compares like with like.
+    lengths = [float(e["completions/mean_length"]) for e in entries  # log_history's (TRL also prints its logs)
+               if "completions/mean_length" in e and "step" in e]
+    return {"wall_s": wall, "train_s": float(summary["train_runtime"]), "mean_length_sum": sum(lengths)}
 
 
 def time_case(case: Case, repeats: int, threads: int) -> dict:
@@ -93,12 +102,17 @@ def time_case(case: Case, repeats: int, threads: int) -> dict:
         print(f"  {case.name} {case.steps} steps: {failure}", file=sys.stderr)
         return {"runs": runs, "error": str(failure)}
     median = {side: {k: statistics.median(r[k] for r in rs) for k in TIMES} for side, rs in runs.items()}
-    return {"runs": runs, "median": median, "trl_over_grpo": {k: median["trl"][k] / median["grpo"][k] for k in TIMES}}
+    per_token = {side: statistics.median(r["train_s"] / r["mean_length_sum"] for r in rs if r["mean_length_sum"])
+                 for side, rs in runs.items()}
+    return {"runs": runs, "median": median, "median_train_s_per_length": per_token,
+            "trl_over_grpo": {**{k: median["trl"][k] / median["grpo"][k] for k in TIMES},
+                              "train_s_per_length": per_token["trl"] / per_token["grpo"]}}
 
 
 def table(results: list[dict]) -> str:
     lines = ["| script | steps | TRL process (s) | grpo process (s) | TRL / grpo | TRL train() (s) | grpo train() (s) "
-             "| TRL / grpo |", "|---|---|---|---|---|---|---|---|"]
+             "| TRL / grpo | sampled tokens TRL / grpo | train() per token TRL / grpo |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['case']} | {r['steps']} | failed: {r['error']} |")
@@ -106,8 +120,14 @@ def table(results: list[dict]) -> str:
         m, ratio = r["median"], r["trl_over_grpo"]
         lines.append(f"| {r['case']} | {r['steps']} | {m['trl']['wall_s']:.1f} | {m['grpo']['wall_s']:.1f} | "
                      f"{ratio['wall_s']:.2f}x | {m['trl']['train_s']:.1f} | {m['grpo']['train_s']:.1f} | "
-                     f"{ratio['train_s']:.2f}x |")
+                     f"{ratio['train_s']:.2f}x | {_length_ratio(r):.2f} | {ratio['train_s_per_length']:.2f}x |")
     return "\n".join(lines)
+
+
+def _length_ratio(result: dict) -> float:
+    """TRL's sampled tokens over grpo's (medians over the runs): above 1, TRL's train() had more to train on."""
+    return (statistics.median(r["mean_length_sum"] for r in result["runs"]["trl"])
+            / statistics.median(r["mean_length_sum"] for r in result["runs"]["grpo"]))
 
 
 def main() -> None:

@@ -113,3 +113,53 @@ def test_the_installed_release_continues_from_the_cache_it_returned(tiny_tokeniz
         rest = model(input_ids=ids[:, 5:], position_ids=torch.arange(5, ids.shape[1])[None], use_cache=True,
                      **cache_argument(cache)).logits
     assert torch.allclose(rest, whole, atol=1e-5)
+
+
+
+SAVE_WITHOUT_DEEPSPEED = """
+import json, sys
+from grpo.compat import save_pretrained
+from grpo.models.tiny import build_qwen2, build_tokenizer
+save_pretrained(build_qwen2(build_tokenizer(), seed=0), sys.argv[1])
+print(json.dumps("deepspeed" in sys.modules))
+"""
+
+
+def test_save_pretrained_writes_what_transformers_writes_without_importing_deepspeed(tmp_path, tiny_tokenizer):
+    import subprocess
+    import sys
+
+    pytest.importorskip("deepspeed")  # the import it avoids; without deepspeed there is nothing to avoid
+    out = subprocess.run([sys.executable, "-c", SAVE_WITHOUT_DEEPSPEED, str(tmp_path / "ours")], check=True,
+                         capture_output=True, text=True, timeout=300)
+    assert out.stdout.splitlines()[-1] == "false"
+    build_qwen2(tiny_tokenizer, seed=0).save_pretrained(tmp_path / "theirs")
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        assert (tmp_path / "ours" / name).read_bytes() == (tmp_path / "theirs" / name).read_bytes(), name
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == sorted(p.name for p in (tmp_path / "theirs").iterdir())
+
+
+def test_save_pretrained_still_unwraps_what_is_not_a_pretrained_model(tiny_tokenizer):
+    import transformers.modeling_utils
+
+    from grpo.compat import _pretrained_models_unwrap_as_themselves
+
+    model = build_qwen2(tiny_tokenizer, seed=0)
+    wrapped = torch.nn.DataParallel(model)  # what transformers' own unwrap is for
+    original = transformers.modeling_utils.unwrap_model
+    with _pretrained_models_unwrap_as_themselves():
+        assert transformers.modeling_utils.unwrap_model is not original
+        assert transformers.modeling_utils.unwrap_model(model) is model
+        assert transformers.modeling_utils.unwrap_model(wrapped) is model
+    assert transformers.modeling_utils.unwrap_model is original  # put back
+
+
+def test_a_release_without_unwrap_model_gets_nothing_put_in(monkeypatch):
+    import transformers.modeling_utils
+
+    from grpo.compat import _pretrained_models_unwrap_as_themselves
+
+    monkeypatch.delattr(transformers.modeling_utils, "unwrap_model")
+    with _pretrained_models_unwrap_as_themselves():
+        assert not hasattr(transformers.modeling_utils, "unwrap_model")
+    assert not hasattr(transformers.modeling_utils, "unwrap_model")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from grpo.models.tiny import build_qwen2
+from grpo.step.checkpointing import checkpointed_layers
 from grpo.step.logprobs import (
     _shared_prompt_logits,
     can_share_prompt_cache,
@@ -45,9 +46,13 @@ def logprobs_and_grads(model, rows, micro_batch_size, share):
 
 
 def assert_same(model, rows, micro_batch_size):
-    plain, plain_grads = logprobs_and_grads(model, rows, micro_batch_size, share=False)
-    shared, shared_grads = logprobs_and_grads(model, rows, micro_batch_size, share=True)
-    mask = rows[3].bool()
+    plain = logprobs_and_grads(model, rows, micro_batch_size, share=False)
+    assert_matches(logprobs_and_grads(model, rows, micro_batch_size, share=True), plain, rows)
+
+
+def assert_matches(shared, plain, rows):
+    """``logprobs_and_grads`` results: the same log-probs on real tokens and the same gradient per parameter."""
+    (shared, shared_grads), (plain, plain_grads), mask = shared, plain, rows[3].bool()
     torch.testing.assert_close(shared[mask], plain[mask], atol=2e-5, rtol=1e-5)
     assert plain_grads.keys() == shared_grads.keys() and plain_grads
     for name, grad in plain_grads.items():
@@ -85,20 +90,70 @@ def test_shared_prompt_pass_runs_each_prompt_once(tiny_tokenizer):
     assert sum(embedded) == 12 * (6 + completion_ids.shape[1])
 
 
-def test_gradient_checkpointing_falls_back_to_the_plain_pass(tiny_tokenizer):
-    # Hugging Face drops the KV cache under gradient checkpointing in training: sharing would be wrong.
-    model = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=2, seed=0)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
+def checkpointing_model(tokenizer, use_reentrant: bool, seed: int = 0, lora: bool = False):
+    model = build_qwen2(tokenizer, hidden_size=32, num_layers=2, seed=seed)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                 init_lora_weights=False))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    return model.train()
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("lora", [False, True])
+def test_gradient_checkpointing_shares_prompts_with_the_plain_pass_values_and_gradients(tiny_tokenizer,
+                                                                                        use_reentrant, lora):
+    # Hugging Face drops the KV cache of a checkpointing model in training; grpo checkpoints the completion
+    # pass itself over a read-only cache (non-reentrant whatever the model asked: the prompt's keys and values
+    # reach the completion layers through the cache, not as checkpoint inputs).
+    model = checkpointing_model(tiny_tokenizer, use_reentrant, seed=1, lora=lora)
+    assert can_share_prompt_cache(model)
+    rows = grouped_rows(len(tiny_tokenizer), [5, 9], G=3)
+    before = checkpointing_state(model)
+    layers = checkpointed_layers(model)
+    assert len(layers) == 2
+    embedded, layer_runs = [], []
+    model.get_input_embeddings().register_forward_hook(lambda module, args, out: embedded.append(args[0].numel()))
+    for layer in layers:  # the attention is called inside the layer's forward: its hook sees the recompute too
+        layer.self_attn.register_forward_pre_hook(lambda module, args, kwargs: layer_runs.append(1), with_kwargs=True)
+    shared = logprobs_and_grads(model, rows, None, share=True)
+    width = int(rows[3].any(0).nonzero().max()) + 1  # the pass runs no column that every row pads
+    assert embedded == [2 * 9, 6 * width]  # the 2 distinct prompts once (padded to 9), then the 6 completions
+    # each layer: the prompt pass, the completion pass, and the completion pass again in the backward's recompute
+    assert len(layer_runs) == 2 * 3
+    assert checkpointing_state(model) == before and not any("forward" in vars(layer) for layer in layers)
+    for module in model.modules():  # the reference: the same weights, no checkpointing, one sequence per row
+        if "gradient_checkpointing" in vars(module):
+            module.gradient_checkpointing = False
+    assert_matches(shared, logprobs_and_grads(model, rows, None, share=False), rows)
+
+
+def test_gradient_checkpointing_with_a_cache_grpo_cannot_read_runs_the_plain_pass(tiny_tokenizer, monkeypatch):
+    import grpo.step.logprobs as logprobs
+
+    monkeypatch.setattr(logprobs, "read_only", lambda cache: False)  # as for a sliding-window layer
+    model = checkpointing_model(tiny_tokenizer, use_reentrant=False)
+    rows = grouped_rows(len(tiny_tokenizer), [6, 6], G=3)
+    embedded = []
+    model.get_input_embeddings().register_forward_hook(lambda module, args, out: embedded.append(args[0].numel()))
+    shared, _ = logprobs_and_grads(model, rows, None, share=True)
+    width = int(rows[3].any(0).nonzero().max()) + 1  # the pass runs no column that every row pads
+    assert embedded == [2 * 6, 6 * (6 + width)]  # the wasted prompt pass, then the plain one
+    with checkpointing_paused(model):
+        plain = completion_logprobs(model, *rows, temperature=0.7, share_prompts=False).detach()
+    torch.testing.assert_close(shared[rows[3].bool()], plain[rows[3].bool()], atol=2e-5, rtol=1e-5)
+
+
+def test_a_checkpointing_module_grpo_cannot_take_over_keeps_the_plain_pass(tiny_tokenizer):
+    model = checkpointing_model(tiny_tokenizer, use_reentrant=False)
+    model.extra = ClassWideCheckpointing()  # checkpointing on a module that is no Hugging Face decoder layer
     assert not can_share_prompt_cache(model)
-    with torch.no_grad():
-        assert not can_share_prompt_cache(model)  # HF drops the cache in training mode, gradients or not
-        with checkpointing_paused(model):
-            assert can_share_prompt_cache(model)
+    with checkpointing_paused(model):
+        assert can_share_prompt_cache(model)
     model.eval()
     assert can_share_prompt_cache(model)
-    model.train()
-    assert_same(model, grouped_rows(len(tiny_tokenizer), [5, 9], G=3), None)
 
 
 def checkpointing_state(model) -> dict[str, object]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 
 from grpo.errors import exit_status
@@ -191,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; returns the exit status (``grpo.errors``: 0 ok, 1 training cannot go on,
     2 configuration/input error, 130 Ctrl-C)."""
     args = parse_arguments(argv)
+    _honour_sigint()
     if getattr(args, "local_rank", None) is not None:  # the launcher's own variable wins where it set one
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     _split_config_and_overrides(args)
@@ -210,6 +212,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(known[1], file=sys.stderr)
         return known[0]
+
+
+def _honour_sigint() -> None:
+    """A shell starts a script's background job (`grpo train ... &`) with SIGINT ignored, and Python then installs
+    no Ctrl-C handler; a run's step guard installs one anyway, so `kill -INT` stopped it only when it landed inside a
+    step (the launcher and a waiting trainer ran on). In grpo SIGINT means "stop and save" at every moment."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _rank_failure_watch():

@@ -12,18 +12,25 @@ rather than as version comparisons scattered through it; tests/test_compat.py co
 * transformers 5.24 renamed the models' ``past_key_values`` (the argument and the output field) to
   ``cache``; the old name warns there and goes in 5.40, while 5.17-5.23 silently ignore ``cache=`` (their
   forward takes ``**kwargs``). ``cache_argument`` and ``returned_cache`` use the installed release's name.
+* transformers' ``save_pretrained`` (5.x) first passes the model through ``modeling_utils.unwrap_model``, which
+  asks accelerate, which imports deepspeed when it is installed (0.2-0.6 s, once per process) only to test
+  whether the model is a ``DeepSpeedEngine``, which a ``PreTrainedModel`` never is. ``save_pretrained`` skips that
+  for a model grpo has unwrapped itself; a release without ``unwrap_model`` saves as it is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import transformers
 from torch import Tensor
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+import transformers.modeling_utils
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
 from grpo.algorithm.processing import penalize_repeats
 
@@ -99,3 +106,31 @@ def generate_repetition_penalty(config: GenerationConfig, attention_mask: Tensor
     without = copy.deepcopy(config)
     without.repetition_penalty = 1.0
     return without, LogitsProcessorList([PaddingFreeRepetitionPenalty(penalty, first_real)])
+
+
+def save_pretrained(model: torch.nn.Module, folder: Any, **kwargs: Any) -> None:
+    """``model.save_pretrained(folder, **kwargs)`` for a model already out of its DDP wrapper (a
+    ``PreTrainedModel`` or a PEFT model), without the deepspeed import described above."""
+    with _pretrained_models_unwrap_as_themselves():
+        model.save_pretrained(folder, **kwargs)
+
+
+@contextlib.contextmanager
+def _pretrained_models_unwrap_as_themselves() -> Iterator[None]:
+    # transformers looks the function up in its module's globals at each call, so replacing it there for
+    # the call's length is enough; anything but a PreTrainedModel still goes to the original.
+    original = getattr(transformers.modeling_utils, "unwrap_model", None)
+    if original is None:
+        yield
+        return
+
+    def unwrap_model(model: torch.nn.Module, recursive: bool = False) -> torch.nn.Module:
+        if isinstance(model, PreTrainedModel) and not recursive:
+            return model
+        return original(model, recursive=recursive)
+
+    transformers.modeling_utils.unwrap_model = unwrap_model
+    try:
+        yield
+    finally:
+        transformers.modeling_utils.unwrap_model = original

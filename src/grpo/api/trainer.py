@@ -9,7 +9,6 @@ to the config tree ``grpo train`` runs (``grpo.api.mapping``). ``train()`` then 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import os
 import time
@@ -28,6 +27,7 @@ from grpo.api.datasets import to_examples, verifiers_arguments
 from grpo.api.mapping import batch_shape, grpo_steps, to_run_config
 from grpo.api.prompt_lengths import check_longest, context_length, explainer, prompt_limit
 from grpo.api.rewards import build_reward_functions, reward_name
+from grpo.compat import save_pretrained
 from grpo.config import dump_config
 from grpo.config.kinds import ENGINE_TRAITS, VLLM_ENGINE
 from grpo.data import DataError, PromptTooLong
@@ -155,7 +155,6 @@ class GRPOTrainer(TrainerAttributes):
         check_longest(self._rendering, sets, self._tool_schemas(), self.config.data.max_prompt_length,
                       self._explain)
         self.model = self._prepare_model(model)
-        _import_deepspeed_if_installed()
         self.state, self.control = TrainerState(), TrainerControl()
         self.callbacks = [c() if isinstance(c, type) else c for c in (callbacks or [])]
         for callback in self.callbacks:
@@ -346,7 +345,7 @@ class GRPOTrainer(TrainerAttributes):
             return
         folder = Path(output_dir or self.args.output_dir or "trainer_output")
         folder.mkdir(parents=True, exist_ok=True)
-        unwrap_model(self.model).save_pretrained(folder)
+        save_pretrained(unwrap_model(self.model), folder)
         self.processing_class.save_pretrained(folder)
         dump_config(self.config, folder / "grpo_config.yaml")
 
@@ -365,14 +364,6 @@ class GRPOTrainer(TrainerAttributes):
 
 
 __all__ = ["GRPOTrainer", "lora_keys", "reward_name"]
-
-
-def _import_deepspeed_if_installed() -> None:
-    """transformers' ``save_pretrained`` unwraps the model through accelerate, which imports deepspeed when it is
-    installed (~0.5 s on 2 CPU cores, once per process). TRL's trainer pays it in its constructor (its Accelerator);
-    here too, rather than inside the first ``train()``'s last checkpoint."""
-    if importlib.util.find_spec("deepspeed") is not None:
-        import deepspeed  # noqa: F401  optional extra (grpo[deepspeed]): imported for its cost's place, not used
 
 
 def _dotted(obj: Any) -> str | None:

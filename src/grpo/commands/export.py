@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from grpo.compat import save_pretrained
 from grpo.config import ConfigError
 from grpo.models.source import load_model_for_inference, resolve_model_source
 
@@ -54,7 +55,7 @@ def export_model(
     if staging.exists():
         shutil.rmtree(staging)  # left by an interrupted export of this same out_dir
     staging.mkdir(parents=True)
-    model.save_pretrained(staging)  # safetensors: the only format transformers 5 writes
+    save_pretrained(model, staging)  # safetensors: the only format transformers 5 writes
     tokenizer.save_pretrained(staging)
     if out_dir.exists():
         shutil.rmtree(out_dir)

@@ -20,20 +20,17 @@ count toward it (a reply past it is empty, finish_reason "length"); a request's 
 tokens (``turns``) instead of re-tokenising text.
 """
 
-from __future__ import annotations
-
 import itertools
 import socket
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
-import uvicorn
-from fastapi import FastAPI, Request  # at module level: FastAPI resolves `request: Request` in module globals
-from fastapi.responses import JSONResponse
-from starlette.concurrency import run_in_threadpool
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 from grpo.algorithm.tokens import token_logprobs
 from grpo.rollout.engine import SamplingParams, TokenIdsEngine
@@ -157,7 +154,13 @@ class GenerateEndpoint:
                              "logprobs": _logprob_content(turn), "token_ids": turn.completion_ids}],
                 "prompt_token_ids": turn.prompt_ids, "usage": _usage(turn)}
 
-    def _build_app(self) -> FastAPI:
+    def _build_app(self) -> "FastAPI":
+        # On first use: fastapi costs 0.4 s of import that only a run serving this endpoint pays. No
+        # `from __future__ import annotations` in this module, so the handlers' `Request` is the class itself.
+        from fastapi import FastAPI, Request  # on first use (above)
+        from fastapi.responses import JSONResponse  # on first use (above)
+        from starlette.concurrency import run_in_threadpool  # on first use (above)
+
         app = FastAPI()
 
         async def answer(request: Request, reply: Callable[[dict, str], dict]) -> JSONResponse:
@@ -222,6 +225,8 @@ class EndpointServer:
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.socket.bind((host, port))
         self.host, self.port = host, self.socket.getsockname()[1]
+        import uvicorn  # on first use, as fastapi in GenerateEndpoint._build_app
+
         config = uvicorn.Config(endpoint.app, log_level="warning", lifespan="off")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]},
@@ -231,7 +236,7 @@ class EndpointServer:
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}/v1"
 
-    def start(self, timeout_s: float = 30.0) -> EndpointServer:
+    def start(self, timeout_s: float = 30.0) -> "EndpointServer":
         self.thread.start()
         deadline = time.monotonic() + timeout_s
         while not self.server.started:
@@ -245,7 +250,7 @@ class EndpointServer:
         self.thread.join(timeout=10)
         self.socket.close()
 
-    def __enter__(self) -> EndpointServer:
+    def __enter__(self) -> "EndpointServer":
         return self.start()
 
     def __exit__(self, *exc) -> None:

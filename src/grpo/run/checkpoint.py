@@ -34,6 +34,7 @@ import torch
 from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors import SafetensorError
 
+from grpo.compat import save_pretrained
 from grpo.models.state_dicts import unmatched_keys
 from grpo.run import rng_state
 from grpo.run.durable import fsync_dir, fsync_file, replace_dir, settle_leftover
@@ -195,12 +196,12 @@ def _save_model(model: torch.nn.Module, folder: Path, state_dict: dict | None = 
     model = _unwrap(model)
     extra = {} if state_dict is None else {"state_dict": state_dict}
     if _is_peft(model):
-        model.save_pretrained(folder, safe_serialization=True, **extra)  # the adapter only
+        save_pretrained(model, folder, safe_serialization=True, **extra)  # the adapter only
         expected = folder / ADAPTER_FILE
     else:
         # transformers 5 always writes safetensors (its safe_serialization argument is gone), and
         # leaves out tied weights such as lm_head.weight when embeddings are tied.
-        model.save_pretrained(folder, **extra)
+        save_pretrained(model, folder, **extra)
         expected = folder / (MODEL_INDEX_FILE if (folder / MODEL_INDEX_FILE).exists() else MODEL_FILE)
     if not expected.is_file():
         raise CheckpointError(f"save_pretrained did not write {expected}; cannot make a loadable checkpoint")

@@ -10,10 +10,11 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from matplotlib.axes import Axes
-from matplotlib.figure import Figure
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 from grpo.run.tracking import METRICS_FILE, read_metrics
 
@@ -104,6 +105,9 @@ def plot_run(run_dir: str | os.PathLike) -> list[Path]:
     values are skipped. Raises ``FileNotFoundError`` naming the file when there is no metrics file,
     ``ValueError`` when it holds no records.
     """
+    # On first use: matplotlib is 0.2 s of import that a run without plots never pays.
+    from matplotlib.figure import Figure
+
     run_dir = Path(run_dir)
     metrics_path = run_dir / METRICS_FILE
     records = [r for r in read_metrics(metrics_path) if isinstance(r.get("step"), int)]

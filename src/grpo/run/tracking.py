@@ -17,8 +17,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from torch.utils.tensorboard import SummaryWriter
-
 from grpo.config.kinds import TRACKERS
 
 METRICS_FILE = "metrics.jsonl"
@@ -224,6 +222,9 @@ def _append_durably(f, text: str) -> None:
 
 def _start_tensorboard(log_dir: Path, resume_step: int | None):
     # purge_step hides events at or after it that an interrupted run wrote past its last checkpoint.
+    # On first use: a run that does not log to TensorBoard skips its import (tensorboard's protobufs).
+    from torch.utils.tensorboard import SummaryWriter
+
     purge_step = resume_step + 1 if resume_step is not None else None
     return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step, flush_secs=30)
 

@@ -11,9 +11,10 @@ row's prompt + completion as one sequence) is, since there the host's dispatch, 
 pass (``grpo.config.device_defaults.PASS_DEFAULTS``).
 
 Gradient checkpointing: Hugging Face drops the KV cache of a checkpointing model in training mode
-(the backward's recompute would append to it twice), so under grad such a model runs the plain pass.
-A pass without gradients (reference and old log-probs) has no backward to save memory for: it runs
-with checkpointing switched off (``checkpointing_paused``) and shares prompts like any other model.
+(the backward's recompute would append to it twice). Under grad, grpo runs the prompt pass without
+checkpointing and checkpoints the completion pass itself over a read-only cache (``grpo.step.checkpointing``);
+a model it cannot do that for runs the plain pass. A pass without gradients (reference and old log-probs)
+has no backward to save memory for: it runs with checkpointing switched off (``checkpointing_paused``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ from grpo.algorithm.head import head_logprobs
 from grpo.algorithm.processing import prompt_presence
 from grpo.compat import cache_argument, returned_cache
 from grpo.config.device_defaults import fused_head_by_size, pass_defaults
+from grpo.step.checkpointing import (
+    can_checkpoint_with_prefix,
+    checkpointing_modules,
+    checkpointing_paused,
+    grpo_checkpointing,
+    read_only,
+)
 from grpo.models.logits_head import head_reproduces_forward, logits_head
 from grpo.models.wrappers import decoder, inner_model
 
@@ -116,37 +124,6 @@ def select_cache_rows(cache, index: Tensor) -> None:
             layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
 
 
-def checkpointing_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules with gradient checkpointing on: Hugging Face keeps the switch as a boolean
-    ``gradient_checkpointing`` attribute on the base model and on each ``GradientCheckpointingLayer``."""
-    return [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
-
-
-def can_share_prompt_cache(model: torch.nn.Module) -> bool:
-    """False while a checkpointing model is in training mode: Hugging Face then drops the KV cache
-    (whether or not gradients are enabled), so completions could not read their prompt's."""
-    return not (model.training and checkpointing_modules(model))
-
-
-@contextmanager
-def checkpointing_paused(model: torch.nn.Module) -> Iterator[None]:
-    """Gradient checkpointing off on every module of ``model`` that has it, for a pass that needs no
-    gradients (nothing to recompute, and the prompt's KV cache can then be kept). Train/eval mode is
-    left alone, so dropout behaves as in the pass it replaces. The exact previous state is restored on
-    exit, exceptions included (an instance attribute set back; one the module only inherited, removed)."""
-    paused = [(m, "gradient_checkpointing" in vars(m)) for m in checkpointing_modules(model)]
-    try:
-        for module, _ in paused:
-            module.gradient_checkpointing = False
-        yield
-    finally:
-        for module, own_attribute in paused:
-            if own_attribute:
-                module.gradient_checkpointing = True
-            else:
-                del module.gradient_checkpointing
-
-
 @contextmanager
 def _final_hidden(model) -> Iterator[list[Tensor]]:
     """Collects the final hidden states of each forward of ``model`` while open (a hook on its decoder)."""
@@ -156,6 +133,13 @@ def _final_hidden(model) -> Iterator[list[Tensor]]:
         yield captured
     finally:
         handle.remove()
+
+
+def can_share_prompt_cache(model: torch.nn.Module) -> bool:
+    """Whether a completion pass can read its prompt's KV cache: not while a checkpointing model trains, where
+    Hugging Face drops the cache (gradients or not), unless grpo can take the checkpointing over
+    (``grpo.step.checkpointing``: Hugging Face decoder layers, a cache of plain layers)."""
+    return not (model.training and checkpointing_modules(model)) or can_checkpoint_with_prefix(model)
 
 
 def _forward(model, fused: bool, keep: int | None, **inputs):
@@ -180,21 +164,28 @@ def _full_logits(model, ids: Tensor, mask: Tensor, Lc: int, fused: bool = False)
 def _shared_prompt_logits(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                           completion_mask: Tensor, first: Tensor, index: Tensor, fused: bool = False) -> Tensor:
     """[b, Lc + 1, V] (fused: [b, Lc + 1, H]): the same as ``_full_logits`` on the concatenation, from one
-    pass over the distinct prompts (keeping only their last position) and one over the completions."""
+    pass over the distinct prompts (keeping only their last position) and one over the completions. A model
+    that checkpoints, under gradients: grpo checkpoints the completion pass (``grpo.step.checkpointing``), or
+    returns None where the cache's layers are not plain ones (the caller then runs the plain pass)."""
+    takeover = torch.is_grad_enabled() and model.training and bool(checkpointing_modules(model))
     prompts, prompts_mask = prompt_ids[first], prompt_mask[first]  # [U, Lp]
-    prompt_scores, cache = _forward(model, fused, 1, input_ids=prompts, attention_mask=prompts_mask,
-                                    position_ids=position_ids_from_mask(prompts_mask), use_cache=True)
+    with checkpointing_paused(model) if takeover else nullcontext():
+        prompt_scores, cache = _forward(model, fused, 1, input_ids=prompts, attention_mask=prompts_mask,
+                                        position_ids=position_ids_from_mask(prompts_mask), use_cache=True)
     if cache is None:  # a model that ignores use_cache=True: sharing would read no prompt at all
         raise RuntimeError(
             f"grpo.step.logprobs: {type(model).__name__} returned no KV cache for the shared prompt pass "
             f"(training={model.training}, gradient checkpointing on {len(checkpointing_modules(model))} modules); "
             "completion_logprobs(share_prompts=False) runs the plain pass")
     select_cache_rows(cache, index)  # [U, ...] -> [b, ...]: an index, so gradients sum per prompt
+    if takeover and not read_only(cache):
+        return None
     Lc = completion_ids.shape[1]
     positions = prompts_mask.sum(-1)[index, None] + torch.arange(Lc, device=completion_ids.device)  # [b, Lc]
-    completion_scores, _ = _forward(model, fused, None, input_ids=completion_ids,
-                                    attention_mask=torch.cat([prompt_mask, completion_mask], 1),
-                                    position_ids=positions, **cache_argument(cache), use_cache=True)  # [b, Lc, V or H]
+    with grpo_checkpointing(model) if takeover else nullcontext():
+        completion_scores, _ = _forward(model, fused, None, input_ids=completion_ids,
+                                        attention_mask=torch.cat([prompt_mask, completion_mask], 1),
+                                        position_ids=positions, **cache_argument(cache), use_cache=True)  # [b, Lc, *]
     return torch.cat([prompt_scores.index_select(0, index), completion_scores], dim=1)
 
 
@@ -332,6 +323,9 @@ def _micro_batched_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, comp
         else:
             first_rows, index = (_to_device(t, device) for t in shared)
             scores = _shared_prompt_logits(model, p_ids, p_mask, c_ids, c_mask, first_rows, index, fused)
+            if scores is None:  # a checkpointing model whose cache grpo cannot read without extending it
+                scores = _full_logits(model, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), width,
+                                      fused)
         if fused:  # scores: [b, width + 1, H] hidden states; position t predicts c_ids[:, t]
             seen = prompt_presence(p_ids, p_mask, vocab_size) if processing is not None else None  # [b, V] bool
             if head is None:  # built once per call, on the first fused micro-batch

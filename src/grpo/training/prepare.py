@@ -38,6 +38,7 @@ from grpo.training.eval_loss import LossPass
 from grpo.training.evaluator import RunEvaluator, eval_settings, eval_sources
 from grpo.training.inputs import GivenInputs, RunInputs, policy_for, tokenizer_and_data
 from grpo.training.loop import Loop, PolicyUpdate
+from grpo.training.process_exit import exit_quickly
 from grpo.training.resume import resume_checkpoint
 from grpo.training.settings import (
     critic_settings,
@@ -52,6 +53,8 @@ from grpo.training.settings import (
 
 def start_process(cfg: RunConfig) -> tuple[DistInfo, torch.device]:
     """Join the process group (if launched with N ranks) and pick this rank's device."""
+    if cfg.train.fast_exit:
+        exit_quickly()
     device = resolve_device(cfg.train.device)
     # Collectives must outwait the longest wait a rank can make: rank 0 waiting decoupled.peer_timeout_s for a
     # batch while the others wait in a broadcast (NCCL's default 10 min is no longer than that wait's 600 s,
