@@ -27,7 +27,8 @@
 #                                              #   and k=4, against a training step (issue 29's "less than a step")
 #   run: bash scripts/gpu_session.sh lease4    # the lease after lease3 (GPU_SESSION_SECONDS likewise): sweep,
 #                                              #   multiturn, eval, the update with the fused head off at steady
-#                                              #   state, then train.column_bucket=1 against the CUDA default 64
+#                                              #   state, train.column_bucket=1 against the CUDA default 64, then
+#                                              #   full-gc and lora-gc with the shared prompt pass on
 #   run: bash scripts/gpu_session.sh lease3    # the next lease (GPU_SESSION_SECONDS likewise): the CUDA defaults the
 #                                              #   second decided (plain pass, fixed rows, no-grad plain logits)
 #                                              #   against TRL and the plain loop, full and LoRA, with GPU busy;
@@ -224,6 +225,12 @@ print(f"k={sys.argv[2]}: evaluations", " ".join(f"{x:.2f}" for x in s["eval_s"])
     if [ "$(left)" -gt 150 ]; then  # the CUDA default bucket 64 was chosen from the H100's cuDNN plans, unmeasured
       timeout "$(left)" $bench --steps 3 --cases full --sides grpo --column-bucket 1 \
         --out "$out/bucket-1.json" || echo "lease4: bucket 1 ended $?"
+    fi
+    # the shared prompt pass under gradient checkpointing (grpo.step.checkpointing) came after lease3: CUDA's
+    # plain-pass default was chosen without it; beside lease3's gc.json (the plain pass) for the same cases
+    if [ "$(left)" -gt 200 ]; then
+      timeout "$(left)" $bench --steps 3 --cases full-gc,lora-gc --sides grpo --no-busy --shared-prompt-pass on \
+        --out "$out/gc-shared.json" || echo "lease4: gc shared ended $?"
     fi
     ;;
   *)

@@ -4,6 +4,8 @@ settings, a counter of would-be host syncs, and a chat-formatted prompt."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import sys
 from collections import Counter
 from dataclasses import replace
@@ -157,3 +159,19 @@ def logged(out) -> list[dict]:
     from grpo.run.tracking import read_metrics
 
     return read_metrics(out / "metrics.jsonl")
+
+
+def run_spawned_ranks(target, world: int, port: int, out: str, timeout_s: float = 300) -> None:
+    """``target(rank, world, port, out)`` in ``world`` spawned processes (gloo ranks); fails naming the exit codes
+    when one fails or is still running after ``timeout_s`` (a hang: it is killed)."""
+    spawn = multiprocessing.get_context("spawn")
+    ranks = [spawn.Process(target=target, args=(rank, world, port, out), daemon=True) for rank in range(world)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout_s)
+    codes = [process.exitcode for process in ranks]
+    for process in ranks:
+        if process.is_alive():
+            os.kill(process.pid, 9)
+    assert codes == [0] * world, f"ranks exited with {codes} (None: still running after {timeout_s} s, a hang)"

@@ -326,6 +326,9 @@ def test_gpu_session_script_parts_run_in_tiny_form(tmp_path, gsm8k_dir):
               for name in ("fused-off", "bucket-1")}
     assert lease4["fused-off"]["grpo_set"] == {"train.fused_lm_head": "false"}
     assert lease4["bucket-1"]["grpo_column_bucket"] == 1
+    gc_shared = json.loads((tmp_path / "gc-shared.json").read_text())
+    assert gc_shared["settings"]["grpo_shared_prompt_pass"] == "on"
+    assert [case["name"].split("/")[1] for case in gc_shared["cases"]] == ["full+gc", "lora16+gc"]
     proc = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "gpu_session.sh"), "nonsense"], cwd=REPO_ROOT,
                           env=env, capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown part nonsense" in proc.stderr

@@ -1,12 +1,13 @@
 """Weights updated during generation (issue 45, part 2; ``decoupled.weight_update: in_flight``): the lean engine
 that loads version v+1 mid-sequence draws exactly the tokens of a plain reference loop that swaps the weights at the
 same token (the KV cache kept), records each token's version and log-prob, and the config refuses what it cannot
-update in flight."""
+update in flight. LoRA adapters loaded in flight: tests/test_in_flight_lora.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from in_flight_helpers import SEED, TEMPERATURE, Publisher, reference_loop
 
 from grpo.config import ConfigError, load_config
 from grpo.models.tiny import build_qwen2
@@ -14,44 +15,7 @@ from grpo.models.wrappers import eos_token_ids
 from grpo.rollout.engine import SamplingParams
 from grpo.rollout.hf import HFEngine
 from grpo.rollout.in_flight import InFlight, in_flight_engine
-from grpo.rollout.lean import LeanEngine, draw_tokens
-
-SEED, TEMPERATURE = 3, 1.3
-
-
-class Publisher:
-    """``refresh`` for the engine: loads ``newer`` in place on its ``load_on``-th call (the first is the prefill's)."""
-
-    def __init__(self, model, newer: dict, load_on: int):
-        self.model, self.newer, self.load_on, self.calls, self.version = model, newer, load_on, 0, 0
-
-    def refresh(self) -> int:
-        self.calls += 1
-        if self.calls == self.load_on:
-            self.model.load_state_dict(self.newer)
-            self.version = 1
-        return self.version
-
-
-@torch.no_grad()
-def reference_loop(model, prompt: list[int], newer: dict, swap_after: int, max_tokens: int, eos: list[int]):
-    """One row, token by token over a DynamicCache: the weights become ``newer`` once token ``swap_after - 1`` is
-    drawn (the cache of the tokens so far kept). Returns the tokens and each one's log-prob."""
-    generator = torch.Generator().manual_seed(SEED)
-    out = model(input_ids=torch.tensor([prompt]), use_cache=True)
-    cache, logits, tokens, logprobs = out.past_key_values, out.logits[:, -1], [], []
-    for t in range(max_tokens):
-        scaled = logits.float() / TEMPERATURE  # [1, V]
-        token = draw_tokens(scaled.softmax(-1), generator)  # [1]
-        tokens.append(int(token))
-        logprobs.append(float(torch.log_softmax(scaled, -1)[0, token]))
-        if int(token) in eos:
-            break
-        if t + 1 == swap_after:
-            model.load_state_dict(newer)
-        out = model(input_ids=token[:, None], past_key_values=cache, use_cache=True)
-        cache, logits = out.past_key_values, out.logits[:, -1]
-    return tokens, logprobs
+from grpo.rollout.lean import LeanEngine
 
 
 @pytest.mark.parametrize("check_tokens, load_on", [(4, 2), (3, 3), (5, 1)])
@@ -63,7 +27,7 @@ def test_a_version_loaded_mid_sequence_gives_the_reference_loops_tokens(tiny_tok
     newer = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=2, seed=1).state_dict()
     prompt = tiny_tokenizer("12+34=", add_special_tokens=False)["input_ids"]
     max_tokens, swap_after = 14, (load_on - 1) * check_tokens
-    publisher = Publisher(model, newer, load_on)
+    publisher = Publisher(lambda: model.load_state_dict(newer), load_on)
     engine = LeanEngine(model, tiny_tokenizer)
     params = SamplingParams(n=1, max_tokens=max_tokens, temperature=TEMPERATURE)
     got = engine.generate_in_flight([prompt], params, SEED, InFlight(check_tokens, publisher.refresh))
@@ -72,7 +36,8 @@ def test_a_version_loaded_mid_sequence_gives_the_reference_loops_tokens(tiny_tok
     eos = eos_token_ids(model, tiny_tokenizer)
     if swap_after == 0:
         model.load_state_dict(newer)
-    tokens, logprobs = reference_loop(model, prompt, newer, swap_after if swap_after else -1, max_tokens, eos)
+    tokens, logprobs = reference_loop(model, prompt, lambda: model.load_state_dict(newer),
+                                      swap_after if swap_after else -1, max_tokens, eos)
     n = int(got.completion_mask.sum())
     assert got.completion_ids[0, :n].tolist() == tokens
     assert n > swap_after, "the row ended before the swap: pick another prompt or seed"
@@ -80,7 +45,7 @@ def test_a_version_loaded_mid_sequence_gives_the_reference_loops_tokens(tiny_tok
     assert torch.allclose(got.sampler_logprobs[0, :n], torch.tensor(logprobs), atol=1e-5)
     # the reference without the swap draws other tokens: the test sees the new weights
     model.load_state_dict(initial)
-    unchanged, _ = reference_loop(model, prompt, initial, -1, max_tokens, eos)
+    unchanged, _ = reference_loop(model, prompt, lambda: None, -1, max_tokens, eos)
     if swap_after < n - 1:
         assert unchanged != tokens
 
@@ -88,7 +53,7 @@ def test_a_version_loaded_mid_sequence_gives_the_reference_loops_tokens(tiny_tok
 def test_every_row_switches_at_the_same_token_and_the_calls_follow_check_tokens(tiny_tokenizer):
     model = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=1, seed=0).eval()
     newer = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=1, seed=1).state_dict()
-    publisher = Publisher(model, newer, load_on=3)
+    publisher = Publisher(lambda: model.load_state_dict(newer), load_on=3)
     prompts = [tiny_tokenizer(p, add_special_tokens=False)["input_ids"] for p in ("1+1=", "22*3=")]
     params = SamplingParams(n=3, max_tokens=10, temperature=1.0)
     got = LeanEngine(model, tiny_tokenizer).generate_in_flight(prompts, params, SEED, InFlight(2, publisher.refresh))
@@ -117,9 +82,10 @@ DECOUPLED = ["train.mode=decoupled", "decoupled.weight_update=in_flight"]
 
 @pytest.mark.parametrize("overrides, match", [
     (["decoupled.weight_update=in_flight"], "train.mode is colocated"),
-    ([*DECOUPLED, "rollout.engine=vllm"], "rollout.engine is vllm: vLLM loads weights only between generate calls"),
+    ([*DECOUPLED, "rollout.engine=vllm", "rollout.top_p=0.9"], "rollout.engine is vllm with rollout.top_p 0.9"),
+    ([*DECOUPLED, "rollout.engine=vllm", "rollout.top_k=20"], "renormalised over the kept tokens"),
+    ([*DECOUPLED, "rollout.engine=vllm", "model.lora_r=8"], "switches LoRA adapters only between generate calls"),
     ([*DECOUPLED, "rollout.engine=hf-generate"], "rollout.engine is hf-generate"),
-    ([*DECOUPLED, "model.lora_r=8"], "model.lora_r is 8"),
     ([*DECOUPLED, "rollout.min_p=0.1"], "rollout.min_p is 0.1"),
 ])
 def test_the_config_refuses_what_cannot_update_in_flight(overrides, match):
@@ -130,7 +96,11 @@ def test_the_config_refuses_what_cannot_update_in_flight(overrides, match):
 def test_the_config_takes_in_flight_with_the_lean_engine():
     cfg = load_config(None, [*DECOUPLED, "rollout.engine=hf", "decoupled.inflight_check_tokens=4"])
     assert (cfg.decoupled.weight_update, cfg.decoupled.inflight_check_tokens) == ("in_flight", 4)
+    cfg = load_config(None, [*DECOUPLED, "rollout.engine=hf", "model.lora_r=8"])  # the fold follows the adapter
+    assert (cfg.decoupled.weight_update, cfg.model.lora_r) == ("in_flight", 8)
     assert load_config(None, []).decoupled.weight_update == "per_chunk"
+    cfg = load_config(None, [*DECOUPLED, "rollout.engine=vllm"])  # full weights reloaded between vLLM's steps
+    assert (cfg.decoupled.weight_update, cfg.rollout.engine) == ("in_flight", "vllm")
 
 
 def test_in_flight_the_engines_per_token_logprobs_are_the_samplers():

@@ -8,7 +8,8 @@ import torch
 from step_helpers import RecordingLearner, random_batch, settings_with
 
 from grpo.models.tiny import build_qwen2
-from grpo.step.policy_update import LossSettings, rows_by_length, train_on_batch
+from grpo.step.micro_batches import rows_by_length
+from grpo.step.policy_update import LossSettings, train_on_batch
 from grpo.parallel.distributed import DistInfo
 
 
@@ -181,7 +182,7 @@ def test_token_budget_micro_batches_give_the_fixed_row_gradient(tiny_tokenizer, 
 
 
 def test_token_budget_cuts_where_rows_times_the_widest_row_exceed_it():
-    from grpo.step.policy_update import token_budget_micro_batches
+    from grpo.step.micro_batches import token_budget_micro_batches
 
     completion = torch.tensor([1, 2, 2, 3, 6, 9])
     completion_mask = (torch.arange(9)[None] < completion[:, None]).long()

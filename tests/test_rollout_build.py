@@ -120,11 +120,32 @@ def test_an_untested_vllm_release_is_refused_naming_the_tested_ones(monkeypatch)
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.33.0"))
     with pytest.raises(ConfigError, match=r"vLLM 0\.33\.0 is installed, but .* tested with vLLM "
-                                          r"0\.24\.0 \(torch 2\.11\.0\), 0\.32\.0 \(torch 2\.13\.0\) only"):
+                                          r"0\.24\.0, 0\.25\.1, 0\.26\.0 \(torch 2\.11\.0\); "
+                                          r"0\.27\.1, .*, 0\.32\.0 \(torch 2\.13\.0\) only"):
         check_engine_available(load_config(None, ["rollout.engine=vllm"]))
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.32.1"))  # an untested patch
-    with pytest.raises(ConfigError, match=r"vLLM 0\.32\.1 is installed"):
-        check_engine_available(load_config(None, ["rollout.engine=vllm"]))
+    # an untested patch after a tested one, and one before (0.25.0: the extra leaves it out too)
+    for untested in ("0.32.1", "0.25.0"):
+        monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__=untested))
+        with pytest.raises(ConfigError, match=rf"vLLM {untested} is installed"):
+            check_engine_available(load_config(None, ["rollout.engine=vllm"]))
     for release in (*TESTED_VLLM, "0.32.0+cu130"):
         monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__=release))
         check_engine_available(load_config(None, ["rollout.engine=vllm"]))  # a tested release passes
+
+
+def test_the_vllm_extra_admits_the_tested_releases_and_not_the_untested_ones():
+    # pyproject's `vllm` extra and TESTED_VLLM must agree: pip should not install a release the engine refuses.
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    from grpo.rollout.vllm_engine import TESTED_VLLM
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    (extra,) = pyproject["project"]["optional-dependencies"]["vllm"]
+    specifier = Requirement(extra).specifier
+    assert all(specifier.contains(release) for release in TESTED_VLLM)
+    # the index's other releases around the tested ones: superseded patches, the next minor, the one before
+    for untested in ("0.23.0", "0.25.0", "0.27.0", "0.33.0"):
+        assert untested not in TESTED_VLLM and not specifier.contains(untested)

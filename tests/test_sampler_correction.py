@@ -141,7 +141,7 @@ def test_a_stale_samplers_logprobs_weight_each_token_by_the_capped_ratio(tiny_to
     stats = train_on_batch(RecordingLearner(model), batch, settings(sampler_is_mode="token_truncate",
                                                                     sampler_is_cap=cap, sampler_is_min=floor),
                            DistInfo()).totals
-    from grpo.step.policy_update import rows_by_length
+    from grpo.step.micro_batches import rows_by_length
 
     order = rows_by_length(gen.completion_mask, 2)
     got = torch.cat([c["weights"] for c in calls])[torch.argsort(order)]  # back in row order

@@ -1,5 +1,5 @@
 """Per-token policy versions (issue 45, part 1): the mismatch and staleness math against loop references and by
-hand, the versions through the batching and the wire (protocol 4; a peer of protocol 3 refused by name), the
+hand, the versions through the batching and the wire (protocol 4 on; a peer of protocol 3 refused by name), the
 trainer's staleness rule on a chunk's oldest token, and the mismatch and staleness metrics a step logs."""
 
 from __future__ import annotations
@@ -127,16 +127,19 @@ def test_the_wire_refuses_negative_versions():
         batch_to_message(bad, META)
 
 
-def test_a_sampler_of_protocol_3_is_refused_by_name():
-    # Protocol 3 sent no token versions: its chunks would be judged stale or fresh by their header alone.
-    assert PROTOCOL_VERSION == 4
+@pytest.mark.parametrize("old", [3, 4])
+def test_a_sampler_of_an_older_protocol_is_refused_by_name(old):
+    # Protocol 3 sent no token versions: its chunks would be judged stale or fresh by their header alone; protocol 4
+    # knows no adopted groups (a dead sampler's groups handed to it would be lost: tests/test_orphan_groups.py).
+    assert PROTOCOL_VERSION == 5
     with RolloutReceiver(ANY_PORT, queue_size=4) as receiver:
         with raw_dealer(receiver.address, b"sampler-7") as raw:
-            raw.send_multipart([b"", json.dumps({"v": 3, "kind": "hello", "sampler_id": "sampler-7",
+            raw.send_multipart([b"", json.dumps({"v": old, "kind": "hello", "sampler_id": "sampler-7",
                                                  "incarnation": 1}).encode(), b""])
             reply = decode(raw.recv_multipart(), max_bytes=1 << 20)
         assert reply.kind == "error"
-        assert "sampler 'sampler-7' speaks protocol version 3, not this endpoint's version 4" in reply.header["reason"]
+        assert (f"sampler 'sampler-7' speaks protocol version {old}, not this endpoint's version 5"
+                in reply.header["reason"])
         assert receiver.peers() == {} and receiver.stats["rejected"] == 1
 
 

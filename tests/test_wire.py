@@ -150,7 +150,7 @@ CONTROL_HEADERS = {
     "busy": {"batch_id": "b", "queue_depth": 4},
     "weights": {"version": 6, "path": "/w/v6"},
     "want": {},
-    "work": {"batch_id": "step-3/rank-1", "step": 3, "rank": 1, "min_version": 2},
+    "work": {"batch_id": "step-3/rank-1", "step": 3, "rank": 1, "min_version": 2, "adopt": ["step-1/rank-0#2"]},
     "heartbeat": {"time": 1.5},
     "bye": {"reason": "done"},
     "error": {"reason": "bad", "code": "bad_message", "batch_id": None},

@@ -115,7 +115,7 @@ def test_samplers_ask_for_chunks_over_sockets_and_a_late_copy_is_dropped():
         receiver.step_trained(1)
         receiver.announce_weights(1, "/weights/v1")
         thread.join(timeout=WAIT)
-        assert asked == {"batch_id": "step-2/rank-0", "step": 2, "rank": 0, "min_version": 1}
+        assert asked == {"batch_id": "step-2/rank-0", "step": 2, "rank": 0, "min_version": 1, "adopt": []}
         # a batch that is no chunk is refused by a trainer with a work plan
         with pytest.raises(Exception, match="names no chunk"):
             b.send_batch(make_batch(), {"policy_version": 1, "batch_id": "b:0"})

@@ -5,6 +5,7 @@ Every wait is bounded by ``WAIT``; a helper thread that fails reports its except
 
 from __future__ import annotations
 
+import random
 import socket
 import threading
 import time
@@ -90,7 +91,36 @@ def wait_until(condition, what: str, timeout_s: float = WAIT) -> None:
         time.sleep(0.01)
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = f.read().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, chosen below the kernel's ephemeral range.
+
+    A port from bind(("", 0)) is ephemeral: between this call and the process that listens on it, the kernel may give
+    the same number to an outgoing connection or to another bind(0) (torchrun's master port), and the listener fails
+    with "Address already in use" (seen in CI). Ports below the range are only ever taken by explicit binds."""
+    low, _ = _ephemeral_range()
+    candidates = list(range(max(1024, low - 12000), low))
+    random.SystemRandom().shuffle(candidates)
+    for port in candidates:
+        if port in _HANDED_OUT:
+            continue
+        try:
+            for host in ("127.0.0.1", "0.0.0.0"):
+                with socket.socket() as s:
+                    s.bind((host, port))
+        except OSError:
+            continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port below the ephemeral range starting at {low}")

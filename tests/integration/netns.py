@@ -4,6 +4,7 @@ fails here as it would across machines. Needs root and iproute2; ``hosts`` skips
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -16,6 +17,9 @@ from pathlib import Path
 import pytest
 
 SUBNET = "10.77"  # 10.77.<net>.<host>/24: private, and only on the interfaces these helpers create
+# Each hosts() call names its links afresh: a namespace deleted while a killed process still holds it lingers with its
+# veth for a moment, and a next call reusing the names then failed with "File exists" (seen on a loaded machine).
+_CALLS = itertools.count(1)
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,7 @@ def hosts(count: int) -> Iterator[list[Host]]:
     reason = _can_make_namespaces()
     if reason:
         pytest.skip(reason)
-    tag = f"g{os.getpid() % 100000}"
+    tag = f"g{os.getpid() % 100000}c{next(_CALLS) % 100}"  # at most 15 characters with the f"v{tag}h{i}" around it
     net = os.getpid() % 250 + 1
     bridge = f"br{tag}"
     made: list[Host] = []
@@ -78,9 +82,9 @@ def hosts(count: int) -> Iterator[list[Host]]:
         _run("ip", "link", "set", bridge, "up")
         for i in range(1, count + 1):
             host = Host(f"{tag}h{i}", f"{SUBNET}.{net}.{i}", f"v{tag}h{i}")
-            outside = f"o{tag}h{i}"
             _run("ip", "netns", "add", host.name)
             made.append(host)
+            outside = _outside(host)
             _run("ip", "link", "add", host.interface, "type", "veth", "peer", "name", outside)
             _run("ip", "link", "set", outside, "master", bridge)
             _run("ip", "link", "set", outside, "up")
@@ -92,6 +96,13 @@ def hosts(count: int) -> Iterator[list[Host]]:
     finally:
         for host in made:
             host.kill_all()
+            # Deleting the outside end removes the pair now; the namespace itself goes once its processes are reaped.
+            subprocess.run(["ip", "link", "del", _outside(host)], capture_output=True)
             subprocess.run(["ip", "netns", "del", host.name], capture_output=True)
             shutil.rmtree(Path("/etc/netns") / host.name, ignore_errors=True)
         subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+
+
+def _outside(host: Host) -> str:
+    """The bridge-side end of ``host``'s veth pair."""
+    return "o" + host.interface[1:]

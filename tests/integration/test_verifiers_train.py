@@ -1,6 +1,6 @@
 """verifiers environments end to end on a tiny model (grpo.data.verifiers_env, grpo.multiturn.verifiers_rollout,
 grpo.rollout.generate_endpoint): a taskset played by a single-agent harness and one played by a multi-turn tool
-harness (tests/integration/vf_echo_env.py, vf_tools_env.py) each train 2 colocated steps with their rewards logged
+harness (tests/integration/vf_echo_env.py, vf_tools_env.py) each train 2 steps, colocated and on 2 ranks, with their rewards logged
 under their names, every trained row's sampled tokens exactly the endpoint's replies of its episode; an episode
 that raises or hangs is a zero reward and a counted warning, never a dead run."""
 
@@ -115,6 +115,18 @@ def test_a_multi_turn_tool_harness_trains_replies_and_keeps_tool_results_as_cont
         for _, mask in rows:
             first_gap = mask.index(0)
             assert 1 in mask[first_gap:], "the second reply follows the tool result"
+
+
+def test_two_ranks_play_multi_turn_tool_episodes(qwen3_model_dir, tmp_path):
+    out = tmp_path / "run"
+    source = "verifiers:vf_tools_env,max_tokens=12,renderer=qwen3,renderer.thinking_retention=all"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "-m", "grpo", "train", SMOKE, *overrides(qwen3_model_dir, out, source, **{"rollout.max_completion_length": 80})]
+    result = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = steps_of(out)
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all("reward/digits_seen" in s and s["verifiers/failed_episodes"] == 0.0 for s in steps)
 
 
 def test_an_episode_that_raises_or_hangs_is_a_zero_reward_and_a_counted_warning(tiny_model_dir, tmp_path,

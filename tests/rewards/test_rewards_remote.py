@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from transport_helpers import free_port
 
 from grpo.config import RewardConfig
-
 from grpo.rewards import RemoteRewardError, RewardError, build_reward_functions, get_reward_function, score
 
 # (status, JSON-able body or raw text, seconds to wait before answering)
@@ -153,12 +152,6 @@ def test_malformed_answers_are_errors(serve, reply, match):
     with pytest.raises(RemoteRewardError, match=match):
         fn(["p", "p"], ["a", "b"])
     assert len(server.requests) == 1
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_connection_refused_is_retried_then_reported():

@@ -75,6 +75,17 @@ class LossAggregation:
         share = rows / total_rows if self.per_row else tokens / total_tokens.clamp(min=1)
         return (1.0 if self.global_normalizer else share), share
 
+    def rank_scale(self, rows: int, mean_rows: Tensor | float, tokens: Tensor, mean_tokens: Tensor) -> Tensor | float:
+        """The factor on one rank's loss when the ranks hold different shares of a step's batch, so that DDP's
+        mean of the ranks' gradients is the gradient of the whole batch's loss: each rank's loss is a mean over
+        its own rows (grpo, dr_grpo) or tokens (bnpo), which the plain mean over ranks would weigh alike. A
+        per-row mean is scaled by the rank's rows over the mean rows per rank, a token mean by its loss tokens
+        over the mean tokens per rank (0-d counts; ``mean_tokens`` > 0), a loss already divided by the global
+        token count (dapo) by 1. Exactly 1 for a per-row mean when every rank holds as many rows."""
+        if self.global_normalizer:
+            return 1.0
+        return rows / mean_rows if self.per_row else tokens / mean_tokens
+
 
 LOSS_AGGREGATIONS: dict[str, LossAggregation] = {
     "grpo": LossAggregation(_agg_grpo, per_row=True),

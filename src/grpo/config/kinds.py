@@ -39,9 +39,9 @@ class EngineTraits:
 
 ENGINE_TRAITS: dict[str, EngineTraits] = {
     "hf": EngineTraits(in_flight=True),  # a lean loop over the model's KV cache
-    "hf-static": EngineTraits(sampling_copy=True),  # static cache, decode step as a CUDA graph
+    "hf-static": EngineTraits(sampling_copy=True, in_flight=True),  # static cache, decode step as a CUDA graph
     "hf-generate": EngineTraits(),  # model.generate itself
-    "vllm": EngineTraits(own_weights=True, fixed_context=True),  # the optional vllm extra
+    "vllm": EngineTraits(own_weights=True, fixed_context=True, in_flight=True),  # the optional vllm extra
 }
 
 # ``auto`` picks only engines that sample from the policy itself, with no fixed context; whether the one it picks

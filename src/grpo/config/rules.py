@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from grpo.algorithm import advantage_estimator
+from grpo.config.async_rules import in_flight_problems, partial_rollout_problems
 from grpo.config.kinds import TRACKERS, engine_traits
 from grpo.tasks import resolve_task
 
@@ -130,41 +131,12 @@ def decoupled_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
         problems.append(("decoupled.weight_sync", (
             f"broadcast sends full model weights, but model.lora_r is {cfg.model.lora_r}: a LoRA adapter "
             "travels through files with its adapter config; set decoupled.weight_sync: files")))
-    problems += in_flight_problems(cfg)
+    problems += in_flight_problems(cfg) + partial_rollout_problems(cfg)
     if (cfg.train.prompts_per_step % cfg.decoupled.trainer_ranks) != 0:
         problems.append(("decoupled.trainer_ranks", (
             f"{cfg.decoupled.trainer_ranks} does not divide train.prompts_per_step "
             f"{cfg.train.prompts_per_step}: each rank trains whole prompt groups")))
     return problems
-
-
-def in_flight_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
-    """``decoupled.weight_update: in_flight`` needs an engine that loads weights between decode steps, over full
-    weights (a LoRA policy samples with its adapter folded in once per call), one turn per rollout (a tool
-    round would re-read its conversation with other weights) and log-probs the engine can report as the
-    trainer computes them (min_p renormalises over the kept tokens)."""
-    if cfg.decoupled.weight_update != "in_flight":
-        return []
-    key, r = "decoupled.weight_update", cfg.rollout
-    if cfg.train.mode != "decoupled":
-        return [(key, "is in_flight but train.mode is colocated: the trainer's own model samples, with the newest "
-                      "weights already; set train.mode: decoupled or decoupled.weight_update: per_chunk")]
-    engine = engine_traits(r.engine)
-    if r.engine != "auto" and not engine.in_flight:
-        why = ("vLLM loads weights only between generate calls here (grpo pushes them through "
-               "update_weights), not between its decode steps" if engine.own_weights else
-               "it does not load weights between its decode steps")
-        return [(key, f"is in_flight but rollout.engine is {r.engine}: {why}; use rollout.engine: hf or "
-                      "decoupled.weight_update: per_chunk")]
-    for bad, problem in ((cfg.model.lora_r > 0, f"model.lora_r is {cfg.model.lora_r}: a LoRA policy samples with "
-                                                "its adapter folded in once per call"),
-                         (bool(r.tools or r.environment or r.rollout_func), "the rollouts are multi-turn or a "
-                          "rollout_func's: a turn would continue a conversation sampled with other weights"),
-                         (r.min_p > 0, f"rollout.min_p is {r.min_p}: the engine's per-token log-probs would not be "
-                                       "the trainer's (min_p renormalises over the kept tokens)")):
-        if bad:
-            return [(key, f"is in_flight but {problem}; set decoupled.weight_update: per_chunk")]
-    return []
 
 
 def engine_problems(cfg: "RunConfig") -> list[tuple[str, str]]:

@@ -18,7 +18,7 @@ from grpo.critic.value_model import ValueModel, completion_values, load_value_mo
 from grpo.parallel.distributed import DistInfo
 from grpo.parallel.learners import Learner, build_learner
 from grpo.parallel.optim import build_optimizer, build_scheduler
-from grpo.step.policy_update import rows_by_length
+from grpo.step.micro_batches import rows_by_length
 from grpo.step.records import RolloutBatch
 
 

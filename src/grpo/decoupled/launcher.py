@@ -20,10 +20,24 @@ MAX_SAMPLER_RESTARTS = 5
 GRACE_S = 20.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _configured_ports(cfg: RunConfig) -> set[int]:
+    """The ports the roles will bind later: the master port must not take one of them before they do."""
+    ports = {cfg.decoupled.ref_server_port, cfg.decoupled.weight_sync_port}
+    tail = cfg.decoupled.address.rsplit(":", 1)[-1]
+    if tail.isdigit():
+        ports.add(int(tail))
+    return ports
+
+
+def _free_port(avoid: set[int]) -> int:
+    # The kernel's bind(0) may hand out a configured port nothing listens on yet (the rollout address is bound only
+    # when the trainer starts): torchrun's store would take it and the trainer fail with "Address already in use".
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
 
 
 def role_command(role: str, config_path: str | None, overrides: list[str]) -> list[str]:
@@ -36,7 +50,7 @@ def trainer_command(cfg: RunConfig, config_path: str | None, overrides: list[str
     if ranks == 1:
         return role_command("trainer", config_path, overrides)
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-            "--master_port", str(_free_port()), *role_command("trainer", config_path, overrides)[1:]]
+            "--master_port", str(_free_port(_configured_ports(cfg))), *role_command("trainer", config_path, overrides)[1:]]
 
 
 def _stop(proc: subprocess.Popen | None, sig=signal.SIGTERM) -> None:

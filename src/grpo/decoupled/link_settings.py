@@ -77,10 +77,12 @@ class ReceivingSettings:
     max_message_bytes: int  # the largest batch rank 0 shares with the other ranks
     sync_steps: int  # train.sync_steps: weights are published every N steps
     weights_keep: int  # decoupled.weights_keep: published versions kept on disk
+    partial_rollouts: bool = False  # a step holds a varying number of groups, split over the ranks unevenly
 
 
 def receiving_settings(cfg: RunConfig) -> ReceivingSettings:
     d = cfg.decoupled
     return ReceivingSettings(trainer_ranks=d.trainer_ranks, max_staleness=cfg.train.max_staleness,
                              peer_timeout_s=d.peer_timeout_s, max_message_bytes=max_message_bytes(cfg),
-                             sync_steps=cfg.train.sync_steps, weights_keep=d.weights_keep)
+                             sync_steps=cfg.train.sync_steps, weights_keep=d.weights_keep,
+                             partial_rollouts=d.partial_rollouts)

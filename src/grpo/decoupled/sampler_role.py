@@ -8,6 +8,8 @@ share one step's W chunks. The trainer says which chunk to make and from which w
 restarted sampler simply asks again, and a chunk's id (``step-s/rank-r``) is trained at most once. Every sampled
 token carries the version of the weights that drew it (``grpo.decoupled.token_versions``): one per chunk, or,
 with ``decoupled.weight_update: in_flight``, newer ones loaded between decode steps (``grpo.rollout.in_flight``).
+With ``decoupled.partial_rollouts`` a chunk holds the groups that finished within a token budget, its own prompts'
+or carried over from this sampler's earlier chunks (``grpo.decoupled.partial_rollouts``).
 """
 
 from __future__ import annotations
@@ -21,17 +23,22 @@ import torch
 
 from grpo.config import RunConfig
 from grpo.data.prompt_sampler import PromptSampler
+from grpo.decoupled.carry_over import ALL_GROUPS_TRAINED, CarryOver
 from grpo.decoupled.link_settings import config_fingerprint, max_message_bytes, sampler_curve_key, shared_token
+from grpo.decoupled.partial_rollouts import PartialInputs, partial_experience
 from grpo.decoupled.ref_server import RefServerClient
 from grpo.decoupled.rendezvous import is_wildcard, read_trainer_address, split_tcp
 from grpo.decoupled.token_versions import stamped
 from grpo.decoupled.transport import PeerClosed, PeerTimeout, RolloutSender
 from grpo.decoupled.weight_sync import ReceivedWeights, is_broadcast
+from grpo.decoupled.work_plan import Chunk
 from grpo.models.loading import load_policy, load_reference, resolve_device
+from grpo.models.wrappers import eos_token_ids
 from grpo.multiturn.driver import sampling_engine
 from grpo.multiturn.wiring import with_turns
 from grpo.rollout.build import build_engine, holds_own_weights, policy_engine_name
 from grpo.rollout.in_flight import InFlight, in_flight_engine
+from grpo.rollout.prefix_cache import PrefixCache
 from grpo.step.experience import local_reference, rank_experience
 from grpo.step.records import RolloutBatch
 from grpo.training.inputs import GivenInputs, tokenizer_and_data
@@ -101,19 +108,35 @@ def run_sampler(cfg: RunConfig) -> int:
     if in_flight:  # every decode step's weights: the newest announced, loaded without waiting
         engine = in_flight_engine(engine, InFlight(d.inflight_check_tokens, lambda: weights.newest(sender)), tokenizer,
                                   policy_engine_name(cfg, policy))
+    elif d.partial_rollouts:  # the same engine for its per-token records, its weights those of the chunk
+        fixed = InFlight(cfg.rollout.max_completion_length, lambda: weights.version)
+        engine = in_flight_engine(engine, fixed, tokenizer, policy_engine_name(cfg, policy),
+                                  setting="decoupled.partial_rollouts is true")
+    carry = (CarryOver(cfg.rollout.num_generations, cfg.rollout.max_completion_length, d.partial_token_budget,
+                       cfg.rollout.min_new_tokens) if d.partial_rollouts else None)
+    kept = PrefixCache() if carry is not None else None  # carried rows' keys/values, from chunk to chunk
+    partial_inputs = PartialInputs(tokenizer, train_set, prompt_sampler, inputs.reward_fns, inputs.reward_weights,
+                                   settings, cfg.train.seed)
+    seen = Settlements()
     try:
         while True:
             work = sender.request_work()
             version = weights.at_least(work["min_version"], sender)
             started = time.perf_counter()
-            chunk, dynamic = rank_experience(
-                engine, policy, ref_logprobs, tokenizer, train_set, prompt_sampler, inputs.reward_fns,
-                inputs.reward_weights, settings, step=work["step"], rank=work["rank"], world_size=W,
-                seed=cfg.train.seed, max_rounds=dynamic_rounds(cfg))
+            if carry is None:
+                chunk, dynamic = rank_experience(
+                    engine, policy, ref_logprobs, tokenizer, train_set, prompt_sampler, inputs.reward_fns,
+                    inputs.reward_weights, settings, step=work["step"], rank=work["rank"], world_size=W,
+                    seed=cfg.train.seed, max_rounds=dynamic_rounds(cfg))
+            else:  # finished groups, of this chunk's prompts or carried over (their tokens carry their versions)
+                chunk, dynamic = partial_experience(
+                    engine, policy, ref_logprobs, carry, partial_inputs, eos_token_ids(policy, tokenizer),
+                    chunk=Chunk(work["step"], work["rank"]), world_size=W, min_version=work["min_version"],
+                    settled=seen.new(sender), adopt=work["adopt"], kept=kept)
             seconds = time.perf_counter() - started
             chunk = stamped(chunk, version)  # every token was made by weights ``version``
             tokens = float(chunk.generation.sampled_mask.sum())  # generated: environment tokens are not
-            sender.send_batch(for_correction(chunk, correction, in_flight), {
+            sender.send_batch(for_correction(chunk, correction, in_flight or carry is not None), {
                 "batch_id": work["batch_id"], "policy_version": version, "step_index": work["step"],
                 "rank": work["rank"], "sampler_seconds": seconds, "sampler_tokens": tokens, **dynamic})
     except PeerClosed:
@@ -121,6 +144,20 @@ def run_sampler(cfg: RunConfig) -> int:
         return 0
     finally:
         sender.close(bye=False)
+
+
+class Settlements:
+    """Reads the trainer's verdicts on this sampler's chunks once each: the chunk ids acknowledged for good (in
+    a checkpoint) and those dropped untrained since the last call (``RolloutSender.acked``/``dropped`` grow),
+    less those dropped because all their groups were trained from other copies (nothing to make again)."""
+
+    def __init__(self):
+        self.acked = self.dropped = 0
+
+    def new(self, sender: RolloutSender) -> tuple[list[str], list[str]]:
+        acked, dropped = sender.acked[self.acked:], sender.dropped[self.dropped:]
+        self.acked, self.dropped = self.acked + len(acked), self.dropped + len(dropped)
+        return acked, [batch_id for batch_id, reason in dropped if reason != ALL_GROUPS_TRAINED]
 
 
 def connect_to_trainer(cfg: RunConfig, sampler_id: str, token: str) -> tuple[RolloutSender, dict]:

@@ -7,7 +7,8 @@ group (never pickle). A chunk is acknowledged after it was trained, provisionall
 (the sampler keeps it until then, to resend after a crash); the trained chunk ids go into every checkpoint,
 so a restarted trainer only acknowledges a chunk it trained before. A chunk whose oldest token is more than
 ``train.max_staleness`` versions behind its step (possible only across a restart) is dropped, counted and made
-again.
+again. With partial rollouts a chunk names its groups (``grpo.decoupled.carry_over``); a group id is trained at
+most once, and the trained ids go into every checkpoint too.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from grpo.config import RunConfig
+from grpo.decoupled.carry_over import ALL_GROUPS_TRAINED
 from grpo.decoupled.link_settings import (
     ReceivingSettings,
     config_fingerprint,
@@ -37,7 +39,7 @@ from grpo.decoupled.work_plan import Chunk, WorkPlan, chunk_of
 from grpo.parallel.distributed import DistInfo, barrier, shutdown
 from grpo.parallel.learners import zero3_full_state_dict
 from grpo.run.progress import LineProgress
-from grpo.step.batching import concat_batches, rank_groups
+from grpo.step.batching import concat_batches, rank_group_spans, rank_groups, select_groups
 from grpo.training.inputs import GivenInputs
 from grpo.training.loop import Collected, run_loop
 from grpo.training.prepare import OpenedRun, build_evaluator, make_loop, prepare, start_process
@@ -102,14 +104,21 @@ def is_fresh(incoming: IncomingBatch, chunk: Chunk, max_staleness: int) -> bool:
     return (chunk.step - 1) - chunk_version(incoming) <= max_staleness
 
 
-def step_chunks(receiver, step: int, settings: ReceivingSettings, held: dict, counts,
-                stop_requested=lambda: False) -> tuple[list[IncomingBatch] | None, float]:
+def step_chunks(receiver, step: int, settings: ReceivingSettings, held: dict, counts, stop_requested=lambda: False,
+                trained_groups=frozenset()) -> tuple[list[IncomingBatch] | None, float]:
     """Step ``step``'s W chunks, in rank order, with the seconds spent waiting. Chunks of later steps that
     arrive meanwhile are kept in ``held``; a stale one is dropped (counted in ``counts.dropped``) and made
-    again. Waiting longer than the peer timeout for any chunk is an error, not a hang; None when
-    ``stop_requested()`` turns true meanwhile (SIGTERM while the samplers are gone must not wait that long)."""
+    again, as is one whose groups (partial rollouts) are all in ``trained_groups``; the others lose those
+    (checked again for a held chunk: groups were trained since it came). Waiting longer than the peer timeout
+    for any chunk is an error, not a hang; None when ``stop_requested()`` turns true meanwhile (SIGTERM while
+    the samplers are gone must not wait that long)."""
     started = last_arrival = last_status = time.perf_counter()
     wanted = [Chunk(step, rank) for rank in range(settings.trainer_ranks)]
+    for chunk in [c for c in wanted if c in held]:
+        if (part := untrained_part(held[chunk], trained_groups)) is None:
+            receiver.drop(held.pop(chunk).batch_id, ALL_GROUPS_TRAINED, final=False)
+        else:
+            held[chunk] = part
     while not all(c in held for c in wanted):
         incoming = receiver.next_batch(timeout_s=1.0)
         now = time.perf_counter()
@@ -134,21 +143,51 @@ def step_chunks(receiver, step: int, settings: ReceivingSettings, held: dict, co
             receiver.drop(incoming.batch_id, f"stale: made with version {chunk_version(incoming)} for step "
                           f"{chunk.step}, max_staleness {settings.max_staleness}", final=False)
             counts.dropped += 1
+        elif (fresh := untrained_part(incoming, trained_groups | step_groups(held, chunk.step))) is None:
+            receiver.drop(incoming.batch_id, ALL_GROUPS_TRAINED, final=False)
         else:  # a chunk without token versions (none are required on the wire): its header's version made each
-            held[chunk] = replace(incoming, batch=stamped(incoming.batch, incoming.policy_version))
+            held[chunk] = replace(fresh, batch=stamped(fresh.batch, fresh.policy_version))
     return [held.pop(c) for c in wanted], time.perf_counter() - started
+
+
+def step_groups(held: dict, step: int) -> set[str]:
+    """The partial-rollout groups in the chunks of ``step`` held so far (an orphan adopted while its first sampler
+    was only silent may come in two chunks of one step: the second loses it)."""
+    return {g for chunk, incoming in held.items() if chunk.step == step for g in incoming.meta.get("groups", ())}
+
+
+def untrained_part(incoming: IncomingBatch, trained_groups) -> IncomingBatch | None:
+    """A partial-rollout chunk (its header lists its ``groups``) without the groups trained already (a group
+    made twice, its first copy trained in another chunk, or held in another chunk of the step); None when none
+    is left. Other chunks as they are."""
+    groups = incoming.meta.get("groups")
+    if groups is None:
+        return incoming
+    kept = [i for i, g in enumerate(groups) if g not in trained_groups]
+    if not kept:
+        return None
+    if len(kept) == len(groups):
+        return incoming
+    logger.warning("chunk %s: %d of its groups are trained (or held) already; training the other %d",
+                   incoming.batch_id, len(groups) - len(kept), len(kept))
+    return replace(incoming, batch=select_groups(incoming.batch, kept),
+                   meta={**incoming.meta, "groups": [groups[i] for i in kept]})
+
+
+PER_CHUNK_COUNTS = ("rollout/dynamic_", "rollout/partial_")  # header counts averaged over a step's chunks
 
 
 def step_meta(chunks: list[IncomingBatch]) -> dict:
     """One header for a step made of chunks: their ids and samplers joined, the oldest weights' version,
     the dynamic-sampling counts averaged over the chunks (as the colocated ranks' are)."""
     metas = [c.meta for c in chunks]
-    dynamic = {k for m in metas for k in m if k.startswith("rollout/dynamic_")}
+    dynamic = {k for m in metas for k in m if k.startswith(PER_CHUNK_COUNTS)}
     return {"batch_id": ",".join(c.batch_id for c in chunks),
             "sampler_id": ",".join(sorted({c.sampler_id for c in chunks})),
             "samplers": len({c.sampler_id for c in chunks}),
             "policy_version": min(chunk_version(c) for c in chunks),
             "chunk_ids": [c.batch_id for c in chunks], "chunk_samplers": [c.sampler_id for c in chunks],
+            "groups": [g for c in chunks for g in c.meta.get("groups", [])],
             "sampler_seconds": sum(float(m.get("sampler_seconds", float("nan"))) for m in metas) / len(metas),
             "sampler_tokens_per_s": sum(float(m.get("sampler_tokens", float("nan"))) for m in metas)
             / max(max(float(m.get("sampler_seconds", float("nan"))) for m in metas), 1e-9),
@@ -173,23 +212,38 @@ class Receiving:
     dropped: int = 0  # stale chunks dropped so far
     meta: dict = field(default_factory=dict)  # the step in hand's header (chunk ids, samplers, version, timings)
     held: dict = field(default_factory=dict)  # chunks of later steps that arrived early (rank 0)
+    trained_groups: set = field(default_factory=set)  # partial rollouts' group ids trained so far (rank 0)
 
     def collect(self, step: int, stop_requested=lambda: False) -> Collected:
         started = time.perf_counter()
         batch, meta, waited = None, None, 0.0
         if self.info.is_main:
-            chunks, waited = step_chunks(self.receiver, step, self.settings, self.held, self, stop_requested)
+            chunks, waited = step_chunks(self.receiver, step, self.settings, self.held, self, stop_requested,
+                                         self.trained_groups)
             if chunks is not None:
                 batch = concat_batches([c.batch for c in chunks], self.pad_token_id)
                 meta = {**step_meta(chunks), **staleness_metrics(batch, step - 1)}
         batch, self.meta = share_batch(batch, meta, self.info, self.device, self.settings.max_message_bytes)
-        mine = rank_groups(batch, self.info.rank, self.info.world_size)
-        return Collected(mine, time.perf_counter() - started, metrics={"time/wait_for_rollout_s": waited})
+        mine, share = self.rank_part(batch)
+        return Collected(mine, time.perf_counter() - started, metrics={"time/wait_for_rollout_s": waited},
+                         rank_share=share)
+
+    def rank_part(self, batch) -> tuple[object, float]:
+        """This rank's groups of the step's ``batch`` and its rows over the mean rows per rank. With partial
+        rollouts a step's group count varies: ranks get as even a split as whole groups allow (the update
+        scales each rank's loss to its share: ``grpo.step.policy_update.LossSettings.uneven_ranks``)."""
+        rank, world = self.info.rank, self.info.world_size
+        if not self.settings.partial_rollouts:
+            return rank_groups(batch, rank, world), 1.0
+        groups = len(batch.prompts)
+        mine = rank_group_spans(groups, world)[rank]
+        return select_groups(batch, mine), len(mine) * world / groups
 
     def after_update(self, step: int, collected: Collected, checkpointing: bool) -> dict[str, float]:
         started, meta = time.perf_counter(), self.meta
         if self.receiver:
             self.receiver.step_trained(step)
+            self.trained_groups.update(meta["groups"])
         if step % self.settings.sync_steps == 0:
             self.version = step
             path = publish_weights(self.store, self.trainable, self.version, self.settings.weights_keep,
@@ -213,15 +267,19 @@ class Receiving:
             "rollouts/dropped": float(self.dropped), "time/weight_sync_s": time.perf_counter() - started,
             "sampler/seconds_per_chunk": float(meta["sampler_seconds"]),
             "sampler/tokens_per_s": float(meta["sampler_tokens_per_s"]),
-            **{k: float(v) for k, v in meta.items() if k.startswith("rollout/dynamic_")},
+            **{k: float(v) for k, v in meta.items() if k.startswith(PER_CHUNK_COUNTS)},
+            **({"groups": " ".join(meta["groups"])} if meta["groups"] else {}),  # partial rollouts: which trained
         }
 
     def checkpoint_state(self, step: int, collected: Collected | None) -> dict:
         if not self.receiver:
-            return {"trained_batch_ids": {}, "dropped_batch_ids": {}}
+            return {"trained_batch_ids": {}, "dropped_batch_ids": {}, "trained_group_ids": [],
+                    "carried_groups": {"carried": {}, "orphans": []}}
         just_trained = dict(zip(self.meta["chunk_ids"], self.meta["chunk_samplers"])) if collected is not None else {}
+        groups = self.trained_groups | set(self.meta["groups"] if collected is not None else ())
         return {"trained_batch_ids": {**self.receiver.trained_ids, **just_trained},
-                "dropped_batch_ids": self.receiver.dropped_ids}
+                "dropped_batch_ids": self.receiver.dropped_ids, "trained_group_ids": sorted(groups),
+                "carried_groups": self.receiver.carried_groups}  # who holds which unsent group, across a restart
 
     def checkpoint_written(self, step: int, collected: Collected | None) -> None:
         if self.receiver:  # the checkpoint lists every chunk trained so far: their acks are now final
@@ -268,7 +326,8 @@ def run_trainer(cfg: RunConfig) -> int:
                 receiver.announce_weights(version, path)
             publisher = start_broadcast(cfg, store)
         receiving = Receiving(receiving_settings(cfg), receiver, store, trainable, info, device, version,
-                              p.inputs.tokenizer.pad_token_id, publisher=publisher)
+                              p.inputs.tokenizer.pad_token_id, publisher=publisher,
+                              trained_groups=set((run.resumed_state or {}).get("trained_group_ids", [])))
         # The samplers run on other weights: the ranks evaluate the newest ones themselves, each a slice.
         evaluate = build_evaluator(cfg, p.inputs, p.policy, info, run.out)
         run_loop(make_loop(cfg, p, LineProgress(enabled=info.is_main), evaluate), receiving, run.start_step,
@@ -299,7 +358,8 @@ def open_receiver(cfg: RunConfig, run: OpenedRun, version: int) -> RolloutReceiv
                            dropped_ids=state.get("dropped_batch_ids", {}), policy_version=version,
                            config_hash=config_fingerprint(cfg), curve_secret_key=trainer_curve_key(cfg),
                            work_plan=WorkPlan(cfg.decoupled.trainer_ranks, cfg.train.max_staleness,
-                                              trained_steps=run.start_step, version=version))
+                                              trained_steps=run.start_step, version=version),
+                           carried_groups=state.get("carried_groups"))
 
 
 def main(cfg: RunConfig) -> int:

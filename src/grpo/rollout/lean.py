@@ -8,18 +8,17 @@ min-p (the order ``generate`` applies them; ``grpo.algorithm.processing`` has th
 min-p), then one draw from that distribution (inverse CDF, see ``draw_tokens``). Three savings ``generate`` does not make:
 each prompt is prefilled once and its KV cache repeated for the G samples (into a preallocated cache
 written in place), finished rows leave the batch, and a LoRA policy samples with its
-adapter folded into the weights it adapts (W + BA computed once per call instead of two extra
-matmuls per layer per token; the base weights themselves are never modified).
+adapter folded into the weights it adapts (``grpo.rollout.folded_lora``: W + BA computed once per
+call, and again when a newer adapter is loaded in flight, instead of two extra matmuls per layer
+per token; the base weights themselves are never modified).
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import Sequence
 
 import torch
-from peft import PeftModel
-from peft.tuners.lora import LoraLayer
 from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
@@ -27,46 +26,12 @@ from grpo.algorithm.processing import eos_mask, min_p_removed, penalize_repeats,
 from grpo.compat import cache_argument
 from grpo.models.wrappers import eos_token_ids, unwrap_model
 from grpo.rollout.engine import SamplingParams, completion_mask_from_ids
+from grpo.rollout.folded_lora import FoldedLora
 from grpo.rollout.generation import Generation
 from grpo.rollout.hf import eval_mode, left_pad
-from grpo.rollout.in_flight import InFlight, TokenRecord, with_records
+from grpo.rollout.in_flight import InFlight, TokenRecord, sample_in_calls, with_records
 from grpo.rollout.prefill import prefill
 from grpo.rollout.prefix_cache import CachedTurns, PrefixCache, cached_turns
-
-
-def folded_lora_weights(model: torch.nn.Module) -> dict[str, Tensor] | None:
-    """For a peft LoRA model: ``{parameter name: W + delta}`` for every adapted base weight (active
-    adapters folded in, as peft's own merge computes them), to sample with in place of those weights
-    (``weights_swapped``) with the adapter layers disabled; None for any other model."""
-    if not isinstance(model, PeftModel):
-        return None
-    folded = {}
-    for name, module in model.named_modules():
-        if isinstance(module, LoraLayer) and not module.merged and hasattr(module.base_layer, "weight"):
-            adapters = [a for a in module.active_adapters if a in module.lora_A]
-            if adapters:
-                weight = module.base_layer.weight
-                if not weight.is_floating_point():  # packed 4-bit (QLoRA): sample through peft's own forward
-                    return None
-                delta = sum(module.get_delta_weight(a) for a in adapters)
-                folded[f"{name}.base_layer.weight"] = weight + delta.to(weight.dtype)  # a bf16 base stays bf16
-    return folded or None
-
-
-@contextmanager
-def weights_swapped(model: torch.nn.Module, values: dict[str, Tensor]):
-    """Run the block with ``values`` as those parameters' data, then put the original tensors back (they are
-    never written, so frozen base weights cannot drift). Cheaper than ``functional_call``, which re-binds the
-    whole module tree on every forward: 40% of a LoRA sampling step on a 2-core CPU."""
-    params = {name: model.get_parameter(name) for name in values}
-    originals = {name: param.data for name, param in params.items()}
-    try:
-        for name, param in params.items():
-            param.data = values[name]
-        yield
-    finally:
-        for name, param in params.items():
-            param.data = originals[name]
 
 
 def apply_processors(logits: Tensor, penalty: float, seen: Tensor | None, forbidden: Tensor | None) -> Tensor:
@@ -205,30 +170,23 @@ class LeanEngine:
         encoded = [list(ids) for ids in prompt_ids]
         generator = seeded_generator(params, seed, next(model.parameters()).device)
         per_call = max(1, (self.batch_size or len(encoded) * params.n) // params.n)
-        chunks, records = [], []
         with eval_mode(model), torch.no_grad():
-            folded = folded_lora_weights(model)
-            if folded is not None and in_flight is not None:  # the folded copy would not see a new version
-                raise ValueError("in-flight weight updates need full weights, not a LoRA policy")
-            # LoRA: the adapter layers off, their base weights replaced by W + delta for the call
-            with (model.disable_adapter() if folded is not None else nullcontext(),
-                  weights_swapped(model, folded) if folded is not None else nullcontext()):
-                for start in range(0, len(encoded), per_call):
-                    prompts = encoded[start:start + per_call]
-                    record = (TokenRecord(in_flight, len(prompts) * params.n, params.max_tokens,
-                                          1.0 if params.greedy or params.temperature == 0 else params.temperature,
-                                          next(model.parameters()).device) if in_flight is not None else None)
-                    chunks.append(self._sample(model, model, prompts, params, eos_ids, pad_id, generator,
-                                               prefix_cache, record))
-                    if record is not None:
-                        records.append(record.taken(chunks[-1].shape[1]))
+            # LoRA: the adapter layers off, their base weights replaced by W + delta for the call (refolded when
+            # a newer adapter is loaded in flight)
+            lora = FoldedLora.of(model, in_flight)
+            if lora is not None and in_flight is not None:
+                in_flight = lora.following()
+            with lora.swapped() if lora is not None else nullcontext():
+                chunks, records = sample_in_calls(
+                    encoded, per_call, params, in_flight, next(model.parameters()).device, lambda prompts, record: (
+                        self._sample(model, model, prompts, params, eos_ids, pad_id, generator, prefix_cache, record)))
         generation = assemble_generation(chunks, encoded, params.n, eos_ids, pad_id, self.tokenizer)
         return with_records(generation, records) if records else generation
 
     def generate_in_flight(self, prompt_ids: Sequence[list[int]], params: SamplingParams, seed: int | None,
-                           in_flight: InFlight) -> Generation:
+                           in_flight: InFlight, prefix_cache: PrefixCache | None = None) -> Generation:
         """See ``grpo.rollout.in_flight.InFlightCapable``."""
-        return self.generate_ids(prompt_ids, params, seed, in_flight=in_flight)
+        return self.generate_ids(prompt_ids, params, seed, in_flight=in_flight, prefix_cache=prefix_cache)
 
     def cached_turns(self) -> AbstractContextManager[CachedTurns]:
         """See ``grpo.rollout.engine.PrefixCachingEngine``: the rows' keys/values kept between calls."""

@@ -15,6 +15,10 @@ closes the cache, and a closed cache refuses to be used. So keys/values computed
 can never be read after the optimizer has changed them. Inside the context the weights must not change
 (nothing in a rollout changes them). A matched entry is dropped once it has been continued (the row's new
 entry holds it), so the cache holds about one entry per row.
+
+One exception, on purpose: partial rollouts (``grpo.decoupled.partial_rollouts``) keep one cache across a
+sampler's chunks for the rows they carry over, whose keys/values stay those of the weights that drew the tokens,
+as weights updated in flight leave them (``grpo.rollout.in_flight``); ``retain`` drops the rows that ended.
 """
 
 from __future__ import annotations
@@ -89,6 +93,11 @@ class PrefixCache:
                 keys[i].append(layer.keys[row][:, where])  # [h, T_i, d]
                 values[i].append(layer.values[row][:, where])
         self.entries += [CachedPrefix(list(row_ids), k, v) for row_ids, k, v in zip(ids, keys, values)]
+
+    def retain(self, ids: set[tuple[int, ...]]) -> None:
+        """Keep only the entries whose token ids are in ``ids`` (the rows that may still be continued)."""
+        self.check_open()
+        self.entries = [entry for entry in self.entries if tuple(entry.ids) in ids]
 
     def clear(self) -> None:
         self.entries = []

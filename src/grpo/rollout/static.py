@@ -21,9 +21,11 @@ top-p, min-p) and an inverse-CDF draw with one uniform per row and token. The un
 ``[B, max_tokens]`` from the call's seeded generator (no RNG inside the graph), so a seed fixes the
 output; it is not the ``hf`` engine's stream, so the two engines give different (equally distributed)
 samples for one seed. Weights: a ``SamplingCopy`` (bf16 on CUDA, LoRA merged), refreshed from the
-policy at the start of every call. The log-probs the trainer recomputes come from the fp32 policy under
-autocast, so they differ from the bf16 sampler's by bf16 rounding (as with vLLM); ``rollout/
-logprob_diff`` is the place to see that.
+policy at the start of every call, and in flight (``generate_in_flight``) whenever a check between two
+decode steps loads a newer version: in place, so the captured graph reads the new weights (each token's
+version and log-prob are then written by the step itself: ``TokenRecord.drawn_in_step``). The log-probs
+the trainer recomputes come from the fp32 policy under autocast, so they differ from the bf16 sampler's
+by bf16 rounding (as with vLLM); ``rollout/logprob_diff`` is the place to see that.
 
 The graph is captured per call, not kept across calls, on purpose: a kept graph needs its buffers kept,
 i.e. the static KV cache held through every update (GBs at the 1.5B-7B shapes), against the target of a
@@ -50,6 +52,7 @@ from grpo.compat import cache_argument
 from grpo.models.wrappers import eos_token_ids
 from grpo.rollout.engine import SamplingParams
 from grpo.rollout.generation import Generation
+from grpo.rollout.in_flight import InFlight, TokenRecord, sample_in_calls, with_records
 from grpo.rollout.lean import apply_processors, assemble_generation, filter_logits, seeded_generator
 from grpo.rollout.prefill import prefill
 from grpo.rollout.prefix_cache import CachedTurns, PrefixCache, cached_turns
@@ -117,12 +120,16 @@ class StaticEngine:
                                  params, seed)
 
     def generate_ids(self, prompt_ids: Sequence[list[int]], params: SamplingParams, seed: int | None = None, *,
-                     prefix_cache: PrefixCache | None = None) -> Generation:
+                     prefix_cache: PrefixCache | None = None, in_flight: InFlight | None = None) -> Generation:
         """``generate`` from token ids. ``prefix_cache`` (from ``cached_turns()``): each prompt continues from
-        the longest stored row it extends, and every row's keys/values up to its first EOS are stored."""
+        the longest stored row it extends, and every row's keys/values up to its first EOS are stored.
+        ``in_flight``: newer weights are loaded between decode steps (``generate_in_flight``)."""
         if prefix_cache is not None:
             prefix_cache.check_open()
-        self.copy.refresh()  # the policy may have been updated since the last call
+        if in_flight is None:
+            self.copy.refresh()  # the policy may have been updated since the last call
+        else:  # refreshed at the prefill's check (the same reason), then whenever a check loads a newer version
+            in_flight = InFlight(in_flight.check_tokens, CopyFollowing(self.copy, in_flight.refresh).refresh)
         model = self.copy.model
         device = next(model.parameters()).device
         pad_id = self.tokenizer.pad_token_id
@@ -131,18 +138,25 @@ class StaticEngine:
         generator = seeded_generator(params, seed, device)
         per_call = max(1, (self.batch_size or len(encoded) * params.n) // params.n)
         with torch.no_grad():
-            chunks = [self._sample(model, encoded[start:start + per_call], params, eos_ids, pad_id, generator,
-                                   prefix_cache)
-                      for start in range(0, len(encoded), per_call)]
-        return assemble_generation(chunks, encoded, params.n, eos_ids, pad_id, self.tokenizer)
+            chunks, records = sample_in_calls(encoded, per_call, params, in_flight, device, lambda prompts, record: (
+                self._sample(model, prompts, params, eos_ids, pad_id, generator, prefix_cache, record)))
+        generation = assemble_generation(chunks, encoded, params.n, eos_ids, pad_id, self.tokenizer)
+        return with_records(generation, records) if records else generation
+
+    def generate_in_flight(self, prompt_ids: Sequence[list[int]], params: SamplingParams, seed: int | None,
+                           in_flight: InFlight, prefix_cache: PrefixCache | None = None) -> Generation:
+        """See ``grpo.rollout.in_flight.InFlightCapable``."""
+        return self.generate_ids(prompt_ids, params, seed, in_flight=in_flight, prefix_cache=prefix_cache)
 
     def cached_turns(self) -> AbstractContextManager[CachedTurns]:
         """See ``grpo.rollout.engine.PrefixCachingEngine``: the rows' keys/values kept between calls."""
         return cached_turns(self)
 
     def _sample(self, model, encoded: list[list[int]], params: SamplingParams, eos_ids: list[int], pad_id: int,
-                generator: torch.Generator, prefix_cache: PrefixCache | None = None) -> Tensor:
-        """[B, t] sampled tokens (anything after a row's first EOS is unused) for one batch of prompts."""
+                generator: torch.Generator, prefix_cache: PrefixCache | None = None,
+                record: TokenRecord | None = None) -> Tensor:
+        """[B, t] sampled tokens (anything after a row's first EOS is unused) for one batch of prompts; ``record``
+        (in flight): each token's version and log-prob written by the step, newer weights loaded between steps."""
         device = next(model.parameters()).device
         n, steps = params.n, params.max_tokens
         first = prefill(model, encoded, pad_id, device, prefix_cache)
@@ -173,12 +187,14 @@ class StaticEngine:
             # the processors' state (None when off): tokens seen per row [B, V], the EOS ids [V]
             seen=(prompt_presence(first.prompt_ids, first.prompt_mask, V).repeat_interleave(n, 0)
                   if params.repetition_penalty != 1.0 else None),
-            eos_forbidden=eos_mask(eos_ids, V, device) if params.min_new_tokens > 0 else None)
+            eos_forbidden=eos_mask(eos_ids, V, device) if params.min_new_tokens > 0 else None, record=record)
         # Token 0 comes from the prefill's logits (eagerly); the graph covers tokens 1 .. steps-1.
         state.first_token(first.logits.repeat_interleave(n, 0))
         step = self._decode_step(model, state)
         t = 0
         for t in range(1, steps):
+            if record is not None:
+                record.before_next(t - 1)  # newer weights, if any, are in the copy before the step reads it
             step()
             if t % self.eos_check_every == 0 and bool(state.finished.all()):  # the one host sync, every k tokens
                 break
@@ -210,8 +226,10 @@ class _StepState:
 
     def __init__(self, *, cache, write_pos: Tensor, prompt_len: int, key_mask: Tensor, first_position: Tensor,
                  slots: Tensor, uniforms: Tensor | None, result: Tensor, finished: Tensor,
-                 eos: Tensor, params: SamplingParams, seen: Tensor | None, eos_forbidden: Tensor | None):
+                 eos: Tensor, params: SamplingParams, seen: Tensor | None, eos_forbidden: Tensor | None,
+                 record: TokenRecord | None = None):
         self.cache, self.write_pos, self.prompt_len = cache, write_pos, prompt_len
+        self.token_record = record  # None unless in flight: then every token's version and log-prob
         self.key_mask, self.first_position, self.slots = key_mask, first_position, slots
         self.uniforms, self.result, self.finished, self.eos, self.params = uniforms, result, finished, eos, params
         self.seen, self.eos_forbidden = seen, eos_forbidden
@@ -224,11 +242,15 @@ class _StepState:
         forbidden = None if self.eos_forbidden is None else self.eos_forbidden & (t < params.min_new_tokens)
         logits = apply_processors(logits, params.repetition_penalty, self.seen, forbidden)
         if self.uniforms is None:
-            return logits.float().argmax(-1)
-        probs = filter_logits(logits, params.temperature, params.top_k, params.top_p, params.min_p).softmax(-1)
-        cdf = probs.double().cumsum(-1)  # [B, V]: the hf engine's inverse-CDF draw (lean.draw_tokens)
-        u = self.uniforms.index_select(1, t)  # [B, 1]
-        return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=probs.shape[-1] - 1).squeeze(-1)
+            tokens = logits.float().argmax(-1)
+        else:
+            probs = filter_logits(logits, params.temperature, params.top_k, params.top_p, params.min_p).softmax(-1)
+            cdf = probs.double().cumsum(-1)  # [B, V]: the hf engine's inverse-CDF draw (lean.draw_tokens)
+            u = self.uniforms.index_select(1, t)  # [B, 1]
+            tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=probs.shape[-1] - 1).squeeze(-1)
+        if self.token_record is not None:
+            self.token_record.drawn_in_step(t, tokens, logits)
+        return tokens
 
     def record(self, tokens: Tensor, t: Tensor) -> None:
         self.tokens.copy_(tokens)
@@ -249,6 +271,22 @@ class _StepState:
                     attention_mask=visible[:, None, None, :], **cache_argument(self.cache), use_cache=True)
         self.record(self.draw(out.logits[:, -1], t), t)
         self.write_pos.add_(1)
+
+
+class CopyFollowing:
+    """``refresh`` (an ``InFlight``'s) with the sampling copy rewritten from the policy, in place, at its first
+    call and whenever it returns another version than the copy holds: ``refresh`` loads into the policy, and the
+    captured decode step reads the copy's tensors at their addresses."""
+
+    def __init__(self, copy: SamplingCopy, refresh):
+        self.copy, self.in_flight_refresh, self.version = copy, refresh, None
+
+    def refresh(self) -> int:
+        version = self.in_flight_refresh()
+        if version != self.version:
+            self.copy.refresh()
+            self.version = version
+        return version
 
 
 def _store_rows(prefix_cache: PrefixCache, state: "_StepState", encoded: list[list[int]], n: int, t: int) -> None:

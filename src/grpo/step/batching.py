@@ -102,6 +102,19 @@ def rank_groups(batch: RolloutBatch, rank: int, world_size: int) -> RolloutBatch
     return select_groups(batch, range(rank * P // world_size, (rank + 1) * P // world_size))
 
 
+def rank_group_spans(num_groups: int, world_size: int) -> list[range]:
+    """Each rank's groups (prompt indices, consecutive, in rank order) when ``num_groups`` whole groups are
+    split over ``world_size`` ranks as evenly as whole groups allow: the first ``num_groups % world_size``
+    ranks hold one more. A decoupled step with partial rollouts holds a varying number of groups (each of its
+    W chunks at least one), so it rarely divides evenly; ``rank_groups`` is the even case."""
+    if world_size < 1 or num_groups < world_size:
+        raise ValueError(f"{num_groups} groups cannot be split over {world_size} ranks: every rank needs at least "
+                         "one whole group")
+    base, extra = divmod(num_groups, world_size)
+    starts = [rank * base + min(rank, extra) for rank in range(world_size + 1)]
+    return [range(a, b) for a, b in zip(starts[:-1], starts[1:])]
+
+
 def select_groups(batch: RolloutBatch, groups: Sequence[int]) -> RolloutBatch:
     """The batch's groups ``groups`` (prompt indices, in that order) with all their rows and texts.
 

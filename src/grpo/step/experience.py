@@ -182,6 +182,17 @@ def sample_and_score(engine: RolloutEngine, tokenizer, examples: Sequence[Exampl
         # Plain-text prompts (the Python API's, as TRL's) give the rewards strings instead.
         chat_prompts = [e.question if e.plain_text else build_prompt_messages(e, settings.system_prompt)
                         for e in examples for _ in range(G)]
+    return score_generation(examples, prompts, generation, chat_prompts, reward_only, reward_fns, reward_weights,
+                            settings, steps_done, generate_s=time.perf_counter() - started)
+
+
+def score_generation(examples: Sequence[Example], prompts: list[str], generation: Generation, chat_prompts: list,
+                     reward_only: dict[str, list], reward_fns: Sequence, reward_weights: Sequence[float],
+                     settings: ExperienceSettings, steps_done: int, generate_s: float) -> RolloutBatch:
+    """``sample_and_score``'s second half: the rewards of a generation (G rows per example, in order) and the
+    ``RolloutBatch`` they make (``reward_only``: per-row keywords for the rewards that are not dataset columns;
+    ``generate_s``: how long the generation took, for the timings)."""
+    G = settings.sampling.n
     generated = time.perf_counter()
 
     # A multi-turn completion is its messages (assistant turns with tool_calls, tool results), as TRL passes it;
@@ -214,7 +225,7 @@ def sample_and_score(engine: RolloutEngine, tokenizer, examples: Sequence[Exampl
         reward_extras=context.extra_columns(len(generation.completions)),
         chat_prompts=list(chat_prompts),
         chat_completions=list(chat_completions),
-        timings={"generate_s": generated - started, "rewards_s": time.perf_counter() - generated},
+        timings={"generate_s": generate_s, "rewards_s": time.perf_counter() - generated},
         sampler_logprobs=generation.sampler_logprobs,
     )
 

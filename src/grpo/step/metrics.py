@@ -20,6 +20,9 @@ from grpo.step.records import RolloutBatch, UpdateStats
 OPTIONAL_PREFIXES = ("critic/", "loss/value", "loss/ptx", "sampler_is/", "mismatch/")
 # Of those, the maxima: the largest over the ranks, not their mean.
 RANK_MAXIMA = ("mismatch/ratio_max",)
+# Averaged over ranks plainly whatever each rank's share of the step: the policy loss is already the rank's part
+# of the step's (DDP's mean; grpo.step.policy_update scales it), the PTX batch is the same size on every rank.
+RANK_PLAIN_MEANS = ("loss", "loss/ptx")
 # A task's answer scorer (grpo.tasks.Task.score): (text, gold, tag_style) -> {"correct", "formatted", ...}
 Scorer = Callable[[str, str, str], dict]
 
@@ -59,9 +62,11 @@ def rollout_metrics(batch: RolloutBatch, correct: torch.Tensor, formatted: torch
 
 def step_metrics(batch: RolloutBatch, train_stats: dict, group_size: int, tag_style: str, started: float,
                  rollout_s: float, train_s: float, info: DistInfo,
-                 rollout_stats: dict[str, float] | None = None, score: Scorer | None = None) -> dict[str, float]:
-    """Everything a step logs, averaged over ranks (each rank holds the same number of completions); minima,
-    maxima and spreads over every rank's rows pooled (``spread_metrics``).
+                 rollout_stats: dict[str, float] | None = None, score: Scorer | None = None,
+                 rank_share: float = 1.0) -> dict[str, float]:
+    """Everything a step logs, averaged over ranks, each weighted by ``rank_share`` (its rows over the mean rows
+    per rank: 1.0 when every rank holds as many completions) except ``RANK_PLAIN_MEANS``; minima, maxima and
+    spreads over every rank's rows pooled (``spread_metrics``).
 
     ``started`` is the step's ``time.perf_counter()`` start; ``rollout_s``/``train_s`` its two phases;
     ``rollout_stats`` this rank's numbers about how its batch was made (dynamic sampling's counts), averaged
@@ -76,7 +81,8 @@ def step_metrics(batch: RolloutBatch, train_stats: dict, group_size: int, tag_st
     local.update(rollout_stats or {})
     local.update(batch.generation.rollout_metrics)  # multi-turn: tools/calls_per_completion, ... (every rank)
     keys = sorted(local)
-    averaged = all_reduce_mean(torch.tensor([local[k] for k in keys], dtype=torch.float64), info)
+    weighted = [local[k] * (1.0 if k in RANK_PLAIN_MEANS else rank_share) for k in keys]
+    averaged = all_reduce_mean(torch.tensor(weighted, dtype=torch.float64), info)
     metrics = dict(zip(keys, averaged.tolist()))
     maxima = [k for k in RANK_MAXIMA if k in local]  # every rank has the same names
     if maxima:
@@ -206,14 +212,16 @@ def correctness(completions: Sequence[str], golds: Sequence[str | None], tag_sty
     return torch.tensor(correct), torch.tensor(formatted)
 
 
-def update_metrics(updates: Sequence[UpdateStats], info: DistInfo) -> list[dict[str, float]]:
-    """Each optimizer update's metrics over all ranks (``reduce_updates`` of every rank's ``updates``)."""
-    return reduce_updates(all_gather_json([asdict(u) for u in updates], info))
+def update_metrics(updates: Sequence[UpdateStats], info: DistInfo, rank_share: float = 1.0) -> list[dict[str, float]]:
+    """Each optimizer update's metrics over all ranks (``reduce_updates`` of every rank's ``updates``, each with
+    the rank's ``rank_share``, as ``step_metrics`` takes it)."""
+    return reduce_updates(all_gather_json([{**asdict(u), "rank_share": rank_share} for u in updates], info))
 
 
 def reduce_updates(per_rank: Sequence[Sequence[dict]]) -> list[dict[str, float]]:
     """Per update, from each rank's ``UpdateStats`` (as dicts; every rank ran the same updates): ``loss``,
-    ``kl``, ``entropy``, ``ratio_mean`` averaged over ranks, as a step's are; ``clip_ratio/{low,high,region}_mean``
+    ``kl``, ``entropy``, ``ratio_mean`` averaged over ranks, as a step's are (weighted by a dict's
+    ``rank_share``, 1.0 when absent, but the loss); ``clip_ratio/{low,high,region}_mean``
     the clipped units over all ranks' units and ``clip_ratio/low_min`` / ``high_max`` the least / largest row
     share over all rows, NaN-skipping (TRL's ``global_masked_mean``, ``nanmin``, ``nanmax``); ``grad_norm`` (NaN
     when the update was skipped) and ``learning_rate`` as rank 0 has them (the gradients are all-reduced);
@@ -225,7 +233,9 @@ def reduce_updates(per_rank: Sequence[Sequence[dict]]) -> list[dict[str, float]]
         highs = [r["clip_high_row_max"] for r in ranks if not math.isnan(r["clip_high_row_max"])]
         first = ranks[0]
         out.append({
-            **{name: sum(r[name] for r in ranks) / len(ranks) for name in ("loss", "kl", "entropy", "ratio_mean")},
+            "loss": sum(r["loss"] for r in ranks) / len(ranks),
+            **{name: sum(r[name] * r.get("rank_share", 1.0) for r in ranks) / len(ranks)
+               for name in ("kl", "entropy", "ratio_mean")},
             **{f"clip_ratio/{part}_mean": sum(r[f"clip_{part}"] for r in ranks) / units if units else 0.0
                for part in ("low", "high", "region")},
             "clip_ratio/low_min": min(lows) if lows else math.nan,

@@ -18,10 +18,11 @@ from grpo.algorithm import (
     policy_loss,
     sampler_importance_weights,
 )
-from grpo.parallel.distributed import DistInfo, all_reduce_sum
+from grpo.parallel.distributed import DistInfo, all_reduce_max, all_reduce_sum
 from grpo.parallel.learners import Learner
 from grpo.rollout.generation import Generation
 from grpo.step.logprobs import DEVICE_DEFAULT_PASS, LogprobPass, completion_logprobs
+from grpo.step.micro_batches import rows_by_length, token_budget_micro_batches
 from grpo.step.ptx import ptx_nll
 from grpo.step.records import RolloutBatch, SftBatch, StepUpdate, UpdateStats
 
@@ -49,45 +50,12 @@ class LossSettings:
     # micro-batches by padded tokens: N, "auto" (token_budget_micro_batches) or None (rows); decided for the run's
     # device and learner by grpo.training.settings.micro_batch_tokens
     max_tokens_per_micro_batch: int | str | None = None
-
-
-def rows_by_length(completion_mask: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[N] row order for micro-batching: whole groups, the group whose longest completion is shortest
-    first. Micro-batches of similar lengths carry less padding (``completion_logprobs`` skips columns
-    that pad a whole micro-batch), and groups stay together so their prompt pass is still shared."""
-    longest = completion_mask.sum(-1).view(-1, group_size).amax(-1)  # [P]
-    groups = torch.argsort(longest, stable=True)  # [P]
-    return (groups[:, None] * group_size + torch.arange(group_size, device=groups.device)).flatten()
-
-
-def token_budget_micro_batches(order: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor,
-                               max_rows: int, max_tokens: int | str | None) -> list[torch.Tensor]:
-    """``order`` [N] cut into micro-batches (row-index tensors, in order): ``max_rows`` rows each, or with
-    ``max_tokens`` as many rows as keep rows x (longest prompt + longest completion among them), the padded
-    width a log-prob pass runs, within ``max_tokens`` (and at most ``max_rows``); a row over the budget on its
-    own forms a micro-batch alone. ``max_tokens="auto"``: the budget is the padded width of the largest
-    ``max_rows``-row micro-batch, with no row limit: never more tokens in a pass than fixed rows would run,
-    and fewer passes where short rows fill the room. ``order`` should be ``rows_by_length``'s, so that
-    neighbours are alike."""
-    if max_tokens is None or order.shape[0] == 0:
-        return [order[start:start + max_rows] for start in range(0, order.shape[0], max_rows)]
-    prompt_lengths = prompt_mask.sum(-1)[order].tolist()  # [N], real tokens (left padding is dropped per pass)
-    completion_lengths = completion_mask.sum(-1)[order].tolist()  # [N]
-    if max_tokens == "auto":
-        max_tokens = max(len(p) * (max(p) + max(c)) for p, c in (
-            (prompt_lengths[s:s + max_rows], completion_lengths[s:s + max_rows])
-            for s in range(0, len(prompt_lengths), max_rows)))
-        max_rows = len(prompt_lengths)
-    cuts, start, widest_prompt, widest_completion = [], 0, 0, 0
-    for i, (lp, lc) in enumerate(zip(prompt_lengths, completion_lengths)):
-        wp, wc = max(widest_prompt, lp), max(widest_completion, lc)
-        rows = i - start + 1
-        if rows > 1 and (rows > max_rows or rows * (wp + wc) > max_tokens):
-            cuts.append(i)
-            start, wp, wc = i, lp, lc
-        widest_prompt, widest_completion = wp, wc
-    bounds = [0, *cuts, order.shape[0]]
-    return [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    # Ranks hold different shares of a step (decoupled partial rollouts): each rank's loss is scaled by
+    # LossAggregation.rank_scale to make the update the whole step's (bnpo's too, else per rank as TRL's).
+    uneven_ranks: bool = False
+    # Every rank runs as many micro-batches as the rank with the most (padding ones add a zero gradient): ZeRO-2/3
+    # reduce gradients inside each backward, so under DeepSpeed uneven counts would mismatch the collectives.
+    equal_micro_batches: bool = False
 
 
 # Token means within a micro-batch, weighted by its share of the batch's loss tokens into the batch's.
@@ -119,8 +87,12 @@ class LossInputs:
     global_tokens: 0-d, the loss tokens over all ranks / world size (DDP averages gradients), at least
               1 token over all ranks: 0 when every completion was masked, and the numerators are 0 then,
               so the loss is 0 instead of 0/0.
+    rank_scale: 0-d or 1.0, the factor on this rank's loss (``LossSettings.uneven_ranks``: its rows' or
+              tokens' share, ``LossAggregation.rank_scale``; 1.0 otherwise).
     order:    [N] the row order of the micro-batches (CPU); micro_batches: (rows on the CPU, like the
               rollout's tensors; the same rows on the policy's device) per micro-batch, in order.
+    padding:  the zero-gradient micro-batches this rank runs after its own (``LossSettings.equal_micro_batches``:
+              the most micro-batches of any rank less its own; 0 otherwise).
     """
 
     generation: Generation
@@ -137,6 +109,8 @@ class LossInputs:
     aggregation: LossAggregation
     order: torch.Tensor
     micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    rank_scale: torch.Tensor | float = 1.0
+    padding: int = 0
 
     def in_row_order(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """[N, ...] the micro-batches' ``parts`` (in micro-batch order) put back in the batch's row order."""
@@ -144,7 +118,8 @@ class LossInputs:
 
 
 def prepare_batch(batch: RolloutBatch, s: LossSettings, dist_info: DistInfo, device: torch.device) -> LossInputs:
-    """The update's ``LossInputs`` for ``batch`` on ``device``; the one collective: the global token count."""
+    """The update's ``LossInputs`` for ``batch`` on ``device``; its collectives: the global token count, and
+    the ranks' most micro-batches with ``s.equal_micro_batches``."""
     gen = batch.generation
     N = gen.completion_ids.shape[0]
     sampled = gen.sampled_mask.float().to(device)  # [N, Lc]
@@ -161,7 +136,13 @@ def prepare_batch(batch: RolloutBatch, s: LossSettings, dist_info: DistInfo, dev
     total_tokens = mask.sum()
     aggregation = loss_aggregation(s.loss_type)  # how micro-batches add up to the batch's loss
     world = dist_info.world_size
-    global_tokens = (all_reduce_sum(total_tokens, dist_info) / world).clamp(min=1 / world)
+    rank_scale = 1.0
+    if s.uneven_ranks:  # the rows over all ranks ride along in the one collective
+        means = all_reduce_sum(torch.stack([total_tokens, total_tokens.new_tensor(float(N))]), dist_info) / world
+        global_tokens = means[0].clamp(min=1 / world)
+        rank_scale = aggregation.rank_scale(N, means[1], total_tokens, global_tokens)
+    else:
+        global_tokens = (all_reduce_sum(total_tokens, dist_info) / world).clamp(min=1 / world)
     # The gradient is a sum over rows, so which rows share a micro-batch changes nothing but padding.
     P = len(batch.prompts)
     max_tokens = s.max_tokens_per_micro_batch
@@ -175,11 +156,16 @@ def prepare_batch(batch: RolloutBatch, s: LossSettings, dist_info: DistInfo, dev
     for rows in micro_batches:
         pairs.append((rows, order_on_device[start:start + rows.shape[0]]))
         start += rows.shape[0]
+    padding = 0
+    if s.equal_micro_batches:  # the count is the step's: every update of it runs the same micro-batches
+        most = all_reduce_max(torch.tensor(len(pairs), device=device), dist_info)
+        padding = int(most) - len(pairs)
     return LossInputs(
         gen, sampled, mask, batch.advantages.to(device),
         batch.old_logprobs.to(device) if batch.old_logprobs is not None else None,
         batch.ref_logprobs.to(device) if batch.ref_logprobs is not None else None,
-        sampler_logprobs, reported.to(device) if reported is not None else None, total_tokens, sampled.sum().clamp(min=1), global_tokens, aggregation, order, pairs)
+        sampler_logprobs, reported.to(device) if reported is not None else None, total_tokens, sampled.sum().clamp(min=1), global_tokens, aggregation, order, pairs,
+        rank_scale=rank_scale, padding=padding)
 
 
 @dataclass
@@ -236,6 +222,7 @@ def micro_batch_loss(module: torch.nn.Module, inputs: LossInputs, rows: torch.Te
         sampler_weights=is_weights, kl_times_ratio=s.kl_times_ratio)
     N = gen.completion_ids.shape[0]
     weight, _ = inputs.aggregation.micro_batch_weights(logprobs.shape[0], mask.sum(), N, inputs.total_tokens)
+    weight = weight * inputs.rank_scale  # exact when 1.0: the ranks' shares are equal or not told apart
     reported = inputs.reported_logprobs[on_device] if inputs.reported_logprobs is not None else None
     return MicroBatchLoss(loss, weight, stats, entropy, old, mask, sampled, is_weights, outside, sampler,
                           logprobs.detach(), reported)
@@ -333,15 +320,27 @@ def policy_backward(learner: Learner, inputs: LossInputs, old_logprobs: torch.Te
                     stats: StepStats, iteration: int, closes_update: bool, keep_old: bool) -> list[torch.Tensor]:
     """Update ``iteration``'s backward passes over the batch, one per micro-batch; ``closes_update``: the last
     one lets DDP sync (not when a PTX micro-batch follows). Returns the old log-probs each micro-batch used
-    (in micro-batch order) when ``keep_old``, else []."""
-    olds = []
+    (in micro-batch order) when ``keep_old``, else [].
+
+    Ranks may run different numbers of micro-batches (a token budget, uneven partial-rollout steps): under
+    ``no_sync`` DDP neither all-reduces nor syncs buffers, so ranks meet once per update, in the first forward
+    and the last backward (tested at 3 against 2: tests/test_uneven_ranks.py). Under DeepSpeed, whose ZeRO-2/3
+    reduce in every backward, a rank with fewer then runs ``inputs.padding`` micro-batches of zero gradient
+    (tests/test_uneven_deepspeed.py)."""
+    olds, count = [], len(inputs.micro_batches) + inputs.padding
     for index, (rows, on_device) in enumerate(inputs.micro_batches):
-        with learner.accumulating(last=closes_update and index == len(inputs.micro_batches) - 1):
+        with learner.accumulating(last=closes_update and index == count - 1):
             part = micro_batch_loss(learner.module, inputs, rows, on_device, old_logprobs, s)
             learner.backward(part.loss * part.weight)
         stats.add_micro_batch(part, inputs, iteration)
         if keep_old:
             olds.append(part.old)
+    for index in range(len(inputs.micro_batches), count):
+        with learner.accumulating(last=closes_update and index == count - 1):
+            # one row's loss with weight 0: the forward and backward (and ZeRO's collectives) without a gradient
+            rows, on_device = inputs.micro_batches[0]
+            part = micro_batch_loss(learner.module, inputs, rows[:1], on_device[:1], old_logprobs, s)
+            learner.backward(part.loss * 0.0)
     return olds
 
 

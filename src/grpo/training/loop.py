@@ -39,6 +39,9 @@ class Collected:
     rollout_s: float  # seconds spent getting the batch (sampling, or waiting for a sampler's)
     rollout_stats: dict[str, float] = field(default_factory=dict)  # this rank's; averaged over ranks
     metrics: dict[str, float] = field(default_factory=dict)  # logged as they are (the off-policy guard's)
+    # this rank's rows over the mean rows per rank, its weight in the means over ranks (1.0: every rank as
+    # many; decoupled partial rollouts split a step's varying group count unevenly)
+    rank_share: float = 1.0
 
 
 class StepSource(Protocol):
@@ -266,7 +269,7 @@ def _steps(loop: Loop, source: StepSource, start_step: int, eval_before: dict | 
                     update_s = time.perf_counter() - update_started
                     checkpointing = schedule.checkpoints(step)
                     metrics = _record(loop, source, step, collected, stats.totals, started, update_s, checkpointing)
-                    updates = update_metrics(stats.updates, info)
+                    updates = update_metrics(stats.updates, info, collected.rank_share)
                     state.updating, state.done = False, step
                     if checkpointing:
                         checkpoint(step, collected)
@@ -303,7 +306,8 @@ def _record(loop: Loop, source: StepSource, step: int, collected: Collected, sta
     """After a step's update: the mode's own work (``after_update``), evaluation when due, then the step's
     metrics and samples logged and the progress shown. Returns the metrics."""
     metrics = step_metrics(collected.batch, stats, loop.group_size, loop.tag_style, started, collected.rollout_s,
-                           update_s, loop.info, collected.rollout_stats, score=loop.score)
+                           update_s, loop.info, collected.rollout_stats, score=loop.score,
+                           rank_share=collected.rank_share)
     metrics.update(collected.metrics)
     metrics.update(source.after_update(step, collected, checkpointing))
     if loop.schedule.evaluates(step) and loop.evaluate is not None:

@@ -116,7 +116,16 @@ def loss_settings(cfg: RunConfig, processing: LogprobProcessing | None, device_t
         mask_truncated_completions=cfg.loss.mask_truncated_completions,
         sampler_is_mode=cfg.loss.sampler_is_mode if cfg.loss.sampler_is_correction else None,
         sampler_is_cap=cfg.loss.sampler_is_cap, sampler_is_min=cfg.loss.sampler_is_min, processing=processing,
-        ptx_coef=cfg.ptx.coef if cfg.ptx.data else 0.0, logprob_pass=logprob_pass(cfg))
+        ptx_coef=cfg.ptx.coef if cfg.ptx.data else 0.0, logprob_pass=logprob_pass(cfg),
+        uneven_ranks=ranks_share_unevenly(cfg),
+        # ZeRO-2/3 reduce in every backward: ranks with uneven shares run as many micro-batches as the most
+        equal_micro_batches=ranks_share_unevenly(cfg) and bool(cfg.train.deepspeed))
+
+
+def ranks_share_unevenly(cfg: RunConfig) -> bool:
+    """Whether a step's trainer ranks may hold different shares of it: partial rollouts split a step's varying
+    number of groups over them as evenly as whole groups allow."""
+    return cfg.train.mode == "decoupled" and cfg.decoupled.partial_rollouts and cfg.decoupled.trainer_ranks > 1
 
 
 def dynamic_rounds(cfg: RunConfig) -> int | None:

@@ -48,7 +48,8 @@ class RolloutReceiver(_ReceiverIO):
                  trained_ids: Mapping[str, str] | Iterable[str] | None = None,
                  dropped_ids: Mapping[str, str] | Iterable[str] | None = None, *,
                  policy_version: int = 0, reply_errors: bool = True, config_hash: str = "",
-                 work_plan: WorkPlan | None = None, curve_secret_key: bytes | None = None):
+                 work_plan: WorkPlan | None = None, curve_secret_key: bytes | None = None,
+                 carried_groups: Mapping | None = None):
         check_bind_address(address, token)
         if queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")
@@ -61,6 +62,8 @@ class RolloutReceiver(_ReceiverIO):
         self.reply_errors = reply_errors
         self.config_hash = config_hash  # a sampler whose hello carries another one is refused
         self._work_plan = work_plan
+        self._restored = restore_carried(work_plan, carried_groups)  # sampler -> incarnation, until its hello
+        self._started_monotonic = time.monotonic()
         self.trainer_id = secrets.token_hex(8)  # tells samplers that a trainer restarted
         self._max_frames = 1 + NUM_FRAMES       # routing id + message
         self._max_incoming_bytes = max_message_bytes + 256  # a routing id has at most 255 bytes
@@ -165,6 +168,8 @@ class RolloutReceiver(_ReceiverIO):
             work = []
             if self._work_plan is not None and (chunk := chunk_of(batch_id)) is not None:
                 self._work_plan.reopen(chunk)
+                if pending.groups:  # its sampler starts them over (or, dead, orphans them)
+                    self._work_plan.owes(pending.sampler_id, pending.groups)
                 work = self._work_plan.serve_waiting(self._alive_samplers())
         self._submit(lambda: (self._send_frames(pending.identity, "dropped", frames), self._serve_waiting(work)))
 
@@ -218,6 +223,18 @@ class RolloutReceiver(_ReceiverIO):
         """Every trained batch id -> its sampler id (save it with the checkpoint)."""
         with self._cond:
             return dict(self._trained)
+
+    @property
+    def carried_groups(self) -> dict:
+        """The partial-rollout groups each sampler holds unsent (with its incarnation) and the orphans no sampler
+        has adopted yet, as checkpoints keep them (``carried_groups`` of a restarted trainer's receiver)."""
+        with self._cond:
+            if self._work_plan is None:
+                return {"carried": {}, "orphans": []}
+            incarnations = {**self._restored, **{p.sampler_id: p.incarnation for p in self._peers.values()}}
+            return {"carried": {s: {"incarnation": incarnations.get(s, -1), "groups": sorted(groups)}
+                                for s, groups in self._work_plan.carried.items() if groups},
+                    "orphans": sorted(self._work_plan.orphans)}
 
     @property
     def dropped_ids(self) -> dict[str, str]:
@@ -274,3 +291,22 @@ class RolloutReceiver(_ReceiverIO):
                 del self._queue[index]
                 break
         return pending
+
+
+def restore_carried(work_plan: WorkPlan | None, saved: Mapping | None) -> dict[str, int]:
+    """Put a checkpoint's ``carried_groups`` into ``work_plan``; returns each sampler's incarnation there. A sampler
+    that says hello again as that incarnation keeps its groups (it lived through the trainer's restart); another
+    incarnation, or none within the time a silent sampler has, orphans them."""
+    if not saved:
+        return {}
+    if work_plan is None:
+        raise ValueError("carried_groups need a work plan")
+    try:
+        restored = {str(s): int(held["incarnation"]) for s, held in saved["carried"].items()}
+        for sampler, held in saved["carried"].items():
+            work_plan.carries(sampler, [str(g) for g in held["groups"]])
+        work_plan.orphans |= {str(g) for g in saved["orphans"]}
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"carried_groups must be {{'carried': {{sampler: {{'incarnation': int, 'groups': [ids]}}}}, "
+                         f"'orphans': [ids]}} (a checkpoint's trainer_state.json): {exc!r}") from None
+    return restored

@@ -41,6 +41,7 @@ class _Peer:
 class _Pending:
     identity: bytes
     sampler_id: str
+    groups: tuple[str, ...] = ()  # partial rollouts: the chunk's group ids (its sampler holds them again if dropped)
 
 
 class _ReceiverIO(_IOThread):
@@ -67,6 +68,8 @@ class _ReceiverIO(_IOThread):
     _weights: tuple[int, str] | None     # (version, path) last announced
     _stats: Counter
     _work_plan: WorkPlan | None          # who makes which chunk; None: samplers send what they like
+    _restored: dict[str, int]            # samplers of a restarted trainer's checkpoint -> incarnation, until hello
+    _started_monotonic: float
 
     def _ack_fields(self, policy_version: int | None = None) -> dict:
         version = self._policy_version if policy_version is None else policy_version
@@ -183,7 +186,9 @@ class _ReceiverIO(_IOThread):
     def _alive_samplers(self) -> set[str]:
         """Samplers heard from lately: a chunk held by any other is given to the next sampler that asks."""
         now = time.monotonic()
-        return {p.sampler_id for p in self._peers.values() if now - p.last_seen_monotonic <= LOST_AFTER_S}
+        alive = {p.sampler_id for p in self._peers.values() if now - p.last_seen_monotonic <= LOST_AFTER_S}
+        # A restarted trainer gives the samplers of its checkpoint as long to say hello again as a silent one has.
+        return alive | set(self._restored) if now - self._started_monotonic <= LOST_AFTER_S else alive
 
     def _on_want(self, identity: bytes, peer: _Peer) -> None:
         if self._work_plan is None:
@@ -194,6 +199,9 @@ class _ReceiverIO(_IOThread):
             self._send_work(identity, assignment)
 
     def _send_work(self, identity: bytes, assignment: Assignment) -> None:
+        if assignment.adopt:
+            logger.info("%s adopts %d unsent group(s) of a sampler that restarted or went silent, with %s: %s",
+                        _label(identity), len(assignment.adopt), assignment.chunk.id, " ".join(assignment.adopt))
         self._send(identity, "work", assignment.header())
 
     def _serve_waiting(self, work: list[tuple[str, Assignment]]) -> None:
@@ -227,7 +235,9 @@ class _ReceiverIO(_IOThread):
             self._refuse_superseded([old_identity])  # now: the run may end before the older speaks again
         elif old is None:
             logger.info("sampler %s connected (incarnation %d)", sampler_id, incarnation)
-        if self._work_plan is not None and (old is None or old.incarnation != incarnation):
+        restored = self._restored.pop(sampler_id, None)  # its incarnation in the checkpoint of a restarted trainer
+        same_process = old.incarnation == incarnation if old is not None else restored == incarnation
+        if self._work_plan is not None and not same_process:
             self._work_plan.forget_sampler(sampler_id)  # a restarted sampler makes nothing it was given before
         self._peers[identity] = _Peer(sampler_id, incarnation, wall, wall, now,
                                       old.batches_received if old is not None else 0, header.get("host", "?")[:64])
@@ -273,12 +283,16 @@ class _ReceiverIO(_IOThread):
         elif len(self._queue) >= self.queue_size:
             self._stats["busy"] += 1
             self._send(identity, "busy", {"batch_id": batch_id, "queue_depth": len(self._queue)})
+        elif (problem := _group_lists_problem(meta)) is not None:
+            self._reject(identity, f"batch {batch_id[:64]!r}: {problem}", message.header)
         else:
             if self._work_plan is not None:
                 self._work_plan.arrived_from(chunk_of(batch_id), peer.sampler_id)
+                if "carried" in meta:
+                    self._work_plan.carries(peer.sampler_id, meta["carried"])
             self._queue.append(IncomingBatch(batch_id, peer.sampler_id, meta["policy_version"], batch, meta,
                                              time.time()))
-            self._pending[batch_id] = _Pending(identity, peer.sampler_id)
+            self._pending[batch_id] = _Pending(identity, peer.sampler_id, tuple(meta.get("groups", ())))
             self._stats["received"] += 1
             peer.batches_received += 1
             self._cond.notify_all()
@@ -289,3 +303,13 @@ class _ReceiverIO(_IOThread):
         plan = self._work_plan
         return (chunk is not None and chunk.step > plan.trained_steps and chunk not in plan.arrived
                 and chunk.rank < plan.ranks)
+
+
+def _group_lists_problem(meta: dict) -> str | None:
+    """What is wrong with a batch's partial-rollout group lists (``groups``: its groups, ``carried``: those its
+    sampler holds unsent), or None."""
+    for key in ("groups", "carried"):
+        value = meta.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(g, str) for g in value):
+            return f"meta {key!r} must be a list of group ids (strings), got {type(value).__name__}"
+    return None

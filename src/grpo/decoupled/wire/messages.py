@@ -17,7 +17,8 @@ from torch import Tensor
 # 2: samplers ask for work (want / work): a chunk of a step each. 3: a batch carries multi-turn rows
 # (loss_mask, messages, rollout_metrics): a version-2 trainer would train on environment tokens. 4: a batch
 # carries each token's policy version (token_versions): a version-3 trainer would judge staleness per chunk.
-PROTOCOL_VERSION = 4
+# 5: work carries ``adopt`` (a dead sampler's unsent partial-rollout groups): a version-4 sampler would drop them.
+PROTOCOL_VERSION = 5
 
 # The header holds a batch's texts (prompts, completions, dataset columns), so it is allowed to be
 # larger than a control message needs: a 1 MiB cap would refuse a batch of 512 completions of 1k
@@ -98,7 +99,8 @@ KINDS: dict[str, MessageKind] = {k.name: k for k in (
     # A sampler asks for a chunk to make (again every few seconds while it waits: asking twice is safe);
     # the trainer answers with work as soon as a chunk is open (grpo.decoupled.work_plan).
     MessageKind("want", "sampler -> trainer", {}),
-    MessageKind("work", "trainer -> sampler", {"batch_id": "str", "step": "int", "rank": "int", "min_version": "int"}),
+    MessageKind("work", "trainer -> sampler", {"batch_id": "str", "step": "int", "rank": "int", "min_version": "int",
+                                               "adopt": "list[str]"}),
     MessageKind("heartbeat", "both", {}, {"time": "number", "policy_version": "int", "trainer_id": "str"}),
     MessageKind("bye", "both", {}, {"reason": "str"}),
     MessageKind("error", "trainer -> sampler", {"reason": "str"}, {"code": "str", "batch_id": "str|null"}),
