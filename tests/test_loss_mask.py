@@ -236,5 +236,6 @@ def test_the_critic_loss_counts_the_sampled_tokens_only(tiny_tokenizer):
         v = completion_values(value_model(tiny_tokenizer), g.prompt_ids, g.prompt_mask, g.completion_ids,
                               g.completion_mask)
     want, _ = ref_value_loss(v.tolist(), values.tolist(), batch.returns.tolist(), LOSS_MASK, 0.2)
-    assert abs(stats["loss/value"] - want) < 1e-6
+    # float32 against a float64 reference: a loss near 15 is resolved to ~1e-6 (one ulp), so the bound is relative
+    assert stats["loss/value"] == pytest.approx(want, rel=1e-6)
     assert math.isfinite(stats["critic/explained_variance"])
