@@ -44,13 +44,14 @@ def test_a_group_is_sent_only_when_all_its_rows_have_ended():
 
 
 def test_rows_of_any_length_share_a_call_and_min_new_tokens_alone_splits_them():
+    # a call's EOS-free tokens are at most its own (vLLM refuses min_tokens > max_tokens): 6 left is 4 of a budget of 4
     carry = opened(G=2, max_tokens=10, budget=4, min_new=6, prompts=1)
     (group,) = carry.groups
-    assert [(c.max_tokens, c.min_new_tokens, len(c.rows)) for c in carry.calls()] == [(4, 6, 2)]
+    assert [(c.max_tokens, c.min_new_tokens, len(c.rows)) for c in carry.calls()] == [(4, 4, 2)]
     carry.extend(group, 0, [5] * 4, [0] * 4, [-1.0] * 4, eos=False)
-    assert [(c.min_new_tokens, [j for _, j in c.rows]) for c in carry.calls()] == [(2, [0]), (6, [1])]
+    assert [(c.min_new_tokens, [j for _, j in c.rows]) for c in carry.calls()] == [(2, [0]), (4, [1])]
     carry.extend(group, 0, [5] * 4, [1] * 4, [-1.0] * 4, eos=False)
-    assert [(c.min_new_tokens, [j for _, j in c.rows]) for c in carry.calls()] == [(0, [0]), (6, [1])]
+    assert [(c.min_new_tokens, [j for _, j in c.rows]) for c in carry.calls()] == [(0, [0]), (4, [1])]
     # row 0 has 8 tokens, room for 2: of 4 drawn it keeps 2 and ends, cut at the completion's end (truncated)
     carry.extend(group, 0, [5, 6, 7, EOS], [2] * 4, [-1.0, -2.0, -3.0, -4.0], eos=True)
     assert group.rows[0].ended and not group.rows[0].eos
@@ -188,7 +189,8 @@ PARTIAL = ["train.mode=decoupled", "decoupled.partial_rollouts=true", "train.max
 
 @pytest.mark.parametrize("overrides, match", [
     (["decoupled.partial_rollouts=true"], "train.mode is colocated"),
-    ([*PARTIAL, "rollout.engine=vllm"], "rollout.engine is vllm"),
+    ([*PARTIAL, "rollout.engine=vllm", "rollout.top_p=0.9"], "rollout.engine is vllm with rollout.top_p 0.9"),
+    ([*PARTIAL, "rollout.engine=vllm", "rollout.top_k=20"], "top_k 20: its per-token log-probs"),
     ([*PARTIAL, "rollout.engine=hf-generate"], "rollout.engine is hf-generate"),
     ([*PARTIAL, "train.max_staleness=0", "train.sync_steps=1"], "train.max_staleness is 0"),
     ([*PARTIAL, "rollout.dynamic_sampling=true"], "rollout.dynamic_sampling is on"),
@@ -208,6 +210,8 @@ def test_the_config_takes_partial_rollouts_with_and_without_in_flight_updates():
     assert cfg.rollout.engine == "hf-static" and cfg.decoupled.partial_rollouts  # the static step records too
     cfg = load_config(None, [*PARTIAL, "rollout.engine=hf", "model.lora_r=8"])  # per-token records with LoRA too
     assert cfg.decoupled.partial_rollouts and cfg.model.lora_r == 8
+    cfg = load_config(None, [*PARTIAL, "rollout.engine=vllm"])  # vLLM's processed log-probs, top-k/top-p off
+    assert cfg.rollout.engine == "vllm" and cfg.decoupled.partial_rollouts
     assert not load_config(None, []).decoupled.partial_rollouts
     cfg = load_config(None, [*PARTIAL, "rollout.engine=hf", "decoupled.trainer_ranks=2", "train.prompts_per_step=4"])
     assert cfg.decoupled.trainer_ranks == 2  # torch/DDP ranks split a step's groups unevenly

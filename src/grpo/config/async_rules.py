@@ -44,7 +44,8 @@ def in_flight_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
 
 def partial_rollout_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
     """``decoupled.partial_rollouts`` carries unfinished groups from one chunk to the next: it needs the samplers
-    (decoupled mode), an engine that records each token's version and log-prob (the in-flight engine's needs),
+    (decoupled mode), an engine that records each token's version and log-prob (the in-flight engine's needs;
+    vLLM's are its processed log-probs, the trainer's only without top-k/top-p),
     steps of whole but varying numbers of groups (no dynamic sampling, which fills a fixed count; several trainer
     ranks split a step as evenly as whole groups allow, under DeepSpeed each running as many micro-batches as the
     most: grpo.step.policy_update.LossSettings.equal_micro_batches), a budget that leaves something to carry, and a staleness bound a carried
@@ -57,9 +58,12 @@ def partial_rollout_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
     checks = (
         (cfg.train.mode != "decoupled", "train.mode is colocated: there is no chunk to send early; set train.mode: "
                                         "decoupled"),
-        (r.engine != "auto" and (not engine.in_flight or engine.own_weights),
-         f"rollout.engine is {r.engine}, which does not continue a carried-over completion (vllm: not built "
-         "here) or record each token's version and log-prob; use rollout.engine: hf or hf-static"),
+        (r.engine != "auto" and not engine.in_flight,
+         f"rollout.engine is {r.engine}, which does not record each token's version and log-prob; use "
+         "rollout.engine: hf, hf-static or vllm"),
+        (engine.own_weights and (r.top_p < 1 or bool(r.top_k)),
+         f"rollout.engine is {r.engine} with rollout.top_p {r.top_p} / top_k {r.top_k}: its per-token log-probs "
+         "(a carried token's old log-prob) are renormalised over the kept tokens, not the trainer's"),
         (bool(r.tools or r.environment or r.rollout_func), "the rollouts are multi-turn or a rollout_func's: only a "
                                                            "single-turn completion is continued across chunks"),
         (r.min_p > 0, f"rollout.min_p is {r.min_p}: the engine's per-token log-probs would not be the trainer's"),

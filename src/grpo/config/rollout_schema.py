@@ -40,7 +40,8 @@ class RolloutConfig:
         gt=0, le=1)
     vllm_enable_sleep_mode: bool = opt(
         False, "engine vllm: free vLLM's GPU memory during each update (sleep/wake; vLLM supports it on CUDA).")
-    vllm_dtype: str = opt("auto", "engine vllm: vLLM's dtype (auto, bfloat16, float16, float32).",
+    vllm_dtype: str = opt("auto", "engine vllm: vLLM's dtype (auto, bfloat16, float16, float32). auto is vLLM's "
+                                  "choice, which samples a float32 checkpoint in bfloat16.",
                           choices=("auto", "bfloat16", "float16", "float32"))
     vllm_check_steps: int = opt(
         10, "engine vllm: compare vLLM's log-probs of its sampled tokens with the trainer's on a run's (or a "

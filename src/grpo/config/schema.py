@@ -342,8 +342,8 @@ class DecoupledConfig:
                "over. Several trainer ranks split a step's groups as evenly as whole groups allow, each rank's "
                "loss scaled to its share (under DeepSpeed a rank with fewer micro-batches runs zero-gradient ones "
                "to match). Needs train.max_staleness >= 1 (about num_samplers + 1 for carried groups to survive), "
-               "rollout.engine hf or hf-static (full weights or LoRA), single-turn rollouts, rollout.min_p 0, no "
-               "dynamic sampling.")
+               "rollout.engine hf, hf-static or vllm (top_p 1, top_k off), single-turn rollouts, rollout.min_p 0, "
+               "no dynamic sampling.")
     partial_token_budget: int = opt(
         32, "decoupled.partial_rollouts: tokens each running completion gets per chunk before the chunk is sent "
             "(below rollout.max_completion_length).", ge=1)

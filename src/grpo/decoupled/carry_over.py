@@ -123,18 +123,23 @@ class CarryOver:
         row's tokens so far are part of its prompt there), each for the whole budget; a row with less room left
         keeps only what fits (``extend``; what it keeps is drawn from the distribution a call of its own would use).
         Only
-        ``rollout.min_new_tokens`` splits them, by the EOS-free tokens each has left."""
+        ``rollout.min_new_tokens`` splits them, by the EOS-free tokens each has left within the budget (no more than
+        the call's tokens: vLLM refuses a min_tokens above max_tokens, and it means the same)."""
         fresh = [g for g in self.groups if not any(row.tokens or row.ended for row in g.rows)]
         by_min_new: dict[int, list[tuple[OpenGroup, int]]] = {}
         for group in self.groups:
             for j, row in enumerate(group.rows):
                 if not row.ended and group not in fresh:
-                    by_min_new.setdefault(max(0, self.min_new_tokens - len(row.tokens)), []).append((group, j))
+                    by_min_new.setdefault(self._eos_free(len(row.tokens)), []).append((group, j))
         calls = [RowCall(self.budget, min_new, tuple(rows)) for min_new, rows in sorted(by_min_new.items())]
         if fresh:
             rows = tuple((g, j) for g in fresh for j in range(self.group_size))
-            calls.insert(0, RowCall(self.budget, self.min_new_tokens, rows, per_prompt=self.group_size))
+            calls.insert(0, RowCall(self.budget, self._eos_free(0), rows, per_prompt=self.group_size))
         return calls
+
+    def _eos_free(self, drawn: int) -> int:
+        """How many of a call's tokens must not be EOS for a row with ``drawn`` tokens so far."""
+        return min(max(0, self.min_new_tokens - drawn), self.budget)
 
     def extend(self, group: OpenGroup, j: int, tokens: list[int], versions: list[int], logprobs: list[float],
                eos: bool) -> None:

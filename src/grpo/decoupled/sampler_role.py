@@ -99,8 +99,9 @@ def run_sampler(cfg: RunConfig) -> int:
     engine = with_turns(build_engine(cfg, policy, tokenizer), inputs.turns, cfg, policy, tokenizer)
     in_flight = d.weight_update == "in_flight"
     correction = cfg.loss.sampler_is_correction
+    own_weights = holds_own_weights(sampling_engine(engine))  # vLLM's copy
     settings = experience_settings(cfg, processing, task=inputs.task, decoupled_sampler=True,
-                                   engine_holds_weights=holds_own_weights(sampling_engine(engine)))
+                                   engine_holds_weights=own_weights)
     sender, welcome = connect_to_trainer(cfg, sampler_id, token)
     weights = SamplerWeights(WeightStore(cfg.train.output_dir), policy, engine, d.peer_timeout_s,
                              join_broadcast(cfg, sender.address))
@@ -114,7 +115,8 @@ def run_sampler(cfg: RunConfig) -> int:
                                   setting="decoupled.partial_rollouts is true")
     carry = (CarryOver(cfg.rollout.num_generations, cfg.rollout.max_completion_length, d.partial_token_budget,
                        cfg.rollout.min_new_tokens) if d.partial_rollouts else None)
-    kept = PrefixCache() if carry is not None else None  # carried rows' keys/values, from chunk to chunk
+    # carried rows' keys/values, from chunk to chunk (vLLM keeps them in its own prefix cache)
+    kept = PrefixCache() if carry is not None and not own_weights else None
     partial_inputs = PartialInputs(tokenizer, train_set, prompt_sampler, inputs.reward_fns, inputs.reward_weights,
                                    settings, cfg.train.seed)
     seen = Settlements()

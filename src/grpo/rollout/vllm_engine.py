@@ -21,25 +21,21 @@ are the log-probs of the processed distribution, which is also what the trainer 
 (``grpo.algorithm.processing``), and the off-policy guard compares like with like.
 
 Weights (both colocated and decoupled use): ``update_weights(LoadedWeights)``
-  * "full": the published ``model.safetensors`` goes to a folder that every worker reloads in place
-    through grpo's worker extension (``grpo.rollout.vllm_worker``, given to ``vllm.LLM`` as
-    ``worker_extension_cls``, called by name through the public ``LLM.collective_rpc``): vLLM's own
-    ``reload_weights`` plus a refresh of tied layers, which vLLM leaves stale on its CPU backend (the
-    module says why). A folder path crosses the process boundary, not tensors or a pickled callable
-    (which vLLM refuses unless ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
-  * "lora": the adapter is written in PEFT's on-disk format to a fresh folder and the next
-    generations use a new ``LoRARequest`` (a new int id, so vLLM's adapter cache cannot serve the old
-    tensors).
-Colocated mode frees vLLM's memory while the trainer runs: ``sleep()`` / ``wake_up()``
-(``LLM.sleep(level)`` / ``LLM.wake_up()``, only when built with ``enable_sleep_mode=True``, which
-vLLM supports on CUDA only).
+  * "full": the published ``model.safetensors`` goes to a folder that every worker reloads in place through grpo's
+    worker extension (``grpo.rollout.vllm_worker``, given to ``vllm.LLM`` as ``worker_extension_cls``, called by
+    name through the public ``LLM.collective_rpc``): vLLM's own ``reload_weights`` plus a refresh of tied layers,
+    which vLLM leaves stale on its CPU backend (the module says why). A folder path crosses the process boundary,
+    not tensors or a pickled callable (which vLLM refuses unless ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
+  * "lora": the adapter is written in PEFT's on-disk format to a fresh folder and the next generations use a new
+    ``LoRARequest`` (a new int id, so vLLM's adapter cache cannot serve the old tensors).
+Colocated mode frees vLLM's memory while the trainer runs: ``sleep()`` / ``wake_up()`` (``LLM.sleep(level)`` /
+``LLM.wake_up()``, only when built with ``enable_sleep_mode=True``, which vLLM supports on CUDA only).
 
-Versions: ``TESTED_VLLM`` lists the vLLM releases the tests pass on (``make test-vllm``) and the torch
-each pins; another version is refused when the engine starts, since a weight sync that silently
-breaks would train off-policy. vLLM 0.24 to 0.32 take the same calls here (the worker extension,
-``reload_weights(weights_path=, is_checkpoint_format=)``, ``logprobs_mode``, LoRA and sleep), so
-nothing else depends on the version; a difference would be handled next to ``TESTED_VLLM``. vLLM is imported
-lazily: the rest of grpo never needs it.
+Versions: ``TESTED_VLLM`` lists the vLLM releases the tests pass on (``make test-vllm``) and the torch each pins;
+another version is refused when the engine starts, since a weight sync that silently breaks would train off-policy.
+vLLM 0.24 to 0.32 take the same calls here (the worker extension, ``reload_weights(weights_path=,
+is_checkpoint_format=)``, ``logprobs_mode``, LoRA and sleep), so nothing else depends on the version; a difference
+would be handled next to ``TESTED_VLLM``. vLLM is imported lazily: the rest of grpo never needs it.
 """
 
 from __future__ import annotations
@@ -209,7 +205,7 @@ class VLLMEngine:
         return self._as_generation(encoded, n, rows, row_logprobs, stopped)
 
     def generate_in_flight(self, prompt_ids: Sequence[list[int]], params: SamplingParams, seed: int | None,
-                           in_flight: InFlight) -> Generation:
+                           in_flight: InFlight, prefix_cache: None = None) -> Generation:
         """``generate_ids`` with newer weights loaded between vLLM's engine steps (``grpo.rollout.in_flight``).
 
         The requests go to vLLM's engine one row each (row ``r`` of prompt ``i`` seeded ``seed + r``, as
@@ -218,7 +214,11 @@ class VLLMEngine:
         so the tokens a step returns were drawn by the weights loaded before it. Every ``check_tokens`` tokens
         ``in_flight.refresh()`` may load a newer version (``update_weights``: the same in-place reload) while
         the requests stay open: their KV caches are kept. The generation carries each token's version and
-        vLLM's processed log-prob of it (``log_softmax(logits / T)`` with top-k/top-p off)."""
+        vLLM's processed log-prob of it (``log_softmax(logits / T)`` with top-k/top-p off). A partial rollout's
+        carried row comes as a prompt ending in its tokens so far: vLLM's prefix caching (not ``prefix_cache``,
+        which must be None) keeps their KV blocks until a weight load between chunks resets it."""
+        if prefix_cache is not None:
+            raise ValueError("vLLM keeps continued rows' keys/values in its own prefix cache: pass prefix_cache=None")
         self._check_in_process()
         encoded = self._checked_prompts(prompt_ids)
         n, engine = params.n, self.llm.llm_engine
