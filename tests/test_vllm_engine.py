@@ -49,6 +49,14 @@ def engine(tiny):
     return VLLMEngine(folder, tokenizer, seed=0, **LLM_ARGS)
 
 
+@pytest.fixture(scope="module")
+def in_process(tiny):
+    """An engine whose core runs in this process (``in_flight=True``), shared by the tests that step it (one more
+    engine per test would outgrow the CPU memory vLLM 0.24 finds free); each starts by loading the tiny weights."""
+    folder, tokenizer, _ = tiny
+    return VLLMEngine(folder, tokenizer, seed=0, in_flight=True, **LLM_ARGS)
+
+
 def test_generation_shapes_grouping_and_masks(engine, tiny):
     _, tokenizer, _ = tiny
     params = SamplingParams(n=3, max_tokens=12, temperature=1.0)
@@ -331,7 +339,7 @@ def kept_cache_logprobs(first, second, gen, k: int, temperature: float, eos: int
     return logprobs, greedy
 
 
-def test_in_flight_swap_keeps_the_open_requests_and_records_versions(tiny, tmp_path):
+def test_in_flight_swap_keeps_the_open_requests_and_records_versions(tiny, in_process, tmp_path):
     # Weights v2 are loaded after check_tokens tokens while the requests are open (KV caches kept): the tokens
     # before the swap are a v1-only run's, every token records the version that drew it, switching exactly at
     # the check, and vLLM's log-probs (and greedy tokens) after it are those of a loop that swaps at the same
@@ -341,7 +349,8 @@ def test_in_flight_swap_keeps_the_open_requests_and_records_versions(tiny, tmp_p
     folder, tokenizer, first = tiny
     second = tiny_model(tokenizer, seed=1)
     second.save_pretrained(tmp_path)
-    live = VLLMEngine(folder, tokenizer, seed=0, in_flight=True, **LLM_ARGS)
+    live = in_process
+    live.load_weights_from_dir(folder)
     k, sampled = 4, SamplingParams(n=2, max_tokens=10, temperature=0.7, min_new_tokens=10)
     calls = []
 
@@ -408,7 +417,7 @@ def continued_logprobs(model, prompt_ids: list[int], tokens: list[int], temperat
     return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
-def test_partial_rollout_rounds_continue_carried_rows_with_their_versions_and_logprobs(tiny, tmp_path):
+def test_partial_rollout_rounds_continue_carried_rows_with_their_versions_and_logprobs(tiny, in_process, tmp_path):
     # Partial rollouts over vLLM (grpo.decoupled.partial_rollouts.advance): a carried row comes back each round as
     # a prompt ending in its tokens so far. Greedy rows carried over rounds draw what one call draws; sampled rows
     # record the version of each round, and each token's log-prob is the model's over the prompt and the tokens
@@ -422,7 +431,8 @@ def test_partial_rollout_rounds_continue_carried_rows_with_their_versions_and_lo
     folder, tokenizer, first = tiny
     second = tiny_model(tokenizer, seed=1)
     second.save_pretrained(tmp_path)
-    live = VLLMEngine(folder, tokenizer, seed=0, in_flight=True, **LLM_ARGS)
+    live = in_process
+    live.load_weights_from_dir(folder)
     version = {"now": 1}
     engine = in_flight_engine(live, InFlight(1000, lambda: version["now"]), tokenizer, "vllm",
                               setting="decoupled.partial_rollouts is true")
