@@ -29,9 +29,10 @@ LAZY_GRPO_IMPORTS = {"grpo": "grpo.api", "grpo.cli": "grpo.commands.handlers"}
 # Third-party imports allowed inside functions: the optional extras (and IPython, present only in a notebook).
 OPTIONAL = {"vllm", "deepspeed", "bitsandbytes", "wandb", "IPython", "reasoning_gym", "verifiers"}
 # ... and the installed libraries that cost a notebook's first train() tenths of a second of import for a feature it
-# may not use (serving an HTTP endpoint, plots, symbolic answers, TensorBoard): loaded by the function that needs them.
+# may not use (serving an HTTP endpoint, plots, symbolic answers, TensorBoard, hub datasets; `datasets` costs every
+# process ~3 s): loaded by the function that needs them.
 # tests/api/test_import_cost.py checks that `from grpo import GRPOConfig, GRPOTrainer` loads none of them.
-ON_FIRST_USE = {"fastapi", "starlette", "uvicorn", "matplotlib", "math_verify", "torch.utils.tensorboard"}
+ON_FIRST_USE = {"fastapi", "starlette", "uvicorn", "matplotlib", "math_verify", "torch.utils.tensorboard", "datasets"}
 
 
 def _modules() -> dict[str, Path]:

@@ -5,6 +5,7 @@ Every wait is bounded by ``WAIT``; a helper thread that fails reports its except
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import threading
@@ -110,7 +111,11 @@ def free_port() -> int:
     the same number to an outgoing connection or to another bind(0) (torchrun's master port), and the listener fails
     with "Address already in use" (seen in CI). Ports below the range are only ever taken by explicit binds."""
     low, _ = _ephemeral_range()
-    candidates = list(range(max(1024, low - 12000), low))
+    # Under pytest-xdist (`make test` runs two workers) each worker draws from its own residue class, so two
+    # workers never hand out the same port before its listener binds it.
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    candidates = [p for p in range(max(1024, low - 12000), low) if p % workers == worker % workers]
     random.SystemRandom().shuffle(candidates)
     for port in candidates:
         if port in _HANDED_OUT:

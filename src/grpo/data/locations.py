@@ -14,9 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import datasets
-from datasets.exceptions import DatasetsError
-
 from grpo.data.example import DataError
 from grpo.data.readers import READERS, Row, read_rows, resolve_split_files
 
@@ -52,6 +49,9 @@ def iter_rows(source: str | Path, split: str, hub_config: str | None = None) -> 
 
 
 def _hub_rows(hub_id: str, config: str | None, split: str) -> Iterator[Row]:
+    import datasets  # on first use: ~3 s of import (pandas, aiohttp) that every process reading local files saved
+    from datasets.exceptions import DatasetsError  # on first use, with datasets
+
     try:
         dataset = datasets.load_dataset(hub_id, config, split=split)
     except (OSError, DatasetsError) as err:
