@@ -70,7 +70,17 @@ install-openenv:
 test-openenv: install-openenv
 	$(OPENENV)/bin/python -m pytest -q tests/multiturn/test_openenv.py tests/trl_scripts -k openenv
 
-test-matrix: test test-newest test-openenv
+# CI's order, with the two other venvs installed (downloads and unpacking, mostly waiting) while the whole suite
+# runs instead of after it; their install log is printed once the suite is done.
+MATRIX_LOG := build/matrix-install.log
+test-matrix: install
+	@mkdir -p build; { $(MAKE) --no-print-directory install-newest && $(MAKE) --no-print-directory install-openenv; } \
+		> $(MATRIX_LOG) 2>&1 & installs=$$!; \
+	$(MAKE) --no-print-directory test; suite=$$?; \
+	wait $$installs; installed=$$?; cat $(MATRIX_LOG); \
+	if [ $$installed -ne 0 ]; then echo "make: installing the newest or the OpenEnv set failed (above)"; exit 1; fi; \
+	exit $$suite
+	$(MAKE) --no-print-directory test-newest test-openenv
 
 # The embedded default (configs/demo-cpu.yaml, the recipe `grpo train` runs when given none). A
 # second `make demo` writes a new folder instead of touching the first run's results.
