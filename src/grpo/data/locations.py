@@ -49,7 +49,7 @@ def iter_rows(source: str | Path, split: str, hub_config: str | None = None) -> 
 
 
 def _hub_rows(hub_id: str, config: str | None, split: str) -> Iterator[Row]:
-    import datasets  # on first use: ~3 s of import (pandas, aiohttp) that every process reading local files saved
+    import datasets  # on first use: ~3 s of import (pandas, aiohttp) that a run reading local files never needs
     from datasets.exceptions import DatasetsError  # on first use, with datasets
 
     try:
