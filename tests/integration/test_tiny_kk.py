@@ -41,7 +41,7 @@ QUICK_MAX_LOSS_RATIO = 0.35
 def quick_build(tmp_path_factory):
     out = tmp_path_factory.mktemp("kk") / "tiny-kk"
     subprocess.run([sys.executable, str(SCRIPT), "--quick", "--device", "cpu", "--out", str(out)], check=True,
-                   cwd=REPO_ROOT, timeout=900)
+                   cwd=REPO_ROOT, timeout=1800)
     return out
 
 

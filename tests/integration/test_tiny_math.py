@@ -117,7 +117,7 @@ QUICK_MAX_LOSS_RATIO = 0.35
 def test_quick_build_still_produces_a_working_model(tmp_path):
     out = tmp_path / "tiny-math"
     subprocess.run([sys.executable, str(SCRIPT), "--quick", "--device", "cpu", "--out", str(out)], check=True,
-                   cwd=REPO_ROOT, timeout=900)
+                   cwd=REPO_ROOT, timeout=1800)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(out)
