@@ -80,15 +80,31 @@ def test_new_estimator_and_loss_settings_reach_every_rank_and_two_samplers_share
         assert set(b["sampler_id"].split(",")) <= {"sampler-0", "sampler-1"}
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_zero_trainer_ranks(tiny_model_dir, tmp_path, stage):
+@pytest.fixture(scope="module")
+def zero_run(tiny_model_dir, tmp_path_factory):
+    """``zero_run(stage, fused=False)``: the run folder of a 2-step decoupled run with 2 trainer ranks under ZeRO
+    ``stage`` (checkpoint every step), made once per module: the stage-3 run is both the checkpoint test's and the
+    fused head's reference."""
     pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed (make install installs it)")
-    out = tmp_path / f"zero{stage}"
-    cmd = grpo_cmd("train", SMOKE, *decoupled_overrides(tiny_model_dir, out, **{
-        "train.mode": "decoupled", "decoupled.trainer_ranks": 2, "train.max_steps": 2, "train.save_steps": 1,
-        "train.deepspeed": REPO / "configs" / f"ds_zero{stage}.json"}))
-    result = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    runs: dict[tuple[int, bool], Path] = {}
+
+    def run(stage: int, fused: bool = False) -> Path:
+        if (stage, fused) not in runs:
+            out = tmp_path_factory.mktemp(f"zero{stage}-fused-{fused}") / "run"
+            cmd = grpo_cmd("train", SMOKE, *decoupled_overrides(tiny_model_dir, out, **{
+                "train.mode": "decoupled", "decoupled.trainer_ranks": 2, "train.max_steps": 2, "train.save_steps": 1,
+                "train.deepspeed": REPO / "configs" / f"ds_zero{stage}.json", "train.fused_lm_head": fused}))
+            result = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=600)
+            assert result.returncode == 0, result.stderr[-3000:]
+            runs[stage, fused] = out
+        return runs[stage, fused]
+
+    return run
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_zero_trainer_ranks(tiny_model_dir, zero_run, stage):
+    out = zero_run(stage)
     assert [r["step"] for r in train_rows(out)] == [1, 2]
     assert (out / "checkpoints" / "deepspeed-step-2").is_dir()
     import torch
@@ -104,19 +120,10 @@ def test_deepspeed_zero_trainer_ranks(tiny_model_dir, tmp_path, stage):
     assert not differ, f"weights v2 (published after step 2) differ from final/ (max abs diff per tensor): {differ}"
 
 
-def test_zero3_fused_lm_head_trains_as_the_logits_pass(tiny_model_dir, tmp_path):
+def test_zero3_fused_lm_head_trains_as_the_logits_pass(zero_run):
     # the fused head's chunks call the head module itself, so ZeRO-3 gathers its shards per chunk and again
     # for the recompute in backward: the same losses as the whole-logits pass, step by step
-    pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed (make install installs it)")
-    rows = {}
-    for fused in (False, True):
-        out = tmp_path / f"fused-{fused}"
-        cmd = grpo_cmd("train", SMOKE, *decoupled_overrides(tiny_model_dir, out, **{
-            "train.mode": "decoupled", "decoupled.trainer_ranks": 2, "train.max_steps": 2, "train.save_steps": 10,
-            "train.deepspeed": REPO / "configs" / "ds_zero3.json", "train.fused_lm_head": fused}))
-        result = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stderr[-3000:]
-        rows[fused] = train_rows(out)
+    rows = {fused: train_rows(zero_run(3, fused)) for fused in (False, True)}
     assert len(rows[True]) == len(rows[False]) == 2
     for a, b in zip(rows[False], rows[True]):
         for key in ("loss", "kl", "entropy", "grad_norm", "reward/mean"):
