@@ -276,32 +276,27 @@ def test_memory_check_gpu_takes_each_phase_peak_at_its_boundaries(tmp_path, tiny
 
 @pytest.mark.slow
 def test_gpu_session_script_parts_run_in_tiny_form(tmp_path, gsm8k_dir):
-    """scripts/gpu_session.sh (the next GPU's measurements) with GPU_SESSION_TINY=1: the same commands and
-    flags with --tiny on the CPU, so a renamed flag fails here, not in a lent GPU's few minutes. The bench
-    parts read GSM8K's prompts (skipped without the shared files, like every GSM8K test)."""
+    """scripts/gpu_session.sh's next two leases (issue 49: lease3, then lease4) with GPU_SESSION_TINY=1: the same
+    commands and flags with --tiny on the CPU, so a renamed flag fails here, not in a lent GPU's few minutes. The
+    bench parts read GSM8K's prompts (skipped without the shared files, like every GSM8K test). The parts the H200
+    leases already measured (gen, choices, jump: docs/device-choices.md) are not run here (the five parts took 12
+    minutes of a loaded 2-core CI machine); their flags reach the config as
+    test_device_choice_flags_are_config_overrides checks."""
+    # GPU_SESSION_SECONDS: the lease parts skip what a GPU lease's minutes leave no room for; on a loaded 2-core CI
+    # machine the tiny form took past the default 540 s and skipped the full-size run, so no deadline here
     env = {**os.environ, "GPU_SESSION_TINY": "1", "PYTHON": sys.executable, "OUT": str(tmp_path),
-           "GRPO_GSM8K_DIR": str(gsm8k_dir)}
+           "GRPO_GSM8K_DIR": str(gsm8k_dir), "GPU_SESSION_SECONDS": "100000"}
     def run_part(part: str) -> subprocess.CompletedProcess:
         return subprocess.run(["bash", str(REPO_ROOT / "scripts" / "gpu_session.sh"), part], cwd=REPO_ROOT, env=env,
-                              capture_output=True, text=True, timeout=900)
+                              capture_output=True, text=True, timeout=1800)  # a hang guard only
 
-    # lease3 runs fullsize's and head's commands, lease4 sweep's, multiturn's and eval's. Two at a time: each is
-    # mostly single-threaded process start-ups, their files differ, and the model cache takes concurrent builds.
-    parts = ("lease3", "lease4", "choices", "jump", "gen")
+    # Both at once: each is mostly single-threaded process start-ups, their files differ, and the model cache takes
+    # concurrent builds.
+    parts = ("lease3", "lease4")
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         for part, proc in zip(parts, pool.map(run_part, parts)):
             assert proc.returncode == 0, (part, proc.stderr[-4000:])
-    assert json.loads((tmp_path / "generation_speed-efficient.json").read_text())["sdpa_backends"] == "efficient,math"
-    settings = {name: json.loads((tmp_path / f"{name}.json").read_text())["settings"]
-                for name in ("as-shipped", "shared-off", "sdpa-efficient")}
-    assert settings["shared-off"]["grpo_shared_prompt_pass"] == "off"
-    assert settings["sdpa-efficient"]["sdpa_backends"] == "efficient,math"
-    assert settings["as-shipped"]["grpo_engine"] == "hf-static"
     assert json.loads((tmp_path / "full-size.json").read_text())["cases"][0]["grpo"]["steps"] == 2
-    jump = {name: json.loads((tmp_path / f"jump-{name}.json").read_text())["settings"]
-            for name in ("default", "efficient,math")}
-    assert jump["default"]["grpo_engine"] == jump["efficient,math"]["grpo_engine"] == "hf"
-    assert jump["efficient,math"]["sdpa_backends"] == "efficient,math" and jump["default"]["sdpa_backends"] == "auto"
     headline = json.loads((tmp_path / "full-lora.json").read_text())["cases"]
     assert [case["name"].split("/")[1] for case in headline] == ["full", "lora16"]
     assert all(case["trl"] and case["plain"] for case in headline)  # both baselines beside grpo
