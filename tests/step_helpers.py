@@ -151,7 +151,7 @@ def run_train(monkeypatch, model_dir, out, engine_box: dict, *extra: str) -> int
     return main(["train", f"model.name_or_path={model_dir}", "data.train=synthetic:seed=1,n=64",
                  "rollout.num_generations=4", "rollout.max_completion_length=8", "train.prompts_per_step=2",
                  "train.micro_batch_size=8", "train.save_steps=100", f"train.output_dir={out}",
-                 "loss.beta=0", "log.report_to=[]", "log.progress_bar=false", *extra])
+                 "loss.beta=0", "log.report_to=[]", "log.progress_bar=false", "log.plots=false", *extra])
 
 
 def logged(out) -> list[dict]:

@@ -61,7 +61,7 @@ def test_qlora_with_8bit_adamw_trains_the_adapter_on_a_gpu(tiny_model_dir, tmp_p
         "optim.optimizer=adamw_8bit", "optim.learning_rate=1e-3", "train.device=cuda", "train.max_steps=2",
         "train.prompts_per_step=2", "rollout.num_generations=4", "rollout.max_completion_length=16",
         "train.micro_batch_size=8", f"train.output_dir={out}", "log.report_to=[]", "log.progress_bar=false",
-        "rewards=[{name: 'test_memory_savers:characters_reward'}]"])
+        "log.plots=false", "rewards=[{name: 'test_memory_savers:characters_reward'}]"])
     result = train(cfg)
     from safetensors.torch import load_file
 

@@ -226,7 +226,7 @@ def test_decoupled_refuses_an_allocation_without_a_sampler_node(tmp_path):
 
 # A one-step CPU run of the shipped tiny model (configs/smoke-cpu.yaml: assets/tiny-math, synthetic data).
 TINY_RUN = ("train.max_steps=1 data.eval=null train.prompts_per_step=2 rollout.max_completion_length=12 "
-            "log.report_to=[] log.progress_bar=false")
+            "log.report_to=[] log.progress_bar=false log.plots=false")
 
 
 @pytest.mark.integration

@@ -235,7 +235,7 @@ def test_colocated_training_with_vllm_pushes_the_lora_adapter_every_step(tiny, t
         "rollout.num_generations=4", "rollout.max_completion_length=16", "data.train=synthetic:seed=1,n=64",
         "data.max_prompt_length=400", "train.prompts_per_step=2", "train.micro_batch_size=8", "train.max_steps=3",
         "train.save_steps=3", f"train.output_dir={out}", "loss.num_iterations=2", "loss.beta=0",
-        "optim.learning_rate=0.05", "log.report_to=[]", "log.progress_bar=false",
+        "optim.learning_rate=0.05", "log.report_to=[]", "log.progress_bar=false", "log.plots=false",
         # random models never write the format: a reward that differs within every group, so every
         # step really moves the policy (with all-equal rewards the advantages, hence updates, are 0)
         "rewards=[{name: 'test_vllm_engine:characters_reward'}]"])
@@ -259,7 +259,7 @@ def full_training_overrides(folder, out) -> list[str]:
         "rollout.num_generations=4", "rollout.max_completion_length=16", "data.train=synthetic:seed=1,n=64",
         "data.max_prompt_length=400", "train.prompts_per_step=2", "train.micro_batch_size=8", "train.max_steps=3",
         "train.save_steps=3", f"train.output_dir={out}", "loss.num_iterations=1", "loss.beta=0",
-        "optim.learning_rate=1e-3", "log.report_to=[]", "log.progress_bar=false",
+        "optim.learning_rate=1e-3", "log.report_to=[]", "log.progress_bar=false", "log.plots=false",
         "rewards=[{name: 'test_vllm_engine:characters_reward'}]"]
 
 

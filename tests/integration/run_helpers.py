@@ -54,8 +54,8 @@ def as_overrides(values: dict) -> list[str]:
 
 
 def base_overrides(model_dir: Path, out: Path, **extra) -> list[str]:
-    """A 3-step colocated run of ``model_dir`` into ``out`` (checkpoint at step 2, TensorBoard on); ``extra``
-    adds or replaces keys."""
+    """A 3-step colocated run of ``model_dir`` into ``out`` (checkpoint at step 2, TensorBoard on, no plots);
+    ``extra`` adds or replaces keys."""
     return as_overrides({
         "model.name_or_path": str(model_dir),
         "data.train": "synthetic:seed=1,n=64",
@@ -70,6 +70,7 @@ def base_overrides(model_dir: Path, out: Path, **extra) -> list[str]:
         "optim.learning_rate": 1e-3,
         "log.report_to": "[tensorboard]",
         "log.progress_bar": False,
+        "log.plots": False,  # matplotlib's import and five PNGs: seconds a run; the tests that read plots ask
         **extra,
     })
 
@@ -81,7 +82,7 @@ def decoupled_overrides(model_dir: Path, out: Path, **extra) -> list[str]:
         "rollout.num_generations": 4, "rollout.max_completion_length": 10, "train.prompts_per_step": 4,
         "train.micro_batch_size": 8, "train.max_steps": 3, "train.save_steps": 10, "train.output_dir": out,
         "train.seed": 0, "optim.learning_rate": 1e-3, "log.report_to": "[]", "log.progress_bar": False,
-        "rewards": DECOUPLED_REWARDS, "decoupled.address": f"tcp://127.0.0.1:{free_port()}",
+        "log.plots": False, "rewards": DECOUPLED_REWARDS, "decoupled.address": f"tcp://127.0.0.1:{free_port()}",
         "decoupled.peer_timeout_s": 120,
         **extra,
     })

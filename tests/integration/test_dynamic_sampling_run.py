@@ -46,7 +46,7 @@ def test_demo_recipe_trains_only_groups_whose_rewards_differ(tmp_path, monkeypat
     cfg = load_config(REPO / "configs" / "demo-cpu.yaml", [
         "train.max_steps=3", f"train.prompts_per_step={P}", f"rollout.num_generations={G}",
         "train.micro_batch_size=16", "train.save_steps=3", "data.eval=null", f"train.output_dir={out}",
-        "log.report_to=[]", "log.progress_bar=false", "rewards=[{name: answer_correct}]",
+        "log.report_to=[]", "log.progress_bar=false", "log.plots=false", "rewards=[{name: answer_correct}]",
         "rollout.dynamic_sampling=true", "rollout.dynamic_sampling_max_rounds=6"])
     train(cfg)
     rows = train_rows(out)

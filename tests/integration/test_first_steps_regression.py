@@ -56,7 +56,7 @@ def run_case(tmp_path: Path, extra: dict) -> list[dict]:
         "rollout.num_generations": 4, "rollout.max_completion_length": 48, "rollout.temperature": 1.0,
         "train.prompts_per_step": 2, "train.max_steps": 3, "train.save_steps": 100, "train.seed": 3,
         "train.output_dir": str(tmp_path / "run"), "loss.beta": 0.04,
-        "log.report_to": "[]", "log.progress_bar": False, "log.num_samples": 0,
+        "log.report_to": "[]", "log.progress_bar": False, "log.plots": False, "log.num_samples": 0,
         **extra,
     }
     train(load_config(None, as_overrides(values)))

@@ -24,7 +24,8 @@ def overrides(model_dir: Path, out: Path, **extra) -> list[str]:
         "model.name_or_path": str(model_dir), "data.train": "synthetic:seed=1,n=32",
         "rollout.num_generations": 4, "rollout.max_completion_length": 8, "train.prompts_per_step": 2,
         "train.micro_batch_size": 4, "train.max_steps": 2, "train.save_steps": 2, "train.output_dir": str(out),
-        "optim.learning_rate": 1e-3, "log.report_to": "[]", "log.progress_bar": False, "rewards": SIGNAL_REWARDS,
+        "optim.learning_rate": 1e-3, "log.report_to": "[]", "log.progress_bar": False, "log.plots": False,
+        "rewards": SIGNAL_REWARDS,
         **extra,
     })
 

@@ -21,7 +21,7 @@ rollout: {{num_generations: 4, max_completion_length: 12, temperature: 1.0}}
 optim: {{learning_rate: 1.0e-3}}
 train: {{prompts_per_step: 4, micro_batch_size: 16, max_steps: 2, save_steps: 2, eval_steps: 2, output_dir: {out},
         seed: 3}}
-log: {{report_to: [], progress_bar: false, logging_steps: 1}}
+log: {{report_to: [], progress_bar: false, plots: false, logging_steps: 1}}
 """
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

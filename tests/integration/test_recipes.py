@@ -8,8 +8,8 @@ hub data becomes a local GSM8K folder (train.jsonl / test.jsonl, read with the r
 K&K file (``kk:path=``, not shipped) and generated K&K puzzles become generated puzzles of 2 people (what the
 byte tokenizer renders within the recipe's max_prompt_length; Qwen's needs a third of the tokens for a
 7-person quiz, the tiny K&K model's tokenizer about half for a 3-person one),
-evaluation sees 4 prompts, bf16 is off without CUDA, the run writes to a temporary folder and stops
-after 2 steps. LoRA, gradient checkpointing, rewards, loss, prompts per step, group size, batch and
+evaluation sees 4 prompts, bf16 is off without CUDA, the run writes to a temporary folder (no plots) and
+stops after 2 steps. LoRA, gradient checkpointing, rewards, loss, prompts per step, group size, batch and
 micro-batch sizes, generation length and the rest are the recipe's, so a combination of settings
 that crashes on a GPU crashes here first (issue 13: the LoRA + checkpointing recipe died at step 1).
 A new recipe is covered by adding its file; a new model family needs a builder in ``TINY_BUILDERS``.
@@ -100,7 +100,8 @@ def recipe_overrides(recipe: Path, tokenizer, tmp_path: Path) -> list[str]:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(REPO / cfg.model.name_or_path)
-    swaps: dict[str, object] = {"train.output_dir": tmp_path / "run", "train.max_steps": STEPS}
+    # no plots: they draw metrics.jsonl after training (tests/test_plots.py), seconds a recipe here
+    swaps: dict[str, object] = {"train.output_dir": tmp_path / "run", "train.max_steps": STEPS, "log.plots": "false"}
     swaps["model.name_or_path"] = tiny_like(cfg.model.name_or_path, "model.name_or_path", tokenizer,
                                             tmp_path / "policy", hidden_size=64, num_layers=2)
     ref = cfg.model.ref_name_or_path

@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def test_full_finetune_changes_every_parameter_and_writes_outputs(tiny_model_dir, tmp_path):
     out = tmp_path / "full"
     cfg = load_config(None, base_overrides(tiny_model_dir, out, **{"data.eval": "synthetic:seed=123,n=4",
-                                                                   "rewards": SIGNAL_REWARDS}))
+                                                                   "rewards": SIGNAL_REWARDS, "log.plots": True}))
     result = train(cfg)
     initial = load_file(tiny_model_dir / "model.safetensors")
     final = load_file(out / "final" / "model.safetensors")
@@ -160,7 +160,7 @@ def test_bf16_full_fine_tuning_keeps_fp32_master_weights_so_small_updates_are_no
         "optim.max_grad_norm=null", "data.train=synthetic:seed=1,n=64", "rollout.num_generations=4",
         "rollout.max_completion_length=12", "train.prompts_per_step=2", "train.micro_batch_size=8",
         "train.max_steps=1", "train.device=cpu", f"train.output_dir={out}", "log.report_to=[]",
-        "log.progress_bar=false", "rewards=[{name: 'rewards_for_tests:characters_reward'}]"])
+        "log.progress_bar=false", "log.plots=false", "rewards=[{name: 'rewards_for_tests:characters_reward'}]"])
     train(cfg)
     before = load_file(tiny_model_dir / "model.safetensors")
     after = load_file(out / "final" / "model.safetensors")

@@ -28,6 +28,7 @@ train:
 log:
   report_to: []
   progress_bar: false
+  plots: false
   num_samples: 8
 rewards:
   - unsloth_rewards:correctness_reward_func

@@ -62,7 +62,7 @@ def overrides(model_dir, out, source, **extra) -> list[str]:
         "model.name_or_path": model_dir, "data.train": source, "data.eval": None, "rewards": "[]",
         "rollout.num_generations": 2, "rollout.max_completion_length": 48, "train.prompts_per_step": 2,
         "train.micro_batch_size": 4, "train.max_steps": 2, "train.save_steps": 10, "train.output_dir": out,
-        "log.report_to": "[]", "log.progress_bar": False, "optim.learning_rate": 1e-3, **extra})
+        "log.report_to": "[]", "log.progress_bar": False, "log.plots": False, "optim.learning_rate": 1e-3, **extra})
 
 
 def run(model_dir, out, source, **extra):

@@ -124,7 +124,7 @@ rollout:
   max_tool_calling_iterations: 1
 optim: {{learning_rate: 3.0e-5}}
 train: {{prompts_per_step: 8, micro_batch_size: 64, max_steps: 2, save_steps: 2, output_dir: {out}, seed: 3}}
-log: {{report_to: [], progress_bar: false, logging_steps: 1}}
+log: {{report_to: [], progress_bar: false, plots: false, logging_steps: 1}}
 rewards: []
 """
 

@@ -33,6 +33,7 @@ train:
 log:
   report_to: []
   progress_bar: false
+  plots: false
   num_samples: 8
 rewards:
   - {name: 'rewards_for_tests:letters'}

@@ -28,7 +28,7 @@ rollout:
   max_tool_calling_iterations: 1
 optim: {{learning_rate: 1.0e-4}}
 train: {{prompts_per_step: 2, micro_batch_size: 8, max_steps: {STEPS}, save_steps: 1, seed: 4}}
-log: {{report_to: [], progress_bar: false, logging_steps: 1}}
+log: {{report_to: [], progress_bar: false, plots: false, logging_steps: 1}}
 rewards: [{{name: answer_correct}}]
 """
 

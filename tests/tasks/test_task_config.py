@@ -143,7 +143,7 @@ def test_grpo_train_on_kk_without_rewards_trains_with_kk_logic(tmp_path):
     overrides = ["data.train=kk:seed=1,n=50,people=2", "data.eval=null", "rewards=null",
                  "data.max_prompt_length=2048", "train.max_steps=1", "train.prompts_per_step=2",
                  "train.micro_batch_size=8", "rollout.max_completion_length=16", f"train.output_dir={out}",
-                 "log.report_to=[]", "log.progress_bar=false"]
+                 "log.report_to=[]", "log.progress_bar=false", "log.plots=false"]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     # smoke-cpu.yaml lists the numeric rewards: rewards=null hands them back to the task
     done = subprocess.run([sys.executable, "-m", "grpo", "train", "configs/smoke-cpu.yaml", *overrides], cwd=repo,

@@ -106,7 +106,7 @@ def trained_run(tmp_path_factory) -> Path:
           eval: reverse:seed=2,n=4,words=3
         rollout: {{num_generations: 4, max_completion_length: 16}}
         train: {{prompts_per_step: 2, micro_batch_size: 8, max_steps: 2, save_steps: 2, output_dir: {folder / 'run'}}}
-        log: {{report_to: [], progress_bar: false}}
+        log: {{report_to: [], progress_bar: false, plots: false}}
         """))
     done = _grpo(folder, "train", recipe)
     assert done.returncode == 0, done.stderr[-3000:]
