@@ -56,11 +56,25 @@ def test_unknown_arguments_still_fail():
 
 def test_every_command_names_a_handler_that_exists():
     import grpo.commands.handlers as handlers
+    import grpo.commands.launch as launch  # `grpo train`'s (grpo.cli imports it for that command alone)
 
     sub = next(a for a in build_parser()._actions if isinstance(a, __import__("argparse")._SubParsersAction))
     for name, parser in sub.choices.items():
         handler = parser.get_default("handler")
-        assert callable(getattr(handlers, handler, None)), f"grpo {name}: no handler {handler!r} in grpo.commands.handlers"
+        module = launch if handler == "train_command" else handlers
+        assert callable(getattr(module, handler, None)), f"grpo {name}: no handler {handler!r} in {module.__name__}"
+    assert not hasattr(handlers, "train_command")
+
+
+def test_the_decoupled_launcher_loads_no_transformers_or_peft():
+    # the launcher checks the recipe and starts the roles, which load them: seconds before the roles start
+    code = ("import sys\nimport grpo.commands.launch, grpo.decoupled.launcher\n"
+            "from grpo.config import load_config\n"
+            "load_config(None, ['train.mode=decoupled'])\n"
+            "print(sorted(m for m in ('transformers', 'peft', 'grpo.rollout', 'grpo.decoupled.transport') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_help_and_a_mistyped_command_load_no_torch():

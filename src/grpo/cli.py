@@ -198,8 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     _split_config_and_overrides(args)
     try:
         # The handlers import torch, transformers and every role (seconds): loaded only once a command runs, so
-        # that `grpo --help` and a mistyped command answer at once. tests/test_layers.py allows this one import.
-        handlers = importlib.import_module("grpo.commands.handlers")
+        # that `grpo --help` and a mistyped command answer at once (tests/test_layers.py allows these imports).
+        # `grpo train`'s are lighter: the decoupled launcher starts its roles without loading what they load.
+        if args.handler == "train_command":
+            handlers = importlib.import_module("grpo.commands.launch")
+        else:
+            handlers = importlib.import_module("grpo.commands.handlers")
         return getattr(handlers, args.handler)(args)
     except BaseException as err:
         if isinstance(err, SystemExit):

@@ -123,7 +123,7 @@ def test_trainer_on_a_non_loopback_address_without_a_token_is_refused_before_any
         raise AssertionError("a role started before the address was checked")
 
     monkeypatch.setattr("grpo.decoupled.trainer_role.main", must_not_start)
-    monkeypatch.setattr("grpo.commands.handlers.run_decoupled", must_not_start)
+    monkeypatch.setattr("grpo.commands.launch.run_decoupled", must_not_start)
     out = tmp_path / "run"
     args = [role, "train.mode=decoupled", "decoupled.address=tcp://0.0.0.0:5555", f"train.output_dir={out}"]
     assert main(args) == 2

@@ -1,54 +1,31 @@
 """What each ``grpo`` subcommand does once its arguments are parsed (``grpo.cli`` parses them).
 
 A handler is ``<command>_command(args) -> exit status``; ``grpo.cli`` looks it up by name when the command runs, so that
-``grpo --help`` and a mistyped command answer without loading torch, transformers and every role.
+``grpo --help`` and a mistyped command answer without loading torch, transformers and every role. ``grpo train`` is
+``grpo.commands.launch``'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-from pathlib import Path
 
 from grpo.commands.chat import run_chat
 from grpo.commands.eval_command import run_eval_command
 from grpo.commands.export import export_model
 from grpo.commands.memory import run_memory_command
-from grpo.config import ConfigError, dump_config, iter_config_keys, load_config
+from grpo.commands.launch import check_listen_address
+from grpo.config import dump_config, iter_config_keys, load_config
 from grpo.config.docs import config_keys_markdown
-from grpo.decoupled.launcher import run_decoupled
-from grpo.decoupled.link_settings import shared_token
 from grpo.decoupled.ref_server import run_ref_server
 from grpo.decoupled.sampler_role import main as run_sampler_role
 from grpo.decoupled.trainer_role import main as run_trainer_role
-from grpo.decoupled.transport import check_bind_address
 from grpo.run.plots import plot_run
-from grpo.training.colocated import train
 from grpo.training.settings import logprob_pass
 
 
 def config_command(args: argparse.Namespace) -> int:
     sys.stdout.write(dump_config(load_config(args.config, args.overrides)))
-    return 0
-
-
-def train_command(args: argparse.Namespace) -> int:
-    overrides = list(args.overrides)
-    if args.resume:
-        overrides.append("train.resume=true")
-    if args.overwrite:
-        overrides.append("train.overwrite=true")
-    config_path = args.config or _default_recipe()
-    cfg = load_config(config_path, overrides)
-    if cfg.train.mode == "decoupled":
-        _check_listen_address(cfg)
-
-        return run_decoupled(cfg, config_path, overrides)
-    result = train(cfg)
-    if int(os.environ.get("RANK", "0")) == 0:  # every launcher sets RANK; the summary is the run's, said once
-        _print_summary(result)
     return 0
 
 
@@ -58,22 +35,12 @@ def role_command(args: argparse.Namespace) -> int:
         overrides.append(f"decoupled.ref_server_host={args.host}")
     cfg = load_config(args.config, overrides)
     if args.command == "trainer":
-        _check_listen_address(cfg)
+        check_listen_address(cfg)
     if args.command == "sampler":
         return run_sampler_role(cfg)
     if args.command == "trainer":
         return run_trainer_role(cfg)
     return _ref_server(cfg)
-
-
-def _check_listen_address(cfg) -> None:
-    """Refuse a trainer address beyond this machine without a token before anything starts. The receiver
-    refuses it too, but only after the models are loaded and the run folder claimed, with a traceback."""
-    token = shared_token(cfg)  # a ConfigError of its own when decoupled.token_env names an unset variable
-    try:
-        check_bind_address(cfg.decoupled.address, token)
-    except ValueError as err:
-        raise ConfigError(f"decoupled.address: {err}; see decoupled.token_env") from None
 
 
 def _ref_server(cfg) -> int:
@@ -82,27 +49,6 @@ def _ref_server(cfg) -> int:
                    token_env=cfg.decoupled.token_env, device=cfg.decoupled.ref_server_device,
                    dtype=cfg.model.ref_torch_dtype, micro_batch_size=cfg.train.micro_batch_size, logprob_pass=logprob_pass(cfg))
     return 0
-
-
-def _default_recipe() -> str | None:
-    # `grpo train` with no recipe runs the embedded default when it is present.
-    recipe = Path("configs/demo-cpu.yaml")
-    return str(recipe) if recipe.is_file() else None
-
-
-def _print_summary(result) -> None:
-    print(f"run folder: {result.output_dir}  (last step {result.last_step})")
-    if result.eval_before and result.eval_after:
-        b, a = result.eval_before, result.eval_after
-        print(f"held-out accuracy: {b['accuracy']:.1%} -> {a['accuracy']:.1%} "
-              f"({(a['accuracy'] - b['accuracy']) * 100:+.1f} points); "
-              f"format rate {b['format_rate']:.1%} -> {a['format_rate']:.1%}")
-    best = result.output_dir / "best" / "best.json"
-    if best.is_file():  # train.best_metric
-
-        saved = json.loads(best.read_text(encoding="utf-8"))
-        print(f"best model: {best.parent} (step {saved['step']}: {saved['metric']} {saved['value']:.4g})")
-    print(f"plots: {result.output_dir / 'plots'}   final model: {result.output_dir / 'final'}")
 
 
 def plot_command(args: argparse.Namespace) -> int:

@@ -6,23 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo.config import ConfigError, RunConfig, config_to_dict
+from grpo.config import RunConfig, config_to_dict
+from grpo.decoupled.listen import shared_token  # noqa: F401  (the roles read it from here with the other settings)
 from grpo.decoupled.transport.curve_keys import PUBLIC_KEY_FILE, read_server_key, server_secret_key
-
-
-def shared_token(cfg: RunConfig) -> str:
-    """The token from ``decoupled.token_env`` ("" when none is configured)."""
-    name = cfg.decoupled.token_env
-    if not name:
-        return ""
-    token = os.environ.get(name, "")
-    if not token:
-        raise ConfigError(f"decoupled.token_env: environment variable {name} is empty or not set")
-    return token
 
 
 def curve_dir(cfg: RunConfig) -> Path:

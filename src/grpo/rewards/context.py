@@ -23,9 +23,10 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import TrainerState
+if TYPE_CHECKING:  # transformers' import costs seconds to every `import grpo.config`, the decoupled launcher's too
+    from transformers.trainer_callback import TrainerState
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,8 @@ CONTEXT_KEYS = ("trainer_state", "log_extra", "log_metric")
 
 def make_trainer_state(global_step: int, max_steps: int, epoch: float | None = None) -> TrainerState:
     """The ``trainer_state`` a reward sees: steps finished so far, the run's total, the epoch."""
+    from transformers.trainer_callback import TrainerState  # on first use: not in `import grpo.config` (seconds)
+
     return TrainerState(global_step=global_step, max_steps=max_steps, epoch=epoch)
 
 

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from grpo.data.tags import TagStyle
 from grpo.rewards.answers import completion_text
@@ -70,6 +69,9 @@ def make_model_reward(
     if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
         raise ValueError(f"reward model dtype {dtype!r} is not a torch dtype name (e.g. 'float32', 'bfloat16')")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+    # on first use: the reward registry, and so every `import grpo.config`, imports this module
+    from transformers.models.auto import AutoModelForSequenceClassification, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForSequenceClassification.from_pretrained(path, dtype=getattr(torch, dtype))

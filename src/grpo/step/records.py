@@ -6,10 +6,12 @@ Rows are completions; the ``G`` completions of one prompt are contiguous (rows `
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from grpo.rollout.generation import Generation
+if TYPE_CHECKING:  # an annotation only: grpo.rollout's package import loads transformers and peft (the wire's
+    from grpo.rollout.generation import Generation  # users, the decoupled launcher among them, need neither)
 
 
 @dataclass
