@@ -17,7 +17,8 @@ from transport_helpers import free_port
 
 from grpo.cli import build_parser
 from grpo.config import RunConfig, load_config
-from grpo.decoupled.link_settings import config_fingerprint, shared_token
+from grpo.decoupled.link_settings import config_fingerprint
+from grpo.decoupled.listen import shared_token
 from grpo.decoupled.transport import check_bind_address
 from grpo.run.run_dir import MARKERS
 

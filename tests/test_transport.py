@@ -188,7 +188,7 @@ def test_a_host_name_that_resolves_only_to_loopback_is_refused_as_a_bind_address
     # /etc/hosts often maps the machine's own name to 127.0.1.1: binding it looks remote but is not
     import socket
 
-    from grpo.decoupled.transport.common import check_bind_address, hidden_loopback
+    from grpo.decoupled.listen import check_bind_address, hidden_loopback
 
     real = socket.getaddrinfo
 

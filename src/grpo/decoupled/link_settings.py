@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpo.config import RunConfig, config_to_dict
-from grpo.decoupled.listen import shared_token  # noqa: F401  (the roles read it from here with the other settings)
 from grpo.decoupled.transport.curve_keys import PUBLIC_KEY_FILE, read_server_key, server_secret_key
 
 

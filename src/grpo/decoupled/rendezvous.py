@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from grpo.config import ConfigError
-from grpo.decoupled.transport.common import WILDCARD_HOSTS
+from grpo.decoupled.listen import WILDCARD_HOSTS
 
 ADDRESS_FILE = Path("decoupled") / "trainer_address.json"
 

@@ -24,7 +24,8 @@ import torch
 from grpo.config import RunConfig
 from grpo.data.prompt_sampler import PromptSampler
 from grpo.decoupled.carry_over import ALL_GROUPS_TRAINED, CarryOver
-from grpo.decoupled.link_settings import config_fingerprint, max_message_bytes, sampler_curve_key, shared_token
+from grpo.decoupled.link_settings import config_fingerprint, max_message_bytes, sampler_curve_key
+from grpo.decoupled.listen import shared_token
 from grpo.decoupled.partial_rollouts import PartialInputs, partial_experience
 from grpo.decoupled.ref_server import RefServerClient
 from grpo.decoupled.rendezvous import is_wildcard, read_trainer_address, split_tcp

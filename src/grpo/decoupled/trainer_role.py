@@ -27,9 +27,9 @@ from grpo.decoupled.link_settings import (
     config_fingerprint,
     max_message_bytes,
     receiving_settings,
-    shared_token,
     trainer_curve_key,
 )
+from grpo.decoupled.listen import shared_token
 from grpo.decoupled.rendezvous import advertised_address, publish_trainer_address
 from grpo.decoupled.token_versions import chunk_version, stamped, staleness_metrics
 from grpo.decoupled.transport import IncomingBatch, PeerTimeout, RolloutReceiver

@@ -30,7 +30,7 @@ from grpo.decoupled.ref_server.protocol import (
     decode_request,
     encode_response,
 )
-from grpo.decoupled.transport.common import hidden_loopback
+from grpo.decoupled.listen import hidden_loopback
 from grpo.models.loading import DTYPES, resolve_device
 from grpo.step.logprobs import DEVICE_DEFAULT_PASS, LogprobPass, completion_logprobs
 

@@ -50,8 +50,8 @@ first time per peer), answered with ``error`` and otherwise ignored. With a CURV
 receiver's ``curve_secret_key``, the senders' ``curve_server_key``) every frame is encrypted; a sampler
 whose handshake fails (another key, one side not encrypting) gets a TransportError within a second.
 
-The code: ``common`` (constants, errors, ``check_bind_address``), ``records`` (what the endpoints hand
-their callers), ``io_thread`` (the background thread both endpoints run), ``receiver`` and
+The code: ``common`` (constants, errors; ``check_bind_address`` is in grpo.decoupled.listen), ``records``
+(what the endpoints hand their callers), ``io_thread`` (the background thread both endpoints run), ``receiver`` and
 ``receiver_io`` (trainer side: its API, and what its I/O thread does), ``sender`` and ``sender_io``
 (sampler side, likewise), ``curve_keys`` (the trainer's key pair on the run folder, the CURVE socket
 options, why a handshake failed).
@@ -61,7 +61,6 @@ from grpo.decoupled.transport.common import (
     BUSY_BACKOFF_S,
     CONTROL_MAX_BYTES,
     HWM,
-    LOOPBACK_HOSTS,
     MAX_EVENTS,
     MAX_MESSAGES_PER_WAKE,
     MAX_WARNED_PEERS,
@@ -69,8 +68,8 @@ from grpo.decoupled.transport.common import (
     PeerClosed,
     PeerTimeout,
     TransportError,
-    check_bind_address,
 )
+from grpo.decoupled.listen import LOOPBACK_HOSTS, check_bind_address  # who may listen where: stdlib and the config
 from grpo.decoupled.transport.deliveries import Event, IncomingBatch, PeerStatus
 from grpo.decoupled.transport.receiver import RolloutReceiver
 from grpo.decoupled.transport.sender import RolloutSender

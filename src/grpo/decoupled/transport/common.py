@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-# who may listen where: a module of its own, outside this package (the launcher checks a recipe without loading it)
-from grpo.decoupled.listen import LOOPBACK_HOSTS, WILDCARD_HOSTS, check_bind_address, hidden_loopback  # noqa: F401
-
 HWM = 1000                      # messages queued per peer and direction before sends fail / reads stop
 POLL_MS = 100                   # longest sleep of an I/O thread (it also wakes on commands and messages)
 MAX_MESSAGES_PER_WAKE = 64      # an I/O thread then runs its commands and timers again

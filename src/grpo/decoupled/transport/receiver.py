@@ -12,12 +12,8 @@ from collections.abc import Iterable, Mapping
 
 import zmq
 
-from grpo.decoupled.transport.common import (
-    HWM,
-    TransportError,
-    _check_version,
-    check_bind_address,
-)
+from grpo.decoupled.listen import check_bind_address
+from grpo.decoupled.transport.common import HWM, TransportError, _check_version
 from grpo.decoupled.transport.curve_keys import make_curve_server
 from grpo.decoupled.transport.deliveries import IncomingBatch, PeerStatus
 from grpo.decoupled.transport.receiver_io import _Peer, _Pending, _ReceiverIO
