@@ -83,8 +83,8 @@ DECOUPLED = ["train.mode=decoupled", "decoupled.weight_update=in_flight"]
 @pytest.mark.parametrize("overrides, match", [
     (["decoupled.weight_update=in_flight"], "train.mode is colocated"),
     ([*DECOUPLED, "rollout.engine=vllm", "rollout.top_p=0.9"], "rollout.engine is vllm with rollout.top_p 0.9"),
-    ([*DECOUPLED, "rollout.engine=vllm", "rollout.top_k=20"], "renormalised over the kept tokens"),
-    ([*DECOUPLED, "rollout.engine=vllm", "model.lora_r=8"], "switches LoRA adapters only between generate calls"),
+    ([*DECOUPLED, "rollout.engine=vllm", "rollout.top_k=20"], "renormalised over the kept tokens.*"
+                                                                "set loss.sampler_is_correction: true"),
     ([*DECOUPLED, "rollout.engine=hf-generate"], "rollout.engine is hf-generate"),
     ([*DECOUPLED, "rollout.min_p=0.1"], "rollout.min_p is 0.1"),
 ])
@@ -101,6 +101,11 @@ def test_the_config_takes_in_flight_with_the_lean_engine():
     assert load_config(None, []).decoupled.weight_update == "per_chunk"
     cfg = load_config(None, [*DECOUPLED, "rollout.engine=vllm"])  # full weights reloaded between vLLM's steps
     assert (cfg.decoupled.weight_update, cfg.rollout.engine) == ("in_flight", "vllm")
+    cfg = load_config(None, [*DECOUPLED, "rollout.engine=vllm", "model.lora_r=8"])  # open rows re-admitted
+    assert (cfg.decoupled.weight_update, cfg.model.lora_r) == ("in_flight", 8)
+    cfg = load_config(None, [*DECOUPLED, "rollout.engine=vllm", "rollout.top_k=20", "loss.sampler_is_correction=true",
+                             "rollout.vllm_check_steps=0"])  # the truncation goes to the importance weight
+    assert (cfg.decoupled.weight_update, cfg.rollout.top_k) == ("in_flight", 20)
 
 
 def test_in_flight_the_engines_per_token_logprobs_are_the_samplers():

@@ -190,7 +190,7 @@ PARTIAL = ["train.mode=decoupled", "decoupled.partial_rollouts=true", "train.max
 @pytest.mark.parametrize("overrides, match", [
     (["decoupled.partial_rollouts=true"], "train.mode is colocated"),
     ([*PARTIAL, "rollout.engine=vllm", "rollout.top_p=0.9"], "rollout.engine is vllm with rollout.top_p 0.9"),
-    ([*PARTIAL, "rollout.engine=vllm", "rollout.top_k=20"], "top_k 20: its per-token log-probs"),
+    ([*PARTIAL, "rollout.engine=vllm", "rollout.top_k=20"], "top_k 20 and loss.sampler_is_correction off"),
     ([*PARTIAL, "rollout.engine=hf-generate"], "rollout.engine is hf-generate"),
     ([*PARTIAL, "train.max_staleness=0", "train.sync_steps=1"], "train.max_staleness is 0"),
     ([*PARTIAL, "rollout.dynamic_sampling=true"], "rollout.dynamic_sampling is on"),
@@ -212,6 +212,10 @@ def test_the_config_takes_partial_rollouts_with_and_without_in_flight_updates():
     assert cfg.decoupled.partial_rollouts and cfg.model.lora_r == 8
     cfg = load_config(None, [*PARTIAL, "rollout.engine=vllm"])  # vLLM's processed log-probs, top-k/top-p off
     assert cfg.rollout.engine == "vllm" and cfg.decoupled.partial_rollouts
+    # truncated sampling with the correction on: vLLM's log-probs are the importance weight's sampling probabilities
+    cfg = load_config(None, [*PARTIAL, "rollout.engine=vllm", "rollout.top_p=0.9", "loss.sampler_is_correction=true",
+                             "rollout.vllm_check_steps=0"])
+    assert cfg.rollout.top_p == 0.9 and cfg.decoupled.partial_rollouts
     assert not load_config(None, []).decoupled.partial_rollouts
     cfg = load_config(None, [*PARTIAL, "rollout.engine=hf", "decoupled.trainer_ranks=2", "train.prompts_per_step=4"])
     assert cfg.decoupled.trainer_ranks == 2  # torch/DDP ranks split a step's groups unevenly

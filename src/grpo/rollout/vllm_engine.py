@@ -27,7 +27,8 @@ Weights (both colocated and decoupled use): ``update_weights(LoadedWeights)``
     which vLLM leaves stale on its CPU backend (the module says why). A folder path crosses the process boundary,
     not tensors or a pickled callable (which vLLM refuses unless ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
   * "lora": the adapter is written in PEFT's on-disk format to a fresh folder and the next generations use a new
-    ``LoRARequest`` (a new int id, so vLLM's adapter cache cannot serve the old tensors).
+    ``LoRARequest`` (a new int id, so vLLM's adapter cache cannot serve the old tensors); in flight, the open
+    rows are re-admitted under it (``generate_in_flight``) and the old adapter is removed once none holds it.
 Colocated mode frees vLLM's memory while the trainer runs: ``sleep()`` / ``wake_up()`` (``LLM.sleep(level)`` /
 ``LLM.wake_up()``, only when built with ``enable_sleep_mode=True``, which vLLM supports on CUDA only).
 
@@ -40,7 +41,6 @@ would be handled next to ``TESTED_VLLM``. vLLM is imported lazily: the rest of g
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -55,7 +55,8 @@ from torch import Tensor
 from grpo.rollout.engine import SamplingParams
 from grpo.rollout.generation import Generation
 from grpo.rollout.hf import left_pad
-from grpo.rollout.in_flight import InFlight, TokenRecord, with_records
+from grpo.rollout.in_flight import InFlight
+from grpo.rollout.vllm_in_flight import generate_in_flight, sampled_logprobs
 from grpo.weight_store.layout import LoadedWeights, WeightStoreError
 
 INSTALL_HINT = ("vLLM is not installed: `pip install 'grpo[vllm]'` on a GPU machine, or `make test-vllm` here "
@@ -157,14 +158,16 @@ class VLLMEngine:
                 kwargs["max_model_len"] = max_model_len
             kwargs.update(llm_kwargs or {})
             self.llm = _in_process_llm(vllm, kwargs) if in_flight else vllm.LLM(**kwargs)
-        self._vllm = vllm
-        self._next_request = 0  # numbers generate_in_flight's request ids
+        self.vllm = vllm
+        self._next_request = 0  # numbers generate_in_flight's calls (their request ids)
         self.enable_sleep_mode = enable_sleep_mode
         self.asleep = False
         self.weights_version: int | None = None  # the last version loaded by update_weights
-        self._lora_request = None
+        self.lora_request = None
         self._lora_dir: Path | None = None
         self._next_lora_id = 1
+        self._retired_adapters: list[tuple[Any, Path | None]] = []  # replaced adapters, removed when unused
+        self.open_in_flight = False  # generate_in_flight's requests are open (an adapter load may come now)
 
     # ---------------------------------------------------------------- sampling
 
@@ -189,7 +192,7 @@ class VLLMEngine:
         requests = [{"prompt_token_ids": ids} for ids in encoded]
         sampling = [to_vllm_sampling_params(params, None if seed is None else seed + i * n)
                     for i in range(len(encoded))]
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self._lora_request)
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self.lora_request)
 
         rows: list[list[int]] = []
         row_logprobs: list[list[float]] = []
@@ -200,67 +203,30 @@ class VLLMEngine:
             for completion in sorted(output.outputs, key=lambda c: c.index):
                 ids = list(completion.token_ids)
                 rows.append(ids)
-                row_logprobs.append(_sampled_logprobs(completion.logprobs, ids))
+                row_logprobs.append(sampled_logprobs(completion.logprobs, ids))
                 stopped.append(completion.finish_reason == "stop")
-        return self._as_generation(encoded, n, rows, row_logprobs, stopped)
+        return self.as_generation(encoded, n, rows, row_logprobs, stopped)
 
     def generate_in_flight(self, prompt_ids: Sequence[list[int]], params: SamplingParams, seed: int | None,
                            in_flight: InFlight, prefix_cache: None = None) -> Generation:
-        """``generate_ids`` with newer weights loaded between vLLM's engine steps (``grpo.rollout.in_flight``).
-
-        The requests go to vLLM's engine one row each (row ``r`` of prompt ``i`` seeded ``seed + r``, as
-        ``generate`` seeds vLLM's ``n`` samples), returning their new tokens at every ``step()``; each
-        ``step()`` is one scheduler step of the in-process engine core (``in_flight=True`` at construction),
-        so the tokens a step returns were drawn by the weights loaded before it. Every ``check_tokens`` tokens
-        ``in_flight.refresh()`` may load a newer version (``update_weights``: the same in-place reload) while
-        the requests stay open: their KV caches are kept. The generation carries each token's version and
-        vLLM's processed log-prob of it (``log_softmax(logits / T)`` with top-k/top-p off). A partial rollout's
-        carried row comes as a prompt ending in its tokens so far: vLLM's prefix caching (not ``prefix_cache``,
-        which must be None) keeps their KV blocks until a weight load between chunks resets it."""
+        """``generate_ids`` with newer weights loaded between vLLM's engine steps: ``grpo.rollout.vllm_in_flight``
+        (full weights keep the open requests' KV caches; a newer LoRA adapter re-admits the open rows under it)."""
         if prefix_cache is not None:
             raise ValueError("vLLM keeps continued rows' keys/values in its own prefix cache: pass prefix_cache=None")
         self._check_in_process()
-        encoded = self._checked_prompts(prompt_ids)
-        n, engine = params.n, self.llm.llm_engine
-        one = dataclasses.replace(params, n=1)
-        record = TokenRecord(in_flight, len(encoded) * n, params.max_tokens, params.temperature, "cpu")
-        started = record.version
-        row_of: dict[str, int] = {}
-        for r in range(len(encoded) * n):
-            sampling = to_vllm_sampling_params(one, None if seed is None else seed + r)
-            sampling.output_kind = self._vllm.sampling_params.RequestOutputKind.DELTA  # each step's new tokens
-            request_id = f"grpo-inflight-{self._next_request}-{r}"  # outputs carry it (add_request's own may differ)
-            engine.add_request(request_id, {"prompt_token_ids": encoded[r // n]}, sampling,
-                               lora_request=self._lora_request)
-            row_of[request_id] = r
+        return generate_in_flight(self, self._checked_prompts(prompt_ids), params, seed, in_flight)
+
+    def step_request_params(self, params: SamplingParams, seed: int | None):
+        """The ``vllm.SamplingParams`` of one request that ``generate_in_flight`` steps: each ``step()`` returns
+        the tokens it drew (``RequestOutputKind.DELTA``)."""
+        sampling = to_vllm_sampling_params(params, seed)
+        sampling.output_kind = self.vllm.sampling_params.RequestOutputKind.DELTA
+        return sampling
+
+    def next_request_call(self) -> int:
+        """A number no earlier ``generate_in_flight`` call had: its request ids start with it."""
         self._next_request += 1
-        rows: list[list[int]] = [[] for _ in row_of]
-        open_rows = dict(row_of)
-        stopped = [False] * len(rows)
-        try:
-            checked = 0  # tokens drawn when the last check ran
-            while open_rows:
-                if not engine.has_unfinished_requests():
-                    raise RuntimeError(f"vLLM dropped requests {sorted(open_rows)} without a final output")
-                for output in engine.step():
-                    r, completion = row_of[output.request_id], output.outputs[0]
-                    for token, logprob in zip(completion.token_ids, _sampled_logprobs(completion.logprobs,
-                                                                                      list(completion.token_ids))):
-                        record.scored(r, len(rows[r]), logprob)
-                        rows[r].append(token)
-                    if output.finished:
-                        stopped[r] = completion.finish_reason == "stop"
-                        del open_rows[output.request_id]
-                while open_rows and max(map(len, rows)) >= checked + in_flight.check_tokens:
-                    checked += in_flight.check_tokens
-                    record.before_next(checked - 1)
-        finally:  # an error mid-loop (a failed load) must not leave requests running into the next call
-            if open_rows:
-                engine.abort_request(list(open_rows))
-            if record.version != started:  # the loads could not reset it while the requests held their blocks
-                self.llm.reset_prefix_cache()
-        generation = self._as_generation(encoded, n, rows, [[] for _ in rows], stopped)
-        return with_records(generation, [record.taken(generation.completion_ids.shape[1])])
+        return self._next_request - 1
 
     def _checked_prompts(self, prompt_ids: Sequence[list[int]]) -> list[list[int]]:
         if self.asleep:
@@ -278,7 +244,7 @@ class VLLMEngine:
                                "scheduler step, so each token's weights are known): build the VLLMEngine with "
                                "in_flight=True (or the vllm.LLM under VLLM_ENABLE_V1_MULTIPROCESSING=0)")
 
-    def _as_generation(self, encoded: list[list[int]], n: int, rows: list[list[int]],
+    def as_generation(self, encoded: list[list[int]], n: int, rows: list[list[int]],
                        row_logprobs: list[list[float]], stopped: list[bool]) -> Generation:
         """Rows (``n`` per prompt, in prompt order) of token ids and their log-probs -> a ``Generation``."""
         pad_id = self.tokenizer.pad_token_id
@@ -309,7 +275,8 @@ class VLLMEngine:
 
         "full": every weight reloaded in place by the worker extension (the tensors go to a temporary
         safetensors folder the workers read: the same bytes the weight store verified).
-        "lora": the adapter becomes the active ``LoRARequest`` (needs ``enable_lora=True``).
+        "lora": the adapter becomes the active ``LoRARequest`` (needs ``enable_lora=True``); while
+        ``generate_in_flight`` runs, its open rows move over to it there.
         """
         if self.asleep:
             raise RuntimeError("wake_up() the vLLM engine before loading weights into it")
@@ -318,11 +285,13 @@ class VLLMEngine:
                 _save_safetensors(loaded.state_dict, Path(folder) / "model.safetensors")
                 self.load_weights_from_dir(folder)
         elif loaded.kind == "lora":
-            if self.llm.llm_engine.has_unfinished_requests():  # they hold the adapter it would remove
-                raise RuntimeError(f"LoRA weights version {loaded.version} arrived while requests are open: the "
-                                   "vLLM engine switches adapters only between generate calls (no in-flight "
-                                   "updates with LoRA)")
+            if self.llm.llm_engine.has_unfinished_requests() and not self.open_in_flight:
+                raise RuntimeError(f"LoRA weights version {loaded.version} arrived while requests grpo did not "
+                                   "open are running: they hold the adapter it would remove (generate_in_flight "
+                                   "moves its own open rows over to a newer adapter)")
             self._switch_adapter(loaded)
+            if not self.open_in_flight:
+                self.remove_retired_adapters()
         else:
             raise WeightStoreError(f"weights version {loaded.version}: unknown kind {loaded.kind!r}")
         self.weights_version = loaded.version
@@ -346,13 +315,18 @@ class VLLMEngine:
         _save_safetensors(loaded.state_dict, folder / "adapter_model.safetensors")
         (folder / "adapter_config.json").write_text(json.dumps(loaded.adapter_config), encoding="utf-8")
         request = LoRARequest(f"grpo-v{loaded.version}", self._next_lora_id, str(folder))
-        previous, previous_dir = self._lora_request, self._lora_dir
-        self._lora_request, self._lora_dir = request, folder
+        if self.lora_request is not None:  # removed once no open request holds it
+            self._retired_adapters.append((self.lora_request, self._lora_dir))
+        self.lora_request, self._lora_dir = request, folder
         self._next_lora_id += 1
-        if previous is not None:
-            self.llm.llm_engine.remove_lora(previous.lora_int_id)  # public LLMEngine method: free its slot
-        if previous_dir is not None:
-            shutil.rmtree(previous_dir, ignore_errors=True)  # ignore_errors: a leftover temp dir is harmless
+
+    def remove_retired_adapters(self) -> None:
+        """Free the slots and folders of the adapters a newer one replaced (no request holds them any more)."""
+        for request, folder in self._retired_adapters:
+            self.llm.llm_engine.remove_lora(request.lora_int_id)  # public LLMEngine method: free its slot
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)  # ignore_errors: a leftover temp dir is harmless
+        self._retired_adapters.clear()
 
     # ---------------------------------------------------------------- colocated memory
 
@@ -385,13 +359,6 @@ def _in_process_llm(vllm, kwargs: dict[str, Any]):
             del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
         else:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
-
-
-def _sampled_logprobs(logprobs, token_ids: list[int]) -> list[float]:
-    """vLLM's per-position ``{token_id: Logprob}`` dicts -> the sampled token's log-prob per position."""
-    if logprobs is None:
-        raise RuntimeError("vLLM returned no log-probs although logprobs=0 was requested")
-    return [float(position[token].logprob) for position, token in zip(logprobs, token_ids)]
 
 
 def _save_safetensors(state_dict: dict[str, Tensor], path: Path) -> None:
