@@ -23,6 +23,7 @@ caching keeps their KV blocks until a weight load between chunks resets it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import TYPE_CHECKING
 
 from grpo.rollout.engine import SamplingParams
@@ -46,6 +47,7 @@ def generate_in_flight(owner: "VLLMEngine", encoded: list[list[int]], params: Sa
     call = owner.next_request_call()
     rows: list[list[int]] = [[] for _ in range(len(encoded) * n)]
     open_rows: dict[str, int] = {}  # open request id -> row
+    admitted = itertools.count()  # request ids are never reused, not even by a re-admitted row that drew nothing
 
     def admit(r: int, adapter) -> None:  # row r's request from its tokens so far, under ``adapter``
         done, row_seed = len(rows[r]), None if seed is None else seed + r
@@ -54,7 +56,7 @@ def generate_in_flight(owner: "VLLMEngine", encoded: list[list[int]], params: Sa
         rest = dataclasses.replace(one, max_tokens=params.max_tokens - done,
                                    min_new_tokens=max(0, params.min_new_tokens - done))
         sampling = owner.step_request_params(rest, row_seed)
-        request_id = f"grpo-inflight-{call}-{r}-{done}"  # outputs carry it (add_request's own may differ)
+        request_id = f"grpo-inflight-{call}-{r}-{next(admitted)}"  # outputs carry it (add_request's may differ)
         engine.add_request(request_id, {"prompt_token_ids": encoded[r // n] + rows[r]}, sampling,
                            lora_request=adapter)
         open_rows[request_id] = r
