@@ -50,9 +50,8 @@ def generate_in_flight(owner: "VLLMEngine", encoded: list[list[int]], params: Sa
     admitted = itertools.count()  # request ids are never reused, not even by a re-admitted row that drew nothing
 
     def admit(r: int, adapter) -> None:  # row r's request from its tokens so far, under ``adapter``
-        done, row_seed = len(rows[r]), None if seed is None else seed + r
-        if done and row_seed is not None:
-            row_seed += RESEED_STRIDE * done
+        done = len(rows[r])
+        row_seed = None if seed is None else seed + r + RESEED_STRIDE * done  # at first admission: seed + r
         rest = dataclasses.replace(one, max_tokens=params.max_tokens - done,
                                    min_new_tokens=max(0, params.min_new_tokens - done))
         sampling = owner.step_request_params(rest, row_seed)
