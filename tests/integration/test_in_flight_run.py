@@ -111,18 +111,29 @@ VLLM_SAMPLER = {"train.mode": "decoupled", "rollout.engine": "vllm", "rollout.vl
                 "rollout.vllm_dtype": "float32", "data.max_prompt_length": 240, "loss.sampler_is_correction": True}
 
 
+# partial rollouts over completions of spread lengths (an EOS-prone model), 8 tokens a round, carried groups kept
+VLLM_PARTIAL = {"train.max_staleness": 3, "train.max_steps": 4, "rollout.max_completion_length": 48,
+                "decoupled.partial_rollouts": True, "decoupled.partial_token_budget": 8}
+
+
+def vllm_run(tmp_path, steps: int = 3, eos_prone: bool = False, **settings) -> list[dict]:
+    """The metrics rows (each batch trained once) of a decoupled `grpo train` whose sampler is vLLM (VLLM_SAMPLER
+    and ``settings``) on a tiny model; skipped where vllm does not import (make test-vllm runs these)."""
+    pytest.importorskip("vllm")
+    model_dir, out = tmp_path / "model", tmp_path / "run"
+    vllm_tiny_model(model_dir, eos_prone=eos_prone)
+    cmd = grpo_cmd("train", SMOKE, *decoupled_overrides(model_dir, out, **VLLM_SAMPLER, **settings))
+    result = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return each_batch_once(out, steps)
+
+
 def test_a_vllm_sampler_updating_in_flight_trains(tmp_path):
     # rollout.engine: vllm with in-flight updates (an in-process vLLM engine core driven step by step; the
     # mechanics are tests/test_vllm_engine.py's): the run trains its steps, and at step 1, whose chunks and trainer
     # both hold version 0, vLLM's per-token log-probs are the trainer's. Runs where vllm imports (make test-vllm).
-    pytest.importorskip("vllm")
-    model_dir, out = tmp_path / "model", tmp_path / "run"
-    vllm_tiny_model(model_dir)
-    cmd = grpo_cmd("train", SMOKE, *decoupled_overrides(model_dir, out, **VLLM_SAMPLER, **{
-        "train.max_staleness": 1, "decoupled.weight_update": "in_flight", "decoupled.inflight_check_tokens": 2}))
-    result = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = each_batch_once(out, 3)
+    rows = vllm_run(tmp_path, **{"train.max_staleness": 1, "decoupled.weight_update": "in_flight",
+                                 "decoupled.inflight_check_tokens": 2})
     assert rows[0]["staleness/token_max"] == 0.0 and rows[0]["mismatch/k3"] < 1e-4
     for row in rows:
         assert 0.0 <= row["staleness/token_mean"] <= row["staleness/token_max"] <= 1.0
@@ -134,15 +145,7 @@ def test_a_vllm_sampler_with_partial_rollouts_carries_groups_and_trains_each_onc
     # so groups are carried from chunk to chunk (vLLM continues each as a prompt ending in its tokens so far); every
     # group is trained once, and at step 1 (version 0 on both sides) vLLM's per-token log-probs of continued rows
     # are the trainer's.
-    pytest.importorskip("vllm")
-    model_dir, out, steps = tmp_path / "model", tmp_path / "run", 4
-    vllm_tiny_model(model_dir, eos_prone=True)
-    cmd = grpo_cmd("train", SMOKE, *decoupled_overrides(model_dir, out, **VLLM_SAMPLER, **{
-        "train.max_staleness": 3, "train.max_steps": steps, "rollout.max_completion_length": 48,
-        "decoupled.partial_rollouts": True, "decoupled.partial_token_budget": 8, "optim.learning_rate": 1e-5}))
-    result = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = each_batch_once(out, steps)
+    rows = vllm_run(tmp_path, 4, eos_prone=True, **VLLM_PARTIAL, **{"optim.learning_rate": 1e-5})
     groups = [g for r in rows for g in r["groups"].split()]
     assert len(groups) == len(set(groups)), f"a group was trained twice: {groups}"
     assert any(r["rollout/partial_groups_carried"] > 0 for r in rows)
@@ -156,25 +159,18 @@ def test_a_vllm_lora_sampler_in_flight_with_partial_rollouts_trains_each_group_o
     # rows are open (which the engine re-admits under the new adapter) and between chunks; every group is trained
     # once, the trainer published adapters only, and at step 1 (version 0 on both sides) vLLM's per-token log-probs
     # are the trainer's.
-    pytest.importorskip("vllm")
     from grpo.weight_store import WeightStore
 
-    model_dir, out, steps = tmp_path / "model", tmp_path / "run", 4
-    vllm_tiny_model(model_dir, eos_prone=True)
-    cmd = grpo_cmd("train", SMOKE, *decoupled_overrides(model_dir, out, **VLLM_SAMPLER, **{
-        "model.lora_r": 8, "train.max_staleness": 3, "train.max_steps": steps, "rollout.max_completion_length": 48,
-        "decoupled.weight_update": "in_flight", "decoupled.inflight_check_tokens": 2,
-        "decoupled.partial_rollouts": True, "decoupled.partial_token_budget": 8, "optim.learning_rate": 1e-3}))
-    result = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = each_batch_once(out, steps)
+    rows = vllm_run(tmp_path, 4, eos_prone=True, **VLLM_PARTIAL, **{
+        "model.lora_r": 8, "decoupled.weight_update": "in_flight", "decoupled.inflight_check_tokens": 2,
+        "optim.learning_rate": 1e-3})
     groups = [g for r in rows for g in r["groups"].split()]
     assert len(groups) == len(set(groups)), f"a group was trained twice: {groups}"
     assert rows[0]["staleness/token_max"] == 0.0 and rows[0]["mismatch/k3"] < 1e-4
     for row in rows:
         assert 0.0 <= row["staleness/token_mean"] <= row["staleness/token_max"] <= 3.0
         assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])
-    store = WeightStore(out)
+    store = WeightStore(tmp_path / "run")
     assert store.load(store.latest_version()).kind == "lora"
 
 
@@ -182,15 +178,9 @@ def test_a_vllm_sampler_with_top_p_in_flight_puts_the_truncation_in_the_importan
     # rollout.top_p < 1 with vLLM in flight is taken with loss.sampler_is_correction on: vLLM's per-token log-probs
     # are those of the truncated distribution it sampled from, renormalised over the kept tokens, so at step 1
     # (version 0 on both sides) each kept token's weight pi_trainer / pi_sampler is the kept mass, below 1.
-    pytest.importorskip("vllm")
-    model_dir, out = tmp_path / "model", tmp_path / "run"
-    vllm_tiny_model(model_dir)
-    cmd = grpo_cmd("train", SMOKE, *decoupled_overrides(model_dir, out, **VLLM_SAMPLER, **{
-        "train.max_staleness": 1, "decoupled.weight_update": "in_flight", "decoupled.inflight_check_tokens": 2,
-        "rollout.top_p": 0.8, "rollout.vllm_check_steps": 0}))
-    result = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = each_batch_once(out, 3)
+    rows = vllm_run(tmp_path, **{"train.max_staleness": 1, "decoupled.weight_update": "in_flight",
+                                 "decoupled.inflight_check_tokens": 2, "rollout.top_p": 0.8,
+                                 "rollout.vllm_check_steps": 0})
     first = rows[0]
     assert first["staleness/token_max"] == 0.0
     assert 0.0 < first["sampler_is/weight_mean"] < 1.0 and first["mismatch/k3"] > 1e-4, first
