@@ -8,6 +8,7 @@ Masks are ``[N, L]``, 1 for real completion tokens (a prefix of each row: right 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -239,3 +240,96 @@ def kl_penalized_token_rewards(sequence_rewards: Tensor, kl: Tensor, mask: Tenso
         rewards = -kl_coef * kl.masked_fill(mask == 0, 0.0)  # [N, L]; whatever padding held (inf) is gone
         last = (lengths - 1)[:, None]  # [N, 1]
         return rewards.scatter_add(1, last, sequence_rewards.to(kl.dtype)[:, None])
+
+
+# Several reward functions: TRL 1.16's multi_objective_aggregation. A NaN reward is a function that did not score
+# the completion (a reward function's None in TRL): it is left out of every sum, mean and spread; a completion no
+# function scored is left out of its group's statistics and gets advantage 0.
+def _nan_centred(x: Tensor, dim: int | None) -> Tensor:
+    """``x`` minus its NaN-ignoring mean over ``dim`` (None: all); exact zeros where the scored values are all
+    equal (as ``_centred``: a mean of equal floats may miss them by an ulp, which the scale would blow up)."""
+    dims = tuple(range(x.dim())) if dim is None else (dim,)
+    mean = torch.nanmean(x, dim=dims, keepdim=True)
+    top = x.nan_to_num(nan=-math.inf).amax(dims, keepdim=True)
+    bottom = x.nan_to_num(nan=math.inf).amin(dims, keepdim=True)
+    return torch.where(top == bottom, torch.zeros_like(x), x - mean)
+
+
+def _nan_std(x: Tensor, dim: int | None) -> Tensor:
+    """Bessel-corrected std of the non-NaN values over ``dim`` (None: all), kept dims; 0 with fewer than two."""
+    dims = tuple(range(x.dim())) if dim is None else (dim,)
+    count = (~torch.isnan(x)).sum(dims, keepdim=True)
+    squares = ((x - torch.nanmean(x, dim=dims, keepdim=True)) ** 2).nansum(dims, keepdim=True)
+    return torch.where(count > 1, torch.sqrt(squares / (count - 1).clamp(min=1)), torch.zeros_like(squares))
+
+
+# (grouped [P, G] rewards with NaN rows, eps) -> [P, G]; the names and meaning of ADVANTAGE_SCALES.
+_NAN_AWARE_SCALES: dict[str, Callable[[Tensor, float], Tensor]] = {
+    "group": lambda grouped, eps: _nan_centred(grouped, 1) / (_nan_std(grouped, 1) + eps),
+    "batch": lambda grouped, eps: _nan_centred(grouped, 1) / (_nan_std(grouped, None) + eps),
+    "none": lambda grouped, eps: _nan_centred(grouped, 1),
+}
+
+
+# Each: (rewards [P, G, K], weights [K], scale name or None, eps) -> [P, G] advantages (NaN for unscored rows).
+def _sum_then_normalize(rewards: Tensor, weights: Tensor, scale: str | None, eps: float) -> Tensor:
+    unscored = torch.isnan(rewards).all(-1)  # [P, G]
+    total = (rewards * weights).nansum(-1).masked_fill(unscored, math.nan)  # [P, G]
+    return lookup(_NAN_AWARE_SCALES, "advantage scale", "group" if scale is None else scale)(total, eps)
+
+
+def _normalize_then_sum(rewards: Tensor, weights: Tensor, scale: str | None, eps: float) -> Tensor:
+    # GDPO: each reward normalised within its group first, so a reward with a wide range cannot drown the others
+    # in the sum; then the weighted sum normalised over the batch. Its scaling is fixed: a scale has no place.
+    if scale is not None:
+        raise ValueError(f"multi-objective aggregation 'normalize_then_sum' normalises each reward per group and the "
+                         f"sum over the batch; scale {scale!r} applies to 'sum_then_normalize' only (pass None)")
+    unscored = torch.isnan(rewards).all(-1)  # [P, G]
+    per_reward = _nan_centred(rewards, 1) / (_nan_std(rewards, 1) + eps)  # [P, G, K]
+    total = (per_reward * weights).nansum(-1).masked_fill(unscored, math.nan)  # [P, G]
+    return _nan_centred(total, None) / (_nan_std(total, None) + eps)
+
+
+MULTI_OBJECTIVE_AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, str | None, float], Tensor]] = {
+    "sum_then_normalize": _sum_then_normalize,
+    "normalize_then_sum": _normalize_then_sum,
+}
+
+
+def multi_reward_advantages(rewards: Tensor, group_size: int, weights: Tensor | None = None,
+                            aggregation: str = "sum_then_normalize", scale: str | None = None,
+                            eps: float = 1e-4) -> Tensor:
+    """One advantage per completion from several reward functions' scores (TRL 1.16's
+    ``multi_objective_aggregation``; the ``grpo`` estimator's).
+
+    Args:
+        rewards: ``[N, K]`` the score of completion ``n`` by reward function ``k``, ``N = P * group_size``, groups
+            contiguous; NaN where a function did not score a completion (TRL's ``None``): left out of the weighted
+            sum, the means and the spreads. A row of NaN (no function scored it) gets advantage 0.
+        group_size: ``G``, completions per prompt.
+        weights: ``[K]`` each function's weight (TRL's ``reward_weights``); None: all 1.
+        aggregation: a name in ``MULTI_OBJECTIVE_AGGREGATIONS``: ``"sum_then_normalize"`` (TRL's default): the
+            weighted sum per completion, then ``group_advantages``' scaling of it by ``scale`` (``"group"`` when
+            None, ``"batch"``, ``"none"``); ``"normalize_then_sum"`` (GDPO): each function's scores centred and
+            divided by (their group's std + eps), the weighted sum of those, then centred and divided by (its std
+            over the batch + eps); ``scale`` must be None (TRL ignores its ``scale_rewards`` there).
+        eps: added to every std (TRL: 1e-4).
+
+    Returns:
+        ``[N]`` advantages in the rewards' float dtype. Stds are Bessel-corrected, 0 for fewer than two scored
+        values; a group (or batch) whose scored values are all equal gets exactly 0.
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be 2-D [N, K] (completions x reward functions), got {tuple(rewards.shape)}")
+    N, K = rewards.shape
+    if group_size < 1 or N % group_size != 0:
+        raise ValueError(f"number of completions {N} is not a multiple of group_size {group_size}")
+    combine = lookup(MULTI_OBJECTIVE_AGGREGATIONS, "multi-objective aggregation", aggregation)
+    if scale is not None:
+        lookup(ADVANTAGE_SCALES, "advantage scale", scale)
+    rewards = rewards if rewards.is_floating_point() else rewards.float()
+    weights = rewards.new_ones(K) if weights is None else torch.as_tensor(weights).to(rewards)
+    if weights.shape != (K,):
+        raise ValueError(f"weights must be [K]={K} (one per reward function), got {tuple(weights.shape)}")
+    advantages = combine(rewards.view(-1, group_size, K), weights, scale, eps)  # [P, G]
+    return advantages.reshape(-1).nan_to_num(nan=0.0)  # [N]; unscored rows -> 0

@@ -1,5 +1,6 @@
-"""Losses: the clipped policy surrogate with its KL penalty and aggregation, PPO's clipped value loss and the
-PTX next-token loss (the sampler correction's weights on the surrogate: ``grpo.algorithm.sampler_correction``).
+"""Losses: the policy loss of every TRL 1.16 loss type (its per-token objective, ``grpo.algorithm.objectives``,
+with the KL penalty, reduced by ``grpo.algorithm.aggregation``), PPO's clipped value loss and the PTX next-token
+loss (the sampler correction's weights on the surrogate: ``grpo.algorithm.sampler_correction``).
 
 ``N`` completions of padded length ``L``; masks are ``[N, L]``, 1 for the tokens that carry the loss: the sampled
 ones (``Generation.sampled_mask``: a multi-turn row's environment tokens are 0, like padding).
@@ -7,14 +8,24 @@ ones (``Generation.sampled_mask``: a multi-turn row's environment tokens are 0, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import Tensor
 
+# The aggregations lived here first; their names are still importable from this module.
+from grpo.algorithm.aggregation import (  # noqa: F401
+    LOSS_AGGREGATIONS,
+    LOSS_TYPES,
+    LossAggregation,
+    LossType,
+    aggregate_loss,
+    loss_aggregation,
+    loss_type_entry,
+)
 from grpo.algorithm.clipping import clip_counts
 from grpo.algorithm.lookup import lookup
+from grpo.algorithm.objectives import POLICY_OBJECTIVES, ObjectiveInputs
 
 
 def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
@@ -28,94 +39,6 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     """
     delta = ref_logprobs - logprobs
     return torch.exp(delta) - delta - 1
-
-
-
-# Each aggregation: (per_token [N, L], mask [N, L], normalizer, max_len) -> scalar.
-def _agg_grpo(per_token: Tensor, mask: Tensor, normalizer, max_len) -> Tensor:
-    # Mean over each sequence's tokens, then over sequences; an all-masked row counts as 0.
-    per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [N]
-    return per_seq.mean()
-
-
-def _agg_bnpo(per_token: Tensor, mask: Tensor, normalizer, max_len) -> Tensor:
-    return (per_token * mask).sum() / mask.sum().clamp(min=1)
-
-
-def _agg_dr_grpo(per_token: Tensor, mask: Tensor, normalizer, max_len) -> Tensor:
-    if max_len is None:
-        raise ValueError("loss_type 'dr_grpo' needs max_completion_length (the constant normaliser)")
-    return (per_token * mask).sum() / (mask.shape[0] * max_len)
-
-
-def _agg_dapo(per_token: Tensor, mask: Tensor, normalizer, max_len) -> Tensor:
-    # Global token count across ranks/micro-batches when the caller passes it; local count otherwise.
-    denom = mask.sum().clamp(min=1) if normalizer is None else normalizer
-    return (per_token * mask).sum() / denom
-
-
-@dataclass(frozen=True)
-class LossAggregation:
-    """A loss_type: how a micro-batch's per-token loss becomes a scalar (``reduce``), and how micro-batches
-    add up to the whole batch's loss under gradient accumulation (``micro_batch_weights``).
-
-    per_row: the loss is a mean over rows (a micro-batch weighs by its rows), not over tokens (by its tokens).
-    global_normalizer: ``reduce`` already divides by the whole batch's token count (the ``normalizer``
-        over ranks and micro-batches), so a micro-batch's loss is added with weight 1.
-    """
-
-    reduce: Callable[..., Tensor]
-    per_row: bool
-    global_normalizer: bool = False
-
-    def micro_batch_weights(self, rows: int, tokens: Tensor, total_rows: int,
-                            total_tokens: Tensor) -> tuple[Tensor | float, Tensor | float]:
-        """(the weight of a micro-batch's loss, so that the accumulated gradient equals the batch's; its
-        share of the batch, which weighs its statistics). ``tokens``/``total_tokens``: 0-d counts."""
-        share = rows / total_rows if self.per_row else tokens / total_tokens.clamp(min=1)
-        return (1.0 if self.global_normalizer else share), share
-
-    def rank_scale(self, rows: int, mean_rows: Tensor | float, tokens: Tensor, mean_tokens: Tensor) -> Tensor | float:
-        """The factor on one rank's loss when the ranks hold different shares of a step's batch, so that DDP's
-        mean of the ranks' gradients is the gradient of the whole batch's loss: each rank's loss is a mean over
-        its own rows (grpo, dr_grpo) or tokens (bnpo), which the plain mean over ranks would weigh alike. A
-        per-row mean is scaled by the rank's rows over the mean rows per rank, a token mean by its loss tokens
-        over the mean tokens per rank (0-d counts; ``mean_tokens`` > 0), a loss already divided by the global
-        token count (dapo) by 1. Exactly 1 for a per-row mean when every rank holds as many rows."""
-        if self.global_normalizer:
-            return 1.0
-        return rows / mean_rows if self.per_row else tokens / mean_tokens
-
-
-LOSS_AGGREGATIONS: dict[str, LossAggregation] = {
-    "grpo": LossAggregation(_agg_grpo, per_row=True),
-    "bnpo": LossAggregation(_agg_bnpo, per_row=False),
-    "dr_grpo": LossAggregation(_agg_dr_grpo, per_row=True),
-    "dapo": LossAggregation(_agg_dapo, per_row=False, global_normalizer=True),
-}
-
-
-def loss_aggregation(loss_type: str) -> LossAggregation:
-    """``LOSS_AGGREGATIONS[loss_type]``; ValueError listing the known ones."""
-    return lookup(LOSS_AGGREGATIONS, "loss_type", loss_type)
-
-
-def aggregate_loss(
-    per_token: Tensor,
-    mask: Tensor,
-    loss_type: str = "grpo",
-    *,
-    normalizer: float | Tensor | None = None,
-    max_completion_length: int | None = None,
-) -> Tensor:
-    """Reduce a per-token loss ``[N, L]`` with a ``[N, L]`` 0/1 mask to a scalar by ``loss_type``.
-
-    ``grpo``: masked mean per sequence, then mean over sequences; ``bnpo``: masked sum / masked count;
-    ``dr_grpo``: masked sum / (N * max_completion_length); ``dapo``: masked sum / ``normalizer``
-    (the global token count over ranks and micro-batches), or the local count when it is None.
-    """
-    return loss_aggregation(loss_type).reduce(per_token, mask.to(per_token.dtype), normalizer, max_completion_length)
-
 
 
 # Each level: (log_ratio [N, L], mask [N, L] float) -> [N, L] log importance ratio per token.
@@ -153,8 +76,12 @@ def policy_loss(
     importance_sampling_level: str = "token",
     sampler_weights: Tensor | None = None,
     kl_times_ratio: bool = False,
+    delta: float | None = None,
+    loss_token_mask: Tensor | None = None,
+    sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """GRPO's clipped surrogate with a k3 KL penalty.
+    """The policy loss of a TRL 1.16 ``loss_type`` (default: GRPO's clipped surrogate) with a k3 KL penalty.
 
     Args:
         logprobs: ``[N, L]`` current policy log-probs of the completion tokens (carries the gradient).
@@ -164,55 +91,70 @@ def policy_loss(
             or ``[N, L]`` one per token (GAE with a critic).
         mask: ``[N, L]`` 1 for sampled completion tokens (up to and including EOS), 0 for padding and for
             tokens an environment inserted; every sum, count and sequence-level ratio runs over it.
-        epsilon, epsilon_high: ratio clipped to ``[1 - epsilon, 1 + (epsilon_high or epsilon)]``.
-        beta: KL coefficient.
-        loss_type: aggregation, see ``aggregate_loss``.
-        max_completion_length: the ``dr_grpo`` normaliser.
-        normalizer: the ``dapo`` global token count (optional).
-        importance_sampling_level: ``"token"``: ratio_t = exp(logp_t - old_t); ``"sequence"`` (GSPO):
-            every token of a row gets the row's ratio exp(masked mean of logp - old), clipped and
-            multiplied by the advantage as the token ratio is, then aggregated by ``loss_type``.
-        sampler_weights: ``[N, L]`` detached per-token weights on the clipped surrogate (the sampler
-            correction, ``sampler_importance_weights``), applied before aggregation; the KL term is not
-            weighted (as TRL). None = 1.
-        kl_times_ratio: the KL term is ratio * k3 (the ratio with its gradient, at the importance-sampling
-            level): TRL's ``use_bias_correction_kl``, since the tokens were sampled from pi_old, not pi.
+        epsilon, epsilon_high: ratio clipped to ``[1 - epsilon, 1 + (epsilon_high or epsilon)]``; for ``cispo``
+            ``epsilon_high or epsilon`` is the cap on the ratio itself (``objectives.cispo_objective``).
+        beta: KL coefficient. loss_type: a name in ``LOSS_TYPES``, its per-token objective and aggregation.
+        max_completion_length: the ``dr_grpo`` normaliser; normalizer: the global token count of ``dapo``,
+            ``cispo`` and ``vespo`` (optional).
+        importance_sampling_level: ``"token"``: ratio_t = exp(logp_t - old_t); ``"sequence"`` (GSPO): every
+            token of a row gets the row's ratio exp(masked mean of logp - old) (``vespo`` weighs whole sequences
+            at either level; the level still sets the ratio of ``kl_times_ratio`` and the statistics).
+        sampler_weights: ``[N, L]`` detached per-token weights on the surrogate (the sampler correction,
+            ``sampler_importance_weights``), applied before aggregation; the KL term is not weighted (as TRL);
+            ``vespo`` folds them into its sequence weight instead. None = 1.
+        kl_times_ratio: the KL term is ratio * k3 (the ratio with its gradient): TRL's ``use_bias_correction_kl``.
+        delta: TRL's two-sided clip of the clipped surrogate (``objectives.clipped_objective``); None: off.
+        loss_token_mask: ``[N, L]`` or ``[N, 1]`` 0/1 factors on the surrogate only, not on the KL term nor the
+            aggregation's counts (TRL's ``top_entropy_quantile`` and ``off_policy_mask_threshold`` masks:
+            ``token_masks.high_entropy_mask`` & ``token_masks.off_policy_mask``). None = 1.
+        sapo_*, vespo_*: ``objectives.sapo_objective``, ``objectives.vespo_weights`` (TRL's names, defaults).
 
     Returns:
-        ``(loss, stats)``: scalar loss = aggregate of -(w * min(ratio*A, clip(ratio)*A) - beta*k3) (w = 1 without
-        ``sampler_weights``; k3 times the ratio with ``kl_times_ratio``);
-        stats (detached scalars): ``kl`` (masked mean of that KL term, 0 when no reference), ``clip_fraction``
-        (share of masked tokens where clipping changed the objective), ``ratio_mean`` (masked mean),
-        ``ratio_max``; at the sequence level a row's ratio counts once per real token; TRL's clip counts
-        (``clipping.clip_counts``: ``clip_low|high|region|units``, ``clip_low_row_min``, ``clip_high_row_max``).
+        ``(loss, stats)``: scalar loss = aggregate of -(m * w * objective - beta*k3) (m, w = 1 without
+        ``loss_token_mask``, ``sampler_weights``; k3 times the ratio with ``kl_times_ratio``); stats (detached
+        scalars): ``kl`` (masked mean of that KL term, 0 when no reference), ``clip_fraction`` (share of masked
+        tokens where the objective's clip acted: ``Surrogate.cut_off``; 0 for sapo and vespo, which have none),
+        ``ratio_mean`` (masked mean), ``ratio_max``; at the sequence level a row's ratio counts once per real
+        token; TRL's clip counts of the ratio (``clipping.clip_counts``: ``clip_low|high|region|units``,
+        ``clip_low_row_min``, ``clip_high_row_max``); ``vespo`` adds ``vespo_phi_mean``.
     """
-    _check_policy_inputs(logprobs, old_logprobs, ref_logprobs, advantages, mask, sampler_weights, beta)
+    _check_policy_inputs(logprobs, old_logprobs, ref_logprobs, advantages, mask, sampler_weights, beta, loss_token_mask)
     eps_high = epsilon if epsilon_high is None else epsilon_high
+    kind = loss_type_entry(loss_type)
     level = lookup(IMPORTANCE_SAMPLING_LEVELS, "importance_sampling_level", importance_sampling_level)
     logprobs, old_logprobs, ref_logprobs, adv, mask = _padding_zeroed(logprobs, old_logprobs, ref_logprobs,
                                                                       advantages, mask)
-    ratio = torch.exp(level(logprobs - old_logprobs.detach(), mask))  # [N, L]
-    unclipped = ratio * adv  # [N, L]
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high) * adv  # [N, L]
-    objective = torch.min(unclipped, clipped)  # [N, L]
-    if sampler_weights is not None:
-        objective = objective * sampler_weights.detach().to(objective.dtype)
-    if ref_logprobs is not None:
-        kl = kl_k3(logprobs, ref_logprobs.detach())  # [N, L]
-        if kl_times_ratio:  # TRL's use_bias_correction_kl: k3 estimates KL under pi_old's samples, not pi's
-            kl = kl * ratio
-        if beta != 0:
-            objective = objective - beta * kl
-    else:
-        kl = torch.zeros_like(logprobs)
-    loss = aggregate_loss(-objective, mask, loss_type, normalizer=normalizer,
-                          max_completion_length=max_completion_length)
-    return loss, surrogate_stats(ratio, unclipped, clipped, kl, advantages, mask, epsilon, eps_high,
-                                 per_sequence=importance_sampling_level == "sequence")
+    log_ratio = logprobs - old_logprobs.detach()  # [N, L]
+    ratio = torch.exp(level(log_ratio, mask))  # [N, L]
+    surrogate = POLICY_OBJECTIVES[kind.objective](ObjectiveInputs(
+        logprobs, log_ratio, ratio, adv, mask, None if sampler_weights is None else sampler_weights.detach(), epsilon,
+        eps_high, delta, sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+        vespo_lambda_neg))
+    objective = surrogate.objective  # [N, L]
+    for factor in (loss_token_mask, None if surrogate.sampler_weighted else sampler_weights):
+        objective = objective if factor is None else objective * factor.detach().to(objective.dtype)
+    kl = _kl_term(logprobs, ref_logprobs, ratio, kl_times_ratio)  # [N, L]
+    if ref_logprobs is not None and beta != 0:
+        objective = objective - beta * kl
+    loss = kind.aggregation.reduce(-objective, mask, normalizer, max_completion_length)
+    stats = surrogate_stats(ratio, surrogate.cut_off, kl, advantages, mask, epsilon, eps_high,
+                            per_sequence=importance_sampling_level == "sequence")
+    return loss, {**stats, **surrogate.stats}
+
+
+def _kl_term(logprobs: Tensor, ref_logprobs: Tensor | None, ratio: Tensor, kl_times_ratio: bool) -> Tensor:
+    """``[N, L]`` the KL term of ``policy_loss`` (zeros without a reference)."""
+    if ref_logprobs is None:
+        return torch.zeros_like(logprobs)
+    kl = kl_k3(logprobs, ref_logprobs.detach())  # [N, L]
+    if kl_times_ratio:  # TRL's use_bias_correction_kl: k3 estimates KL under pi_old's samples, not pi's
+        kl = kl * ratio
+    return kl
 
 
 def _check_policy_inputs(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | None, advantages: Tensor,
-                         mask: Tensor, sampler_weights: Tensor | None, beta: float) -> None:
+                         mask: Tensor, sampler_weights: Tensor | None, beta: float,
+                         loss_token_mask: Tensor | None = None) -> None:
     """``policy_loss``'s shape checks: a ValueError naming the argument and the shapes."""
     if beta != 0 and ref_logprobs is None:
         raise ValueError("ref_logprobs may be None only when beta == 0")
@@ -225,6 +167,9 @@ def _check_policy_inputs(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: T
     if sampler_weights is not None and sampler_weights.shape != logprobs.shape:
         raise ValueError(f"sampler_weights must be [N, L]={tuple(logprobs.shape)}, got "
                          f"{tuple(sampler_weights.shape)}")
+    if loss_token_mask is not None and loss_token_mask.shape not in (logprobs.shape, (logprobs.shape[0], 1)):
+        raise ValueError(f"loss_token_mask must be [N, L]={tuple(logprobs.shape)} or [N, 1], got "
+                         f"{tuple(loss_token_mask.shape)}")
 
 
 def _padding_zeroed(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | None, advantages: Tensor,
@@ -244,12 +189,12 @@ def _padding_zeroed(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor
 
 
 @torch.no_grad()
-def surrogate_stats(ratio: Tensor, unclipped: Tensor, clipped: Tensor, kl: Tensor, advantages: Tensor,
-                    mask: Tensor, epsilon: float, epsilon_high: float, per_sequence: bool) -> dict[str, Tensor]:
-    """``policy_loss``'s statistics (detached 0-d tensors, see there) from its ``[N, L]`` ratio, unclipped and
-    clipped objectives, KL term and float mask; ``advantages`` [N] or [N, L] as given to it."""
+def surrogate_stats(ratio: Tensor, cut_off: Tensor, kl: Tensor, advantages: Tensor, mask: Tensor, epsilon: float,
+                    epsilon_high: float, per_sequence: bool) -> dict[str, Tensor]:
+    """``policy_loss``'s statistics (detached 0-d tensors, see there) from its ``[N, L]`` ratio, where the
+    objective's clip acted (bool), KL term and float mask; ``advantages`` [N] or [N, L] as given to it."""
     n_tokens = mask.sum().clamp(min=1)
-    was_clipped = (clipped < unclipped).to(mask.dtype)  # min() picked the clipped branch
+    was_clipped = cut_off.to(mask.dtype)
     stats = {
         "kl": (kl * mask).sum() / n_tokens,
         "clip_fraction": (was_clipped * mask).sum() / n_tokens,
