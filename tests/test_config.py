@@ -153,7 +153,7 @@ def test_file_errors_name_file_and_line(tmp_path):
         load_config(tmp_path / "missing.yaml")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_config(write(tmp_path, "- a\n- b\n"))
-    assert load_config(write(tmp_path, "")) == RunConfig()  # an empty file means all defaults
+    assert load_config(write(tmp_path, "")) == load_config(None)  # an empty file means all defaults (resolved)
 
 
 def test_parse_override_values_are_yaml():

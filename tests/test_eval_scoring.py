@@ -196,9 +196,9 @@ def test_best_metric_improves_by_mode(tmp_path):
 
 
 def test_eval_config_keys():
-    cfg = load_config(None, ["data.eval={gsm8k: 'synthetic:seed=1,n=5', hard: 'kk:seed=1,n=5'}",
+    cfg = load_config(None, ["data.eval={gsm8k: 'synthetic:seed=1,n=5', hard: 'synthetic:seed=2,n=5,steps=3'}",
                              "eval.num_samples=4", "eval.bootstrap=100", "train.best_metric=eval/gsm8k/pass@4"])
-    assert cfg.data.eval == {"gsm8k": "synthetic:seed=1,n=5", "hard": "kk:seed=1,n=5"}
+    assert cfg.data.eval == {"gsm8k": "synthetic:seed=1,n=5", "hard": "synthetic:seed=2,n=5,steps=3"}
     assert (cfg.eval.num_samples, cfg.eval.bootstrap, cfg.train.best_metric_mode) == (4, 100, "max")
     for overrides, message in [
         (["data.eval={a: 3}"], "data.eval: expected str or mapping of str to str"),
@@ -206,6 +206,8 @@ def test_eval_config_keys():
         (["train.best_metric=eval/accuracy"], "train.best_metric needs data.eval"),
         (["data.eval=x", "train.best_metric=accuracy"], "train.best_metric is 'accuracy'"),
         (["eval.temperature=0"], "eval.temperature"),
+        (["data.eval={a: 'synthetic:seed=1,n=5', b: 'kk:seed=1,n=5'}"], "data.eval.b is kk:seed=1,n=5, which gives "
+                                                                       "Knights-and-Knaves solutions"),
         (["train.best_metric_mode=up"], "train.best_metric_mode"),
     ]:
         with pytest.raises(ConfigError, match=message):

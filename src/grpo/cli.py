@@ -44,8 +44,10 @@ DTYPES = ("float32", "bfloat16", "float16")  # --dtype's choices
 
 def _add_config_parser(sub) -> None:
     """``grpo config``: print the resolved config."""
-    config = sub.add_parser("config", help="print the resolved config (file + overrides) as YAML")
-    config.add_argument("config", nargs="?", help="YAML recipe (default: built-in defaults)")
+    config = sub.add_parser("config", help="print the resolved config (recipe + overrides + the task's values) as YAML, "
+                                           "as grpo train would run it")
+    config.add_argument("config", nargs="?", help="YAML recipe (default: configs/demo-cpu.yaml when present, else "
+                                                  "built-in defaults)")
     config.add_argument("overrides", nargs="*", help="section.key=value (value parsed as YAML)")
     config.set_defaults(handler="config_command")
 
@@ -53,7 +55,8 @@ def _add_config_parser(sub) -> None:
 def _add_train_parser(sub) -> None:
     """``grpo train``: the colocated run (or the decoupled launcher)."""
     train = sub.add_parser("train", help="train with GRPO (colocated: sampling and learning in this process)")
-    train.add_argument("config", nargs="?", help="YAML recipe (default: configs/demo-cpu.yaml)")
+    train.add_argument("config", nargs="?", help="YAML recipe (default: configs/demo-cpu.yaml when present, else "
+                                                 "built-in defaults)")
     train.add_argument("overrides", nargs="*", help="section.key=value (value parsed as YAML)")
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
     train.add_argument("--overwrite", action="store_true", help="replace a previous run in output_dir")
@@ -67,7 +70,7 @@ def _add_roles_parser(sub) -> None:
                        ("trainer", "decoupled mode: train on the samplers' batches (one per rank under torchrun)"),
                        ("ref-server", "serve reference log-probs over HTTP (decoupled.ref_server_host)")):
         role_parser = sub.add_parser(role, help=text)
-        role_parser.add_argument("config", nargs="?", help="YAML recipe")
+        role_parser.add_argument("config", nargs="?", help="YAML recipe (default: as grpo train's)")
         role_parser.add_argument("overrides", nargs="*", help="section.key=value")
         if role == "ref-server":
             role_parser.add_argument("--host", help="address to bind (decoupled.ref_server_host; a non-loopback "
@@ -148,7 +151,7 @@ def _add_memory_parser(sub) -> None:
     """``grpo memory``: the peak-memory estimate."""
     mem = sub.add_parser("memory", help="estimate peak GPU memory per device (model states, activations, logits, PTX, "
                                         "reference, KV cache) and whether it fits")
-    mem.add_argument("config", nargs="?", help="YAML recipe (default: built-in defaults)")
+    mem.add_argument("config", nargs="?", help="YAML recipe (default: as grpo train's)")
     mem.add_argument("overrides", nargs="*", help="section.key=value (value parsed as YAML)")
     mem.add_argument("--gpus", type=int,
                      help="devices the run is spread over (default: decoupled.trainer_ranks, else 1)")

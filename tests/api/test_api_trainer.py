@@ -166,9 +166,9 @@ def test_a_reward_returning_the_wrong_count_is_an_exception_naming_it(tiny_model
 
 
 def test_grpos_own_data_without_reward_funcs_gets_the_tasks_rewards(tiny_model_dir, tmp_path, monkeypatch):
-    """TRL needs reward_funcs; with grpo's data (grpo_overrides' data.train) and none, the run's task gives them
-    (K&K: kk_logic), as a recipe without rewards gets them, and the system prompt evaluate() renders is the
-    task's."""
+    """TRL needs reward_funcs; with grpo's data (grpo_overrides' data.train) or a dataset and none, the run's task
+    gives them (K&K: kk_logic), as a recipe without rewards gets them, and the system prompt evaluate() renders is
+    the task's."""
     from grpo.tasks import resolve_task
 
     kk = {"data.train": "kk:seed=1,n=16,people=2"}
@@ -180,8 +180,9 @@ def test_grpos_own_data_without_reward_funcs_gets_the_tasks_rewards(tiny_model_d
     assert trainer.reward_func_names == ["format_think_answer"] and trainer.reward_weights == [0.5]
     with pytest.raises(ValueError, match="reward_weights is set but reward_funcs is None"):
         GRPOTrainer(str(tiny_model_dir), args=args_for(tmp_path / "run", grpo_overrides=kk, reward_weights=[1.0]))
-    with pytest.raises(ValueError, match="reward_funcs: give at least one reward"):  # TRL's datasets: no task
-        GRPOTrainer(str(tiny_model_dir), args=args_for(tmp_path / "run"), train_dataset=rows())
+    # a dataset of TRL's rows: its task (gsm8k by default: a number in the answer column) gives them too
+    trainer = GRPOTrainer(str(tiny_model_dir), args=args_for(tmp_path / "run"), train_dataset=rows())
+    assert trainer.reward_func_names == ["answer_correct", "format_think_answer"]
 
     seen = {}
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from grpo.algorithm.losses import LOSS_AGGREGATIONS
 from grpo.api.mapping import to_run_config, trl_values, untranslated_keys
-from grpo.config import dump_config, load_config
+from grpo.config import load_config, run_config_text
 
 # Fields grpo does not implement: (TRL's default, why). Setting one to anything else is a ValueError.
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
@@ -222,7 +222,7 @@ class GRPOConfig:
 
     def to_yaml(self, path, num_processes: int = 1, train_size: int | None = None) -> str:
         """Write the recipe ``grpo train`` runs for these arguments; returns its text."""
-        return dump_config(self.to_run_config(num_processes, train_size), path)
+        return run_config_text(self.to_run_config(num_processes, train_size), path)
 
 
 _FIELDS = {f.name for f in dataclasses.fields(GRPOConfig)} - {"extra"}

@@ -28,7 +28,9 @@ from grpo.api.mapping import batch_shape, grpo_steps, to_run_config
 from grpo.api.prompt_lengths import check_longest, context_length, explainer, prompt_limit
 from grpo.api.rewards import build_reward_functions, reward_name
 from grpo.compat import save_pretrained
-from grpo.config import dump_config
+from grpo.config import run_config_text
+from grpo.config.resolve import task_provenance
+from grpo.rewards import reward_gold
 from grpo.config.kinds import ENGINE_TRAITS, VLLM_ENGINE
 from grpo.data import DataError, PromptTooLong
 from grpo.data.prompts import with_template_variables
@@ -121,12 +123,11 @@ class GRPOTrainer(TrainerAttributes):
             columns.append("environments")  # the rollouts' instances, as TRL passes them to the rewards
         if rollout_func is not None:
             columns = None  # its extra output keys are columns too, known only when it runs
-        # grpo's own data (grpo_overrides' data.train) without reward_funcs: the config's rewards (grpo_overrides'
-        # rewards, else its task's defaults); TRL has no data of its own to default from, so it needs reward_funcs.
-        # A reasoning-gym dataset brings its own scorer: its task's rewards, system prompt and accuracy, as grpo's data.
+        # Without reward_funcs the config's rewards (grpo_overrides' rewards, else its task's defaults, as grpo train
+        # resolves them): on grpo's data (grpo_overrides' data.train) and on a dataset object alike, whose task is
+        # grpo_overrides' data.task (a reasoning-gym dataset: reasoning_gym; else gsm8k, reading the answer column).
         reasoning_gym = is_reasoning_gym_dataset(train_dataset)
-        config_rewards = (reward_funcs is None and (self.train_set is None or reasoning_gym)
-                          and not self._environment_owns_reward())
+        config_rewards = reward_funcs is None and not self._environment_owns_reward()
         if config_rewards and args.reward_weights is not None:
             raise ValueError("GRPOConfig.reward_weights is set but reward_funcs is None (the config's rewards, "
                              "which carry their own weights): give reward_funcs or drop reward_weights")
@@ -140,8 +141,8 @@ class GRPOTrainer(TrainerAttributes):
         fixed = any(ENGINE_TRAITS[name].fixed_context for name in engines if name in ENGINE_TRAITS)  # vLLM's
         self.context_length = context_length(self._model_config(model, name_or_path, args)) if fixed else None
         data = {"max_prompt_length": prompt_limit(self.context_length, args.max_completion_length, fixed)}
-        if self.train_set:  # TRL's rows carry their own system turn, if any
-            data.update(add_system_prompt=False, train=f"python:train_dataset ({len(self.train_set)} rows)")
+        if self.train_set:  # TRL's rows carry their own system turn, if any; the task's rewards ask for its format
+            data.update(add_system_prompt=config_rewards, train=f"python:train_dataset ({len(self.train_set)} rows)")
         if reasoning_gym:
             data.update(task="reasoning_gym", add_system_prompt=True)
         self.config = to_run_config(args, num_processes=self.num_processes,
@@ -151,6 +152,7 @@ class GRPOTrainer(TrainerAttributes):
                                     rollout=self._turn_keys())
         if config_rewards:
             self.reward_fns, self.reward_weights = build_rewards(self.config)
+            self._say_task_rewards(columns)
         sets = {"train_dataset": self.train_set or [], **self.eval_sets}
         check_longest(self._rendering, sets, self._tool_schemas(), self.config.data.max_prompt_length,
                       self._explain)
@@ -212,6 +214,19 @@ class GRPOTrainer(TrainerAttributes):
         if self.environments is not None:
             tools += [m for pool in self.environments.pool.values() for m in environment_methods(pool[0])]
         return [tool_schema(fn) for fn in tools]
+
+    def _say_task_rewards(self, columns: list[str] | None) -> None:
+        """The rewards a run without ``reward_funcs`` trains with, said once; a ValueError when the dataset lacks
+        the ``answer`` column a gold-reading one needs (it would fail on every sample)."""
+        rewards = self.config.rewards or []
+        reading = [r.name for r in rewards if reward_gold(r.name) is not None and "answer" not in r.columns]
+        if self.train_set and columns is not None and reading and "answer" not in columns:
+            raise ValueError(f"reward_funcs is None, so the run's rewards are its task's ({', '.join(reading)}), which "
+                             f"read the gold answer from the column 'answer'; train_dataset has {sorted(columns)}: "
+                             "pass reward_funcs (TRL's way) or add an answer column")
+        if int(os.environ.get("RANK", "0")) == 0:
+            listed = ", ".join(f"{r.name} {r.weight:g}" for r in rewards) or "none (the environment's)"
+            print(f"grpo: reward_funcs is None: training with {listed} ({task_provenance(self.config)[0]})")
 
     def _environment_owns_reward(self) -> bool:
         return self.environments is not None and bool(self.environments.reward_types)
@@ -347,7 +362,7 @@ class GRPOTrainer(TrainerAttributes):
         folder.mkdir(parents=True, exist_ok=True)
         save_pretrained(unwrap_model(self.model), folder)
         self.processing_class.save_pretrained(folder)
-        dump_config(self.config, folder / "grpo_config.yaml")
+        run_config_text(self.config, folder / "grpo_config.yaml")
 
     def plot(self):
         """Draw the training curves of ``args.output_dir`` (its ``metrics.jsonl``) into ``plots/*.png``, as

@@ -24,6 +24,7 @@ from grpo.models.source import ModelSource, load_model_for_inference, resolve_mo
 from grpo.multiturn.wiring import turn_spec, with_turns
 from grpo.rollout import LeanEngine
 from grpo.tasks import Task, resolve_task, run_task
+from grpo.tasks.gold import reward_problems_for_gold, task_problems_for_gold
 from grpo.training.inputs import build_rewards
 
 _SET_NAME = re.compile(r"[A-Za-z_][\w.-]*")
@@ -105,6 +106,7 @@ def run_eval_command(
     if split is None:
         split = config.data.eval_split if config is not None else "test"
     the_task = eval_task(task, config, sets)
+    check_eval_gold(the_task, sets, config, rewards)
     system_prompt = eval_system_prompt(source, the_task, own_task=task is not None)
     examples = {name: the_task.load(src, split, limit) for name, src in sets.items()}
     eval_rewards = _eval_rewards(config, rewards, source.tag_style, next(iter(examples.values())))
@@ -163,6 +165,24 @@ def eval_task(task: str | None, config: RunConfig | None, sets: dict[str, str]) 
                 else run_task(config))
     except ValueError as error:
         raise ConfigError(f"--task: {error}") from None
+
+
+def check_eval_gold(the_task: Task, sets: dict[str, str], config: RunConfig | None,
+                    rewards: list[str] | None) -> None:
+    """A ConfigError before anything loads when the task's scorer, or a reward applied to the completions (the
+    run's, or ``--rewards``), cannot read the gold a set gives (``grpo.tasks.gold``): e.g. a K&K run's task on
+    ``--data synthetic:...``, whose accuracy could never be right."""
+    if rewards is not None:
+        names = rewards
+    else:  # the run's; one whose columns feed it another column than answer reads what no source declares
+        names = [r.name for r in (config.rewards or []) if "answer" not in r.columns] if config is not None else []
+    problems = task_problems_for_gold(the_task, sets, "--data")
+    for source in sets.values():
+        problems += reward_problems_for_gold(the_task, names, source, key="--rewards")
+    if problems:
+        key, why = problems[0]
+        fix = "pass --task for the data's task" if key.startswith("--data") else "pass --rewards (none: --rewards alone)"
+        raise ConfigError(f"{key} {why} ({fix})")
 
 
 def eval_system_prompt(source: ModelSource, the_task: Task, own_task: bool) -> str | None:

@@ -15,7 +15,8 @@ from grpo.commands.eval_command import run_eval_command
 from grpo.commands.export import export_model
 from grpo.commands.memory import run_memory_command
 from grpo.commands.launch import check_listen_address
-from grpo.config import dump_config, iter_config_keys, load_config
+from grpo.commands.run_config import command_line_config
+from grpo.config import iter_config_keys, run_config_text
 from grpo.config.docs import config_keys_markdown
 from grpo.decoupled.ref_server import run_ref_server
 from grpo.decoupled.sampler_role import main as run_sampler_role
@@ -25,7 +26,7 @@ from grpo.training.settings import logprob_pass
 
 
 def config_command(args: argparse.Namespace) -> int:
-    sys.stdout.write(dump_config(load_config(args.config, args.overrides)))
+    sys.stdout.write(run_config_text(command_line_config(args.config, args.overrides)))
     return 0
 
 
@@ -33,7 +34,7 @@ def role_command(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if getattr(args, "host", None):
         overrides.append(f"decoupled.ref_server_host={args.host}")
-    cfg = load_config(args.config, overrides)
+    cfg = command_line_config(args.config, overrides, say_notes=False)
     if args.command == "trainer":
         check_listen_address(cfg)
     if args.command == "sampler":

@@ -11,9 +11,9 @@ import argparse
 import importlib
 import json
 import os
-from pathlib import Path
 
-from grpo.config import ConfigError, load_config
+from grpo.commands.run_config import command_line_config
+from grpo.config import ConfigError
 from grpo.decoupled.launcher import run_decoupled
 from grpo.decoupled.listen import check_bind_address, shared_token
 
@@ -24,11 +24,11 @@ def train_command(args: argparse.Namespace) -> int:
         overrides.append("train.resume=true")
     if args.overwrite:
         overrides.append("train.overwrite=true")
-    config_path = args.config or _default_recipe()
-    cfg = load_config(config_path, overrides)
+    cfg = command_line_config(args.config, overrides)
     if cfg.train.mode == "decoupled":
         check_listen_address(cfg)
-        return run_decoupled(cfg, config_path, overrides)
+        # the roles resolve the same command line (no recipe: the same default one), so they run this config
+        return run_decoupled(cfg, args.config, overrides)
     # the training stack (seconds of imports), loaded once the run is known to need it in this process
     colocated = importlib.import_module("grpo.training.colocated")
     result = colocated.train(cfg)
@@ -45,12 +45,6 @@ def check_listen_address(cfg) -> None:
         check_bind_address(cfg.decoupled.address, token)
     except ValueError as err:
         raise ConfigError(f"decoupled.address: {err}; see decoupled.token_env") from None
-
-
-def _default_recipe() -> str | None:
-    # `grpo train` with no recipe runs the embedded default when it is present.
-    recipe = Path("configs/demo-cpu.yaml")
-    return str(recipe) if recipe.is_file() else None
 
 
 def _print_summary(result) -> None:

@@ -1,24 +1,24 @@
-"""Load the config tree from YAML plus ``section.key=value`` overrides, check it, dump it back.
+"""Read the config tree from YAML plus ``section.key=value`` overrides into a typed ``RunConfig``, and dump it back.
 
 Every error is a ``ConfigError`` naming where the bad value came from (``file:line`` or the override
-text), the dotted key, and what is allowed; unknown keys get a "did you mean".
+text), the dotted key, and what is allowed; unknown keys get a "did you mean". What a run is made of (the
+default recipe, the task's values, the cross-field rules) is ``grpo.config.resolve``'s.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import difflib
 import types
 import typing
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import yaml
 
 from grpo.config.schema import RewardConfig, RunConfig
 from grpo.errors import ConfigError
-from grpo.tasks import resolve_task
 
 # ---------------------------------------------------------------- YAML with line numbers
 
@@ -176,10 +176,11 @@ def _build(cls: type, values: dict, prefix: str, where=lambda key: "") -> Any:
     return cls(**kwargs)
 
 
-# ---------------------------------------------------------------- public API
+# ---------------------------------------------------------------- recipes and overrides
 
 
-def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+def set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    """Set ``tree``'s nested key ``a.b.c`` to ``value``, making the mappings on the way."""
     parts = dotted.split(".")
     node = tree
     for part in parts[:-1]:
@@ -204,23 +205,15 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> RunConfig:
-    """Build the checked ``RunConfig`` from an optional YAML file and ``section.key=value`` overrides.
+def read_recipe(path: str | Path) -> tuple[dict, dict[str, int]]:
+    """A recipe's tree and the line of each of its keys (two levels deep); a ConfigError naming the file (and
+    line) when it is missing, not YAML, or not a mapping of sections."""
+    return _read_yaml(Path(path))
 
-    Raises:
-        ConfigError: unknown key (with a suggestion), wrong type, out-of-range value, invalid YAML,
-            or an invalid combination; the message names the file and line or the override.
-    """
-    tree: dict = {}
-    lines: dict[str, int] = {}
-    if path is not None:
-        tree, lines = _read_yaml(Path(path))
-    origin: dict[str, str] = {}
-    for text in overrides:
-        key, value = parse_override(text)
-        _set_dotted(tree, key, value)
-        origin[key] = f"override {text!r}: "
 
+def locator(path: str | Path | None, lines: dict[str, int], origin: dict[str, str]) -> Callable[[str], str]:
+    """``where(key)``: the prefix of an error about ``key``: the last override that set it (or its section), else
+    the recipe's ``file:line``, else the file. ``origin``: override key -> its message prefix."""
     def where(key: str) -> str:
         base = key.split("[", 1)[0]
         for set_key in reversed(origin):  # the last override touching this key (or its section) wins
@@ -231,52 +224,14 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
                 return f"{path}:{lines[candidate]}: "
         return f"{path}: " if path is not None else ""
 
-    rewards_given = _rewards_given(tree)
-    return _checked(_build(RunConfig, tree, "", where), where, rewards_given)
+    return where
 
 
-def config_from_dict(tree: dict, source: str) -> RunConfig:
-    """The checked ``RunConfig`` of a nested dict (``config_to_dict``'s shape; missing keys keep their
-    defaults); errors name ``source`` and the key, e.g. ``GRPOConfig: loss.beta ...``."""
-    def where(key: str) -> str:
-        return f"{source}: "
-
-    tree = copy.deepcopy(tree)
-    rewards_given = _rewards_given(tree)
-    return _checked(_build(RunConfig, tree, "", where), where, rewards_given)
-
-
-def _rewards_given(tree: dict) -> bool:
-    """Whether the recipe (or an override) lists ``rewards``; ``rewards: null`` is taken out of ``tree`` and
-    counts as not given, so that an override can hand a recipe's rewards back to its task."""
-    if "rewards" in tree and tree["rewards"] is None:
-        del tree["rewards"]
-    return "rewards" in tree
-
-
-def _with_task_rewards(config: RunConfig) -> RunConfig:
-    """``config`` with its task's default rewards (``grpo.tasks.Task.rewards``: kk_logic for K&K, answer and
-    format for the numeric tasks), for a recipe that lists none. A ``data.task`` that does not resolve keeps
-    the schema's default; the ``data.task`` rule then reports it."""
-    try:
-        task = resolve_task(config.data.task, config.data.train)
-    except (ValueError, TypeError):
-        return config
-    return dataclasses.replace(config, rewards=[RewardConfig(name, float(weight)) for name, weight in task.rewards])
-
-
-def _checked(config: RunConfig, where, rewards_given: bool) -> RunConfig:
-    """``config`` (with its task's rewards unless ``rewards_given``: the recipe or overrides set ``rewards``)
-    once its cross-field rules hold; else a ConfigError on the first broken one (``where(key)`` says where the
-    key was set), listing the others."""
-    if not rewards_given:
-        config = _with_task_rewards(config)
-    problems = config.check()
-    if problems:
-        key, why = problems[0]
-        more = "".join(f"\n  also: {k} {w}" for k, w in problems[1:])
-        raise ConfigError(f"{where(key)}{key} {why}{more}")
-    return config
+def build_config(tree: dict, where: Callable[[str], str] = lambda key: "") -> RunConfig:
+    """The ``RunConfig`` of a nested mapping (missing keys keep their defaults), its keys, types and ranges checked
+    (a ConfigError prefixed by ``where(key)``); not yet resolved against its task nor checked across fields
+    (``grpo.config.resolve`` does both)."""
+    return _build(RunConfig, tree, "", where)
 
 
 def config_to_dict(config: RunConfig) -> dict:
@@ -284,9 +239,11 @@ def config_to_dict(config: RunConfig) -> dict:
     return dataclasses.asdict(config)
 
 
-def dump_config(config: RunConfig, path: str | Path | None = None) -> str:
-    """The resolved config as YAML (reloadable with ``load_config``); also written to ``path`` if given."""
+def dump_config(config: RunConfig, path: str | Path | None = None, header: Iterable[str] = ()) -> str:
+    """The config as YAML (reloadable with ``load_config``), after ``header``'s lines as comments; also written to
+    ``path`` if given."""
     text = yaml.safe_dump(config_to_dict(config), sort_keys=False, default_flow_style=False, allow_unicode=True)
+    text = "".join(f"# {line}\n" for line in header) + text
     if path is not None:
         Path(path).write_text(text, encoding="utf-8")
     return text

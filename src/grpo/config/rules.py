@@ -1,8 +1,9 @@
 """Cross-field rules of the config tree: each returns ``(key, why)`` for every violated rule (and
 ``ptx_max_length``, the one default derived from other sections).
 
-Kept apart from ``grpo.config.schema`` (the fields, their defaults and ranges) so the tree stays
-readable; ``RunConfig.check`` calls ``config_problems``.
+Kept apart from ``grpo.config.schema`` (the fields, their defaults and ranges), which they read and which never
+reads them; the resolver (``grpo.config.resolve``) calls ``config_problems`` once a run's values are filled in. The
+rules that tie the config to its task and data are ``grpo.config.task_rules``'.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import zmq
 from grpo.algorithm import advantage_estimator
 from grpo.config.async_rules import in_flight_problems, partial_rollout_problems
 from grpo.config.kinds import TRACKERS, engine_traits
-from grpo.tasks import resolve_task
+from grpo.config.task_rules import gold_problems, reward_problems, task_problems
 
 if TYPE_CHECKING:
     from grpo.config.schema import RunConfig
@@ -92,28 +93,6 @@ def lora_rate_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
     return []
 
 
-def reward_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
-    """At least one reward, and each entry's name, factory_args and columns."""
-    problems = []
-    # an environment's get_reward, or a verifiers environment's task rewards, may be the only rewards
-    if not cfg.rewards and not cfg.rollout.environment and not str(cfg.data.train).startswith("verifiers:"):
-        problems.append(("rewards", "is empty (given as [], or the task's default rewards are none): GRPO "
-                                    "needs at least one reward function"))
-    for i, r in enumerate(cfg.rewards):
-        if not r.name:
-            problems.append((f"rewards[{i}].name", "is empty"))
-        if r.factory_args is not None and ":" not in r.name:
-            problems.append((f"rewards[{i}].factory_args", (
-                f"is set but {r.name!r} is not a dotted path 'package.module:factory'; a built-in reward "
-                "takes its settings in params")))
-        for keyword, column in r.columns.items():
-            if not (isinstance(keyword, str) and keyword.isidentifier() and isinstance(column, str)):
-                problems.append((f"rewards[{i}].columns", (
-                    f"maps {keyword!r} to {column!r}: each entry is keyword: column, both names (strings), "
-                    "the keyword a valid Python identifier")))
-    return problems
-
-
 def tracker_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
     """log.report_to names known trackers."""
     return [("log.report_to", f"unknown tracker {tracker!r}; allowed: {', '.join(TRACKERS)}")
@@ -147,16 +126,6 @@ def engine_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
             f"is {r.vllm_check_steps} with rollout.top_p {r.top_p} / top_k {r.top_k}: vLLM's log-probs are then "
             "renormalised over the kept tokens while the trainer's are not, so the check would measure the "
             "truncation, not the weights; sample without top_p/top_k or set rollout.vllm_check_steps: 0"))]
-    return []
-
-
-def task_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
-    """data.task resolves to a task (a registered name, or a dotted path that imports and gives a
-    ``grpo.tasks.Task``): checked with the config, not found mid-run when the data loads."""
-    try:
-        resolve_task(cfg.data.task, cfg.data.train)
-    except (ValueError, TypeError) as err:
-        return [("data.task", f"is {cfg.data.task!r}: {err}")]
     return []
 
 
@@ -331,4 +300,4 @@ def ptx_max_length(cfg: "RunConfig") -> int:
 # In the order the loader reports them: the first violated rule's key is the one located in the recipe.
 RULES = (batch_problems, loss_problems, ppo_problems, ptx_problems, memory_saver_problems, token_budget_problems,
          lora_rate_problems, reward_problems, tracker_problems, decoupled_problems, engine_problems, sampler_problems,
-         encryption_problems, sampling_control_problems, eval_problems, sdpa_problems, task_problems)
+         encryption_problems, sampling_control_problems, eval_problems, sdpa_problems, task_problems, gold_problems)

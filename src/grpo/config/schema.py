@@ -2,7 +2,8 @@
 
 Leaf names follow TRL's ``GRPOConfig`` where the concept is the same. Each field carries a ``help`` string
 (docs/reference/config.md's key table is generated from it) and, where it matters, ``choices`` or a range
-(``ge``/``gt``/``le``). Cross-field rules: ``RunConfig.check``; loading and overrides: ``grpo.config.loader``.
+(``ge``/``gt``/``le``). It only declares: the cross-field rules are ``grpo.config.rules``', reading YAML and
+overrides is ``grpo.config.loader``'s, and what fills a run's unset values from its task is ``grpo.config.resolve``.
 """
 
 from __future__ import annotations
@@ -20,11 +21,9 @@ from grpo.algorithm.schedules import LR_SCHEDULES
 from grpo.config.eval_schema import EvalConfig  # noqa: F401  (the eval section, in its own module)
 from grpo.config.fields import opt
 from grpo.config.rollout_schema import RolloutConfig  # noqa: F401  (the rollout section, in its own module)
-from grpo.config.rules import config_problems
 from grpo.data.sft import RESPONSE_FORMATS
 from grpo.data.tags import TAG_STYLES
 from grpo.rewards.scoring import RewardSpec
-from grpo.tasks.builtin_tasks import NUMERIC_REWARDS
 
 
 @dataclass
@@ -65,10 +64,11 @@ class DataConfig:
         "reasoning_gym:NAME[,size=N,seed=S,<options>][+NAME[*WEIGHT]...] (reasoning-gym's datasets, one or a "
         "weighted mix; pip install 'grpo[envs]')."))
     task: str | None = opt(
-        None, "The task (grpo.tasks): gsm8k, arithmetic, kk, reasoning_gym, or a dotted path pkg.module:name to a "
-        "user's grpo.tasks.Task; null = by data.train (kk: -> kk, reasoning_gym: -> reasoning_gym, "
-        "synthetic:/arithmetic-tools: -> arithmetic, else gsm8k). "
-        "It loads the data, scores answers in evaluation and gives the default system prompt and rewards.")
+        None, "The task (grpo.tasks): gsm8k, arithmetic, kk, reasoning_gym, verifiers, or a dotted path "
+        "pkg.module:name to a user's grpo.tasks.Task; null = by data.train (kk: -> kk, reasoning_gym: -> "
+        "reasoning_gym, verifiers: -> verifiers, synthetic:/arithmetic-tools: -> arithmetic, else gsm8k). "
+        "It loads the data, scores answers in evaluation and gives the default system prompt and rewards; its "
+        "rewards and scorer must read the gold the data gives (checked when the config loads).")
     eval: str | dict[str, str] | None = opt(
         None, "Held-out set(s) for eval_steps and the before/after report: a source (metrics eval/accuracy, ...) "
         "or named sources {name: source} (eval/<name>/accuracy, ...; the first is the one early stopping reads), "
@@ -372,11 +372,6 @@ class RewardConfig(RewardSpec):
                             "{solution: answer} for TRL's accuracy_reward on GSM8K.")
 
 
-def default_rewards() -> list[RewardConfig]:
-    """The default reward list (a fresh list per config)."""
-    return [RewardConfig(name, weight) for name, weight in NUMERIC_REWARDS]
-
-
 @dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -391,10 +386,8 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
     decoupled: DecoupledConfig = field(default_factory=DecoupledConfig)
-    rewards: list[RewardConfig] = field(default_factory=default_rewards, metadata={
-        "help": "Reward functions and weights, e.g. [{name: answer_correct, weight: 1.0}]; null or not given = the task's "
-                "default rewards (data.task; kk: kk_logic, else answer_correct + format_think_answer)."})
-
-    def check(self) -> list[tuple[str, str]]:
-        """Cross-field rules (``grpo.config.rules``): ``(key, why)`` for each violated one (empty when valid)."""
-        return config_problems(self)
+    rewards: list[RewardConfig] | None = field(default=None, metadata={
+        "help": "Reward functions and weights, e.g. [{name: answer_correct, weight: 1.0}]; null or not given = the "
+                "task's default rewards (data.task, else by data.train: kk: kk_logic; reasoning_gym: reasoning_gym "
+                "+ format_think_answer 0.1; verifiers: none beside the environment's rubric; else answer_correct + "
+                "format_think_answer), filled in when the config is resolved (grpo.config.resolve)."})

@@ -27,6 +27,7 @@ from typing import Any
 
 from grpo.data.arithmetic_tools import generate_tool_problems
 from grpo.data.example import DataError, Example
+from grpo.data.gold_kinds import KK_SOLUTION, MATH, NO_GOLD, REASONING_GYM_ENTRY
 from grpo.data.gsm8k import load_gsm8k
 from grpo.data.knights_knaves.examples import file_examples, generated_examples
 from grpo.data.locations import check_limit
@@ -47,6 +48,8 @@ class SourceKind:
     load: Callable[[dict[str, Any], str, int | None], list[Example]]
     # a kind whose options are no flat key=value list parses them itself: (spec, option text) -> options
     parse: Callable[[str, str], dict[str, Any]] | None = None
+    # the gold its examples carry (grpo.data.gold_kinds), from its option text; None: not known before reading
+    gold: Callable[[str], str | None] = lambda option_text: None
 
 
 def _load_synthetic(options: dict[str, Any], split: str, limit: int | None) -> list[Example]:
@@ -103,27 +106,33 @@ SOURCE_KINDS: dict[str, SourceKind] = {
         keys={"seed": int, "n": int, "difficulty": str, "steps": int, "max_digits": int},
         required=("seed", "n"),
         load=_load_synthetic,
+        gold=lambda options: MATH,
     ),
     "arithmetic-tools": SourceKind(
         keys={"seed": int, "n": int, "size": str},
         required=("seed", "n"),
         load=_load_tool_problems,
+        gold=lambda options: MATH,
     ),
     "kk": SourceKind(
         keys={"seed": int, "n": int, "people": people_range, "path": str},
         required=(),  # seed and n, or path alone: checked by the loader
         load=_load_kk,
+        gold=lambda options: KK_SOLUTION,
     ),
     "prompts": SourceKind(
         keys={"path": str, "question_column": str, "answer_column": str, "answer_format": str, "tgt_column": str},
         required=("path",),
         load=_load_prompt_file,
+        gold=lambda options: MATH if "answer_format=gsm8k" in options.split(",") else None,  # plain: any text
     ),
     "reasoning_gym": SourceKind(
         keys={}, required=(), load=_load_reasoning_gym, parse=lambda spec, text: {"spec": spec, "text": text},
+        gold=lambda options: REASONING_GYM_ENTRY,
     ),
     "verifiers": SourceKind(
         keys={}, required=(), load=_load_verifiers, parse=lambda spec, text: {"spec": spec, "text": text},
+        gold=lambda options: NO_GOLD,
     ),
 }
 
@@ -144,6 +153,22 @@ def load_dataset_source(spec: str, split: str = "train", limit: int | None = Non
         return load_gsm8k(spec, split=split, limit=limit)
     options = kind.parse(spec, option_text) if kind.parse is not None else parse_options(spec, option_text, kind)
     return kind.load(options, split, limit)
+
+
+# A data.train the Python API fills from a dataset object ("python:train_dataset (64 rows)"): no source to read.
+PYTHON_OBJECT = "python:"
+
+
+def source_gold(spec: str) -> str | None:
+    """The gold kind (``grpo.data.gold_kinds``) the examples of source ``spec`` carry, read from the string alone
+    (nothing is loaded): a prefixed kind's declaration; GSM8K's reader (files, folders, hub ids) gives ``math``;
+    None where it cannot be known before the data is read (a ``prompts:`` file of plain answers, a Python
+    dataset object)."""
+    if spec.startswith(PYTHON_OBJECT):
+        return None
+    kind_name, separator, option_text = spec.partition(":")
+    kind = SOURCE_KINDS.get(kind_name) if separator else None
+    return MATH if kind is None else kind.gold(option_text)
 
 
 def parse_options(spec: str, option_text: str, kind: SourceKind) -> dict[str, Any]:

@@ -9,7 +9,7 @@ A reward function is called as TRL 1.16 calls it, by keyword (``prompts``, ``com
 - ``signature``: what a reward function is called with and returns
 - ``reward_model``: a local sequence-classification reward model (``"model"``, params ``path``)
 - ``remote``:   an HTTP reward endpoint (``"remote"``, params ``url``)
-- ``registry``: names -> factories, and user functions by ``"package.module:function"``
+- ``registry``: names -> factories (and the gold each reads), and user functions by ``"package.module:function"``
 - ``context``:  ``RewardContext``: ``trainer_state`` and the ``log_metric`` / ``log_extra`` hooks
 - ``async_loop``: the event loop async rewards are awaited on
 - ``reward_function``: ``RewardFunction``: the keyword call; a failing sample abstains, a reward failing on
@@ -24,6 +24,7 @@ from grpo.rewards.registry import (
     list_rewards,
     load_dotted,
     register_reward,
+    reward_gold,
 )
 from grpo.rewards.remote import RemoteRewardError
 from grpo.rewards.reward_function import RewardFunction
@@ -48,5 +49,6 @@ __all__ = [
     "list_rewards",
     "load_dotted",
     "register_reward",
+    "reward_gold",
     "score",
 ]

@@ -21,6 +21,7 @@ import importlib
 import inspect
 from typing import Any
 
+from grpo.data.gold_kinds import GOLD_KINDS, KK_SOLUTION, MATH, REASONING_GYM_ENTRY
 from grpo.data.tags import TagStyle
 from grpo.rewards import builtin_rewards
 from grpo.rewards.async_loop import is_async_callable
@@ -45,19 +46,40 @@ REWARD_REGISTRY: dict[str, RewardFactory] = {
     "remote": make_remote_reward,
 }
 
+# The gold each registered reward reads (grpo.data.gold_kinds), held against the data before a run starts
+# (grpo.tasks.gold). A reward not listed reads none (the format rewards, a reward model, a remote judge) or any
+# text (``correctness``: exact string equality).
+READS_GOLD: dict[str, str] = {
+    "answer_correct": MATH,
+    "kk_logic": KK_SOLUTION,
+    "reasoning_gym": REASONING_GYM_ENTRY,
+}
+
 
 def list_rewards() -> list[str]:
     """The registered reward names, sorted."""
     return sorted(REWARD_REGISTRY)
 
 
-def register_reward(name: str, factory: RewardFactory) -> None:
-    """Add a factory ``factory(tag_style=..., **params) -> reward function`` under ``name``."""
+def register_reward(name: str, factory: RewardFactory, *, reads_gold: str | None = None) -> None:
+    """Add a factory ``factory(tag_style=..., **params) -> reward function`` under ``name``; ``reads_gold``: the
+    gold kind its functions compare against (``grpo.data.gold_kinds``), so that data of another kind is refused
+    before a run starts; None: none, or any text."""
     if ":" in name:
         raise ValueError(f"reward name {name!r} must not contain ':' (reserved for 'package.module:function')")
     if name in REWARD_REGISTRY:
         raise ValueError(f"reward {name!r} is already registered")
+    if reads_gold is not None and reads_gold not in GOLD_KINDS:
+        raise ValueError(f"reward {name!r}: reads_gold {reads_gold!r} is not a gold kind; known: {sorted(GOLD_KINDS)}")
     REWARD_REGISTRY[name] = factory
+    if reads_gold is not None:
+        READS_GOLD[name] = reads_gold
+
+
+def reward_gold(name: str) -> str | None:
+    """The gold kind reward ``name`` reads (``READS_GOLD``); None for one that reads none or any text, and for a
+    dotted path (a user's function, not imported to ask)."""
+    return READS_GOLD.get(name)
 
 
 def get_reward_function(name: str, /, tag_style: TagStyle | str | None = None,

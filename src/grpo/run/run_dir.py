@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from grpo.config import ConfigError, RunConfig, dump_config
+from grpo.config import ConfigError, RunConfig, run_config_text
 from grpo.run.checkpoint import GRPO_LAYOUT, CheckpointLayout, checkpoint_layout
 
 MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
@@ -57,5 +57,5 @@ def claim_output_dir(cfg: RunConfig, is_main: bool, layout: CheckpointLayout = G
             elif target.exists():
                 target.unlink()
     out.mkdir(parents=True, exist_ok=True)
-    dump_config(cfg, out / "config.yaml")
+    run_config_text(cfg, out / "config.yaml")
     return out

@@ -1,5 +1,5 @@
-"""The built-in tasks: ``gsm8k``, ``arithmetic`` (grpo's generated problems), ``kk`` (Knights and Knaves) and
-``reasoning_gym`` (``grpo.tasks.reasoning_gym_task``).
+"""The built-in tasks: ``gsm8k``, ``arithmetic`` (grpo's generated problems), ``kk`` (Knights and Knaves),
+``reasoning_gym`` (``grpo.tasks.reasoning_gym_task``) and ``verifiers`` (a verifiers environment's taskset).
 
 The two numeric tasks read the answer in the ``<answer>`` tags and compare it as a number
 (``grpo.rewards.answers``, the helpers the rewards use, so a metric and the reward it mirrors cannot
@@ -9,6 +9,7 @@ disagree). ``kk`` reads each person's role out of the answer (``knights_knaves.t
 from __future__ import annotations
 
 from grpo.data.example import Example
+from grpo.data.gold_kinds import KK_SOLUTION, MATH, NO_GOLD
 from grpo.data.knights_knaves.text import parse_roles, solution_roles, solution_text
 from grpo.data.sources import load_dataset_source
 from grpo.data.tags import get_tag_style
@@ -17,9 +18,7 @@ from grpo.rewards.knights_knaves import answer_verdict, per_person_accuracy
 from grpo.tasks.reasoning_gym_task import REASONING_GYM_TASK
 from grpo.tasks.task import Score, Task
 
-# The seeds' reward (answer correct +1 / wrong -1, format ok +1.25 / bad -1): the config schema's default list,
-# so that a RunConfig built without a recipe and a numeric-task recipe without rewards train alike.
-# The seeds' reward: answer correct +1 / wrong -1, format ok +1.25 / bad -1 (also the config's default list).
+# The seeds' reward: answer correct +1 / wrong -1, format ok +1.25 / bad -1.
 NUMERIC_REWARDS = (("answer_correct", 1.0), ("format_think_answer", 1.0))
 
 
@@ -69,6 +68,12 @@ def kk_metrics(text: str, gold: str, tag_style: str) -> dict[str, float]:
     return {"per_person_accuracy": per_person_accuracy(text, gold, tag_style)}
 
 
+def no_gold_score(text: str, gold: str, tag_style: str) -> Score:
+    """A verifiers taskset has no gold to score against: its environment's rubric scores the episodes (the
+    config refuses it as an evaluation set, ``grpo.tasks.gold``), so this is never reached by a checked run."""
+    raise ValueError("a verifiers taskset has no gold answers to evaluate against (its rubric scores episodes)")
+
+
 def _same_number(a: str | None, b: str | None) -> bool:
     return a is not None and b is not None and answers_equal(a, b)
 
@@ -79,11 +84,15 @@ def _same_text(a: str | None, b: str | None) -> bool:
 
 BUILTIN_TASKS: dict[str, Task] = {
     "gsm8k": Task(name="gsm8k", load=load_dataset_source, system_prompt=numeric_system_prompt,
-                  score=numeric_score, rewards=NUMERIC_REWARDS, same_answer=_same_number),
+                  score=numeric_score, rewards=NUMERIC_REWARDS, same_answer=_same_number, gold=MATH),
     "arithmetic": Task(name="arithmetic", load=load_dataset_source, system_prompt=numeric_system_prompt,
-                       score=numeric_score, rewards=NUMERIC_REWARDS, same_answer=_same_number),
+                       score=numeric_score, rewards=NUMERIC_REWARDS, same_answer=_same_number, gold=MATH),
     "kk": Task(name="kk", load=load_dataset_source, system_prompt=kk_system_prompt, score=kk_score,
                rewards=(("kk_logic", 1.0),), same_answer=_same_text, group_of=kk_people,
-               metrics=kk_metrics),
+               metrics=kk_metrics, gold=KK_SOLUTION),
     "reasoning_gym": REASONING_GYM_TASK,  # reasoning-gym's datasets, scored by their own score_answer
+    # A verifiers environment brings its prompts (with their own system turn, if any) and its rubric, whose
+    # rewards the run adds (grpo.multiturn.wiring): the task adds no system turn and no reward of its own.
+    "verifiers": Task(name="verifiers", load=load_dataset_source, system_prompt=lambda tag_style: None,
+                      score=no_gold_score, rewards=(), gold=NO_GOLD),
 }

@@ -17,6 +17,7 @@ arc_agi's board format) are not seen by it.
 from __future__ import annotations
 
 from grpo.data.example import Example
+from grpo.data.gold_kinds import REASONING_GYM_ENTRY
 from grpo.data.reasoning_gym import parse_gold
 from grpo.data.sources import load_dataset_source
 from grpo.data.tags import get_tag_style
@@ -62,4 +63,4 @@ def _same_text(a: str | None, b: str | None) -> bool:
 
 REASONING_GYM_TASK = Task(name="reasoning_gym", load=load_dataset_source, system_prompt=rg_system_prompt,
                           score=rg_score, rewards=REWARDS, same_answer=_same_text, group_of=rg_dataset,
-                          metrics=rg_metrics)
+                          metrics=rg_metrics, gold=REASONING_GYM_ENTRY)

@@ -16,11 +16,11 @@ def task_names() -> list[str]:
 
 
 def task_for_source(source: str) -> str:
-    """The built-in task a data source string belongs to: ``kk`` / ``reasoning_gym`` for ``kk:`` /
-    ``reasoning_gym:...``, ``arithmetic`` for ``synthetic:`` / ``arithmetic-tools:``, else ``gsm8k`` (files,
-    folders, hub ids, ``prompts:``)."""
+    """The built-in task a data source string belongs to: ``kk`` / ``reasoning_gym`` / ``verifiers`` for ``kk:`` /
+    ``reasoning_gym:...`` / ``verifiers:...``, ``arithmetic`` for ``synthetic:`` / ``arithmetic-tools:``, else
+    ``gsm8k`` (files, folders, hub ids, ``prompts:``, a Python dataset object)."""
     prefix, separator, _ = source.partition(":")
-    if separator and prefix in ("kk", "reasoning_gym"):
+    if separator and prefix in ("kk", "reasoning_gym", "verifiers"):
         return prefix
     if separator and prefix in ("synthetic", "arithmetic-tools"):
         return "arithmetic"
@@ -67,7 +67,8 @@ def run_task(cfg) -> Task:
 
 def run_system_prompt(cfg, task: Task | None = None) -> str | None:
     """A run's system turn: ``data.system_prompt``, else its task's for ``data.tag_style`` (``task``: the run's,
-    resolved already; None: resolved here); None with ``data.add_system_prompt: false`` (no system turn)."""
+    resolved already; None: resolved here); None with ``data.add_system_prompt: false`` or a task that adds none
+    (no system turn)."""
     if not cfg.data.add_system_prompt:
         return None
     if cfg.data.system_prompt is not None:

@@ -6,7 +6,7 @@ import json
 import sys
 
 from grpo.commands.memory.estimate import COMPONENTS, MemoryEstimate, estimate_memory
-from grpo.config import load_config
+from grpo.commands.run_config import command_line_config
 
 
 def format_table(estimate: MemoryEstimate) -> str:
@@ -32,12 +32,12 @@ def format_table(estimate: MemoryEstimate) -> str:
 def run_memory_command(config_path: str | None, overrides: list[str], gpus: int | None = None,
                        gpu_gb: float | None = None, json_output: bool = False, mixed_precision: bool | None = None,
                        vllm_gpu_memory_utilization: float | None = None) -> int:
-    """Load the config (file + overrides), estimate, print the table (or JSON); returns 0.
+    """Resolve the config (recipe, grpo's default one when None, + overrides) as ``grpo train`` does, estimate, print the table (or JSON); returns 0.
 
     The model's shape comes from model.name_or_path's config.json (a local folder or the HF cache) or
     the built-in table; otherwise a ConfigError names the key.
     """
-    cfg = load_config(config_path, overrides)
+    cfg = command_line_config(config_path, overrides)
     estimate = estimate_memory(cfg, gpus=gpus, gpu_gb=gpu_gb, mixed_precision=mixed_precision,
                                vllm_gpu_memory_utilization=vllm_gpu_memory_utilization)
     if json_output:
