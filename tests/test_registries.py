@@ -13,7 +13,8 @@ from grpo.algorithm import (
     ADVANTAGE_ESTIMATORS,
     ADVANTAGE_SCALES,
     IMPORTANCE_SAMPLING_LEVELS,
-    LOSS_AGGREGATIONS,
+    LOSS_TYPES,
+    MULTI_OBJECTIVE_AGGREGATIONS,
     SAMPLER_CORRECTIONS,
 )
 from grpo.algorithm.schedules import LR_SCHEDULES
@@ -32,7 +33,8 @@ from grpo.tasks.builtin_tasks import BUILTIN_TASKS
 # config key -> (the registry its values name, the values allowed beside the registry's names)
 KEYED = {
     "algorithm.advantage_estimator": (ADVANTAGE_ESTIMATORS, ()),
-    "loss.loss_type": (LOSS_AGGREGATIONS, ()),
+    "algorithm.multi_objective_aggregation": (MULTI_OBJECTIVE_AGGREGATIONS, ()),
+    "loss.loss_type": (LOSS_TYPES, ()),
     "loss.scale_rewards": (ADVANTAGE_SCALES, (None,)),
     "loss.importance_sampling_level": (IMPORTANCE_SAMPLING_LEVELS, ()),
     "loss.sampler_is_mode": (SAMPLER_CORRECTIONS, ()),
@@ -108,10 +110,12 @@ def test_upper_layers_implement_exactly_the_names_declared_below_them():
 
 
 def test_the_python_api_accepts_exactly_the_registered_names():
-    for name in LOSS_AGGREGATIONS:
-        assert GRPOConfig(loss_type=name, use_cpu=True, max_steps=1).to_run_config().loss.loss_type == name
-    with pytest.raises(ValueError, match="loss_type='sapo'.*" + ", ".join(LOSS_AGGREGATIONS)):
-        GRPOConfig(loss_type="sapo")
+    for name in LOSS_TYPES:
+        epsilon_high = {"epsilon_high": 5.0} if name == "cispo" else {}  # cispo's cap (refused without one)
+        args = GRPOConfig(loss_type=name, use_cpu=True, max_steps=1, **epsilon_high)
+        assert args.to_run_config().loss.loss_type == name
+    with pytest.raises(ValueError, match="loss_type='ppo'.*" + ", ".join(LOSS_TYPES)):
+        GRPOConfig(loss_type="ppo")
     # TRL's scale_rewards strings are the advantage scales (group: grpo's null default)
     for name in ADVANTAGE_SCALES:
         scale = GRPOConfig(scale_rewards=name, loss_type="grpo", use_cpu=True, max_steps=1).to_run_config().loss.scale_rewards

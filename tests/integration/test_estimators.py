@@ -20,6 +20,11 @@ VARIANTS = {
     "gspo": {"loss.importance_sampling_level": "sequence", "loss.num_iterations": 2,
              "loss.epsilon": 3e-4, "loss.epsilon_high": 4e-4, "loss.beta": 0.0},
     "dapo": {"loss.loss_type": "dapo", "loss.epsilon_high": 0.28, "loss.beta": 0.0},
+    # TRL's objectives, masks and bonus through the config: CISPO with the 80/20 mask, the off-policy mask and an
+    # entropy bonus over two iterations; SAPO with GDPO's per-reward normalisation
+    "cispo masked": {"loss.loss_type": "cispo", "loss.epsilon_high": 5.0, "loss.top_entropy_quantile": 0.5,
+                     "loss.off_policy_mask_threshold": 0.5, "loss.entropy_coef": 0.01, "loss.num_iterations": 2},
+    "sapo gdpo": {"loss.loss_type": "sapo", "algorithm.multi_objective_aggregation": "normalize_then_sum"},
 }
 
 

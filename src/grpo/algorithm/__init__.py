@@ -75,7 +75,7 @@ from grpo.algorithm.sampler_correction import (
     truncated_importance_weights,
 )
 from grpo.algorithm.token_masks import high_entropy_mask, off_policy_mask
-from grpo.algorithm.tokens import token_entropy, token_logprobs
+from grpo.algorithm.tokens import token_entropy, token_entropy_with_grad, token_logprobs
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "ADVANTAGE_SCALES", "IMPORTANCE_SAMPLING_LEVELS", "LOSS_AGGREGATIONS", "LogprobProcessing",
@@ -83,7 +83,7 @@ __all__ = [
     "oldest_version", "token_staleness", "advantage_estimator", "loss_aggregation",
     "aggregate_loss", "gae_advantages", "group_advantages", "kl_k3", "kl_penalized_token_rewards", "logprob_mismatch",
     "policy_loss", "processed_token_entropy", "processed_token_logprobs", "sampler_importance_weights", "sft_loss",
-    "token_entropy", "token_logprobs", "truncated_importance_weights", "value_loss", "whiten",
+    "token_entropy", "token_entropy_with_grad", "token_logprobs", "truncated_importance_weights", "value_loss", "whiten",
     # TRL 1.16's loss types, token masks, entropy bonus and multi-reward advantages
     "LOSS_TYPES", "LossType", "loss_type_entry", "MULTI_OBJECTIVE_AGGREGATIONS", "multi_reward_advantages",
     "POLICY_OBJECTIVES", "clipped_objective", "cispo_objective", "sapo_objective", "vespo_objective", "vespo_weights",

@@ -19,15 +19,16 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from grpo.algorithm.processing import LogprobProcessing, process_chunk, processing_tables
+from grpo.algorithm.tokens import entropy_of_scores
 
 # Elements of one chunk's [B, c, V] logits: 2^25 (128 MB in float32), as grpo.algorithm.tokens' chunks.
 CHUNK_ELEMENTS = 2 ** 25
 
 
 def head_logprobs(hidden: Tensor, head: Callable[[Tensor], Tensor], targets: Tensor, temperature: float, *,
-                  vocab_size: int, with_entropy: bool = False, processing: LogprobProcessing | None = None,
-                  real: Tensor | None = None, prompt_seen: Tensor | None = None,
-                  chunk_columns: int | None = None) -> tuple[Tensor, Tensor | None]:
+                  vocab_size: int, with_entropy: bool = False, entropy_grad: bool = False,
+                  processing: LogprobProcessing | None = None, real: Tensor | None = None,
+                  prompt_seen: Tensor | None = None, chunk_columns: int | None = None) -> tuple[Tensor, Tensor | None]:
     """Log-prob of each target token, and optionally the entropy of each position's distribution.
 
     Args:
@@ -38,7 +39,8 @@ def head_logprobs(hidden: Tensor, head: Callable[[Tensor], Tensor], targets: Ten
         targets: ``[B, L]`` token ids.
         temperature: > 0; the logits (after the processors, if any) are divided by it.
         vocab_size: V, the head's output width.
-        with_entropy: also return the entropy, without gradient.
+        with_entropy: also return the entropy, without gradient; with ``entropy_grad`` (and no processing) with its
+            gradient, recomputed in backward with the chunk's logits (an entropy bonus).
         processing: the sampling controls (``grpo.algorithm.processing``); None or inactive: the tempered
             logits as they are. With it, ``real`` [B, L] (1 on real tokens) and ``prompt_seen`` [B, V].
         chunk_columns: positions per chunk (all rows at once); None: ``CHUNK_ELEMENTS // (B V)``.
@@ -63,7 +65,10 @@ def head_logprobs(hidden: Tensor, head: Callable[[Tensor], Tensor], targets: Ten
     real = real.bool() if real is not None else None
     entropies: dict[int, Tensor] = {}
 
-    def chunk_logprobs(h: Tensor, start: int) -> Tensor:  # [B, c, H] -> [B, c]
+    if entropy_grad and processing is not None:
+        raise ValueError("head_logprobs: an entropy with gradient is of the plain tempered logits; not with processing")
+
+    def chunk_logprobs(h: Tensor, start: int) -> Tensor | tuple[Tensor, Tensor]:  # [B, c, H] -> [B, c] (, [B, c])
         cols = slice(start, start + h.shape[1])
         scores = head(h)  # [B, c, V]
         scores = scores.to(torch.promote_types(scores.dtype, torch.float32))  # float32 (float64 stays)
@@ -71,20 +76,25 @@ def head_logprobs(hidden: Tensor, head: Callable[[Tensor], Tensor], targets: Ten
             scores = scores / temperature if temperature != 1.0 else scores
         else:
             scores, _ = process_chunk(scores, start, targets[:, cols], real[:, cols], tables, temperature, processing)
+        logprobs = scores.gather(-1, targets[:, cols, None]).squeeze(-1) - torch.logsumexp(scores, dim=-1)
+        if entropy_grad:
+            return logprobs, entropy_of_scores(scores)
         if with_entropy and start not in entropies:  # the first run only, not checkpointing's recompute
             with torch.no_grad():
                 entropies[start] = torch.special.entr(torch.softmax(scores, dim=-1)).sum(-1)
-        return scores.gather(-1, targets[:, cols, None]).squeeze(-1) - torch.logsumexp(scores, dim=-1)
+        return logprobs
 
     checkpointed = torch.is_grad_enabled()
     out = []
     for start in range(0, L, chunk):
         h = hidden[:, start:start + chunk]  # [B, c, H]
-        out.append(checkpoint(chunk_logprobs, h, start, use_reentrant=False) if checkpointed
-                   else chunk_logprobs(h, start))
+        part = checkpoint(chunk_logprobs, h, start, use_reentrant=False) if checkpointed else chunk_logprobs(h, start)
+        if entropy_grad:
+            part, entropies[start] = part
+        out.append(part)
     logprobs = torch.cat(out, dim=1) if out else hidden.new_zeros(B, 0, dtype=torch.float32)
     entropy = None
-    if with_entropy:
+    if with_entropy or entropy_grad:
         entropy = (torch.cat([entropies[s] for s in sorted(entropies)], dim=1) if entropies
                    else hidden.new_zeros(B, 0, dtype=torch.float32))
     return logprobs, entropy

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 
 def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0,
@@ -160,3 +161,33 @@ def token_entropy(logits: Tensor, temperature: float = 1.0, chunk_tokens: int | 
             # entr(p) = -p log p with entr(0) = 0: a vocabulary entry at -inf adds nothing, not NaN.
             out[at] = torch.special.entr(torch.softmax(scaled, dim=-1)).sum(-1)
     return out.view(B, T - 1)
+
+
+def entropy_of_scores(scores: Tensor) -> Tensor:
+    """``[..., V] -> [...]``: the entropy of ``softmax(scores)`` as ``logsumexp(s) - sum(p * s)``, whose gradient is
+    finite everywhere (``-p log p``'s is not at p = 0, where float32 puts every unlikely token). For a bonus in
+    the loss (``grpo.algorithm.entropy``); scores are the tempered logits, float32 or wider."""
+    return torch.logsumexp(scores, dim=-1) - (torch.softmax(scores, dim=-1) * scores).sum(-1)
+
+
+def token_entropy_with_grad(logits: Tensor, temperature: float = 1.0, chunk_tokens: int | None = None) -> Tensor:
+    """``token_entropy`` with its gradient to the logits (TRL's entropy bonus), ``[B, T-1]`` float32 (float64 for
+    float64 logits).
+
+    Memory: each chunk runs under activation checkpointing, so backward recomputes its float32 softmax instead of
+    keeping one: a float32 ``[B, T, V]`` never exists, only each chunk's copy of its logits (in their dtype)."""
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    B, T, V = logits.shape
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    chunk = chunk_tokens or max(1, _CHUNK_ELEMENTS // max(V, 1))
+    rows, cols = _positions(B, T, logits.device)  # [M], M = B*(T-1)
+
+    def chunk_entropy(scores: Tensor) -> Tensor:  # [c, V] -> [c]
+        return entropy_of_scores(scores.to(dtype) / temperature)
+
+    parts = [checkpoint(chunk_entropy, logits[rows[start:start + chunk], cols[start:start + chunk]],
+                        use_reentrant=False) for start in range(0, rows.shape[0], chunk)]
+    return (torch.cat(parts) if parts else logits.new_zeros(0, dtype=dtype)).view(B, T - 1)

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpo.algorithm.losses import LOSS_AGGREGATIONS
+from grpo.algorithm import LOSS_TYPES
 from grpo.api.mapping import to_run_config, trl_values, untranslated_keys
 from grpo.config import load_config, run_config_text
 
@@ -26,13 +26,8 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "vllm_mode": ("colocate", "grpo's vLLM runs colocated; a separate sampler is train.mode: decoupled"),
     "vllm_structured_outputs_regex": (None, "grpo has no constrained decoding"),
     "vllm_tensor_parallel_size": (1, "grpo's vLLM engine runs on one device"),
-    "delta": (None, "grpo has no two-sided ratio cap"),
-    "multi_objective_aggregation": ("sum_then_normalize", "grpo sums the weighted rewards, then normalises"),
     "sync_ref_model": (False, "grpo's reference stays fixed (or is a teacher); no TR-DPO refresh"),
-    "top_entropy_quantile": (1.0, "grpo trains on every completion token"),
-    "entropy_coef": (0.0, "grpo has no entropy bonus"),
-    "use_adaptive_entropy": (False, "grpo has no entropy bonus"),
-    "off_policy_mask_threshold": (None, "grpo guards off-policy samples with rollout.vllm_max_logprob_diff"),
+    "use_adaptive_entropy": (False, "grpo's entropy bonus has a fixed coefficient (entropy_coef)"),
     "log_completions_hub_repo": (None, "grpo writes samples to samples.jsonl, never to the Hub"),
     "fp16": (False, "grpo trains in fp32 or bf16 (bf16=True)"),
     "torch_compile": (False, "grpo does not compile the model"),
@@ -60,8 +55,7 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
 ACCEPTED_AS_IS = (  # cannot change what a run computes
     "ds3_gather_for_generation", "pad_to_multiple_of", "cache_implementation", "vllm_model_impl",
     "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
-    "vllm_max_model_length", "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos",
-    "vespo_k_neg", "vespo_lambda_neg", "ref_model_mixup_alpha", "ref_model_sync_steps", "entropy_coef_min",
+    "vllm_max_model_length", "ref_model_mixup_alpha", "ref_model_sync_steps", "entropy_coef_min",
     "entropy_coef_max", "entropy_coef_delta", "entropy_target", "log_multimodal", "num_completions_to_print",
     "log_unique_prompts", "use_transformers_continuous_batching", "transformers_continuous_batching_config",
     "gradient_checkpointing_kwargs", "data_seed", "dataloader_drop_last",
@@ -140,6 +134,17 @@ class GRPOConfig:
     vllm_importance_sampling_mode: str = "sequence_mask"
     vllm_importance_sampling_clip_max: float = 3.0
     vllm_importance_sampling_clip_min: float | None = None
+    delta: float | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    top_entropy_quantile: float = 1.0
+    off_policy_mask_threshold: float | None = None
+    entropy_coef: float = 0.0
+    multi_objective_aggregation: str = "sum_then_normalize"
     # -- logging, saving, evaluation
     logging_steps: float = 10
     logging_first_step: bool = False
@@ -173,7 +178,7 @@ class GRPOConfig:
                 raise ValueError(f"GRPOConfig.{name}={value!r} is not supported by grpo: {UNSUPPORTED[name][1]} "
                                  f"(TRL's default {UNSUPPORTED[name][0]!r} is)")
         checks = [
-            (self.loss_type in LOSS_AGGREGATIONS, "loss_type", f"grpo implements {', '.join(LOSS_AGGREGATIONS)}"),
+            (self.loss_type in LOSS_TYPES, "loss_type", f"grpo implements {', '.join(LOSS_TYPES)}"),
             (self.steps_per_generation in (None, self.gradient_accumulation_steps), "steps_per_generation",
              "a grpo step updates on its whole rollout batch: steps_per_generation must equal "
              "gradient_accumulation_steps (TRL's default)"),

@@ -59,6 +59,51 @@ def loss_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
     return problems
 
 
+CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the loss types of the clipped surrogate (delta caps it)
+
+
+def loss_type_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
+    """The loss types' own keys (TRL's cispo, sapo, vespo; delta; the masks and the entropy bonus) against the rest."""
+    loss, problems = cfg.loss, []
+    eps_high = loss.epsilon if loss.epsilon_high is None else loss.epsilon_high
+    if loss.delta is not None and loss.loss_type not in CLIPPED:
+        problems.append(("loss.delta", f"is set but loss.loss_type {loss.loss_type} has no clipped branch to cap "
+                                       f"(delta caps the clipped surrogate's: {', '.join(CLIPPED)}); set delta: null"))
+    elif loss.delta is not None and loss.delta <= 1 + eps_high:
+        problems.append(("loss.delta", f"{loss.delta} is not above 1 + epsilon_high = {1 + eps_high}: it would cap "
+                                       "the ratio of positive advantages too, below the clip range; INTELLECT-2 "
+                                       "sets it above (e.g. 4)"))
+    if loss.loss_type == "cispo" and loss.epsilon_high is None:
+        problems.append(("loss.loss_type", (
+            f"is cispo with loss.epsilon_high null: its cap on the ratio itself would be epsilon ({loss.epsilon}), so "
+            "every token's weight would be at most that; set loss.epsilon_high to the cap (MiniMax-M1/ScaleRL: 5.0)")))
+    if loss.loss_type == "vespo" and loss.sampler_is_correction and loss.sampler_is_mode.startswith("sequence"):
+        problems.append(("loss.sampler_is_mode", (
+            f"is {loss.sampler_is_mode} with loss.loss_type vespo, which folds each token's weight into its own "
+            "sequence weight: use token_truncate or token_mask (TRL refuses this too)")))
+    controls = cfg.rollout.repetition_penalty != 1.0 or cfg.rollout.min_new_tokens > 0 or cfg.rollout.min_p > 0.0
+    if (loss.entropy_coef > 0 or loss.adaptive_entropy) and controls:
+        problems.append(("loss.entropy_coef", (
+            "cannot be combined with rollout.repetition_penalty / min_new_tokens / min_p yet: the bonus's gradient "
+            "is through the plain tempered distribution, while the log-probs follow the processed one")))
+    if loss.adaptive_entropy:  # the controller's state between steps is not carried (nor checkpointed) yet
+        problems.append(("loss.adaptive_entropy", "is not supported yet: the coefficient's state is not carried "
+                                                  "between steps; use a fixed loss.entropy_coef"))
+    if loss.entropy_coef_min > loss.entropy_coef_max:
+        problems.append(("loss.entropy_coef_min", f"{loss.entropy_coef_min} > loss.entropy_coef_max "
+                                                  f"{loss.entropy_coef_max}"))
+    if cfg.algorithm.multi_objective_aggregation == "normalize_then_sum":
+        if cfg.algorithm.advantage_estimator != "grpo":
+            problems.append(("algorithm.multi_objective_aggregation", (
+                f"normalize_then_sum is the grpo estimator's (GDPO); algorithm.advantage_estimator is "
+                f"{cfg.algorithm.advantage_estimator}: use sum_then_normalize")))
+        elif loss.scale_rewards is not None:
+            problems.append(("loss.scale_rewards", (
+                f"is {loss.scale_rewards!r} with algorithm.multi_objective_aggregation normalize_then_sum, which "
+                "normalises each reward in its group and the sum over the batch itself; set loss.scale_rewards: null")))
+    return problems
+
+
 def memory_saver_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
     """4-bit weights and 8-bit optimizer states (bitsandbytes) against LoRA and DeepSpeed."""
     problems = []
@@ -298,6 +343,6 @@ def ptx_max_length(cfg: "RunConfig") -> int:
 
 
 # In the order the loader reports them: the first violated rule's key is the one located in the recipe.
-RULES = (batch_problems, loss_problems, ppo_problems, ptx_problems, memory_saver_problems, token_budget_problems,
+RULES = (batch_problems, loss_problems, loss_type_problems, ppo_problems, ptx_problems, memory_saver_problems, token_budget_problems,
          lora_rate_problems, reward_problems, tracker_problems, decoupled_problems, engine_problems, sampler_problems,
          encryption_problems, sampling_control_problems, eval_problems, sdpa_problems, task_problems, gold_problems)

@@ -10,16 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from grpo.algorithm import (
-    ADVANTAGE_ESTIMATORS,
-    ADVANTAGE_SCALES,
-    IMPORTANCE_SAMPLING_LEVELS,
-    LOSS_AGGREGATIONS,
-    SAMPLER_CORRECTIONS,
-)
+from grpo.algorithm import ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS
 from grpo.algorithm.schedules import LR_SCHEDULES
 from grpo.config.eval_schema import EvalConfig  # noqa: F401  (the eval section, in its own module)
 from grpo.config.fields import opt
+from grpo.config.loss_schema import LossConfig  # noqa: F401  (the loss section, in its own module)
 from grpo.config.rollout_schema import RolloutConfig  # noqa: F401  (the rollout section, in its own module)
 from grpo.data.sft import RESPONSE_FORMATS
 from grpo.data.tags import TAG_STYLES
@@ -98,6 +93,11 @@ class AlgorithmConfig:
         choices=tuple(ADVANTAGE_ESTIMATORS))
     gamma: float = opt(1.0, "gae: discount per completion token.", ge=0, le=1)
     lam: float = opt(0.95, "gae: GAE lambda (1: Monte-Carlo returns, 0: one-step TD on the critic).", ge=0, le=1)
+    multi_objective_aggregation: str = opt(
+        "sum_then_normalize", "Several rewards: sum_then_normalize (each completion's weighted sum of its rewards, "
+        "then the estimator's baseline and scaling) or normalize_then_sum (GDPO, grpo estimator only: each reward "
+        "centred and scaled by its group's std first, their weighted sum then normalised over the batch). TRL's "
+        "multi_objective_aggregation.", choices=tuple(MULTI_OBJECTIVE_AGGREGATIONS))
     kl_penalty: str = opt(
         "loss", "Where loss.beta's KL penalty goes: loss (GRPO: beta * k3 in the loss) or reward (PPO, gae only: "
         "r_t = -beta * (logp_old - logp_ref) per token, plus the completion's reward at its last token).",
@@ -125,49 +125,6 @@ class CriticConfig:
     lora_alpha: float = opt(32.0, "gae: the critic's LoRA alpha.", gt=0)
     lora_dropout: float = opt(0.0, "gae: the critic's LoRA dropout.", ge=0, le=1)
     lora_target_modules: str | list[str] = opt("all-linear", "gae: modules the critic's LoRA adapts.")
-
-
-@dataclass
-class LossConfig:
-    beta: float = opt(0.04, "KL coefficient (k3 estimator against the reference); 0 = no reference model.", ge=0)
-    kl_times_ratio: bool = opt(False, "The KL term is ratio x k3 (the tokens come from the old policy): TRL's "
-                                      "use_bias_correction_kl (its default); false: plain k3.")
-    epsilon: float = opt(0.2, "Lower clip: ratio >= 1 - epsilon.", gt=0, le=1)
-    epsilon_high: float | None = opt(None, "Upper clip: ratio <= 1 + epsilon_high (DAPO); null = epsilon.", gt=0)
-    loss_type: str = opt("grpo", "Aggregation: grpo (per-sequence mean), bnpo, dr_grpo, dapo.",
-                         choices=tuple(LOSS_AGGREGATIONS))
-    scale_rewards: str | None = opt(
-        None, "grpo estimator's scaling: group std, batch std (of the raw rewards), or none (Dr. GRPO); null = "
-        "group. rloo and reinforce_pp scale by their definition and need null.",
-        choices=(None, *ADVANTAGE_SCALES))
-    importance_sampling_level: str = opt(
-        "token", "token: one ratio per token (GRPO/PPO); sequence: GSPO, one ratio per completion (exp of the mean "
-        "token log-ratio), usually with tiny clips (GSPO: epsilon 3e-4, epsilon_high 4e-4). The two differ only "
-        "once the policy has moved since sampling (num_iterations > 1, or a stale decoupled rollout).",
-        choices=tuple(IMPORTANCE_SAMPLING_LEVELS))
-    mask_truncated_completions: bool = opt(
-        False, "DAPO: completions that hit max_completion_length without EOS contribute no loss (they still "
-               "count in their group's advantages).")
-    num_iterations: int = opt(1, "Optimisation passes per rollout batch (mu); > 1 computes old log-probs.", ge=1)
-    sampler_is_correction: bool = opt(
-        False, "Truncated importance-sampling correction for a sampler that is not the trainer (rollout.engine vllm, "
-               "or train.mode decoupled): each token's surrogate is weighted by pi_old / pi_sampler (the trainer's "
-               "log-prob at the weights that start the update over the sampler's own), bounded by sampler_is_cap; "
-               "the KL term is not weighted. TRL's vllm_importance_sampling_correction.")
-    sampler_is_mode: str = opt(
-        "token_truncate", "sampler_is_correction: token_truncate (min(ratio, cap) per token), token_mask (0 where "
-        "the ratio is above the cap), sequence_truncate / sequence_mask (one ratio per completion, the product of "
-        "its tokens'). TRL's vllm_importance_sampling_mode.",
-        choices=tuple(SAMPLER_CORRECTIONS))
-    sampler_is_cap: float = opt(
-        3.0, "sampler_is_correction: the cap C on the weights (TRL's vllm_importance_sampling_clip_max).", gt=0)
-    sampler_is_min: float | None = opt(
-        None, "sampler_is_correction: a lower bound below sampler_is_cap (TRL's vllm_importance_sampling_clip_min): "
-              "the truncate modes raise smaller ratios to it, the mask modes zero them; null: none.", ge=0)
-    advantage_eps: float = opt(1e-4, "Added to the std when scaling advantages.", gt=0)
-    value_clip: float = opt(
-        0.2, "gae: the critic's new value may move this far from its sampling-time value before PPO's clipped "
-        "value loss takes over (in reward units).", gt=0)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from grpo.algorithm import LogprobProcessing, group_advantages
+from grpo.algorithm import LogprobProcessing, group_advantages, multi_reward_advantages
 from grpo.algorithm.ppo import ppo_advantages
 from grpo.data import Example, PromptTooLong, build_prompt_messages, render_example
 from grpo.data.prompt_sampler import PromptSampler, step_seed
@@ -55,6 +55,8 @@ class ExperienceSettings:
     processing: LogprobProcessing | None = None  # the sampling controls the old log-probs follow (None: off)
     logprob_pass: LogprobPass = DEVICE_DEFAULT_PASS  # how the old log-prob pass runs (None fields: the device's default)
     gae: GaeSettings | None = None  # set: token-level advantages from the critic's values (rank_experience's values_fn)
+    # several rewards: "sum_then_normalize" (the estimator on the weighted total) or "normalize_then_sum" (GDPO)
+    multi_objective_aggregation: str = "sum_then_normalize"
 
 
 def render_prompts(tokenizer, examples: Sequence[Example], system_prompt: str | None,
@@ -216,6 +218,7 @@ def score_generation(examples: Sequence[Example], prompts: list[str], generation
         rewards=scores.total,
         reward_parts=scores.per_function,
         reward_names=scores.names,
+        reward_weights=[float(w) for w in reward_weights],
         advantages=torch.zeros_like(scores.total),  # finish_experience's
         old_logprobs=None,
         ref_logprobs=None,
@@ -237,7 +240,11 @@ def finish_experience(scored: RolloutBatch, policy: torch.nn.Module, ref_logprob
     log-probs when ``ref_logprobs_fn`` is given, and the critic's values and returns with ``settings.gae``."""
     started = time.perf_counter()
     generation = scored.generation
-    if settings.gae is None:
+    if settings.gae is None and settings.multi_objective_aggregation == "normalize_then_sum":
+        advantages = multi_reward_advantages(scored.reward_parts, settings.sampling.n,
+                                             torch.tensor(scored.reward_weights, dtype=scored.reward_parts.dtype),
+                                             "normalize_then_sum", eps=settings.advantage_eps)
+    elif settings.gae is None:
         advantages = group_advantages(scored.rewards, settings.sampling.n, scale=settings.scale_rewards,
                                       eps=settings.advantage_eps, estimator=settings.advantage_estimator)
     old_logprobs = None

@@ -32,6 +32,7 @@ from grpo.algorithm import (
     processed_token_entropy,
     processed_token_logprobs,
     token_entropy,
+    token_entropy_with_grad,
     token_logprobs,
 )
 from grpo.algorithm.head import head_logprobs
@@ -236,6 +237,7 @@ def completion_logprobs(
     column_bucket: int | None = None,
     with_entropy: bool = False,
     processing: LogprobProcessing | None = None,
+    entropy_grad: bool = False,
     fused_head: bool | None = None,
     pack: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -253,6 +255,8 @@ def completion_logprobs(
             model's device type's default (``pass_choices``).
         with_entropy: also return the entropy of each completion position's sampling distribution,
             read off the same logits (``token_entropy``: no gradient, no second pass, chunked).
+        entropy_grad: that entropy carries its gradient (an entropy bonus in the loss: chunks recomputed in
+            backward); not with ``processing``.
         processing: the sampling controls the completions were drawn with (repetition penalty,
             min_new_tokens, min_p): the log-probs (and entropy) are then those of the processed
             distribution (``grpo.algorithm.processing``). None or all off: the tempered logits as they are.
@@ -277,15 +281,17 @@ def completion_logprobs(
         share_prompts = share_prompts and can_share_prompt_cache(model) and not pack
         logprobs, entropy = _micro_batched_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                                     temperature, micro_batch_size, share_prompts, column_bucket,
-                                                    with_entropy, processing, fused_head, pack)
-    return (logprobs, entropy) if with_entropy else logprobs
+                                                    with_entropy or entropy_grad, processing, fused_head, pack,
+                                                    entropy_grad)
+    return (logprobs, entropy) if with_entropy or entropy_grad else logprobs
 
 
 def _micro_batched_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                             completion_mask: Tensor, temperature: float, micro_batch_size: int | None,
                             share_prompts: bool, bucket: int, with_entropy: bool,
                             processing: LogprobProcessing | None,
-                            fused_head: bool | None = None, pack: bool = False) -> tuple[Tensor, Tensor | None]:
+                            fused_head: bool | None = None, pack: bool = False,
+                            entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
     """``completion_logprobs``' loop over micro-batches, ``share_prompts`` and ``bucket`` already chosen:
     ([N, Lc] log-probs, [N, Lc] entropy or None)."""
     Lc, Lp = completion_ids.shape[1], prompt_ids.shape[1]
@@ -332,13 +338,14 @@ def _micro_batched_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, comp
                 head = logits_head(model)
             logprobs, entropy = head_logprobs(scores[:, :-1], head, c_ids, temperature,
                                               vocab_size=vocab_size, with_entropy=with_entropy, processing=processing,
-                                              real=c_mask, prompt_seen=seen)
+                                              real=c_mask, prompt_seen=seen, entropy_grad=entropy_grad)
         else:
             logprobs, entropy = _logits_logprobs(scores, p_ids, p_mask, c_ids, c_mask, temperature, with_entropy,
-                                                 processing)
+                                                 processing, entropy_grad)
         out.append(torch.nn.functional.pad(logprobs, (0, Lc - width)))  # [b, Lc], zeros where all rows pad
         if with_entropy:
-            entropies.append(torch.nn.functional.pad(entropy.float(), (0, Lc - width)))
+            entropies.append(torch.nn.functional.pad(entropy.to(torch.promote_types(entropy.dtype, torch.float32)),
+                                                     (0, Lc - width)))
     return torch.cat(out), (torch.cat(entropies) if with_entropy else None)
 
 
@@ -363,14 +370,17 @@ def _vocab_size(model) -> int:
 
 
 def _logits_logprobs(logits: Tensor, p_ids: Tensor, p_mask: Tensor, c_ids: Tensor, c_mask: Tensor,
-                     temperature: float, with_entropy: bool,
-                     processing: LogprobProcessing | None) -> tuple[Tensor, Tensor | None]:
+                     temperature: float, with_entropy: bool, processing: LogprobProcessing | None,
+                     entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
     """One micro-batch's ([b, width] log-probs, entropy or None) from its [b, width + 1, V] logits."""
     if processing is None:
         targets = torch.cat([p_ids[:, -1:], c_ids], dim=1)  # [b, width + 1]: last prompt token, then the completion
         logprobs = token_logprobs(logits, targets, temperature)  # [b, width]
-        entropy = token_entropy(logits, temperature) if with_entropy else None  # while the logits exist
+        entropy = (token_entropy_with_grad(logits, temperature) if entropy_grad  # while the logits exist
+                   else token_entropy(logits, temperature) if with_entropy else None)
         return logprobs, entropy
+    if entropy_grad:
+        raise ValueError("an entropy with gradient is of the plain tempered logits: not with the sampling controls")
     # the processors read the prompt's tokens and the completion's before each position
     seen = prompt_presence(p_ids, p_mask, logits.shape[-1])  # [b, V] bool
     processed = (logits[:, :-1], c_ids, c_mask, seen, temperature, processing)  # position t predicts c_ids[:, t]

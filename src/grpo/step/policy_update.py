@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from grpo.algorithm import (
     LogprobProcessing,
     LossAggregation,
+    entropy_bonus,
+    high_entropy_mask,
     loss_aggregation,
     mismatch_sums,
+    off_policy_mask,
     policy_loss,
     sampler_importance_weights,
 )
@@ -56,6 +59,10 @@ class LossSettings:
     # Every rank runs as many micro-batches as the rank with the most (padding ones add a zero gradient): ZeRO-2/3
     # reduce gradients inside each backward, so under DeepSpeed uneven counts would mismatch the collectives.
     equal_micro_batches: bool = False
+    objective: dict = field(default_factory=dict)  # policy_loss's keywords of the loss type: delta, sapo_*, vespo_*
+    top_entropy_quantile: float = 1.0  # loss.top_entropy_quantile: the share of a micro-batch's tokens that keep loss
+    off_policy_mask_threshold: float | None = None  # loss.off_policy_mask_threshold (None: off)
+    entropy_coef: float = 0.0  # loss.entropy_coef: the entropy bonus (its gradient through the tempered logits)
 
 
 # Token means within a micro-batch, weighted by its share of the batch's loss tokens into the batch's.
@@ -172,7 +179,9 @@ def prepare_batch(batch: RolloutBatch, s: LossSettings, dist_info: DistInfo, dev
 class MicroBatchLoss:
     """One micro-batch's loss and what its statistics are read from (``b`` rows).
 
-    loss: 0-d, ``policy_loss``'s; weight: its weight in the batch's gradient (float or 0-d);
+    loss: 0-d, ``policy_loss``'s; weight: its weight in the batch's gradient (float or 0-d); bonus: 0-d, the
+    entropy bonus's term already weighted (coef x the micro-batch's entropy x its share of the update's rows), taken
+    off ``loss * weight`` in backward (0.0 without one);
     stats: ``policy_loss``'s statistics; entropy: [b, Lc] off the same forward's logits;
     old: [b, Lc] the old log-probs the surrogate used; mask, sampled: [b, Lc] the rows' of ``LossInputs``;
     is_weights, outside: [b, Lc] the sampler correction's weights and where they were capped (None: off);
@@ -192,6 +201,26 @@ class MicroBatchLoss:
     sampler: torch.Tensor | None
     current: torch.Tensor
     reported: torch.Tensor | None
+    bonus: torch.Tensor | float = 0.0
+
+    @property
+    def objective(self) -> torch.Tensor:
+        """What backward runs on: the weighted policy loss less the weighted entropy bonus."""
+        return self.loss * self.weight - self.bonus
+
+
+def loss_token_masks(entropy: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, logprobs: torch.Tensor,
+                     behaviour: torch.Tensor, s: LossSettings) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(the 0/1 factor on each token's surrogate: the high-entropy mask times the off-policy mask; the high-entropy
+    mask alone, which the entropy bonus also keeps to), each [b, Lc] float or None when off. ``behaviour``: [b, Lc]
+    the log-probs of the policy that sampled (the sampler's own, else the old ones)."""
+    high = off = None
+    if s.top_entropy_quantile < 1.0:
+        high = high_entropy_mask(entropy, mask, s.top_entropy_quantile).to(mask.dtype)
+    if s.off_policy_mask_threshold is not None:
+        off = off_policy_mask(advantages, logprobs, behaviour, mask, s.off_policy_mask_threshold).to(mask.dtype)
+    both = high if off is None else off if high is None else high * off
+    return both, high
 
 
 def micro_batch_loss(module: torch.nn.Module, inputs: LossInputs, rows: torch.Tensor, on_device: torch.Tensor,
@@ -206,7 +235,7 @@ def micro_batch_loss(module: torch.nn.Module, inputs: LossInputs, rows: torch.Te
                                             gen.completion_ids[rows], gen.completion_mask[rows], s.temperature,
                                             share_prompts=lp.share_prompts, column_bucket=lp.column_bucket,
                                             fused_head=lp.fused_head, pack=lp.pack, with_entropy=True,
-                                            processing=s.processing)  # [b, Lc] each
+                                            processing=s.processing, entropy_grad=s.entropy_coef > 0)  # [b, Lc] each
     old = old_logprobs[on_device] if old_logprobs is not None else logprobs.detach()
     ref = inputs.ref_logprobs[on_device] if inputs.ref_logprobs is not None else None
     mask, sampled = inputs.mask[on_device], inputs.sampled[on_device]
@@ -215,17 +244,25 @@ def micro_batch_loss(module: torch.nn.Module, inputs: LossInputs, rows: torch.Te
         sampler = inputs.sampler_logprobs[on_device]
         is_weights, outside = sampler_importance_weights(old, sampler, sampled, s.sampler_is_cap,
                                                           s.sampler_is_mode, s.sampler_is_min)
+    advantages = inputs.advantages[on_device]
+    token_mask, entropy_mask = loss_token_masks(entropy, mask, advantages, logprobs,
+                                                sampler if sampler is not None else old, s)
     loss, stats = policy_loss(
-        logprobs, old, ref, inputs.advantages[on_device], mask, epsilon=s.epsilon, epsilon_high=s.epsilon_high,
+        logprobs, old, ref, advantages, mask, epsilon=s.epsilon, epsilon_high=s.epsilon_high,
         beta=s.beta, loss_type=s.loss_type, max_completion_length=s.max_completion_length,
         normalizer=inputs.global_tokens, importance_sampling_level=s.importance_sampling_level,
-        sampler_weights=is_weights, kl_times_ratio=s.kl_times_ratio)
+        sampler_weights=is_weights, kl_times_ratio=s.kl_times_ratio, loss_token_mask=token_mask, **s.objective)
     N = gen.completion_ids.shape[0]
     weight, _ = inputs.aggregation.micro_batch_weights(logprobs.shape[0], mask.sum(), N, inputs.total_tokens)
     weight = weight * inputs.rank_scale  # exact when 1.0: the ranks' shares are equal or not told apart
+    bonus = 0.0
+    if s.entropy_coef > 0:  # a token mean whatever the loss type, weighted by the micro-batch's rows (TRL: 1 / GA)
+        kept = mask if entropy_mask is None else mask * entropy_mask
+        bonus = s.entropy_coef * entropy_bonus(entropy, kept) * (logprobs.shape[0] / N) * inputs.rank_scale
+        entropy = entropy.detach()
     reported = inputs.reported_logprobs[on_device] if inputs.reported_logprobs is not None else None
     return MicroBatchLoss(loss, weight, stats, entropy, old, mask, sampled, is_weights, outside, sampler,
-                          logprobs.detach(), reported)
+                          logprobs.detach(), reported, bonus)
 
 
 class StepStats:
@@ -264,7 +301,7 @@ class StepStats:
         # kl, clip_fraction and ratio_mean are token means within the micro-batch: weighted by its share of the
         # batch's tokens they are the batch's token means, however the rows were split
         token_share = (part.mask.sum() / inputs.total_tokens.clamp(min=1)).double()
-        loss = (part.loss.detach() * part.weight).double()
+        loss = part.objective.detach().double()
         means = {key: part.stats[key].double() * token_share for key in _TOKEN_MEANS}
         totals["loss"] += loss / n
         for key, value in means.items():
@@ -331,7 +368,7 @@ def policy_backward(learner: Learner, inputs: LossInputs, old_logprobs: torch.Te
     for index, (rows, on_device) in enumerate(inputs.micro_batches):
         with learner.accumulating(last=closes_update and index == count - 1):
             part = micro_batch_loss(learner.module, inputs, rows, on_device, old_logprobs, s)
-            learner.backward(part.loss * part.weight)
+            learner.backward(part.objective)
         stats.add_micro_batch(part, inputs, iteration)
         if keep_old:
             olds.append(part.old)
@@ -340,7 +377,7 @@ def policy_backward(learner: Learner, inputs: LossInputs, old_logprobs: torch.Te
             # one row's loss with weight 0: the forward and backward (and ZeRO's collectives) without a gradient
             rows, on_device = inputs.micro_batches[0]
             part = micro_batch_loss(learner.module, inputs, rows[:1], on_device[:1], old_logprobs, s)
-            learner.backward(part.loss * 0.0)
+            learner.backward(part.objective * 0.0)
     return olds
 
 

@@ -21,6 +21,8 @@ class RolloutBatch:
     rewards:         [N] float32 total (weighted) reward per completion.
     reward_parts:    [N, F] float32 per reward function (NaN where a function abstained).
     reward_names:    F names, in the column order of ``reward_parts``.
+    reward_weights:  F weights of those columns in ``rewards`` (normalize_then_sum's; empty: not known, a batch
+                     that came over the decoupled wire, whose advantages the sampler computed).
     advantages:      [N] float32 outcome advantages (one per completion, from its group), or [N, Lc]
                      float32 per-token advantages (gae: PPO with a critic; 0 on padding and, multi-turn, on the
                      environment's tokens, which are not actions: ``grpo.algorithm.ppo``).
@@ -53,6 +55,7 @@ class RolloutBatch:
     old_logprobs: Tensor | None
     ref_logprobs: Tensor | None
     prompts: list[str]
+    reward_weights: list[float] = field(default_factory=list)
     columns: dict[str, list] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     reward_metrics: dict[str, float] = field(default_factory=dict)

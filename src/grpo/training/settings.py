@@ -83,7 +83,7 @@ def experience_settings(cfg: RunConfig, processing: LogprobProcessing | None, *,
                                 min_p=r.min_p),
         system_prompt=run_system_prompt(cfg, task), max_prompt_length=cfg.data.max_prompt_length,
         advantage_estimator=cfg.algorithm.advantage_estimator, scale_rewards=cfg.loss.scale_rewards,
-        advantage_eps=cfg.loss.advantage_eps,
+        advantage_eps=cfg.loss.advantage_eps, multi_objective_aggregation=cfg.algorithm.multi_objective_aggregation,
         need_old_logprobs=old_logprobs_after_sampling(cfg, decoupled_sampler=decoupled_sampler,
                                                       engine_holds_weights=engine_holds_weights),
         logprob_batch_size=cfg.train.micro_batch_size, max_steps=cfg.train.max_steps, gae=gae, processing=processing,
@@ -119,7 +119,18 @@ def loss_settings(cfg: RunConfig, processing: LogprobProcessing | None, device_t
         ptx_coef=cfg.ptx.coef if cfg.ptx.data else 0.0, logprob_pass=logprob_pass(cfg),
         uneven_ranks=ranks_share_unevenly(cfg),
         # ZeRO-2/3 reduce in every backward: ranks with uneven shares run as many micro-batches as the most
-        equal_micro_batches=ranks_share_unevenly(cfg) and bool(cfg.train.deepspeed))
+        equal_micro_batches=ranks_share_unevenly(cfg) and bool(cfg.train.deepspeed),
+        objective=objective_keywords(cfg), top_entropy_quantile=cfg.loss.top_entropy_quantile,
+        off_policy_mask_threshold=cfg.loss.off_policy_mask_threshold, entropy_coef=cfg.loss.entropy_coef)
+
+
+def objective_keywords(cfg: RunConfig) -> dict:
+    """``policy_loss``'s keywords of the run's loss type beyond the clip range: delta and the sapo/vespo shapes."""
+    loss = cfg.loss
+    return {"delta": loss.delta, "sapo_temperature_pos": loss.sapo_temperature_pos,
+            "sapo_temperature_neg": loss.sapo_temperature_neg, "vespo_k_pos": loss.vespo_k_pos,
+            "vespo_lambda_pos": loss.vespo_lambda_pos, "vespo_k_neg": loss.vespo_k_neg,
+            "vespo_lambda_neg": loss.vespo_lambda_neg}
 
 
 def ranks_share_unevenly(cfg: RunConfig) -> bool:
