@@ -23,7 +23,13 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "disable_dropout": (False, "grpo trains with the model's own dropout settings"),
     "cast_lm_head_to_fp32": (False, "grpo computes log-probs in fp32 from the model's own head"),
     "num_generations_eval": (None, "grpo's evaluation samples eval.num_samples (grpo_overrides) beside greedy"),
-    "vllm_mode": ("colocate", "grpo's vLLM runs colocated; a separate sampler is train.mode: decoupled"),
+    "vllm_mode": ("colocate", (
+        "a vLLM sampler on devices of its own is grpo's decoupled mode, which its launcher starts as processes that "
+        "import the data and rewards by name, not from a script's objects; the same setup: write the recipe "
+        "(args.to_yaml('run.yaml'), with data.train a data source and the rewards as module:function names in "
+        "grpo_overrides) and run `grpo train run.yaml train.mode=decoupled rollout.engine=vllm "
+        "decoupled.sampler_device=cuda:1` (the trainer on cuda:0, vLLM on cuda:1, as trl vllm-serve on its own GPU); "
+        "or keep vllm_mode='colocate'")),
     "vllm_structured_outputs_regex": (None, "grpo has no constrained decoding"),
     "vllm_tensor_parallel_size": (1, "grpo's vLLM engine runs on one device"),
     "sync_ref_model": (False, "grpo's reference stays fixed (or is a teacher); no TR-DPO refresh"),
@@ -39,7 +45,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "auto_find_batch_size": (False, "TRL refuses it for GRPO too"),
     "lr_scheduler_kwargs": (None, "grpo's schedules take no extra arguments"),
     "logging_strategy": ("steps", "grpo logs by steps"),
-    "deepspeed": (None, "grpo's DeepSpeed is for the decoupled trainer ranks (grpo_overrides train.deepspeed)"),
     "fsdp": (None, "grpo has no FSDP"),
     "optim_args": (None, "grpo's optimizers take their settings from the fields (adam_beta1, ...)"),
     "optim_target_modules": (None, "grpo's optimizers apply to every trainable parameter"),
@@ -145,6 +150,8 @@ class GRPOConfig:
     off_policy_mask_threshold: float | None = None
     entropy_coef: float = 0.0
     multi_objective_aggregation: str = "sum_then_normalize"
+    # -- launching
+    deepspeed: str | dict | None = None  # a DeepSpeed JSON file or its contents: train.deepspeed
     # -- logging, saving, evaluation
     logging_steps: float = 10
     logging_first_step: bool = False

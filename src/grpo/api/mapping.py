@@ -232,6 +232,7 @@ LINKS: tuple[Link, ...] = (
     fixed("eval.loss_pass", True),  # TRL's evaluation runs its loss on sampled groups (eval_loss)
     same("per_device_eval_batch_size", "eval.loss_batch_size"),
     same("save_final_model", "train.save_final"),
+    same("deepspeed", "train.deepspeed"),
     Link(("logging_steps",), ("log.logging_steps",), lambda c, every: (_per_step(every, c.ni, c.updates),),
          lambda c, every: {"logging_steps": every * c.ni}),
     one("report_to", "log.report_to", _report_to, lambda trackers: list(trackers) or "none"),

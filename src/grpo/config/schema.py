@@ -230,7 +230,10 @@ class TrainConfig:
     device: str = opt("auto", "auto (cuda if available), cpu, or cuda[:N].")
     fast_exit: bool = opt(True, "At exit, collect once then gc.freeze, so Python's shutdown skips the heap (~1 s less; "
                                 "live objects in cycles are not finalized; not with a nanobind extension loaded).")
-    deepspeed: str | None = opt(None, "DeepSpeed JSON config (decoupled trainer ranks).")
+    deepspeed: str | dict | None = opt(
+        None, "DeepSpeed: a JSON config file (or the config as a mapping, as TRL's deepspeed= takes it) for the "
+        "trainer ranks, colocated or decoupled (configs/ds_zero2.json, ds_zero3.json); its batch fields 'auto' or "
+        "equal to the run's; null = torch (DDP on N ranks).")
     max_staleness: int = opt(0, "Decoupled: how many policy versions a rollout may lag; 0 = on-policy.", ge=0)
     sync_steps: int = opt(1, "Decoupled: publish weights every N steps.", ge=1)
 

@@ -50,6 +50,15 @@ def init_distributed(device_kind: str = "cpu", timeout_s: float = 1800.0) -> Dis
     return info
 
 
+def one_process_group(device_kind: str) -> None:
+    """A process group of this one process, for a library that needs one even alone (DeepSpeed: without one, and
+    without a launcher's variables, it goes looking for MPI). The store is in memory: nothing listens, and the
+    environment a launcher sets is not faked (grpo reads WORLD_SIZE to know it was launched)."""
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device_kind == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
+
+
 def all_reduce_mean(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
     """Mean of a tensor over ranks (identity for one process). Returns a new tensor."""
     out = values.detach().clone()

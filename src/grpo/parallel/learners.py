@@ -7,18 +7,18 @@
 
 from __future__ import annotations
 
-import json
 import math
 import re
-from contextlib import nullcontext
-from pathlib import Path
+import os
+from contextlib import contextmanager, nullcontext
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from grpo.config import ConfigError
-from grpo.parallel.distributed import keep_until_exit
+from grpo.config.deepspeed_json import read_deepspeed_json
+from grpo.parallel.distributed import keep_until_exit, one_process_group
 
 
 class Learner(Protocol):
@@ -100,20 +100,16 @@ class DeepSpeedLearner:
         return self.engine.get_lr()[0]
 
 
-def deepspeed_config(path: str, *, micro_batch_size: int, accumulation_steps: int, world_size: int,
+def deepspeed_config(path: str | dict, *, micro_batch_size: int, accumulation_steps: int, world_size: int,
                      max_grad_norm: float | None, bf16: bool) -> dict:
-    """Read a DeepSpeed JSON config and fill the batch fields from ours (``"auto"`` or absent).
+    """A DeepSpeed config (a JSON file, or the mapping itself) with the batch fields filled from ours (``"auto"`` or
+    absent).
 
     Values the user wrote must agree with the run's; a disagreement is a configuration error, not a
     silently different batch.
     """
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"train.deepspeed: {path} not found")
-    try:
-        config = json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"train.deepspeed: {path}:{err.lineno}: invalid JSON: {err.msg}") from None
+    config = read_deepspeed_json(path)
+    where = path if isinstance(path, str) else "the given mapping"
     ours = {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": accumulation_steps,
@@ -123,7 +119,7 @@ def deepspeed_config(path: str, *, micro_batch_size: int, accumulation_steps: in
     for key, value in ours.items():
         given = config.get(key, "auto")
         if given != "auto" and given != value:
-            raise ConfigError(f"train.deepspeed: {path}: {key} is {given} but the run needs {value} "
+            raise ConfigError(f"train.deepspeed: {where}: {key} is {given} but the run needs {value} "
                               f"(set it to \"auto\" to take it from the grpo config)")
         config[key] = value
     config.setdefault("bf16", {"enabled": bf16})
@@ -144,6 +140,21 @@ def check_deepspeed_version(version: str) -> None:
                           "micro-batch gradient of an update (docs/getting-started/install.md)")
 
 
+@contextmanager
+def local_rank_for_deepspeed():
+    """DeepSpeed's engine asserts that LOCAL_RANK is set, which only launchers do: a process alone (one GPU, a
+    notebook) gets LOCAL_RANK=0 while the engine is built, and its environment back afterwards, as other libraries
+    (accelerate) read a set LOCAL_RANK as "launched"."""
+    if "LOCAL_RANK" in os.environ:
+        yield
+        return
+    os.environ["LOCAL_RANK"] = "0"
+    try:
+        yield
+    finally:
+        del os.environ["LOCAL_RANK"]
+
+
 def build_learner(model: torch.nn.Module, optimizer, scheduler, *, ddp: bool, deepspeed_config_dict: dict | None,
                   max_grad_norm: float | None) -> Learner:
     """A DeepSpeed learner when a DeepSpeed config is given, else torch (DDP-wrapped when ``ddp``)."""
@@ -151,8 +162,10 @@ def build_learner(model: torch.nn.Module, optimizer, scheduler, *, ddp: bool, de
         import deepspeed  # optional extra (grpo[deepspeed])
 
         check_deepspeed_version(deepspeed.__version__)
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                               config=deepspeed_config_dict)
+        one_process_group(next(model.parameters()).device.type)  # alone, DeepSpeed would look for MPI
+        with local_rank_for_deepspeed():
+            engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                                   config=deepspeed_config_dict)
         return DeepSpeedLearner(engine)
     # keep_until_exit: tearing a DDP wrapper down can deadlock a rank (see there).
     module = keep_until_exit(torch.nn.parallel.DistributedDataParallel(model)) if ddp else model

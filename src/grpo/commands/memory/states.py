@@ -3,13 +3,11 @@ DeepSpeed ZeRO settings that divide them over GPUs (bytes per parameter: see ``g
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from grpo.commands.memory.formulas import LORA_BYTES
 from grpo.commands.memory.shapes import ModelShape, lora_params
-from grpo.config import ConfigError
+from grpo.config.deepspeed_json import read_deepspeed_json
 
 
 @dataclass(frozen=True)
@@ -19,15 +17,10 @@ class DeepSpeedSettings:
     offload_params: bool
 
 
-def read_deepspeed(path: str) -> DeepSpeedSettings:
-    """ZeRO stage and offloading of a DeepSpeed JSON (``train.deepspeed``, relative to the working dir)."""
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"train.deepspeed: {path} not found")
-    try:
-        zero = json.loads(file.read_text()).get("zero_optimization", {})
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"train.deepspeed: {path}:{err.lineno}: invalid JSON: {err.msg}") from None
+def read_deepspeed(path: str | dict) -> DeepSpeedSettings:
+    """ZeRO stage and offloading of a DeepSpeed config (``train.deepspeed``: a JSON file relative to the working dir,
+    or the mapping)."""
+    zero = read_deepspeed_json(path).get("zero_optimization", {})
 
     def offloaded(key: str) -> bool:
         return str((zero.get(key) or {}).get("device", "none")).lower() in ("cpu", "nvme")
