@@ -122,6 +122,7 @@ SOURCES = {  # source kind -> data.train (a file kind: a key of data_files)
     "gsm8k jsonl": "jsonl", "user parquet": "parquet", "synthetic": "synthetic:seed=1,n=8",
     "kk": "kk:seed=1,n=8", "reasoning_gym": "reasoning_gym:word_sorting,size=64,seed=3",
     "verifiers": "verifiers:vf_echo_env", "prompts file": "prompts:path={jsonl},answer_format=gsm8k",
+    "tool problems": "arithmetic-tools:seed=1,n=8",
 }
 
 
@@ -264,7 +265,7 @@ def test_the_eval_command_checks_its_sets_and_rewards_against_the_task():
 # ---------------------------------------------------------------- random command lines
 
 RECIPES = [None, "configs/smoke-cpu.yaml", "configs/kk-demo-cpu.yaml", "configs/rg-demo-cpu.yaml",
-           "tests/tasks/no_rewards.yaml"]
+           "configs/tools-demo-cpu.yaml", "tests/tasks/no_rewards.yaml"]
 CHOICES = {
     "data.train": ["synthetic:seed=3,n=8", "kk:seed=1,n=8", "reasoning_gym:chain_sum,size=8,seed=1", "openai/gsm8k",
                    "verifiers:vf_echo_env"],
