@@ -10,6 +10,7 @@ config tree ``grpo train`` reads). A TRL field grpo does not implement is here t
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,11 +43,9 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "neftune_noise_alpha": (None, "grpo adds no embedding noise"),
     "use_liger_kernel": (False, "grpo uses its own chunked log-prob kernels"),
     "auto_find_batch_size": (False, "TRL refuses it for GRPO too"),
-    "lr_scheduler_kwargs": (None, "grpo's schedules take no extra arguments"),
     "logging_strategy": ("steps", "grpo logs by steps"),
     "deepspeed": (None, "grpo's DeepSpeed is for the decoupled trainer ranks (grpo_overrides train.deepspeed)"),
     "fsdp": (None, "grpo has no FSDP"),
-    "optim_args": (None, "grpo's optimizers take their settings from the fields (adam_beta1, ...)"),
     "optim_target_modules": (None, "grpo's optimizers apply to every trainable parameter"),
     "torch_compile_backend": (None, "grpo does not compile the model"),
     "torch_compile_mode": (None, "grpo does not compile the model"),
@@ -97,8 +96,10 @@ class GRPOConfig:
     # -- optimisation
     learning_rate: float = 1e-6
     lr_scheduler_type: str = "linear"
+    lr_scheduler_kwargs: dict | str | None = None  # a dict, or its JSON text (transformers parses "{...}")
     warmup_steps: float = 0
     optim: str = "adamw_torch_fused"
+    optim_args: str | None = None  # "key=value,...": parsed as transformers does; AdamW takes nothing from it
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -180,11 +181,12 @@ class GRPOConfig:
             (self.save_strategy == "steps", "save_strategy",
              "grpo checkpoints every save_steps and at the end ('steps')"),
             (self.eval_strategy in ("no", "steps"), "eval_strategy", "grpo evaluates by steps ('steps') or not ('no')"),
-            (self.adam_epsilon == 1e-8, "adam_epsilon", "grpo's AdamW uses torch's eps 1e-8"),
         ]
         for ok, name, why in checks:
             if not ok:
                 raise ValueError(f"GRPOConfig.{name}={getattr(self, name)!r} is not supported: {why}")
+        self.lr_scheduler_kwargs = scheduler_kwargs(self.lr_scheduler_kwargs)
+        optimizer_arguments(self.optim_args)
         unknown = set(self.generation_kwargs or {}) - {"min_new_tokens"}
         if unknown:
             raise ValueError(f"GRPOConfig.generation_kwargs {sorted(unknown)} are not supported: grpo reads "
@@ -223,6 +225,52 @@ class GRPOConfig:
     def to_yaml(self, path, num_processes: int = 1, train_size: int | None = None) -> str:
         """Write the recipe ``grpo train`` runs for these arguments; returns its text."""
         return run_config_text(self.to_run_config(num_processes, train_size), path)
+
+
+def scheduler_kwargs(value: dict | str | None) -> dict | None:
+    """TRL's ``lr_scheduler_kwargs`` as a dict: JSON text ``"{...}"`` read as transformers reads it (``"true"``,
+    ``"3"``, ``"0.1"`` inside it become a bool, int and float); its names are checked against the schedule when the
+    run config is built (``optim.lr_scheduler_kwargs``)."""
+    if isinstance(value, str):
+        if not value.startswith("{"):
+            raise ValueError(f"GRPOConfig.lr_scheduler_kwargs={value!r}: a dict or its JSON text ('{{...}}')")
+        value = _typed_strings(json.loads(value))
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"GRPOConfig.lr_scheduler_kwargs={value!r}: a dict or its JSON text ('{{...}}')")
+    return value
+
+
+def _typed_strings(value: dict) -> dict:
+    """transformers' ``_convert_str_dict``: string values "true"/"false", "3" and "0.1" as bool, int and float."""
+    out = {}
+    for key, item in value.items():
+        if isinstance(item, dict):
+            item = _typed_strings(item)
+        elif isinstance(item, str) and item.lower() in ("true", "false"):
+            item = item.lower() == "true"
+        elif isinstance(item, str) and item.isdigit():
+            item = int(item)
+        elif isinstance(item, str) and item.replace(".", "", 1).isdigit():
+            item = float(item)
+        out[key] = item
+    return out
+
+
+def optimizer_arguments(value: str | None) -> dict[str, str]:
+    """TRL's ``optim_args`` ``"key=value,..."`` parsed as transformers parses it (``_parse_optim_args``; a part
+    without one ``=`` is a ValueError naming the field). transformers' AdamW (adamw_torch, adamw_torch_fused) and
+    bitsandbytes' AdamW 8-bit take nothing from them (they are for AnyPrecisionAdamW, AdEMAMix, GaLore, ...), so
+    neither do grpo's AdamW optimizers: the text is accepted as Trainer accepts it, and changes nothing."""
+    if not value:
+        return {}
+    parsed = {}
+    for part in value.replace(" ", "").split(","):
+        if part.count("=") != 1:
+            raise ValueError(f"GRPOConfig.optim_args={value!r}: {part!r} is not key=value (transformers' format "
+                             "'key=value,key=value')")
+        key, text = part.split("=")
+        parsed[key] = text
+    return parsed
 
 
 _FIELDS = {f.name for f in dataclasses.fields(GRPOConfig)} - {"extra"}

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 
 OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_8bit": "adamw_8bit",
               "adamw_bnb_8bit": "adamw_8bit"}
-SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant"}
+SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant",
+             "cosine_with_min_lr": "cosine_with_min_lr"}
 SCALE_REWARDS = {True: None, False: "none", "group": None, "batch": "batch", "none": "none"}
 
 
@@ -196,11 +197,14 @@ LINKS: tuple[Link, ...] = (
          lambda c, schedule, ratio: {"lr_scheduler_type": ("constant_with_warmup" if schedule == "constant" and ratio
                                                            else schedule),
                                      "warmup_steps": int(round(ratio * c.updates))}),
+    one("lr_scheduler_kwargs", "optim.lr_scheduler_kwargs", lambda kwargs: dict(kwargs or {}),
+        lambda kwargs: dict(kwargs) or None),
     one("optim", "optim.optimizer", OPTIMIZERS.__getitem__,
         lambda optimizer: "adamw_torch" if optimizer == "adamw" else "adamw_8bit"),
     same("weight_decay", "optim.weight_decay"),
     same("adam_beta1", "optim.adam_beta1"),
     same("adam_beta2", "optim.adam_beta2"),
+    same("adam_epsilon", "optim.adam_epsilon"),
     one("max_grad_norm", "optim.max_grad_norm", lambda norm: norm or None, lambda norm: norm or 0.0),
     Link(("max_steps",), ("train.max_steps",), lambda c, max_steps: (c.steps,),  # grpo_steps'
          lambda c, steps: {"max_steps": steps * c.ni}),

@@ -25,6 +25,7 @@ from grpo.api.callbacks import CallbackHooks
 from grpo.api.checkpoints import TRAINER_STATE_FILE, resumed_checkpoint
 from grpo.api.datasets import to_examples, verifiers_arguments
 from grpo.api.mapping import batch_shape, grpo_steps, to_run_config
+from grpo.api.optimizers import given_optimizers
 from grpo.api.prompt_lengths import check_longest, context_length, explainer, prompt_limit
 from grpo.api.rewards import build_reward_functions, reward_name
 from grpo.compat import save_pretrained
@@ -91,11 +92,9 @@ class GRPOTrainer(TrainerAttributes):
                  reward_processing_classes: Any = None, callbacks: list | None = None, peft_config: Any = None,
                  optimizers: tuple = (None, None), quantization_config: Any = None, tools: Any = None,
                  rollout_func: Any = None, environment_factory: Any = None):
-        refused = {"optimizers": (optimizers != (None, None), "grpo builds AdamW and its schedule from the arguments"),
-                   "quantization_config": (quantization_config is not None, "use grpo_overrides model.load_in_4bit")}
-        for name, (given, why) in refused.items():
-            if given:
-                raise ValueError(f"GRPOTrainer({name}=...) is not supported: {why}")
+        if quantization_config is not None:
+            raise ValueError("GRPOTrainer(quantization_config=...) is not supported: use grpo_overrides "
+                             "model.load_in_4bit")
         name_or_path = self._model_name(model)
         args = args or GRPOConfig(output_dir=f"{Path(name_or_path).name}-GRPO")
         train_dataset, args = verifiers_arguments(train_dataset, reward_funcs, args)  # a vf.Env: data.train
@@ -157,6 +156,7 @@ class GRPOTrainer(TrainerAttributes):
         check_longest(self._rendering, sets, self._tool_schemas(), self.config.data.max_prompt_length,
                       self._explain)
         self.model = self._prepare_model(model)
+        self.optimizer, self.lr_scheduler = given_optimizers(optimizers, self.model, self.config)  # Trainer's names
         self.state, self.control = TrainerState(), TrainerControl()
         self.callbacks = [c() if isinstance(c, type) else c for c in (callbacks or [])]
         for callback in self.callbacks:
@@ -308,7 +308,8 @@ class GRPOTrainer(TrainerAttributes):
     def _given(self, train_set, eval_set):
         """The objects this trainer holds, as ``GivenInputs`` (no policy or hooks: ``train()`` adds them)."""
         return GivenInputs(tokenizer=self._rendering, train_set=train_set, eval_set=eval_set,
-                           reward_fns=self.reward_fns, reward_weights=self.reward_weights,
+                           reward_fns=self.reward_fns, reward_weights=self.reward_weights, optimizer=self.optimizer,
+                           scheduler=self.lr_scheduler,
                            tools=list(self.tools) if self.tools is not None else None,
                            environment_factory=self.environments, rollout_func=self._rollout_func())
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from grpo.algorithm import advantage_estimator
+from grpo.algorithm.schedules import decay_arguments
 from grpo.config.async_rules import in_flight_problems, partial_rollout_problems
 from grpo.config.kinds import TRACKERS, engine_traits
 from grpo.config.task_rules import gold_problems, reward_problems, task_problems
@@ -91,6 +92,18 @@ def lora_rate_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
         return [("optim.lora_learning_rate",
                  "is set but model.lora_r is 0 (full fine-tuning has no LoRA parameters)")]
     return []
+
+
+def schedule_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
+    """optim.lr_scheduler_kwargs (and the critic's) are arguments its decay takes."""
+    problems = []
+    for section, rate in (("optim", cfg.optim.learning_rate), ("critic", cfg.critic.learning_rate)):
+        schedule = getattr(cfg, section)
+        try:
+            decay_arguments(schedule.lr_scheduler_type, schedule.lr_scheduler_kwargs, rate, "")
+        except ValueError as err:
+            problems.append((f"{section}.lr_scheduler_kwargs", str(err).removeprefix(": ")))
+    return problems
 
 
 def tracker_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
@@ -299,5 +312,5 @@ def ptx_max_length(cfg: "RunConfig") -> int:
 
 # In the order the loader reports them: the first violated rule's key is the one located in the recipe.
 RULES = (batch_problems, loss_problems, ppo_problems, ptx_problems, memory_saver_problems, token_budget_problems,
-         lora_rate_problems, reward_problems, tracker_problems, decoupled_problems, engine_problems, sampler_problems,
-         encryption_problems, sampling_control_problems, eval_problems, sdpa_problems, task_problems, gold_problems)
+         lora_rate_problems, schedule_problems, reward_problems, tracker_problems, decoupled_problems, engine_problems,
+         sampler_problems, encryption_problems, sampling_control_problems, eval_problems, sdpa_problems, task_problems, gold_problems)

@@ -198,7 +198,7 @@ def prepare(cfg: RunConfig, given: GivenInputs, info: DistInfo, device: torch.de
     processing = logprob_processing(cfg, policy, tokenizer)  # every log-prob pass follows the sampling controls
     ref_logprobs = (local_reference(policy, reference, cfg.rollout.temperature, cfg.train.micro_batch_size,
                                     processing, logprob_pass(cfg)) if local_ref else None)
-    trainable = build_trainable(cfg, policy, info)
+    trainable = build_trainable(cfg, policy, info, given.optimizer, given.scheduler)
     critic = build_critic(cfg, info, device) if needs_critic(cfg) else None
     run = open_run(cfg, trainable, info, critic)
     return Prepared(info, device, inputs, ptx_data, policy, compute, processing, trainable, run, prompt_sampler,
