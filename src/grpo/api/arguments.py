@@ -21,7 +21,6 @@ from grpo.config import load_config, run_config_text
 # Fields grpo does not implement: (TRL's default, why). Setting one to anything else is a ValueError.
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "router_aux_loss_coef": (None, "grpo adds no MoE load-balancing loss"),
-    "disable_dropout": (False, "grpo trains with the model's own dropout settings"),
     "cast_lm_head_to_fp32": (False, "grpo computes log-probs in fp32 from the model's own head"),
     "num_generations_eval": (None, "grpo's evaluation samples eval.num_samples (grpo_overrides) beside greedy"),
     "vllm_mode": ("colocate", "grpo's vLLM runs colocated; a separate sampler is train.mode: decoupled"),
@@ -37,7 +36,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "log_completions_hub_repo": (None, "grpo writes samples to samples.jsonl, never to the Hub"),
     "fp16": (False, "grpo trains in fp32 or bf16 (bf16=True)"),
     "torch_compile": (False, "grpo does not compile the model"),
-    "full_determinism": (False, "grpo seeds everything but does not force deterministic kernels"),
     "push_to_hub": (False, "grpo never uploads; save_model() and push the folder yourself"),
     "load_best_model_at_end": (False, "grpo keeps the last weights"),
     "neftune_noise_alpha": (None, "grpo adds no embedding noise"),
@@ -108,10 +106,12 @@ class GRPOConfig:
     bf16: bool | None = None  # None: True where CUDA has bf16, else False (TRL raises without use_cpu there)
     gradient_checkpointing: bool = True
     seed: int = 42
+    full_determinism: bool = False  # transformers' enable_full_determinism (seeds, deterministic kernels)
     use_cpu: bool = False
     # -- the model
     model_init_kwargs: dict | None = None
     trust_remote_code: bool = False
+    disable_dropout: bool = False  # every torch.nn.Dropout of the policy and the reference at rate 0
     # -- sampling
     max_completion_length: int = 512
     temperature: float = 1.0

@@ -152,6 +152,7 @@ LINKS: tuple[Link, ...] = (
          lambda c, trust, init: (bool(trust or (init or {}).get("trust_remote_code")),),
          lambda c, trust: {"trust_remote_code": trust}),
     forward("model_init_kwargs", "model.attn_implementation", lambda init: (init or {}).get("attn_implementation")),
+    same("disable_dropout", "model.disable_dropout"),
     same("shuffle_dataset", "data.shuffle"),
     Link(("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations"),
          ("train.micro_batch_size", "train.prompts_per_step", "rollout.num_generations"),
@@ -211,6 +212,7 @@ LINKS: tuple[Link, ...] = (
     one("output_dir", "train.output_dir", lambda path: path or "trainer_output", lambda path: path),
     fixed("train.overwrite", True),  # as TRL writes
     same("seed", "train.seed"),
+    same("full_determinism", "train.full_determinism"),
     Link(("save_steps",), ("train.save_steps",), lambda c, every: (_per_step(every, c.ni, c.updates),),
          lambda c, every: {"save_steps": every * c.ni}),
     same("save_total_limit", "train.save_total_limit"),

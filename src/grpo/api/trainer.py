@@ -46,7 +46,7 @@ from grpo.step.experience import local_reference
 from grpo.training.colocated import train
 from grpo.training.evaluator import eval_metrics
 from grpo.training.inputs import GivenInputs, build_rewards, tokenizer_and_data
-from grpo.training.prepare import build_evaluator
+from grpo.training.prepare import build_evaluator, seed_process
 from grpo.training.settings import logprob_pass, logprob_processing
 
 LORA_FIELDS = {"r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout", "target_modules": "target_modules"}
@@ -100,6 +100,8 @@ class GRPOTrainer(TrainerAttributes):
         train_dataset, args = verifiers_arguments(train_dataset, reward_funcs, args)  # a vf.Env: data.train
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"args must be a grpo.GRPOConfig, got {type(args).__name__}")
+        if args.full_determinism:  # as Trainer's __init__ does (train() does again, as every grpo process)
+            seed_process(args.seed, full_determinism=True)
         lora = self._lora(model, peft_config)
         self.args, self.num_processes = args, int(os.environ.get("WORLD_SIZE", "1"))
         prompts_per_step, _ = batch_shape(args, self.num_processes)

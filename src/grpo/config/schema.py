@@ -52,6 +52,10 @@ class ModelConfig:
         None, "dtype of the reference model (float32, bfloat16, float16); null = as the policy.",
         choices=(None, "float32", "bfloat16", "float16"))
     trust_remote_code: bool = opt(False, "Allow model code from the checkpoint folder.")
+    disable_dropout: bool = opt(
+        False, "Set the rate of every torch.nn.Dropout of the policy (LoRA's included) and of the reference to 0, as "
+        "TRL's disable_dropout: a training pass then gives the same log-probs for the same tokens as the sampling "
+        "and reference passes (attention dropout set in a model's config is not a Dropout module and stays).")
 
 
 @dataclass
@@ -256,6 +260,11 @@ class TrainConfig:
     max_steps: int = opt(100, "Optimisation steps to run.", ge=1)
     output_dir: str = opt("runs/demo", "Run folder: config, metrics, samples, plots, checkpoints.")
     seed: int = opt(42, "Seed for data order, sampling and initialisation.", ge=0)
+    full_determinism: bool = opt(
+        False, "transformers' enable_full_determinism at the start of every process: train.seed into Python, numpy "
+        "and torch, deterministic torch kernels only (an op without one is an error), cuDNN deterministic without "
+        "benchmarking, CUBLAS_WORKSPACE_CONFIG=:16:8 and CUDA_LAUNCH_BLOCKING=1 (slower: each kernel launch waits). "
+        "For bit-for-bit reruns on GPUs; CPU runs are deterministic without it.")
     save_steps: int = opt(50, "Checkpoint every N steps (and at the end).", ge=1)
     save_total_limit: int | None = opt(2, "Keep only the newest N checkpoints; null = all.", ge=1)
     eval_steps: int | None = opt(

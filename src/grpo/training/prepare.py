@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers.trainer_utils import enable_full_determinism
 
 from grpo.algorithm import LogprobProcessing
 from grpo.config import ConfigError, RunConfig, config_to_dict
@@ -51,10 +52,20 @@ from grpo.training.settings import (
 )
 
 
+def seed_process(seed: int, full_determinism: bool) -> None:
+    """``train.full_determinism``: transformers' ``enable_full_determinism`` (its seeds, deterministic kernels and
+    CUDA variables; before any CUDA work of the process, as cuBLAS reads its variable once); else torch's seed."""
+    if full_determinism:
+        enable_full_determinism(seed)
+    else:
+        torch.manual_seed(seed)
+
+
 def start_process(cfg: RunConfig) -> tuple[DistInfo, torch.device]:
     """Join the process group (if launched with N ranks) and pick this rank's device."""
     if cfg.train.fast_exit:
         exit_quickly()
+    seed_process(cfg.train.seed, cfg.train.full_determinism)
     device = resolve_device(cfg.train.device)
     # Collectives must outwait the longest wait a rank can make: rank 0 waiting decoupled.peer_timeout_s for a
     # batch while the others wait in a broadcast (NCCL's default 10 min is no longer than that wait's 600 s,
@@ -180,7 +191,7 @@ def prepare(cfg: RunConfig, given: GivenInputs, info: DistInfo, device: torch.de
     loads data only to evaluate."""
     if info.is_main:
         check_output_dir(cfg)
-    torch.manual_seed(cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)  # again: whatever ran since start_process drew from it
     inputs = tokenizer_and_data(cfg, given, data=samples or bool(eval_sources(cfg.data.eval)))
     tokenizer = inputs.tokenizer
     ptx_data = load_ptx_data(cfg, tokenizer, info, inputs.task)
