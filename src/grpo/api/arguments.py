@@ -22,7 +22,6 @@ from grpo.config import load_config, run_config_text
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "router_aux_loss_coef": (None, "grpo adds no MoE load-balancing loss"),
     "cast_lm_head_to_fp32": (False, "grpo computes log-probs in fp32 from the model's own head"),
-    "num_generations_eval": (None, "grpo's evaluation samples eval.num_samples (grpo_overrides) beside greedy"),
     "vllm_mode": ("colocate", "grpo's vLLM runs colocated; a separate sampler is train.mode: decoupled"),
     "vllm_structured_outputs_regex": (None, "grpo has no constrained decoding"),
     "vllm_tensor_parallel_size": (1, "grpo's vLLM engine runs on one device"),
@@ -87,6 +86,7 @@ class GRPOConfig:
     per_device_train_batch_size: int = 8
     gradient_accumulation_steps: int = 1
     num_generations: int = 8
+    num_generations_eval: int | None = None  # completions per prompt of the evaluation's loss pass; None: as training
     generation_batch_size: int | None = None
     steps_per_generation: int | None = None
     max_steps: int = -1

@@ -225,6 +225,7 @@ LINKS: tuple[Link, ...] = (
     fixed("train.checkpoint_layout", "trl"),
     fixed("train.eval_at_end", False),  # TRL evaluates the last step inside it
     fixed("eval.loss_pass", True),  # TRL's evaluation runs its loss on sampled groups (eval_loss)
+    same("num_generations_eval", "eval.num_generations"),
     same("per_device_eval_batch_size", "eval.loss_batch_size"),
     same("save_final_model", "train.save_final"),
     Link(("logging_steps",), ("log.logging_steps",), lambda c, every: (_per_step(every, c.ni, c.updates),),
@@ -235,7 +236,7 @@ LINKS: tuple[Link, ...] = (
 )
 
 
-def check_arguments(args: GRPOConfig) -> None:
+def check_arguments(args: GRPOConfig, num_processes: int) -> None:
     """The values of ``args`` grpo cannot take (beyond ``batch_shape``'s and ``grpo_steps``'): a ``ValueError``
     naming the argument."""
     if args.lr_scheduler_type not in SCHEDULES:
@@ -248,6 +249,10 @@ def check_arguments(args: GRPOConfig) -> None:
                          f"{list(TRACKERS)} (or 'none')")
     if args.scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"GRPOConfig.scale_rewards={args.scale_rewards!r}: one of {', '.join(ADVANTAGE_SCALES)}")
+    G = args.num_generations_eval or args.num_generations
+    if args.eval_strategy != "no" and (args.per_device_eval_batch_size * num_processes) % G:
+        raise ValueError(f"The global eval batch size ({args.per_device_eval_batch_size} * {num_processes}) must be "
+                         f"divisible by the number of generations used for evaluation ({G}).")  # TRL's words
     if args.use_vllm and args.rollout_engine not in (None, VLLM_ENGINE):
         raise ValueError(f"GRPOConfig: use_vllm=True and rollout_engine={args.rollout_engine!r} disagree")
 
@@ -261,7 +266,7 @@ def to_run_config(args: GRPOConfig, *, num_processes: int = 1, train_size: int |
     tools/environment/rollout hook. A value grpo cannot take is a ``ValueError`` naming the argument."""
     P, _ = batch_shape(args, num_processes)
     steps = grpo_steps(args, P, train_size)
-    check_arguments(args)
+    check_arguments(args, num_processes)
     counts = Counts(num_processes, args.num_iterations, steps, steps * args.num_iterations)
     tree: dict[str, Any] = {}
     for link in LINKS:

@@ -156,6 +156,10 @@ def eval_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
         if bad:
             problems.append(("data.eval", f"has set name(s) {bad}: a name is a word (letters, digits, _ . -; "
                                           "not starting with a digit), used in metric and file names"))
+    if cfg.eval.num_generations is not None and not cfg.eval.loss_pass:
+        problems.append(("eval.num_generations", "is set but eval.loss_pass is false: only the loss pass samples "
+                                                 "groups of completions per held-out prompt; set eval.loss_pass: true "
+                                                 "or eval.num_generations: null"))
     metric = cfg.train.best_metric
     if metric is not None and cfg.data.eval is None:
         problems.append(("train.best_metric", "needs data.eval (the held-out set(s) its metric is measured on)"))

@@ -178,8 +178,9 @@ def critic_settings(cfg: RunConfig) -> CriticSettings:
 
 def eval_loss_settings(cfg: RunConfig, task: Task, processing, device_type: str) -> EvalLossSettings:
     """``eval.loss_pass``'s settings for a run with ``task`` on a ``device_type`` device (``processing``:
-    ``logprob_processing``'s, as every log-prob pass follows it)."""
+    ``logprob_processing``'s, as every log-prob pass follows it): ``eval.num_generations`` completions per prompt."""
     experience = experience_settings(cfg, processing, task=task, decoupled_sampler=False, engine_holds_weights=False)
-    return EvalLossSettings(replace(experience, need_old_logprobs=False),
+    sampling = replace(experience.sampling, n=cfg.eval.num_generations or cfg.rollout.num_generations)
+    return EvalLossSettings(replace(experience, need_old_logprobs=False, sampling=sampling),
                             replace(loss_settings(cfg, processing, device_type), num_iterations=1, ptx_coef=0.0),
                             cfg.eval.loss_batch_size, cfg.train.seed)
