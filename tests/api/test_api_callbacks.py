@@ -185,7 +185,7 @@ def test_each_set_is_logged_and_the_best_metric_kept_as_trainer_does(tmp_path):
 def test_the_last_step_is_evaluated_inside_it_under_trls_rule():
     """transformers' DefaultFlowCallback evaluates the last step too when it is not an eval step, inside it
     (before its checkpoint); grpo's CLI evaluates once more after the loop instead (``train.eval_at_end``)."""
-    from grpo.training.loop import Schedule
+    from grpo.training.schedule import Schedule
 
     trl = Schedule(max_steps=3, save_steps=10, eval_steps=2, eval_at_end=False)
     cli = Schedule(max_steps=3, save_steps=10, eval_steps=2, eval_at_end=True)

@@ -68,7 +68,7 @@ def test_trl_values_map_to_grpo_keys():
 
 @pytest.mark.parametrize("field, value", [("delta", 0.5), ("push_to_hub", True), ("fp16", True),
                                           ("loss_type", "cispo"), ("steps_per_generation", 2),
-                                          ("save_strategy", "no"),
+                                          ("save_strategy", "best"),
                                           ("generation_kwargs", {"do_sample": False}), ("entropy_coef", 0.01)])
 def test_a_trl_field_grpo_does_not_implement_is_refused_by_name(field, value):
     with pytest.raises(ValueError, match=rf"GRPOConfig.{field}.*not supported"):

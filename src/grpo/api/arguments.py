@@ -36,11 +36,9 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "fp16": (False, "grpo trains in fp32 or bf16 (bf16=True)"),
     "torch_compile": (False, "grpo does not compile the model"),
     "push_to_hub": (False, "grpo never uploads; save_model() and push the folder yourself"),
-    "load_best_model_at_end": (False, "grpo keeps the last weights"),
     "neftune_noise_alpha": (None, "grpo adds no embedding noise"),
     "use_liger_kernel": (False, "grpo uses its own chunked log-prob kernels"),
     "auto_find_batch_size": (False, "TRL refuses it for GRPO too"),
-    "logging_strategy": ("steps", "grpo logs by steps"),
     "deepspeed": (None, "grpo's DeepSpeed is for the decoupled trainer ranks (grpo_overrides train.deepspeed)"),
     "fsdp": (None, "grpo has no FSDP"),
     "optim_target_modules": (None, "grpo's optimizers apply to every trainable parameter"),
@@ -68,7 +66,7 @@ ACCEPTED_AS_IS = (  # cannot change what a run computes
     "log_level_replica", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id", "eval_delay",
     "prediction_loss_only", "eval_do_concat_batches", "eval_use_gather_object", "eval_accumulation_steps",
     "include_for_metrics", "batch_eval_metrics", "save_on_each_node", "hub_always_push", "hub_revision",
-    "metric_for_best_model", "greater_is_better", "ignore_data_skip", "restore_callback_states_from_checkpoint",
+    "ignore_data_skip", "restore_callback_states_from_checkpoint",
     "dataloader_multiprocessing_context", "dataloader_in_order", "label_names", "length_column_name",
     "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_static_graph", "ddp_backend", "skip_memory_metrics",
     "do_train", "do_eval", "do_predict", "local_rank", "debug", "average_tokens_across_devices", "use_cache",
@@ -142,17 +140,21 @@ class GRPOConfig:
     vllm_importance_sampling_clip_max: float = 3.0
     vllm_importance_sampling_clip_min: float | None = None
     # -- logging, saving, evaluation
+    logging_strategy: str = "steps"  # steps, epoch or no (transformers' IntervalStrategy)
     logging_steps: float = 10
     logging_first_step: bool = False
     log_completions: bool = False
     report_to: str | list[str] = "none"
     disable_tqdm: bool | None = None
-    save_strategy: str = "steps"
+    save_strategy: str = "steps"  # steps, epoch or no ("best" is refused)
     save_steps: float = 500
     save_total_limit: int | None = None
-    eval_strategy: str = "no"
+    eval_strategy: str = "no"  # no, steps or epoch
     eval_steps: float | None = None
     eval_on_start: bool = False
+    load_best_model_at_end: bool = False  # end with the best checkpoint's weights (Trainer's _load_best_model)
+    metric_for_best_model: str | None = None  # None: "loss" under load_best_model_at_end (transformers' default)
+    greater_is_better: bool | None = None  # None: not metric_for_best_model.endswith("loss")
     per_device_eval_batch_size: int = 8  # completions per batch of the evaluation's loss pass (eval_loss)
     max_tool_calling_iterations: int | None = None  # tool rounds after the first turn; None: until the length budget
     # -- grpo's own options (not TRL's)
@@ -178,14 +180,16 @@ class GRPOConfig:
             (self.steps_per_generation in (None, self.gradient_accumulation_steps), "steps_per_generation",
              "a grpo step updates on its whole rollout batch: steps_per_generation must equal "
              "gradient_accumulation_steps (TRL's default)"),
-            (self.save_strategy == "steps", "save_strategy",
-             "grpo checkpoints every save_steps and at the end ('steps')"),
-            (self.eval_strategy in ("no", "steps"), "eval_strategy", "grpo evaluates by steps ('steps') or not ('no')"),
+            (self.save_strategy in INTERVALS, "save_strategy", "grpo checkpoints by steps, by epoch or not at all "
+             "('no'); 'best' (a checkpoint at each new best evaluation) is not implemented"),
+            (self.eval_strategy in INTERVALS, "eval_strategy", "one of no, steps, epoch"),
+            (self.logging_strategy in INTERVALS, "logging_strategy", "one of no, steps, epoch"),
         ]
         for ok, name, why in checks:
             if not ok:
                 raise ValueError(f"GRPOConfig.{name}={getattr(self, name)!r} is not supported: {why}")
         self.lr_scheduler_kwargs = scheduler_kwargs(self.lr_scheduler_kwargs)
+        best_model_arguments(self)
         optimizer_arguments(self.optim_args)
         unknown = set(self.generation_kwargs or {}) - {"min_new_tokens"}
         if unknown:
@@ -225,6 +229,31 @@ class GRPOConfig:
     def to_yaml(self, path, num_processes: int = 1, train_size: int | None = None) -> str:
         """Write the recipe ``grpo train`` runs for these arguments; returns its text."""
         return run_config_text(self.to_run_config(num_processes, train_size), path)
+
+
+INTERVALS = ("no", "steps", "epoch")
+
+
+def best_model_arguments(args: GRPOConfig) -> None:
+    """transformers' defaults and checks of load_best_model_at_end / metric_for_best_model / greater_is_better
+    (``TrainingArguments.__post_init__``): the metric defaults to "loss", greater_is_better to a metric not named
+    *loss, and the best checkpoint must be one the run saves (the save and eval strategies agree, save_steps a
+    multiple of eval_steps). A ValueError in transformers' words."""
+    if args.load_best_model_at_end and args.metric_for_best_model is None:
+        args.metric_for_best_model = "loss"
+    if args.greater_is_better is None and args.metric_for_best_model is not None:
+        args.greater_is_better = not args.metric_for_best_model.endswith("loss")
+    if not args.load_best_model_at_end:
+        return
+    if args.eval_strategy != args.save_strategy:
+        raise ValueError("--load_best_model_at_end requires the save and eval strategy to match, except when "
+                         f'--save_strategy="best", but found\n- Evaluation strategy: {args.eval_strategy}\n- Save '
+                         f"strategy: {args.save_strategy}")
+    eval_steps = args.eval_steps or args.logging_steps  # transformers' fallback for eval_steps
+    if args.eval_strategy == "steps" and args.save_steps % eval_steps:
+        raise ValueError("--load_best_model_at_end requires the saving steps to be a round multiple of the "
+                         f"evaluation steps, but found {args.save_steps}, which is not a round multiple of "
+                         f"{eval_steps}.")
 
 
 def scheduler_kwargs(value: dict | str | None) -> dict | None:

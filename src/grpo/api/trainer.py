@@ -290,8 +290,9 @@ class GRPOTrainer(TrainerAttributes):
         try:
             train(cfg, given)
         except KeyboardInterrupt:
-            print(f"\ngrpo: interrupted at step {self.state.global_step}; the last finished step is saved in "
-                  f"{cfg.train.output_dir}/checkpoint-* (train(resume_from_checkpoint=True) continues)")
+            print(f"\ngrpo: interrupted at step {self.state.global_step}; " + (
+                f"the last finished step is saved in {cfg.train.output_dir}/checkpoint-* (train(resume_from_checkpoint="
+                "True) continues)" if cfg.train.save_strategy != "no" else "nothing saved (save_strategy='no')"))
         except PromptTooLong as err:  # measured when its step sampled it: earlier steps' checkpoints are kept
             raise self._explain(err) from None
         summary = hooks.summary()
@@ -300,12 +301,15 @@ class GRPOTrainer(TrainerAttributes):
     def _hooks(self, cfg, eval_sets: dict[str, list], save_total_limit: int | None = None) -> CallbackHooks:
         """The loop's callouts into ``state`` and the callbacks, evaluating ``eval_sets`` (an entry each);
         ``save_total_limit``: the checkpoints the hooks keep (None: the run prunes them itself)."""
+        # TRL's epoch: the train dataset's prompts that fill whole steps (the rows read may stop at max_steps')
+        sized = self.train_set is not None and hasattr(self.train_dataset, "__len__")
+        per_epoch = len(self.train_dataset) // cfg.train.prompts_per_step if sized else None
         return CallbackHooks(self.args, self.state, self.control, self.callbacks, model=self.model,
                              tokenizer=self.processing_class, reward_names=[f.name for f in self.reward_fns],
                              completions_per_step=cfg.train.prompts_per_step * cfg.rollout.num_generations,
                              updates_per_step=cfg.loss.num_iterations, logging_steps=self._logging_updates(cfg),
                              write_trainer_state=True, eval_rows={name: len(s) for name, s in eval_sets.items()},
-                             save_total_limit=save_total_limit)
+                             save_total_limit=save_total_limit, steps_per_epoch=per_epoch or None)
 
     def _given(self, train_set, eval_set):
         """The objects this trainer holds, as ``GivenInputs`` (no policy or hooks: ``train()`` adds them)."""
@@ -319,7 +323,6 @@ class GRPOTrainer(TrainerAttributes):
         """TRL's logging_steps in updates (a float below 1: that share of max_steps, rounded up)."""
         steps = self.args.logging_steps
         return max(1, math.ceil(steps * cfg.train.max_steps * cfg.loss.num_iterations) if steps < 1 else int(steps))
-
 
     def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """grpo's held-out evaluation of the model as it is now, the way a run evaluates

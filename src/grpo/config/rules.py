@@ -160,6 +160,16 @@ def eval_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
         problems.append(("eval.num_generations", "is set but eval.loss_pass is false: only the loss pass samples "
                                                  "groups of completions per held-out prompt; set eval.loss_pass: true "
                                                  "or eval.num_generations: null"))
+    if cfg.train.eval_strategy == "epoch" and cfg.train.eval_steps is not None:
+        problems.append(("train.eval_steps", f"is {cfg.train.eval_steps} but train.eval_strategy is epoch, which "
+                                             "evaluates at the end of each epoch instead; drop one"))
+    if cfg.train.load_best_at_end and cfg.train.best_metric is None:
+        problems.append(("train.load_best_at_end", "needs train.best_metric: the weights it loads are those best/ "
+                                                   "keeps by that metric"))
+    if cfg.train.load_best_at_end and cfg.train.deepspeed:
+        problems.append(("train.load_best_at_end", "cannot be combined with train.deepspeed yet: best/ holds whole "
+                                                   "weights, and loading them into the engine's (under ZeRO-3 "
+                                                   "partitioned) parameters is not implemented"))
     metric = cfg.train.best_metric
     if metric is not None and cfg.data.eval is None:
         problems.append(("train.best_metric", "needs data.eval (the held-out set(s) its metric is measured on)"))

@@ -265,8 +265,18 @@ class TrainConfig:
         "and torch, deterministic torch kernels only (an op without one is an error), cuDNN deterministic without "
         "benchmarking, CUBLAS_WORKSPACE_CONFIG=:16:8 and CUDA_LAUNCH_BLOCKING=1 (slower: each kernel launch waits). "
         "For bit-for-bit reruns on GPUs; CPU runs are deterministic without it.")
+    save_strategy: str = opt(
+        "steps", "When the run checkpoints: steps (every train.save_steps and at the end), epoch (at the end of each "
+        "epoch, every len(data.train) // prompts_per_step steps as TRL counts an epoch, and at the end), or no (never: "
+        "no checkpoint, not at a stop or Ctrl-C either, nothing to resume; final/ and best/ are written as "
+        "train.save_final and train.best_metric say). transformers' save_strategy.", choices=("steps", "epoch", "no"))
     save_steps: int = opt(50, "Checkpoint every N steps (and at the end).", ge=1)
     save_total_limit: int | None = opt(2, "Keep only the newest N checkpoints; null = all.", ge=1)
+    eval_strategy: str = opt(
+        "steps", "When data.eval is evaluated during training: steps (every train.eval_steps) or epoch (at the end of "
+        "each epoch, as train.save_strategy counts them, and at the last step; needs train.eval_steps: null); "
+        "train.eval_on_start and train.eval_at_end add theirs. transformers' eval_strategy.",
+        choices=("steps", "epoch"))
     eval_steps: int | None = opt(
         None, "Evaluate data.eval every N steps (and at start and end); null = start/end only.", ge=1)
     eval_on_start: bool = opt(True, "Evaluate before the first step of a new run (when data.eval is set).")
@@ -279,6 +289,10 @@ class TrainConfig:
         None, "Keep the weights of the evaluation that is best by this logged metric (e.g. eval/accuracy, "
         "eval/gsm8k/pass@4) in <output_dir>/best/ (with best.json: step, value); null = off.")
     best_metric_mode: str = opt("max", "train.best_metric: max (higher is better) or min.", choices=("max", "min"))
+    load_best_at_end: bool = opt(
+        False, "At the end, load the weights of best/ (train.best_metric's; the evaluation before training is a "
+        "candidate too) into the model before final/ is saved, as transformers' load_best_model_at_end does with its "
+        "best checkpoint; needs train.best_metric. The Python API's load_best_model_at_end is Trainer's own.")
     resume: bool = opt(False, "Continue from the newest checkpoint in output_dir.")
     resume_from: str | None = opt(
         None, "Continue from this checkpoint folder of output_dir instead of the newest (implies train.resume); "
@@ -298,6 +312,11 @@ class TrainConfig:
 
 @dataclass
 class LogConfig:
+    logging_strategy: str = opt(
+        "steps", "When sample completions go to samples.jsonl (and the Python API's TRL log entries are made): steps "
+        "(every log.logging_steps), epoch (at the end of each epoch, as train.save_strategy counts them, and at the "
+        "last step) or no (never; metrics.jsonl still gets every step). transformers' logging_strategy.",
+        choices=("steps", "epoch", "no"))
     logging_steps: int = opt(1, "Write sample completions every N steps (metrics every step).", ge=1)
     num_samples: int = opt(4, "Completions written to samples.jsonl per logged step.", ge=0)
     report_to: list[str] = opt(["tensorboard"], "Trackers: tensorboard, wandb (optional extra), or [] for none.")

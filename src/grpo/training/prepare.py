@@ -41,6 +41,7 @@ from grpo.training.inputs import GivenInputs, RunInputs, policy_for, tokenizer_a
 from grpo.training.loop import Loop, PolicyUpdate
 from grpo.training.process_exit import exit_quickly
 from grpo.training.resume import resume_checkpoint
+from grpo.training.schedule import Schedule, uses_epochs
 from grpo.training.settings import (
     critic_settings,
     eval_loss_settings,
@@ -177,6 +178,7 @@ class Prepared:
     processing: LogprobProcessing | None  # the sampling controls every log-prob pass follows
     trainable: Trainable
     run: OpenedRun
+    schedule: Schedule  # when the loop checkpoints, evaluates and logs (its epoch: data.train's, counted here)
     prompt_sampler: PromptSampler | None = None  # colocated: which prompts a rank samples at a step
     ref_logprobs: RefLogprobs | None = None  # colocated with loss.beta > 0: the frozen initial weights'
     critic: Critic | None = None  # PPO (algorithm.advantage_estimator gae), colocated only
@@ -192,8 +194,11 @@ def prepare(cfg: RunConfig, given: GivenInputs, info: DistInfo, device: torch.de
     if info.is_main:
         check_output_dir(cfg)
     torch.manual_seed(cfg.train.seed)  # again: whatever ran since start_process drew from it
-    inputs = tokenizer_and_data(cfg, given, data=samples or bool(eval_sources(cfg.data.eval)))
+    epochs = uses_epochs(cfg.train.save_strategy, cfg.train.eval_strategy, cfg.log.logging_strategy)
+    # a decoupled trainer reads data.train only to count an epoch strategy's epochs (its samplers sample it)
+    inputs = tokenizer_and_data(cfg, given, data=samples or epochs or bool(eval_sources(cfg.data.eval)))
     tokenizer = inputs.tokenizer
+    schedule = loop_schedule(cfg, len(inputs.train_set))  # an epoch strategy's ConfigError before anything loads
     ptx_data = load_ptx_data(cfg, tokenizer, info, inputs.task)
     prompt_sampler = None
     if samples:
@@ -212,8 +217,8 @@ def prepare(cfg: RunConfig, given: GivenInputs, info: DistInfo, device: torch.de
     trainable = build_trainable(cfg, policy, info, given.optimizer, given.scheduler)
     critic = build_critic(cfg, info, device) if needs_critic(cfg) else None
     run = open_run(cfg, trainable, info, critic)
-    return Prepared(info, device, inputs, ptx_data, policy, compute, processing, trainable, run, prompt_sampler,
-                    ref_logprobs, critic)
+    return Prepared(info, device, inputs, ptx_data, policy, compute, processing, trainable, run, schedule,
+                    prompt_sampler, ref_logprobs, critic)
 
 
 def build_evaluator(cfg: RunConfig, inputs: RunInputs, policy: torch.nn.Module, info: DistInfo,
@@ -255,7 +260,7 @@ def make_loop(cfg: RunConfig, prepared: Prepared, progress: AbstractContextManag
                           p.critic, critic_settings(cfg))
     best = (BestMetric.resumed(run.out, cfg.train.best_metric, cfg.train.best_metric_mode)
             if cfg.train.best_metric and evaluate is not None else None)
-    return Loop(loop_schedule(cfg), update, p.trainable, p.inputs.tokenizer, run.out, info, run.logger, progress,
+    return Loop(p.schedule, update, p.trainable, p.inputs.tokenizer, run.out, info, run.logger, progress,
                 p.compute, cfg.rollout.num_generations, cfg.data.tag_style, cfg.train.save_total_limit,
                 evaluate=evaluate, best=best, critic=p.critic, hooks=p.inputs.hooks, score=p.inputs.task.score,
                 layout=run.layout)
