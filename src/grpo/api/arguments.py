@@ -27,7 +27,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "vllm_tensor_parallel_size": (1, "grpo's vLLM engine runs on one device"),
     "delta": (None, "grpo has no two-sided ratio cap"),
     "multi_objective_aggregation": ("sum_then_normalize", "grpo sums the weighted rewards, then normalises"),
-    "sync_ref_model": (False, "grpo's reference stays fixed (or is a teacher); no TR-DPO refresh"),
     "top_entropy_quantile": (1.0, "grpo trains on every completion token"),
     "entropy_coef": (0.0, "grpo has no entropy bonus"),
     "use_adaptive_entropy": (False, "grpo has no entropy bonus"),
@@ -55,7 +54,7 @@ ACCEPTED_AS_IS = (  # cannot change what a run computes
     "ds3_gather_for_generation", "pad_to_multiple_of", "cache_implementation", "vllm_model_impl",
     "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
     "vllm_max_model_length", "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos",
-    "vespo_k_neg", "vespo_lambda_neg", "ref_model_mixup_alpha", "ref_model_sync_steps", "entropy_coef_min",
+    "vespo_k_neg", "vespo_lambda_neg", "entropy_coef_min",
     "entropy_coef_max", "entropy_coef_delta", "entropy_target", "log_multimodal", "num_completions_to_print",
     "log_unique_prompts", "use_transformers_continuous_batching", "transformers_continuous_batching_config",
     "gradient_checkpointing_kwargs", "data_seed", "dataloader_drop_last",
@@ -134,6 +133,9 @@ class GRPOConfig:
     loss_type: str = "dapo"
     mask_truncated_completions: bool = False
     use_bias_correction_kl: bool = True
+    sync_ref_model: bool = False  # TR-DPO: every ref_model_sync_steps updates, ref = alpha * policy + (1 - alpha) * ref
+    ref_model_mixup_alpha: float = 0.6
+    ref_model_sync_steps: int = 512
     reward_weights: list[float] | None = None
     vllm_importance_sampling_correction: bool = True
     vllm_importance_sampling_mode: str = "sequence_mask"

@@ -176,6 +176,13 @@ LINKS: tuple[Link, ...] = (
     same("advantage_estimator", "algorithm.advantage_estimator"),
     same("beta", "loss.beta"),
     same("use_bias_correction_kl", "loss.kl_times_ratio"),
+    # TRL counts the sync interval in updates (check_arguments: a multiple of num_iterations); its alpha means
+    # nothing without sync_ref_model, so it is left out then
+    Link(("sync_ref_model", "ref_model_sync_steps", "ref_model_mixup_alpha"),
+         ("loss.ref_sync_steps", "loss.ref_mixup_alpha"),
+         lambda c, sync, every, alpha: (every // c.ni, alpha) if sync else (None, OMIT),
+         lambda c, every, alpha: {"sync_ref_model": every is not None, "ref_model_mixup_alpha": alpha,
+                                  "ref_model_sync_steps": 512 if every is None else every * c.ni}),
     same("num_iterations", "loss.num_iterations"),
     same("epsilon", "loss.epsilon"),
     same("epsilon_high", "loss.epsilon_high"),
@@ -257,6 +264,9 @@ def check_arguments(args: GRPOConfig, num_processes: int) -> None:
     if args.eval_strategy != "no" and (args.per_device_eval_batch_size * num_processes) % G:
         raise ValueError(f"The global eval batch size ({args.per_device_eval_batch_size} * {num_processes}) must be "
                          f"divisible by the number of generations used for evaluation ({G}).")  # TRL's words
+    if args.sync_ref_model and args.ref_model_sync_steps % args.num_iterations:
+        raise ValueError(f"GRPOConfig.ref_model_sync_steps={args.ref_model_sync_steps} is not a multiple of "
+                         f"num_iterations {args.num_iterations}: grpo moves the reference after a step's updates")
     if args.use_vllm and args.rollout_engine not in (None, VLLM_ENGINE):
         raise ValueError(f"GRPOConfig: use_vllm=True and rollout_engine={args.rollout_engine!r} disagree")
 

@@ -51,6 +51,7 @@ def loss_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
         problems.append(("loss.epsilon_high", (
             f"{cfg.loss.epsilon_high} < loss.epsilon {cfg.loss.epsilon}: the asymmetric clip (DAPO) only "
             "raises the upper bound")))
+    problems += ref_sync_problems(cfg)
     if cfg.loss.scale_rewards is not None and not _estimator(cfg).takes_scale:
         problems.append(("loss.scale_rewards", (
             f"is {cfg.loss.scale_rewards!r} but algorithm.advantage_estimator is "
@@ -58,6 +59,28 @@ def loss_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
             "reinforce_pp: the batch std of the centred rewards; gae: whitening of the token advantages); "
             "set loss.scale_rewards: null")))
     return problems
+
+
+def ref_sync_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
+    """TR-DPO's moving reference needs a reference of the policy's own parameters that this process holds."""
+    loss, sync = cfg.loss, "loss.ref_sync_steps"
+    if loss.ref_sync_steps is None:
+        moved = loss.ref_mixup_alpha != type(loss)().ref_mixup_alpha
+        return [("loss.ref_mixup_alpha", "is set but loss.ref_sync_steps is null: the reference never moves")
+                ] if moved else []
+    why = [  # (refused, reason), the first that holds is reported
+        (loss.beta == 0, "loss.beta is 0: there is no reference to move (TRL refuses sync_ref_model with beta 0)"),
+        (cfg.model.lora_r > 0, "model.lora_r > 0: a LoRA run's reference is the base with the adapter off, no model "
+                               "of its own to move (TRL refuses sync_ref_model with PEFT for the same reason)"),
+        (cfg.model.ref_name_or_path is not None, "model.ref_name_or_path names a teacher: TR-DPO moves a copy of the "
+                                                 "policy toward it, which another model's parameters cannot follow"),
+        (cfg.train.mode == "decoupled", "train.mode is decoupled: the samplers (or decoupled.ref_server) hold the "
+                                        "reference and see only the published weights they load, not the policy "
+                                        "of every sync step; train colocated"),
+        (bool(cfg.train.deepspeed), "train.deepspeed is set: under ZeRO-3 each rank holds a shard of the policy, "
+                                    "and the sync reads whole parameters (not implemented)"),
+    ]
+    return [(sync, f"is set but {reason}") for refused, reason in why if refused][:1]
 
 
 def memory_saver_problems(cfg: "RunConfig") -> list[tuple[str, str]]:

@@ -74,12 +74,15 @@ class PolicyUpdate:
     ptx_data: object | None = None  # grpo.step.ptx.PtxData
     critic: object | None = None  # grpo.critic.Critic
     critic_settings: CriticSettings | None = None
+    ref_sync: Callable[[int], bool] | None = None  # TR-DPO's moving reference (grpo.step.ref_sync.RefSync)
 
     def __call__(self, step: int, batch: RolloutBatch) -> StepUpdate:
         ptx_batch = self.ptx_data.batch(step, self.info.rank) if self.ptx_data else None
         stats = train_on_batch(self.trainable.learner, batch, self.settings, self.info, ptx_batch)
         if self.critic is not None:
             stats.totals.update(train_critic(self.critic.learner, batch, self.critic_settings))
+        if self.ref_sync is not None:  # after the update, before the step's evaluation: TRL's on_step_end
+            self.ref_sync(step)
         return stats
 
 
@@ -145,6 +148,7 @@ class Loop:
     score: Callable | None = None  # the task's scorer (grpo.tasks.Task.score) for the logged accuracy; None: numeric
     hooks: LoopHooks = field(default_factory=LoopHooks)
     layout: CheckpointLayout = GRPO_LAYOUT  # where checkpoints go (train.checkpoint_layout)
+    reference: object | None = None  # a moving reference (loss.ref_sync_steps), saved in every checkpoint
 
 
 @dataclass
@@ -234,7 +238,7 @@ def _steps(loop: Loop, source: StepSource, start_step: int, eval_before: dict | 
     def checkpoint(step: int, collected: Collected | None) -> None:
         trainer_state = {"step": step, "eval_before": eval_before, **source.checkpoint_state(step, collected)}
         path = save_run_checkpoint(loop.out, step, loop.trainable, loop.tokenizer, trainer_state,
-                                   loop.save_total_limit, info, loop.critic, loop.layout)
+                                   loop.save_total_limit, info, loop.critic, loop.layout, loop.reference)
         state.saved = step
         source.checkpoint_written(step, collected)
         loop.hooks.saved(step, path)

@@ -34,6 +34,7 @@ from grpo.run.run_dir import check_output_dir, claim_output_dir
 from grpo.run.tracking import MetricsLogger
 from grpo.step.experience import RefLogprobs, local_reference
 from grpo.step.ptx import PtxData
+from grpo.step.ref_sync import RefSync
 from grpo.tasks import Task, run_system_prompt
 from grpo.training.eval_loss import LossPass
 from grpo.training.evaluator import RunEvaluator, eval_settings, eval_sources
@@ -138,16 +139,18 @@ def check_shared_run_folder(out: Path, info: DistInfo) -> None:
                           "mounts at the same path (NFS, Lustre, ...)")
 
 
-def open_run(cfg: RunConfig, trainable: Trainable, info: DistInfo, critic=None) -> OpenedRun:
+def open_run(cfg: RunConfig, trainable: Trainable, info: DistInfo, critic=None,
+             reference: torch.nn.Module | None = None) -> OpenedRun:
     """Claim the run folder (setup succeeded: only now is anything written), resume from its newest
-    checkpoint that loads when ``train.resume`` (``train.resume_from``: that one), and open the metrics logger."""
+    checkpoint that loads when ``train.resume`` (``train.resume_from``: that one; a moving ``reference`` too), and
+    open the metrics logger."""
     layout = run_layout(cfg)
     out = claim_output_dir(cfg, info.is_main, layout)
     barrier(info)
     check_shared_run_folder(out, info)
     resuming = cfg.train.resume or cfg.train.resume_from is not None
     only = Path(cfg.train.resume_from) if cfg.train.resume_from is not None else None
-    resumed = resume_checkpoint(out, trainable, info, critic, layout, only) if resuming else None
+    resumed = resume_checkpoint(out, trainable, info, critic, layout, only, reference) if resuming else None
     start_step, state = 0, None
     if resumed is not None:
         checkpoint, state = resumed
@@ -182,6 +185,7 @@ class Prepared:
     prompt_sampler: PromptSampler | None = None  # colocated: which prompts a rank samples at a step
     ref_logprobs: RefLogprobs | None = None  # colocated with loss.beta > 0: the frozen initial weights'
     critic: Critic | None = None  # PPO (algorithm.advantage_estimator gae), colocated only
+    moving_reference: torch.nn.Module | None = None  # loss.ref_sync_steps: the reference TR-DPO moves
 
 
 def prepare(cfg: RunConfig, given: GivenInputs, info: DistInfo, device: torch.device, *,
@@ -216,9 +220,10 @@ def prepare(cfg: RunConfig, given: GivenInputs, info: DistInfo, device: torch.de
                                     processing, logprob_pass(cfg)) if local_ref else None)
     trainable = build_trainable(cfg, policy, info, given.optimizer, given.scheduler)
     critic = build_critic(cfg, info, device) if needs_critic(cfg) else None
-    run = open_run(cfg, trainable, info, critic)
+    moving = reference if cfg.loss.ref_sync_steps else None  # a full copy: the rules refuse LoRA and teachers
+    run = open_run(cfg, trainable, info, critic, moving)
     return Prepared(info, device, inputs, ptx_data, policy, compute, processing, trainable, run, schedule,
-                    prompt_sampler, ref_logprobs, critic)
+                    prompt_sampler, ref_logprobs, critic, moving)
 
 
 def build_evaluator(cfg: RunConfig, inputs: RunInputs, policy: torch.nn.Module, info: DistInfo,
@@ -256,11 +261,13 @@ def make_loop(cfg: RunConfig, prepared: Prepared, progress: AbstractContextManag
     critic), schedule, evaluation (``build_evaluator``'s) with ``train.best_metric``'s best weights, and the
     logged accuracy by the task's own scorer; ``progress`` shows the steps (grpo.run.progress)."""
     p, run, info = prepared, prepared.run, prepared.info
+    ref_sync = (RefSync(p.moving_reference, p.trainable.policy, cfg.loss.ref_mixup_alpha, cfg.loss.ref_sync_steps)
+                if p.moving_reference is not None else None)
     update = PolicyUpdate(p.trainable, loss_settings(cfg, p.processing, p.device.type), info, p.ptx_data,
-                          p.critic, critic_settings(cfg))
+                          p.critic, critic_settings(cfg), ref_sync)
     best = (BestMetric.resumed(run.out, cfg.train.best_metric, cfg.train.best_metric_mode)
             if cfg.train.best_metric and evaluate is not None else None)
     return Loop(p.schedule, update, p.trainable, p.inputs.tokenizer, run.out, info, run.logger, progress,
                 p.compute, cfg.rollout.num_generations, cfg.data.tag_style, cfg.train.save_total_limit,
                 evaluate=evaluate, best=best, critic=p.critic, hooks=p.inputs.hooks, score=p.inputs.task.score,
-                layout=run.layout)
+                layout=run.layout, reference=p.moving_reference)
