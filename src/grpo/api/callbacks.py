@@ -212,11 +212,11 @@ class CallbackHooks(LoopHooks):
 
     def _saved(self, path: Path) -> None:
         """transformers' ``trainer_state.json`` (the log history to this step) into the checkpoint, then on_save."""
+        if self.state.best_global_step and path is not None:  # Trainer's _save_checkpoint: once the best step's
+            best = Path(path).parent / f"checkpoint-{self.state.best_global_step}"  # folder exists (every rank:
+            if best.is_dir():  # each loads it under load_best_model_at_end)
+                self.state.best_model_checkpoint = str(best)
         if self.write_trainer_state and self.state.is_world_process_zero:  # one writer, as Trainer's should_save
-            if self.state.best_global_step:  # as Trainer's _save_checkpoint: once the best step's folder exists
-                best = Path(path).parent / f"checkpoint-{self.state.best_global_step}"
-                if best.is_dir():
-                    self.state.best_model_checkpoint = str(best)
             partial = path / ".trainer_state.json.tmp"
             self.state.save_to_json(str(partial))
             os.replace(partial, path / "trainer_state.json")
