@@ -108,8 +108,8 @@ class CallbackHooks(LoopHooks):
         self.eval_rows = eval_rows or {}  # {eval set: rows} ("": the unnamed set), an entry each
         # checkpoints kept, rotated here by Trainer's rule (the best one kept too) when the run itself does not
         self.save_total_limit = save_total_limit
-        # TRL's epoch in grpo steps (the train dataset's prompts // prompts per step); None: the loop's, else the
-        # epoch the step's metrics give
+        # TRL's epoch in grpo steps (the train dataset's prompts // prompts per step); None: train_begin's (the
+        # schedule's), else epochs end where the step's own epoch metric passes a whole number
         self.steps_per_epoch = steps_per_epoch
         self.window: list[dict[str, float]] = []
         # the running step's on_evaluate/on_save/on_epoch_end, fired after its updates' events
@@ -212,9 +212,11 @@ class CallbackHooks(LoopHooks):
 
     def _saved(self, path: Path) -> None:
         """transformers' ``trainer_state.json`` (the log history to this step) into the checkpoint, then on_save."""
-        if self.state.best_global_step and path is not None:  # Trainer's _save_checkpoint: once the best step's
-            best = Path(path).parent / f"checkpoint-{self.state.best_global_step}"  # folder exists (every rank:
-            if best.is_dir():  # each loads it under load_best_model_at_end)
+        # Trainer's _save_checkpoint names the best checkpoint once its folder exists; on every rank, as each
+        # loads it under load_best_model_at_end
+        if self.state.best_global_step and path is not None:
+            best = Path(path).parent / f"checkpoint-{self.state.best_global_step}"
+            if best.is_dir():
                 self.state.best_model_checkpoint = str(best)
         if self.write_trainer_state and self.state.is_world_process_zero:  # one writer, as Trainer's should_save
             partial = path / ".trainer_state.json.tmp"
@@ -252,8 +254,8 @@ class CallbackHooks(LoopHooks):
             self.window.append(entry)
             self._call("on_step_end")
             first = self.state.global_step == 1 and getattr(self.args, "logging_first_step", False)
-            by_steps = self._strategy("logging_strategy") == "steps" and self.state.global_step % self.logging_steps == 0
-            if by_steps or first:
+            due = self.state.global_step % self.logging_steps == 0
+            if first or due and self._strategy("logging_strategy") == "steps":
                 self._log_window()
             if self._ends_epoch(step, u == len(entries) - 1, previous, entry["epoch"]):
                 self._end_epoch()  # this update finished a pass over the data

@@ -120,8 +120,8 @@ class CriticConfig:
     weight_decay: float = opt(0.0, "gae: the critic's AdamW weight decay.", ge=0)
     warmup_ratio: float = opt(0.0, "gae: share of the critic's updates with linear warm-up.", ge=0, le=1)
     lr_scheduler_type: str = opt(
-        "constant", "gae: the critic's decay after warm-up: constant (its targets keep moving with the policy), linear, "
-        "cosine or cosine_with_min_lr.",
+        "constant", "gae: the critic's decay after warm-up: constant (its targets keep moving with the policy), "
+        "linear, cosine or cosine_with_min_lr.",
         choices=tuple(LR_SCHEDULES))
     lr_scheduler_kwargs: dict = opt({}, "gae: the arguments of the critic's decay (as optim.lr_scheduler_kwargs).")
     max_grad_norm: float | None = opt(1.0, "gae: clip the critic's gradient norm; null = no clipping.", gt=0)
