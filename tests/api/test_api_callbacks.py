@@ -177,15 +177,18 @@ def test_each_set_is_logged_and_the_best_metric_kept_as_trainer_does(tmp_path):
     saved = TrainerState.load_from_json(str(tmp_path / "checkpoint-1" / "trainer_state.json"))
     assert (saved.best_metric, saved.best_global_step) == (0.5, 1)
     assert saved.best_model_checkpoint == str(tmp_path / "checkpoint-1")
+    hooks.train_end(4)  # Trainer's _finalize_training: save_total_limit 1 keeps the best checkpoint only
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1"]
     args.metric_for_best_model = "eval_accuracy"
     with pytest.raises(KeyError, match="'eval_accuracy', which is not found in the evaluation metrics"):
         hooks.evaluated(4, {"eval/easy/accuracy": 0.0, "eval/hard/accuracy": 0.0})
+    hooks.evaluated(0, {"eval/easy/accuracy": 0.0, "eval/hard/accuracy": 0.0})  # eval_on_start's: not compared
 
 
 def test_the_last_step_is_evaluated_inside_it_under_trls_rule():
     """transformers' DefaultFlowCallback evaluates the last step too when it is not an eval step, inside it
     (before its checkpoint); grpo's CLI evaluates once more after the loop instead (``train.eval_at_end``)."""
-    from grpo.training.loop import Schedule
+    from grpo.training.schedule import Schedule
 
     trl = Schedule(max_steps=3, save_steps=10, eval_steps=2, eval_at_end=False)
     cli = Schedule(max_steps=3, save_steps=10, eval_steps=2, eval_at_end=True)
@@ -194,3 +197,19 @@ def test_the_last_step_is_evaluated_inside_it_under_trls_rule():
     assert [s for s in (1, 2, 3, 4) if Schedule(max_steps=4, save_steps=10, eval_steps=2,
                                                  eval_at_end=False).evaluates(s)] == [2, 4]  # 4 once
     assert not Schedule(max_steps=3, save_steps=10, eval_at_end=False).evaluates(3)  # no eval_steps: none
+
+
+def test_without_checkpoints_the_best_metric_is_kept_but_no_best_step():
+    """Trainer's _determine_best_metric names best_global_step only under a saving strategy."""
+    import types
+
+    for strategy, step in (("no", None), ("steps", 1)):
+        args = types.SimpleNamespace(metric_for_best_model="accuracy", greater_is_better=True, save_strategy=strategy)
+        state = TrainerState()
+        hooks = CallbackHooks(args, state, TrainerControl(), [], model=None, tokenizer=None, reward_names=[],
+                              completions_per_step=8, updates_per_step=1, logging_steps=1)
+        hooks.train_begin(0, 1)
+        hooks.step_begin(1)
+        hooks.evaluated(1, {"eval/accuracy": 0.25, "time/eval_s": 1.0})
+        hooks.step_end(1, StepReport(step_metrics(1), [], None))
+        assert (state.best_metric, state.best_global_step) == (0.25, step)

@@ -67,7 +67,7 @@ def test_trl_values_map_to_grpo_keys():
 
 
 @pytest.mark.parametrize("field, value", [("push_to_hub", True), ("fp16", True), ("loss_type", "ppo"),
-                                          ("steps_per_generation", 2), ("save_strategy", "no"),
+                                          ("steps_per_generation", 2), ("save_strategy", "best"),
                                           ("generation_kwargs", {"do_sample": False}),
                                           ("use_adaptive_entropy", True)])
 def test_a_trl_field_grpo_does_not_implement_is_refused_by_name(field, value):

@@ -10,6 +10,7 @@ config tree ``grpo train`` reads). A TRL field grpo does not implement is here t
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,9 +21,7 @@ from grpo.config import load_config, run_config_text
 # Fields grpo does not implement: (TRL's default, why). Setting one to anything else is a ValueError.
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "router_aux_loss_coef": (None, "grpo adds no MoE load-balancing loss"),
-    "disable_dropout": (False, "grpo trains with the model's own dropout settings"),
     "cast_lm_head_to_fp32": (False, "grpo computes log-probs in fp32 from the model's own head"),
-    "num_generations_eval": (None, "grpo's evaluation samples eval.num_samples (grpo_overrides) beside greedy"),
     "vllm_mode": ("colocate", (
         "a vLLM sampler on devices of its own is grpo's decoupled mode, which its launcher starts as processes that "
         "import the data and rewards by name, not from a script's objects; the same setup: write the recipe "
@@ -32,21 +31,15 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
         "or keep vllm_mode='colocate'")),
     "vllm_structured_outputs_regex": (None, "grpo has no constrained decoding"),
     "vllm_tensor_parallel_size": (1, "grpo's vLLM engine runs on one device"),
-    "sync_ref_model": (False, "grpo's reference stays fixed (or is a teacher); no TR-DPO refresh"),
     "use_adaptive_entropy": (False, "grpo's entropy bonus has a fixed coefficient (entropy_coef)"),
     "log_completions_hub_repo": (None, "grpo writes samples to samples.jsonl, never to the Hub"),
     "fp16": (False, "grpo trains in fp32 or bf16 (bf16=True)"),
     "torch_compile": (False, "grpo does not compile the model"),
-    "full_determinism": (False, "grpo seeds everything but does not force deterministic kernels"),
     "push_to_hub": (False, "grpo never uploads; save_model() and push the folder yourself"),
-    "load_best_model_at_end": (False, "grpo keeps the last weights"),
     "neftune_noise_alpha": (None, "grpo adds no embedding noise"),
     "use_liger_kernel": (False, "grpo uses its own chunked log-prob kernels"),
     "auto_find_batch_size": (False, "TRL refuses it for GRPO too"),
-    "lr_scheduler_kwargs": (None, "grpo's schedules take no extra arguments"),
-    "logging_strategy": ("steps", "grpo logs by steps"),
     "fsdp": (None, "grpo has no FSDP"),
-    "optim_args": (None, "grpo's optimizers take their settings from the fields (adam_beta1, ...)"),
     "optim_target_modules": (None, "grpo's optimizers apply to every trainable parameter"),
     "torch_compile_backend": (None, "grpo does not compile the model"),
     "torch_compile_mode": (None, "grpo does not compile the model"),
@@ -60,7 +53,7 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
 ACCEPTED_AS_IS = (  # cannot change what a run computes
     "ds3_gather_for_generation", "pad_to_multiple_of", "cache_implementation", "vllm_model_impl",
     "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
-    "vllm_max_model_length", "ref_model_mixup_alpha", "ref_model_sync_steps", "entropy_coef_min",
+    "vllm_max_model_length", "entropy_coef_min",
     "entropy_coef_max", "entropy_coef_delta", "entropy_target", "log_multimodal", "num_completions_to_print",
     "log_unique_prompts", "use_transformers_continuous_batching", "transformers_continuous_batching_config",
     "gradient_checkpointing_kwargs", "data_seed", "dataloader_drop_last",
@@ -71,7 +64,7 @@ ACCEPTED_AS_IS = (  # cannot change what a run computes
     "log_level_replica", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id", "eval_delay",
     "prediction_loss_only", "eval_do_concat_batches", "eval_use_gather_object", "eval_accumulation_steps",
     "include_for_metrics", "batch_eval_metrics", "save_on_each_node", "hub_always_push", "hub_revision",
-    "metric_for_best_model", "greater_is_better", "ignore_data_skip", "restore_callback_states_from_checkpoint",
+    "ignore_data_skip", "restore_callback_states_from_checkpoint",
     "dataloader_multiprocessing_context", "dataloader_in_order", "label_names", "length_column_name",
     "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_static_graph", "ddp_backend", "skip_memory_metrics",
     "do_train", "do_eval", "do_predict", "local_rank", "debug", "average_tokens_across_devices", "use_cache",
@@ -89,6 +82,7 @@ class GRPOConfig:
     per_device_train_batch_size: int = 8
     gradient_accumulation_steps: int = 1
     num_generations: int = 8
+    num_generations_eval: int | None = None  # completions per prompt of the evaluation's loss pass; None: as training
     generation_batch_size: int | None = None
     steps_per_generation: int | None = None
     max_steps: int = -1
@@ -96,8 +90,10 @@ class GRPOConfig:
     # -- optimisation
     learning_rate: float = 1e-6
     lr_scheduler_type: str = "linear"
+    lr_scheduler_kwargs: dict | str | None = None  # a dict, or its JSON text (transformers parses "{...}")
     warmup_steps: float = 0
     optim: str = "adamw_torch_fused"
+    optim_args: str | None = None  # "key=value,...": parsed as transformers does; AdamW takes nothing from it
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -106,10 +102,12 @@ class GRPOConfig:
     bf16: bool | None = None  # None: True where CUDA has bf16, else False (TRL raises without use_cpu there)
     gradient_checkpointing: bool = True
     seed: int = 42
+    full_determinism: bool = False  # transformers' enable_full_determinism (seeds, deterministic kernels)
     use_cpu: bool = False
     # -- the model
     model_init_kwargs: dict | None = None
     trust_remote_code: bool = False
+    disable_dropout: bool = False  # every torch.nn.Dropout of the policy and the reference at rate 0
     # -- sampling
     max_completion_length: int = 512
     temperature: float = 1.0
@@ -134,6 +132,9 @@ class GRPOConfig:
     loss_type: str = "dapo"
     mask_truncated_completions: bool = False
     use_bias_correction_kl: bool = True
+    sync_ref_model: bool = False  # TR-DPO: every ref_model_sync_steps updates, ref = alpha * policy + (1 - alpha) * ref
+    ref_model_mixup_alpha: float = 0.6
+    ref_model_sync_steps: int = 512
     reward_weights: list[float] | None = None
     vllm_importance_sampling_correction: bool = True
     vllm_importance_sampling_mode: str = "sequence_mask"
@@ -153,17 +154,21 @@ class GRPOConfig:
     # -- launching
     deepspeed: str | dict | None = None  # a DeepSpeed JSON file or its contents: train.deepspeed
     # -- logging, saving, evaluation
+    logging_strategy: str = "steps"  # steps, epoch or no (transformers' IntervalStrategy)
     logging_steps: float = 10
     logging_first_step: bool = False
     log_completions: bool = False
     report_to: str | list[str] = "none"
     disable_tqdm: bool | None = None
-    save_strategy: str = "steps"
+    save_strategy: str = "steps"  # steps, epoch or no ("best" is refused)
     save_steps: float = 500
     save_total_limit: int | None = None
-    eval_strategy: str = "no"
+    eval_strategy: str = "no"  # no, steps or epoch
     eval_steps: float | None = None
     eval_on_start: bool = False
+    load_best_model_at_end: bool = False  # end with the best checkpoint's weights (Trainer's _load_best_model)
+    metric_for_best_model: str | None = None  # None: "loss" under load_best_model_at_end (transformers' default)
+    greater_is_better: bool | None = None  # None: not metric_for_best_model.endswith("loss")
     per_device_eval_batch_size: int = 8  # completions per batch of the evaluation's loss pass (eval_loss)
     max_tool_calling_iterations: int | None = None  # tool rounds after the first turn; None: until the length budget
     # -- grpo's own options (not TRL's)
@@ -189,14 +194,17 @@ class GRPOConfig:
             (self.steps_per_generation in (None, self.gradient_accumulation_steps), "steps_per_generation",
              "a grpo step updates on its whole rollout batch: steps_per_generation must equal "
              "gradient_accumulation_steps (TRL's default)"),
-            (self.save_strategy == "steps", "save_strategy",
-             "grpo checkpoints every save_steps and at the end ('steps')"),
-            (self.eval_strategy in ("no", "steps"), "eval_strategy", "grpo evaluates by steps ('steps') or not ('no')"),
-            (self.adam_epsilon == 1e-8, "adam_epsilon", "grpo's AdamW uses torch's eps 1e-8"),
+            (self.save_strategy in INTERVALS, "save_strategy", "grpo checkpoints by steps, by epoch or not at all "
+             "('no'); 'best' (a checkpoint at each new best evaluation) is not implemented"),
+            (self.eval_strategy in INTERVALS, "eval_strategy", "one of no, steps, epoch"),
+            (self.logging_strategy in INTERVALS, "logging_strategy", "one of no, steps, epoch"),
         ]
         for ok, name, why in checks:
             if not ok:
                 raise ValueError(f"GRPOConfig.{name}={getattr(self, name)!r} is not supported: {why}")
+        self.lr_scheduler_kwargs = scheduler_kwargs(self.lr_scheduler_kwargs)
+        best_model_arguments(self)
+        optimizer_arguments(self.optim_args)
         unknown = set(self.generation_kwargs or {}) - {"min_new_tokens"}
         if unknown:
             raise ValueError(f"GRPOConfig.generation_kwargs {sorted(unknown)} are not supported: grpo reads "
@@ -235,6 +243,77 @@ class GRPOConfig:
     def to_yaml(self, path, num_processes: int = 1, train_size: int | None = None) -> str:
         """Write the recipe ``grpo train`` runs for these arguments; returns its text."""
         return run_config_text(self.to_run_config(num_processes, train_size), path)
+
+
+INTERVALS = ("no", "steps", "epoch")
+
+
+def best_model_arguments(args: GRPOConfig) -> None:
+    """transformers' defaults and checks of load_best_model_at_end / metric_for_best_model / greater_is_better
+    (``TrainingArguments.__post_init__``): the metric defaults to "loss", greater_is_better to a metric not named
+    *loss, and the best checkpoint must be one the run saves (the save and eval strategies agree, save_steps a
+    multiple of eval_steps). A ValueError in transformers' words."""
+    if args.load_best_model_at_end and args.metric_for_best_model is None:
+        args.metric_for_best_model = "loss"
+    if args.greater_is_better is None and args.metric_for_best_model is not None:
+        args.greater_is_better = not args.metric_for_best_model.endswith("loss")
+    if not args.load_best_model_at_end:
+        return
+    if args.eval_strategy != args.save_strategy:
+        raise ValueError("--load_best_model_at_end requires the save and eval strategy to match, except when "
+                         f'--save_strategy="best", but found\n- Evaluation strategy: {args.eval_strategy}\n- Save '
+                         f"strategy: {args.save_strategy}")
+    eval_steps = args.eval_steps or args.logging_steps  # transformers' fallback for eval_steps
+    if args.eval_strategy == "steps" and args.save_steps % eval_steps:
+        raise ValueError("--load_best_model_at_end requires the saving steps to be a round multiple of the "
+                         f"evaluation steps, but found {args.save_steps}, which is not a round multiple of "
+                         f"{eval_steps}.")
+
+
+def scheduler_kwargs(value: dict | str | None) -> dict | None:
+    """TRL's ``lr_scheduler_kwargs`` as a dict: JSON text ``"{...}"`` read as transformers reads it (``"true"``,
+    ``"3"``, ``"0.1"`` inside it become a bool, int and float); its names are checked against the schedule when the
+    run config is built (``optim.lr_scheduler_kwargs``)."""
+    if isinstance(value, str):
+        if not value.startswith("{"):
+            raise ValueError(f"GRPOConfig.lr_scheduler_kwargs={value!r}: a dict or its JSON text ('{{...}}')")
+        value = _typed_strings(json.loads(value))
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"GRPOConfig.lr_scheduler_kwargs={value!r}: a dict or its JSON text ('{{...}}')")
+    return value
+
+
+def _typed_strings(value: dict) -> dict:
+    """transformers' ``_convert_str_dict``: string values "true"/"false", "3" and "0.1" as bool, int and float."""
+    out = {}
+    for key, item in value.items():
+        if isinstance(item, dict):
+            item = _typed_strings(item)
+        elif isinstance(item, str) and item.lower() in ("true", "false"):
+            item = item.lower() == "true"
+        elif isinstance(item, str) and item.isdigit():
+            item = int(item)
+        elif isinstance(item, str) and item.replace(".", "", 1).isdigit():
+            item = float(item)
+        out[key] = item
+    return out
+
+
+def optimizer_arguments(value: str | None) -> dict[str, str]:
+    """TRL's ``optim_args`` ``"key=value,..."`` parsed as transformers parses it (``_parse_optim_args``; a part
+    without one ``=`` is a ValueError naming the field). transformers' AdamW (adamw_torch, adamw_torch_fused) and
+    bitsandbytes' AdamW 8-bit take nothing from them (they are for AnyPrecisionAdamW, AdEMAMix, GaLore, ...), so
+    neither do grpo's AdamW optimizers: the text is accepted as Trainer accepts it, and changes nothing."""
+    if not value:
+        return {}
+    parsed = {}
+    for part in value.replace(" ", "").split(","):
+        if part.count("=") != 1:
+            raise ValueError(f"GRPOConfig.optim_args={value!r}: {part!r} is not key=value (transformers' format "
+                             "'key=value,key=value')")
+        key, text = part.split("=")
+        parsed[key] = text
+    return parsed
 
 
 _FIELDS = {f.name for f in dataclasses.fields(GRPOConfig)} - {"extra"}

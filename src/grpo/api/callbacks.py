@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 
 from transformers.trainer_utils import rotate_checkpoints
 
 from grpo.api.completions import CompletionTable, completion_table, log_completions
+from grpo.api.eval_entries import trl_eval_entries
 from grpo.training.loop import LoopHooks, StepReport
 
 # grpo's step metric -> TRL's name for the same quantity (rewards, lengths and tools are converted below)
@@ -97,7 +99,7 @@ class CallbackHooks(LoopHooks):
     def __init__(self, args, state, control, callbacks: list, *, model, tokenizer, reward_names: list[str],
                  completions_per_step: int, updates_per_step: int, logging_steps: int,
                  write_trainer_state: bool = False, eval_rows: dict[str, int] | None = None,
-                 save_total_limit: int | None = None):
+                 save_total_limit: int | None = None, steps_per_epoch: int | None = None):
         self.args, self.state, self.control, self.callbacks = args, state, control, callbacks
         self.model, self.tokenizer = model, tokenizer
         self.reward_names, self.completions, self.ni = reward_names, completions_per_step, updates_per_step
@@ -106,6 +108,9 @@ class CallbackHooks(LoopHooks):
         self.eval_rows = eval_rows or {}  # {eval set: rows} ("": the unnamed set), an entry each
         # checkpoints kept, rotated here by Trainer's rule (the best one kept too) when the run itself does not
         self.save_total_limit = save_total_limit
+        # TRL's epoch in grpo steps (the train dataset's prompts // prompts per step); None: train_begin's (the
+        # schedule's), else epochs end where the step's own epoch metric passes a whole number
+        self.steps_per_epoch = steps_per_epoch
         self.window: list[dict[str, float]] = []
         # the running step's on_evaluate/on_save/on_epoch_end, fired after its updates' events
         self.pending: list[tuple[str, dict]] = []
@@ -123,7 +128,11 @@ class CallbackHooks(LoopHooks):
             if result is not None:
                 self.control = result
 
-    def train_begin(self, start_step: int, max_steps: int) -> None:
+    def _strategy(self, name: str) -> str:
+        return getattr(self.args, name, "steps")  # TRL's default where args are not TRL's (a test's)
+
+    def train_begin(self, start_step: int, max_steps: int, steps_per_epoch: int | None = None) -> None:
+        self.steps_per_epoch = self.steps_per_epoch or steps_per_epoch
         self.state.max_steps, self.state.global_step = max_steps * self.ni, start_step * self.ni
         self.state.logging_steps = self.logging_steps
         self.state.is_local_process_zero = int(os.environ.get("LOCAL_RANK", "0")) == 0
@@ -149,6 +158,8 @@ class CallbackHooks(LoopHooks):
         entries = self.eval_entries(metrics)
         if self.in_step:  # logged once the step's updates are: with their num_tokens and epoch
             self.pending.append(("on_evaluate", {"entries": entries}))
+        elif step == 0:  # eval_on_start: Trainer's evaluate() without _determine_best_metric
+            self.log_evaluation(entries)
         else:
             self._track_best(self.log_evaluation(entries))
 
@@ -189,7 +200,9 @@ class CallbackHooks(LoopHooks):
             best = float("-inf") if greater else float("inf")
         value = metrics[key]
         if value > best if greater else value < best:
-            self.state.best_metric, self.state.best_global_step = value, self.state.global_step
+            self.state.best_metric = value
+            if self._strategy("save_strategy") != "no":  # Trainer names a best step only where it saves
+                self.state.best_global_step = self.state.global_step
 
     def saved(self, step: int, path: Path) -> None:
         if self.in_step:
@@ -199,11 +212,13 @@ class CallbackHooks(LoopHooks):
 
     def _saved(self, path: Path) -> None:
         """transformers' ``trainer_state.json`` (the log history to this step) into the checkpoint, then on_save."""
+        # Trainer's _save_checkpoint names the best checkpoint once its folder exists; on every rank, as each
+        # loads it under load_best_model_at_end
+        if self.state.best_global_step and path is not None:
+            best = Path(path).parent / f"checkpoint-{self.state.best_global_step}"
+            if best.is_dir():
+                self.state.best_model_checkpoint = str(best)
         if self.write_trainer_state and self.state.is_world_process_zero:  # one writer, as Trainer's should_save
-            if self.state.best_global_step:  # as Trainer's _save_checkpoint: once the best step's folder exists
-                best = Path(path).parent / f"checkpoint-{self.state.best_global_step}"
-                if best.is_dir():
-                    self.state.best_model_checkpoint = str(best)
             partial = path / ".trainer_state.json.tmp"
             self.state.save_to_json(str(partial))
             os.replace(partial, path / "trainer_state.json")
@@ -221,6 +236,8 @@ class CallbackHooks(LoopHooks):
         generation = trl_metrics(own, self.reward_names, self.completions, with_kl)
         seen = (self.state.num_input_tokens_seen or 0) + int(metrics.get("step_tokens", 0))
         self.state.num_input_tokens_seen, generation["num_tokens"] = seen, float(seen)
+        if self.steps_per_epoch:  # TRL's epoch: whole steps' prompts per pass
+            metrics = {**metrics, "epoch": step / self.steps_per_epoch}
         previous = self.previous_epoch
         if previous is None:  # resumed without a saved epoch: as if every step had covered the same share
             previous = metrics.get("epoch", 0.0) * (step - 1) / step
@@ -237,22 +254,56 @@ class CallbackHooks(LoopHooks):
             self.window.append(entry)
             self._call("on_step_end")
             first = self.state.global_step == 1 and getattr(self.args, "logging_first_step", False)
-            if self.state.global_step % self.logging_steps == 0 or first:
-                self._log(self._window_entry())
-                self._log_completions()
-            if math.floor(entry["epoch"] + 1e-9) > math.floor(previous + 1e-9):
+            due = self.state.global_step % self.logging_steps == 0
+            if first or due and self._strategy("logging_strategy") == "steps":
+                self._log_window()
+            if self._ends_epoch(step, u == len(entries) - 1, previous, entry["epoch"]):
                 self._end_epoch()  # this update finished a pass over the data
             previous = entry["epoch"]
         self.previous_epoch = self.state.epoch
-        for event, entry in self.pending:  # Trainer's order: evaluation, checkpoint, end of epoch
-            if event == "on_evaluate":
-                self._track_best(self.log_evaluation(entry["entries"]))
-            elif event == "on_save":
-                self._saved(entry["path"])
-            else:
-                self._call(event)
-        self.pending, self.in_step = [], False
+        self._flush(stopping=bool(self.control.should_training_stop) or self.state.global_step >= self.state.max_steps)
+        self.in_step = False
         return bool(self.control.should_training_stop)
+
+    def _ends_epoch(self, step: int, last_update: bool, previous: float, epoch: float) -> bool:
+        if self.steps_per_epoch:  # after the last update of every steps_per_epoch-th step
+            return last_update and step % self.steps_per_epoch == 0
+        return math.floor(epoch + 1e-9) > math.floor(previous + 1e-9)
+
+    def _log_window(self) -> None:
+        self._log(self._window_entry())
+        self._log_completions()
+
+    def _flush(self, stopping: bool) -> None:
+        """The step's evaluation and checkpoint in Trainer's order: those of a steps strategy at the step's end,
+        then, when an epoch ends (or training stops inside one, which Trainer closes too), on_epoch_end and those
+        of an epoch strategy (logging_strategy epoch: the epoch's log entry first)."""
+        pending, self.pending = self.pending, []
+        epoch_ended = any(event == "on_epoch_end" for event, _ in pending)
+        if stopping and self.epoch_open and not epoch_ended:
+            epoch_ended, self.epoch_open = True, False
+        by_epoch = {"on_evaluate": self._strategy("eval_strategy") == "epoch",
+                    "on_save": self._strategy("save_strategy") == "epoch"}
+        later = []
+        for event, entry in pending:
+            if event == "on_epoch_end":
+                continue
+            if epoch_ended and by_epoch[event]:
+                later.append((event, entry))
+            else:
+                self._fire(event, entry)
+        if epoch_ended:
+            self._call("on_epoch_end")
+            if self._strategy("logging_strategy") == "epoch" and self.window:
+                self._log_window()
+            for event, entry in later:
+                self._fire(event, entry)
+
+    def _fire(self, event: str, entry: dict) -> None:
+        if event == "on_evaluate":
+            self._track_best(self.log_evaluation(entry["entries"]))
+        else:
+            self._saved(entry["path"])
 
     def _optimizer_events(self) -> None:
         """Trainer's events inside one optimizer update, at the global step before it: on_substep_end after each
@@ -291,8 +342,15 @@ class CallbackHooks(LoopHooks):
             self._call("on_epoch_end")
         self.epoch_open = False
 
+    def final_weights(self) -> Path | None:
+        """load_best_model_at_end: the best checkpoint (Trainer's ``_load_best_model``), None without one."""
+        best = self.state.best_model_checkpoint
+        if getattr(self.args, "load_best_model_at_end", False) and best and Path(best).is_dir():
+            return Path(best)
+        return None
+
     def train_end(self, last_step: int) -> None:
-        if self.epoch_open:  # the run stopped inside an epoch: Trainer still closes it
+        if self.epoch_open:  # the run stopped inside an epoch (early stopping): Trainer still closes it
             self._call("on_epoch_end")
             self.epoch_open = False
         runtime = time.perf_counter() - self.started
@@ -304,6 +362,11 @@ class CallbackHooks(LoopHooks):
                    "train_loss": sum(self.losses) / len(self.losses) if self.losses else 0.0,
                    "epoch": self.state.epoch, "step": self.state.global_step}
         self._log(summary)
+        best = self.state.best_model_checkpoint
+        if self.save_total_limit == 1 and best and self.state.is_world_process_zero:  # Trainer's _finalize_training
+            for folder in Path(best).parent.glob("checkpoint-*"):
+                if folder.is_dir() and not os.path.samefile(folder, best):
+                    shutil.rmtree(folder, ignore_errors=True)
         self._call("on_train_end")
 
     def summary(self) -> dict:
@@ -312,77 +375,3 @@ class CallbackHooks(LoopHooks):
             if "train_runtime" in entry:
                 return entry
         return {}
-
-
-# grpo's evaluation metric (of a set) -> TRL's evaluation name, after the prefix
-TRL_EVAL_NAMES = {
-    "reward/total": "reward", "reward_std/total": "reward_std", "truncated_rate": "completions/clipped_ratio",
-    "completion_length/mean": "completions/mean_length", "completion_length/min": "completions/min_length",
-    "completion_length/max": "completions/max_length",
-    "terminated_length/mean": "completions/mean_terminated_length",
-    "terminated_length/min": "completions/min_terminated_length",
-    "terminated_length/max": "completions/max_terminated_length",
-    "tools/calls_per_completion": "tools/call_frequency", "tools/failure_rate": "tools/failure_frequency",
-    # the loss pass's (grpo.training.eval_loss), which TRL's log prefixes eval_ whatever the set; the loss itself
-    # keeps the set's prefix (Trainer's metric_key_prefix): eval_loss, eval_<set>_loss
-    **{name: name for name in ("entropy", "kl", "frac_reward_zero_std", "clip_ratio/low_mean", "clip_ratio/low_min",
-                               "clip_ratio/high_mean", "clip_ratio/high_max", "clip_ratio/region_mean")},
-}
-
-
-def eval_set_metrics(metrics: dict[str, float], set_names: list[str]) -> dict[str, dict[str, float]]:
-    """An evaluation's ``eval/*`` metrics (``grpo.training.evaluator.eval_metrics``) by set: ``{set: {name after
-    the set: value}}``; the unnamed set (``""``) takes every ``eval/<name>``."""
-    by_set: dict[str, dict[str, float]] = {name: {} for name in set_names}
-    for name, value in metrics.items():
-        if not name.startswith("eval/"):
-            continue
-        rest = name[len("eval/"):]
-        head, _, tail = rest.partition("/")
-        if "" in by_set:
-            by_set[""][rest] = value
-        elif tail and head in by_set:
-            by_set[head][tail] = value
-    return by_set
-
-
-def _named_sets(metrics: dict[str, float]) -> list[str]:
-    """The named sets an evaluation's metrics hold (each has its own ``eval/<set>/accuracy``)."""
-    heads = dict.fromkeys(name.split("/")[1] for name in metrics if name.startswith("eval/") and name.count("/") > 1)
-    return [head for head in heads if f"eval/{head}/accuracy" in metrics]
-
-
-def trl_eval_entries(metrics: dict[str, float], set_rows: dict[str, int], batch_size: int,
-                     prefix: str = "eval") -> list[dict[str, float]]:
-    """An evaluation's ``eval/*`` metrics (``time/eval_s`` its seconds) as the log entries Trainer.evaluate makes,
-    one per set of ``set_rows`` (``{set: rows}``; ``""``: the one unnamed set), in its order.
-
-    Each entry holds what TRL's GRPO evaluation logs, under ``{prefix}_`` for every set alike (TRL's ``log`` adds
-    ``eval_`` to its own metrics, whatever the set): ``reward``, ``reward_std``, ``rewards/<fn>/mean|std``,
-    ``completions/*``, ``tools/*``; and under the set's own prefix ``{prefix}_<set>_`` (Trainer's
-    ``metric_key_prefix`` for a dict of sets) ``runtime``, ``samples_per_second`` and ``steps_per_second``
-    (rows in batches of ``batch_size``, as Trainer counts them) and grpo's own (accuracy, pass@k, ...), as a
-    ``compute_metrics`` result would be. The sets share generation calls, so a set's runtime is its rows' share
-    of the evaluation's seconds. No ``set_rows`` (the config's own ``data.eval``, through ``grpo_overrides``): the
-    sets the metrics name, their rows unknown (rates 0, the seconds shared evenly)."""
-    set_rows = set_rows or dict.fromkeys(_named_sets(metrics) or [""], 0)
-    seconds, total = metrics.get("time/eval_s"), sum(set_rows.values())
-    entries = []
-    for set_name, rest_values in eval_set_metrics(metrics, list(set_rows)).items():
-        own = f"{prefix}_{set_name}" if set_name else prefix
-        entry = {}
-        for rest, value in rest_values.items():
-            key = TRL_EVAL_NAMES.get(rest)
-            if key is None and rest.startswith("reward/"):
-                key = f"rewards/{rest[len('reward/'):]}/mean"
-            elif key is None and rest.startswith("reward_std/"):
-                key = f"rewards/{rest[len('reward_std/'):]}/std"
-            entry[f"{prefix}_{key}" if key else f"{own}_{rest}"] = value
-        if seconds:
-            rows = set_rows[set_name]
-            runtime = seconds * (rows / total if total else 1 / len(set_rows))
-            entry[f"{own}_runtime"] = round(runtime, 4)
-            entry[f"{own}_samples_per_second"] = round(rows / runtime, 3)
-            entry[f"{own}_steps_per_second"] = round(math.ceil(rows / max(batch_size, 1)) / runtime, 3)
-        entries.append(entry)
-    return entries

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 
 OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_8bit": "adamw_8bit",
               "adamw_bnb_8bit": "adamw_8bit"}
-SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant"}
+SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant",
+             "cosine_with_min_lr": "cosine_with_min_lr"}
 SCALE_REWARDS = {True: None, False: "none", "group": None, "batch": "batch", "none": "none"}
 
 
@@ -151,6 +152,7 @@ LINKS: tuple[Link, ...] = (
          lambda c, trust, init: (bool(trust or (init or {}).get("trust_remote_code")),),
          lambda c, trust: {"trust_remote_code": trust}),
     forward("model_init_kwargs", "model.attn_implementation", lambda init: (init or {}).get("attn_implementation")),
+    same("disable_dropout", "model.disable_dropout"),
     same("shuffle_dataset", "data.shuffle"),
     Link(("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations"),
          ("train.micro_batch_size", "train.prompts_per_step", "rollout.num_generations"),
@@ -175,6 +177,13 @@ LINKS: tuple[Link, ...] = (
     same("multi_objective_aggregation", "algorithm.multi_objective_aggregation"),
     same("beta", "loss.beta"),
     same("use_bias_correction_kl", "loss.kl_times_ratio"),
+    # TRL counts the sync interval in updates (check_arguments: a multiple of num_iterations); its alpha means
+    # nothing without sync_ref_model, so it is left out then
+    Link(("sync_ref_model", "ref_model_sync_steps", "ref_model_mixup_alpha"),
+         ("loss.ref_sync_steps", "loss.ref_mixup_alpha"),
+         lambda c, sync, every, alpha: (every // c.ni, alpha) if sync else (None, OMIT),
+         lambda c, every, alpha: {"sync_ref_model": every is not None, "ref_model_mixup_alpha": alpha,
+                                  "ref_model_sync_steps": 512 if every is None else every * c.ni}),
     same("num_iterations", "loss.num_iterations"),
     same("epsilon", "loss.epsilon"),
     same("epsilon_high", "loss.epsilon_high"),
@@ -207,41 +216,50 @@ LINKS: tuple[Link, ...] = (
          lambda c, schedule, ratio: {"lr_scheduler_type": ("constant_with_warmup" if schedule == "constant" and ratio
                                                            else schedule),
                                      "warmup_steps": int(round(ratio * c.updates))}),
+    one("lr_scheduler_kwargs", "optim.lr_scheduler_kwargs", lambda kwargs: dict(kwargs or {}),
+        lambda kwargs: dict(kwargs) or None),
     one("optim", "optim.optimizer", OPTIMIZERS.__getitem__,
         lambda optimizer: "adamw_torch" if optimizer == "adamw" else "adamw_8bit"),
     same("weight_decay", "optim.weight_decay"),
     same("adam_beta1", "optim.adam_beta1"),
     same("adam_beta2", "optim.adam_beta2"),
+    same("adam_epsilon", "optim.adam_epsilon"),
     one("max_grad_norm", "optim.max_grad_norm", lambda norm: norm or None, lambda norm: norm or 0.0),
     Link(("max_steps",), ("train.max_steps",), lambda c, max_steps: (c.steps,),  # grpo_steps'
          lambda c, steps: {"max_steps": steps * c.ni}),
     one("output_dir", "train.output_dir", lambda path: path or "trainer_output", lambda path: path),
     fixed("train.overwrite", True),  # as TRL writes
     same("seed", "train.seed"),
-    Link(("save_steps",), ("train.save_steps",), lambda c, every: (_per_step(every, c.ni, c.updates),),
-         lambda c, every: {"save_steps": every * c.ni}),
+    same("full_determinism", "train.full_determinism"),
+    Link(("save_strategy", "save_steps"), ("train.save_strategy", "train.save_steps"),
+         lambda c, strategy, every: (strategy, _per_step(every, c.ni, c.updates)),
+         lambda c, strategy, every: {"save_strategy": strategy, "save_steps": every * c.ni}),
     same("save_total_limit", "train.save_total_limit"),
     one("use_cpu", "train.device", lambda cpu: "cpu" if cpu else "auto", lambda device: device == "cpu"),
-    Link(("eval_strategy", "eval_steps", "logging_steps"), ("train.eval_steps",),
-         lambda c, strategy, every, logging: (_per_step(every or logging, c.ni, c.updates)
-                                              if strategy == "steps" else None,),
-         lambda c, every: {"eval_strategy": "steps" if every else "no", "eval_steps": (every or 0) * c.ni or None}),
+    Link(("eval_strategy", "eval_steps", "logging_steps"), ("train.eval_strategy", "train.eval_steps"),
+         lambda c, strategy, every, logging: ("epoch" if strategy == "epoch" else "steps",
+                                              _per_step(every or logging, c.ni, c.updates)
+                                              if strategy == "steps" else None),
+         lambda c, strategy, every: {"eval_strategy": "epoch" if strategy == "epoch" else "steps" if every else "no",
+                                     "eval_steps": (every or 0) * c.ni or None}),
     same("eval_on_start", "train.eval_on_start"),
     fixed("train.checkpoint_layout", "trl"),
     fixed("train.eval_at_end", False),  # TRL evaluates the last step inside it
     fixed("eval.loss_pass", True),  # TRL's evaluation runs its loss on sampled groups (eval_loss)
+    same("num_generations_eval", "eval.num_generations"),
     same("per_device_eval_batch_size", "eval.loss_batch_size"),
     same("save_final_model", "train.save_final"),
     same("deepspeed", "train.deepspeed"),
-    Link(("logging_steps",), ("log.logging_steps",), lambda c, every: (_per_step(every, c.ni, c.updates),),
-         lambda c, every: {"logging_steps": every * c.ni}),
+    Link(("logging_strategy", "logging_steps"), ("log.logging_strategy", "log.logging_steps"),
+         lambda c, strategy, every: (strategy, _per_step(every, c.ni, c.updates)),
+         lambda c, strategy, every: {"logging_strategy": strategy, "logging_steps": every * c.ni}),
     one("report_to", "log.report_to", _report_to, lambda trackers: list(trackers) or "none"),
     one("disable_tqdm", "log.progress_bar", lambda disable: not disable, lambda progress: not progress),
     same("plot_at_end", "log.plots"),
 )
 
 
-def check_arguments(args: GRPOConfig) -> None:
+def check_arguments(args: GRPOConfig, num_processes: int) -> None:
     """The values of ``args`` grpo cannot take (beyond ``batch_shape``'s and ``grpo_steps``'): a ``ValueError``
     naming the argument."""
     if args.lr_scheduler_type not in SCHEDULES:
@@ -254,6 +272,13 @@ def check_arguments(args: GRPOConfig) -> None:
                          f"{list(TRACKERS)} (or 'none')")
     if args.scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"GRPOConfig.scale_rewards={args.scale_rewards!r}: one of {', '.join(ADVANTAGE_SCALES)}")
+    G = args.num_generations_eval or args.num_generations
+    if args.eval_strategy != "no" and (args.per_device_eval_batch_size * num_processes) % G:
+        raise ValueError(f"The global eval batch size ({args.per_device_eval_batch_size} * {num_processes}) must be "
+                         f"divisible by the number of generations used for evaluation ({G}).")  # TRL's words
+    if args.sync_ref_model and args.ref_model_sync_steps % args.num_iterations:
+        raise ValueError(f"GRPOConfig.ref_model_sync_steps={args.ref_model_sync_steps} is not a multiple of "
+                         f"num_iterations {args.num_iterations}: grpo moves the reference after a step's updates")
     if args.use_vllm and args.rollout_engine not in (None, VLLM_ENGINE):
         raise ValueError(f"GRPOConfig: use_vllm=True and rollout_engine={args.rollout_engine!r} disagree")
 
@@ -267,7 +292,7 @@ def to_run_config(args: GRPOConfig, *, num_processes: int = 1, train_size: int |
     tools/environment/rollout hook. A value grpo cannot take is a ``ValueError`` naming the argument."""
     P, _ = batch_shape(args, num_processes)
     steps = grpo_steps(args, P, train_size)
-    check_arguments(args)
+    check_arguments(args, num_processes)
     counts = Counts(num_processes, args.num_iterations, steps, steps * args.num_iterations)
     tree: dict[str, Any] = {}
     for link in LINKS:

@@ -25,6 +25,7 @@ from grpo.api.callbacks import CallbackHooks
 from grpo.api.checkpoints import TRAINER_STATE_FILE, resumed_checkpoint
 from grpo.api.datasets import to_examples, verifiers_arguments
 from grpo.api.mapping import batch_shape, grpo_steps, to_run_config
+from grpo.api.optimizers import given_optimizers
 from grpo.api.prompt_lengths import check_longest, context_length, explainer, prompt_limit
 from grpo.api.rewards import build_reward_functions, reward_name
 from grpo.compat import save_pretrained
@@ -45,7 +46,7 @@ from grpo.step.experience import local_reference
 from grpo.training.colocated import train
 from grpo.training.evaluator import eval_metrics
 from grpo.training.inputs import GivenInputs, build_rewards, tokenizer_and_data
-from grpo.training.prepare import build_evaluator
+from grpo.training.prepare import build_evaluator, seed_process
 from grpo.training.settings import logprob_pass, logprob_processing
 
 LORA_FIELDS = {"r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout", "target_modules": "target_modules"}
@@ -91,16 +92,16 @@ class GRPOTrainer(TrainerAttributes):
                  reward_processing_classes: Any = None, callbacks: list | None = None, peft_config: Any = None,
                  optimizers: tuple = (None, None), quantization_config: Any = None, tools: Any = None,
                  rollout_func: Any = None, environment_factory: Any = None):
-        refused = {"optimizers": (optimizers != (None, None), "grpo builds AdamW and its schedule from the arguments"),
-                   "quantization_config": (quantization_config is not None, "use grpo_overrides model.load_in_4bit")}
-        for name, (given, why) in refused.items():
-            if given:
-                raise ValueError(f"GRPOTrainer({name}=...) is not supported: {why}")
+        if quantization_config is not None:
+            raise ValueError("GRPOTrainer(quantization_config=...) is not supported: use grpo_overrides "
+                             "model.load_in_4bit")
         name_or_path = self._model_name(model)
         args = args or GRPOConfig(output_dir=f"{Path(name_or_path).name}-GRPO")
         train_dataset, args = verifiers_arguments(train_dataset, reward_funcs, args)  # a vf.Env: data.train
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"args must be a grpo.GRPOConfig, got {type(args).__name__}")
+        if args.full_determinism:  # as Trainer's __init__ does (train() does again, as every grpo process)
+            seed_process(args.seed, full_determinism=True)
         lora = self._lora(model, peft_config)
         self.args, self.num_processes = args, int(os.environ.get("WORLD_SIZE", "1"))
         prompts_per_step, _ = batch_shape(args, self.num_processes)
@@ -157,6 +158,7 @@ class GRPOTrainer(TrainerAttributes):
         check_longest(self._rendering, sets, self._tool_schemas(), self.config.data.max_prompt_length,
                       self._explain)
         self.model = self._prepare_model(model)
+        self.optimizer, self.lr_scheduler = given_optimizers(optimizers, self.model, self.config)  # Trainer's names
         self.state, self.control = TrainerState(), TrainerControl()
         self.callbacks = [c() if isinstance(c, type) else c for c in (callbacks or [])]
         for callback in self.callbacks:
@@ -288,8 +290,9 @@ class GRPOTrainer(TrainerAttributes):
         try:
             train(cfg, given)
         except KeyboardInterrupt:
-            print(f"\ngrpo: interrupted at step {self.state.global_step}; the last finished step is saved in "
-                  f"{cfg.train.output_dir}/checkpoint-* (train(resume_from_checkpoint=True) continues)")
+            print(f"\ngrpo: interrupted at step {self.state.global_step}; " + (
+                f"the last finished step is saved in {cfg.train.output_dir}/checkpoint-* (train(resume_from_checkpoint="
+                "True) continues)" if cfg.train.save_strategy != "no" else "nothing saved (save_strategy='no')"))
         except PromptTooLong as err:  # measured when its step sampled it: earlier steps' checkpoints are kept
             raise self._explain(err) from None
         summary = hooks.summary()
@@ -298,17 +301,21 @@ class GRPOTrainer(TrainerAttributes):
     def _hooks(self, cfg, eval_sets: dict[str, list], save_total_limit: int | None = None) -> CallbackHooks:
         """The loop's callouts into ``state`` and the callbacks, evaluating ``eval_sets`` (an entry each);
         ``save_total_limit``: the checkpoints the hooks keep (None: the run prunes them itself)."""
+        # TRL's epoch: the train dataset's prompts that fill whole steps (the rows read may stop at max_steps')
+        sized = self.train_set is not None and hasattr(self.train_dataset, "__len__")
+        per_epoch = len(self.train_dataset) // cfg.train.prompts_per_step if sized else None
         return CallbackHooks(self.args, self.state, self.control, self.callbacks, model=self.model,
                              tokenizer=self.processing_class, reward_names=[f.name for f in self.reward_fns],
                              completions_per_step=cfg.train.prompts_per_step * cfg.rollout.num_generations,
                              updates_per_step=cfg.loss.num_iterations, logging_steps=self._logging_updates(cfg),
                              write_trainer_state=True, eval_rows={name: len(s) for name, s in eval_sets.items()},
-                             save_total_limit=save_total_limit)
+                             save_total_limit=save_total_limit, steps_per_epoch=per_epoch or None)
 
     def _given(self, train_set, eval_set):
         """The objects this trainer holds, as ``GivenInputs`` (no policy or hooks: ``train()`` adds them)."""
         return GivenInputs(tokenizer=self._rendering, train_set=train_set, eval_set=eval_set,
-                           reward_fns=self.reward_fns, reward_weights=self.reward_weights,
+                           reward_fns=self.reward_fns, reward_weights=self.reward_weights, optimizer=self.optimizer,
+                           scheduler=self.lr_scheduler,
                            tools=list(self.tools) if self.tools is not None else None,
                            environment_factory=self.environments, rollout_func=self._rollout_func())
 
@@ -316,7 +323,6 @@ class GRPOTrainer(TrainerAttributes):
         """TRL's logging_steps in updates (a float below 1: that share of max_steps, rounded up)."""
         steps = self.args.logging_steps
         return max(1, math.ceil(steps * cfg.train.max_steps * cfg.loss.num_iterations) if steps < 1 else int(steps))
-
 
     def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """grpo's held-out evaluation of the model as it is now, the way a run evaluates

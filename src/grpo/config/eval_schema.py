@@ -1,6 +1,6 @@
 """The ``eval`` section of the config tree (``grpo.config.schema``): how a run evaluates its held-out sets
-(``data.eval``) at start, every ``train.eval_steps`` and at the end. TRL's peer is ``num_generations_eval``,
-verl's ``val_kwargs`` (n, temperature, do_sample)."""
+(``data.eval``) at start, every ``train.eval_steps`` and at the end. ``num_samples``' peer is verl's
+``val_kwargs`` (n, temperature, do_sample); TRL's ``num_generations_eval`` is the loss pass's ``num_generations``."""
 
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ class EvalConfig:
         "rewards and log the training loss on them without gradients, the current weights as the old policy "
         "(eval/loss, eval/entropy, eval/clip_ratio/*, eval/frac_reward_zero_std, eval/kl with loss.beta): TRL's "
         "eval_loss. The Python API turns it on; it costs a sampled generation beside the greedy one.")
+    num_generations: int | None = opt(
+        None, "Completions sampled per held-out prompt by eval.loss_pass (its groups, advantages, rewards and "
+        "loss; TRL's num_generations_eval, fewer to save compute); null = rollout.num_generations.", ge=1)
     loss_batch_size: int = opt(
         8, "Completions per batch of eval.loss_pass (TRL's per_device_eval_batch_size: that many // "
         "num_generations prompts); the loss is normalised per batch, as a training micro-batch's.", ge=1)

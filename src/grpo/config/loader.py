@@ -166,6 +166,8 @@ def _build(cls: type, values: dict, prefix: str, where=lambda key: "") -> Any:
                 raise ConfigError(f"{where(key)}{key}: expected a mapping of {tp.__name__} keys, got {value!r}")
             kwargs[name] = _build(tp, value, key, where)
             continue
+        if value is False and "no" in (fields[name].metadata.get("choices") or ()):
+            value = "no"  # YAML 1.1 reads a bare `no` as false: a strategy's "no" written plainly
         try:
             kwargs[name] = _coerce(value, tp, key)
             _check_range(kwargs[name], dict(fields[name].metadata), key)

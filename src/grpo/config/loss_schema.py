@@ -14,6 +14,15 @@ class LossConfig:
     beta: float = opt(0.04, "KL coefficient (k3 estimator against the reference); 0 = no reference model.", ge=0)
     kl_times_ratio: bool = opt(False, "The KL term is ratio x k3 (the tokens come from the old policy): TRL's "
                                       "use_bias_correction_kl (its default); false: plain k3.")
+    ref_sync_steps: int | None = opt(
+        None, "TR-DPO's moving reference (TRL's sync_ref_model): every N steps, after the step's update, the "
+        "reference becomes loss.ref_mixup_alpha x policy + (1 - alpha) x reference, parameter by parameter (kept in "
+        "checkpoints); null = a fixed reference. Colocated full fine-tuning with loss.beta > 0 only: not for LoRA "
+        "(its reference is the base with the adapter off, nothing to move), a teacher (model.ref_name_or_path) or "
+        "train.mode decoupled (the samplers' reference sees only the weights they load).", ge=1)
+    ref_mixup_alpha: float = opt(
+        0.6, "loss.ref_sync_steps: the policy's share in the moved reference (TRL's ref_model_mixup_alpha; 1: the "
+        "reference becomes the policy).", ge=0, le=1)
     epsilon: float = opt(0.2, "Lower clip: ratio >= 1 - epsilon.", gt=0, le=1)
     epsilon_high: float | None = opt(None, "Upper clip: ratio <= 1 + epsilon_high (DAPO); null = epsilon. With loss_type "
                                            "cispo: the cap on the ratio itself (not 1 + it).", gt=0)

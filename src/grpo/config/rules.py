@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from grpo.algorithm import advantage_estimator
+from grpo.algorithm.schedules import decay_arguments
 from grpo.config.async_rules import in_flight_problems, partial_rollout_problems
 from grpo.config.kinds import TRACKERS, engine_traits
 from grpo.config.task_rules import gold_problems, reward_problems, task_problems
@@ -50,6 +51,7 @@ def loss_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
         problems.append(("loss.epsilon_high", (
             f"{cfg.loss.epsilon_high} < loss.epsilon {cfg.loss.epsilon}: the asymmetric clip (DAPO) only "
             "raises the upper bound")))
+    problems += ref_sync_problems(cfg)
     if cfg.loss.scale_rewards is not None and not _estimator(cfg).takes_scale:
         problems.append(("loss.scale_rewards", (
             f"is {cfg.loss.scale_rewards!r} but algorithm.advantage_estimator is "
@@ -104,6 +106,28 @@ def loss_type_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
     return problems
 
 
+def ref_sync_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
+    """TR-DPO's moving reference needs a reference of the policy's own parameters that this process holds."""
+    loss, sync = cfg.loss, "loss.ref_sync_steps"
+    if loss.ref_sync_steps is None:
+        moved = loss.ref_mixup_alpha != type(loss)().ref_mixup_alpha
+        return [("loss.ref_mixup_alpha", "is set but loss.ref_sync_steps is null: the reference never moves")
+                ] if moved else []
+    why = [  # (refused, reason), the first that holds is reported
+        (loss.beta == 0, "loss.beta is 0: there is no reference to move (TRL refuses sync_ref_model with beta 0)"),
+        (cfg.model.lora_r > 0, "model.lora_r > 0: a LoRA run's reference is the base with the adapter off, no model "
+                               "of its own to move (TRL refuses sync_ref_model with PEFT for the same reason)"),
+        (cfg.model.ref_name_or_path is not None, "model.ref_name_or_path names a teacher: TR-DPO moves a copy of the "
+                                                 "policy toward it, which another model's parameters cannot follow"),
+        (cfg.train.mode == "decoupled", "train.mode is decoupled: the samplers (or decoupled.ref_server) hold the "
+                                        "reference and see only the published weights they load, not the policy "
+                                        "of every sync step; train colocated"),
+        (bool(cfg.train.deepspeed), "train.deepspeed is set: under ZeRO-3 each rank holds a shard of the policy, "
+                                    "and the sync reads whole parameters (not implemented)"),
+    ]
+    return [(sync, f"is set but {reason}") for refused, reason in why if refused][:1]
+
+
 def memory_saver_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
     """4-bit weights and 8-bit optimizer states (bitsandbytes) against LoRA and DeepSpeed."""
     problems = []
@@ -136,6 +160,18 @@ def lora_rate_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
         return [("optim.lora_learning_rate",
                  "is set but model.lora_r is 0 (full fine-tuning has no LoRA parameters)")]
     return []
+
+
+def schedule_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
+    """optim.lr_scheduler_kwargs (and the critic's) are arguments its decay takes."""
+    problems = []
+    for section, rate in (("optim", cfg.optim.learning_rate), ("critic", cfg.critic.learning_rate)):
+        schedule = getattr(cfg, section)
+        try:
+            decay_arguments(schedule.lr_scheduler_type, schedule.lr_scheduler_kwargs, rate, "")
+        except ValueError as err:
+            problems.append((f"{section}.lr_scheduler_kwargs", str(err).removeprefix(": ")))
+    return problems
 
 
 def tracker_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
@@ -188,6 +224,20 @@ def eval_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
         if bad:
             problems.append(("data.eval", f"has set name(s) {bad}: a name is a word (letters, digits, _ . -; "
                                           "not starting with a digit), used in metric and file names"))
+    if cfg.eval.num_generations is not None and not cfg.eval.loss_pass:
+        problems.append(("eval.num_generations", "is set but eval.loss_pass is false: only the loss pass samples "
+                                                 "groups of completions per held-out prompt; set eval.loss_pass: true "
+                                                 "or eval.num_generations: null"))
+    if cfg.train.eval_strategy == "epoch" and cfg.train.eval_steps is not None:
+        problems.append(("train.eval_steps", f"is {cfg.train.eval_steps} but train.eval_strategy is epoch, which "
+                                             "evaluates at the end of each epoch instead; drop one"))
+    if cfg.train.load_best_at_end and cfg.train.best_metric is None:
+        problems.append(("train.load_best_at_end", "needs train.best_metric: the weights it loads are those best/ "
+                                                   "keeps by that metric"))
+    if cfg.train.load_best_at_end and cfg.train.deepspeed:
+        problems.append(("train.load_best_at_end", "cannot be combined with train.deepspeed yet: best/ holds whole "
+                                                   "weights, and loading them into the engine's (under ZeRO-3 "
+                                                   "partitioned) parameters is not implemented"))
     metric = cfg.train.best_metric
     if metric is not None and cfg.data.eval is None:
         problems.append(("train.best_metric", "needs data.eval (the held-out set(s) its metric is measured on)"))
@@ -343,6 +393,7 @@ def ptx_max_length(cfg: "RunConfig") -> int:
 
 
 # In the order the loader reports them: the first violated rule's key is the one located in the recipe.
-RULES = (batch_problems, loss_problems, loss_type_problems, ppo_problems, ptx_problems, memory_saver_problems, token_budget_problems,
-         lora_rate_problems, reward_problems, tracker_problems, decoupled_problems, engine_problems, sampler_problems,
-         encryption_problems, sampling_control_problems, eval_problems, sdpa_problems, task_problems, gold_problems)
+RULES = (batch_problems, loss_problems, loss_type_problems, ppo_problems, ptx_problems, memory_saver_problems,
+         token_budget_problems, lora_rate_problems, schedule_problems, reward_problems, tracker_problems,
+         decoupled_problems, engine_problems, sampler_problems, encryption_problems, sampling_control_problems,
+         eval_problems, sdpa_problems, task_problems, gold_problems)

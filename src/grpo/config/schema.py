@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from grpo.algorithm import ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS
 from grpo.algorithm.schedules import LR_SCHEDULES
+from grpo.config.decoupled_schema import DecoupledConfig  # noqa: F401  (the decoupled section, in its own module)
 from grpo.config.eval_schema import EvalConfig  # noqa: F401  (the eval section, in its own module)
 from grpo.config.fields import opt
 from grpo.config.loss_schema import LossConfig  # noqa: F401  (the loss section, in its own module)
@@ -46,6 +47,10 @@ class ModelConfig:
         None, "dtype of the reference model (float32, bfloat16, float16); null = as the policy.",
         choices=(None, "float32", "bfloat16", "float16"))
     trust_remote_code: bool = opt(False, "Allow model code from the checkpoint folder.")
+    disable_dropout: bool = opt(
+        False, "Set the rate of every torch.nn.Dropout of the policy (LoRA's included) and of the reference to 0, as "
+        "TRL's disable_dropout: a training pass then gives the same log-probs for the same tokens as the sampling "
+        "and reference passes (attention dropout set in a model's config is not a Dropout module and stays).")
 
 
 @dataclass
@@ -115,9 +120,10 @@ class CriticConfig:
     weight_decay: float = opt(0.0, "gae: the critic's AdamW weight decay.", ge=0)
     warmup_ratio: float = opt(0.0, "gae: share of the critic's updates with linear warm-up.", ge=0, le=1)
     lr_scheduler_type: str = opt(
-        "constant", "gae: the critic's decay after warm-up: constant (its targets keep moving with the policy), linear "
-        "or cosine.",
+        "constant", "gae: the critic's decay after warm-up: constant (its targets keep moving with the policy), "
+        "linear, cosine or cosine_with_min_lr.",
         choices=tuple(LR_SCHEDULES))
+    lr_scheduler_kwargs: dict = opt({}, "gae: the arguments of the critic's decay (as optim.lr_scheduler_kwargs).")
     max_grad_norm: float | None = opt(1.0, "gae: clip the critic's gradient norm; null = no clipping.", gt=0)
     gradient_checkpointing: bool = opt(False, "gae: recompute the critic's activations in backward.")
     lora_r: int = opt(0, "gae: LoRA rank of the critic's body; 0 = full fine-tuning (the value head always trains).",
@@ -163,9 +169,16 @@ class OptimConfig:
     weight_decay: float = opt(0.0, "AdamW weight decay.", ge=0)
     adam_beta1: float = opt(0.9, "AdamW beta1.", ge=0, le=1)
     adam_beta2: float = opt(0.99, "AdamW beta2.", ge=0, le=1)
+    adam_epsilon: float = opt(1e-8, "AdamW epsilon, added to the denominator (torch's and TRL's default).", gt=0)
     warmup_ratio: float = opt(0.0, "Share of max_steps with linear warm-up.", ge=0, le=1)
-    lr_scheduler_type: str = opt("cosine", "Decay after warm-up: constant, linear or cosine (to 0 at the last "
-                                            "update).", choices=tuple(LR_SCHEDULES))
+    lr_scheduler_type: str = opt(
+        "cosine", "Decay after warm-up: constant, linear, cosine (to 0 at the last update) or cosine_with_min_lr (to "
+        "a floor: optim.lr_scheduler_kwargs' min_lr or min_lr_rate), as transformers' schedules of those names.",
+        choices=tuple(LR_SCHEDULES))
+    lr_scheduler_kwargs: dict = opt(
+        {}, "Arguments of the decay, transformers' lr_scheduler_kwargs: cosine and cosine_with_min_lr take num_cycles "
+        "(0.5: one half-wave; 1.5: down, up and down again), cosine_with_min_lr exactly one of min_lr (a rate) or "
+        "min_lr_rate (a share of the peak rate); e.g. {min_lr_rate: 0.1}.")
     max_grad_norm: float | None = opt(1.0, "Clip the global gradient norm; null = no clipping.", gt=0)
     optimizer: str = opt("adamw", "adamw (torch) or adamw_8bit (bitsandbytes 8-bit states; CUDA only, refused on CPU).",
                          choices=("adamw", "adamw_8bit"))
@@ -204,8 +217,23 @@ class TrainConfig:
     max_steps: int = opt(100, "Optimisation steps to run.", ge=1)
     output_dir: str = opt("runs/demo", "Run folder: config, metrics, samples, plots, checkpoints.")
     seed: int = opt(42, "Seed for data order, sampling and initialisation.", ge=0)
+    full_determinism: bool = opt(
+        False, "transformers' enable_full_determinism at the start of every process: train.seed into Python, numpy "
+        "and torch, deterministic torch kernels only (an op without one is an error), cuDNN deterministic without "
+        "benchmarking, CUBLAS_WORKSPACE_CONFIG=:16:8 and CUDA_LAUNCH_BLOCKING=1 (slower: each kernel launch waits). "
+        "For bit-for-bit reruns on GPUs; CPU runs are deterministic without it.")
+    save_strategy: str = opt(
+        "steps", "When the run checkpoints: steps (every train.save_steps and at the end), epoch (at the end of each "
+        "epoch, every len(data.train) // prompts_per_step steps as TRL counts an epoch, and at the end), or no (never: "
+        "no checkpoint, not at a stop or Ctrl-C either, nothing to resume; final/ and best/ are written as "
+        "train.save_final and train.best_metric say). transformers' save_strategy.", choices=("steps", "epoch", "no"))
     save_steps: int = opt(50, "Checkpoint every N steps (and at the end).", ge=1)
     save_total_limit: int | None = opt(2, "Keep only the newest N checkpoints; null = all.", ge=1)
+    eval_strategy: str = opt(
+        "steps", "When data.eval is evaluated during training: steps (every train.eval_steps) or epoch (at the end of "
+        "each epoch, as train.save_strategy counts them, and at the last step; needs train.eval_steps: null); "
+        "train.eval_on_start and train.eval_at_end add theirs. transformers' eval_strategy.",
+        choices=("steps", "epoch"))
     eval_steps: int | None = opt(
         None, "Evaluate data.eval every N steps (and at start and end); null = start/end only.", ge=1)
     eval_on_start: bool = opt(True, "Evaluate before the first step of a new run (when data.eval is set).")
@@ -218,6 +246,10 @@ class TrainConfig:
         None, "Keep the weights of the evaluation that is best by this logged metric (e.g. eval/accuracy, "
         "eval/gsm8k/pass@4) in <output_dir>/best/ (with best.json: step, value); null = off.")
     best_metric_mode: str = opt("max", "train.best_metric: max (higher is better) or min.", choices=("max", "min"))
+    load_best_at_end: bool = opt(
+        False, "At the end, load the weights of best/ (train.best_metric's; the evaluation before training is a "
+        "candidate too) into the model before final/ is saved, as transformers' load_best_model_at_end does with its "
+        "best checkpoint; needs train.best_metric. The Python API's load_best_model_at_end is Trainer's own.")
     resume: bool = opt(False, "Continue from the newest checkpoint in output_dir.")
     resume_from: str | None = opt(
         None, "Continue from this checkpoint folder of output_dir instead of the newest (implies train.resume); "
@@ -239,78 +271,12 @@ class TrainConfig:
 
 
 @dataclass
-class DecoupledConfig:
-    address: str = opt("tcp://127.0.0.1:5555", "ZeroMQ address the trainer's rank 0 binds and samplers connect to; "
-                                               "with host 0.0.0.0 samplers read the trainer's address from the run "
-                                               "folder (decoupled/trainer_address.json).")
-    advertise_host: str | None = opt(None, "Host samplers on other machines reach trainer rank 0 at, published in the "
-                                           "run folder (null: this host's name, if it resolves beyond loopback).")
-    trainer_ranks: int = opt(1, "Trainer processes (data-parallel ranks) the launcher starts with torchrun.", ge=1)
-    num_samplers: int = opt(1, "Sampler processes the launcher starts (each its own data shard and seed).", ge=1)
-    sampler_index: int = opt(0, "This sampler's index (set by the launcher for each sampler process).", ge=0)
-    sampler_device: str = opt("auto", "Device of the samplers (auto, cpu, cuda:N).")
-    ref_server: bool = opt(
-        False, "Start a reference log-prob server; samplers query it instead of loading the reference.")
-    ref_server_url: str | None = opt(
-        None, "URL of a running reference server (set by the launcher when it starts one).")
-    ref_server_port: int = opt(
-        8431, "Port of the reference server (on decoupled.ref_server_host).", ge=1, le=65535)
-    ref_server_device: str = opt("auto", "Device of the reference server.")
-    ref_server_host: str = opt("127.0.0.1", "Address `grpo ref-server` binds; another host's samplers need a "
-                                            "reachable one (e.g. 0.0.0.0), which needs decoupled.token_env.")
-    ref_server_retry_s: float = opt(
-        60.0, "A sampler keeps retrying an unreachable reference server this long (a restart) before it exits.",
-        ge=0)
-    token_env: str | None = opt(None, "Environment variable holding the shared token for ZeroMQ and the ref server.")
-    encrypt: bool = opt(False, "Encrypt the ZeroMQ link with CURVE (the batches hold prompts and completions); "
-                               "every role must agree. The token still says who may send.")
-    curve_dir: str | None = opt(None, "Folder of the trainer's CURVE key pair (server.key, server.key_secret), "
-                                      "seen by every role; null = decoupled/curve in train.output_dir.")
-    queue_size: int = opt(4, "Rollout batches the trainer holds before samplers are told to wait (backpressure).", ge=1)
-    peer_timeout_s: float = opt(600.0, "Give up (with a clear error) after waiting this long for a peer.", gt=0)
-    max_message_mb: int = opt(1024, "Largest accepted message (MiB); larger ones are rejected.", ge=1)
-    weights_keep: int = opt(3, "Published weight versions kept on disk.", ge=1)
-    weight_sync: str = opt(
-        "files", "How samplers get new weights: files (the weight store in the run folder) or broadcast (full "
-                 "fine-tuning only: a gloo group of trainer rank 0 and the samplers; files after a failure).",
-        choices=("files", "broadcast"))
-    weight_sync_port: int = opt(29600, "Port of trainer rank 0's TCPStore for decoupled.weight_sync: broadcast "
-                                       "(samplers reach it at the trainer's host: the one decoupled.address names "
-                                       "or, with a wildcard address, the one rank 0 publishes in "
-                                       "decoupled/trainer_address.json of the run folder; the group's keys derive "
-                                       "from decoupled.token_env's token, and without one the store listens on "
-                                       "127.0.0.1 only).",
-                                ge=1, le=65535)
-    restart_samplers: bool = opt(True, "The launcher restarts a sampler that dies.")
-    weight_update: str = opt(
-        "per_chunk", "When a sampler loads newer weights: per_chunk (before each chunk; a chunk is made by one "
-                     "version) or in_flight (also while generating: every decoupled.inflight_check_tokens tokens it "
-                     "loads the newest published version in place and continues the open sequences, KV caches kept "
-                     "(vLLM with LoRA re-admits them under the new adapter); each token records its version and "
-                     "log-prob). in_flight needs rollout.engine hf, hf-static or vllm (full weights or LoRA; vllm "
-                     "with top_p/top_k only under loss.sampler_is_correction), single-turn rollouts, min_p 0.",
-        choices=("per_chunk", "in_flight"))
-    inflight_check_tokens: int = opt(
-        16, "decoupled.weight_update in_flight: a sampler looks for newer weights every this many generated tokens.",
-        ge=1)
-    partial_rollouts: bool = opt(
-        False, "Partial rollouts: a sampler sends a chunk after decoupled.partial_token_budget tokens of generation "
-               "(more only while no group has finished or more than a chunk's prompts would stay behind) with the "
-               "prompt groups whose G completions all ended; a group with a completion still running is carried "
-               "over and finished in the sampler's next chunk. Each token keeps the version and log-prob of the "
-               "weights that drew it; a carried group with a token older than train.max_staleness allows starts "
-               "over. Several trainer ranks split a step's groups as evenly as whole groups allow, each rank's "
-               "loss scaled to its share (under DeepSpeed a rank with fewer micro-batches runs zero-gradient ones "
-               "to match). Needs train.max_staleness >= 1 (about num_samplers + 1 for carried groups to survive), "
-               "rollout.engine hf, hf-static or vllm (as for in_flight), single-turn rollouts, rollout.min_p 0, "
-               "no dynamic sampling.")
-    partial_token_budget: int = opt(
-        32, "decoupled.partial_rollouts: tokens each running completion gets per chunk before the chunk is sent "
-            "(below rollout.max_completion_length).", ge=1)
-
-
-@dataclass
 class LogConfig:
+    logging_strategy: str = opt(
+        "steps", "When sample completions go to samples.jsonl (and the Python API's TRL log entries are made): steps "
+        "(every log.logging_steps), epoch (at the end of each epoch, as train.save_strategy counts them, and at the "
+        "last step) or no (never; metrics.jsonl still gets every step). transformers' logging_strategy.",
+        choices=("steps", "epoch", "no"))
     logging_steps: int = opt(1, "Write sample completions every N steps (metrics every step).", ge=1)
     num_samples: int = opt(4, "Completions written to samples.jsonl per logged step.", ge=0)
     report_to: list[str] = opt(["tensorboard"], "Trackers: tensorboard, wandb (optional extra), or [] for none.")

@@ -40,7 +40,8 @@ def build_critic(cfg: RunConfig, info: DistInfo, device: torch.device) -> Critic
     model = load_value_model(c, cfg.model, device)
     optim = dataclasses.replace(cfg.optim, learning_rate=c.learning_rate, lora_learning_rate=None,
                                 weight_decay=c.weight_decay, warmup_ratio=c.warmup_ratio,
-                                lr_scheduler_type=c.lr_scheduler_type, max_grad_norm=c.max_grad_norm)
+                                lr_scheduler_type=c.lr_scheduler_type,
+                                lr_scheduler_kwargs=c.lr_scheduler_kwargs, max_grad_norm=c.max_grad_norm)
     optimizer = build_optimizer(model, optim, lora=False)
     scheduler = build_scheduler(optimizer, optim, cfg.train.max_steps * cfg.loss.num_iterations)
     learner = build_learner(model, optimizer, scheduler, ddp=info.enabled, deepspeed_config_dict=None,

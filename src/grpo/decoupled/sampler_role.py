@@ -19,8 +19,6 @@ import secrets
 import time
 from dataclasses import replace
 
-import torch
-
 from grpo.config import RunConfig
 from grpo.data.prompt_sampler import PromptSampler
 from grpo.decoupled.carry_over import ALL_GROUPS_TRAINED, CarryOver
@@ -43,6 +41,7 @@ from grpo.rollout.prefix_cache import PrefixCache
 from grpo.step.experience import local_reference, rank_experience
 from grpo.step.records import RolloutBatch
 from grpo.training.inputs import GivenInputs, tokenizer_and_data
+from grpo.training.prepare import seed_process
 from grpo.training.settings import dynamic_rounds, experience_settings, logprob_pass, logprob_processing
 from grpo.weight_store import WeightStore, apply_to_model
 from grpo.weight_store.broadcast import WeightBroadcast
@@ -240,5 +239,5 @@ class SamplerWeights:
 def main(cfg: RunConfig) -> int:
     """Entry point of ``grpo sampler``."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    torch.manual_seed(cfg.train.seed + cfg.decoupled.sampler_index)
+    seed_process(cfg.train.seed + cfg.decoupled.sampler_index, cfg.train.full_determinism)
     return run_sampler(cfg)

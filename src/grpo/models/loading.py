@@ -184,8 +184,18 @@ def prepare_policy(model: torch.nn.Module, cfg: ModelConfig, device: torch.devic
         lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                           target_modules=cfg.lora_target_modules, task_type="CAUSAL_LM")
         model = get_peft_model(model, lora)
+    if cfg.disable_dropout:  # after LoRA: its dropout modules too, as TRL's (peft wraps before it disables)
+        disable_dropout(model)
     model.train()
     return model
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Every ``torch.nn.Dropout`` of ``model`` at rate 0 (``model.disable_dropout``; TRL's
+    ``disable_dropout_in_model``)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0
 
 
 def load_reference(cfg: ModelConfig, policy: torch.nn.Module, tokenizer, device: torch.device):
@@ -202,6 +212,8 @@ def load_reference(cfg: ModelConfig, policy: torch.nn.Module, tokenizer, device:
     else:
         reference = _load_causal_lm(cfg.ref_name_or_path, dtype, cfg, "model.ref_name_or_path").to(device)
         check_same_vocabulary(cfg, tokenizer, reference)
+        if cfg.disable_dropout:  # a copy of the policy has its rates already
+            disable_dropout(reference)
     reference.eval()
     reference.requires_grad_(False)
     return reference

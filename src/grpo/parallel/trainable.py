@@ -23,11 +23,16 @@ class Trainable:
     deepspeed: bool
 
 
-def build_trainable(cfg: RunConfig, policy: torch.nn.Module, info: DistInfo) -> Trainable:
-    """Optimizer, schedule and learner (DeepSpeed when ``train.deepspeed`` names a config, else torch/DDP)."""
-    optimizer = build_optimizer(policy, cfg.optim, lora=cfg.model.lora_r > 0,
-                                allow_fused=not cfg.train.deepspeed)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps * cfg.loss.num_iterations)
+def build_trainable(cfg: RunConfig, policy: torch.nn.Module, info: DistInfo,
+                    optimizer: torch.optim.Optimizer | None = None, scheduler: object | None = None) -> Trainable:
+    """Optimizer, schedule and learner (DeepSpeed when ``train.deepspeed`` names a config, else torch/DDP).
+    ``optimizer``/``scheduler``: a caller's, used as given (None: built from ``optim.*``; a given optimizer without a
+    scheduler gets ``optim.*``'s schedule over it, as transformers' Trainer does)."""
+    if optimizer is None:
+        optimizer = build_optimizer(policy, cfg.optim, lora=cfg.model.lora_r > 0,
+                                    allow_fused=not cfg.train.deepspeed)
+    if scheduler is None:
+        scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps * cfg.loss.num_iterations)
     ds_config = None
     if cfg.train.deepspeed:
         completions_per_rank = cfg.train.prompts_per_step * cfg.rollout.num_generations // info.world_size

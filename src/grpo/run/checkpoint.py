@@ -292,11 +292,7 @@ def load_checkpoint(
     except (ValueError, OSError) as err:
         raise CheckpointError(f"{state_file} cannot be read ({err}); the checkpoint is torn or corrupt") from err
 
-    model = _unwrap(model)
-    if _is_peft(model):
-        _load_adapter(path, model)
-    else:
-        _load_full_model(path, model)
+    load_weights(path, model)
     if optimizer is not None:
         _load_state_dict_into(optimizer, path / OPTIMIZER_FILE)
     if scheduler is not None:
@@ -333,6 +329,16 @@ def _read_model_weights(path: Path) -> dict[str, torch.Tensor]:
     for shard in shards:
         state.update(_read_safetensors(path / shard))
     return state
+
+
+def load_weights(path: str | os.PathLike, model: torch.nn.Module) -> None:
+    """The weights of a saved folder (a checkpoint, best/, final/: the adapter for a PeftModel, else the full
+    model) into ``model`` in place; CheckpointError naming the file when they are missing or do not fit."""
+    model = _unwrap(model)
+    if _is_peft(model):
+        _load_adapter(Path(path), model)
+    else:
+        _load_full_model(Path(path), model)
 
 
 def _load_full_model(path: Path, model: torch.nn.Module) -> None:

@@ -7,5 +7,6 @@
 - ``logprobs``: the log-prob passes over completions (shared prompt pass, skipped padding columns);
 - ``policy_update``: the clipped-surrogate update over a batch in micro-batches;
 - ``ptx``: the PTX micro-batch's SFT loss beside it;
+- ``ref_sync``: TR-DPO's move of the reference toward the updated policy, every N steps;
 - ``metrics``: what the step reports (reward, accuracy, lengths, signal) and its sample records.
 """

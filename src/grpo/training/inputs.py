@@ -34,6 +34,9 @@ class GivenInputs:
     tools, environment_factory, rollout_func: TRL's objects for multi-turn or hooked rollouts
                    (``rollout.tools``/``rollout.environment``/``rollout.rollout_func`` otherwise); the factory
                    may be ``grpo.multiturn.environments.Environments`` built already (their pool is reused).
+    optimizer, scheduler: a torch optimizer over ``policy``'s parameters and a ``LambdaLR``-like scheduler over it
+                   (stepped once per update), in place of ``optim.*``'s AdamW and schedule (None: built from the
+                   config; an optimizer alone gets the config's schedule). Checkpoints hold their states.
     """
 
     policy: torch.nn.Module | None = None
@@ -46,6 +49,8 @@ class GivenInputs:
     tools: list | None = None
     environment_factory: object | None = None
     rollout_func: object | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: object | None = None
 
 
 @dataclass

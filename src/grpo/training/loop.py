@@ -20,7 +20,7 @@ from grpo.parallel.distributed import DistInfo, all_gather_json, barrier, print0
 from grpo.parallel.learners import zero3_full_state_dict
 from grpo.parallel.trainable import Trainable
 from grpo.run.best import BestMetric
-from grpo.run.checkpoint import GRPO_LAYOUT, CheckpointLayout, save_best, save_final
+from grpo.run.checkpoint import BEST_DIR, GRPO_LAYOUT, CheckpointLayout, load_weights, save_best, save_final
 from grpo.run.plots import plot_run
 from grpo.run.tracking import MetricsLogger
 from grpo.step.metrics import sample_records, step_metrics, update_metrics
@@ -29,6 +29,7 @@ from grpo.step.records import RolloutBatch, StepUpdate
 from grpo.training.evaluator import eval_metrics
 from grpo.training.guards import DeferredInterrupt, RankAgreedStop, SkipGuard, sigterm_as_interrupt
 from grpo.training.resume import save_run_checkpoint
+from grpo.training.schedule import EPOCH, Schedule
 
 
 @dataclass
@@ -63,42 +64,6 @@ class StepSource(Protocol):
         """Runs once that checkpoint is on disk."""
 
 
-@dataclass(frozen=True)
-class Schedule:
-    """When the loop checkpoints, evaluates, writes samples, stops (``train.*``, ``log.*``)."""
-
-    max_steps: int
-    save_steps: int
-    eval_steps: int | None = None
-    eval_on_start: bool = True
-    eval_at_end: bool = True  # False: the last step is evaluated inside it, before its checkpoint (TRL's rule)
-    logging_steps: int = 1
-    num_samples: int = 0
-    early_stop_accuracy: float | None = None
-    early_stop_metric: str = "eval/accuracy"  # named eval sets: the first set's (eval/<first>/accuracy)
-    max_skipped_steps: int = 3
-    updates_per_step: int = 1  # loss.num_iterations: a step whose every update was skipped counts as skipped
-    save_final: bool = True  # the end: final/ (train.save_final) and plots/ (log.plots)
-    plots: bool = True
-
-    def checkpoints(self, step: int) -> bool:
-        return step % self.save_steps == 0 or step == self.max_steps
-
-    def evaluates(self, step: int) -> bool:
-        if not self.eval_steps:
-            return False
-        if self.eval_at_end:  # the last step is evaluated once, after the loop
-            return step % self.eval_steps == 0 and step < self.max_steps
-        return step % self.eval_steps == 0 or step == self.max_steps  # transformers' DefaultFlowCallback
-
-    def writes_samples(self, step: int) -> bool:
-        return bool(self.num_samples) and step % self.logging_steps == 0
-
-    def stops_early(self, metrics: dict[str, float]) -> bool:
-        target = self.early_stop_accuracy
-        return target is not None and metrics.get(self.early_stop_metric, -1.0) >= target
-
-
 @dataclass
 class PolicyUpdate:
     """A step's update on this rank: the policy (with the step's PTX micro-batch), then PPO's critic."""
@@ -109,12 +74,15 @@ class PolicyUpdate:
     ptx_data: object | None = None  # grpo.step.ptx.PtxData
     critic: object | None = None  # grpo.critic.Critic
     critic_settings: CriticSettings | None = None
+    ref_sync: Callable[[int], bool] | None = None  # TR-DPO's moving reference (grpo.step.ref_sync.RefSync)
 
     def __call__(self, step: int, batch: RolloutBatch) -> StepUpdate:
         ptx_batch = self.ptx_data.batch(step, self.info.rank) if self.ptx_data else None
         stats = train_on_batch(self.trainable.learner, batch, self.settings, self.info, ptx_batch)
         if self.critic is not None:
             stats.totals.update(train_critic(self.critic.learner, batch, self.critic_settings))
+        if self.ref_sync is not None:  # after the update, before the step's evaluation: TRL's on_step_end
+            self.ref_sync(step)
         return stats
 
 
@@ -130,8 +98,9 @@ class StepReport:
 class LoopHooks:
     """Where the loop calls out (the Python API's callbacks, ``grpo.api``); here every call does nothing."""
 
-    def train_begin(self, start_step: int, max_steps: int) -> None:
-        """Before the first step (and before the evaluation that precedes it)."""
+    def train_begin(self, start_step: int, max_steps: int, steps_per_epoch: int | None = None) -> None:
+        """Before the first step (and before the evaluation that precedes it); ``steps_per_epoch``: the schedule's
+        (None when no strategy counts epochs)."""
 
     def step_begin(self, step: int) -> None:
         """Before step ``step`` collects its batch."""
@@ -145,6 +114,12 @@ class LoopHooks:
 
     def saved(self, step: int, path: Path) -> None:
         """After the checkpoint of ``step`` is on disk at ``path``."""
+
+    def final_weights(self) -> Path | None:
+        """A saved folder whose weights the run ends with instead of its last (Trainer's load_best_model_at_end:
+        its best checkpoint), loaded before final/ is written; None: the last weights (or best/, as
+        ``train.load_best_at_end`` says)."""
+        return None
 
     def train_end(self, last_step: int) -> None:
         """After the final weights are saved."""
@@ -173,6 +148,7 @@ class Loop:
     score: Callable | None = None  # the task's scorer (grpo.tasks.Task.score) for the logged accuracy; None: numeric
     hooks: LoopHooks = field(default_factory=LoopHooks)
     layout: CheckpointLayout = GRPO_LAYOUT  # where checkpoints go (train.checkpoint_layout)
+    reference: object | None = None  # a moving reference (loss.ref_sync_steps), saved in every checkpoint
 
 
 @dataclass
@@ -196,7 +172,7 @@ def run_loop(loop: Loop, source: StepSource, start_step: int, eval_before: dict 
     """Train steps ``start_step + 1 .. max_steps`` (evaluating before the first step of a new run and after
     the last), then save the final weights. Ctrl-C: ``KeyboardInterrupt`` after the last finished step is
     checkpointed (unless a second Ctrl-C stopped a step's update midway: then nothing is saved)."""
-    loop.hooks.train_begin(start_step, loop.schedule.max_steps)
+    loop.hooks.train_begin(start_step, loop.schedule.max_steps, loop.schedule.steps_per_epoch)
     with loop.compute, sigterm_as_interrupt():
         if start_step == 0 and loop.evaluate is not None and loop.schedule.eval_on_start:
             eval_before, evaluated = _evaluate(loop, 0)
@@ -207,6 +183,7 @@ def run_loop(loop: Loop, source: StepSource, start_step: int, eval_before: dict 
             eval_after, evaluated = _evaluate(loop, last_step)
             loop.logger.log(last_step, evaluated)
     loop.logger.close()
+    _load_final_weights(loop)
     if loop.schedule.save_final:
         final_weights = zero3_full_state_dict(loop.trainable.learner)  # a collective under ZeRO-3
         if loop.info.is_main:
@@ -216,6 +193,19 @@ def run_loop(loop: Loop, source: StepSource, start_step: int, eval_before: dict 
     barrier(loop.info)
     loop.hooks.train_end(last_step)
     return LoopResult(last_step, eval_before, eval_after)
+
+
+def _load_final_weights(loop: Loop) -> None:
+    """Load the weights the run ends with when they are not its last (``LoopHooks.final_weights``, else best/ under
+    ``train.load_best_at_end`` once an evaluation kept any), on every rank alike."""
+    folder = loop.hooks.final_weights()
+    best = loop.best
+    if folder is None and loop.schedule.load_best_at_end and best is not None and best.step is not None:
+        folder = loop.out / BEST_DIR
+    if folder is None:
+        return
+    load_weights(folder, loop.trainable.policy)
+    print0(loop.info, f"loaded the weights the run ends with from {folder}")
 
 
 def _evaluate(loop: Loop, step: int) -> tuple[dict | None, dict[str, float]]:
@@ -248,7 +238,7 @@ def _steps(loop: Loop, source: StepSource, start_step: int, eval_before: dict | 
     def checkpoint(step: int, collected: Collected | None) -> None:
         trainer_state = {"step": step, "eval_before": eval_before, **source.checkpoint_state(step, collected)}
         path = save_run_checkpoint(loop.out, step, loop.trainable, loop.tokenizer, trainer_state,
-                                   loop.save_total_limit, info, loop.critic, loop.layout)
+                                   loop.save_total_limit, info, loop.critic, loop.layout, loop.reference)
         state.saved = step
         source.checkpoint_written(step, collected)
         loop.hooks.saved(step, path)
@@ -279,12 +269,13 @@ def _steps(loop: Loop, source: StepSource, start_step: int, eval_before: dict | 
                     print0(info, f"{schedule.early_stop_metric} {metrics[schedule.early_stop_metric]:.3f} reached "
                                  f"{schedule.early_stop_accuracy}: stopping")
                 if stop or schedule.stops_early(metrics):
-                    if not checkpointing:
+                    _close_stopped_epoch(loop, step)
+                    if not checkpointing and schedule.saves:
                         checkpoint(step, None)
                     break
                 if agreed is not None and any(all_gather_json(agreed.requested, info)):
-                    print0(info, f"\ninterrupted: every rank stops after step {step}, saved")
-                    if not checkpointing:
+                    print0(info, f"\ninterrupted: every rank stops after step {step}" + ", saved" * schedule.saves)
+                    if not checkpointing and schedule.saves:
                         checkpoint(step, None)
                     raise KeyboardInterrupt
     except KeyboardInterrupt:
@@ -293,12 +284,21 @@ def _steps(loop: Loop, source: StepSource, start_step: int, eval_before: dict | 
         if state.updating or interrupt.forced or (agreed is not None and agreed.forced):
             print0(info, f"\ninterrupted during the update of step {state.done + 1}: nothing saved; --resume "
                          f"continues from step {state.saved}")
-        elif state.done > state.saved:
+        elif state.done > state.saved and schedule.saves:
             print0(info, f"\ninterrupted: saving a checkpoint of step {state.done}")
             checkpoint(state.done, None)
         loop.logger.close()
         raise
     return step
+
+
+def _close_stopped_epoch(loop: Loop, step: int) -> None:
+    """Training stopped inside an epoch (a callback, early stopping): Trainer still closes it, so an epoch
+    evaluation strategy evaluates this step (under ``eval_at_end`` the evaluation after the loop does)."""
+    schedule = loop.schedule
+    if (schedule.eval_strategy == EPOCH and not schedule.evaluates(step) and not schedule.eval_at_end
+            and loop.evaluate is not None):
+        loop.logger.log(step, _evaluate(loop, step)[1])
 
 
 def _record(loop: Loop, source: StepSource, step: int, collected: Collected, stats: dict, started: float,

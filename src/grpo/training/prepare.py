@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers.trainer_utils import enable_full_determinism
 
 from grpo.algorithm import LogprobProcessing
 from grpo.config import ConfigError, RunConfig, config_to_dict
@@ -33,6 +34,7 @@ from grpo.run.run_dir import check_output_dir, claim_output_dir
 from grpo.run.tracking import MetricsLogger
 from grpo.step.experience import RefLogprobs, local_reference
 from grpo.step.ptx import PtxData
+from grpo.step.ref_sync import RefSync
 from grpo.tasks import Task, run_system_prompt
 from grpo.training.eval_loss import LossPass
 from grpo.training.evaluator import RunEvaluator, eval_settings, eval_sources
@@ -40,6 +42,7 @@ from grpo.training.inputs import GivenInputs, RunInputs, policy_for, tokenizer_a
 from grpo.training.loop import Loop, PolicyUpdate
 from grpo.training.process_exit import exit_quickly
 from grpo.training.resume import resume_checkpoint
+from grpo.training.schedule import Schedule, uses_epochs
 from grpo.training.settings import (
     critic_settings,
     eval_loss_settings,
@@ -51,10 +54,20 @@ from grpo.training.settings import (
 )
 
 
+def seed_process(seed: int, full_determinism: bool) -> None:
+    """``train.full_determinism``: transformers' ``enable_full_determinism`` (its seeds, deterministic kernels and
+    CUDA variables; before any CUDA work of the process, as cuBLAS reads its variable once); else torch's seed."""
+    if full_determinism:
+        enable_full_determinism(seed)
+    else:
+        torch.manual_seed(seed)
+
+
 def start_process(cfg: RunConfig) -> tuple[DistInfo, torch.device]:
     """Join the process group (if launched with N ranks) and pick this rank's device."""
     if cfg.train.fast_exit:
         exit_quickly()
+    seed_process(cfg.train.seed, cfg.train.full_determinism)
     device = resolve_device(cfg.train.device)
     # Collectives must outwait the longest wait a rank can make: rank 0 waiting decoupled.peer_timeout_s for a
     # batch while the others wait in a broadcast (NCCL's default 10 min is no longer than that wait's 600 s,
@@ -126,16 +139,18 @@ def check_shared_run_folder(out: Path, info: DistInfo) -> None:
                           "mounts at the same path (NFS, Lustre, ...)")
 
 
-def open_run(cfg: RunConfig, trainable: Trainable, info: DistInfo, critic=None) -> OpenedRun:
+def open_run(cfg: RunConfig, trainable: Trainable, info: DistInfo, critic=None,
+             reference: torch.nn.Module | None = None) -> OpenedRun:
     """Claim the run folder (setup succeeded: only now is anything written), resume from its newest
-    checkpoint that loads when ``train.resume`` (``train.resume_from``: that one), and open the metrics logger."""
+    checkpoint that loads when ``train.resume`` (``train.resume_from``: that one; a moving ``reference`` too), and
+    open the metrics logger."""
     layout = run_layout(cfg)
     out = claim_output_dir(cfg, info.is_main, layout)
     barrier(info)
     check_shared_run_folder(out, info)
     resuming = cfg.train.resume or cfg.train.resume_from is not None
     only = Path(cfg.train.resume_from) if cfg.train.resume_from is not None else None
-    resumed = resume_checkpoint(out, trainable, info, critic, layout, only) if resuming else None
+    resumed = resume_checkpoint(out, trainable, info, critic, layout, only, reference) if resuming else None
     start_step, state = 0, None
     if resumed is not None:
         checkpoint, state = resumed
@@ -166,9 +181,11 @@ class Prepared:
     processing: LogprobProcessing | None  # the sampling controls every log-prob pass follows
     trainable: Trainable
     run: OpenedRun
+    schedule: Schedule  # when the loop checkpoints, evaluates and logs (its epoch: data.train's, counted here)
     prompt_sampler: PromptSampler | None = None  # colocated: which prompts a rank samples at a step
     ref_logprobs: RefLogprobs | None = None  # colocated with loss.beta > 0: the frozen initial weights'
     critic: Critic | None = None  # PPO (algorithm.advantage_estimator gae), colocated only
+    moving_reference: torch.nn.Module | None = None  # loss.ref_sync_steps: the reference TR-DPO moves
 
 
 def prepare(cfg: RunConfig, given: GivenInputs, info: DistInfo, device: torch.device, *,
@@ -180,9 +197,12 @@ def prepare(cfg: RunConfig, given: GivenInputs, info: DistInfo, device: torch.de
     loads data only to evaluate."""
     if info.is_main:
         check_output_dir(cfg)
-    torch.manual_seed(cfg.train.seed)
-    inputs = tokenizer_and_data(cfg, given, data=samples or bool(eval_sources(cfg.data.eval)))
+    torch.manual_seed(cfg.train.seed)  # again: whatever ran since start_process drew from it
+    epochs = uses_epochs(cfg.train.save_strategy, cfg.train.eval_strategy, cfg.log.logging_strategy)
+    # a decoupled trainer reads data.train only to count an epoch strategy's epochs (its samplers sample it)
+    inputs = tokenizer_and_data(cfg, given, data=samples or epochs or bool(eval_sources(cfg.data.eval)))
     tokenizer = inputs.tokenizer
+    schedule = loop_schedule(cfg, len(inputs.train_set))  # an epoch strategy's ConfigError before anything loads
     ptx_data = load_ptx_data(cfg, tokenizer, info, inputs.task)
     prompt_sampler = None
     if samples:
@@ -198,11 +218,12 @@ def prepare(cfg: RunConfig, given: GivenInputs, info: DistInfo, device: torch.de
     processing = logprob_processing(cfg, policy, tokenizer)  # every log-prob pass follows the sampling controls
     ref_logprobs = (local_reference(policy, reference, cfg.rollout.temperature, cfg.train.micro_batch_size,
                                     processing, logprob_pass(cfg)) if local_ref else None)
-    trainable = build_trainable(cfg, policy, info)
+    trainable = build_trainable(cfg, policy, info, given.optimizer, given.scheduler)
     critic = build_critic(cfg, info, device) if needs_critic(cfg) else None
-    run = open_run(cfg, trainable, info, critic)
-    return Prepared(info, device, inputs, ptx_data, policy, compute, processing, trainable, run, prompt_sampler,
-                    ref_logprobs, critic)
+    moving = reference if cfg.loss.ref_sync_steps else None  # a full copy: the rules refuse LoRA and teachers
+    run = open_run(cfg, trainable, info, critic, moving)
+    return Prepared(info, device, inputs, ptx_data, policy, compute, processing, trainable, run, schedule,
+                    prompt_sampler, ref_logprobs, critic, moving)
 
 
 def build_evaluator(cfg: RunConfig, inputs: RunInputs, policy: torch.nn.Module, info: DistInfo,
@@ -240,11 +261,13 @@ def make_loop(cfg: RunConfig, prepared: Prepared, progress: AbstractContextManag
     critic), schedule, evaluation (``build_evaluator``'s) with ``train.best_metric``'s best weights, and the
     logged accuracy by the task's own scorer; ``progress`` shows the steps (grpo.run.progress)."""
     p, run, info = prepared, prepared.run, prepared.info
+    ref_sync = (RefSync(p.moving_reference, p.trainable.policy, cfg.loss.ref_mixup_alpha, cfg.loss.ref_sync_steps)
+                if p.moving_reference is not None else None)
     update = PolicyUpdate(p.trainable, loss_settings(cfg, p.processing, p.device.type), info, p.ptx_data,
-                          p.critic, critic_settings(cfg))
+                          p.critic, critic_settings(cfg), ref_sync)
     best = (BestMetric.resumed(run.out, cfg.train.best_metric, cfg.train.best_metric_mode)
             if cfg.train.best_metric and evaluate is not None else None)
-    return Loop(loop_schedule(cfg), update, p.trainable, p.inputs.tokenizer, run.out, info, run.logger, progress,
+    return Loop(p.schedule, update, p.trainable, p.inputs.tokenizer, run.out, info, run.logger, progress,
                 p.compute, cfg.rollout.num_generations, cfg.data.tag_style, cfg.train.save_total_limit,
                 evaluate=evaluate, best=best, critic=p.critic, hooks=p.inputs.hooks, score=p.inputs.task.score,
-                layout=run.layout)
+                layout=run.layout, reference=p.moving_reference)

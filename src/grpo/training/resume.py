@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from grpo.critic import CRITIC_DIR, load_critic, save_critic
 from grpo.parallel.distributed import DistInfo, barrier
 from grpo.parallel.learners import zero3_full_state_dict
@@ -20,6 +22,7 @@ from grpo.run.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from grpo.step.ref_sync import load_saved_reference, save_reference
 
 if TYPE_CHECKING:
     from grpo.parallel.trainable import Trainable
@@ -31,12 +34,17 @@ def _deepspeed_dir(out: Path, step: int, layout: CheckpointLayout) -> Path:
 
 def save_run_checkpoint(out: Path, step: int, trainable: Trainable, tokenizer, state: dict,
                         save_total_limit: int | None, info: DistInfo, critic=None,
-                        layout: CheckpointLayout = GRPO_LAYOUT) -> Path:
+                        layout: CheckpointLayout = GRPO_LAYOUT, reference: torch.nn.Module | None = None) -> Path:
     """A checkpoint of ``step`` on every rank's behalf. Under DeepSpeed every rank first writes its
     engine state (partitioned optimizer) to ``deepspeed-step-N/``; rank 0 then writes the HF-format
     checkpoint, whose appearance (atomic rename) marks the whole checkpoint complete. PPO's ``critic``
-    (a ``grpo.critic.Critic``) goes into its ``critic/`` folder; ``layout`` names the folder. Returns it."""
-    write_critic = (lambda folder: save_critic(folder / CRITIC_DIR, critic)) if critic is not None else None
+    (a ``grpo.critic.Critic``) goes into its ``critic/`` folder, a moving ``reference`` (``loss.ref_sync_steps``)
+    into ``reference/``; ``layout`` names the folder. Returns it."""
+    def write_extra(folder: Path) -> None:
+        if critic is not None:
+            save_critic(folder / CRITIC_DIR, critic)
+        if reference is not None:
+            save_reference(folder, reference)
 
     if trainable.deepspeed:
         trainable.learner.engine.save_checkpoint(str(_deepspeed_dir(out, step, layout)))
@@ -44,7 +52,7 @@ def save_run_checkpoint(out: Path, step: int, trainable: Trainable, tokenizer, s
     gathered = zero3_full_state_dict(trainable.learner)  # a collective under ZeRO-3
     if info.is_main:
         save_checkpoint(out, step, trainable.policy, tokenizer, trainable.optimizer, trainable.scheduler, state,
-                        save_total_limit, state_dict=gathered, write_extra=write_critic, layout=layout)
+                        save_total_limit, state_dict=gathered, write_extra=write_extra, layout=layout)
         if trainable.deepspeed:
             _prune_deepspeed_dirs(out, save_total_limit, layout)
     barrier(info)
@@ -60,12 +68,14 @@ def _prune_deepspeed_dirs(out: Path, keep: int | None, layout: CheckpointLayout)
 
 
 def load_run_checkpoint(checkpoint: Path, trainable: Trainable, critic=None,
-                        layout: CheckpointLayout = GRPO_LAYOUT) -> dict:
+                        layout: CheckpointLayout = GRPO_LAYOUT, reference: torch.nn.Module | None = None) -> dict:
     """Restore weights, optimizer, schedule and RNG from ``checkpoint`` (and PPO's ``critic`` from its
-    ``critic/`` folder); returns its trainer state. Under DeepSpeed the engine restores weights and its
-    partitioned optimizer itself."""
+    ``critic/`` folder, a moving ``reference`` from ``reference/`` where it has one); returns its trainer state.
+    Under DeepSpeed the engine restores weights and its partitioned optimizer itself."""
     if critic is not None:  # first: a checkpoint without a critic must fail before the policy is overwritten
         load_critic(checkpoint / CRITIC_DIR, critic)
+    if reference is not None:  # none saved: the reference never moved, and is the initial weights it holds
+        load_saved_reference(checkpoint, reference)
     if trainable.deepspeed:
         state = json.loads((checkpoint / layout.state_file).read_text())
         trainable.learner.engine.load_checkpoint(str(checkpoint.parent / state["deepspeed_dir"]))
@@ -75,7 +85,8 @@ def load_run_checkpoint(checkpoint: Path, trainable: Trainable, critic=None,
 
 
 def resume_checkpoint(out: Path, trainable: Trainable, info: DistInfo, critic=None,
-                      layout: CheckpointLayout = GRPO_LAYOUT, only: Path | None = None) -> tuple[Path, dict] | None:
+                      layout: CheckpointLayout = GRPO_LAYOUT, only: Path | None = None,
+                      reference: torch.nn.Module | None = None) -> tuple[Path, dict] | None:
     """Restore the newest checkpoint of ``out`` that loads (``only``: that checkpoint folder, no other, of ``out``
     or of another run's folder); returns it and its trainer state, or None when the folder holds no checkpoint.
 
@@ -92,16 +103,16 @@ def resume_checkpoint(out: Path, trainable: Trainable, info: DistInfo, critic=No
         only = Path(only)
         elsewhere = only.resolve().parent != layout.root(out).resolve()
         if elsewhere and layout.step_of(only.name) is not None and (only / layout.state_file).is_file():
-            return only, load_run_checkpoint(only, trainable, critic, layout)
+            return only, load_run_checkpoint(only, trainable, critic, layout, reference)
         if only.resolve() not in [c.resolve() for c in candidates]:
             raise CheckpointError(f"{only} is not a complete checkpoint ({layout.prefix}<N> with "
                                   f"{layout.state_file}); those of {out}: "
                                   f"{', '.join(c.name for c in candidates[::-1]) or 'none'}")
-        return only, load_run_checkpoint(only, trainable, critic, layout)
+        return only, load_run_checkpoint(only, trainable, critic, layout, reference)
     first_error = None
     for checkpoint in candidates:
         try:
-            return checkpoint, load_run_checkpoint(checkpoint, trainable, critic, layout)
+            return checkpoint, load_run_checkpoint(checkpoint, trainable, critic, layout, reference)
         except CheckpointError as err:
             first_error = first_error or err
             if info.is_main:  # every rank reads the same files and reaches the same checkpoint

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from grpo.algorithm import LogprobProcessing, advantage_estimator
-from grpo.config import RunConfig
+from grpo.config import ConfigError, RunConfig
 from grpo.config.device_defaults import pass_defaults
 from grpo.critic import CriticSettings
 from grpo.models.wrappers import eos_token_ids
@@ -22,7 +22,7 @@ from grpo.step.policy_update import LossSettings
 from grpo.tasks import Task, run_system_prompt
 from grpo.training.eval_loss import EvalLossSettings
 from grpo.training.evaluator import eval_sources, primary_metric
-from grpo.training.loop import Schedule
+from grpo.training.schedule import EPOCH, Schedule, epoch_steps, uses_epochs
 
 
 def kl_in_reward(cfg: RunConfig) -> bool:
@@ -166,14 +166,28 @@ def sampling_settings(cfg: RunConfig, experience: ExperienceSettings) -> Samplin
                             max_logprob_diff=r.vllm_max_logprob_diff, sleep_mode=r.vllm_enable_sleep_mode)
 
 
-def loop_schedule(cfg: RunConfig) -> Schedule:
-    """When the loop checkpoints, evaluates, writes samples and stops."""
-    return Schedule(max_steps=cfg.train.max_steps, save_steps=cfg.train.save_steps, eval_steps=cfg.train.eval_steps,
-                    eval_on_start=cfg.train.eval_on_start, eval_at_end=cfg.train.eval_at_end,
+def loop_schedule(cfg: RunConfig, train_size: int = 0) -> Schedule:
+    """When the loop checkpoints, evaluates, writes samples and stops; ``train_size``: data.train's prompts, which
+    an epoch strategy counts epochs of (a ConfigError naming the strategy when they do not fill one step)."""
+    t = cfg.train
+    strategies = {"train.save_strategy": t.save_strategy, "train.eval_strategy": t.eval_strategy,
+                  "log.logging_strategy": cfg.log.logging_strategy}
+    per_epoch = None
+    if uses_epochs(*strategies.values()):
+        try:
+            per_epoch = epoch_steps(train_size, t.prompts_per_step)
+        except ValueError as err:
+            key = next(key for key, value in strategies.items() if value == EPOCH)
+            raise ConfigError(f"{key} is epoch: {err}") from None
+    return Schedule(max_steps=t.max_steps, save_steps=t.save_steps, eval_steps=t.eval_steps,
+                    eval_on_start=t.eval_on_start, eval_at_end=t.eval_at_end,
                     logging_steps=cfg.log.logging_steps, num_samples=cfg.log.num_samples,
-                    early_stop_accuracy=cfg.train.early_stop_accuracy,
-                    early_stop_metric=primary_metric(eval_sources(cfg.data.eval)), max_skipped_steps=cfg.optim.max_skipped_steps,
-                    updates_per_step=cfg.loss.num_iterations, save_final=cfg.train.save_final, plots=cfg.log.plots)
+                    early_stop_accuracy=t.early_stop_accuracy,
+                    early_stop_metric=primary_metric(eval_sources(cfg.data.eval)),
+                    max_skipped_steps=cfg.optim.max_skipped_steps, updates_per_step=cfg.loss.num_iterations,
+                    save_final=t.save_final, plots=cfg.log.plots, save_strategy=t.save_strategy,
+                    eval_strategy=t.eval_strategy, logging_strategy=cfg.log.logging_strategy,
+                    steps_per_epoch=per_epoch, load_best_at_end=t.load_best_at_end)
 
 
 def needs_critic(cfg: RunConfig) -> bool:
@@ -189,8 +203,9 @@ def critic_settings(cfg: RunConfig) -> CriticSettings:
 
 def eval_loss_settings(cfg: RunConfig, task: Task, processing, device_type: str) -> EvalLossSettings:
     """``eval.loss_pass``'s settings for a run with ``task`` on a ``device_type`` device (``processing``:
-    ``logprob_processing``'s, as every log-prob pass follows it)."""
+    ``logprob_processing``'s, as every log-prob pass follows it): ``eval.num_generations`` completions per prompt."""
     experience = experience_settings(cfg, processing, task=task, decoupled_sampler=False, engine_holds_weights=False)
-    return EvalLossSettings(replace(experience, need_old_logprobs=False),
+    sampling = replace(experience.sampling, n=cfg.eval.num_generations or cfg.rollout.num_generations)
+    return EvalLossSettings(replace(experience, need_old_logprobs=False, sampling=sampling),
                             replace(loss_settings(cfg, processing, device_type), num_iterations=1, ptx_coef=0.0),
                             cfg.eval.loss_batch_size, cfg.train.seed)
