@@ -29,14 +29,47 @@ def config_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
 
 
 def batch_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
-    """The step's completions split into equal micro-batches."""
-    completions = cfg.train.prompts_per_step * cfg.rollout.num_generations
-    if completions % cfg.train.micro_batch_size != 0:
+    """The step's completions split into equal micro-batches (each update's: a mini-batch's)."""
+    completions, k = cfg.train.prompts_per_step * cfg.rollout.num_generations, cfg.train.mini_batches
+    if k == 1 and completions % cfg.train.micro_batch_size != 0:
         return [("train.micro_batch_size", (
             f"{cfg.train.micro_batch_size} does not divide the step's {completions} completions "
             f"(train.prompts_per_step {cfg.train.prompts_per_step} x rollout.num_generations "
             f"{cfg.rollout.num_generations}); gradient accumulation needs equal micro-batches"))]
+    if k > 1 and cfg.train.prompts_per_step % k == 0 and (completions // k) % cfg.train.micro_batch_size != 0:
+        return [("train.micro_batch_size", (
+            f"{cfg.train.micro_batch_size} does not divide a mini-batch's {completions // k} completions (the step's "
+            f"{completions} over train.mini_batches {k}); gradient accumulation needs equal micro-batches"))]
     return []
+
+
+def mini_batch_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
+    """train.mini_batches: whole prompt groups per mini-batch (on each decoupled trainer rank), and what cannot
+    take several updates per step yet."""
+    k, P = cfg.train.mini_batches, cfg.train.prompts_per_step
+    if k == 1:
+        return []
+    if P % k:
+        return [("train.mini_batches", (
+            f"{k} does not divide train.prompts_per_step {P}: each mini-batch takes whole prompt groups (an "
+            "update with part of a group would see some of its completions without the rest)"))]
+    ranks = cfg.decoupled.trainer_ranks if cfg.train.mode == "decoupled" else 1
+    if P % ranks == 0 and (P // ranks) % k:
+        return [("train.mini_batches", (
+            f"{k} does not divide a trainer rank's {P // ranks} prompts (train.prompts_per_step {P} over "
+            f"decoupled.trainer_ranks {ranks}): each rank splits its own share into whole-group mini-batches"))]
+    if cfg.train.mode == "decoupled" and cfg.decoupled.partial_rollouts:
+        return [("train.mini_batches", (
+            f"is {k} but decoupled.partial_rollouts is on: a partial step holds a varying number of groups, split "
+            "unevenly over the trainer ranks, which a fixed number of whole-group mini-batches cannot divide yet; "
+            "set train.mini_batches: 1"))]
+    return []
+
+
+def updates_per_step(cfg: "RunConfig") -> int:
+    """Optimizer updates in one step: loss.num_iterations passes of train.mini_batches updates each. The learning
+    rate schedules and TRL's global_step count these; checkpoints, evaluation and logging count steps."""
+    return cfg.loss.num_iterations * cfg.train.mini_batches
 
 
 def loss_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
@@ -298,6 +331,7 @@ def ptx_max_length(cfg: "RunConfig") -> int:
 
 
 # In the order the loader reports them: the first violated rule's key is the one located in the recipe.
-RULES = (batch_problems, loss_problems, ppo_problems, ptx_problems, memory_saver_problems, token_budget_problems,
-         lora_rate_problems, reward_problems, tracker_problems, decoupled_problems, engine_problems, sampler_problems,
-         encryption_problems, sampling_control_problems, eval_problems, sdpa_problems, task_problems, gold_problems)
+RULES = (batch_problems, mini_batch_problems, loss_problems, ppo_problems, ptx_problems, memory_saver_problems,
+         token_budget_problems, lora_rate_problems, reward_problems, tracker_problems, decoupled_problems,
+         engine_problems, sampler_problems, encryption_problems, sampling_control_problems, eval_problems, sdpa_problems,
+         task_problems, gold_problems)

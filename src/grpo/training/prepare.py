@@ -15,7 +15,7 @@ import torch
 
 from grpo.algorithm import LogprobProcessing
 from grpo.config import ConfigError, RunConfig, config_to_dict
-from grpo.config.rules import ptx_max_length
+from grpo.config.rules import ptx_max_length, updates_per_step
 from grpo.critic import Critic, build_critic
 from grpo.data import load_sft_pairs
 from grpo.data.prompt_sampler import PromptSampler
@@ -150,7 +150,7 @@ def open_run(cfg: RunConfig, trainable: Trainable, info: DistInfo, critic=None) 
 
 
 def run_layout(cfg: RunConfig) -> CheckpointLayout:
-    return checkpoint_layout(cfg.train.checkpoint_layout, cfg.loss.num_iterations)
+    return checkpoint_layout(cfg.train.checkpoint_layout, updates_per_step(cfg))
 
 
 @dataclass
@@ -188,7 +188,11 @@ def prepare(cfg: RunConfig, given: GivenInputs, info: DistInfo, device: torch.de
     if samples:
         prompt_sampler = PromptSampler(len(inputs.train_set), cfg.train.prompts_per_step, cfg.train.seed,
                                        cfg.data.shuffle)
-        prompt_sampler.rank_indices(1, info.rank, info.world_size)  # checks P is divisible by the ranks, early
+        share = len(prompt_sampler.rank_indices(1, info.rank, info.world_size))  # checks P divides by the ranks
+        if share % cfg.train.mini_batches:  # the config cannot know the ranks torchrun starts
+            raise ConfigError(f"train.mini_batches {cfg.train.mini_batches} does not divide each rank's {share} prompts "
+                              f"(train.prompts_per_step {cfg.train.prompts_per_step} over {info.world_size} ranks): "
+                              "each rank splits its own share into whole-group mini-batches")
     check_memory_savers(cfg.model, cfg.optim.optimizer, device)
     deepspeed = bool(cfg.train.deepspeed)
     policy = policy_for(cfg, given, device, deepspeed)
