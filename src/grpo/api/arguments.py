@@ -86,7 +86,7 @@ class GRPOConfig:
     """TRL 1.16's ``GRPOConfig`` (see the module docstring); grpo's own options at the end."""
 
     output_dir: str | None = None  # None: "trainer_output" (TRL's)
-    # -- the batch (TRL's arithmetic: grpo.api.mapping.batch_shape)
+    # -- the batch (TRL's arithmetic, one generation per grpo step: grpo.api.mapping.generation_shape)
     per_device_train_batch_size: int = 8
     gradient_accumulation_steps: int = 1
     num_generations: int = 8
@@ -174,9 +174,6 @@ class GRPOConfig:
                                  f"(TRL's default {UNSUPPORTED[name][0]!r} is)")
         checks = [
             (self.loss_type in LOSS_AGGREGATIONS, "loss_type", f"grpo implements {', '.join(LOSS_AGGREGATIONS)}"),
-            (self.steps_per_generation in (None, self.gradient_accumulation_steps), "steps_per_generation",
-             "a grpo step updates on its whole rollout batch: steps_per_generation must equal "
-             "gradient_accumulation_steps (TRL's default)"),
             (self.save_strategy == "steps", "save_strategy",
              "grpo checkpoints every save_steps and at the end ('steps')"),
             (self.eval_strategy in ("no", "steps"), "eval_strategy", "grpo evaluates by steps ('steps') or not ('no')"),
@@ -185,6 +182,9 @@ class GRPOConfig:
         for ok, name, why in checks:
             if not ok:
                 raise ValueError(f"GRPOConfig.{name}={getattr(self, name)!r} is not supported: {why}")
+        if self.generation_batch_size is not None and self.steps_per_generation is not None:  # TRL's words
+            raise ValueError("GRPOConfig: 'generation_batch_size' and 'steps_per_generation' can not be both "
+                             "configured at the same time")
         unknown = set(self.generation_kwargs or {}) - {"min_new_tokens"}
         if unknown:
             raise ValueError(f"GRPOConfig.generation_kwargs {sorted(unknown)} are not supported: grpo reads "

@@ -6,8 +6,9 @@ travel in ``grpo_overrides``), so that ``GRPOConfig.from_run_config(cfg).to_run_
 table, ``LINKS``:
 each entry names TRL arguments, the grpo keys they set, and the conversion each way.
 
-TRL counts optimizer updates; a grpo step is one rollout and ``num_iterations`` updates, so TRL's
-``max_steps``/``save_steps``/``eval_steps``/``logging_steps`` are divided by ``num_iterations`` here.
+TRL counts optimizer updates; a grpo step is one rollout (TRL's generation) and its ``num_iterations x
+mini_batches`` updates (``mini_batches``: TRL's ``steps_per_generation / gradient_accumulation_steps``), so TRL's
+``max_steps``/``save_steps``/``eval_steps``/``logging_steps`` are divided by that here.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from grpo.algorithm.advantages import ADVANTAGE_SCALES
 from grpo.config import RunConfig, config_from_dict, config_to_dict
 from grpo.config.kinds import TRACKERS, VLLM_ENGINE
+from grpo.config.rules import updates_per_step
 
 if TYPE_CHECKING:
     from grpo.api.arguments import GRPOConfig
@@ -32,44 +34,74 @@ SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant", "co
 SCALE_REWARDS = {True: None, False: "none", "group": None, "batch": "batch", "none": "none"}
 
 
-def batch_shape(args: GRPOConfig, num_processes: int) -> tuple[int, int]:
-    """(prompts per step over all ranks, completions per micro-batch): TRL's generation batch is
-    ``per_device_train_batch_size x processes x steps_per_generation`` completions (steps_per_generation =
-    gradient_accumulation_steps), ``num_generations`` per prompt."""
-    B, GA, G = args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_generations
-    completions = B * num_processes * GA
-    if args.generation_batch_size is not None and args.generation_batch_size != completions:
-        raise ValueError(f"GRPOConfig.generation_batch_size={args.generation_batch_size} is not supported: grpo "
-                         f"updates on each whole rollout, so it must be per_device_train_batch_size x processes x "
-                         f"gradient_accumulation_steps = {B} x {num_processes} x {GA} = {completions}")
+def generation_shape(B: int, GA: int, G: int, steps_per_generation: int | None, generation_batch_size: int | None,
+                     processes: int) -> tuple[int, int]:
+    """(prompts per step over all ranks, mini-batches per step) of TRL's batch arguments. TRL's generation is
+    ``B x processes x steps_per_generation`` completions (``steps_per_generation`` given, else
+    ``generation_batch_size / (B x processes)``, else GA: ``GRPOConfig.__post_init__``), G per prompt, and an
+    optimizer update takes GA micro-batches of B: ``steps_per_generation / GA`` updates per pass over it, grpo's
+    ``train.mini_batches``. A ValueError for a shape TRL refuses (in TRL's words) or grpo cannot run."""
+    if generation_batch_size is not None:
+        if generation_batch_size % (B * processes):
+            raise ValueError(f"GRPOConfig: generation_batch_size ({generation_batch_size}) must be divisible by the "
+                             f"global batch size ({B * processes}).")
+        steps_per_generation = generation_batch_size // (B * processes)
+    spg = steps_per_generation or GA
+    completions = B * processes * spg
     if completions % G:
-        raise ValueError(f"GRPOConfig: the generation batch ({B} x {num_processes} processes x {GA} accumulation "
-                         f"steps = {completions} completions) is not divisible by num_generations {G}")
-    return completions // G, B
+        raise ValueError(f"GRPOConfig: the generation batch ({B} x {processes} processes x {spg} steps per generation "
+                         f"= {completions} completions) is not divisible by num_generations {G}")
+    if spg % GA:
+        raise ValueError(f"GRPOConfig.steps_per_generation={spg} is not supported with gradient_accumulation_steps={GA}: "
+                         "a grpo optimizer update takes a whole share of one generation, so steps_per_generation must "
+                         "be a multiple of gradient_accumulation_steps (TRL would accumulate an update across two "
+                         "generations)")
+    mini_batches = spg // GA
+    if mini_batches > 1 and (B * GA) % G:
+        raise ValueError(f"GRPOConfig.steps_per_generation={spg} is not supported with per_device_train_batch_size={B} "
+                         f"x gradient_accumulation_steps={GA} = {B * GA} completions per update and process, not whole "
+                         f"groups of num_generations {G}: grpo keeps a prompt's completions in one update (TRL "
+                         "shuffles the generation's rows and splits groups between updates at random); make B x GA "
+                         "a multiple of num_generations")
+    return completions // G, mini_batches
 
 
-def grpo_steps(args: GRPOConfig, prompts_per_step: int, train_size: int | None) -> int:
-    """grpo's ``train.max_steps``: TRL's ``max_steps`` / num_iterations, or from ``num_train_epochs`` as TRL
-    counts them (each epoch drops the prompts that do not fill a last generation)."""
+def batch_shape(args: GRPOConfig, num_processes: int) -> tuple[int, int, int]:
+    """(prompts per step over all ranks, completions per micro-batch, mini-batches per step) of ``args``
+    (``generation_shape``'s arithmetic)."""
+    prompts, mini_batches = generation_shape(args.per_device_train_batch_size, args.gradient_accumulation_steps,
+                                             args.num_generations, args.steps_per_generation,
+                                             args.generation_batch_size, num_processes)
+    return prompts, args.per_device_train_batch_size, mini_batches
+
+
+def grpo_steps(args: GRPOConfig, prompts_per_step: int, train_size: int | None, mini_batches: int = 1) -> int:
+    """grpo's ``train.max_steps``: TRL's ``max_steps`` / the updates per generation (num_iterations x
+    ``mini_batches``), or from ``num_train_epochs`` as TRL counts them (each epoch drops the prompts that do not
+    fill a last generation; its updates: generations x num_iterations x steps_per_generation / GA)."""
     ni = args.num_iterations
+    per_step = ni * mini_batches
     if args.max_steps > 0:
-        if args.max_steps % ni:
-            raise ValueError(f"GRPOConfig.max_steps={args.max_steps} is not a multiple of num_iterations {ni}: a "
-                             "grpo step is one rollout and its num_iterations updates")
-        return args.max_steps // ni
+        if args.max_steps % per_step:
+            what = (f"num_iterations {ni}" if mini_batches == 1 else
+                    f"the updates per generation {per_step} (num_iterations {ni} x steps_per_generation / "
+                    f"gradient_accumulation_steps {mini_batches})")
+            raise ValueError(f"GRPOConfig.max_steps={args.max_steps} is not a multiple of {what}: a grpo step is one "
+                             "rollout and its updates")
+        return args.max_steps // per_step
     if train_size is None:
         raise ValueError("GRPOConfig.max_steps=-1 counts steps from num_train_epochs and the train dataset's "
                          "length: pass train_size (GRPOTrainer does) or set max_steps")
     per_epoch = train_size // prompts_per_step
     if per_epoch == 0:
         raise ValueError(f"the train dataset has {train_size} prompts, fewer than one step's {prompts_per_step}")
-    return max(1, math.ceil(math.ceil(args.num_train_epochs * per_epoch * ni) / ni))
+    return max(1, math.ceil(math.ceil(args.num_train_epochs * per_epoch * per_step) / per_step))
 
 
-def _per_step(value: float, ni: int, max_updates: int) -> int:
+def _per_step(value: float, per_step: int, max_updates: int) -> int:
     """A TRL interval in updates (a float below 1: a share of max_steps) as grpo steps, rounded up."""
     updates = math.ceil(value * max_updates) if value < 1 else int(value)
-    return max(1, math.ceil(updates / ni))
+    return max(1, math.ceil(updates / per_step))
 
 
 def _bf16(bf16: bool | None, init: dict | None, use_cpu: bool) -> bool:
@@ -83,11 +115,12 @@ def _bf16(bf16: bool | None, init: dict | None, use_cpu: bool) -> bool:
 
 @dataclass(frozen=True)
 class Counts:
-    """What converts TRL's counts to grpo's and back: ``processes`` (ranks; 1 reading a recipe back), ``ni``
-    (updates per grpo step: num_iterations), ``steps`` (grpo steps) and ``updates`` (steps x ni)."""
+    """What converts TRL's counts to grpo's and back: ``processes`` (ranks; 1 reading a recipe back),
+    ``per_step`` (updates per grpo step: num_iterations x mini-batches), ``steps`` (grpo steps) and ``updates``
+    (steps x per_step)."""
 
     processes: int
-    ni: int
+    per_step: int
     steps: int
     updates: int
 
@@ -137,6 +170,13 @@ def _warmup_ratio(c: Counts, schedule: str, warmup_steps: float) -> float:
     return warmup / c.updates
 
 
+def _batch_keys(c: Counts, B: int, GA: int, G: int, spg: int | None, gbs: int | None) -> tuple[int, int, int, int]:
+    """(train.micro_batch_size, train.prompts_per_step, rollout.num_generations, train.mini_batches) of TRL's batch
+    arguments (``generation_shape``)."""
+    prompts, mini_batches = generation_shape(B, GA, G, spg, gbs, c.processes)
+    return B, prompts, G, mini_batches
+
+
 def _report_to(value: str | list[str]) -> list[str]:
     report_to = [value] if isinstance(value, str) else list(value)
     return [] if report_to in ([], ["none"]) else ["tensorboard"] if report_to == ["all"] else report_to
@@ -152,11 +192,13 @@ LINKS: tuple[Link, ...] = (
          lambda c, trust: {"trust_remote_code": trust}),
     forward("model_init_kwargs", "model.attn_implementation", lambda init: (init or {}).get("attn_implementation")),
     same("shuffle_dataset", "data.shuffle"),
-    Link(("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations"),
-         ("train.micro_batch_size", "train.prompts_per_step", "rollout.num_generations"),
-         lambda c, B, GA, G: (B, B * c.processes * GA // G, G),  # batch_shape's arithmetic
-         lambda c, B, P, G: {"per_device_train_batch_size": B, "gradient_accumulation_steps": P * G // B,
-                             "num_generations": G}),
+    Link(("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations", "steps_per_generation",
+          "generation_batch_size"),
+         ("train.micro_batch_size", "train.prompts_per_step", "rollout.num_generations", "train.mini_batches"),
+         _batch_keys,
+         # P x G completions per generation, P x G / k per update: GA micro-batches of B (one process)
+         lambda c, B, P, G, k: {"per_device_train_batch_size": B, "gradient_accumulation_steps": P * G // (B * k),
+                                "num_generations": G, "steps_per_generation": P * G // B if k > 1 else None}),
     same("max_completion_length", "rollout.max_completion_length"),
     same("temperature", "rollout.temperature"),
     same("top_p", "rollout.top_p"),
@@ -203,26 +245,27 @@ LINKS: tuple[Link, ...] = (
     same("adam_beta2", "optim.adam_beta2"),
     one("max_grad_norm", "optim.max_grad_norm", lambda norm: norm or None, lambda norm: norm or 0.0),
     Link(("max_steps",), ("train.max_steps",), lambda c, max_steps: (c.steps,),  # grpo_steps'
-         lambda c, steps: {"max_steps": steps * c.ni}),
+         lambda c, steps: {"max_steps": steps * c.per_step}),
     one("output_dir", "train.output_dir", lambda path: path or "trainer_output", lambda path: path),
     fixed("train.overwrite", True),  # as TRL writes
     same("seed", "train.seed"),
-    Link(("save_steps",), ("train.save_steps",), lambda c, every: (_per_step(every, c.ni, c.updates),),
-         lambda c, every: {"save_steps": every * c.ni}),
+    Link(("save_steps",), ("train.save_steps",), lambda c, every: (_per_step(every, c.per_step, c.updates),),
+         lambda c, every: {"save_steps": every * c.per_step}),
     same("save_total_limit", "train.save_total_limit"),
     one("use_cpu", "train.device", lambda cpu: "cpu" if cpu else "auto", lambda device: device == "cpu"),
     Link(("eval_strategy", "eval_steps", "logging_steps"), ("train.eval_steps",),
-         lambda c, strategy, every, logging: (_per_step(every or logging, c.ni, c.updates)
+         lambda c, strategy, every, logging: (_per_step(every or logging, c.per_step, c.updates)
                                               if strategy == "steps" else None,),
-         lambda c, every: {"eval_strategy": "steps" if every else "no", "eval_steps": (every or 0) * c.ni or None}),
+         lambda c, every: {"eval_strategy": "steps" if every else "no",
+                           "eval_steps": (every or 0) * c.per_step or None}),
     same("eval_on_start", "train.eval_on_start"),
     fixed("train.checkpoint_layout", "trl"),
     fixed("train.eval_at_end", False),  # TRL evaluates the last step inside it
     fixed("eval.loss_pass", True),  # TRL's evaluation runs its loss on sampled groups (eval_loss)
     same("per_device_eval_batch_size", "eval.loss_batch_size"),
     same("save_final_model", "train.save_final"),
-    Link(("logging_steps",), ("log.logging_steps",), lambda c, every: (_per_step(every, c.ni, c.updates),),
-         lambda c, every: {"logging_steps": every * c.ni}),
+    Link(("logging_steps",), ("log.logging_steps",), lambda c, every: (_per_step(every, c.per_step, c.updates),),
+         lambda c, every: {"logging_steps": every * c.per_step}),
     one("report_to", "log.report_to", _report_to, lambda trackers: list(trackers) or "none"),
     one("disable_tqdm", "log.progress_bar", lambda disable: not disable, lambda progress: not progress),
     same("plot_at_end", "log.plots"),
@@ -253,10 +296,11 @@ def to_run_config(args: GRPOConfig, *, num_processes: int = 1, train_size: int |
     ``lora``: ``model.lora_*`` keys (a peft config's); ``data``: ``data.*`` keys the trainer derives from its
     datasets; ``rewards``: the ``rewards`` list; ``rollout``: ``rollout.*`` keys naming the trainer's
     tools/environment/rollout hook. A value grpo cannot take is a ``ValueError`` naming the argument."""
-    P, _ = batch_shape(args, num_processes)
-    steps = grpo_steps(args, P, train_size)
+    P, _, mini_batches = batch_shape(args, num_processes)
+    steps = grpo_steps(args, P, train_size, mini_batches)
     check_arguments(args)
-    counts = Counts(num_processes, args.num_iterations, steps, steps * args.num_iterations)
+    per_step = args.num_iterations * mini_batches
+    counts = Counts(num_processes, per_step, steps, steps * per_step)
     tree: dict[str, Any] = {}
     for link in LINKS:
         for key, value in zip(link.keys, link.to(counts, *(getattr(args, name) for name in link.args))):
@@ -294,8 +338,8 @@ def _flat(tree: dict) -> dict[str, Any]:
 
 def trl_values(cfg: RunConfig) -> dict[str, Any]:
     """TRL-named argument values for a grpo config (``LINKS`` read backwards); ``GRPOConfig.from_run_config``."""
-    ni = cfg.loss.num_iterations
-    counts = Counts(1, ni, cfg.train.max_steps, cfg.train.max_steps * ni)
+    per_step = updates_per_step(cfg)
+    counts = Counts(1, per_step, cfg.train.max_steps, cfg.train.max_steps * per_step)
     values: dict[str, Any] = {}
     for link in LINKS:
         if link.back is not None:
