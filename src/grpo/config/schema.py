@@ -208,7 +208,8 @@ class OptimConfig:
     weight_decay: float = opt(0.0, "AdamW weight decay.", ge=0)
     adam_beta1: float = opt(0.9, "AdamW beta1.", ge=0, le=1)
     adam_beta2: float = opt(0.99, "AdamW beta2.", ge=0, le=1)
-    warmup_ratio: float = opt(0.0, "Share of max_steps with linear warm-up.", ge=0, le=1)
+    warmup_ratio: float = opt(0.0, "Share of the run's optimizer updates (train.max_steps x loss.num_iterations x "
+                                   "train.mini_batches) with linear warm-up.", ge=0, le=1)
     lr_scheduler_type: str = opt("cosine", "Decay after warm-up: constant, linear or cosine (to 0 at the last "
                                             "update).", choices=tuple(LR_SCHEDULES))
     max_grad_norm: float | None = opt(1.0, "Clip the global gradient norm; null = no clipping.", gt=0)
