@@ -52,10 +52,10 @@ def generation_shape(B: int, GA: int, G: int, steps_per_generation: int | None, 
         raise ValueError(f"GRPOConfig: the generation batch ({B} x {processes} processes x {spg} steps per generation "
                          f"= {completions} completions) is not divisible by num_generations {G}")
     if spg % GA:
-        raise ValueError(f"GRPOConfig.steps_per_generation={spg} is not supported with gradient_accumulation_steps={GA}: "
-                         "a grpo optimizer update takes a whole share of one generation, so steps_per_generation must "
-                         "be a multiple of gradient_accumulation_steps (TRL would accumulate an update across two "
-                         "generations)")
+        raise ValueError(f"GRPOConfig.steps_per_generation={spg} is not supported with "
+                         f"gradient_accumulation_steps={GA}: a grpo optimizer update takes a whole share of one "
+                         "generation, so steps_per_generation must be a multiple of gradient_accumulation_steps (TRL "
+                         "would accumulate an update across two generations)")
     mini_batches = spg // GA
     if mini_batches > 1 and (B * GA) % G:
         raise ValueError(f"GRPOConfig.steps_per_generation={spg} is not supported with per_device_train_batch_size={B} "

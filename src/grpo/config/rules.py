@@ -333,5 +333,5 @@ def ptx_max_length(cfg: "RunConfig") -> int:
 # In the order the loader reports them: the first violated rule's key is the one located in the recipe.
 RULES = (batch_problems, mini_batch_problems, loss_problems, ppo_problems, ptx_problems, memory_saver_problems,
          token_budget_problems, lora_rate_problems, reward_problems, tracker_problems, decoupled_problems,
-         engine_problems, sampler_problems, encryption_problems, sampling_control_problems, eval_problems, sdpa_problems,
-         task_problems, gold_problems)
+         engine_problems, sampler_problems, encryption_problems, sampling_control_problems, eval_problems,
+         sdpa_problems, task_problems, gold_problems)

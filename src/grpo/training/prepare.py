@@ -190,9 +190,9 @@ def prepare(cfg: RunConfig, given: GivenInputs, info: DistInfo, device: torch.de
                                        cfg.data.shuffle)
         share = len(prompt_sampler.rank_indices(1, info.rank, info.world_size))  # checks P divides by the ranks
         if share % cfg.train.mini_batches:  # the config cannot know the ranks torchrun starts
-            raise ConfigError(f"train.mini_batches {cfg.train.mini_batches} does not divide each rank's {share} prompts "
-                              f"(train.prompts_per_step {cfg.train.prompts_per_step} over {info.world_size} ranks): "
-                              "each rank splits its own share into whole-group mini-batches")
+            raise ConfigError(f"train.mini_batches {cfg.train.mini_batches} does not divide each rank's {share} "
+                              f"prompts (train.prompts_per_step {cfg.train.prompts_per_step} over {info.world_size} "
+                              "ranks): each rank splits its own share into whole-group mini-batches")
     check_memory_savers(cfg.model, cfg.optim.optimizer, device)
     deepspeed = bool(cfg.train.deepspeed)
     policy = policy_for(cfg, given, device, deepspeed)
