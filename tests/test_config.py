@@ -104,6 +104,14 @@ def test_bad_overrides_name_the_override_and_key(override, expected):
 
 @pytest.mark.parametrize("overrides,key,why", [
     (["train.micro_batch_size=7"], "train.micro_batch_size", "does not divide the step's 64 completions"),
+    # train.mini_batches: whole groups per update, equal micro-batches in each, every trainer rank's share, and no
+    # partial rollouts (a varying number of groups per step)
+    (["train.mini_batches=3"], "train.mini_batches", "does not divide train.prompts_per_step 8"),
+    (["train.mini_batches=8"], "train.micro_batch_size", "does not divide a mini-batch's 8 completions"),
+    (["train.mode=decoupled", "decoupled.trainer_ranks=2", "train.mini_batches=8", "train.micro_batch_size=8"],
+     "train.mini_batches", "does not divide a trainer rank's 4 prompts"),
+    (["train.mode=decoupled", "decoupled.partial_rollouts=true", "train.max_staleness=2", "train.mini_batches=2"],
+     "train.mini_batches", "cannot divide yet"),
     (["model.ref_name_or_path=/models/teacher", "loss.beta=0"], "model.ref_name_or_path", "loss.beta is 0"),
     (["loss.epsilon_high=0.1"], "loss.epsilon_high", "only raises the upper bound"),
     (["optim.lora_learning_rate=1e-4"], "optim.lora_learning_rate", "model.lora_r is 0"),

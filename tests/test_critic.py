@@ -226,6 +226,24 @@ def test_critic_micro_batches_accumulate_to_the_whole_batch_gradient(tiny_tokeni
             assert torch.allclose(part[name], g, atol=1e-6, rtol=1e-4), (micro, name)
 
 
+def test_critic_mini_batches_are_one_update_each_on_the_policys_mini_batches(tiny_tokenizer):
+    # train.mini_batches 2: the critic takes two updates per pass, on the groups the policy's mini-batches hold
+    # ({0, 2} and {1, 3}), each the token mean of its own mini-batch.
+    from grpo.step.batching import select_groups
+
+    batch = rollout_with_values(tiny_tokenizer, N=8)
+    learner = RecordingLearner(value_model(tiny_tokenizer))
+    stats = train_critic(learner, batch, CriticSettings(0.2, 2, num_iterations=1, mini_batches=2))
+    assert len(learner.grads) == 2
+    losses = []
+    for update, groups in zip(learner.grads, ([0, 2], [1, 3])):
+        alone = RecordingLearner(value_model(tiny_tokenizer))
+        losses.append(train_critic(alone, select_groups(batch, groups), CriticSettings(0.2, 2, 1))["loss/value"])
+        for name, grad in alone.grads[0].items():
+            assert torch.allclose(update[name], grad, atol=1e-6, rtol=1e-4), name
+    assert stats["loss/value"] == pytest.approx(sum(losses) / 2, abs=1e-6)  # the mean over its updates
+
+
 def test_critic_updates_lower_the_value_loss_and_move_every_parameter(tiny_tokenizer):
     torch.manual_seed(0)
     model = value_model(tiny_tokenizer)

@@ -23,7 +23,7 @@ from grpo.parallel.learners import TorchLearner
 
 
 def count_syncs(tiny_tokenizer, loss_type: str, micro_batch_size: int, monkeypatch, processing=None,
-                ptx=None) -> Counter[str]:
+                ptx=None, mini_batches: int = 1, old_logprobs: bool = True) -> Counter[str]:
     model = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=1, seed=0)
     # SGD, not AdamW: torch's non-fused AdamW reads its step counters (CPU tensors even on a GPU run)
     # with item(), which this count would take for syncs of the learner's.
@@ -32,7 +32,7 @@ def count_syncs(tiny_tokenizer, loss_type: str, micro_batch_size: int, monkeypat
     learner = TorchLearner(model, optimizer, scheduler, max_grad_norm=1.0)
     settings = LossSettings(epsilon=0.2, epsilon_high=None, beta=0.04, loss_type=loss_type, max_completion_length=7,
                             temperature=0.9, num_iterations=2, micro_batch_size=micro_batch_size, max_grad_norm=1.0,
-                            processing=processing, ptx_coef=0.1)
+                            processing=processing, ptx_coef=0.1, mini_batches=mini_batches)
     counter = CountSyncs()
     real_tolist = torch.Tensor.tolist
 
@@ -42,6 +42,8 @@ def count_syncs(tiny_tokenizer, loss_type: str, micro_batch_size: int, monkeypat
 
     monkeypatch.setattr(torch.Tensor, "tolist", tolist)
     batch = random_batch(len(tiny_tokenizer), N=8)
+    if not old_logprobs:  # the update's own: a no-grad pass over the later mini-batches first
+        batch.old_logprobs = None
     with counter:
         stats = train_on_batch(learner, batch, settings, DistInfo(), ptx).totals
     monkeypatch.undo()
@@ -68,5 +70,14 @@ def test_no_host_sync_per_micro_batch(tiny_tokenizer, monkeypatch, loss_type, wi
     # decides whether the update is skipped.
     assert four["parallel/learners.py"] == 2, dict(four)
     # And the statistics come to the host once per step; the PTX loss reads nothing on the host.
-    assert four["step/policy_update.py"] == 1, dict(four)
+    assert four["step/update_stats.py"] == 1 and "step/policy_update.py" not in four, dict(four)
     assert not {"step/ptx.py", "algorithm/losses.py", "algorithm/sampler_correction.py"} & set(four), dict(four)
+@pytest.mark.parametrize("old_logprobs", [True, False])
+def test_mini_batches_sync_once_per_update_and_once_for_the_stats(tiny_tokenizer, monkeypatch, old_logprobs):
+    # 2 passes x 2 mini-batches: the learner's 4 gradient norms, the statistics' one transfer; splitting the batch,
+    # the dapo normaliser over the mini-batches and the no-grad pass for the old log-probs read nothing on the host.
+    counts = count_syncs(tiny_tokenizer, "dapo", 2, monkeypatch, mini_batches=2, old_logprobs=old_logprobs)
+    counts.pop("step/logprobs.py", None)  # the rollout's masks, on the CPU (see above)
+    assert counts == {"parallel/learners.py": 4, "step/update_stats.py": 1}, dict(counts)
+
+

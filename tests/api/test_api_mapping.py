@@ -36,6 +36,65 @@ def test_trl_batch_arithmetic_gives_the_same_prompts_and_updates():
         run_config(per_device_train_batch_size=8, num_generations=3, max_steps=1)
 
 
+GSPO = dict(importance_sampling_level="sequence", beta=0.0, epsilon=3e-4, epsilon_high=4e-4,
+            gradient_accumulation_steps=1, steps_per_generation=4)  # TRL's paper index: GSPO's recipe
+
+
+def test_gspo_recipe_splits_each_generation_into_four_updates():
+    cfg = run_config(max_steps=8, save_steps=4, logging_steps=2, **GSPO)
+    # TRL: a generation of B=8 x 1 process x 4 steps = 32 completions, 4 prompts of G=8; an update every
+    # GA=1 micro-batch of 8, so 4 updates per generation and 8 updates = 2 generations
+    assert (cfg.train.prompts_per_step, cfg.rollout.num_generations, cfg.train.micro_batch_size) == (4, 8, 8)
+    assert (cfg.train.mini_batches, cfg.train.max_steps, cfg.train.save_steps, cfg.log.logging_steps) == (4, 2, 1, 1)
+    assert (cfg.loss.importance_sampling_level, cfg.loss.beta, cfg.loss.epsilon, cfg.loss.epsilon_high) == (
+        "sequence", 0.0, 3e-4, 4e-4)
+    with pytest.raises(ValueError, match=r"max_steps=6 is not a multiple of the updates per generation 4"):
+        run_config(max_steps=6, **GSPO)
+    # num_iterations passes over each generation: 2 x 4 updates per step
+    cfg = run_config(max_steps=16, num_iterations=2, **GSPO)
+    assert (cfg.train.max_steps, cfg.loss.num_iterations, cfg.train.mini_batches) == (2, 2, 4)
+
+
+@pytest.mark.parametrize("shape", [dict(steps_per_generation=4), dict(generation_batch_size=64),
+                                   dict(gradient_accumulation_steps=2, steps_per_generation=4),
+                                   dict(gradient_accumulation_steps=2, generation_batch_size=64),
+                                   dict(per_device_train_batch_size=4, num_generations=4, steps_per_generation=6),
+                                   dict(gradient_accumulation_steps=3)])
+def test_generation_arithmetic_is_trls(shape):
+    trl = pytest.importorskip("trl")
+    ours = run_config(max_steps=24, **shape)
+    theirs = trl.GRPOConfig(output_dir="unused", use_cpu=True, report_to="none", max_steps=24, **shape)
+    assert ours.train.prompts_per_step * ours.rollout.num_generations == theirs.generation_batch_size
+    # TRL updates every gradient_accumulation_steps of its steps_per_generation slices of a generation
+    assert ours.train.mini_batches == theirs.steps_per_generation // theirs.gradient_accumulation_steps
+    assert ours.train.micro_batch_size == theirs.per_device_train_batch_size
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(steps_per_generation=4, generation_batch_size=32), "can not be both configured at the same time"),
+    (dict(generation_batch_size=36), r"generation_batch_size \(36\) must be divisible by the global batch size \(8\)"),
+    (dict(gradient_accumulation_steps=2, steps_per_generation=3),
+     "steps_per_generation=3 is not supported.*must be a multiple of gradient_accumulation_steps"),
+    (dict(gradient_accumulation_steps=4, steps_per_generation=2), "steps_per_generation=2 is not supported"),
+    (dict(per_device_train_batch_size=4, steps_per_generation=4), "4 completions per update.*not whole groups"),
+])
+def test_generation_shapes_grpo_cannot_run_are_refused_by_name(kwargs, error):
+    with pytest.raises(ValueError, match=error):
+        run_config(max_steps=8, **kwargs)
+
+
+def test_mini_batches_round_trip_through_trls_arguments():
+    cfg = run_config(max_steps=8, per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=2,
+                     steps_per_generation=4, save_steps=4)
+    assert (cfg.train.prompts_per_step, cfg.train.mini_batches, cfg.train.max_steps, cfg.train.save_steps) == (
+        4, 2, 4, 2)
+    args = GRPOConfig.from_run_config(cfg)
+    assert (args.steps_per_generation, args.gradient_accumulation_steps, args.max_steps, args.save_steps) == (
+        4, 2, 8, 4)
+    assert "train.mini_batches" not in args.grpo_overrides
+    assert args.to_run_config() == cfg
+
+
 def test_epochs_count_steps_as_trl_does():
     # TRL probe (N=20, B=8, GA=1, G=4, one epoch): 10 steps of 2 prompts; leftover prompts are dropped
     args = GRPOConfig(per_device_train_batch_size=8, num_generations=4, num_train_epochs=1, use_cpu=True)
@@ -67,7 +126,7 @@ def test_trl_values_map_to_grpo_keys():
 
 
 @pytest.mark.parametrize("field, value", [("push_to_hub", True), ("fp16", True), ("loss_type", "ppo"),
-                                          ("steps_per_generation", 2), ("save_strategy", "best"),
+                                          ("save_strategy", "best"),
                                           ("generation_kwargs", {"do_sample": False}),
                                           ("use_adaptive_entropy", True)])
 def test_a_trl_field_grpo_does_not_implement_is_refused_by_name(field, value):

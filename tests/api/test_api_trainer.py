@@ -266,3 +266,24 @@ def test_two_iterations_log_per_update_and_evaluate_only_at_eval_steps_as_trl(ti
                 "eval_completions/mean_length", "eval_completions/clipped_ratio", "eval_runtime",
                 "eval_samples_per_second", "eval_steps_per_second", "eval_num_tokens", "eval_accuracy"):
         assert all(key in e for e in evaluations), key
+
+
+def test_steps_per_generation_updates_several_times_per_generation_as_trl(tiny_model_dir, tmp_path):
+    """GSPO's recipe in TRL's paper index (steps_per_generation=4, gradient_accumulation_steps=1) over 8 updates:
+    2 generations of 4 updates each (grpo: 2 steps of train.mini_batches 4); global_step, the checkpoints and the
+    log count updates as TRL's, the generation's metrics join the first update after it, each update steps the
+    schedule (the TRL run of the same recipe: tests/trl_scripts/scripts/gspo_steps_per_generation.py)."""
+    recorder = Recorder()
+    args = args_for(tmp_path / "run", per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                    steps_per_generation=4, importance_sampling_level="sequence", beta=0.0, epsilon=3e-4,
+                    epsilon_high=4e-4, max_steps=8, save_steps=4, lr_scheduler_type="linear")
+    trainer = GRPOTrainer(str(tiny_model_dir), [length_reward], args, train_dataset=rows(), callbacks=[recorder])
+    assert trainer.train().global_step == 8
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]
+    assert [e for e in recorder.events if e[0] == "on_step_end"] == [("on_step_end", g) for g in range(1, 9)]
+    train = [e for e in trainer.state.log_history if "loss" in e]
+    assert [e["step"] for e in train] == list(range(1, 9))
+    assert [("reward" in e) for e in train] == [True, False, False, False] * 2  # a generation every 4 updates
+    rates = [e["learning_rate"] for e in train]
+    assert rates == sorted(rates, reverse=True) and len(set(rates)) == 8  # linear decay, a step per update
+    assert rates[0] == pytest.approx(1e-3) and rates[-1] == pytest.approx(1e-3 / 8)  # over 8 updates, not 2

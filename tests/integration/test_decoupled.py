@@ -64,12 +64,16 @@ def test_first_step_equals_colocated(tiny_model_dir, teacher_dir, tmp_path):
     assert (decoupled / "weights").is_dir() and (decoupled / "final" / "model.safetensors").exists()
 
 
-def test_new_estimator_and_loss_settings_reach_every_rank_and_two_samplers_share_the_steps(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("mini_batches", [1, 2])
+def test_new_estimator_and_loss_settings_reach_every_rank_and_two_samplers_share_the_steps(tiny_model_dir, tmp_path,
+                                                                                           mini_batches):
     # rloo advantages (the sampler's), GSPO ratios over two iterations and the entropy (the trainer ranks'):
     # colocated over 2 ranks and decoupled with 2 trainer ranks must log the same steps. Two samplers share
-    # each step's chunks (whichever makes which): at max_staleness 0 the run is still the colocated one.
+    # each step's chunks (whichever makes which): at max_staleness 0 the run is still the colocated one. With
+    # train.mini_batches 2 each rank's 2 groups are 2 updates a pass, their old log-probs the sampler's (decoupled)
+    # or the trainer's own before its first update (colocated): the same steps still.
     common = {"algorithm.advantage_estimator": "rloo", "loss.importance_sampling_level": "sequence",
-              "loss.num_iterations": 2, "loss.beta": 0.0, "train.max_steps": 2}
+              "loss.num_iterations": 2, "loss.beta": 0.0, "train.max_steps": 2, "train.mini_batches": mini_batches}
     colocated, decoupled = colocated_and_decoupled(tiny_model_dir, tmp_path, common,
                                                    {"decoupled.trainer_ranks": 2, "decoupled.num_samplers": 2})
     for a, b in zip(train_rows(colocated), each_batch_once(decoupled, 2), strict=True):

@@ -86,10 +86,29 @@ def test_reward_rises_on_an_easy_task(tiny_model_dir, tmp_path):
     assert last > first + 0.2, rewards
 
 
-def test_resume_equals_uninterrupted(tiny_model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("mini_batches", [1, 2])  # 2: four updates a step, the schedule saved and restored per update
+def test_resume_equals_uninterrupted(tiny_model_dir, tmp_path, monkeypatch, mini_batches):
     overrides = {"train.max_steps": 4, "train.save_steps": 1, "loss.num_iterations": 2, "data.eval": None,
-                 "rewards": SIGNAL_REWARDS}
+                 "rewards": SIGNAL_REWARDS, "train.mini_batches": mini_batches}
     resume_matches_uninterrupted(tiny_model_dir, tmp_path, overrides, monkeypatch)
+
+
+def test_mini_batches_train_every_parameter_and_step_the_schedule_per_update(tiny_model_dir, tmp_path):
+    # 2 prompt groups a step, one per mini-batch, 2 passes: 4 updates a step, 8 in the run, over which the linear
+    # schedule decays: step 2's first update is update 4 of 8, at half the peak rate (a schedule over the 2 steps'
+    # num_iterations alone would be at 0 there).
+    out = tmp_path / "mini"
+    cfg = load_config(None, base_overrides(tiny_model_dir, out, **{
+        "train.mini_batches": 2, "loss.num_iterations": 2, "train.max_steps": 2, "optim.lr_scheduler_type": "linear",
+        "loss.loss_type": "dapo", "data.eval": None, "rewards": SIGNAL_REWARDS}))
+    train(cfg)
+    initial = load_file(tiny_model_dir / "model.safetensors")
+    final = load_file(out / "final" / "model.safetensors")
+    assert not [name for name in initial if torch.equal(initial[name], final[name])]
+    rows = [r for r in read_metrics(out) if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["learning_rate"] for r in rows] == pytest.approx([1e-3, 0.5e-3])
+    assert all(r["skipped_updates"] == 0 and r["ratio_mean"] != 1.0 for r in rows)
 
 
 def test_kill_9_mid_run_loses_at_most_the_step_in_flight(tiny_model_dir, tmp_path):

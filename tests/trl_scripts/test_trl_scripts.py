@@ -31,6 +31,7 @@ MODELS = {  # script -> shipped tiny model it trains
     "rollout_func_generate": "tiny-math", "tools_with_system_prompt": "tiny-tools",
     "environment_factory": "tiny-tools", "openenv_echo": "tiny-tools", "openenv_echo_rollout_func": "tiny-math",
     "epoch_strategies": "tiny-math", "no_checkpoints_no_logs": "tiny-math",
+    "gspo_steps_per_generation": "tiny-math",
 }
 ECHO_SERVER = {"openenv_echo", "openenv_echo_rollout_func"}  # TRL's OpenEnv guide: a local echo server at ECHO_ENV_URL
 # A user runs the script from a plain shell: no launcher's variables (accelerate reads LOCAL_RANK as "launched").

@@ -78,7 +78,7 @@ class GRPOConfig:
     """TRL 1.16's ``GRPOConfig`` (see the module docstring); grpo's own options at the end."""
 
     output_dir: str | None = None  # None: "trainer_output" (TRL's)
-    # -- the batch (TRL's arithmetic: grpo.api.mapping.batch_shape)
+    # -- the batch (TRL's arithmetic, one generation per grpo step: grpo.api.mapping.generation_shape)
     per_device_train_batch_size: int = 8
     gradient_accumulation_steps: int = 1
     num_generations: int = 8
@@ -191,9 +191,6 @@ class GRPOConfig:
                                  f"(TRL's default {UNSUPPORTED[name][0]!r} is)")
         checks = [
             (self.loss_type in LOSS_TYPES, "loss_type", f"grpo implements {', '.join(LOSS_TYPES)}"),
-            (self.steps_per_generation in (None, self.gradient_accumulation_steps), "steps_per_generation",
-             "a grpo step updates on its whole rollout batch: steps_per_generation must equal "
-             "gradient_accumulation_steps (TRL's default)"),
             (self.save_strategy in INTERVALS, "save_strategy", "grpo checkpoints by steps, by epoch or not at all "
              "('no'); 'best' (a checkpoint at each new best evaluation) is not implemented"),
             (self.eval_strategy in INTERVALS, "eval_strategy", "one of no, steps, epoch"),
@@ -205,6 +202,9 @@ class GRPOConfig:
         self.lr_scheduler_kwargs = scheduler_kwargs(self.lr_scheduler_kwargs)
         best_model_arguments(self)
         optimizer_arguments(self.optim_args)
+        if self.generation_batch_size is not None and self.steps_per_generation is not None:  # TRL's words
+            raise ValueError("GRPOConfig: 'generation_batch_size' and 'steps_per_generation' can not be both "
+                             "configured at the same time")
         unknown = set(self.generation_kwargs or {}) - {"min_new_tokens"}
         if unknown:
             raise ValueError(f"GRPOConfig.generation_kwargs {sorted(unknown)} are not supported: grpo reads "

@@ -1,8 +1,9 @@
 """The loop's callouts as TRL's: a ``transformers.TrainerState`` whose ``log_history`` carries TRL's metric
 names, and ``TrainerCallback`` events in Trainer's order.
 
-TRL counts optimizer updates (``global_step``); a grpo step is one generation and ``num_iterations`` updates, so
-step ``s`` holds global steps ``(s - 1) * num_iterations + 1 .. s * num_iterations``. Each update gets its own
+TRL counts optimizer updates (``global_step``); a grpo step is one generation and its ``u = num_iterations x
+mini_batches`` updates (TRL's ``num_iterations x steps_per_generation / gradient_accumulation_steps``), so step
+``s`` holds global steps ``(s - 1) * u + 1 .. s * u``. Each update gets its own
 ``on_step_begin``/``on_step_end`` and log entry, as TRL's: the update's loss, grad_norm, learning_rate, kl,
 entropy and clip ratios; the generation's metrics (rewards, lengths, num_tokens, tools) go to the first update
 after it, where TRL's ``_metrics`` put them. The events of a step's updates fire once the step is done (grpo

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from grpo.config import RunConfig
+from grpo.config.rules import updates_per_step
 from grpo.run.checkpoint import complete_checkpoints
 from grpo.training.prepare import run_layout
 
@@ -39,8 +40,8 @@ def resumed_checkpoint(resume: bool | str | Path | None, cfg: RunConfig) -> Path
     # Another run's checkpoint: this run starts from its weights, optimizer, schedule, RNG and step, as TRL's.
     if layout.step_of(folder.name) is None:
         raise ValueError(f"resume_from_checkpoint={str(resume)!r}: not a checkpoint folder of this run's shape "
-                         f"({layout.prefix}<global step>, the step a multiple of num_iterations "
-                         f"{cfg.loss.num_iterations})")
+                         f"({layout.prefix}<global step>, the step a multiple of the updates per step "
+                         f"{updates_per_step(cfg)})")
     if not (folder / layout.state_file).is_file():
         raise ValueError(f"resume_from_checkpoint={str(resume)!r} has no {layout.state_file}: grpo resumes the "
                          "checkpoints it wrote (that file holds the step and the data order; a checkpoint written "

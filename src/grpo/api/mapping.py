@@ -6,8 +6,9 @@ travel in ``grpo_overrides``), so that ``GRPOConfig.from_run_config(cfg).to_run_
 table, ``LINKS``:
 each entry names TRL arguments, the grpo keys they set, and the conversion each way.
 
-TRL counts optimizer updates; a grpo step is one rollout and ``num_iterations`` updates, so TRL's
-``max_steps``/``save_steps``/``eval_steps``/``logging_steps`` are divided by ``num_iterations`` here.
+TRL counts optimizer updates; a grpo step is one rollout (TRL's generation) and its ``num_iterations x
+mini_batches`` updates (``mini_batches``: TRL's ``steps_per_generation / gradient_accumulation_steps``), so TRL's
+``max_steps``/``save_steps``/``eval_steps``/``logging_steps`` are divided by that here.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from grpo.algorithm.advantages import ADVANTAGE_SCALES
 from grpo.config import RunConfig, config_from_dict, config_to_dict
 from grpo.config.kinds import TRACKERS, VLLM_ENGINE
+from grpo.config.rules import updates_per_step
 
 if TYPE_CHECKING:
     from grpo.api.arguments import GRPOConfig
@@ -33,44 +35,74 @@ SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant", "co
 SCALE_REWARDS = {True: None, False: "none", "group": None, "batch": "batch", "none": "none"}
 
 
-def batch_shape(args: GRPOConfig, num_processes: int) -> tuple[int, int]:
-    """(prompts per step over all ranks, completions per micro-batch): TRL's generation batch is
-    ``per_device_train_batch_size x processes x steps_per_generation`` completions (steps_per_generation =
-    gradient_accumulation_steps), ``num_generations`` per prompt."""
-    B, GA, G = args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_generations
-    completions = B * num_processes * GA
-    if args.generation_batch_size is not None and args.generation_batch_size != completions:
-        raise ValueError(f"GRPOConfig.generation_batch_size={args.generation_batch_size} is not supported: grpo "
-                         f"updates on each whole rollout, so it must be per_device_train_batch_size x processes x "
-                         f"gradient_accumulation_steps = {B} x {num_processes} x {GA} = {completions}")
+def generation_shape(B: int, GA: int, G: int, steps_per_generation: int | None, generation_batch_size: int | None,
+                     processes: int) -> tuple[int, int]:
+    """(prompts per step over all ranks, mini-batches per step) of TRL's batch arguments. TRL's generation is
+    ``B x processes x steps_per_generation`` completions (``steps_per_generation`` given, else
+    ``generation_batch_size / (B x processes)``, else GA: ``GRPOConfig.__post_init__``), G per prompt, and an
+    optimizer update takes GA micro-batches of B: ``steps_per_generation / GA`` updates per pass over it, grpo's
+    ``train.mini_batches``. A ValueError for a shape TRL refuses (in TRL's words) or grpo cannot run."""
+    if generation_batch_size is not None:
+        if generation_batch_size % (B * processes):
+            raise ValueError(f"GRPOConfig: generation_batch_size ({generation_batch_size}) must be divisible by the "
+                             f"global batch size ({B * processes}).")
+        steps_per_generation = generation_batch_size // (B * processes)
+    spg = steps_per_generation or GA
+    completions = B * processes * spg
     if completions % G:
-        raise ValueError(f"GRPOConfig: the generation batch ({B} x {num_processes} processes x {GA} accumulation "
-                         f"steps = {completions} completions) is not divisible by num_generations {G}")
-    return completions // G, B
+        raise ValueError(f"GRPOConfig: the generation batch ({B} x {processes} processes x {spg} steps per generation "
+                         f"= {completions} completions) is not divisible by num_generations {G}")
+    if spg % GA:
+        raise ValueError(f"GRPOConfig.steps_per_generation={spg} is not supported with "
+                         f"gradient_accumulation_steps={GA}: a grpo optimizer update takes a whole share of one "
+                         "generation, so steps_per_generation must be a multiple of gradient_accumulation_steps (TRL "
+                         "would accumulate an update across two generations)")
+    mini_batches = spg // GA
+    if mini_batches > 1 and (B * GA) % G:
+        raise ValueError(f"GRPOConfig.steps_per_generation={spg} is not supported with per_device_train_batch_size={B} "
+                         f"x gradient_accumulation_steps={GA} = {B * GA} completions per update and process, not whole "
+                         f"groups of num_generations {G}: grpo keeps a prompt's completions in one update (TRL "
+                         "shuffles the generation's rows and splits groups between updates at random); make B x GA "
+                         "a multiple of num_generations")
+    return completions // G, mini_batches
 
 
-def grpo_steps(args: GRPOConfig, prompts_per_step: int, train_size: int | None) -> int:
-    """grpo's ``train.max_steps``: TRL's ``max_steps`` / num_iterations, or from ``num_train_epochs`` as TRL
-    counts them (each epoch drops the prompts that do not fill a last generation)."""
+def batch_shape(args: GRPOConfig, num_processes: int) -> tuple[int, int, int]:
+    """(prompts per step over all ranks, completions per micro-batch, mini-batches per step) of ``args``
+    (``generation_shape``'s arithmetic)."""
+    prompts, mini_batches = generation_shape(args.per_device_train_batch_size, args.gradient_accumulation_steps,
+                                             args.num_generations, args.steps_per_generation,
+                                             args.generation_batch_size, num_processes)
+    return prompts, args.per_device_train_batch_size, mini_batches
+
+
+def grpo_steps(args: GRPOConfig, prompts_per_step: int, train_size: int | None, mini_batches: int = 1) -> int:
+    """grpo's ``train.max_steps``: TRL's ``max_steps`` / the updates per generation (num_iterations x
+    ``mini_batches``), or from ``num_train_epochs`` as TRL counts them (each epoch drops the prompts that do not
+    fill a last generation; its updates: generations x num_iterations x steps_per_generation / GA)."""
     ni = args.num_iterations
+    per_step = ni * mini_batches
     if args.max_steps > 0:
-        if args.max_steps % ni:
-            raise ValueError(f"GRPOConfig.max_steps={args.max_steps} is not a multiple of num_iterations {ni}: a "
-                             "grpo step is one rollout and its num_iterations updates")
-        return args.max_steps // ni
+        if args.max_steps % per_step:
+            what = (f"num_iterations {ni}" if mini_batches == 1 else
+                    f"the updates per generation {per_step} (num_iterations {ni} x steps_per_generation / "
+                    f"gradient_accumulation_steps {mini_batches})")
+            raise ValueError(f"GRPOConfig.max_steps={args.max_steps} is not a multiple of {what}: a grpo step is one "
+                             "rollout and its updates")
+        return args.max_steps // per_step
     if train_size is None:
         raise ValueError("GRPOConfig.max_steps=-1 counts steps from num_train_epochs and the train dataset's "
                          "length: pass train_size (GRPOTrainer does) or set max_steps")
     per_epoch = train_size // prompts_per_step
     if per_epoch == 0:
         raise ValueError(f"the train dataset has {train_size} prompts, fewer than one step's {prompts_per_step}")
-    return max(1, math.ceil(math.ceil(args.num_train_epochs * per_epoch * ni) / ni))
+    return max(1, math.ceil(math.ceil(args.num_train_epochs * per_epoch * per_step) / per_step))
 
 
-def _per_step(value: float, ni: int, max_updates: int) -> int:
+def _per_step(value: float, per_step: int, max_updates: int) -> int:
     """A TRL interval in updates (a float below 1: a share of max_steps) as grpo steps, rounded up."""
     updates = math.ceil(value * max_updates) if value < 1 else int(value)
-    return max(1, math.ceil(updates / ni))
+    return max(1, math.ceil(updates / per_step))
 
 
 def _bf16(bf16: bool | None, init: dict | None, use_cpu: bool) -> bool:
@@ -84,11 +116,12 @@ def _bf16(bf16: bool | None, init: dict | None, use_cpu: bool) -> bool:
 
 @dataclass(frozen=True)
 class Counts:
-    """What converts TRL's counts to grpo's and back: ``processes`` (ranks; 1 reading a recipe back), ``ni``
-    (updates per grpo step: num_iterations), ``steps`` (grpo steps) and ``updates`` (steps x ni)."""
+    """What converts TRL's counts to grpo's and back: ``processes`` (ranks; 1 reading a recipe back),
+    ``per_step`` (updates per grpo step: num_iterations x mini-batches), ``steps`` (grpo steps) and ``updates``
+    (steps x per_step)."""
 
     processes: int
-    ni: int
+    per_step: int
     steps: int
     updates: int
 
@@ -138,6 +171,13 @@ def _warmup_ratio(c: Counts, schedule: str, warmup_steps: float) -> float:
     return warmup / c.updates
 
 
+def _batch_keys(c: Counts, B: int, GA: int, G: int, spg: int | None, gbs: int | None) -> tuple[int, int, int, int]:
+    """(train.micro_batch_size, train.prompts_per_step, rollout.num_generations, train.mini_batches) of TRL's batch
+    arguments (``generation_shape``)."""
+    prompts, mini_batches = generation_shape(B, GA, G, spg, gbs, c.processes)
+    return B, prompts, G, mini_batches
+
+
 def _report_to(value: str | list[str]) -> list[str]:
     report_to = [value] if isinstance(value, str) else list(value)
     return [] if report_to in ([], ["none"]) else ["tensorboard"] if report_to == ["all"] else report_to
@@ -154,11 +194,13 @@ LINKS: tuple[Link, ...] = (
     forward("model_init_kwargs", "model.attn_implementation", lambda init: (init or {}).get("attn_implementation")),
     same("disable_dropout", "model.disable_dropout"),
     same("shuffle_dataset", "data.shuffle"),
-    Link(("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations"),
-         ("train.micro_batch_size", "train.prompts_per_step", "rollout.num_generations"),
-         lambda c, B, GA, G: (B, B * c.processes * GA // G, G),  # batch_shape's arithmetic
-         lambda c, B, P, G: {"per_device_train_batch_size": B, "gradient_accumulation_steps": P * G // B,
-                             "num_generations": G}),
+    Link(("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations", "steps_per_generation",
+          "generation_batch_size"),
+         ("train.micro_batch_size", "train.prompts_per_step", "rollout.num_generations", "train.mini_batches"),
+         _batch_keys,
+         # P x G completions per generation, P x G / k per update: GA micro-batches of B (one process)
+         lambda c, B, P, G, k: {"per_device_train_batch_size": B, "gradient_accumulation_steps": P * G // (B * k),
+                                "num_generations": G, "steps_per_generation": P * G // B if k > 1 else None}),
     same("max_completion_length", "rollout.max_completion_length"),
     same("temperature", "rollout.temperature"),
     same("top_p", "rollout.top_p"),
@@ -177,13 +219,13 @@ LINKS: tuple[Link, ...] = (
     same("multi_objective_aggregation", "algorithm.multi_objective_aggregation"),
     same("beta", "loss.beta"),
     same("use_bias_correction_kl", "loss.kl_times_ratio"),
-    # TRL counts the sync interval in updates (check_arguments: a multiple of num_iterations); its alpha means
+    # TRL counts the sync interval in updates (check_arguments: a multiple of a step's updates); its alpha means
     # nothing without sync_ref_model, so it is left out then
     Link(("sync_ref_model", "ref_model_sync_steps", "ref_model_mixup_alpha"),
          ("loss.ref_sync_steps", "loss.ref_mixup_alpha"),
-         lambda c, sync, every, alpha: (every // c.ni, alpha) if sync else (None, OMIT),
+         lambda c, sync, every, alpha: (every // c.per_step, alpha) if sync else (None, OMIT),
          lambda c, every, alpha: {"sync_ref_model": every is not None, "ref_model_mixup_alpha": alpha,
-                                  "ref_model_sync_steps": 512 if every is None else every * c.ni}),
+                                  "ref_model_sync_steps": 512 if every is None else every * c.per_step}),
     same("num_iterations", "loss.num_iterations"),
     same("epsilon", "loss.epsilon"),
     same("epsilon_high", "loss.epsilon_high"),
@@ -226,22 +268,22 @@ LINKS: tuple[Link, ...] = (
     same("adam_epsilon", "optim.adam_epsilon"),
     one("max_grad_norm", "optim.max_grad_norm", lambda norm: norm or None, lambda norm: norm or 0.0),
     Link(("max_steps",), ("train.max_steps",), lambda c, max_steps: (c.steps,),  # grpo_steps'
-         lambda c, steps: {"max_steps": steps * c.ni}),
+         lambda c, steps: {"max_steps": steps * c.per_step}),
     one("output_dir", "train.output_dir", lambda path: path or "trainer_output", lambda path: path),
     fixed("train.overwrite", True),  # as TRL writes
     same("seed", "train.seed"),
     same("full_determinism", "train.full_determinism"),
     Link(("save_strategy", "save_steps"), ("train.save_strategy", "train.save_steps"),
-         lambda c, strategy, every: (strategy, _per_step(every, c.ni, c.updates)),
-         lambda c, strategy, every: {"save_strategy": strategy, "save_steps": every * c.ni}),
+         lambda c, strategy, every: (strategy, _per_step(every, c.per_step, c.updates)),
+         lambda c, strategy, every: {"save_strategy": strategy, "save_steps": every * c.per_step}),
     same("save_total_limit", "train.save_total_limit"),
     one("use_cpu", "train.device", lambda cpu: "cpu" if cpu else "auto", lambda device: device == "cpu"),
     Link(("eval_strategy", "eval_steps", "logging_steps"), ("train.eval_strategy", "train.eval_steps"),
          lambda c, strategy, every, logging: ("epoch" if strategy == "epoch" else "steps",
-                                              _per_step(every or logging, c.ni, c.updates)
+                                              _per_step(every or logging, c.per_step, c.updates)
                                               if strategy == "steps" else None),
          lambda c, strategy, every: {"eval_strategy": "epoch" if strategy == "epoch" else "steps" if every else "no",
-                                     "eval_steps": (every or 0) * c.ni or None}),
+                                     "eval_steps": (every or 0) * c.per_step or None}),
     same("eval_on_start", "train.eval_on_start"),
     fixed("train.checkpoint_layout", "trl"),
     fixed("train.eval_at_end", False),  # TRL evaluates the last step inside it
@@ -251,17 +293,17 @@ LINKS: tuple[Link, ...] = (
     same("save_final_model", "train.save_final"),
     same("deepspeed", "train.deepspeed"),
     Link(("logging_strategy", "logging_steps"), ("log.logging_strategy", "log.logging_steps"),
-         lambda c, strategy, every: (strategy, _per_step(every, c.ni, c.updates)),
-         lambda c, strategy, every: {"logging_strategy": strategy, "logging_steps": every * c.ni}),
+         lambda c, strategy, every: (strategy, _per_step(every, c.per_step, c.updates)),
+         lambda c, strategy, every: {"logging_strategy": strategy, "logging_steps": every * c.per_step}),
     one("report_to", "log.report_to", _report_to, lambda trackers: list(trackers) or "none"),
     one("disable_tqdm", "log.progress_bar", lambda disable: not disable, lambda progress: not progress),
     same("plot_at_end", "log.plots"),
 )
 
 
-def check_arguments(args: GRPOConfig, num_processes: int) -> None:
+def check_arguments(args: GRPOConfig, num_processes: int, per_step: int) -> None:
     """The values of ``args`` grpo cannot take (beyond ``batch_shape``'s and ``grpo_steps``'): a ``ValueError``
-    naming the argument."""
+    naming the argument. ``per_step``: the optimizer updates of a grpo step (num_iterations x mini-batches)."""
     if args.lr_scheduler_type not in SCHEDULES:
         raise ValueError(f"GRPOConfig.lr_scheduler_type={args.lr_scheduler_type!r} is not supported: grpo has "
                          f"{sorted(SCHEDULES)}")
@@ -276,9 +318,10 @@ def check_arguments(args: GRPOConfig, num_processes: int) -> None:
     if args.eval_strategy != "no" and (args.per_device_eval_batch_size * num_processes) % G:
         raise ValueError(f"The global eval batch size ({args.per_device_eval_batch_size} * {num_processes}) must be "
                          f"divisible by the number of generations used for evaluation ({G}).")  # TRL's words
-    if args.sync_ref_model and args.ref_model_sync_steps % args.num_iterations:
-        raise ValueError(f"GRPOConfig.ref_model_sync_steps={args.ref_model_sync_steps} is not a multiple of "
-                         f"num_iterations {args.num_iterations}: grpo moves the reference after a step's updates")
+    if args.sync_ref_model and args.ref_model_sync_steps % per_step:
+        raise ValueError(f"GRPOConfig.ref_model_sync_steps={args.ref_model_sync_steps} is not a multiple of the "
+                         f"updates per generation {per_step} (num_iterations x steps_per_generation / "
+                         "gradient_accumulation_steps): grpo moves the reference after a step's updates")
     if args.use_vllm and args.rollout_engine not in (None, VLLM_ENGINE):
         raise ValueError(f"GRPOConfig: use_vllm=True and rollout_engine={args.rollout_engine!r} disagree")
 
@@ -290,10 +333,11 @@ def to_run_config(args: GRPOConfig, *, num_processes: int = 1, train_size: int |
     ``lora``: ``model.lora_*`` keys (a peft config's); ``data``: ``data.*`` keys the trainer derives from its
     datasets; ``rewards``: the ``rewards`` list; ``rollout``: ``rollout.*`` keys naming the trainer's
     tools/environment/rollout hook. A value grpo cannot take is a ``ValueError`` naming the argument."""
-    P, _ = batch_shape(args, num_processes)
-    steps = grpo_steps(args, P, train_size)
-    check_arguments(args, num_processes)
-    counts = Counts(num_processes, args.num_iterations, steps, steps * args.num_iterations)
+    P, _, mini_batches = batch_shape(args, num_processes)
+    steps = grpo_steps(args, P, train_size, mini_batches)
+    per_step = args.num_iterations * mini_batches
+    check_arguments(args, num_processes, per_step)
+    counts = Counts(num_processes, per_step, steps, steps * per_step)
     tree: dict[str, Any] = {}
     for link in LINKS:
         for key, value in zip(link.keys, link.to(counts, *(getattr(args, name) for name in link.args))):
@@ -331,8 +375,8 @@ def _flat(tree: dict) -> dict[str, Any]:
 
 def trl_values(cfg: RunConfig) -> dict[str, Any]:
     """TRL-named argument values for a grpo config (``LINKS`` read backwards); ``GRPOConfig.from_run_config``."""
-    ni = cfg.loss.num_iterations
-    counts = Counts(1, ni, cfg.train.max_steps, cfg.train.max_steps * ni)
+    per_step = updates_per_step(cfg)
+    counts = Counts(1, per_step, cfg.train.max_steps, cfg.train.max_steps * per_step)
     values: dict[str, Any] = {}
     for link in LINKS:
         if link.back is not None:

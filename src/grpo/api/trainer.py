@@ -31,6 +31,7 @@ from grpo.api.rewards import build_reward_functions, reward_name
 from grpo.compat import save_pretrained
 from grpo.config import run_config_text
 from grpo.config.resolve import task_provenance
+from grpo.config.rules import updates_per_step
 from grpo.rewards import reward_gold
 from grpo.config.kinds import ENGINE_TRAITS, VLLM_ENGINE
 from grpo.data import DataError, PromptTooLong
@@ -104,8 +105,9 @@ class GRPOTrainer(TrainerAttributes):
             seed_process(args.seed, full_determinism=True)
         lora = self._lora(model, peft_config)
         self.args, self.num_processes = args, int(os.environ.get("WORLD_SIZE", "1"))
-        prompts_per_step, _ = batch_shape(args, self.num_processes)
-        limit = None if args.max_steps <= 0 else args.max_steps // max(args.num_iterations, 1) * prompts_per_step
+        prompts_per_step, _, mini_batches = batch_shape(args, self.num_processes)
+        per_step = max(args.num_iterations, 1) * mini_batches  # optimizer updates per generation (grpo step)
+        limit = None if args.max_steps <= 0 else args.max_steps // per_step * prompts_per_step
         pass_columns = not args.remove_unused_columns
         self.train_set = (to_examples(train_dataset, "train_dataset", pass_columns=pass_columns, limit=limit)
                           if train_dataset is not None else None)
@@ -114,7 +116,7 @@ class GRPOTrainer(TrainerAttributes):
         if self.train_set is None and "data.train" not in args.grpo_overrides:
             raise ValueError("train_dataset is required (or name grpo's data in grpo_overrides['data.train'])")
         if self.train_set is not None:
-            grpo_steps(args, prompts_per_step, len(self.train_set))  # max_steps/epochs fit the dataset
+            grpo_steps(args, prompts_per_step, len(self.train_set), mini_batches)  # max_steps/epochs fit the data
         self.processing_class = processing_class or self._load_tokenizer(name_or_path, args)
         # what the run renders with: chat_template_kwargs set in a copy's template; processing_class stays as given
         self._rendering = with_template_variables(self.processing_class, args.chat_template_kwargs)
@@ -307,7 +309,7 @@ class GRPOTrainer(TrainerAttributes):
         return CallbackHooks(self.args, self.state, self.control, self.callbacks, model=self.model,
                              tokenizer=self.processing_class, reward_names=[f.name for f in self.reward_fns],
                              completions_per_step=cfg.train.prompts_per_step * cfg.rollout.num_generations,
-                             updates_per_step=cfg.loss.num_iterations, logging_steps=self._logging_updates(cfg),
+                             updates_per_step=updates_per_step(cfg), logging_steps=self._logging_updates(cfg),
                              write_trainer_state=True, eval_rows={name: len(s) for name, s in eval_sets.items()},
                              save_total_limit=save_total_limit, steps_per_epoch=per_epoch or None)
 
@@ -322,7 +324,7 @@ class GRPOTrainer(TrainerAttributes):
     def _logging_updates(self, cfg) -> int:
         """TRL's logging_steps in updates (a float below 1: that share of max_steps, rounded up)."""
         steps = self.args.logging_steps
-        return max(1, math.ceil(steps * cfg.train.max_steps * cfg.loss.num_iterations) if steps < 1 else int(steps))
+        return max(1, math.ceil(steps * cfg.train.max_steps * updates_per_step(cfg)) if steps < 1 else int(steps))
 
     def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """grpo's held-out evaluation of the model as it is now, the way a run evaluates

@@ -49,7 +49,8 @@ class LossConfig:
     mask_truncated_completions: bool = opt(
         False, "DAPO: completions that hit max_completion_length without EOS contribute no loss (they still "
                "count in their group's advantages).")
-    num_iterations: int = opt(1, "Optimisation passes per rollout batch (mu); > 1 computes old log-probs.", ge=1)
+    num_iterations: int = opt(1, "Optimisation passes per rollout batch (mu), each of train.mini_batches updates; "
+                                 "more than one update per step computes old log-probs.", ge=1)
     sampler_is_correction: bool = opt(
         False, "Truncated importance-sampling correction for a sampler that is not the trainer (rollout.engine vllm, "
                "or train.mode decoupled): each token's surrogate is weighted by pi_old / pi_sampler (the trainer's "

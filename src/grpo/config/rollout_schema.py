@@ -45,9 +45,10 @@ class RolloutConfig:
                           choices=("auto", "bfloat16", "float16", "float32"))
     vllm_check_steps: int = opt(
         10, "engine vllm: compare vLLM's log-probs of its sampled tokens with the trainer's on a run's (or a "
-            "resumed run's) first two steps and every N-th (every step when loss.num_iterations > 1, where it is "
-            "free), logged as rollout/logprob_diff; a gap above vllm_max_logprob_diff stops the run. Costs one "
-            "no-grad forward pass per checked step. 0 = never (an off-policy run would then go unnoticed).", ge=0)
+            "resumed run's) first two steps and every N-th (every step when a step has more than one "
+            "update, loss.num_iterations x train.mini_batches, where it is free), logged as rollout/logprob_diff; "
+            "a gap above vllm_max_logprob_diff stops the run. Costs one no-grad forward pass per checked step. "
+            "0 = never (an off-policy run would then go unnoticed).", ge=0)
     vllm_max_logprob_diff: float = opt(
         0.1, "engine vllm: largest mean |vLLM - trainer| log-prob of the sampled tokens a checked step accepts "
              "(measured here in fp32: 2e-7 with synced weights, 0.17 one step stale at lr 1e-3, 0.3-0.43 with "

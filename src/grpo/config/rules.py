@@ -3,7 +3,7 @@
 
 Kept apart from ``grpo.config.schema`` (the fields, their defaults and ranges), which they read and which never
 reads them; the resolver (``grpo.config.resolve``) calls ``config_problems`` once a run's values are filled in. The
-rules that tie the config to its task and data are ``grpo.config.task_rules``'.
+rules that tie the config to its task and data are ``grpo.config.task_rules``', the loss's ``grpo.config.loss_rules``'.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from grpo.algorithm import advantage_estimator
 from grpo.algorithm.schedules import decay_arguments
 from grpo.config.async_rules import in_flight_problems, partial_rollout_problems
 from grpo.config.kinds import TRACKERS, engine_traits
+from grpo.config.loss_rules import loss_problems, loss_type_problems
 from grpo.config.task_rules import gold_problems, reward_problems, task_problems
 
 if TYPE_CHECKING:
@@ -30,102 +31,47 @@ def config_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
 
 
 def batch_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
-    """The step's completions split into equal micro-batches."""
-    completions = cfg.train.prompts_per_step * cfg.rollout.num_generations
-    if completions % cfg.train.micro_batch_size != 0:
+    """The step's completions split into equal micro-batches (each update's: a mini-batch's)."""
+    completions, k = cfg.train.prompts_per_step * cfg.rollout.num_generations, cfg.train.mini_batches
+    if k == 1 and completions % cfg.train.micro_batch_size != 0:
         return [("train.micro_batch_size", (
             f"{cfg.train.micro_batch_size} does not divide the step's {completions} completions "
             f"(train.prompts_per_step {cfg.train.prompts_per_step} x rollout.num_generations "
             f"{cfg.rollout.num_generations}); gradient accumulation needs equal micro-batches"))]
+    if k > 1 and cfg.train.prompts_per_step % k == 0 and (completions // k) % cfg.train.micro_batch_size != 0:
+        return [("train.micro_batch_size", (
+            f"{cfg.train.micro_batch_size} does not divide a mini-batch's {completions // k} completions (the step's "
+            f"{completions} over train.mini_batches {k}); gradient accumulation needs equal micro-batches"))]
     return []
 
 
-def loss_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
-    """The reference, the clip range and the reward scaling against the loss and the estimator."""
-    problems = []
-    if cfg.model.ref_name_or_path is not None and cfg.loss.beta == 0:
-        problems.append(("model.ref_name_or_path", (
-            "is set but loss.beta is 0: the reference only serves the KL term and would be loaded for "
-            "nothing; set loss.beta > 0 or model.ref_name_or_path: null")))
-    if cfg.loss.epsilon_high is not None and cfg.loss.epsilon_high < cfg.loss.epsilon:
-        problems.append(("loss.epsilon_high", (
-            f"{cfg.loss.epsilon_high} < loss.epsilon {cfg.loss.epsilon}: the asymmetric clip (DAPO) only "
-            "raises the upper bound")))
-    problems += ref_sync_problems(cfg)
-    if cfg.loss.scale_rewards is not None and not _estimator(cfg).takes_scale:
-        problems.append(("loss.scale_rewards", (
-            f"is {cfg.loss.scale_rewards!r} but algorithm.advantage_estimator is "
-            f"{cfg.algorithm.advantage_estimator!r}, whose scaling is part of its definition (rloo: none; "
-            "reinforce_pp: the batch std of the centred rewards; gae: whitening of the token advantages); "
-            "set loss.scale_rewards: null")))
-    return problems
+def mini_batch_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
+    """train.mini_batches: whole prompt groups per mini-batch (on each decoupled trainer rank), and what cannot
+    take several updates per step yet."""
+    k, P = cfg.train.mini_batches, cfg.train.prompts_per_step
+    if k == 1:
+        return []
+    if P % k:
+        return [("train.mini_batches", (
+            f"{k} does not divide train.prompts_per_step {P}: each mini-batch takes whole prompt groups (an "
+            "update with part of a group would see some of its completions without the rest)"))]
+    ranks = cfg.decoupled.trainer_ranks if cfg.train.mode == "decoupled" else 1
+    if P % ranks == 0 and (P // ranks) % k:
+        return [("train.mini_batches", (
+            f"{k} does not divide a trainer rank's {P // ranks} prompts (train.prompts_per_step {P} over "
+            f"decoupled.trainer_ranks {ranks}): each rank splits its own share into whole-group mini-batches"))]
+    if cfg.train.mode == "decoupled" and cfg.decoupled.partial_rollouts:
+        return [("train.mini_batches", (
+            f"is {k} but decoupled.partial_rollouts is on: a partial step holds a varying number of groups, split "
+            "unevenly over the trainer ranks, which a fixed number of whole-group mini-batches cannot divide yet; "
+            "set train.mini_batches: 1"))]
+    return []
 
 
-CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the loss types of the clipped surrogate (delta caps it)
-
-
-def loss_type_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
-    """The loss types' own keys (TRL's cispo, sapo, vespo; delta; the masks and the entropy bonus) against the rest."""
-    loss, problems = cfg.loss, []
-    eps_high = loss.epsilon if loss.epsilon_high is None else loss.epsilon_high
-    if loss.delta is not None and loss.loss_type not in CLIPPED:
-        problems.append(("loss.delta", f"is set but loss.loss_type {loss.loss_type} has no clipped branch to cap "
-                                       f"(delta caps the clipped surrogate's: {', '.join(CLIPPED)}); set delta: null"))
-    elif loss.delta is not None and loss.delta <= 1 + eps_high:
-        problems.append(("loss.delta", f"{loss.delta} is not above 1 + epsilon_high = {1 + eps_high}: it would cap "
-                                       "the ratio of positive advantages too, below the clip range; INTELLECT-2 "
-                                       "sets it above (e.g. 4)"))
-    if loss.loss_type == "cispo" and loss.epsilon_high is None:
-        problems.append(("loss.loss_type", (
-            f"is cispo with loss.epsilon_high null: its cap on the ratio itself would be epsilon ({loss.epsilon}), so "
-            "every token's weight would be at most that; set loss.epsilon_high to the cap (MiniMax-M1/ScaleRL: 5.0)")))
-    if loss.loss_type == "vespo" and loss.sampler_is_correction and loss.sampler_is_mode.startswith("sequence"):
-        problems.append(("loss.sampler_is_mode", (
-            f"is {loss.sampler_is_mode} with loss.loss_type vespo, which folds each token's weight into its own "
-            "sequence weight: use token_truncate or token_mask (TRL refuses this too)")))
-    controls = cfg.rollout.repetition_penalty != 1.0 or cfg.rollout.min_new_tokens > 0 or cfg.rollout.min_p > 0.0
-    if (loss.entropy_coef > 0 or loss.adaptive_entropy) and controls:
-        problems.append(("loss.entropy_coef", (
-            "cannot be combined with rollout.repetition_penalty / min_new_tokens / min_p yet: the bonus's gradient "
-            "is through the plain tempered distribution, while the log-probs follow the processed one")))
-    if loss.adaptive_entropy:  # the controller's state between steps is not carried (nor checkpointed) yet
-        problems.append(("loss.adaptive_entropy", "is not supported yet: the coefficient's state is not carried "
-                                                  "between steps; use a fixed loss.entropy_coef"))
-    if loss.entropy_coef_min > loss.entropy_coef_max:
-        problems.append(("loss.entropy_coef_min", f"{loss.entropy_coef_min} > loss.entropy_coef_max "
-                                                  f"{loss.entropy_coef_max}"))
-    if cfg.algorithm.multi_objective_aggregation == "normalize_then_sum":
-        if cfg.algorithm.advantage_estimator != "grpo":
-            problems.append(("algorithm.multi_objective_aggregation", (
-                f"normalize_then_sum is the grpo estimator's (GDPO); algorithm.advantage_estimator is "
-                f"{cfg.algorithm.advantage_estimator}: use sum_then_normalize")))
-        elif loss.scale_rewards is not None:
-            problems.append(("loss.scale_rewards", (
-                f"is {loss.scale_rewards!r} with algorithm.multi_objective_aggregation normalize_then_sum, which "
-                "normalises each reward in its group and the sum over the batch itself; set loss.scale_rewards: null")))
-    return problems
-
-
-def ref_sync_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
-    """TR-DPO's moving reference needs a reference of the policy's own parameters that this process holds."""
-    loss, sync = cfg.loss, "loss.ref_sync_steps"
-    if loss.ref_sync_steps is None:
-        moved = loss.ref_mixup_alpha != type(loss)().ref_mixup_alpha
-        return [("loss.ref_mixup_alpha", "is set but loss.ref_sync_steps is null: the reference never moves")
-                ] if moved else []
-    why = [  # (refused, reason), the first that holds is reported
-        (loss.beta == 0, "loss.beta is 0: there is no reference to move (TRL refuses sync_ref_model with beta 0)"),
-        (cfg.model.lora_r > 0, "model.lora_r > 0: a LoRA run's reference is the base with the adapter off, no model "
-                               "of its own to move (TRL refuses sync_ref_model with PEFT for the same reason)"),
-        (cfg.model.ref_name_or_path is not None, "model.ref_name_or_path names a teacher: TR-DPO moves a copy of the "
-                                                 "policy toward it, which another model's parameters cannot follow"),
-        (cfg.train.mode == "decoupled", "train.mode is decoupled: the samplers (or decoupled.ref_server) hold the "
-                                        "reference and see only the published weights they load, not the policy "
-                                        "of every sync step; train colocated"),
-        (bool(cfg.train.deepspeed), "train.deepspeed is set: under ZeRO-3 each rank holds a shard of the policy, "
-                                    "and the sync reads whole parameters (not implemented)"),
-    ]
-    return [(sync, f"is set but {reason}") for refused, reason in why if refused][:1]
+def updates_per_step(cfg: "RunConfig") -> int:
+    """Optimizer updates in one step: loss.num_iterations passes of train.mini_batches updates each. The learning
+    rate schedules and TRL's global_step count these; checkpoints, evaluation and logging count steps."""
+    return cfg.loss.num_iterations * cfg.train.mini_batches
 
 
 def memory_saver_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
@@ -393,7 +339,7 @@ def ptx_max_length(cfg: "RunConfig") -> int:
 
 
 # In the order the loader reports them: the first violated rule's key is the one located in the recipe.
-RULES = (batch_problems, loss_problems, loss_type_problems, ppo_problems, ptx_problems, memory_saver_problems,
-         token_budget_problems, lora_rate_problems, schedule_problems, reward_problems, tracker_problems,
-         decoupled_problems, engine_problems, sampler_problems, encryption_problems, sampling_control_problems,
-         eval_problems, sdpa_problems, task_problems, gold_problems)
+RULES = (batch_problems, mini_batch_problems, loss_problems, loss_type_problems, ppo_problems, ptx_problems,
+         memory_saver_problems, token_budget_problems, lora_rate_problems, schedule_problems, reward_problems,
+         tracker_problems, decoupled_problems, engine_problems, sampler_problems, encryption_problems,
+         sampling_control_problems, eval_problems, sdpa_problems, task_problems, gold_problems)

@@ -1,17 +1,17 @@
 """The off-policy guard: is the rollout engine sampling from the policy the trainer is training?
 
 An engine with its own copy of the weights (vLLM) can drift from the policy without any error: a weight
-push that did not land, a stale packed layer, another dtype or temperature. With ``loss.num_iterations``
-1 nothing else would show it (the ratio uses the trainer's log-probs, so it stays 1), and the run would
+push that did not land, a stale packed layer, another dtype or temperature. With one update per step
+nothing else would show it (the ratio uses the trainer's log-probs, so it stays 1), and the run would
 quietly train off-policy. So on checked steps the trainer compares the engine's log-prob of each
 sampled token with its own, logs the mean gap as ``rollout/logprob_diff``, and stops the run when it
 is above ``rollout.vllm_max_logprob_diff``, naming the step and the gap.
 
 Which steps: the run's first two (the engine as loaded, then the first pushed weights: a broken setup
 shows at once, not after ``every`` steps; after a resume, the first two of the resumed run), then every
-``every``-th. The trainer's log-probs cost one extra no-grad forward pass on a checked step when
-``loss.num_iterations`` is 1 (with more iterations the trainer computes old log-probs every step
-anyway, and every step is checked for free).
+``every``-th. The trainer's log-probs cost one extra no-grad forward pass on a checked step when a
+step has one update (with more, ``loss.num_iterations`` x ``train.mini_batches``, the trainer computes
+old log-probs every step anyway, and every step is checked for free).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 from grpo.config import ConfigError, RunConfig, run_config_text
+from grpo.config.rules import updates_per_step
 from grpo.run.checkpoint import GRPO_LAYOUT, CheckpointLayout, checkpoint_layout
 
 MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
@@ -21,7 +22,7 @@ def continues_own_run(cfg: RunConfig) -> bool:
         return True
     if cfg.train.resume_from is None:
         return False
-    layout = checkpoint_layout(cfg.train.checkpoint_layout, cfg.loss.num_iterations)
+    layout = checkpoint_layout(cfg.train.checkpoint_layout, updates_per_step(cfg))
     return Path(cfg.train.resume_from).resolve().parent == layout.root(cfg.train.output_dir).resolve()
 
 

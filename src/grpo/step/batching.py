@@ -1,6 +1,6 @@
 """Join and split rollout batches along completion rows (a sampler makes one chunk per trainer rank;
-each trainer rank trains its own chunk; dynamic sampling keeps some groups of several rounds). Groups
-are never split: rows move in whole prompts."""
+each trainer rank trains its own chunk; dynamic sampling keeps some groups of several rounds; a step's
+updates take its mini-batches). Groups are never split: rows move in whole prompts."""
 
 from __future__ import annotations
 
@@ -114,6 +114,24 @@ def rank_group_spans(num_groups: int, world_size: int) -> list[range]:
     base, extra = divmod(num_groups, world_size)
     starts = [rank * base + min(rank, extra) for rank in range(world_size + 1)]
     return [range(a, b) for a, b in zip(starts[:-1], starts[1:])]
+
+
+def mini_batches(batch: RolloutBatch, count: int) -> list[RolloutBatch]:
+    """The batch's groups dealt into ``count`` mini-batches, one optimizer update each (``train.mini_batches``):
+    group ``i`` goes to mini-batch ``i % count``; ``[batch]`` itself when ``count`` is 1.
+
+    Whole groups, as verl's ppo_mini_batch_size counts prompts: the advantages were computed over the whole step
+    either way, and an update then holds each of its groups' completions side by side (TRL shuffles the
+    generation's rows and cuts them, so its updates split groups at random; a run cannot reproduce its draw in
+    any case). Dealt rather than cut in runs: dynamic sampling puts its zero-advantage filler groups last, and
+    they should not make an update of their own. The rollout's order of prompts is already random."""
+    if count == 1:
+        return [batch]
+    P = len(batch.prompts)
+    if P % count:
+        raise ValueError(f"train.mini_batches {count} does not divide this rank's {P} prompt groups: each "
+                         "mini-batch takes whole groups (with several ranks, each rank's share must divide)")
+    return [select_groups(batch, range(index, P, count)) for index in range(count)]
 
 
 def select_groups(batch: RolloutBatch, groups: Sequence[int]) -> RolloutBatch:

@@ -1,12 +1,12 @@
-"""The learner's half of a step: the clipped-surrogate update over a rollout batch in micro-batches with
-gradient accumulation (plus the PTX micro-batch, if any); the optimizer and schedule it steps are
-``grpo.parallel.optim``'s."""
+"""The learner's half of a step: the clipped-surrogate updates over a rollout batch, ``num_iterations`` passes
+of ``mini_batches`` optimizer updates each, every update over its mini-batch in micro-batches with gradient
+accumulation (plus the PTX micro-batch, if any); the optimizer and schedule it steps are
+``grpo.parallel.optim``'s, the statistics ``grpo.step.update_stats``'."""
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -16,7 +16,6 @@ from grpo.algorithm import (
     entropy_bonus,
     high_entropy_mask,
     loss_aggregation,
-    mismatch_sums,
     off_policy_mask,
     policy_loss,
     sampler_importance_weights,
@@ -25,9 +24,11 @@ from grpo.parallel.distributed import DistInfo, all_reduce_max, all_reduce_sum
 from grpo.parallel.learners import Learner
 from grpo.rollout.generation import Generation
 from grpo.step.logprobs import DEVICE_DEFAULT_PASS, LogprobPass, completion_logprobs
+from grpo.step.batching import mini_batches
 from grpo.step.micro_batches import rows_by_length, token_budget_micro_batches
 from grpo.step.ptx import ptx_nll
-from grpo.step.records import RolloutBatch, SftBatch, StepUpdate, UpdateStats
+from grpo.step.records import RolloutBatch, SftBatch, StepUpdate
+from grpo.step.update_stats import StepStats
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class LossSettings:
     num_iterations: int
     micro_batch_size: int
     max_grad_norm: float | None
+    # train.mini_batches: optimizer updates per pass, each over its whole-group mini-batch (grpo.step.batching)
+    mini_batches: int = 1
     importance_sampling_level: str = "token"  # or "sequence" (GSPO), see grpo.algorithm.policy_loss
     mask_truncated_completions: bool = False  # DAPO: completions without EOS get no loss
     kl_times_ratio: bool = False  # loss.kl_times_ratio (TRL's use_bias_correction_kl)
@@ -65,21 +68,11 @@ class LossSettings:
     entropy_coef: float = 0.0  # loss.entropy_coef: the entropy bonus (its gradient through the tempered logits)
 
 
-# Token means within a micro-batch, weighted by its share of the batch's loss tokens into the batch's.
-_TOKEN_MEANS = ("kl", "clip_fraction", "ratio_mean")
-# Token means over the first iteration (the sampler correction's weights are the same in every iteration).
-_SAMPLER_IS = ("sampler_is/weight_mean", "sampler_is/capped_fraction", "sampler_is/logprob_diff")
-# The sampler/trainer mismatch (grpo.algorithm.mismatch), first iteration: k3 and the masked share are token
-# means, ratio_max the largest ratio (a maximum over ranks too: grpo.step.metrics.RANK_MAXIMA).
-_MISMATCH = ("mismatch/k3", "mismatch/ratio_max", "mismatch/masked_fraction")
-_CLIP_COUNTS = ("clip_low", "clip_high", "clip_region", "clip_units")  # summed per update (grpo.algorithm.clipping)
-
-
 @dataclass
 class LossInputs:
-    """A rollout batch as the update reads it: its per-row tensors on the policy's device (the rollout's may
-    sit on the CPU; decoupled batches always do), the token counts that scale every micro-batch's loss, and
-    the micro-batches.
+    """A rollout batch (one update's: the step's, or one of its mini-batches) as the update reads it: its per-row
+    tensors on the policy's device (the rollout's may sit on the CPU; decoupled batches always do), the token
+    counts that scale every micro-batch's loss, and the micro-batches.
 
     sampled:  [N, Lc] float, every sampled token. Multi-turn, the environment's tokens are 0: the forward
               passes see them (completion_mask), but the loss, its token counts, the KL, the entropy and
@@ -93,7 +86,8 @@ class LossInputs:
     total_tokens: 0-d, this rank's loss tokens; sampled_tokens: 0-d, its sampled tokens (at least 1);
     global_tokens: 0-d, the loss tokens over all ranks / world size (DDP averages gradients), at least
               1 token over all ranks: 0 when every completion was masked, and the numerators are 0 then,
-              so the loss is 0 instead of 0/0.
+              so the loss is 0 instead of 0/0. Of a mini-batch: the step's loss tokens over all ranks / (world
+              size x mini-batches) (``prepare_mini_batches``).
     rank_scale: 0-d or 1.0, the factor on this rank's loss (``LossSettings.uneven_ranks``: its rows' or
               tokens' share, ``LossAggregation.rank_scale``; 1.0 otherwise).
     order:    [N] the row order of the micro-batches (CPU); micro_batches: (rows on the CPU, like the
@@ -265,97 +259,35 @@ def micro_batch_loss(module: torch.nn.Module, inputs: LossInputs, rows: torch.Te
                           logprobs.detach(), reported, bonus)
 
 
-class StepStats:
-    """A step's statistics, summed by name as float64 0-d tensors on the policy's device until the step ends:
-    a float() per micro-batch would make the host wait for the GPU to finish that micro-batch before it may
-    queue the next one. float64, so that the sums equal Python float sums of the fp32 terms (each converted
-    to double, divided and summed). ``result`` brings them all to the host in one transfer.
+def prepare_mini_batches(batch: RolloutBatch, s: LossSettings, dist_info: DistInfo,
+                         device: torch.device) -> list[LossInputs]:
+    """``prepare_batch`` of each of the step's ``s.mini_batches`` mini-batches (``grpo.step.batching.mini_batches``;
+    the batch itself when 1). Each update's loss is its mini-batch's own, but with a token normaliser that is the
+    step's (dapo's ``global_tokens``): its loss tokens over all ranks / (world size x mini-batches), TRL's
+    ``num_items_in_batch`` of the generation rescaled to one update (``GRPOTrainer._compute_loss``), so that an
+    update with more tokens weighs more and the updates' losses at equal weights average to the step's."""
+    parts = [prepare_batch(part, s, dist_info, device) for part in mini_batches(batch, s.mini_batches)]
+    if len(parts) == 1:
+        return parts
+    step_tokens = all_reduce_sum(torch.stack([part.total_tokens for part in parts]).sum(), dist_info)  # one collective
+    per_update = step_tokens.clamp(min=1) / (dist_info.world_size * len(parts))
+    return [replace(part, global_tokens=per_update) for part in parts]
 
-    ``totals``: the step's (means over its updates; the entropy and ``sampler_is/*`` the first iteration's,
-    whose weights are still the ones that sampled); ``updates``: each update's own, by ``UpdateStats``'
-    field names, the row min/max starting at +-inf (no row yet).
-    """
 
-    def __init__(self, num_iterations: int, device: torch.device, sampler_is: bool, ptx: bool, mismatch: bool = False):
-        def zero() -> torch.Tensor:
-            return torch.zeros((), dtype=torch.float64, device=device)
-
-        def bound(value: float) -> torch.Tensor:
-            return torch.full((), value, dtype=torch.float64, device=device)
-
-        names = ("loss", *_TOKEN_MEANS, "entropy", *(("loss/ptx",) if ptx else ()),
-                 *(_SAMPLER_IS if sampler_is else ()), *(_MISMATCH if mismatch else ()))
-        self.num_iterations = num_iterations
-        self.totals = {name: zero() for name in names}
-        self.updates = [{**{name: zero() for name in ("loss", "kl", "entropy", "ratio_mean", *_CLIP_COUNTS)},
-                         "clip_low_row_min": bound(float("inf")), "clip_high_row_max": bound(float("-inf"))}
-                        for _ in range(num_iterations)]
-        self.grad_norms: list[float | None] = []
-        self.learning_rates: list[float] = []
-        self.seconds: list[float] = []
-
-    @torch.no_grad()
-    def add_micro_batch(self, part: MicroBatchLoss, inputs: LossInputs, iteration: int) -> None:
-        """Add one micro-batch of update ``iteration``."""
-        totals, update, n = self.totals, self.updates[iteration], self.num_iterations
-        # kl, clip_fraction and ratio_mean are token means within the micro-batch: weighted by its share of the
-        # batch's tokens they are the batch's token means, however the rows were split
-        token_share = (part.mask.sum() / inputs.total_tokens.clamp(min=1)).double()
-        loss = part.objective.detach().double()
-        means = {key: part.stats[key].double() * token_share for key in _TOKEN_MEANS}
-        totals["loss"] += loss / n
-        for key, value in means.items():
-            totals[key] += value / n
-        entropy = ((part.entropy * part.sampled).sum() / inputs.sampled_tokens).double()
-        if iteration == 0:  # token mean over every sampled token of the step
-            totals["entropy"] += entropy
-        for key, value in (("loss", loss), ("kl", means["kl"]), ("entropy", entropy),
-                           ("ratio_mean", means["ratio_mean"])):
-            update[key] += value
-        for key in _CLIP_COUNTS:
-            update[key] += part.stats[key].double()
-        update["clip_low_row_min"] = torch.minimum(update["clip_low_row_min"], part.stats["clip_low_row_min"].double())
-        update["clip_high_row_max"] = torch.maximum(update["clip_high_row_max"],
-                                                    part.stats["clip_high_row_max"].double())
-        if part.is_weights is not None and iteration == 0:
-            gap = (part.old - part.sampler).abs().masked_fill(part.sampled == 0, 0.0)  # padding may hold -inf
-            for key, summed in zip(_SAMPLER_IS, ((part.is_weights * part.sampled).sum(),
-                                                 (part.outside * part.sampled).sum(), gap.sum())):
-                totals[key] += (summed / inputs.sampled_tokens).double()
-        if part.reported is not None and iteration == 0:  # the weights that start the update vs the sampler's
-            sums = mismatch_sums(part.current, part.reported, part.sampled, part.is_weights)
-            totals["mismatch/k3"] += sums.k3 / inputs.sampled_tokens.double()
-            totals["mismatch/masked_fraction"] += sums.masked / inputs.sampled_tokens.double()
-            totals["mismatch/ratio_max"] = torch.maximum(totals["mismatch/ratio_max"], sums.ratio_max)
-
-    def add_ptx(self, nll: torch.Tensor) -> None:
-        self.totals["loss/ptx"] += nll.detach().double() / self.num_iterations
-
-    def end_update(self, grad_norm: float | None, learning_rate: float, seconds: float) -> None:
-        """The update's host values: its gradient norm (None: skipped), rate and wall time."""
-        self.grad_norms.append(grad_norm)
-        self.learning_rates.append(learning_rate)
-        self.seconds.append(seconds)
-
-    def result(self, learning_rate: float) -> StepUpdate:
-        """The step's ``StepUpdate``; ``learning_rate``: its first update's."""
-        named = [*self.totals.values(), *(value for update in self.updates for value in update.values())]
-        values = iter(torch.stack(named).tolist())  # the step's one transfer of its statistics
-        totals = {name: next(values) for name in self.totals}
-        nan_if_inf = (lambda v: float("nan") if math.isinf(v) else v)  # a bound never met: no row had tokens
-        rows = [{name: nan_if_inf(next(values)) for name in update} for update in self.updates]
-        norms = [norm for norm in self.grad_norms if norm is not None]
-        totals["learning_rate"] = learning_rate
-        totals["grad_norm"] = sum(norms) / len(norms) if norms else float("nan")
-        totals["skipped_updates"] = float(len(self.grad_norms) - len(norms))
-        return StepUpdate(totals, [UpdateStats(**row, grad_norm=norm, learning_rate=rate, seconds=seconds)
-                                   for row, norm, rate, seconds in zip(rows, self.grad_norms, self.learning_rates,
-                                                                       self.seconds)])
+def start_logprobs(module: torch.nn.Module, inputs: LossInputs, s: LossSettings) -> torch.Tensor:
+    """[N, Lc] the mini-batch's log-probs under ``module`` as it is, without gradients: its old log-probs when it
+    has none and an update of the step comes before its first pass (the weights must be the step's start)."""
+    gen, lp = inputs.generation, s.logprob_pass
+    with torch.no_grad():
+        return completion_logprobs(module, gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask,
+                                   s.temperature, s.micro_batch_size, share_prompts=lp.share_prompts,
+                                   column_bucket=lp.column_bucket, processing=s.processing, fused_head=lp.fused_head,
+                                   pack=lp.pack)
 
 
 def policy_backward(learner: Learner, inputs: LossInputs, old_logprobs: torch.Tensor | None, s: LossSettings,
-                    stats: StepStats, iteration: int, closes_update: bool, keep_old: bool) -> list[torch.Tensor]:
-    """Update ``iteration``'s backward passes over the batch, one per micro-batch; ``closes_update``: the last
+                    stats: StepStats, update: int, closes_update: bool, keep_old: bool) -> list[torch.Tensor]:
+    """Update ``update``'s backward passes over its batch, one per micro-batch; ``closes_update``: the last
     one lets DDP sync (not when a PTX micro-batch follows). Returns the old log-probs each micro-batch used
     (in micro-batch order) when ``keep_old``, else [].
 
@@ -369,7 +301,7 @@ def policy_backward(learner: Learner, inputs: LossInputs, old_logprobs: torch.Te
         with learner.accumulating(last=closes_update and index == count - 1):
             part = micro_batch_loss(learner.module, inputs, rows, on_device, old_logprobs, s)
             learner.backward(part.objective)
-        stats.add_micro_batch(part, inputs, iteration)
+        stats.add_micro_batch(part, inputs, update)
         if keep_old:
             olds.append(part.old)
     for index in range(len(inputs.micro_batches), count):
@@ -392,37 +324,54 @@ def ptx_backward(learner: Learner, ptx: SftBatch, s: LossSettings, stats: StepSt
 
 def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_info: DistInfo,
                    ptx: SftBatch | None = None) -> StepUpdate:
-    """``num_iterations`` optimizer updates on one rollout batch. Returns the step's training stats (means over
-    its updates) and each update's own (``UpdateStats``, this rank's).
+    """``num_iterations x mini_batches`` optimizer updates on one rollout batch: each pass over it is one update per
+    mini-batch (``prepare_mini_batches``), every ratio to the weights that started the step. Returns the step's
+    training stats (means over its updates) and each update's own (``UpdateStats``, this rank's).
 
     A skipped update (non-finite gradient norm, see the learner) is counted in ``skipped_updates``. With
     ``s.sampler_is_mode`` each token's surrogate is weighted by ``sampler_importance_weights`` of the old
-    log-probs (the batch's, else the first iteration's own) over ``batch.sampler_logprobs``; the weights'
-    token mean, the share of tokens over the cap and the mean |old - sampler| are logged as ``sampler_is/*``.
-    When the batch carries the sampling side's log-probs (``LossInputs.reported_logprobs``), the first pass's
-    mismatch with them is logged as ``mismatch/*`` (``grpo.algorithm.mismatch_sums``).
+    log-probs (the batch's, else the step's start) over ``batch.sampler_logprobs``; the weights' token mean, the
+    share of tokens over the cap and the mean |old - sampler| are logged as ``sampler_is/*``. When the batch
+    carries the sampling side's log-probs (``LossInputs.reported_logprobs``), the first update's mismatch with
+    them is logged as ``mismatch/*`` (``grpo.algorithm.mismatch_sums``).
     With a PTX micro-batch (``grpo.step.ptx``), each update also adds ``s.ptx_coef x`` its mean response NLL to
     the same gradient, before clipping and the optimizer step; ``loss/ptx`` is that NLL (unscaled), averaged
-    over the updates. The same PTX micro-batch serves every iteration, as the rollout batch does.
+    over the updates. The same PTX micro-batch serves every update, as the rollout batch serves every pass.
     """
     device = next(learner.module.parameters()).device
-    inputs = prepare_batch(batch, s, dist_info, device)
-    stats = StepStats(s.num_iterations, device, inputs.sampler_logprobs is not None, ptx is not None,
-                      mismatch=inputs.reported_logprobs is not None)
+    parts = prepare_mini_batches(batch, s, dist_info, device)
+    first = parts[0]
+    sampled_tokens = (None if len(parts) == 1  # the first pass's denominators: the step's sampled tokens
+                      else torch.stack([part.sampled.sum() for part in parts]).sum().clamp(min=1))
+    stats = StepStats(s.num_iterations, device, first.sampler_logprobs is not None, ptx is not None,
+                      mismatch=first.reported_logprobs is not None, mini_batches=len(parts),
+                      sampled_tokens=sampled_tokens)
     first_rate = learner.lr  # the rate of this step's first update (the schedule moves in finish_update)
-    old = inputs.old_logprobs
+    # Without old log-probs from the rollout (colocated), the first update's own log-probs are exactly the old
+    # policy's: no update has happened since sampling. A later mini-batch's must be taken before that update
+    # moves the weights: one no-grad pass over each, now.
+    olds = [part.old_logprobs if index == 0 or part.old_logprobs is not None
+            else start_logprobs(learner.module, part, s) for index, part in enumerate(parts)]
     for iteration in range(s.num_iterations):
-        started, rate = time.perf_counter(), learner.lr
-        # Without old log-probs from the rollout (colocated), the first iteration's own log-probs are exactly
-        # the old policy's: no update has happened since sampling. They are kept for the later iterations,
-        # which saves the separate forward pass over the batch that would compute the same.
-        keep_old = old is None and s.num_iterations > 1
-        olds = policy_backward(learner, inputs, old, s, stats, iteration, closes_update=ptx is None,
-                               keep_old=keep_old)
-        if ptx is not None:
-            ptx_backward(learner, ptx, s, stats)
-        if keep_old:
-            old = inputs.in_row_order(olds)  # [N, Lc]
-        norm = learner.finish_update()  # the learner's one host sync per update (it decides the skip)
-        stats.end_update(norm, rate, time.perf_counter() - started)
+        for index, inputs in enumerate(parts):
+            olds[index] = one_update(learner, inputs, olds[index], s, stats, iteration * len(parts) + index, ptx)
     return stats.result(first_rate)
+
+
+def one_update(learner: Learner, inputs: LossInputs, old: torch.Tensor | None, s: LossSettings, stats: StepStats,
+               update: int, ptx: SftBatch | None) -> torch.Tensor | None:
+    """Optimizer update ``update`` of the step, over ``inputs`` (and the PTX micro-batch, if any); ``old``: its
+    [N, Lc] old log-probs, or None when its own forward is the old policy's (no update of the step came before).
+    Returns the old log-probs its batch's later passes use."""
+    started, rate = time.perf_counter(), learner.lr
+    # A first pass that is its own old policy keeps its log-probs for the later passes, which saves the separate
+    # forward pass over the batch that would compute the same.
+    keep_old = old is None and s.num_iterations > 1
+    kept = policy_backward(learner, inputs, old, s, stats, update, closes_update=ptx is None, keep_old=keep_old)
+    if ptx is not None:
+        ptx_backward(learner, ptx, s, stats)
+    if keep_old:
+        old = inputs.in_row_order(kept)  # [N, Lc]
+    norm = learner.finish_update()  # the learner's one host sync per update (it decides the skip)
+    stats.end_update(norm, rate, time.perf_counter() - started)
+    return old

@@ -87,10 +87,11 @@ class SftBatch:
 
 @dataclass
 class UpdateStats:
-    """One optimizer update of a step (one of its ``num_iterations``), on this rank; ``grpo.step.metrics.
+    """One optimizer update of a step (one of its ``num_iterations x mini_batches``), on this rank; ``grpo.step.metrics.
     update_metrics`` reduces it over the ranks. Means are token means over the update's loss tokens.
 
-    loss, kl, ratio_mean: the update's (``kl`` 0 without a reference); entropy: over every sampled token.
+    loss, kl, ratio_mean: the update's (``kl`` 0 without a reference); entropy: over every sampled token of its
+        batch (the step's, or its mini-batch's).
     clip_low, clip_high, clip_region, clip_units: clipped units and their count (``grpo.algorithm.clipping``).
     clip_low_row_min, clip_high_row_max: the least row share of low-clipped tokens and the largest of
         high-clipped ones (NaN: no row had loss tokens).

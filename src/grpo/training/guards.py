@@ -110,7 +110,7 @@ class DeferredInterrupt:
     """Hold Ctrl-C (SIGINT) and SIGTERM while the block runs, then raise ``KeyboardInterrupt`` at its end.
 
     The training loop wraps each step's update, logging and checkpoint in one: an interrupt there would
-    leave weights that belong to no step (half the ``num_iterations`` updates done, or the update done
+    leave weights that belong to no step (half the step's updates done, or the update done
     but not logged), and a checkpoint of them under the previous step's number would train the step's
     batch twice after resuming. A second Ctrl-C stops at once and sets ``forced``: the caller must then
     save nothing (the last checkpoint stays the newest). Outside the main thread (where signal handlers

@@ -16,7 +16,7 @@ from transformers.trainer_utils import enable_full_determinism
 
 from grpo.algorithm import LogprobProcessing
 from grpo.config import ConfigError, RunConfig, config_to_dict
-from grpo.config.rules import ptx_max_length
+from grpo.config.rules import ptx_max_length, updates_per_step
 from grpo.critic import Critic, build_critic
 from grpo.data import load_sft_pairs
 from grpo.data.prompt_sampler import PromptSampler
@@ -165,7 +165,7 @@ def open_run(cfg: RunConfig, trainable: Trainable, info: DistInfo, critic=None,
 
 
 def run_layout(cfg: RunConfig) -> CheckpointLayout:
-    return checkpoint_layout(cfg.train.checkpoint_layout, cfg.loss.num_iterations)
+    return checkpoint_layout(cfg.train.checkpoint_layout, updates_per_step(cfg))
 
 
 @dataclass
@@ -208,7 +208,11 @@ def prepare(cfg: RunConfig, given: GivenInputs, info: DistInfo, device: torch.de
     if samples:
         prompt_sampler = PromptSampler(len(inputs.train_set), cfg.train.prompts_per_step, cfg.train.seed,
                                        cfg.data.shuffle)
-        prompt_sampler.rank_indices(1, info.rank, info.world_size)  # checks P is divisible by the ranks, early
+        share = len(prompt_sampler.rank_indices(1, info.rank, info.world_size))  # checks P divides by the ranks
+        if share % cfg.train.mini_batches:  # the config cannot know the ranks torchrun starts
+            raise ConfigError(f"train.mini_batches {cfg.train.mini_batches} does not divide each rank's {share} "
+                              f"prompts (train.prompts_per_step {cfg.train.prompts_per_step} over {info.world_size} "
+                              "ranks): each rank splits its own share into whole-group mini-batches")
     check_memory_savers(cfg.model, cfg.optim.optimizer, device)
     deepspeed = bool(cfg.train.deepspeed)
     policy = policy_for(cfg, given, device, deepspeed)

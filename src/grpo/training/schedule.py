@@ -28,7 +28,7 @@ class Schedule:
     early_stop_accuracy: float | None = None
     early_stop_metric: str = "eval/accuracy"  # named eval sets: the first set's (eval/<first>/accuracy)
     max_skipped_steps: int = 3
-    updates_per_step: int = 1  # loss.num_iterations: a step whose every update was skipped counts as skipped
+    updates_per_step: int = 1  # num_iterations x mini_batches: a step whose every update was skipped is skipped
     save_final: bool = True  # the end: final/ (train.save_final) and plots/ (log.plots)
     plots: bool = True
     save_strategy: str = STEPS

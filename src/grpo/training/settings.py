@@ -13,6 +13,7 @@ import torch
 from grpo.algorithm import LogprobProcessing, advantage_estimator
 from grpo.config import ConfigError, RunConfig
 from grpo.config.device_defaults import pass_defaults
+from grpo.config.rules import updates_per_step
 from grpo.critic import CriticSettings
 from grpo.models.wrappers import eos_token_ids
 from grpo.rollout import SamplingParams
@@ -55,15 +56,16 @@ def old_logprobs_after_sampling(cfg: RunConfig, *, decoupled_sampler: bool, engi
     - A decoupled sampler's weights may be stale, so the trainer cannot take them: the sampler does, unless
       the sampler correction is on and the engine reports its own log-probs (vLLM); those then travel as
       ``sampler_logprobs`` and the trainer takes old ones at the update's start.
-    - Colocated, with the trainer's own model sampling: never needed after sampling. With an engine that holds
-      its own weights (vLLM) and ``loss.num_iterations`` > 1: after sampling (they also serve the off-policy
-      guard); with one iteration the update's own pass is the old policy.
+    - Colocated, with the trainer's own model sampling: never needed after sampling (with several mini-batches
+      the update takes the later ones' before its first update). With an engine that holds its own weights
+      (vLLM) and more than one update per step (``updates_per_step``): after sampling (they also serve the
+      off-policy guard); with one update its own pass is the old policy.
     """
     if kl_in_reward(cfg):
         return True
     if decoupled_sampler:
         return not (cfg.loss.sampler_is_correction and engine_holds_weights)
-    return engine_holds_weights and cfg.loss.num_iterations > 1
+    return engine_holds_weights and updates_per_step(cfg) > 1
 
 
 def experience_settings(cfg: RunConfig, processing: LogprobProcessing | None, *, task: Task,
@@ -111,7 +113,7 @@ def loss_settings(cfg: RunConfig, processing: LogprobProcessing | None, device_t
         loss_type=cfg.loss.loss_type, max_completion_length=cfg.rollout.max_completion_length,
         temperature=cfg.rollout.temperature, num_iterations=cfg.loss.num_iterations,
         micro_batch_size=cfg.train.micro_batch_size, max_grad_norm=cfg.optim.max_grad_norm,
-        max_tokens_per_micro_batch=micro_batch_tokens(cfg, device_type),
+        mini_batches=cfg.train.mini_batches, max_tokens_per_micro_batch=micro_batch_tokens(cfg, device_type),
         importance_sampling_level=cfg.loss.importance_sampling_level,
         mask_truncated_completions=cfg.loss.mask_truncated_completions,
         sampler_is_mode=cfg.loss.sampler_is_mode if cfg.loss.sampler_is_correction else None,
@@ -184,7 +186,7 @@ def loop_schedule(cfg: RunConfig, train_size: int = 0) -> Schedule:
                     logging_steps=cfg.log.logging_steps, num_samples=cfg.log.num_samples,
                     early_stop_accuracy=t.early_stop_accuracy,
                     early_stop_metric=primary_metric(eval_sources(cfg.data.eval)),
-                    max_skipped_steps=cfg.optim.max_skipped_steps, updates_per_step=cfg.loss.num_iterations,
+                    max_skipped_steps=cfg.optim.max_skipped_steps, updates_per_step=updates_per_step(cfg),
                     save_final=t.save_final, plots=cfg.log.plots, save_strategy=t.save_strategy,
                     eval_strategy=t.eval_strategy, logging_strategy=cfg.log.logging_strategy,
                     steps_per_epoch=per_epoch, load_best_at_end=t.load_best_at_end)
@@ -196,9 +198,9 @@ def needs_critic(cfg: RunConfig) -> bool:
 
 
 def critic_settings(cfg: RunConfig) -> CriticSettings:
-    """PPO's critic update: the same micro-batches and number of passes as the policy's."""
+    """PPO's critic update: the same micro-batches, mini-batches and number of passes as the policy's."""
     return CriticSettings(value_clip=cfg.loss.value_clip, micro_batch_size=cfg.train.micro_batch_size,
-                          num_iterations=cfg.loss.num_iterations)
+                          num_iterations=cfg.loss.num_iterations, mini_batches=cfg.train.mini_batches)
 
 
 def eval_loss_settings(cfg: RunConfig, task: Task, processing, device_type: str) -> EvalLossSettings:
@@ -207,5 +209,6 @@ def eval_loss_settings(cfg: RunConfig, task: Task, processing, device_type: str)
     experience = experience_settings(cfg, processing, task=task, decoupled_sampler=False, engine_holds_weights=False)
     sampling = replace(experience.sampling, n=cfg.eval.num_generations or cfg.rollout.num_generations)
     return EvalLossSettings(replace(experience, need_old_logprobs=False, sampling=sampling),
-                            replace(loss_settings(cfg, processing, device_type), num_iterations=1, ptx_coef=0.0),
+                            replace(loss_settings(cfg, processing, device_type), num_iterations=1, mini_batches=1,
+                                    ptx_coef=0.0),
                             cfg.eval.loss_batch_size, cfg.train.seed)

@@ -25,7 +25,7 @@ from grpo.commands.memory.states import DeepSpeedSettings, ModelStates, _count, 
 from grpo.config import RunConfig
 from grpo.config.device_defaults import pass_defaults
 from grpo.config.kinds import engine_traits
-from grpo.config.rules import ptx_max_length
+from grpo.config.rules import ptx_max_length, updates_per_step
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -273,7 +273,7 @@ def rollout_transient_bytes(shape: ModelShape, cfg: RunConfig, *, rows: int, p: 
                       + sampling_bytes(rows=rows, vocab_size=shape.vocab_size)
                       + forward_transient_bytes(shape, tokens=prompts * prompt_len, p=p))
     logprobs = 0
-    if cfg.loss.beta > 0 or cfg.loss.num_iterations > 1:  # reference or old log-probs
+    if cfg.loss.beta > 0 or updates_per_step(cfg) > 1:  # reference or old log-probs
         b, positions = cfg.train.micro_batch_size, completion_len + 1
         logprobs = ((p * b + 2 * 4) * positions * shape.vocab_size
                     + forward_transient_bytes(shape, tokens=b * (prompt_len + completion_len), p=p))
