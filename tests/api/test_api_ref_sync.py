@@ -62,7 +62,7 @@ def test_sync_ref_model_is_refused_where_trl_refuses_it(tiny_model_dir, tmp_path
     with pytest.raises(ValueError, match="TRL refuses sync_ref_model with PEFT"):
         GRPOTrainer(load(tiny_model_dir), length_reward, args_for(tmp_path / "run", **SYNC), train_dataset=rows(),
                     peft_config=lora)
-    with pytest.raises(ValueError, match="ref_model_sync_steps=3 is not a multiple of num_iterations 2"):
+    with pytest.raises(ValueError, match="ref_model_sync_steps=3 is not a multiple of the updates per generation 2"):
         args_for(tmp_path / "run", **{**SYNC, "ref_model_sync_steps": 3}, num_iterations=2).to_run_config()
     # alpha alone changes nothing under TRL: accepted, and not a key of the run
     assert args_for(tmp_path / "run", ref_model_mixup_alpha=0.9).to_run_config().loss.ref_sync_steps is None
