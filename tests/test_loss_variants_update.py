@@ -197,3 +197,61 @@ def test_normalize_then_sum_reaches_the_advantages():
         settings = experience_settings(cfg, None, task=run_task(cfg), decoupled_sampler=False,
                                        engine_holds_weights=False)
         assert torch.allclose(finish_experience(batch, None, None, settings).advantages, want)
+
+
+def test_the_adaptive_coefficient_moves_after_every_update_and_is_what_the_update_applies(tiny_tokenizer):
+    """TRL's use_adaptive_entropy through the update: no bonus until the measured entropy reaches the target, then
+    the coefficient the controller holds; each update's gradient is a fixed-coefficient update's with the
+    coefficient the controller applied (the learner records gradients without stepping, so the weights stay)."""
+    from dataclasses import replace
+
+    from grpo.algorithm import AdaptiveEntropyState, adaptive_entropy_step
+    from grpo.step.entropy_control import EntropyControl, entropy_control
+
+    model = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=1, seed=0).double()
+    batch = _near_policy(random_batch(len(tiny_tokenizer), seed=3), model)
+    cfg = load_config(None, ["rollout.temperature=0.9", "rollout.max_completion_length=7", "loss.num_iterations=3",
+                             "loss.adaptive_entropy=true", "loss.entropy_coef=0.1", "loss.entropy_target=100",
+                             "loss.entropy_coef_delta=0.05"])
+    settings = loss_settings(cfg, None, "cpu")
+    control = entropy_control(cfg, None)
+    learner = RecordingLearner(model)
+    step = train_on_batch(learner, batch, settings, DistInfo(), entropy=control)
+    # the entropy (a few nats) is below the target 100: no bonus in the first update (nothing measured yet), then
+    # 0.1 + 0.05 after it, 0.2 after the second; logged: the coefficient after each update (TRL's entropy_coef)
+    assert [u.entropy_coef for u in step.updates] == pytest.approx([0.15, 0.2, 0.25])
+    assert control.state.coef == pytest.approx(0.25) and control.state.last_entropy == pytest.approx(
+        step.updates[-1].entropy, rel=1e-5)
+    assert step.totals["entropy_coef"] == pytest.approx(0.25) and step.totals["policy_loss"] != step.totals["loss"]
+    for update, coef in ((0, 0.0), (1, 0.15), (2, 0.2)):
+        fixed = RecordingLearner(model)
+        old = {"old_logprobs": batch.old_logprobs}
+        train_on_batch(fixed, replace(batch, **old), replace(settings, adaptive_entropy=False, entropy_coef=coef,
+                                                             num_iterations=1), DistInfo())
+        for name, g in fixed.grads[0].items():
+            assert torch.allclose(learner.grads[update][name], g, atol=1e-9, rtol=1e-6), (update, name)
+    # above the target the bonus never engages and the coefficient steps down to its floor
+    low = EntropyControl(AdaptiveEntropyState(0.1), target=0.0, coef_delta=0.05, coef_min=0.0, coef_max=1.0)
+    step = train_on_batch(RecordingLearner(model), batch, settings, DistInfo(), entropy=low)
+    assert [u.entropy_coef for u in step.updates] == pytest.approx([0.05, 0.0, 0.0]) and low.state.coef == 0.0
+    fixed = RecordingLearner(model)
+    train_on_batch(fixed, batch, replace(settings, adaptive_entropy=False, entropy_coef=0.0), DistInfo())
+    assert all(torch.equal(fixed.grads[0][n], g) for n, g in learner_grads(RecordingLearner(model), batch, settings,
+                                                                             low).items())
+    # the run's checkpoint keeps the state; a resumed run's controller starts from it
+    saved = control.state_dict()
+    assert entropy_control(cfg, {"adaptive_entropy": saved}).state == control.state
+    assert entropy_control(cfg, None).state == AdaptiveEntropyState(0.1)
+    assert adaptive_entropy_step(AdaptiveEntropyState(0.25, 3.0), (9.0, 3.0), target=100, coef_delta=0.05,
+                                 coef_min=0.0, coef_max=0.27).coef == 0.27
+
+
+def learner_grads(learner, batch, settings, control):
+    """The first update's gradient of one step under ``control`` (a fresh one: its bonus is gated off)."""
+    from grpo.algorithm import AdaptiveEntropyState
+    from grpo.step.entropy_control import EntropyControl
+
+    fresh = EntropyControl(AdaptiveEntropyState(0.1), control.target, control.coef_delta, control.coef_min,
+                           control.coef_max)
+    train_on_batch(learner, batch, settings, DistInfo(), entropy=fresh)
+    return learner.grads[0]

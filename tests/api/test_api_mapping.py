@@ -127,8 +127,7 @@ def test_trl_values_map_to_grpo_keys():
 
 @pytest.mark.parametrize("field, value", [("push_to_hub", True), ("fp16", True), ("loss_type", "ppo"),
                                           ("save_strategy", "best"),
-                                          ("generation_kwargs", {"do_sample": False}),
-                                          ("use_adaptive_entropy", True)])
+                                          ("generation_kwargs", {"do_sample": False})])
 def test_a_trl_field_grpo_does_not_implement_is_refused_by_name(field, value):
     with pytest.raises(ValueError, match=rf"GRPOConfig.{field}.*not supported"):
         GRPOConfig(**{field: value})

@@ -23,7 +23,8 @@ VARIANTS = {
     # TRL's objectives, masks and bonus through the config: CISPO with the 80/20 mask, the off-policy mask and an
     # entropy bonus over two iterations; SAPO with GDPO's per-reward normalisation
     "cispo masked": {"loss.loss_type": "cispo", "loss.epsilon_high": 5.0, "loss.top_entropy_quantile": 0.5,
-                     "loss.off_policy_mask_threshold": 0.5, "loss.entropy_coef": 0.01, "loss.num_iterations": 2},
+                     "loss.off_policy_mask_threshold": 0.5, "loss.entropy_coef": 0.01, "loss.num_iterations": 2,
+                     "loss.adaptive_entropy": True, "loss.entropy_target": 100.0},
     "sapo gdpo": {"loss.loss_type": "sapo", "algorithm.multi_objective_aggregation": "normalize_then_sum"},
 }
 
@@ -58,5 +59,11 @@ def test_variant_trains_with_finite_metrics(variant, tiny_model_dir, tmp_path):
         for key in REQUIRED_KEYS | {"ratio_mean", "advantage/abs_mean"}:
             assert math.isfinite(row[key]), (key, row[key])
         assert row["entropy"] > 0 and row["advantage/abs_mean"] > 0 and row["grad_norm"] > 0
+    if variant == "cispo masked":  # the adaptive coefficient: logged, moved every update, kept in the checkpoint
+        import json
+
+        assert [r["entropy_coef"] for r in rows] == pytest.approx([0.02, 0.03])  # 0.01 + 0.005 after each update
+        state = json.loads((out / "checkpoints" / "step-2" / "trainer_state.json").read_text())
+        assert state["adaptive_entropy"]["coef"] == pytest.approx(0.03)
     if variant == "gspo":
         assert any(r["clip_fraction"] > 0 for r in rows)  # tiny clips on a moved policy: some rows clipped

@@ -31,7 +31,7 @@ MODELS = {  # script -> shipped tiny model it trains
     "rollout_func_generate": "tiny-math", "tools_with_system_prompt": "tiny-tools",
     "environment_factory": "tiny-tools", "openenv_echo": "tiny-tools", "openenv_echo_rollout_func": "tiny-math",
     "epoch_strategies": "tiny-math", "no_checkpoints_no_logs": "tiny-math",
-    "gspo_steps_per_generation": "tiny-math",
+    "gspo_steps_per_generation": "tiny-math", "cispo_entropy_masks": "tiny-math", "sapo_two_rewards": "tiny-math",
 }
 ECHO_SERVER = {"openenv_echo", "openenv_echo_rollout_func"}  # TRL's OpenEnv guide: a local echo server at ECHO_ENV_URL
 # A user runs the script from a plain shell: no launcher's variables (accelerate reads LOCAL_RANK as "launched").
@@ -77,6 +77,11 @@ EVAL_CLIP_RATIOS = ("eval_clip_ratio/low_mean", "eval_clip_ratio/low_min", "eval
                     "eval_clip_ratio/high_max", "eval_clip_ratio/region_mean")
 
 
+# Log values that follow from the arguments alone (the adaptive entropy coefficient, with an entropy far below its
+# target, steps up by entropy_coef_delta after every update whatever was sampled)
+SAME_VALUE = ("entropy_coef",)
+
+
 def missing_keys(trl_entry: dict, grpo_entry: dict) -> list[str]:
     return sorted(set(trl_entry) - set(grpo_entry))
 
@@ -104,6 +109,9 @@ def test_script_behaves_as_under_trl(name, tmp_path, request):
             f"log_history[{index}] (step {trl_entry.get('step')}) lacks TRL's keys "
             f"{missing_keys(trl_entry, grpo_entry)}")
         check_eval_loss(trl_entry, grpo_entry)
+        for key in SAME_VALUE:  # a value the run's settings decide, not its samples
+            if key in trl_entry:
+                assert grpo_entry[key] == pytest.approx(trl_entry[key]), (index, key, grpo_entry[key], trl_entry[key])
     if "evaluate" in trl:
         assert not missing_keys(trl["evaluate"], grpo["evaluate"]), "evaluate() lacks TRL's keys"
         check_eval_loss(trl["evaluate"], grpo["evaluate"])

@@ -31,7 +31,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
         "or keep vllm_mode='colocate'")),
     "vllm_structured_outputs_regex": (None, "grpo has no constrained decoding"),
     "vllm_tensor_parallel_size": (1, "grpo's vLLM engine runs on one device"),
-    "use_adaptive_entropy": (False, "grpo's entropy bonus has a fixed coefficient (entropy_coef)"),
     "log_completions_hub_repo": (None, "grpo writes samples to samples.jsonl, never to the Hub"),
     "fp16": (False, "grpo trains in fp32 or bf16 (bf16=True)"),
     "torch_compile": (False, "grpo does not compile the model"),
@@ -53,8 +52,7 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
 ACCEPTED_AS_IS = (  # cannot change what a run computes
     "ds3_gather_for_generation", "pad_to_multiple_of", "cache_implementation", "vllm_model_impl",
     "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
-    "vllm_max_model_length", "entropy_coef_min",
-    "entropy_coef_max", "entropy_coef_delta", "entropy_target", "log_multimodal", "num_completions_to_print",
+    "vllm_max_model_length", "log_multimodal", "num_completions_to_print",
     "log_unique_prompts", "use_transformers_continuous_batching", "transformers_continuous_batching_config",
     "gradient_checkpointing_kwargs", "data_seed", "dataloader_drop_last",
     "dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers", "dataloader_prefetch_factor",
@@ -150,6 +148,11 @@ class GRPOConfig:
     top_entropy_quantile: float = 1.0
     off_policy_mask_threshold: float | None = None
     entropy_coef: float = 0.0
+    use_adaptive_entropy: bool = False
+    entropy_target: float = 0.2
+    entropy_coef_delta: float = 0.005
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
     multi_objective_aggregation: str = "sum_then_normalize"
     # -- launching
     deepspeed: str | dict | None = None  # a DeepSpeed JSON file or its contents: train.deepspeed

@@ -39,7 +39,7 @@ SAMPLED_NAMES = {"sampled_length/mean": "completions/mean_length", "sampled_leng
                  "sampled_length/max": "completions/max_length"}
 # Per optimizer update in TRL: taken from the update's own metrics (grpo.step.metrics.reduce_updates), not the step's
 PER_UPDATE = ("loss", "grad_norm", "learning_rate", "kl", "entropy", "clip_fraction", "ratio_mean", "time/step_s",
-              "epoch", "step_tokens")
+              "epoch", "step_tokens", "policy_loss", "entropy_coef")
 LAST_OF_WINDOW = ("grad_norm", "learning_rate", "epoch", "num_tokens")  # TRL logs the window's last value of these
 
 
@@ -67,8 +67,23 @@ def trl_metrics(metrics: dict[str, float], reward_names: list[str], completions:
     return out
 
 
+def trl_update_metrics(update: dict[str, float], loss_type: str) -> dict[str, float]:
+    """An update's metrics under the names TRL logs for ``loss_type``: ``cispo_clip_ratio`` (cispo's cap acting:
+    grpo's ``clip_fraction``), ``vespo/phi_seq_mean``, and with an entropy bonus ``policy_loss`` and
+    ``entropy_coef`` (none of these otherwise, as TRL)."""
+    out = {k: v for k, v in update.items() if k not in ("clip_fraction", "vespo_phi_mean", "policy_loss",
+                                                         "entropy_coef")}
+    if loss_type == "cispo":
+        out["cispo_clip_ratio"] = update["clip_fraction"]
+    if loss_type == "vespo":
+        out["vespo/phi_seq_mean"] = update["vespo_phi_mean"]
+    if update.get("entropy_coef") is not None:
+        out.update(policy_loss=update["policy_loss"], entropy_coef=update["entropy_coef"])
+    return out
+
+
 def update_entries(metrics: dict[str, float], updates: list[dict[str, float]], generation: dict[str, float],
-                   previous_epoch: float, with_kl: bool) -> list[dict[str, float]]:
+                   previous_epoch: float, with_kl: bool, loss_type: str = "grpo") -> list[dict[str, float]]:
     """One TRL log entry per optimizer update of a step: each update's own metrics, ``step_time`` (the first
     update's includes the generation and the rest of the step, as TRL's ``training_step`` does) and ``epoch``
     (moving evenly from ``previous_epoch`` to the step's); ``generation`` (the step's metrics that TRL records
@@ -81,7 +96,8 @@ def update_entries(metrics: dict[str, float], updates: list[dict[str, float]], g
     ni, later_s = len(updates), sum(u["update_s"] for u in updates[1:])
     entries = []
     for u, update in enumerate(updates):
-        own = {k: v for k, v in update.items() if k != "update_s" and (with_kl or k != "kl")}
+        own = {k: v for k, v in trl_update_metrics(update, loss_type).items()
+               if k != "update_s" and (with_kl or k != "kl")}
         entry = {**(generation if u == 0 else {}), **own,
                  "step_time": step_s - later_s if u == 0 else update["update_s"],
                  "epoch": previous_epoch + (epoch - previous_epoch) * (u + 1) / ni}
@@ -242,7 +258,7 @@ class CallbackHooks(LoopHooks):
         previous = self.previous_epoch
         if previous is None:  # resumed without a saved epoch: as if every step had covered the same share
             previous = metrics.get("epoch", 0.0) * (step - 1) / step
-        entries = update_entries(metrics, updates, generation, previous, with_kl)
+        entries = update_entries(metrics, updates, generation, previous, with_kl, getattr(self.args, "loss_type", "grpo"))
         first_update = (step - 1) * self.ni
         for u, entry in enumerate(entries):
             if u > 0:

@@ -60,9 +60,6 @@ def loss_type_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
         problems.append(("loss.entropy_coef", (
             "cannot be combined with rollout.repetition_penalty / min_new_tokens / min_p yet: the bonus's gradient "
             "is through the plain tempered distribution, while the log-probs follow the processed one")))
-    if loss.adaptive_entropy:  # the controller's state between steps is not carried (nor checkpointed) yet
-        problems.append(("loss.adaptive_entropy", "is not supported yet: the coefficient's state is not carried "
-                                                  "between steps; use a fixed loss.entropy_coef"))
     if loss.entropy_coef_min > loss.entropy_coef_max:
         problems.append(("loss.entropy_coef_min", f"{loss.entropy_coef_min} > loss.entropy_coef_max "
                                                   f"{loss.entropy_coef_max}"))

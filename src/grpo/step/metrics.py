@@ -15,9 +15,9 @@ from grpo.parallel.distributed import DistInfo, all_gather_json, all_reduce_mean
 from grpo.rewards import answers_equal, extract_answer, is_well_formatted
 from grpo.step.records import RolloutBatch, UpdateStats
 
-# Statistics only some runs have, averaged over ranks: grpo.critic.train_critic's (PPO), the PTX loss and
-# the sampler correction's.
-OPTIONAL_PREFIXES = ("critic/", "loss/value", "loss/ptx", "sampler_is/", "mismatch/")
+# Statistics only some runs have, averaged over ranks: grpo.critic.train_critic's (PPO), the PTX loss, the sampler
+# correction's, and with an entropy bonus the loss without it and the coefficient (the same on every rank).
+OPTIONAL_PREFIXES = ("critic/", "loss/value", "loss/ptx", "sampler_is/", "mismatch/", "policy_loss", "entropy_coef")
 # Of those, the maxima: the largest over the ranks, not their mean.
 RANK_MAXIMA = ("mismatch/ratio_max",)
 # Averaged over ranks plainly whatever each rank's share of the step: the policy loss is already the rank's part
@@ -220,8 +220,9 @@ def update_metrics(updates: Sequence[UpdateStats], info: DistInfo, rank_share: f
 
 def reduce_updates(per_rank: Sequence[Sequence[dict]]) -> list[dict[str, float]]:
     """Per update, from each rank's ``UpdateStats`` (as dicts; every rank ran the same updates): ``loss``,
-    ``kl``, ``entropy``, ``ratio_mean`` averaged over ranks, as a step's are (weighted by a dict's
-    ``rank_share``, 1.0 when absent, but the loss); ``clip_ratio/{low,high,region}_mean``
+    ``kl``, ``entropy``, ``ratio_mean``, ``clip_fraction``, ``vespo_phi_mean`` averaged over ranks, as a step's are
+    (weighted by a dict's ``rank_share``, 1.0 when absent, but the losses: ``loss``, ``policy_loss``);
+    ``entropy_coef`` rank 0's (None: no bonus); ``clip_ratio/{low,high,region}_mean``
     the clipped units over all ranks' units and ``clip_ratio/low_min`` / ``high_max`` the least / largest row
     share over all rows, NaN-skipping (TRL's ``global_masked_mean``, ``nanmin``, ``nanmax``); ``grad_norm`` (NaN
     when the update was skipped) and ``learning_rate`` as rank 0 has them (the gradients are all-reduced);
@@ -234,8 +235,10 @@ def reduce_updates(per_rank: Sequence[Sequence[dict]]) -> list[dict[str, float]]
         first = ranks[0]
         out.append({
             "loss": sum(r["loss"] for r in ranks) / len(ranks),
+            "policy_loss": sum(r["policy_loss"] for r in ranks) / len(ranks),
             **{name: sum(r[name] * r.get("rank_share", 1.0) for r in ranks) / len(ranks)
-               for name in ("kl", "entropy", "ratio_mean")},
+               for name in ("kl", "entropy", "ratio_mean", "clip_fraction", "vespo_phi_mean")},
+            "entropy_coef": first["entropy_coef"],  # every rank's is the same (the controller reduces over ranks)
             **{f"clip_ratio/{part}_mean": sum(r[f"clip_{part}"] for r in ranks) / units if units else 0.0
                for part in ("low", "high", "region")},
             "clip_ratio/low_min": min(lows) if lows else math.nan,

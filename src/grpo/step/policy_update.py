@@ -14,6 +14,7 @@ from grpo.algorithm import (
     LogprobProcessing,
     LossAggregation,
     entropy_bonus,
+    entropy_sums,
     high_entropy_mask,
     loss_aggregation,
     off_policy_mask,
@@ -25,6 +26,7 @@ from grpo.parallel.learners import Learner
 from grpo.rollout.generation import Generation
 from grpo.step.logprobs import DEVICE_DEFAULT_PASS, LogprobPass, completion_logprobs
 from grpo.step.batching import mini_batches
+from grpo.step.entropy_control import EntropyControl
 from grpo.step.micro_batches import rows_by_length, token_budget_micro_batches
 from grpo.step.ptx import ptx_nll
 from grpo.step.records import RolloutBatch, SftBatch, StepUpdate
@@ -66,6 +68,12 @@ class LossSettings:
     top_entropy_quantile: float = 1.0  # loss.top_entropy_quantile: the share of a micro-batch's tokens that keep loss
     off_policy_mask_threshold: float | None = None  # loss.off_policy_mask_threshold (None: off)
     entropy_coef: float = 0.0  # loss.entropy_coef: the entropy bonus (its gradient through the tempered logits)
+    adaptive_entropy: bool = False  # loss.adaptive_entropy: the coefficient is an EntropyControl's (train_on_batch)
+
+    @property
+    def entropy_bonus(self) -> bool:
+        """The loss has an entropy bonus term (a fixed coefficient, or an adaptive one that may be 0 for now)."""
+        return self.entropy_coef > 0 or self.adaptive_entropy
 
 
 @dataclass
@@ -196,6 +204,7 @@ class MicroBatchLoss:
     current: torch.Tensor
     reported: torch.Tensor | None
     bonus: torch.Tensor | float = 0.0
+    bonus_mask: torch.Tensor | None = None  # [b, Lc] the tokens the entropy bonus acts on (None: no bonus)
 
     @property
     def objective(self) -> torch.Tensor:
@@ -218,10 +227,13 @@ def loss_token_masks(entropy: torch.Tensor, mask: torch.Tensor, advantages: torc
 
 
 def micro_batch_loss(module: torch.nn.Module, inputs: LossInputs, rows: torch.Tensor, on_device: torch.Tensor,
-                     old_logprobs: torch.Tensor | None, s: LossSettings) -> MicroBatchLoss:
+                     old_logprobs: torch.Tensor | None, s: LossSettings,
+                     entropy_coef: float | None = None) -> MicroBatchLoss:
     """The clipped-surrogate loss of the batch's ``rows`` (CPU indices; ``on_device``: the same on the
     policy's device) under ``module``. ``old_logprobs`` [N, Lc], or None: the pass's own, detached (the
-    first iteration's weights are still the ones that sampled)."""
+    first iteration's weights are still the ones that sampled). ``entropy_coef``: the bonus's coefficient for this
+    update (an adaptive controller's); None: ``s.entropy_coef``."""
+    coef = s.entropy_coef if entropy_coef is None else entropy_coef
     gen = inputs.generation
     lp = s.logprob_pass
     # The entropy is read off this forward's logits (no pass of its own).
@@ -229,7 +241,7 @@ def micro_batch_loss(module: torch.nn.Module, inputs: LossInputs, rows: torch.Te
                                             gen.completion_ids[rows], gen.completion_mask[rows], s.temperature,
                                             share_prompts=lp.share_prompts, column_bucket=lp.column_bucket,
                                             fused_head=lp.fused_head, pack=lp.pack, with_entropy=True,
-                                            processing=s.processing, entropy_grad=s.entropy_coef > 0)  # [b, Lc] each
+                                            processing=s.processing, entropy_grad=coef > 0)  # [b, Lc] each
     old = old_logprobs[on_device] if old_logprobs is not None else logprobs.detach()
     ref = inputs.ref_logprobs[on_device] if inputs.ref_logprobs is not None else None
     mask, sampled = inputs.mask[on_device], inputs.sampled[on_device]
@@ -249,14 +261,15 @@ def micro_batch_loss(module: torch.nn.Module, inputs: LossInputs, rows: torch.Te
     N = gen.completion_ids.shape[0]
     weight, _ = inputs.aggregation.micro_batch_weights(logprobs.shape[0], mask.sum(), N, inputs.total_tokens)
     weight = weight * inputs.rank_scale  # exact when 1.0: the ranks' shares are equal or not told apart
-    bonus = 0.0
-    if s.entropy_coef > 0:  # a token mean whatever the loss type, weighted by the micro-batch's rows (TRL: 1 / GA)
+    bonus, kept = 0.0, None
+    if s.entropy_bonus:  # a token mean whatever the loss type, weighted by the micro-batch's rows (TRL: 1 / GA)
         kept = mask if entropy_mask is None else mask * entropy_mask
-        bonus = s.entropy_coef * entropy_bonus(entropy, kept) * (logprobs.shape[0] / N) * inputs.rank_scale
+        if coef > 0:
+            bonus = coef * entropy_bonus(entropy, kept) * (logprobs.shape[0] / N) * inputs.rank_scale
         entropy = entropy.detach()
     reported = inputs.reported_logprobs[on_device] if inputs.reported_logprobs is not None else None
     return MicroBatchLoss(loss, weight, stats, entropy, old, mask, sampled, is_weights, outside, sampler,
-                          logprobs.detach(), reported, bonus)
+                          logprobs.detach(), reported, bonus, kept)
 
 
 def prepare_mini_batches(batch: RolloutBatch, s: LossSettings, dist_info: DistInfo,
@@ -286,10 +299,12 @@ def start_logprobs(module: torch.nn.Module, inputs: LossInputs, s: LossSettings)
 
 
 def policy_backward(learner: Learner, inputs: LossInputs, old_logprobs: torch.Tensor | None, s: LossSettings,
-                    stats: StepStats, update: int, closes_update: bool, keep_old: bool) -> list[torch.Tensor]:
+                    stats: StepStats, update: int, closes_update: bool, keep_old: bool,
+                    entropy: EntropyControl | None = None) -> list[torch.Tensor]:
     """Update ``update``'s backward passes over its batch, one per micro-batch; ``closes_update``: the last
     one lets DDP sync (not when a PTX micro-batch follows). Returns the old log-probs each micro-batch used
-    (in micro-batch order) when ``keep_old``, else [].
+    (in micro-batch order) when ``keep_old``, else []. ``entropy``: the adaptive bonus's controller (its
+    coefficient for every micro-batch; each adds the entropy its bonus acted on to the update's window).
 
     Ranks may run different numbers of micro-batches (a token budget, uneven partial-rollout steps): under
     ``no_sync`` DDP neither all-reduces nor syncs buffers, so ranks meet once per update, in the first forward
@@ -299,16 +314,20 @@ def policy_backward(learner: Learner, inputs: LossInputs, old_logprobs: torch.Te
     olds, count = [], len(inputs.micro_batches) + inputs.padding
     for index, (rows, on_device) in enumerate(inputs.micro_batches):
         with learner.accumulating(last=closes_update and index == count - 1):
-            part = micro_batch_loss(learner.module, inputs, rows, on_device, old_logprobs, s)
+            part = micro_batch_loss(learner.module, inputs, rows, on_device, old_logprobs, s,
+                                    entropy.coef() if entropy is not None else None)
             learner.backward(part.objective)
         stats.add_micro_batch(part, inputs, update)
+        if entropy is not None:
+            entropy.add(entropy_sums(part.entropy, part.bonus_mask))
         if keep_old:
             olds.append(part.old)
     for index in range(len(inputs.micro_batches), count):
         with learner.accumulating(last=closes_update and index == count - 1):
             # one row's loss with weight 0: the forward and backward (and ZeRO's collectives) without a gradient
             rows, on_device = inputs.micro_batches[0]
-            part = micro_batch_loss(learner.module, inputs, rows[:1], on_device[:1], old_logprobs, s)
+            part = micro_batch_loss(learner.module, inputs, rows[:1], on_device[:1], old_logprobs, s,
+                                    entropy.coef() if entropy is not None else None)
             learner.backward(part.objective * 0.0)
     return olds
 
@@ -323,7 +342,7 @@ def ptx_backward(learner: Learner, ptx: SftBatch, s: LossSettings, stats: StepSt
 
 
 def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_info: DistInfo,
-                   ptx: SftBatch | None = None) -> StepUpdate:
+                   ptx: SftBatch | None = None, entropy: EntropyControl | None = None) -> StepUpdate:
     """``num_iterations x mini_batches`` optimizer updates on one rollout batch: each pass over it is one update per
     mini-batch (``prepare_mini_batches``), every ratio to the weights that started the step. Returns the step's
     training stats (means over its updates) and each update's own (``UpdateStats``, this rank's).
@@ -337,6 +356,8 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
     With a PTX micro-batch (``grpo.step.ptx``), each update also adds ``s.ptx_coef x`` its mean response NLL to
     the same gradient, before clipping and the optimizer step; ``loss/ptx`` is that NLL (unscaled), averaged
     over the updates. The same PTX micro-batch serves every update, as the rollout batch serves every pass.
+    ``entropy``: with ``s.adaptive_entropy``, the run's controller of the bonus's coefficient, stepped after every
+    update (its state moves: it is the run's, checkpointed by the loop).
     """
     device = next(learner.module.parameters()).device
     parts = prepare_mini_batches(batch, s, dist_info, device)
@@ -354,12 +375,14 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
             else start_logprobs(learner.module, part, s) for index, part in enumerate(parts)]
     for iteration in range(s.num_iterations):
         for index, inputs in enumerate(parts):
-            olds[index] = one_update(learner, inputs, olds[index], s, stats, iteration * len(parts) + index, ptx)
+            olds[index] = one_update(learner, inputs, olds[index], s, stats, iteration * len(parts) + index, ptx,
+                                     dist_info, entropy)
     return stats.result(first_rate)
 
 
 def one_update(learner: Learner, inputs: LossInputs, old: torch.Tensor | None, s: LossSettings, stats: StepStats,
-               update: int, ptx: SftBatch | None) -> torch.Tensor | None:
+               update: int, ptx: SftBatch | None, dist_info: DistInfo,
+               entropy: EntropyControl | None = None) -> torch.Tensor | None:
     """Optimizer update ``update`` of the step, over ``inputs`` (and the PTX micro-batch, if any); ``old``: its
     [N, Lc] old log-probs, or None when its own forward is the old policy's (no update of the step came before).
     Returns the old log-probs its batch's later passes use."""
@@ -367,11 +390,14 @@ def one_update(learner: Learner, inputs: LossInputs, old: torch.Tensor | None, s
     # A first pass that is its own old policy keeps its log-probs for the later passes, which saves the separate
     # forward pass over the batch that would compute the same.
     keep_old = old is None and s.num_iterations > 1
-    kept = policy_backward(learner, inputs, old, s, stats, update, closes_update=ptx is None, keep_old=keep_old)
+    kept = policy_backward(learner, inputs, old, s, stats, update, closes_update=ptx is None, keep_old=keep_old,
+                           entropy=entropy)
     if ptx is not None:
         ptx_backward(learner, ptx, s, stats)
     if keep_old:
         old = inputs.in_row_order(kept)  # [N, Lc]
     norm = learner.finish_update()  # the learner's one host sync per update (it decides the skip)
-    stats.end_update(norm, rate, time.perf_counter() - started)
+    coef = (entropy.end_update(dist_info) if entropy is not None  # the adaptive bonus's host read, after the sync
+            else s.entropy_coef if s.entropy_bonus else None)
+    stats.end_update(norm, rate, time.perf_counter() - started, coef)
     return old

@@ -95,11 +95,19 @@ class UpdateStats:
     clip_low, clip_high, clip_region, clip_units: clipped units and their count (``grpo.algorithm.clipping``).
     clip_low_row_min, clip_high_row_max: the least row share of low-clipped tokens and the largest of
         high-clipped ones (NaN: no row had loss tokens).
+    policy_loss: the loss without the entropy bonus (``loss`` itself without one); clip_fraction: the token share
+        where the objective's clip acted (cispo: its cap, TRL's cispo_clip_ratio); vespo_phi_mean: the mean of VESPO's
+        sequence weights (0 for the other loss types).
     grad_norm: before clipping; None when the update was skipped (non-finite).
     learning_rate: the rate the update stepped with; seconds: its wall time (forward, backward, optimizer).
+    entropy_coef: the entropy bonus's coefficient (adaptive: its controller's after the update, as TRL logs it; the
+        update applied the one before, gated by the entropy target); None: no bonus.
     """
 
     loss: float
+    policy_loss: float
+    clip_fraction: float
+    vespo_phi_mean: float
     kl: float
     entropy: float
     ratio_mean: float
@@ -112,6 +120,7 @@ class UpdateStats:
     grad_norm: float | None
     learning_rate: float
     seconds: float
+    entropy_coef: float | None = None
 
 
 @dataclass

@@ -53,9 +53,11 @@ class StepStats:
         self.num_updates, self.mini_batches = num_iterations * mini_batches, mini_batches
         self.sampled_tokens = sampled_tokens
         self.totals = {name: zero() for name in names}
-        self.updates = [{**{name: zero() for name in ("loss", "kl", "entropy", "ratio_mean", *CLIP_COUNTS)},
+        self.updates = [{**{name: zero() for name in ("loss", "policy_loss", "clip_fraction", "vespo_phi_mean", "kl",
+                                                      "entropy", "ratio_mean", *CLIP_COUNTS)},
                          "clip_low_row_min": bound(float("inf")), "clip_high_row_max": bound(float("-inf"))}
                         for _ in range(self.num_updates)]
+        self.entropy_coefs: list[float | None] = []
         self.grad_norms: list[float | None] = []
         self.learning_rates: list[float] = []
         self.seconds: list[float] = []
@@ -78,8 +80,11 @@ class StepStats:
         entropy = (entropy_sum / inputs.sampled_tokens).double()
         if first_pass:  # token mean over every sampled token of the step
             totals["entropy"] += entropy if self.sampled_tokens is None else (entropy_sum / step_sampled).double()
-        for key, value in (("loss", loss), ("kl", means["kl"]), ("entropy", entropy),
-                           ("ratio_mean", means["ratio_mean"])):
+        rows_share = part.mask.shape[0] / inputs.generation.completion_ids.shape[0]
+        for key, value in (("loss", loss), ("policy_loss", (part.loss.detach() * part.weight).double()),
+                           ("clip_fraction", means["clip_fraction"]), ("kl", means["kl"]), ("entropy", entropy),
+                           ("ratio_mean", means["ratio_mean"]),
+                           ("vespo_phi_mean", part.stats.get("vespo_phi_mean", part.loss.new_zeros(())).double() * rows_share)):
             own[key] += value
         for key in CLIP_COUNTS:
             own[key] += part.stats[key].double()
@@ -99,8 +104,11 @@ class StepStats:
     def add_ptx(self, nll: torch.Tensor) -> None:
         self.totals["loss/ptx"] += nll.detach().double() / self.num_updates
 
-    def end_update(self, grad_norm: float | None, learning_rate: float, seconds: float) -> None:
-        """The update's host values: its gradient norm (None: skipped), rate and wall time."""
+    def end_update(self, grad_norm: float | None, learning_rate: float, seconds: float,
+                   entropy_coef: float | None = None) -> None:
+        """The update's host values: its gradient norm (None: skipped), rate, wall time and entropy coefficient
+        (None: no bonus)."""
+        self.entropy_coefs.append(entropy_coef)
         self.grad_norms.append(grad_norm)
         self.learning_rates.append(learning_rate)
         self.seconds.append(seconds)
@@ -116,6 +124,10 @@ class StepStats:
         totals["learning_rate"] = learning_rate
         totals["grad_norm"] = sum(norms) / len(norms) if norms else float("nan")
         totals["skipped_updates"] = float(len(self.grad_norms) - len(norms))
-        return StepUpdate(totals, [UpdateStats(**row, grad_norm=norm, learning_rate=rate, seconds=seconds)
-                                   for row, norm, rate, seconds in zip(rows, self.grad_norms, self.learning_rates,
-                                                                       self.seconds)])
+        if self.entropy_coefs and self.entropy_coefs[-1] is not None:  # the bonus's: the loss without it, the coef
+            totals["policy_loss"] = sum(row["policy_loss"] for row in rows) / len(rows)
+            totals["entropy_coef"] = self.entropy_coefs[-1]
+        return StepUpdate(totals, [UpdateStats(**row, grad_norm=norm, learning_rate=rate, seconds=seconds,
+                                               entropy_coef=coef)
+                                   for row, norm, rate, seconds, coef in zip(rows, self.grad_norms, self.learning_rates,
+                                                                             self.seconds, self.entropy_coefs)])

@@ -24,6 +24,7 @@ from grpo.run.checkpoint import BEST_DIR, GRPO_LAYOUT, CheckpointLayout, load_we
 from grpo.run.plots import plot_run
 from grpo.run.tracking import MetricsLogger
 from grpo.step.metrics import sample_records, step_metrics, update_metrics
+from grpo.step.entropy_control import EntropyControl
 from grpo.step.policy_update import LossSettings, train_on_batch
 from grpo.step.records import RolloutBatch, StepUpdate
 from grpo.training.evaluator import eval_metrics
@@ -75,10 +76,11 @@ class PolicyUpdate:
     critic: object | None = None  # grpo.critic.Critic
     critic_settings: CriticSettings | None = None
     ref_sync: Callable[[int], bool] | None = None  # TR-DPO's moving reference (grpo.step.ref_sync.RefSync)
+    entropy: EntropyControl | None = None  # loss.adaptive_entropy: the bonus's coefficient, moved every update
 
     def __call__(self, step: int, batch: RolloutBatch) -> StepUpdate:
         ptx_batch = self.ptx_data.batch(step, self.info.rank) if self.ptx_data else None
-        stats = train_on_batch(self.trainable.learner, batch, self.settings, self.info, ptx_batch)
+        stats = train_on_batch(self.trainable.learner, batch, self.settings, self.info, ptx_batch, self.entropy)
         if self.critic is not None:
             stats.totals.update(train_critic(self.critic.learner, batch, self.critic_settings))
         if self.ref_sync is not None:  # after the update, before the step's evaluation: TRL's on_step_end
@@ -149,6 +151,7 @@ class Loop:
     hooks: LoopHooks = field(default_factory=LoopHooks)
     layout: CheckpointLayout = GRPO_LAYOUT  # where checkpoints go (train.checkpoint_layout)
     reference: object | None = None  # a moving reference (loss.ref_sync_steps), saved in every checkpoint
+    entropy: EntropyControl | None = None  # the adaptive entropy coefficient (the update's), saved in every checkpoint
 
 
 @dataclass
@@ -236,7 +239,8 @@ def _steps(loop: Loop, source: StepSource, start_step: int, eval_before: dict | 
     skips = SkipGuard(schedule.max_skipped_steps, schedule.updates_per_step)
 
     def checkpoint(step: int, collected: Collected | None) -> None:
-        trainer_state = {"step": step, "eval_before": eval_before, **source.checkpoint_state(step, collected)}
+        trainer_state = {"step": step, "eval_before": eval_before, **source.checkpoint_state(step, collected),
+                         **({"adaptive_entropy": loop.entropy.state_dict()} if loop.entropy is not None else {})}
         path = save_run_checkpoint(loop.out, step, loop.trainable, loop.tokenizer, trainer_state,
                                    loop.save_total_limit, info, loop.critic, loop.layout, loop.reference)
         state.saved = step

@@ -34,6 +34,7 @@ from grpo.run.run_dir import check_output_dir, claim_output_dir
 from grpo.run.tracking import MetricsLogger
 from grpo.step.experience import RefLogprobs, local_reference
 from grpo.step.ptx import PtxData
+from grpo.step.entropy_control import entropy_control
 from grpo.step.ref_sync import RefSync
 from grpo.tasks import Task, run_system_prompt
 from grpo.training.eval_loss import LossPass
@@ -267,11 +268,12 @@ def make_loop(cfg: RunConfig, prepared: Prepared, progress: AbstractContextManag
     p, run, info = prepared, prepared.run, prepared.info
     ref_sync = (RefSync(p.moving_reference, p.trainable.policy, cfg.loss.ref_mixup_alpha, cfg.loss.ref_sync_steps)
                 if p.moving_reference is not None else None)
+    entropy = entropy_control(cfg, run.resumed_state)
     update = PolicyUpdate(p.trainable, loss_settings(cfg, p.processing, p.device.type), info, p.ptx_data,
-                          p.critic, critic_settings(cfg), ref_sync)
+                          p.critic, critic_settings(cfg), ref_sync, entropy)
     best = (BestMetric.resumed(run.out, cfg.train.best_metric, cfg.train.best_metric_mode)
             if cfg.train.best_metric and evaluate is not None else None)
     return Loop(p.schedule, update, p.trainable, p.inputs.tokenizer, run.out, info, run.logger, progress,
                 p.compute, cfg.rollout.num_generations, cfg.data.tag_style, cfg.train.save_total_limit,
                 evaluate=evaluate, best=best, critic=p.critic, hooks=p.inputs.hooks, score=p.inputs.task.score,
-                layout=run.layout, reference=p.moving_reference)
+                layout=run.layout, reference=p.moving_reference, entropy=entropy)

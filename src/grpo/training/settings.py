@@ -123,7 +123,8 @@ def loss_settings(cfg: RunConfig, processing: LogprobProcessing | None, device_t
         # ZeRO-2/3 reduce in every backward: ranks with uneven shares run as many micro-batches as the most
         equal_micro_batches=ranks_share_unevenly(cfg) and bool(cfg.train.deepspeed),
         objective=objective_keywords(cfg), top_entropy_quantile=cfg.loss.top_entropy_quantile,
-        off_policy_mask_threshold=cfg.loss.off_policy_mask_threshold, entropy_coef=cfg.loss.entropy_coef)
+        off_policy_mask_threshold=cfg.loss.off_policy_mask_threshold, entropy_coef=cfg.loss.entropy_coef,
+        adaptive_entropy=cfg.loss.adaptive_entropy)
 
 
 def objective_keywords(cfg: RunConfig) -> dict:
