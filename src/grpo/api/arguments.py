@@ -19,7 +19,6 @@ from grpo.config import load_config, run_config_text
 
 # Fields grpo does not implement: (TRL's default, why). Setting one to anything else is a ValueError.
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "router_aux_loss_coef": (None, "grpo adds no MoE load-balancing loss"),
     "disable_dropout": (False, "grpo trains with the model's own dropout settings"),
     "cast_lm_head_to_fp32": (False, "grpo computes log-probs in fp32 from the model's own head"),
     "num_generations_eval": (None, "grpo's evaluation samples eval.num_samples (grpo_overrides) beside greedy"),
@@ -149,6 +148,7 @@ class GRPOConfig:
     top_entropy_quantile: float = 1.0
     off_policy_mask_threshold: float | None = None
     entropy_coef: float = 0.0
+    router_aux_loss_coef: float | None = None  # None: the MoE model config's own (loss.router_aux_loss_coef)
     multi_objective_aggregation: str = "sum_then_normalize"
     # -- launching
     deepspeed: str | dict | None = None  # a DeepSpeed JSON file or its contents: train.deepspeed

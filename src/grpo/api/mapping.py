@@ -192,6 +192,7 @@ LINKS: tuple[Link, ...] = (
     same("top_entropy_quantile", "loss.top_entropy_quantile"),
     same("off_policy_mask_threshold", "loss.off_policy_mask_threshold"),
     same("entropy_coef", "loss.entropy_coef"),
+    same("router_aux_loss_coef", "loss.router_aux_loss_coef"),
     Link(("use_vllm", "vllm_importance_sampling_correction"), ("loss.sampler_is_correction",),
          lambda c, vllm, correction: (vllm and correction,),
          lambda c, correction: {"vllm_importance_sampling_correction": correction}),

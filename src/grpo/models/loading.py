@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from grpo.config import ConfigError, ModelConfig
 from grpo.config.rules import sdpa_backend_names
+from grpo.models.moe import router_logits_off
 from grpo.models.wrappers import unwrap_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -172,6 +173,7 @@ def prepare_policy(model: torch.nn.Module, cfg: ModelConfig, device: torch.devic
         model.to(device=device, dtype=dtype)
 
     already_peft = isinstance(model, PeftModel)
+    router_logits_off(model)
     if cfg.gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x name
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -202,6 +204,7 @@ def load_reference(cfg: ModelConfig, policy: torch.nn.Module, tokenizer, device:
     else:
         reference = _load_causal_lm(cfg.ref_name_or_path, dtype, cfg, "model.ref_name_or_path").to(device)
         check_same_vocabulary(cfg, tokenizer, reference)
+        router_logits_off(reference)
     reference.eval()
     reference.requires_grad_(False)
     return reference

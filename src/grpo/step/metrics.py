@@ -15,9 +15,9 @@ from grpo.parallel.distributed import DistInfo, all_gather_json, all_reduce_mean
 from grpo.rewards import answers_equal, extract_answer, is_well_formatted
 from grpo.step.records import RolloutBatch, UpdateStats
 
-# Statistics only some runs have, averaged over ranks: grpo.critic.train_critic's (PPO), the PTX loss and
-# the sampler correction's.
-OPTIONAL_PREFIXES = ("critic/", "loss/value", "loss/ptx", "sampler_is/", "mismatch/")
+# Statistics only some runs have, averaged over ranks: grpo.critic.train_critic's (PPO), the PTX loss,
+# the sampler correction's and an MoE policy's load-balancing loss.
+OPTIONAL_PREFIXES = ("critic/", "loss/value", "loss/ptx", "sampler_is/", "mismatch/", "moe/")
 # Of those, the maxima: the largest over the ranks, not their mean.
 RANK_MAXIMA = ("mismatch/ratio_max",)
 # Averaged over ranks plainly whatever each rank's share of the step: the policy loss is already the rank's part

@@ -14,6 +14,7 @@ from grpo.algorithm import LogprobProcessing, advantage_estimator
 from grpo.config import RunConfig
 from grpo.config.device_defaults import pass_defaults
 from grpo.critic import CriticSettings
+from grpo.models.moe import RouterLoss
 from grpo.models.wrappers import eos_token_ids
 from grpo.rollout import SamplingParams
 from grpo.step.experience import ExperienceSettings, GaeSettings
@@ -101,9 +102,11 @@ def micro_batch_tokens(cfg: RunConfig, device_type: str) -> int | str | None:
     return budget
 
 
-def loss_settings(cfg: RunConfig, processing: LogprobProcessing | None, device_type: str) -> LossSettings:
+def loss_settings(cfg: RunConfig, processing: LogprobProcessing | None, device_type: str,
+                  router: RouterLoss | None = None) -> LossSettings:
     """The update-side settings from the config tree, for an update on a ``device_type`` device (the token
-    budget); ``processing`` as ``experience_settings``."""
+    budget); ``processing`` as ``experience_settings``; ``router``: the policy's load-balancing loss
+    (``grpo.models.moe.router_loss`` of ``loss.router_aux_loss_coef``; None: none)."""
     return LossSettings(
         # With the KL in the reward, the loss has none (the reference log-probs still give the kl metric).
         epsilon=cfg.loss.epsilon, epsilon_high=cfg.loss.epsilon_high, beta=0.0 if kl_in_reward(cfg) else cfg.loss.beta,
@@ -121,7 +124,8 @@ def loss_settings(cfg: RunConfig, processing: LogprobProcessing | None, device_t
         # ZeRO-2/3 reduce in every backward: ranks with uneven shares run as many micro-batches as the most
         equal_micro_batches=ranks_share_unevenly(cfg) and bool(cfg.train.deepspeed),
         objective=objective_keywords(cfg), top_entropy_quantile=cfg.loss.top_entropy_quantile,
-        off_policy_mask_threshold=cfg.loss.off_policy_mask_threshold, entropy_coef=cfg.loss.entropy_coef)
+        off_policy_mask_threshold=cfg.loss.off_policy_mask_threshold, entropy_coef=cfg.loss.entropy_coef,
+        router=router)
 
 
 def objective_keywords(cfg: RunConfig) -> dict:
@@ -187,10 +191,12 @@ def critic_settings(cfg: RunConfig) -> CriticSettings:
                           num_iterations=cfg.loss.num_iterations)
 
 
-def eval_loss_settings(cfg: RunConfig, task: Task, processing, device_type: str) -> EvalLossSettings:
+def eval_loss_settings(cfg: RunConfig, task: Task, processing, device_type: str,
+                       router: RouterLoss | None = None) -> EvalLossSettings:
     """``eval.loss_pass``'s settings for a run with ``task`` on a ``device_type`` device (``processing``:
-    ``logprob_processing``'s, as every log-prob pass follows it)."""
+    ``logprob_processing``'s, as every log-prob pass follows it; ``router`` as ``loss_settings``)."""
     experience = experience_settings(cfg, processing, task=task, decoupled_sampler=False, engine_holds_weights=False)
     return EvalLossSettings(replace(experience, need_old_logprobs=False),
-                            replace(loss_settings(cfg, processing, device_type), num_iterations=1, ptx_coef=0.0),
+                            replace(loss_settings(cfg, processing, device_type, router), num_iterations=1,
+                                    ptx_coef=0.0),
                             cfg.eval.loss_batch_size, cfg.train.seed)
