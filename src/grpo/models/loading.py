@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from grpo.config import ConfigError, ModelConfig
 from grpo.config.rules import sdpa_backend_names
+from grpo.models.architecture import check_lora_targets
 from grpo.models.moe import router_logits_off
 from grpo.models.wrappers import unwrap_model
 
@@ -183,6 +184,7 @@ def prepare_policy(model: torch.nn.Module, cfg: ModelConfig, device: torch.devic
         if cfg.lora_r > 0 or already_peft:
             model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need grads
     if cfg.lora_r > 0 and not already_peft:
+        check_lora_targets(model, cfg.lora_target_modules)
         lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                           target_modules=cfg.lora_target_modules, task_type="CAUSAL_LM")
         model = get_peft_model(model, lora)
