@@ -31,13 +31,14 @@ class Family:
     def available(self) -> bool:
         return hasattr(transformers, self.config) and hasattr(transformers, self.model)
 
-    def build(self, tokenizer, seed: int = 0):
-        """A random model sized for ``tokenizer`` (its EOS and pad ids), reproducible by ``seed``."""
+    def build(self, tokenizer, seed: int = 0, **sizes):
+        """A random model sized for ``tokenizer`` (its EOS and pad ids), reproducible by ``seed``; ``sizes``
+        replace ``SMALL``'s (``MEMORY_SIZES``)."""
         import torch
 
         config = getattr(transformers, self.config)(
             vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-            **{**SMALL, **self.values})
+            **{**SMALL, **self.values, **sizes})
         rng = torch.random.get_rng_state()
         try:
             torch.manual_seed(seed)
@@ -85,6 +86,9 @@ FAMILIES: dict[str, Family] = {
                                 moe_num_shared_experts=1, moe_layer_start_index=1, head_dim=16)),
 }
 
+# Large enough that activations, not fixed costs, make the backward's peak (the grpo memory check)
+MEMORY_SIZES = dict(hidden_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4)
+
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "glm4_moe", "ernie4_5_moe")
 ATTENTION = ["k_proj", "o_proj", "q_proj", "v_proj"]
 MLP = ["down_proj", "gate_proj", "up_proj"]
@@ -123,8 +127,21 @@ PATHS = ("train full", "train LoRA", "LoRA [q_proj, v_proj]", "checkpointing + s
          "hf", "hf-static", "packed sequences", "load-balancing loss", "grpo memory")
 
 
+# grpo memory's activation formulas (the Llama/Qwen2 decoder's) against what autograd keeps for backward in each
+# family at MEMORY_SIZES (fp32, full fine-tuning, 4 rows x 80 tokens), (estimate - kept) / kept. What they miss:
+# query/key norms (Qwen3, OLMo 2, Gemma 3), extra layer norms (Gemma 3, GLM-4, OLMo 2's post-norms), fused
+# projections split in the forward (Phi-3, GLM-4), MoE routing and the experts' gathered inputs, latent attention.
+ACTIVATION_GAP: dict[str, float] = {
+    "llama": -0.007, "mistral": -0.007, "qwen3": -0.155, "gemma3": -0.347, "phi3": -0.185, "olmo2": -0.232,
+    "glm4": -0.284, "ernie4_5": -0.010, "qwen3_moe": -0.314, "mixtral": -0.283, "gpt_oss": -0.317,
+    "deepseek_v3": -0.326, "glm4_moe": -0.208, "ernie4_5_moe": -0.182,
+}
+
+
 def expected(family: str, path: str) -> str:
-    """The matrix's cell: ``works`` unless ``EXPECTED`` says otherwise."""
+    """The matrix's cell: ``works`` unless ``EXPECTED`` says otherwise; grpo memory's holds the activation gap."""
+    if path == "grpo memory":
+        return f"parameters exact; activations {ACTIVATION_GAP[family]:+.1%} of measured"
     return EXPECTED.get(path, {}).get(family, "works")
 
 
