@@ -283,9 +283,9 @@ def completion_logprobs(
             (``uses_fused_head``).
         pack: each micro-batch's rows run as one sequence of their real tokens (``_packed_scores``): no
             padding is computed; it replaces the shared prompt pass (each row runs its own prompt).
-        router_top_k: a Mixture-of-Experts model's experts per token: the forwards also return their router
-            logits, and the call returns the load-balancing loss of every real token of the rows, prompts and
-            completions, as one plain pass over them would route them (``grpo.step.router_logits``).
+        router_top_k: a Mixture-of-Experts model's experts per token: the forwards' router logits are read off
+            its routers, and the call returns the load-balancing loss of every real token of the rows, prompts
+            and completions, as one plain pass over them would route them (``grpo.step.router_logits``).
 
     Returns:
         [N, Lc] float32 (padding positions hold finite values, 0 past a micro-batch's longest completion,
