@@ -34,6 +34,16 @@ AVAILABLE = [name for name, family in FAMILIES.items() if family.available()]
 FROZEN_BY_DESIGN = ("e_score_correction_bias",)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread: a tiny model's ops are microseconds, and on a shared 2-core machine torch's thread pool
+    spent ten times the CPU of the ops themselves waiting on its threads (a run: 5 s of CPU against 0.6 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @dataclass
 class Runs:
     """A family's tiny model (saved to ``folder``) and its two `grpo train` runs."""
