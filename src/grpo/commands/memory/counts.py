@@ -13,6 +13,10 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.modeling_layers import GradientCheckpointingLayer
+
 
 @dataclass(frozen=True)
 class ArchitectureCounts:
@@ -42,10 +46,6 @@ def architecture_counts(config: dict) -> ArchitectureCounts | None:
 
 @lru_cache(maxsize=16)
 def _counts(config_json: str) -> ArchitectureCounts | None:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
     values = json.loads(config_json)
     model_type = values.pop("model_type", None)
     try:
