@@ -141,7 +141,7 @@ ACTIVATION_GAP: dict[str, float] = {
 def expected(family: str, path: str) -> str:
     """The matrix's cell: ``works`` unless ``EXPECTED`` says otherwise; grpo memory's holds the activation gap."""
     if path == "grpo memory":
-        return f"parameters exact; activations {ACTIVATION_GAP[family]:+.1%} of measured"
+        return f"parameters exact; activations {ACTIVATION_GAP[family]:+.1%}"
     return EXPECTED.get(path, {}).get(family, "works")
 
 
