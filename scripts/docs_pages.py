@@ -1,6 +1,8 @@
 """Regenerate the site's tables that come from the code: the config keys (docs/reference/config.md, from the
-config tree) and the command line (docs/reference/cli.md, from the argparse parsers). `make docs` runs it before
-`mkdocs build`; tests/docs/test_generated_pages.py checks that the committed pages are current.
+config tree), the command line (docs/reference/cli.md, from the argparse parsers) and the architecture matrix
+(docs/guides/models.md, from the table tests/integration/test_architectures.py checks cell by cell:
+tests/architectures.py). `make docs` runs it before `mkdocs build`; tests/docs/test_docs_pages.py checks that the
+committed pages are current.
 
     python scripts/docs_pages.py            # rewrite the pages
     python scripts/docs_pages.py --check    # exit 1 naming each page that is out of date"""
@@ -8,10 +10,24 @@ config tree) and the command line (docs/reference/cli.md, from the argparse pars
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
+MATRIX_BEGIN, MATRIX_END = "<!-- architecture-matrix:begin -->", "<!-- architecture-matrix:end -->"
+
+
+def architecture_matrix(page: str) -> str:
+    """``page`` with the architecture matrix between its markers: tests/architectures.py's ``matrix_markdown``, the
+    families of the installed transformers."""
+    name = "docs_pages_architectures"  # its own name: the tests' import of the module stays theirs
+    spec = importlib.util.spec_from_file_location(name, DOCS.parent / "tests" / "architectures.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    start, end = page.index(MATRIX_BEGIN) + len(MATRIX_BEGIN), page.index(MATRIX_END)
+    return page[:start] + "\n" + module.matrix_markdown() + page[end:]
 
 
 def generated_pages() -> dict[Path, str]:
@@ -21,8 +37,10 @@ def generated_pages() -> dict[Path, str]:
     from grpo.config import docs as config_docs
 
     config_page, cli_page = DOCS / "reference" / "config.md", DOCS / "reference" / "cli.md"
+    models_page = DOCS / "guides" / "models.md"
     return {config_page: config_docs.replace_section(config_page.read_text()),
-            cli_page: cli_reference.replace_section(cli_page.read_text(), build_parser())}
+            cli_page: cli_reference.replace_section(cli_page.read_text(), build_parser()),
+            models_page: architecture_matrix(models_page.read_text())}
 
 
 def main() -> int:

@@ -53,9 +53,16 @@ def test_auto_engine_reads_the_policys_device_and_layers(monkeypatch):
     seen = []
     monkeypatch.setattr(build, "resolve_engine_name",
                         lambda name, device, **kw: seen.append((name, device, kw)) or "hf")
-    meta.config.layer_types = ["full_attention", "sliding_attention"]
+    meta.config.layer_types, meta.config.sliding_window = ["full_attention", "sliding_attention"], 8
     build.policy_engine_name(cfg, meta)
     assert seen == [("auto", "meta", {"quantized": False, "full_attention": False, "sharded": False})]
+    # Mistral v0.1's config: no layer_types, a sliding window on every layer (read off the cache it builds)
+    meta.config.layer_types = None
+    build.policy_engine_name(cfg, meta)
+    assert seen[-1][2]["full_attention"] is False
+    meta.config.sliding_window = None
+    build.policy_engine_name(cfg, meta)
+    assert seen[-1][2]["full_attention"] is True
     next(meta.parameters()).ds_id = 0  # how DeepSpeed ZeRO-3 marks the parameters it partitions
     build.policy_engine_name(cfg, meta)
     assert seen[-1][2]["sharded"] is True

@@ -125,6 +125,16 @@ def test_trl_values_map_to_grpo_keys():
     assert run_config(max_steps=1, grpo_overrides={"rollout.engine": "hf-static"}).rollout.engine == "hf-static"
 
 
+def test_router_aux_loss_coef_maps_both_ways():
+    """TRL's router_aux_loss_coef is loss.router_aux_loss_coef: None (the MoE config's own) by default, a value
+    kept, and read back from a grpo config (the loss itself: tests/test_load_balancing.py)."""
+    assert run_config(max_steps=1).loss.router_aux_loss_coef is None
+    cfg = run_config(max_steps=1, router_aux_loss_coef=0.02)
+    assert cfg.loss.router_aux_loss_coef == 0.02
+    assert GRPOConfig.from_run_config(cfg).router_aux_loss_coef == 0.02
+    assert GRPOConfig.from_run_config(cfg).to_run_config() == cfg
+
+
 @pytest.mark.parametrize("field, value", [("push_to_hub", True), ("fp16", True), ("loss_type", "ppo"),
                                           ("save_strategy", "best"),
                                           ("generation_kwargs", {"do_sample": False})])

@@ -22,9 +22,10 @@ def _generated_pages():
 
 
 def test_the_generated_tables_are_current():
-    """docs/reference/config.md (from the config tree) and cli.md (from the argparse parsers)."""
+    """docs/reference/config.md (from the config tree), cli.md (from the argparse parsers) and the architecture
+    matrix of docs/guides/models.md (from the table tests/integration/test_architectures.py checks)."""
     pages = _generated_pages()
-    assert {path.name for path in pages} == {"config.md", "cli.md"}
+    assert {path.name for path in pages} == {"config.md", "cli.md", "models.md"}
     for path, text in pages.items():
         assert path.read_text() == text, f"{path.name} is out of date: run python scripts/docs_pages.py"
 

@@ -17,6 +17,7 @@ prompt ``i``; ``N = P*G``. ``L`` is the completion length (padded), ``T`` a full
   entropy bonus and its adaptive coefficient.
 - ``sampler_correction``: the importance weights for tokens another engine sampled, the sampler/trainer
   log-prob gap.
+- ``load_balancing``: the Mixture-of-Experts router's load-balancing loss (``loss.router_aux_loss_coef``).
 - ``mismatch``: the sampler/trainer mismatch a step logs (k3, largest ratio, masked tokens) and the staleness
   of each token's policy version.
 
@@ -47,6 +48,7 @@ from grpo.algorithm.entropy import (
     entropy_bonus,
     entropy_sums,
 )
+from grpo.algorithm.load_balancing import load_balancing_loss
 from grpo.algorithm.losses import (
     IMPORTANCE_SAMPLING_LEVELS,
     LOSS_AGGREGATIONS,
@@ -89,4 +91,6 @@ __all__ = [
     "POLICY_OBJECTIVES", "clipped_objective", "cispo_objective", "sapo_objective", "vespo_objective", "vespo_weights",
     "high_entropy_mask", "off_policy_mask", "AdaptiveEntropyState", "adaptive_entropy_step", "applied_entropy_coef",
     "entropy_bonus", "entropy_sums",
+    # the MoE router's load-balancing loss (TRL's router_aux_loss_coef)
+    "load_balancing_loss",
 ]

@@ -20,7 +20,6 @@ from grpo.config import load_config, run_config_text
 
 # Fields grpo does not implement: (TRL's default, why). Setting one to anything else is a ValueError.
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "router_aux_loss_coef": (None, "grpo adds no MoE load-balancing loss"),
     "cast_lm_head_to_fp32": (False, "grpo computes log-probs in fp32 from the model's own head"),
     "vllm_mode": ("colocate", (
         "a vLLM sampler on devices of its own is grpo's decoupled mode, which its launcher starts as processes that "
@@ -153,6 +152,7 @@ class GRPOConfig:
     entropy_coef_delta: float = 0.005
     entropy_coef_min: float = 0.0
     entropy_coef_max: float = 1.0
+    router_aux_loss_coef: float | None = None  # None: the MoE model config's own (loss.router_aux_loss_coef)
     multi_objective_aggregation: str = "sum_then_normalize"
     # -- launching
     deepspeed: str | dict | None = None  # a DeepSpeed JSON file or its contents: train.deepspeed

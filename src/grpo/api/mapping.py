@@ -248,6 +248,7 @@ LINKS: tuple[Link, ...] = (
     same("entropy_coef_delta", "loss.entropy_coef_delta"),
     same("entropy_coef_min", "loss.entropy_coef_min"),
     same("entropy_coef_max", "loss.entropy_coef_max"),
+    same("router_aux_loss_coef", "loss.router_aux_loss_coef"),
     Link(("use_vllm", "vllm_importance_sampling_correction"), ("loss.sampler_is_correction",),
          lambda c, vllm, correction: (vllm and correction,),
          lambda c, correction: {"vllm_importance_sampling_correction": correction}),

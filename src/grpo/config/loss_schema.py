@@ -98,3 +98,10 @@ class LossConfig:
     entropy_coef_delta: float = opt(0.005, "adaptive_entropy: the coefficient's step per optimizer update.", ge=0)
     entropy_coef_min: float = opt(0.0, "adaptive_entropy: the coefficient's lower bound.", ge=0)
     entropy_coef_max: float = opt(1.0, "adaptive_entropy: the coefficient's upper bound.", ge=0)
+    router_aux_loss_coef: float | None = opt(
+        None, "Mixture-of-Experts policies: the router's load-balancing loss (Switch Transformer's, over every real "
+        "token of each micro-batch, prompt and completion) is added to the loss times this, each micro-batch's "
+        "weighted by its share of the update's rows (TRL's 1 / gradient_accumulation_steps); logged as "
+        "moe/aux_loss. null: the model config's router_aux_loss_coef (Mixtral, Qwen3-MoE, GPT-OSS, ERNIE-4.5-MoE: "
+        "0.001 as shipped; a dense model: none); 0: off. A non-zero value for a model without router logits "
+        "(dense, DeepSeek-V3, GLM-4-MoE) is refused. TRL's router_aux_loss_coef.", ge=0)

@@ -31,6 +31,7 @@ from grpo.decoupled.token_versions import stamped
 from grpo.decoupled.transport import PeerClosed, PeerTimeout, RolloutSender
 from grpo.decoupled.weight_sync import ReceivedWeights, is_broadcast
 from grpo.decoupled.work_plan import Chunk
+from grpo.models.architecture import check_architecture
 from grpo.models.loading import load_policy, load_reference, resolve_device
 from grpo.models.wrappers import eos_token_ids
 from grpo.multiturn.driver import sampling_engine
@@ -94,6 +95,7 @@ def run_sampler(cfg: RunConfig) -> int:
     prompt_sampler = PromptSampler(len(train_set), cfg.train.prompts_per_step, cfg.train.seed, cfg.data.shuffle)
     policy = load_policy(cfg.model, device).eval()
     policy.requires_grad_(False)
+    check_architecture(cfg, policy)
     processing = logprob_processing(cfg, policy, tokenizer)  # old and reference log-probs follow the controls
     ref_logprobs = reference_logprobs_fn(cfg, policy, tokenizer, device, token, processing)
     engine = with_turns(build_engine(cfg, policy, tokenizer), inputs.turns, cfg, policy, tokenizer)

@@ -13,6 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from grpo.config import ConfigError, ModelConfig
 from grpo.config.rules import sdpa_backend_names
+from grpo.models.architecture import check_lora_targets
+from grpo.models.moe import router_logits_off
 from grpo.models.wrappers import unwrap_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -172,6 +174,7 @@ def prepare_policy(model: torch.nn.Module, cfg: ModelConfig, device: torch.devic
         model.to(device=device, dtype=dtype)
 
     already_peft = isinstance(model, PeftModel)
+    router_logits_off(model)
     if cfg.gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x name
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -181,6 +184,7 @@ def prepare_policy(model: torch.nn.Module, cfg: ModelConfig, device: torch.devic
         if cfg.lora_r > 0 or already_peft:
             model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need grads
     if cfg.lora_r > 0 and not already_peft:
+        check_lora_targets(model, cfg.lora_target_modules)
         lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                           target_modules=cfg.lora_target_modules, task_type="CAUSAL_LM")
         model = get_peft_model(model, lora)
@@ -214,6 +218,7 @@ def load_reference(cfg: ModelConfig, policy: torch.nn.Module, tokenizer, device:
         check_same_vocabulary(cfg, tokenizer, reference)
         if cfg.disable_dropout:  # a copy of the policy has its rates already
             disable_dropout(reference)
+        router_logits_off(reference)
     reference.eval()
     reference.requires_grad_(False)
     return reference

@@ -18,6 +18,7 @@ from grpo.algorithm.lookup import lookup
 from grpo.config import ConfigError, RunConfig
 from grpo.config.device_defaults import AUTO, resolve_engine_name
 from grpo.config.kinds import ENGINE_TRAITS, EngineTraits
+from grpo.models.architecture import full_attention_only
 from grpo.rollout.engine import OwnWeightsEngine, RolloutEngine
 from grpo.rollout.hf import HFEngine
 from grpo.rollout.lean import LeanEngine
@@ -79,10 +80,8 @@ ENGINES: dict[str, EngineKind] = {
 def policy_engine_name(cfg: RunConfig, policy: torch.nn.Module, name: str | None = None) -> str:
     """``resolve_engine_name`` of ``name`` (None: ``rollout.engine``) for the engine that samples from
     ``policy`` (its device, its layers)."""
-    layer_types = getattr(getattr(policy, "config", None), "layer_types", None) or ["full_attention"]
     return resolve_engine_name(name or cfg.rollout.engine, next(policy.parameters()).device.type,
-                               quantized=cfg.model.load_in_4bit,
-                               full_attention=all(t == "full_attention" for t in layer_types),
+                               quantized=cfg.model.load_in_4bit, full_attention=full_attention_only(policy),
                                sharded=any(hasattr(p, "ds_id") for p in policy.parameters()))  # ZeRO-3's mark
 
 

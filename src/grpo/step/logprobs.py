@@ -48,6 +48,7 @@ from grpo.step.checkpointing import (
 )
 from grpo.models.logits_head import head_reproduces_forward, logits_head
 from grpo.models.wrappers import decoder, inner_model
+from grpo.step.router_logits import RoutedTokens, shared_prompt_weights
 
 
 @dataclass(frozen=True)
@@ -143,27 +144,34 @@ def can_share_prompt_cache(model: torch.nn.Module) -> bool:
     return not (model.training and checkpointing_modules(model)) or can_checkpoint_with_prefix(model)
 
 
-def _forward(model, fused: bool, keep: int | None, **inputs):
+def _forward(model, fused: bool, keep: int | None, routed: RoutedTokens | None = None,
+             route_weights: Tensor | None = None, **inputs):
     """``(scores, KV cache)``: the last ``keep`` positions' (all when None) logits [b, keep, V], or
     with ``fused`` their final hidden states [b, keep, H], the LM head skipped (``logits_to_keep`` of no
-    position: transformers slices the hidden states with it before the head)."""
+    position: transformers slices the hidden states with it before the head). ``routed``: the forward's router
+    logits are added to it, its tokens weighted by ``route_weights`` [b, T]."""
     if not fused:
         out = model(**inputs, **({} if keep is None else {"logits_to_keep": keep}))
-        return out.logits, returned_cache(out)
-    with _final_hidden(model) as captured:
-        out = model(**inputs, logits_to_keep=torch.empty(0, dtype=torch.long, device=inputs["input_ids"].device))
-    hidden = captured[-1]  # [b, T, H]
-    return (hidden if keep is None else hidden[:, -keep:]), returned_cache(out)
+        scores = out.logits
+    else:
+        with _final_hidden(model) as captured:
+            out = model(**inputs, logits_to_keep=torch.empty(0, dtype=torch.long, device=inputs["input_ids"].device))
+        scores = captured[-1] if keep is None else captured[-1][:, -keep:]  # [b, T or keep, H]
+    if routed is not None:
+        routed.add(route_weights)
+    return scores, returned_cache(out)
 
 
-def _full_logits(model, ids: Tensor, mask: Tensor, Lc: int, fused: bool = False) -> Tensor:
+def _full_logits(model, ids: Tensor, mask: Tensor, Lc: int, fused: bool = False,
+                 routed: RoutedTokens | None = None) -> Tensor:
     # [b, Lc + 1, V] (fused: [b, Lc + 1, H]): positions Lp-1 .. T-1, each predicting the next token
-    return _forward(model, fused, Lc + 1, input_ids=ids, attention_mask=mask,
+    return _forward(model, fused, Lc + 1, routed, mask, input_ids=ids, attention_mask=mask,
                     position_ids=position_ids_from_mask(mask), use_cache=False)[0]
 
 
 def _shared_prompt_logits(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
-                          completion_mask: Tensor, first: Tensor, index: Tensor, fused: bool = False) -> Tensor:
+                          completion_mask: Tensor, first: Tensor, index: Tensor, fused: bool = False,
+                          routed: RoutedTokens | None = None) -> Tensor:
     """[b, Lc + 1, V] (fused: [b, Lc + 1, H]): the same as ``_full_logits`` on the concatenation, from one
     pass over the distinct prompts (keeping only their last position) and one over the completions. A model
     that checkpoints, under gradients: grpo checkpoints the completion pass (``grpo.step.checkpointing``), or
@@ -171,7 +179,8 @@ def _shared_prompt_logits(model, prompt_ids: Tensor, prompt_mask: Tensor, comple
     takeover = torch.is_grad_enabled() and model.training and bool(checkpointing_modules(model))
     prompts, prompts_mask = prompt_ids[first], prompt_mask[first]  # [U, Lp]
     with checkpointing_paused(model) if takeover else nullcontext():
-        prompt_scores, cache = _forward(model, fused, 1, input_ids=prompts, attention_mask=prompts_mask,
+        prompt_scores, cache = _forward(model, fused, 1, routed, shared_prompt_weights(prompts_mask, index),
+                                        input_ids=prompts, attention_mask=prompts_mask,
                                         position_ids=position_ids_from_mask(prompts_mask), use_cache=True)
     if cache is None:  # a model that ignores use_cache=True: sharing would read no prompt at all
         raise RuntimeError(
@@ -180,11 +189,13 @@ def _shared_prompt_logits(model, prompt_ids: Tensor, prompt_mask: Tensor, comple
             "completion_logprobs(share_prompts=False) runs the plain pass")
     select_cache_rows(cache, index)  # [U, ...] -> [b, ...]: an index, so gradients sum per prompt
     if takeover and not read_only(cache):
+        if routed is not None:
+            routed.discard_last()  # the plain pass that replaces this one routes the prompts again
         return None
     Lc = completion_ids.shape[1]
     positions = prompts_mask.sum(-1)[index, None] + torch.arange(Lc, device=completion_ids.device)  # [b, Lc]
     with grpo_checkpointing(model) if takeover else nullcontext():
-        completion_scores, _ = _forward(model, fused, None, input_ids=completion_ids,
+        completion_scores, _ = _forward(model, fused, None, routed, completion_mask, input_ids=completion_ids,
                                         attention_mask=torch.cat([prompt_mask, completion_mask], 1),
                                         position_ids=positions, **cache_argument(cache), use_cache=True)  # [b, Lc, *]
     return torch.cat([prompt_scores.index_select(0, index), completion_scores], dim=1)
@@ -207,7 +218,8 @@ def packed_layout(prompt_mask: Tensor, completion_mask: Tensor, width: int) -> t
     return real, positions, scored
 
 
-def _packed_scores(model, ids: Tensor, layout: tuple[Tensor, Tensor, Tensor], fused: bool) -> Tensor:
+def _packed_scores(model, ids: Tensor, layout: tuple[Tensor, Tensor, Tensor], fused: bool,
+                   routed: RoutedTokens | None = None) -> Tensor:
     """[b, W + 1, V] logits (fused: [b, W + 1, H] hidden states) of the padded pass's scored positions, from
     one forward over the rows' real tokens packed into one sequence: position ids restart at each row and
     no attention mask is given, so transformers attends within each row only (its packed-sequence
@@ -218,11 +230,15 @@ def _packed_scores(model, ids: Tensor, layout: tuple[Tensor, Tensor, Tensor], fu
     if not fused:
         logits = model(input_ids=packed, position_ids=positions, logits_to_keep=scored.flatten(),
                        use_cache=False).logits  # [1, b (W + 1), V]
-        return logits.view(*scored.shape, -1)
-    with _final_hidden(model) as captured:
-        model(input_ids=packed, position_ids=positions, use_cache=False,
-              logits_to_keep=torch.empty(0, dtype=torch.long, device=packed.device))
-    return captured[-1][0].index_select(0, scored.flatten()).view(*scored.shape, -1)  # [b, W + 1, H]
+        scores = logits.view(*scored.shape, -1)
+    else:
+        with _final_hidden(model) as captured:
+            model(input_ids=packed, position_ids=positions, use_cache=False,
+                  logits_to_keep=torch.empty(0, dtype=torch.long, device=packed.device))
+        scores = captured[-1][0].index_select(0, scored.flatten()).view(*scored.shape, -1)  # [b, W + 1, H]
+    if routed is not None:
+        routed.add(torch.ones_like(packed, dtype=torch.float32))  # only real tokens are packed
+    return scores
 
 
 def completion_logprobs(
@@ -240,7 +256,8 @@ def completion_logprobs(
     entropy_grad: bool = False,
     fused_head: bool | None = None,
     pack: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+    router_top_k: int | None = None,
+) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, Tensor | None, Tensor]:
     """Log-probs of each completion token given its prompt and the completion prefix.
 
     Args:
@@ -266,6 +283,9 @@ def completion_logprobs(
             (``uses_fused_head``).
         pack: each micro-batch's rows run as one sequence of their real tokens (``_packed_scores``): no
             padding is computed; it replaces the shared prompt pass (each row runs its own prompt).
+        router_top_k: a Mixture-of-Experts model's experts per token: the forwards' router logits are read off
+            its routers, and the call returns the load-balancing loss of every real token of the rows, prompts
+            and completions, as one plain pass over them would route them (``grpo.step.router_logits``).
 
     Returns:
         [N, Lc] float32 (padding positions hold finite values, 0 past a micro-batch's longest completion,
@@ -273,16 +293,21 @@ def completion_logprobs(
         when called with grad enabled. Only the completion positions' logits (and each prompt's last)
         are computed, never the prompt's [Lp, V] logits. Without grad, gradient checkpointing is paused
         for the call (see the module docstring). With ``with_entropy``: ``(logprobs, entropy)``, both
-        [N, Lc] float32 (entropy 0 past a micro-batch's longest completion).
+        [N, Lc] float32 (entropy 0 past a micro-batch's longest completion). With ``router_top_k``:
+        ``(logprobs, entropy or None, load-balancing loss)``, the loss 0-d with its gradient.
     """
     processing = processing if processing is not None and processing.active else None  # off: the plain logits
     with nullcontext() if torch.is_grad_enabled() else checkpointing_paused(model):
         share_prompts, column_bucket = pass_choices(next(model.parameters()).device, share_prompts, column_bucket)
         share_prompts = share_prompts and can_share_prompt_cache(model) and not pack
-        logprobs, entropy = _micro_batched_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                                    temperature, micro_batch_size, share_prompts, column_bucket,
-                                                    with_entropy or entropy_grad, processing, fused_head, pack,
-                                                    entropy_grad)
+        routed = None if router_top_k is None else RoutedTokens(model, router_top_k)
+        with nullcontext() if routed is None else routed.recording():
+            logprobs, entropy = _micro_batched_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                                        temperature, micro_batch_size, share_prompts, column_bucket,
+                                                        with_entropy or entropy_grad, processing, fused_head, pack,
+                                                        entropy_grad, routed)
+    if routed is not None:
+        return logprobs, entropy, routed.loss()
     return (logprobs, entropy) if with_entropy or entropy_grad else logprobs
 
 
@@ -291,9 +316,9 @@ def _micro_batched_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, comp
                             share_prompts: bool, bucket: int, with_entropy: bool,
                             processing: LogprobProcessing | None,
                             fused_head: bool | None = None, pack: bool = False,
-                            entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
+                            entropy_grad: bool = False, routed: RoutedTokens | None = None) -> tuple[Tensor, Tensor | None]:
     """``completion_logprobs``' loop over micro-batches, ``share_prompts`` and ``bucket`` already chosen:
-    ([N, Lc] log-probs, [N, Lc] entropy or None)."""
+    ([N, Lc] log-probs, [N, Lc] entropy or None); every forward's router logits go to ``routed`` (None: none)."""
     Lc, Lp = completion_ids.shape[1], prompt_ids.shape[1]
     step = micro_batch_size or prompt_ids.shape[0]
     device = next(model.parameters()).device
@@ -323,15 +348,16 @@ def _micro_batched_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, comp
         if pack:
             layout = tuple(_to_device(t, device) for t in packed_layout(prompt_mask[rows, first:],
                                                                         completion_mask[rows, :width], width))
-            scores = _packed_scores(model, torch.cat([p_ids, c_ids], 1), layout, fused)
+            scores = _packed_scores(model, torch.cat([p_ids, c_ids], 1), layout, fused, routed)
         elif shared is None:
-            scores = _full_logits(model, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), width, fused)
+            scores = _full_logits(model, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), width, fused,
+                                  routed)
         else:
             first_rows, index = (_to_device(t, device) for t in shared)
-            scores = _shared_prompt_logits(model, p_ids, p_mask, c_ids, c_mask, first_rows, index, fused)
+            scores = _shared_prompt_logits(model, p_ids, p_mask, c_ids, c_mask, first_rows, index, fused, routed)
             if scores is None:  # a checkpointing model whose cache grpo cannot read without extending it
                 scores = _full_logits(model, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), width,
-                                      fused)
+                                      fused, routed)
         if fused:  # scores: [b, width + 1, H] hidden states; position t predicts c_ids[:, t]
             seen = prompt_presence(p_ids, p_mask, vocab_size) if processing is not None else None  # [b, V] bool
             if head is None:  # built once per call, on the first fused micro-batch

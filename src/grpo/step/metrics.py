@@ -16,8 +16,10 @@ from grpo.rewards import answers_equal, extract_answer, is_well_formatted
 from grpo.step.records import RolloutBatch, UpdateStats
 
 # Statistics only some runs have, averaged over ranks: grpo.critic.train_critic's (PPO), the PTX loss, the sampler
-# correction's, and with an entropy bonus the loss without it and the coefficient (the same on every rank).
-OPTIONAL_PREFIXES = ("critic/", "loss/value", "loss/ptx", "sampler_is/", "mismatch/", "policy_loss", "entropy_coef")
+# correction's, an MoE policy's load-balancing loss, and with an entropy bonus the loss without it and the
+# coefficient (the same on every rank).
+OPTIONAL_PREFIXES = ("critic/", "loss/value", "loss/ptx", "sampler_is/", "mismatch/", "moe/", "policy_loss",
+                     "entropy_coef")
 # Of those, the maxima: the largest over the ranks, not their mean.
 RANK_MAXIMA = ("mismatch/ratio_max",)
 # Averaged over ranks plainly whatever each rank's share of the step: the policy loss is already the rank's part

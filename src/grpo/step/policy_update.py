@@ -21,6 +21,7 @@ from grpo.algorithm import (
     policy_loss,
     sampler_importance_weights,
 )
+from grpo.models.moe import RouterLoss
 from grpo.parallel.distributed import DistInfo, all_reduce_max, all_reduce_sum
 from grpo.parallel.learners import Learner
 from grpo.rollout.generation import Generation
@@ -69,6 +70,7 @@ class LossSettings:
     off_policy_mask_threshold: float | None = None  # loss.off_policy_mask_threshold (None: off)
     entropy_coef: float = 0.0  # loss.entropy_coef: the entropy bonus (its gradient through the tempered logits)
     adaptive_entropy: bool = False  # loss.adaptive_entropy: the coefficient is an EntropyControl's (train_on_batch)
+    router: RouterLoss | None = None  # an MoE policy's load-balancing loss (loss.router_aux_loss_coef; None: none)
 
     @property
     def entropy_bonus(self) -> bool:
@@ -188,7 +190,9 @@ class MicroBatchLoss:
     old: [b, Lc] the old log-probs the surrogate used; mask, sampled: [b, Lc] the rows' of ``LossInputs``;
     is_weights, outside: [b, Lc] the sampler correction's weights and where they were capped (None: off);
     sampler: [b, Lc] the sampler's log-probs (None: off); current: [b, Lc] this pass's log-probs, detached;
-    reported: [b, Lc] the rows' ``LossInputs.reported_logprobs`` (None: none).
+    reported: [b, Lc] the rows' ``LossInputs.reported_logprobs`` (None: none);
+    router_aux: 0-d, the rows' load-balancing loss (an MoE policy's; None: not added), and ``routing`` its term
+    already weighted (coef x it x the micro-batch's share of the update's rows, TRL's 1 / GA), added in backward.
     """
 
     loss: torch.Tensor
@@ -205,11 +209,14 @@ class MicroBatchLoss:
     reported: torch.Tensor | None
     bonus: torch.Tensor | float = 0.0
     bonus_mask: torch.Tensor | None = None  # [b, Lc] the tokens the entropy bonus acts on (None: no bonus)
+    router_aux: torch.Tensor | None = None
+    routing: torch.Tensor | float = 0.0
 
     @property
     def objective(self) -> torch.Tensor:
-        """What backward runs on: the weighted policy loss less the weighted entropy bonus."""
-        return self.loss * self.weight - self.bonus
+        """What backward runs on: the weighted policy loss less the weighted entropy bonus, plus the weighted
+        load-balancing loss."""
+        return self.loss * self.weight - self.bonus + self.routing
 
 
 def loss_token_masks(entropy: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, logprobs: torch.Tensor,
@@ -236,12 +243,14 @@ def micro_batch_loss(module: torch.nn.Module, inputs: LossInputs, rows: torch.Te
     coef = s.entropy_coef if entropy_coef is None else entropy_coef
     gen = inputs.generation
     lp = s.logprob_pass
-    # The entropy is read off this forward's logits (no pass of its own).
-    logprobs, entropy = completion_logprobs(module, gen.prompt_ids[rows], gen.prompt_mask[rows],
-                                            gen.completion_ids[rows], gen.completion_mask[rows], s.temperature,
-                                            share_prompts=lp.share_prompts, column_bucket=lp.column_bucket,
-                                            fused_head=lp.fused_head, pack=lp.pack, with_entropy=True,
-                                            processing=s.processing, entropy_grad=coef > 0)  # [b, Lc] each
+    # The entropy is read off this forward's logits (no pass of its own), an MoE's routing off its routers.
+    scored = completion_logprobs(module, gen.prompt_ids[rows], gen.prompt_mask[rows],
+                                 gen.completion_ids[rows], gen.completion_mask[rows], s.temperature,
+                                 share_prompts=lp.share_prompts, column_bucket=lp.column_bucket,
+                                 fused_head=lp.fused_head, pack=lp.pack, with_entropy=True,
+                                 processing=s.processing, entropy_grad=coef > 0,
+                                 router_top_k=s.router.top_k if s.router is not None else None)
+    logprobs, entropy = scored[:2]  # [b, Lc] each
     old = old_logprobs[on_device] if old_logprobs is not None else logprobs.detach()
     ref = inputs.ref_logprobs[on_device] if inputs.ref_logprobs is not None else None
     mask, sampled = inputs.mask[on_device], inputs.sampled[on_device]
@@ -268,8 +277,10 @@ def micro_batch_loss(module: torch.nn.Module, inputs: LossInputs, rows: torch.Te
             bonus = coef * entropy_bonus(entropy, kept) * (logprobs.shape[0] / N) * inputs.rank_scale
         entropy = entropy.detach()
     reported = inputs.reported_logprobs[on_device] if inputs.reported_logprobs is not None else None
+    router_aux = scored[2] if s.router is not None else None
+    routing = 0.0 if router_aux is None else s.router.coef * router_aux * (logprobs.shape[0] / N) * inputs.rank_scale
     return MicroBatchLoss(loss, weight, stats, entropy, old, mask, sampled, is_weights, outside, sampler,
-                          logprobs.detach(), reported, bonus, kept)
+                          logprobs.detach(), reported, bonus, kept, router_aux, routing)
 
 
 def prepare_mini_batches(batch: RolloutBatch, s: LossSettings, dist_info: DistInfo,

@@ -90,6 +90,9 @@ class StepStats:
             own[key] += part.stats[key].double()
         own["clip_low_row_min"] = torch.minimum(own["clip_low_row_min"], part.stats["clip_low_row_min"].double())
         own["clip_high_row_max"] = torch.maximum(own["clip_high_row_max"], part.stats["clip_high_row_max"].double())
+        if part.router_aux is not None:  # the micro-batches' row-weighted mean, over the updates
+            aux = totals.setdefault("moe/aux_loss", torch.zeros((), dtype=torch.float64, device=part.router_aux.device))
+            totals["moe/aux_loss"] = aux + part.router_aux.detach().double() * rows_share / n
         if part.is_weights is not None and first_pass:
             gap = (part.old - part.sampler).abs().masked_fill(part.sampled == 0, 0.0)  # padding may hold -inf
             for key, summed in zip(SAMPLER_IS, ((part.is_weights * part.sampled).sum(),

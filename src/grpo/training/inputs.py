@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from grpo.config import ConfigError, RunConfig
+from grpo.models.architecture import check_architecture
 from grpo.models.loading import load_policy, load_tokenizer, policy_dtype, prepare_policy, uses_autocast
 from grpo.multiturn.wiring import TurnSpec, turn_spec
 from grpo.rewards import build_reward_functions
@@ -136,6 +137,9 @@ def policy_for(cfg: RunConfig, given: GivenInputs, device: torch.device, deepspe
     loaded (fp32 master weights when the compute runs under bf16 autocast, as ``load_policy``)."""
     master_weights = uses_autocast(cfg.model, deepspeed)
     if given.policy is None:
-        return load_policy(cfg.model, device, master_weights=master_weights)
-    dtype = torch.float32 if master_weights else policy_dtype(cfg.model)
-    return prepare_policy(given.policy, cfg.model, device, dtype)
+        policy = load_policy(cfg.model, device, master_weights=master_weights)
+    else:
+        dtype = torch.float32 if master_weights else policy_dtype(cfg.model)
+        policy = prepare_policy(given.policy, cfg.model, device, dtype)
+    check_architecture(cfg, policy)  # what the family cannot do: refused before the run writes anything
+    return policy

@@ -23,6 +23,7 @@ from grpo.data.prompt_sampler import PromptSampler
 from grpo.data.sft_tokens import tokenize_pairs
 from grpo.evaluation.example_records import EvalRewards
 from grpo.models.loading import check_memory_savers, compute_context, load_reference, resolve_device
+from grpo.models.moe import router_loss
 from grpo.models.wrappers import unwrap_model
 from grpo.multiturn.wiring import with_turns
 from grpo.parallel.distributed import DistInfo, all_gather_json, barrier, init_distributed, print0
@@ -253,7 +254,8 @@ def build_evaluator(cfg: RunConfig, inputs: RunInputs, policy: torch.nn.Module, 
     if cfg.eval.loss_pass and rewards is not None and not needs_critic(cfg):
         module = unwrap_model(policy)
         settings = eval_loss_settings(cfg, inputs.task, logprob_processing(cfg, module, inputs.tokenizer),
-                                      next(module.parameters()).device.type)
+                                      next(module.parameters()).device.type,
+                                      router_loss(module, cfg.loss.router_aux_loss_coef))
         loss_pass = LossPass(settings, engine, module, inputs.tokenizer, inputs.reward_fns, inputs.reward_weights,
                              ref_logprobs)
     return RunEvaluator(eval_settings(cfg, inputs.task, info.world_size), inputs.eval_sets,
@@ -269,7 +271,8 @@ def make_loop(cfg: RunConfig, prepared: Prepared, progress: AbstractContextManag
     ref_sync = (RefSync(p.moving_reference, p.trainable.policy, cfg.loss.ref_mixup_alpha, cfg.loss.ref_sync_steps)
                 if p.moving_reference is not None else None)
     entropy = entropy_control(cfg, run.resumed_state)
-    update = PolicyUpdate(p.trainable, loss_settings(cfg, p.processing, p.device.type), info, p.ptx_data,
+    router = router_loss(unwrap_model(p.policy), cfg.loss.router_aux_loss_coef)
+    update = PolicyUpdate(p.trainable, loss_settings(cfg, p.processing, p.device.type, router), info, p.ptx_data,
                           p.critic, critic_settings(cfg), ref_sync, entropy)
     best = (BestMetric.resumed(run.out, cfg.train.best_metric, cfg.train.best_metric_mode)
             if cfg.train.best_metric and evaluate is not None else None)

@@ -15,6 +15,7 @@ from grpo.config import ConfigError, RunConfig
 from grpo.config.device_defaults import pass_defaults
 from grpo.config.rules import updates_per_step
 from grpo.critic import CriticSettings
+from grpo.models.moe import RouterLoss
 from grpo.models.wrappers import eos_token_ids
 from grpo.rollout import SamplingParams
 from grpo.step.experience import ExperienceSettings, GaeSettings
@@ -103,9 +104,11 @@ def micro_batch_tokens(cfg: RunConfig, device_type: str) -> int | str | None:
     return budget
 
 
-def loss_settings(cfg: RunConfig, processing: LogprobProcessing | None, device_type: str) -> LossSettings:
+def loss_settings(cfg: RunConfig, processing: LogprobProcessing | None, device_type: str,
+                  router: RouterLoss | None = None) -> LossSettings:
     """The update-side settings from the config tree, for an update on a ``device_type`` device (the token
-    budget); ``processing`` as ``experience_settings``."""
+    budget); ``processing`` as ``experience_settings``; ``router``: the policy's load-balancing loss
+    (``grpo.models.moe.router_loss`` of ``loss.router_aux_loss_coef``; None: none)."""
     return LossSettings(
         # With the KL in the reward, the loss has none (the reference log-probs still give the kl metric).
         epsilon=cfg.loss.epsilon, epsilon_high=cfg.loss.epsilon_high, beta=0.0 if kl_in_reward(cfg) else cfg.loss.beta,
@@ -124,7 +127,7 @@ def loss_settings(cfg: RunConfig, processing: LogprobProcessing | None, device_t
         equal_micro_batches=ranks_share_unevenly(cfg) and bool(cfg.train.deepspeed),
         objective=objective_keywords(cfg), top_entropy_quantile=cfg.loss.top_entropy_quantile,
         off_policy_mask_threshold=cfg.loss.off_policy_mask_threshold, entropy_coef=cfg.loss.entropy_coef,
-        adaptive_entropy=cfg.loss.adaptive_entropy)
+        adaptive_entropy=cfg.loss.adaptive_entropy, router=router)
 
 
 def objective_keywords(cfg: RunConfig) -> dict:
@@ -204,12 +207,14 @@ def critic_settings(cfg: RunConfig) -> CriticSettings:
                           num_iterations=cfg.loss.num_iterations, mini_batches=cfg.train.mini_batches)
 
 
-def eval_loss_settings(cfg: RunConfig, task: Task, processing, device_type: str) -> EvalLossSettings:
+def eval_loss_settings(cfg: RunConfig, task: Task, processing, device_type: str,
+                       router: RouterLoss | None = None) -> EvalLossSettings:
     """``eval.loss_pass``'s settings for a run with ``task`` on a ``device_type`` device (``processing``:
-    ``logprob_processing``'s, as every log-prob pass follows it): ``eval.num_generations`` completions per prompt."""
+    ``logprob_processing``'s, as every log-prob pass follows it): ``eval.num_generations`` completions per prompt;
+    ``router`` as ``loss_settings``."""
     experience = experience_settings(cfg, processing, task=task, decoupled_sampler=False, engine_holds_weights=False)
     sampling = replace(experience.sampling, n=cfg.eval.num_generations or cfg.rollout.num_generations)
     return EvalLossSettings(replace(experience, need_old_logprobs=False, sampling=sampling),
-                            replace(loss_settings(cfg, processing, device_type), num_iterations=1, mini_batches=1,
+                            replace(loss_settings(cfg, processing, device_type, router), num_iterations=1, mini_batches=1,
                                     ptx_coef=0.0),
                             cfg.eval.loss_batch_size, cfg.train.seed)

@@ -47,7 +47,7 @@ def critic_memory(cfg: RunConfig, *, policy_shape: ModelShape, gpus: int, attent
     # The body: embeddings, layers and final norm; counted as a tied model has them (no separate LM head).
     body = replace(shape, tie_word_embeddings=True)
     lora = c.lora_r > 0
-    targets = lora_targets(c.lora_target_modules) if lora else None
+    targets = lora_targets(c.lora_target_modules, shape) if lora else None
     compute = 2 if cfg.model.bf16 else 4
     states = model_states(body, p=compute if lora else 4, lora_r=c.lora_r, targets=targets, mixed_precision=False,
                           gpus=gpus, deepspeed=None)

@@ -95,7 +95,7 @@ def run_sizing(cfg: RunConfig, *, gpus: int | None, model_config: dict | None, m
                 and not cfg.model.load_in_4bit)
     if mixed_precision is None:
         mixed_precision = ds is not None and p != 4
-    targets = lora_targets(cfg.model.lora_target_modules) if lora else None
+    targets = lora_targets(cfg.model.lora_target_modules, shape) if lora else None
     return RunSizing(cfg, shape, gpus, ds, p, targets, autocast, mixed_precision, device), source
 
 
@@ -239,8 +239,8 @@ def optimizer_step_temporaries(run: RunSizing, states: ModelStates) -> int:
     cfg, shape = run.cfg, run.shape
     if run.ds is not None or run.mixed_precision or run.device == "cuda" or cfg.optim.optimizer == "adamw_8bit":
         return 0
-    largest_tensor = (max(shape.embedding_params(), shape.intermediate_size * shape.hidden_size) if not run.lora
-                      else max(cfg.model.lora_r * max(shape.linear_shapes()[t]) for t in run.targets))
+    largest_tensor = (shape.largest_tensor_params() if not run.lora
+                      else cfg.model.lora_r * shape.longest_linear_side(run.targets))
     return largest_tensor * states.state_bytes
 
 

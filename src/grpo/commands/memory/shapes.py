@@ -2,7 +2,10 @@
 
 The shape is read from a local checkpoint folder, from the Hugging Face cache (offline), or from a
 small built-in table of Qwen2.5 architectures (numbers from their public ``config.json`` files), so
-that ``grpo memory`` works without the weights and without network access.
+that ``grpo memory`` works without the weights and without network access. The sizes drive the activation
+formulas; the parameters are counted from the sizes for a Llama/Qwen2-style decoder (exact there), and for any
+other family transformers knows on its own model class (``grpo.commands.memory.counts``: extra norms, fused
+projections, experts, latent attention).
 """
 
 from __future__ import annotations
@@ -13,10 +16,13 @@ from pathlib import Path
 
 from huggingface_hub import try_to_load_from_cache
 
+from grpo.commands.memory.counts import ArchitectureCounts, architecture_counts
 from grpo.config import ConfigError
 
 # The linear layers of one Llama/Qwen2-style decoder layer; ``all-linear`` LoRA targets all of them.
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Families whose parameters the Llama-style formula counts exactly (the others are counted on their model class).
+LLAMA_STYLE = ("qwen2", "llama", "mistral")
 
 
 def _qwen25(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int,
@@ -53,6 +59,7 @@ class ModelShape:
     tie_word_embeddings: bool
     attention_bias: bool  # Qwen2 has biases on q/k/v
     mlp_bias: bool = False
+    counts: ArchitectureCounts | None = None  # counted on the model class (families other than LLAMA_STYLE)
 
     @classmethod
     def from_config(cls, config: dict, source: str) -> ModelShape:
@@ -64,6 +71,7 @@ class ModelShape:
             raise ConfigError(f"{source}: config.json lacks {', '.join(missing)}; grpo memory needs a "
                               "decoder-only transformer config (Llama/Qwen2 style)")
         heads = config["num_attention_heads"]
+        counts = None if config.get("model_type", "llama") in LLAMA_STYLE else architecture_counts(config)
         return cls(
             hidden_size=config["hidden_size"], num_layers=config["num_hidden_layers"], num_heads=heads,
             num_kv_heads=config.get("num_key_value_heads") or heads,
@@ -71,7 +79,7 @@ class ModelShape:
             intermediate_size=config["intermediate_size"], vocab_size=config["vocab_size"],
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
-            mlp_bias=bool(config.get("mlp_bias", False)))
+            mlp_bias=bool(config.get("mlp_bias", False)), counts=counts)
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of each linear layer of one decoder layer."""
@@ -80,9 +88,28 @@ class ModelShape:
         return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
+    def linear_names(self) -> tuple[str, ...]:
+        """The names of one decoder layer's linear layers (what ``model.lora_target_modules`` can list)."""
+        return self.counts.linear_names() if self.counts else LINEAR_NAMES
+
+    def largest_tensor_params(self) -> int:
+        """The largest single parameter tensor (the embedding, an MLP projection, an MoE layer's experts)."""
+        if self.counts:
+            return self.counts.largest_tensor
+        return max(self.embedding_params(), self.intermediate_size * self.hidden_size)
+
+    def longest_linear_side(self, names: tuple[str, ...]) -> int:
+        """The longest side of the named linears (a LoRA factor's length is one side)."""
+        if self.counts:
+            return max(max(a, b) for name, a, b in self.counts.linears if name in names)
+        shapes = self.linear_shapes()
+        return max(max(shapes[name]) for name in names)
+
     def linear_params(self) -> int:
         """Weights of the decoder layers' linears, all layers (what 4-bit quantisation and autocast's
-        weight cache cover; embeddings, norms and the LM head are outside them)."""
+        weight cache cover; embeddings, norms and the LM head are outside them; an MoE's routed experts too)."""
+        if self.counts:
+            return sum(a * b for _, a, b in self.counts.linears)
         return self.num_layers * sum(a * b for a, b in self.linear_shapes().values())
 
     def layer_params(self) -> int:
@@ -95,32 +122,38 @@ class ModelShape:
         return weights + bias + 2 * self.hidden_size
 
     def embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size
+        return self.counts.embedding if self.counts else self.vocab_size * self.hidden_size
 
     def num_params(self) -> int:
         """All parameters: embeddings, layers, final norm, and the LM head unless tied."""
+        if self.counts:
+            return self.counts.total
         head = 0 if self.tie_word_embeddings else self.embedding_params()
         return self.embedding_params() + self.num_layers * self.layer_params() + self.hidden_size + head
 
     def largest_module_params(self) -> int:
         """The most parameters one module holds at once (what ZeRO-3 gathers to compute it)."""
-        return max(self.embedding_params(), self.layer_params())
+        return max(self.embedding_params(), self.counts.largest_layer if self.counts else self.layer_params())
 
 
-def lora_targets(target_modules: str | list[str]) -> tuple[str, ...]:
-    """``model.lora_target_modules`` as linear names: ``all-linear`` = all seven (peft leaves out the LM head)."""
+def lora_targets(target_modules: str | list[str], shape: ModelShape | None = None) -> tuple[str, ...]:
+    """``model.lora_target_modules`` as linear names: ``all-linear`` = all of ``shape``'s (peft leaves out the LM
+    head; no shape: a Llama-style decoder's seven)."""
+    known = shape.linear_names() if shape is not None else LINEAR_NAMES
     if target_modules == "all-linear":
-        return LINEAR_NAMES
+        return known
     names = [target_modules] if isinstance(target_modules, str) else list(target_modules)
-    unknown = [n for n in names if n not in LINEAR_NAMES]
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise ConfigError(f"model.lora_target_modules: grpo memory knows the linears {list(LINEAR_NAMES)} "
+        raise ConfigError(f"model.lora_target_modules: grpo memory knows the linears {list(known)} "
                           f"(or 'all-linear'); cannot size {unknown}")
-    return tuple(n for n in LINEAR_NAMES if n in names)
+    return tuple(n for n in known if n in names)
 
 
 def lora_params(shape: ModelShape, r: int, targets: tuple[str, ...]) -> int:
     """Adapter parameters: r x (in + out) per targeted linear (A is r x in, B is out x r), every layer."""
+    if shape.counts:
+        return sum(r * (a + b) for name, a, b in shape.counts.linears if name in targets)
     shapes = shape.linear_shapes()
     return shape.num_layers * sum(r * (shapes[n][0] + shapes[n][1]) for n in targets)
 
