@@ -14,6 +14,7 @@ from grpo.algorithm import ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS
 from grpo.algorithm.schedules import LR_SCHEDULES
 from grpo.config.eval_schema import EvalConfig  # noqa: F401  (the eval section, in its own module)
 from grpo.config.fields import opt
+from grpo.config.fsdp_schema import FsdpConfig  # noqa: F401  (the fsdp section, in its own module)
 from grpo.config.loss_schema import LossConfig  # noqa: F401  (the loss section, in its own module)
 from grpo.config.rollout_schema import RolloutConfig  # noqa: F401  (the rollout section, in its own module)
 from grpo.data.sft import RESPONSE_FORMATS
@@ -234,6 +235,10 @@ class TrainConfig:
         None, "DeepSpeed: a JSON config file (or the config as a mapping, as TRL's deepspeed= takes it) for the "
         "trainer ranks, colocated or decoupled (configs/ds_zero2.json, ds_zero3.json); its batch fields 'auto' or "
         "equal to the run's; null = torch (DDP on N ranks).")
+    fsdp: bool = opt(
+        False, "PyTorch FSDP2 for the trainer ranks, colocated or decoupled: parameters, gradients and optimizer "
+        "state sharded over the ranks (fully_shard per decoder layer, then the root; options in the fsdp section), "
+        "checkpoints written as each rank's shards (torch.distributed.checkpoint) that resume at any rank count.")
     max_staleness: int = opt(0, "Decoupled: how many policy versions a rollout may lag; 0 = on-policy.", ge=0)
     sync_steps: int = opt(1, "Decoupled: publish weights every N steps.", ge=1)
 
@@ -344,6 +349,7 @@ class RunConfig:
     ptx: PtxConfig = field(default_factory=PtxConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
     log: LogConfig = field(default_factory=LogConfig)
     decoupled: DecoupledConfig = field(default_factory=DecoupledConfig)
     rewards: list[RewardConfig] | None = field(default=None, metadata={

@@ -1,4 +1,5 @@
-"""The policy with what updates it: optimizer, schedule and learner (torch/DDP or DeepSpeed), built from the config."""
+"""The policy with what updates it: optimizer, schedule and learner (torch/DDP, DeepSpeed or FSDP2), built from the
+config."""
 
 from __future__ import annotations
 
@@ -7,27 +8,56 @@ from dataclasses import dataclass
 import torch
 
 from grpo.config import RunConfig
-from grpo.parallel.distributed import DistInfo
+from grpo.parallel.distributed import DistInfo, one_process_group
+from grpo.parallel.fsdp import FsdpLearner, FsdpSettings, check_fsdp_available, device_mesh, shard
 from grpo.parallel.learners import Learner, build_learner, deepspeed_config
 from grpo.parallel.optim import build_optimizer, build_scheduler
 
 
 @dataclass
 class Trainable:
-    """The policy and what updates it. ``optimizer``/``scheduler`` are None under DeepSpeed (the engine owns them)."""
+    """The policy and what updates it. ``optimizer``/``scheduler`` are None under DeepSpeed (the engine owns them);
+    under FSDP2 (``fsdp``) the policy's parameters are each rank's shards."""
 
     policy: torch.nn.Module
     learner: Learner
     optimizer: torch.optim.Optimizer | None
     scheduler: object | None
     deepspeed: bool
+    fsdp: bool = False
+
+
+def fsdp_settings(cfg: RunConfig) -> FsdpSettings:
+    """``shard``'s settings from ``train.fsdp``'s section: under ``model.bf16`` units are gathered and computed in
+    bf16 over fp32 shards (the master weights), gradients reduced in ``fsdp.reduce_dtype``."""
+    f = cfg.fsdp
+    bf16 = cfg.model.bf16
+    return FsdpSettings(layer_classes=tuple(f.layer_classes), param_dtype=torch.bfloat16 if bf16 else None,
+                        reduce_dtype=getattr(torch, f.reduce_dtype) if bf16 else None, cpu_offload=f.cpu_offload,
+                        reshard_after_forward=f.reshard_after_forward, accumulate_unsharded=f.accumulate_unsharded)
+
+
+def shard_for_run(cfg: RunConfig, model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` sharded over the run's ranks as ``train.fsdp`` says (the policy before its optimizer is built, or the
+    frozen reference); a process alone gets a process group of its own. ConfigError (torch without FSDP2, no layer
+    class found) before anything is written."""
+    check_fsdp_available()
+    device_type = next(model.parameters()).device.type
+    one_process_group(device_type)
+    return shard(model, fsdp_settings(cfg), device_mesh(device_type))
 
 
 def build_trainable(cfg: RunConfig, policy: torch.nn.Module, info: DistInfo) -> Trainable:
-    """Optimizer, schedule and learner (DeepSpeed when ``train.deepspeed`` names a config, else torch/DDP)."""
+    """Optimizer, schedule and learner (DeepSpeed when ``train.deepspeed`` names a config, FSDP2 with ``train.fsdp``,
+    else torch/DDP)."""
+    if cfg.train.fsdp:  # sharded first: the optimizer holds the shards
+        shard_for_run(cfg, policy)
     optimizer = build_optimizer(policy, cfg.optim, lora=cfg.model.lora_r > 0,
-                                allow_fused=not cfg.train.deepspeed)
+                                allow_fused=not (cfg.train.deepspeed or cfg.train.fsdp))
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps * cfg.loss.num_iterations)
+    if cfg.train.fsdp:
+        learner = FsdpLearner(policy, optimizer, scheduler, cfg.optim.max_grad_norm, cfg.fsdp.accumulate_unsharded)
+        return Trainable(policy, learner, optimizer, scheduler, deepspeed=False, fsdp=True)
     ds_config = None
     if cfg.train.deepspeed:
         completions_per_rank = cfg.train.prompts_per_step * cfg.rollout.num_generations // info.world_size
