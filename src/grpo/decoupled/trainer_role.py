@@ -37,7 +37,7 @@ from grpo.decoupled.weight_sync import BroadcastPublisher
 from grpo.decoupled.wire import batch_to_message, decode, encode, message_to_batch, pack_bytes, unpack_bytes
 from grpo.decoupled.work_plan import Chunk, WorkPlan, chunk_of
 from grpo.parallel.distributed import DistInfo, barrier, shutdown
-from grpo.parallel.learners import zero3_full_state_dict
+from grpo.parallel.learners import full_weights
 from grpo.run.progress import LineProgress
 from grpo.step.batching import concat_batches, rank_group_spans, rank_groups, select_groups
 from grpo.training.inputs import GivenInputs
@@ -79,15 +79,13 @@ def share_batch(batch, meta: dict | None, info: DistInfo, device: torch.device, 
 
 
 def publish_weights(store, trainable, version: int, keep: int, info: DistInfo, publisher=None) -> str:
-    """Write weights ``version`` (rank 0; gathered from every rank first under ZeRO-3); returns the path to
-    announce. With a ``BroadcastPublisher`` (rank 0, ``decoupled.weight_sync: broadcast``) full weights are
+    """Write weights ``version`` (rank 0; gathered from every rank first under ZeRO-3 and FSDP2); returns the path
+    to announce. With a ``BroadcastPublisher`` (rank 0, ``decoupled.weight_sync: broadcast``) full weights are
     broadcast to the samplers first (``grpo.decoupled.weight_sync``)."""
-    gathered = zero3_full_state_dict(trainable.learner)  # a collective under ZeRO-3
+    gathered = full_weights(trainable.learner)  # a collective under ZeRO-3 and FSDP2
     path = ""
     if info.is_main:
-        state, kind, adapter_config = state_dict_for_publish(trainable.policy)
-        if gathered is not None and kind == "full":
-            state = gathered  # ZeRO-3: the local parameters are empty shards
+        state, kind, adapter_config = state_dict_for_publish(trainable.policy, gathered)
         # Own copies: DeepSpeed keeps parameters as views of one flat buffer (shared storage).
         state = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
         if publisher is not None and kind == "full":
