@@ -9,7 +9,7 @@ import torch
 
 from grpo.config import RunConfig
 from grpo.parallel.distributed import DistInfo, one_process_group
-from grpo.parallel.fsdp import FsdpLearner, FsdpSettings, check_fsdp_available, device_mesh, shard
+from grpo.parallel.fsdp import FsdpLearner, FsdpSettings, check_fsdp_available, device_mesh, layer_modules, shard
 from grpo.parallel.learners import Learner, build_learner, deepspeed_config
 from grpo.parallel.optim import build_optimizer, build_scheduler
 
@@ -42,9 +42,11 @@ def shard_for_run(cfg: RunConfig, model: torch.nn.Module) -> torch.nn.Module:
     frozen reference); a process alone gets a process group of its own. ConfigError (torch without FSDP2, no layer
     class found) before anything is written."""
     check_fsdp_available()
+    settings = fsdp_settings(cfg)
+    layer_modules(model, settings.layer_classes)  # a model without them fails before any process group exists
     device_type = next(model.parameters()).device.type
     one_process_group(device_type)
-    return shard(model, fsdp_settings(cfg), device_mesh(device_type))
+    return shard(model, settings, device_mesh(device_type))
 
 
 def build_trainable(cfg: RunConfig, policy: torch.nn.Module, info: DistInfo) -> Trainable:
