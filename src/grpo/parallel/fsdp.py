@@ -209,18 +209,32 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return dict(full_tensors(model))
 
 
-def full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, full CPU tensor)`` of ``model``'s state dict in order, one all-gather each; rank 0 gets every pair,
-    the other ranks iterate the same collectives and get nothing. A tied weight comes once (its first name,
-    as ``named_parameters``), a frozen one not at all when only part of the model trains."""
-    keep = dist.get_rank() == 0
+def _kept_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The state dict's entries a full copy holds, in order: a tied weight once (the objects themselves: a tie is
+    one object under two names), a frozen one not at all when only part of the model trains."""
     trains_part = _trains_part(model)
     seen: set[int] = set()
-    for name, tensor in model.state_dict(keep_vars=True).items():  # the objects themselves: ties are one object
-        if id(tensor) in seen or (trains_part and not (isinstance(tensor, torch.nn.Parameter) and
-                                                         tensor.requires_grad)):
+    kept = []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        trained = isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad
+        if id(tensor) in seen or (trains_part and not trained):
             continue
         seen.add(id(tensor))
+        kept.append((name, tensor))
+    return kept
+
+
+def full_tensor_layout(model: torch.nn.Module) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """``(name, dtype, full shape)`` of each tensor ``full_tensors`` yields, in its order, without communication
+    (a DTensor knows its global shape): what a file needs before the first tensor is gathered."""
+    return [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in _kept_tensors(model)]
+
+
+def full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, full CPU tensor)`` of ``model``'s state dict in order (``_kept_tensors``), one all-gather each; rank
+    0 gets every pair, the other ranks iterate the same collectives and get nothing."""
+    keep = dist.get_rank() == 0
+    for name, tensor in _kept_tensors(model):
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         if keep:
             yield name, full.detach().to("cpu", copy=True)
