@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from grpo.algorithm.advantages import ADVANTAGE_SCALES
+from grpo.api.fsdp_arguments import fsdp_arguments, fsdp_keys
 from grpo.config import RunConfig, config_from_dict, config_to_dict
 from grpo.config.kinds import TRACKERS, VLLM_ENGINE
 
@@ -137,6 +138,15 @@ def _warmup_ratio(c: Counts, schedule: str, warmup_steps: float) -> float:
     return warmup / c.updates
 
 
+FSDP_KEYS = ("train.fsdp", "fsdp.cpu_offload", "fsdp.reshard_after_forward", "fsdp.layer_classes",
+             "model.gradient_checkpointing")
+
+
+def _fsdp_values(fsdp, fsdp_config) -> tuple:
+    keys = fsdp_keys(fsdp, fsdp_config)
+    return tuple(keys.get(key, OMIT) for key in FSDP_KEYS)
+
+
 def _report_to(value: str | list[str]) -> list[str]:
     report_to = [value] if isinstance(value, str) else list(value)
     return [] if report_to in ([], ["none"]) else ["tensorboard"] if report_to == ["all"] else report_to
@@ -233,6 +243,9 @@ LINKS: tuple[Link, ...] = (
     same("per_device_eval_batch_size", "eval.loss_batch_size"),
     same("save_final_model", "train.save_final"),
     same("deepspeed", "train.deepspeed"),
+    # after gradient_checkpointing's link: fsdp_config's activation_checkpointing sets it too
+    Link(("fsdp", "fsdp_config"), FSDP_KEYS, lambda c, fsdp, config: _fsdp_values(fsdp, config),
+         lambda c, on, offload, reshard, classes, _checkpointing: fsdp_arguments(on, offload, reshard, classes)),
     Link(("logging_steps",), ("log.logging_steps",), lambda c, every: (_per_step(every, c.ni, c.updates),),
          lambda c, every: {"logging_steps": every * c.ni}),
     one("report_to", "log.report_to", _report_to, lambda trackers: list(trackers) or "none"),

@@ -24,6 +24,7 @@ from grpo.api.attributes import TrainerAttributes
 from grpo.api.callbacks import CallbackHooks
 from grpo.api.checkpoints import TRAINER_STATE_FILE, resumed_checkpoint
 from grpo.api.datasets import to_examples, verifiers_arguments
+from grpo.api.fsdp_arguments import refuse_shards, with_launcher_fsdp
 from grpo.api.mapping import batch_shape, grpo_steps, to_run_config
 from grpo.api.prompt_lengths import check_longest, context_length, explainer, prompt_limit
 from grpo.api.rewards import build_reward_functions, reward_name
@@ -102,6 +103,7 @@ class GRPOTrainer(TrainerAttributes):
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"args must be a grpo.GRPOConfig, got {type(args).__name__}")
         lora = self._lora(model, peft_config)
+        args = with_launcher_fsdp(args, os.environ)
         self.args, self.num_processes = args, int(os.environ.get("WORLD_SIZE", "1"))
         prompts_per_step, _ = batch_shape(args, self.num_processes)
         limit = None if args.max_steps <= 0 else args.max_steps // max(args.num_iterations, 1) * prompts_per_step
@@ -331,6 +333,7 @@ class GRPOTrainer(TrainerAttributes):
             else self.eval_sets
         if not sets:
             raise ValueError("evaluate() needs an eval_dataset (here or in the constructor)")
+        refuse_shards(unwrap_model(self.model), "evaluate()")
         inputs = tokenizer_and_data(self.config, self._given(self.train_set or [], dict(sets)))
         evaluate = build_evaluator(self.config, inputs, self.model, DistInfo(), ref_logprobs=self._reference())
         started = time.perf_counter()
@@ -356,6 +359,7 @@ class GRPOTrainer(TrainerAttributes):
 
     def save_model(self, output_dir: str | None = None) -> None:
         """The adapter (a PEFT model) or the full model, with the tokenizer, as TRL writes them."""
+        refuse_shards(unwrap_model(self.model), "save_model()")
         if int(os.environ.get("RANK", "0")) != 0:  # under torchrun one rank writes, as TRL's should_save
             return
         folder = Path(output_dir or self.args.output_dir or "trainer_output")
