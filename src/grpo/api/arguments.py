@@ -151,7 +151,7 @@ class GRPOConfig:
     # -- launching
     deepspeed: str | dict | None = None  # a DeepSpeed JSON file or its contents: train.deepspeed
     fsdp: bool | str | list | None = None  # TrainingArguments': True, "full_shard offload", a list: train.fsdp (FSDP2)
-    fsdp_config: dict | str | None = None  # its settings (a dict or JSON file): the fsdp section (grpo.api.fsdp_arguments)
+    fsdp_config: dict | str | None = None  # its settings, a dict or JSON file: the fsdp section (api.fsdp_arguments)
     # -- logging, saving, evaluation
     logging_steps: float = 10
     logging_first_step: bool = False
