@@ -1,8 +1,10 @@
 """`grpo train` with ``train.fsdp`` end to end, real processes on gloo: two FSDP2 ranks colocated and decoupled (2
-trainer ranks + a sampler) give the same first step; the decoupled trainer publishes the weights its final/ holds;
+trainer ranks + a sampler) give the same first step; the decoupled trainer publishes the weights its final/ holds
+(full, and LoRA's gathered adapter);
 one rank killed with kill -9 and the run resumed ends on the uninterrupted run's weights bit for bit; a 2-rank
 checkpoint resumes on 3 ranks, and theirs on 1 (DCP reshards); LoRA with gradient checkpointing and CPU offload
-trains its adapter only, and `grpo export` of its sharded checkpoint is its final/ merged."""
+trains its adapter only, and `grpo export` of its sharded checkpoint is its final/ merged; dynamic sampling (ranks
+sampling different rounds) with bf16 units and the fused head, and PPO's critic, run on two FSDP2 ranks."""
 
 from __future__ import annotations
 
@@ -16,9 +18,11 @@ import pytest
 import torch
 from run_helpers import (
     SIGNAL_REWARDS,
+    SMOKE,
     base_overrides,
     cli_env,
     colocated_and_decoupled,
+    decoupled_overrides,
     free_port,
     grpo_cmd,
     read_metrics,
@@ -143,3 +147,36 @@ def test_two_fsdp_ranks_colocated_and_decoupled_give_the_same_first_step(tiny_mo
     assert (decoupled / "checkpoints" / "fsdp-step-2").is_dir()
     published, final = weights(decoupled / "weights" / "v2"), weights(decoupled / "final")
     assert set(published) == set(final) and all(torch.equal(published[k], final[k]) for k in final)
+
+
+def test_dynamic_sampling_bf16_fused_head_and_ppos_critic_run_on_two_fsdp_ranks(tiny_model_dir, tmp_path):
+    # Dynamic sampling: each rank samples as many rounds as its own groups need, on the gathered policy (no
+    # collective there), then the update's micro-batch counts are made equal; bf16 units over fp32 shards; the
+    # fused head calls the root's LM head outside the forward. PPO: the critic (DDP) beside the sharded policy.
+    dynamic = tmp_path / "dynamic"
+    run(2, "train", *base_overrides(tiny_model_dir, dynamic, **{
+        **RUN, "train.max_steps": 2, "rollout.dynamic_sampling": True, "model.bf16": True,
+        "train.fused_lm_head": True}))
+    rows = train_rows(dynamic)
+    assert [r["step"] for r in rows] == [1, 2] and all(r["grad_norm"] > 0 for r in rows)
+    final = weights(dynamic / "final")
+    assert all(t.dtype == torch.float32 for t in final.values())  # the fp32 shards are the master weights
+    ppo = tmp_path / "ppo"
+    run(2, "train", *base_overrides(tiny_model_dir, ppo, **{
+        **RUN, "train.max_steps": 2, "algorithm.advantage_estimator": "gae", "critic.learning_rate": 1e-3}))
+    rows = train_rows(ppo)
+    assert [r["step"] for r in rows] == [1, 2] and all(r["grad_norm"] > 0 for r in rows)
+    assert (ppo / "checkpoints" / "step-2" / "critic").is_dir()
+
+
+def test_decoupled_lora_trainer_ranks_publish_the_gathered_adapter(tiny_model_dir, tmp_path):
+    out = tmp_path / "decoupled-lora"
+    result = subprocess.run(grpo_cmd("train", SMOKE, *decoupled_overrides(tiny_model_dir, out, **{
+        "train.mode": "decoupled", "decoupled.trainer_ranks": 2, "train.fsdp": True, "train.max_steps": 2,
+        "model.lora_r": 4, "optim.learning_rate": 1e-2})), env=cli_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert [r["step"] for r in train_rows(out)] == [1, 2]
+    published = load_file(out / "weights" / "v2" / "model.safetensors")
+    final = load_file(out / "final" / "adapter_model.safetensors")
+    assert set(published) == set(final) and all(torch.equal(published[k], final[k]) for k in final)
+    assert any(v.abs().sum() > 0 for k, v in final.items() if "lora_B" in k)
