@@ -1,7 +1,7 @@
 """`grpo train` with ``train.fsdp`` end to end, real processes on gloo: two FSDP2 ranks colocated and decoupled (2
 trainer ranks + a sampler) give the same first step; the decoupled trainer publishes the weights its final/ holds
-(full, and LoRA's gathered adapter);
-one rank killed with kill -9 and the run resumed ends on the uninterrupted run's weights bit for bit; a 2-rank
+(full, and LoRA's gathered adapter); one rank killed with kill -9 and the run resumed ends on the uninterrupted
+run's weights bit for bit; a 2-rank
 checkpoint resumes on 3 ranks, and theirs on 1 (DCP reshards); LoRA with gradient checkpointing and CPU offload
 trains its adapter only, and `grpo export` of its sharded checkpoint is its final/ merged; dynamic sampling (ranks
 sampling different rounds) with bf16 units and the fused head, and PPO's critic, run on two FSDP2 ranks."""
