@@ -34,7 +34,8 @@ OPTIONAL = {"vllm", "deepspeed", "bitsandbytes", "wandb", "IPython", "reasoning_
 # may not use (serving an HTTP endpoint, plots, symbolic answers, TensorBoard, hub datasets; `datasets` costs every
 # process ~3 s): loaded by the function that needs them.
 # tests/api/test_import_cost.py checks that `from grpo import GRPOConfig, GRPOTrainer` loads none of them.
-ON_FIRST_USE = {"fastapi", "starlette", "uvicorn", "matplotlib", "math_verify", "torch.utils.tensorboard", "datasets"}
+ON_FIRST_USE = {"fastapi", "starlette", "uvicorn", "matplotlib", "math_verify", "torch.utils.tensorboard", "datasets",
+                "torch.distributed.checkpoint"}  # DCP: FSDP2 checkpoints only (0.3 s)
 # ... and transformers in the rewards that `import grpo.config` loads (a reward's TRL ``trainer_state``, the reward
 # model's classes): the decoupled launcher imports only the config, and transformers costs it seconds before the
 # roles start (tests/test_cli_launchers.py checks that it loads none).

@@ -37,13 +37,11 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "neftune_noise_alpha": (None, "grpo adds no embedding noise"),
     "use_liger_kernel": (False, "grpo uses its own chunked log-prob kernels"),
     "auto_find_batch_size": (False, "TRL refuses it for GRPO too"),
-    "fsdp": (None, "grpo has no FSDP"),
     "optim_target_modules": (None, "grpo's optimizers apply to every trainable parameter"),
     "torch_compile_backend": (None, "grpo does not compile the model"),
     "torch_compile_mode": (None, "grpo does not compile the model"),
     "liger_kernel_config": (None, "grpo uses its own chunked log-prob kernels"),
     "parallelism_config": (None, "grpo runs data-parallel ranks only (torchrun)"),
-    "fsdp_config": (None, "grpo has no FSDP"),
     "tf32": (None, "grpo leaves torch's matmul precision as it is"),
     "vllm_importance_sampling_cap": (None, "TRL's deprecated name: use vllm_importance_sampling_clip_max"),
     "use_transformers_paged": (None, "TRL's deprecated name of use_transformers_continuous_batching"),
@@ -156,6 +154,8 @@ class GRPOConfig:
     multi_objective_aggregation: str = "sum_then_normalize"
     # -- launching
     deepspeed: str | dict | None = None  # a DeepSpeed JSON file or its contents: train.deepspeed
+    fsdp: bool | str | list | None = None  # TrainingArguments': True, "full_shard offload", a list: train.fsdp (FSDP2)
+    fsdp_config: dict | str | None = None  # its settings, a dict or JSON file: the fsdp section (api.fsdp_arguments)
     # -- logging, saving, evaluation
     logging_strategy: str = "steps"  # steps, epoch or no (transformers' IntervalStrategy)
     logging_steps: float = 10

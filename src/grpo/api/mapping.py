@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from grpo.algorithm.advantages import ADVANTAGE_SCALES
+from grpo.api.fsdp_arguments import fsdp_arguments, fsdp_keys
 from grpo.config import RunConfig, config_from_dict, config_to_dict
 from grpo.config.kinds import TRACKERS, VLLM_ENGINE
 from grpo.config.rules import updates_per_step
@@ -178,6 +179,15 @@ def _batch_keys(c: Counts, B: int, GA: int, G: int, spg: int | None, gbs: int | 
     return B, prompts, G, mini_batches
 
 
+FSDP_KEYS = ("train.fsdp", "fsdp.cpu_offload", "fsdp.reshard_after_forward", "fsdp.layer_classes",
+             "model.gradient_checkpointing")
+
+
+def _fsdp_values(fsdp, fsdp_config) -> tuple:
+    keys = fsdp_keys(fsdp, fsdp_config)
+    return tuple(keys.get(key, OMIT) for key in FSDP_KEYS)
+
+
 def _report_to(value: str | list[str]) -> list[str]:
     report_to = [value] if isinstance(value, str) else list(value)
     return [] if report_to in ([], ["none"]) else ["tensorboard"] if report_to == ["all"] else report_to
@@ -298,6 +308,9 @@ LINKS: tuple[Link, ...] = (
     same("per_device_eval_batch_size", "eval.loss_batch_size"),
     same("save_final_model", "train.save_final"),
     same("deepspeed", "train.deepspeed"),
+    # after gradient_checkpointing's link: fsdp_config's activation_checkpointing sets it too
+    Link(("fsdp", "fsdp_config"), FSDP_KEYS, lambda c, fsdp, config: _fsdp_values(fsdp, config),
+         lambda c, on, offload, reshard, classes, _checkpointing: fsdp_arguments(on, offload, reshard, classes)),
     Link(("logging_strategy", "logging_steps"), ("log.logging_strategy", "log.logging_steps"),
          lambda c, strategy, every: (strategy, _per_step(every, c.per_step, c.updates)),
          lambda c, strategy, every: {"logging_strategy": strategy, "logging_steps": every * c.per_step}),

@@ -24,6 +24,7 @@ from grpo.api.attributes import TrainerAttributes
 from grpo.api.callbacks import CallbackHooks
 from grpo.api.checkpoints import TRAINER_STATE_FILE, resumed_checkpoint
 from grpo.api.datasets import to_examples, verifiers_arguments
+from grpo.api.fsdp_arguments import refuse_shards, with_launcher_fsdp
 from grpo.api.mapping import batch_shape, grpo_steps, to_run_config
 from grpo.api.optimizers import given_optimizers
 from grpo.api.prompt_lengths import check_longest, context_length, explainer, prompt_limit
@@ -104,6 +105,7 @@ class GRPOTrainer(TrainerAttributes):
         if args.full_determinism:  # as Trainer's __init__ does (train() does again, as every grpo process)
             seed_process(args.seed, full_determinism=True)
         lora = self._lora(model, peft_config)
+        args = with_launcher_fsdp(args, os.environ)
         self.args, self.num_processes = args, int(os.environ.get("WORLD_SIZE", "1"))
         prompts_per_step, _, mini_batches = batch_shape(args, self.num_processes)
         per_step = max(args.num_iterations, 1) * mini_batches  # optimizer updates per generation (grpo step)
@@ -339,6 +341,7 @@ class GRPOTrainer(TrainerAttributes):
             else self.eval_sets
         if not sets:
             raise ValueError("evaluate() needs an eval_dataset (here or in the constructor)")
+        refuse_shards(unwrap_model(self.model), "evaluate()")
         inputs = tokenizer_and_data(self.config, self._given(self.train_set or [], dict(sets)))
         evaluate = build_evaluator(self.config, inputs, self.model, DistInfo(), ref_logprobs=self._reference())
         started = time.perf_counter()
@@ -364,6 +367,7 @@ class GRPOTrainer(TrainerAttributes):
 
     def save_model(self, output_dir: str | None = None) -> None:
         """The adapter (a PEFT model) or the full model, with the tokenizer, as TRL writes them."""
+        refuse_shards(unwrap_model(self.model), "save_model()")
         if int(os.environ.get("RANK", "0")) != 0:  # under torchrun one rank writes, as TRL's should_save
             return
         folder = Path(output_dir or self.args.output_dir or "trainer_output")

@@ -3,7 +3,8 @@
 The result loads with ``AutoModelForCausalLM.from_pretrained`` alone (no peft): a LoRA adapter is
 merged into its base (``merge_and_unload``) before saving. Weights are written as safetensors, with
 the tokenizer beside them. The folder is written under a temporary name and renamed at the end, so
-an interrupted export never leaves a half-written model under ``out_dir``.
+an interrupted export never leaves a half-written model under ``out_dir``. An FSDP2 checkpoint (each rank's
+shards) is read by ``grpo.commands.sharded_export``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from grpo.compat import save_pretrained
+from grpo.commands.sharded_export import load_sharded_model, shards_of
 from grpo.config import ConfigError
 from grpo.models.source import load_model_for_inference, resolve_model_source
 
@@ -38,15 +40,22 @@ def export_model(
         raise ConfigError(f"export: {out_dir} exists and is not a folder")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         raise ConfigError(f"export: {out_dir} is not empty; choose another folder or pass overwrite")
-    source = resolve_model_source(checkpoint, base_model=base_model)
+    shards = shards_of(Path(checkpoint).expanduser())
+    if shards is None:
+        source = resolve_model_source(checkpoint, base_model=base_model)
+        inputs = [source.model_dir] + ([Path(source.base_model)] if source.base_model and
+                                       Path(source.base_model).exists() else [])
+    else:
+        inputs = [Path(checkpoint).expanduser(), shards]
     # Replacing out_dir deletes it: never when it holds what is being exported.
-    inputs = [source.model_dir] + ([Path(source.base_model)] if source.base_model and Path(source.base_model).exists()
-                                   else [])
     for folder in inputs:
         if _is_inside(folder.resolve(), out_dir):
             raise ConfigError(f"export: {out_dir} contains the model being exported ({folder}); choose another folder")
 
-    model, tokenizer = load_model_for_inference(source, "cpu", dtype, merge=True)
+    if shards is None:
+        model, tokenizer = load_model_for_inference(source, "cpu", dtype, merge=True)
+    else:
+        model, tokenizer = load_sharded_model(Path(checkpoint).expanduser(), shards, dtype)
     lora_keys = [k for k in model.state_dict() if "lora_" in k]
     if lora_keys:  # merge_and_unload left adapter layers behind: the result would need peft to load
         raise RuntimeError(f"export: merged model still has LoRA weights, e.g. {lora_keys[0]}")

@@ -15,6 +15,7 @@ from grpo.config.schema import (
     DataConfig,
     DecoupledConfig,
     EvalConfig,
+    FsdpConfig,
     LogConfig,
     LossConfig,
     ModelConfig,
@@ -29,6 +30,6 @@ from grpo.config.schema import (
 __all__ = [
     "ConfigError", "ResolvedRun", "config_from_dict", "config_to_dict", "dump_config", "iter_config_keys", "load_config",
     "parse_override", "resolve_run", "run_config_text",
-    "AlgorithmConfig", "CriticConfig", "DataConfig", "DecoupledConfig", "EvalConfig", "LogConfig", "LossConfig", "ModelConfig",
+    "AlgorithmConfig", "CriticConfig", "DataConfig", "DecoupledConfig", "EvalConfig", "FsdpConfig", "LogConfig", "LossConfig", "ModelConfig",
     "OptimConfig", "PtxConfig", "RewardConfig", "RolloutConfig", "RunConfig", "TrainConfig",
 ]

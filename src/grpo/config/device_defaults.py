@@ -19,7 +19,8 @@ def resolve_engine_name(name: str, device_type: str, *, quantized: bool = False,
     ``generate``'s 8.05 s (LoRA: 1.64 vs 13.45 s); ``hf`` elsewhere, where it is the faster (it drops
     finished rows, which a fixed-shape graph cannot), and where hf-static cannot run: a 4-bit base (no
     sampling copy can merge LoRA into packed weights), a model with other than full-attention layers, or
-    weights sharded by ZeRO-3 (a sampling copy of a shard is not the model)."""
+    weights sharded by ZeRO-3 or FSDP2 (a sampling copy of a shard is not the model, and one of the whole model,
+    held for the run, would undo the sharding)."""
     if name != AUTO:
         return name
     return "hf-static" if device_type == "cuda" and not (quantized or sharded) and full_attention else "hf"

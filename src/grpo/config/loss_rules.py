@@ -93,5 +93,7 @@ def ref_sync_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
                                         "of every sync step; train colocated"),
         (bool(cfg.train.deepspeed), "train.deepspeed is set: under ZeRO-3 each rank holds a shard of the policy, "
                                     "and the sync reads whole parameters (not implemented)"),
+        (cfg.train.fsdp, "train.fsdp is set: each rank holds a shard of the policy and of the reference, and the "
+                         "sync reads whole parameters (not implemented)"),
     ]
     return [(sync, f"is set but {reason}") for refused, reason in why if refused][:1]

@@ -15,6 +15,7 @@ from grpo.algorithm.schedules import LR_SCHEDULES
 from grpo.config.decoupled_schema import DecoupledConfig  # noqa: F401  (the decoupled section, in its own module)
 from grpo.config.eval_schema import EvalConfig  # noqa: F401  (the eval section, in its own module)
 from grpo.config.fields import opt
+from grpo.config.fsdp_schema import FsdpConfig  # noqa: F401  (the fsdp section, in its own module)
 from grpo.config.loss_schema import LossConfig  # noqa: F401  (the loss section, in its own module)
 from grpo.config.rollout_schema import RolloutConfig  # noqa: F401  (the rollout section, in its own module)
 from grpo.config.train_schema import TrainConfig  # noqa: F401  (the train section, in its own module)
@@ -228,6 +229,7 @@ class RunConfig:
     ptx: PtxConfig = field(default_factory=PtxConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
     log: LogConfig = field(default_factory=LogConfig)
     decoupled: DecoupledConfig = field(default_factory=DecoupledConfig)
     rewards: list[RewardConfig] | None = field(default=None, metadata={

@@ -100,6 +100,10 @@ class TrainConfig:
         None, "DeepSpeed: a JSON config file (or the config as a mapping, as TRL's deepspeed= takes it) for the "
         "trainer ranks, colocated or decoupled (configs/ds_zero2.json, ds_zero3.json); its batch fields 'auto' or "
         "equal to the run's; null = torch (DDP on N ranks).")
+    fsdp: bool = opt(
+        False, "PyTorch FSDP2 for the trainer ranks, colocated or decoupled: parameters, gradients and optimizer "
+        "state sharded over the ranks (fully_shard per decoder layer, then the root; options in the fsdp section), "
+        "checkpoints written as each rank's shards (torch.distributed.checkpoint) that resume at any rank count.")
     max_staleness: int = opt(
         0, "Decoupled: how many policy versions (steps, not optimizer updates) a rollout may lag; 0 = on-policy at "
         "the step's first update (its later updates, num_iterations x mini_batches - 1 of them, are off-policy by "

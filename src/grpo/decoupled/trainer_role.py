@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
+from peft import PeftModel
 
 from grpo.config import RunConfig
 from grpo.decoupled.carry_over import ALL_GROUPS_TRAINED
@@ -37,13 +38,15 @@ from grpo.decoupled.weight_sync import BroadcastPublisher
 from grpo.decoupled.wire import batch_to_message, decode, encode, message_to_batch, pack_bytes, unpack_bytes
 from grpo.decoupled.work_plan import Chunk, WorkPlan, chunk_of
 from grpo.parallel.distributed import DistInfo, barrier, shutdown
-from grpo.parallel.learners import zero3_full_state_dict
+from grpo.parallel.fsdp import full_tensor_layout, full_tensors
+from grpo.parallel.learners import full_weights
 from grpo.run.progress import LineProgress
 from grpo.step.batching import concat_batches, rank_group_spans, rank_groups, select_groups
 from grpo.training.inputs import GivenInputs
 from grpo.training.loop import Collected, run_loop
 from grpo.training.prepare import OpenedRun, build_evaluator, make_loop, prepare, start_process
 from grpo.weight_store import WeightStore, state_dict_for_publish
+from grpo.weight_store.streamed import TensorStream
 from grpo.weight_store.broadcast import WeightBroadcast
 
 # how much longer than the members' join timeout rank 0 waits for the broadcast group before using files
@@ -79,21 +82,38 @@ def share_batch(batch, meta: dict | None, info: DistInfo, device: torch.device, 
 
 
 def publish_weights(store, trainable, version: int, keep: int, info: DistInfo, publisher=None) -> str:
-    """Write weights ``version`` (rank 0; gathered from every rank first under ZeRO-3); returns the path to
-    announce. With a ``BroadcastPublisher`` (rank 0, ``decoupled.weight_sync: broadcast``) full weights are
-    broadcast to the samplers first (``grpo.decoupled.weight_sync``)."""
-    gathered = zero3_full_state_dict(trainable.learner)  # a collective under ZeRO-3
+    """Write weights ``version`` (rank 0; gathered from every rank first under ZeRO-3 and FSDP2); returns the path
+    to announce. With a ``BroadcastPublisher`` (rank 0, ``decoupled.weight_sync: broadcast``) full weights are
+    broadcast to the samplers first (``grpo.decoupled.weight_sync``). FSDP2's full weights go to the file one
+    tensor at a time as they are gathered (``publish_streamed``)."""
+    if trainable.fsdp and publisher is None and not isinstance(trainable.policy, PeftModel):
+        return publish_streamed(store, trainable.policy, version, keep, info)
+    gathered = full_weights(trainable.learner)  # a collective under ZeRO-3 and FSDP2
     path = ""
     if info.is_main:
-        state, kind, adapter_config = state_dict_for_publish(trainable.policy)
-        if gathered is not None and kind == "full":
-            state = gathered  # ZeRO-3: the local parameters are empty shards
+        state, kind, adapter_config = state_dict_for_publish(trainable.policy, gathered)
         # Own copies: DeepSpeed keeps parameters as views of one flat buffer (shared storage).
         state = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
         if publisher is not None and kind == "full":
             path = publisher.publish(version, state)
         else:
             path = str(store.publish(version, state, kind=kind, adapter_config=adapter_config, keep=keep))
+    barrier(info)
+    return path
+
+
+def publish_streamed(store, policy: torch.nn.Module, version: int, keep: int, info: DistInfo) -> str:
+    """FSDP2, full weights: each tensor gathered (one all-gather each, every rank) and written by rank 0 into the
+    version's file before the next is gathered, so no rank holds the whole model at once. The other ranks run
+    the same all-gathers in the same order (as ``full_weights`` does, which rank 0 runs instead under a broadcast
+    publisher only it holds)."""
+    stream = TensorStream(full_tensor_layout(policy), full_tensors(policy))
+    path = ""
+    if info.is_main:
+        path = str(store.publish(version, stream, kind="full", keep=keep))
+    else:
+        for _ in stream.tensors:  # rank 0's collectives; nothing is kept here
+            pass
     barrier(info)
     return path
 

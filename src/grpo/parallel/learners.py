@@ -1,4 +1,5 @@
-"""How gradients become an update: plain torch (one process or DDP) or a DeepSpeed ZeRO engine.
+"""How gradients become an update: plain torch (one process or DDP), a DeepSpeed ZeRO engine, or FSDP2
+(``grpo.parallel.fsdp``'s ``FsdpLearner``).
 
 ``train_on_batch`` drives either through the same four calls, so the update loop is written once:
 ``accumulating(last)`` (a context for one micro-batch), ``backward(loss)``, ``finish_update()``
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from grpo.config import ConfigError
 from grpo.config.deepspeed_json import read_deepspeed_json
 from grpo.parallel.distributed import keep_until_exit, one_process_group
+from grpo.parallel.fsdp import FsdpLearner
 
 
 class Learner(Protocol):
@@ -170,6 +172,14 @@ def build_learner(model: torch.nn.Module, optimizer, scheduler, *, ddp: bool, de
     # keep_until_exit: tearing a DDP wrapper down can deadlock a rank (see there).
     module = keep_until_exit(torch.nn.parallel.DistributedDataParallel(model)) if ddp else model
     return TorchLearner(module, optimizer, scheduler, max_grad_norm)
+
+
+def full_weights(learner: Learner) -> dict[str, torch.Tensor] | None:
+    """The full weights when the learner's parameters are shards (ZeRO-3, FSDP2; a collective: every rank must call
+    it): on rank 0 a CPU copy, {} on the others; None when the module's own parameters are complete."""
+    if isinstance(learner, FsdpLearner):
+        return learner.full_state_dict()
+    return zero3_full_state_dict(learner)
 
 
 def zero3_full_state_dict(learner: Learner, bucket_numel: int = 1 << 25) -> dict[str, torch.Tensor] | None:

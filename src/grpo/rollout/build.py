@@ -19,6 +19,7 @@ from grpo.config import ConfigError, RunConfig
 from grpo.config.device_defaults import AUTO, resolve_engine_name
 from grpo.config.kinds import ENGINE_TRAITS, EngineTraits
 from grpo.models.architecture import full_attention_only
+from grpo.parallel.fsdp import is_sharded
 from grpo.rollout.engine import OwnWeightsEngine, RolloutEngine
 from grpo.rollout.hf import HFEngine
 from grpo.rollout.lean import LeanEngine
@@ -82,7 +83,8 @@ def policy_engine_name(cfg: RunConfig, policy: torch.nn.Module, name: str | None
     ``policy`` (its device, its layers)."""
     return resolve_engine_name(name or cfg.rollout.engine, next(policy.parameters()).device.type,
                                quantized=cfg.model.load_in_4bit, full_attention=full_attention_only(policy),
-                               sharded=any(hasattr(p, "ds_id") for p in policy.parameters()))  # ZeRO-3's mark
+                               # ZeRO-3's mark on a parameter, or FSDP2's record of the root
+                               sharded=is_sharded(policy) or any(hasattr(p, "ds_id") for p in policy.parameters()))
 
 
 def engine_kind(name: str) -> EngineKind:

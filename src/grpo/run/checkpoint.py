@@ -103,7 +103,7 @@ def checkpoint_layout(name: str, updates_per_step: int = 1) -> CheckpointLayout:
 def save_checkpoint(
     output_dir: str | os.PathLike,
     step: int,
-    model: torch.nn.Module,
+    model: torch.nn.Module | None,
     tokenizer: Any,
     optimizer: torch.optim.Optimizer | None,
     scheduler: Any,
@@ -118,7 +118,7 @@ def save_checkpoint(
 
     Args:
         model: a ``PreTrainedModel`` or ``PeftModel`` (only the adapter is saved), possibly wrapped
-            in ``DistributedDataParallel``.
+            in ``DistributedDataParallel``; None writes no weights (FSDP2: each rank wrote its shards beside).
         tokenizer: saved with ``save_pretrained``; ``None`` skips it.
         optimizer, scheduler: their ``state_dict()`` go to ``optimizer.pt``/``scheduler.pt``; ``None`` skips.
         trainer_state: JSON-compatible loop state (data position, metrics, consumed batch ids, ...);
@@ -139,7 +139,8 @@ def save_checkpoint(
         raise TypeError(f"trainer_state is not JSON-serialisable: {err}") from err
 
     def write(folder: Path) -> None:
-        _save_model(model, folder, state_dict)
+        if model is not None:
+            _save_model(model, folder, state_dict)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
         if optimizer is not None:
@@ -271,7 +272,7 @@ def latest_checkpoint(output_dir: str | os.PathLike, layout: CheckpointLayout = 
 
 def load_checkpoint(
     path: str | os.PathLike,
-    model: torch.nn.Module,
+    model: torch.nn.Module | None,
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Any = None,
     restore_rng: bool = True,
@@ -279,8 +280,8 @@ def load_checkpoint(
 ) -> dict:
     """Restore a checkpoint folder in place and return its trainer state (a dict with ``"step"``).
 
-    Loads the model weights (full model or LoRA adapter, matching what ``model`` is), then the
-    optimizer and scheduler state when given, then the RNG states. Raises ``CheckpointError``
+    Loads the model weights (full model or LoRA adapter, matching what ``model`` is; None: none), then
+    the optimizer and scheduler state when given, then the RNG states. Raises ``CheckpointError``
     naming the file when one is missing, torn, corrupt or does not match the model.
     """
     path = Path(path)
@@ -292,7 +293,8 @@ def load_checkpoint(
     except (ValueError, OSError) as err:
         raise CheckpointError(f"{state_file} cannot be read ({err}); the checkpoint is torn or corrupt") from err
 
-    load_weights(path, model)
+    if model is not None:
+        load_weights(path, model)
     if optimizer is not None:
         _load_state_dict_into(optimizer, path / OPTIMIZER_FILE)
     if scheduler is not None:

@@ -10,9 +10,11 @@ guard on that engine's log-probs.
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -58,6 +60,9 @@ class Sampling:
     info: DistInfo
     values_fn: Values | None = None  # PPO: the critic's values of the sampled states
     start_step: int = 0
+    # FSDP2: sampling and its log-prob passes run on the gathered policy (and reference): ranks stop at EOS and
+    # run dynamic sampling's rounds each by its own prompts, and without collectives nothing waits on that
+    gathered: Callable[[], AbstractContextManager] = nullcontext
 
     def __post_init__(self) -> None:
         self.base_engine = sampling_engine(self.engine)  # what samples, under any tools/hook wrapper
@@ -68,14 +73,15 @@ class Sampling:
     def collect(self, step: int, stop_requested=None) -> Collected:  # sampling here ends on its own
         started = time.perf_counter()
         s = self.settings
-        batch, rollout_stats = rank_experience(
-            self.engine, self.policy, self.ref_logprobs, self.tokenizer, self.train_set, self.prompt_sampler,
-            self.reward_fns, self.reward_weights, s.experience, step=step, rank=self.info.rank,
-            world_size=self.info.world_size, seed=s.seed, max_rounds=s.max_rounds, values_fn=self.values_fn)
-        checked = {}  # the off-policy guard: free with old log-probs, else on its schedule
-        if self.check_every and (batch.old_logprobs is not None
-                                 or is_check_step(step, self.check_every, self.start_step + 1)):
-            checked = self.offpolicy_check(batch, step)
+        with self.gathered():
+            batch, rollout_stats = rank_experience(
+                self.engine, self.policy, self.ref_logprobs, self.tokenizer, self.train_set, self.prompt_sampler,
+                self.reward_fns, self.reward_weights, s.experience, step=step, rank=self.info.rank,
+                world_size=self.info.world_size, seed=s.seed, max_rounds=s.max_rounds, values_fn=self.values_fn)
+            checked = {}  # the off-policy guard: free with old log-probs, else on its schedule
+            if self.check_every and (batch.old_logprobs is not None
+                                     or is_check_step(step, self.check_every, self.start_step + 1)):
+                checked = self.offpolicy_check(batch, step)
         rollout_s = time.perf_counter() - started
         if self.sleeps:
             self.base_engine.sleep()  # its GPU memory goes to the update
@@ -120,7 +126,7 @@ def sampling(cfg: RunConfig, prepared: Prepared, engine) -> Sampling:
                  if p.critic else None)
     return Sampling(sampling_settings(cfg, experience), engine, p.policy, p.ref_logprobs, inputs.tokenizer,
                     inputs.train_set, p.prompt_sampler, inputs.reward_fns, inputs.reward_weights, p.info, values_fn,
-                    p.run.start_step)
+                    p.run.start_step, p.gathered)
 
 
 def train(cfg: RunConfig, given: GivenInputs | None = None) -> TrainResult:

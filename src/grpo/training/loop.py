@@ -17,7 +17,7 @@ from typing import Callable, Protocol
 
 from grpo.critic import CriticSettings, train_critic
 from grpo.parallel.distributed import DistInfo, all_gather_json, barrier, print0
-from grpo.parallel.learners import zero3_full_state_dict
+from grpo.parallel.learners import full_weights
 from grpo.parallel.trainable import Trainable
 from grpo.run.best import BestMetric
 from grpo.run.checkpoint import BEST_DIR, GRPO_LAYOUT, CheckpointLayout, load_weights, save_best, save_final
@@ -152,6 +152,8 @@ class Loop:
     layout: CheckpointLayout = GRPO_LAYOUT  # where checkpoints go (train.checkpoint_layout)
     reference: object | None = None  # a moving reference (loss.ref_sync_steps), saved in every checkpoint
     entropy: EntropyControl | None = None  # the adaptive entropy coefficient (the update's), saved in every checkpoint
+    # FSDP2: the sharded models gathered while a block runs passes that differ per rank (an evaluation's)
+    gathered: Callable[[], AbstractContextManager] = nullcontext
 
 
 @dataclass
@@ -188,7 +190,7 @@ def run_loop(loop: Loop, source: StepSource, start_step: int, eval_before: dict 
     loop.logger.close()
     _load_final_weights(loop)
     if loop.schedule.save_final:
-        final_weights = zero3_full_state_dict(loop.trainable.learner)  # a collective under ZeRO-3
+        final_weights = full_weights(loop.trainable.learner)  # a collective under ZeRO-3 and FSDP2
         if loop.info.is_main:
             save_final(loop.out, loop.trainable.policy, loop.tokenizer, state_dict=final_weights)
     if loop.schedule.plots and loop.info.is_main:
@@ -216,12 +218,13 @@ def _evaluate(loop: Loop, step: int) -> tuple[dict | None, dict[str, float]]:
     the hooks, and ``time/eval_s``). With ``train.best_metric``, ``best/`` gets these weights when they are the
     best yet (on every rank alike: the metrics are gathered, and the ZeRO-3 weights are a collective)."""
     started = time.perf_counter()
-    results = loop.evaluate(step)
+    with loop.gathered():
+        results = loop.evaluate(step)
     metrics = eval_metrics(results)
     seconds = time.perf_counter() - started
     loop.hooks.evaluated(step, {**metrics, "time/eval_s": seconds})
     if loop.best is not None and metrics and loop.best.update(step, metrics):
-        weights = zero3_full_state_dict(loop.trainable.learner)
+        weights = full_weights(loop.trainable.learner)
         if loop.info.is_main:
             save_best(loop.out, loop.trainable.policy, loop.tokenizer, step, loop.best.metric, loop.best.value,
                       state_dict=weights)

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import secrets
 import socket
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import torch
 from transformers.trainer_utils import enable_full_determinism
@@ -27,7 +29,8 @@ from grpo.models.moe import router_loss
 from grpo.models.wrappers import unwrap_model
 from grpo.multiturn.wiring import with_turns
 from grpo.parallel.distributed import DistInfo, all_gather_json, barrier, init_distributed, print0
-from grpo.parallel.trainable import Trainable, build_trainable
+from grpo.parallel.fsdp import gathering
+from grpo.parallel.trainable import Trainable, build_trainable, shard_for_run
 from grpo.rollout.build import evaluation_engine
 from grpo.run.best import BestMetric
 from grpo.run.checkpoint import CheckpointLayout, checkpoint_layout
@@ -188,6 +191,9 @@ class Prepared:
     ref_logprobs: RefLogprobs | None = None  # colocated with loss.beta > 0: the frozen initial weights'
     critic: Critic | None = None  # PPO (algorithm.advantage_estimator gae), colocated only
     moving_reference: torch.nn.Module | None = None  # loss.ref_sync_steps: the reference TR-DPO moves
+    # FSDP2: the policy and reference gathered while a block runs passes that differ per rank (sampling,
+    # evaluation: grpo.parallel.fsdp.gathered); a context that does nothing otherwise
+    gathered: Callable[[], AbstractContextManager] = nullcontext
 
 
 def prepare(cfg: RunConfig, given: GivenInputs, info: DistInfo, device: torch.device, *,
@@ -218,18 +224,22 @@ def prepare(cfg: RunConfig, given: GivenInputs, info: DistInfo, device: torch.de
     check_memory_savers(cfg.model, cfg.optim.optimizer, device)
     deepspeed = bool(cfg.train.deepspeed)
     policy = policy_for(cfg, given, device, deepspeed)
-    compute = compute_context(cfg.model, device, deepspeed)  # bf16 autocast over fp32 master weights
+    # bf16 autocast over fp32 master weights; DeepSpeed and FSDP2 (bf16 units gathered from fp32 shards) cast
+    # themselves
+    compute = compute_context(cfg.model, device, deepspeed or cfg.train.fsdp)
     local_ref = samples and cfg.loss.beta > 0
     reference = load_reference(cfg.model, policy, tokenizer, device) if local_ref else None  # before any update
     processing = logprob_processing(cfg, policy, tokenizer)  # every log-prob pass follows the sampling controls
     ref_logprobs = (local_reference(policy, reference, cfg.rollout.temperature, cfg.train.micro_batch_size,
                                     processing, logprob_pass(cfg)) if local_ref else None)
     trainable = build_trainable(cfg, policy, info, given.optimizer, given.scheduler)
+    if trainable.fsdp and reference is not None:
+        shard_for_run(cfg, reference)  # as the policy, no optimizer: 1/N of it on each rank between samplings
     critic = build_critic(cfg, info, device) if needs_critic(cfg) else None
     moving = reference if cfg.loss.ref_sync_steps else None  # a full copy: the rules refuse LoRA and teachers
     run = open_run(cfg, trainable, info, critic, moving)
     return Prepared(info, device, inputs, ptx_data, policy, compute, processing, trainable, run, schedule,
-                    prompt_sampler, ref_logprobs, critic, moving)
+                    prompt_sampler, ref_logprobs, critic, moving, partial(gathering, policy, reference))
 
 
 def build_evaluator(cfg: RunConfig, inputs: RunInputs, policy: torch.nn.Module, info: DistInfo,
@@ -279,4 +289,4 @@ def make_loop(cfg: RunConfig, prepared: Prepared, progress: AbstractContextManag
     return Loop(p.schedule, update, p.trainable, p.inputs.tokenizer, run.out, info, run.logger, progress,
                 p.compute, cfg.rollout.num_generations, cfg.data.tag_style, cfg.train.save_total_limit,
                 evaluate=evaluate, best=best, critic=p.critic, hooks=p.inputs.hooks, score=p.inputs.task.score,
-                layout=run.layout, reference=p.moving_reference, entropy=entropy)
+                layout=run.layout, reference=p.moving_reference, entropy=entropy, gathered=p.gathered)

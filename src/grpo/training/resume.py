@@ -1,5 +1,5 @@
-"""A run's checkpoints on every rank's behalf: save (DeepSpeed engine states, the HF-format checkpoint,
-PPO's critic), load, and resume from the newest checkpoint that loads."""
+"""A run's checkpoints on every rank's behalf: save (DeepSpeed engine states or FSDP2's shards, the HF-format
+checkpoint, PPO's critic), load, and resume from the newest checkpoint that loads."""
 
 from __future__ import annotations
 
@@ -22,24 +22,50 @@ from grpo.run.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from grpo.run.sharded_checkpoint import (
+    SHARDED_PREFIX,
+    ShardedCheckpointError,
+    clear_leftover,
+    load_sharded,
+    save_sharded,
+)
 from grpo.step.ref_sync import load_saved_reference, save_reference
 
 if TYPE_CHECKING:
     from grpo.parallel.trainable import Trainable
 
 
+DEEPSPEED_PREFIX = "deepspeed-step-"
+
+
 def _deepspeed_dir(out: Path, step: int, layout: CheckpointLayout) -> Path:
-    return layout.root(out) / f"deepspeed-step-{step}"
+    return layout.root(out) / f"{DEEPSPEED_PREFIX}{step}"
+
+
+def _sharded_dir(out: Path, step: int, layout: CheckpointLayout) -> Path:
+    return layout.root(out) / f"{SHARDED_PREFIX}{step}"
+
+
+def _save_shards(out: Path, step: int, trainable: Trainable, info: DistInfo, layout: CheckpointLayout) -> str:
+    """FSDP2: every rank writes its shards to ``fsdp-step-N/`` (a folder a killed save left is removed first);
+    returns the folder's name."""
+    folder = _sharded_dir(out, step, layout)
+    if info.is_main:
+        clear_leftover(folder)
+    barrier(info)
+    save_sharded(folder, trainable.policy, trainable.optimizer)
+    return folder.name
 
 
 def save_run_checkpoint(out: Path, step: int, trainable: Trainable, tokenizer, state: dict,
                         save_total_limit: int | None, info: DistInfo, critic=None,
                         layout: CheckpointLayout = GRPO_LAYOUT, reference: torch.nn.Module | None = None) -> Path:
     """A checkpoint of ``step`` on every rank's behalf. Under DeepSpeed every rank first writes its
-    engine state (partitioned optimizer) to ``deepspeed-step-N/``; rank 0 then writes the HF-format
-    checkpoint, whose appearance (atomic rename) marks the whole checkpoint complete. PPO's ``critic``
-    (a ``grpo.critic.Critic``) goes into its ``critic/`` folder, a moving ``reference`` (``loss.ref_sync_steps``)
-    into ``reference/``; ``layout`` names the folder. Returns it."""
+    engine state (partitioned optimizer) to ``deepspeed-step-N/``, under FSDP2 its shards of the weights and
+    optimizer to ``fsdp-step-N/`` (``grpo.run.sharded_checkpoint``); rank 0 then writes the checkpoint folder
+    (HF-format weights, except under FSDP2), whose appearance (atomic rename) marks the whole checkpoint complete.
+    PPO's ``critic`` (a ``grpo.critic.Critic``) goes into its ``critic/`` folder, a moving ``reference``
+    (``loss.ref_sync_steps``) into ``reference/``; ``layout`` names the folder. Returns it."""
     def write_extra(folder: Path) -> None:
         if critic is not None:
             save_critic(folder / CRITIC_DIR, critic)
@@ -49,39 +75,66 @@ def save_run_checkpoint(out: Path, step: int, trainable: Trainable, tokenizer, s
     if trainable.deepspeed:
         trainable.learner.engine.save_checkpoint(str(_deepspeed_dir(out, step, layout)))
         state = {**state, "deepspeed_dir": _deepspeed_dir(out, step, layout).name}
+    if trainable.fsdp:
+        state = {**state, "fsdp_dir": _save_shards(out, step, trainable, info, layout)}
     gathered = zero3_full_state_dict(trainable.learner)  # a collective under ZeRO-3
     if info.is_main:
-        save_checkpoint(out, step, trainable.policy, tokenizer, trainable.optimizer, trainable.scheduler, state,
+        model, optimizer = (None, None) if trainable.fsdp else (trainable.policy, trainable.optimizer)
+        save_checkpoint(out, step, model, tokenizer, optimizer, trainable.scheduler, state,
                         save_total_limit, state_dict=gathered, write_extra=write_extra, layout=layout)
-        if trainable.deepspeed:
-            _prune_deepspeed_dirs(out, save_total_limit, layout)
+        if trainable.deepspeed or trainable.fsdp:
+            prefix = DEEPSPEED_PREFIX if trainable.deepspeed else SHARDED_PREFIX
+            _prune_state_dirs(out, save_total_limit, layout, prefix)
     barrier(info)
     return layout.folder(out, step)
 
 
-def _prune_deepspeed_dirs(out: Path, keep: int | None, layout: CheckpointLayout) -> None:
-    # Engine states whose HF checkpoint was pruned are unreachable: drop them too.
+def _prune_state_dirs(out: Path, keep: int | None, layout: CheckpointLayout, prefix: str) -> None:
+    # Engine states and shards whose checkpoint folder was pruned are unreachable: drop them too.
     live = {str(layout.step_of(p.name)) for p in layout.root(out).glob(f"{layout.prefix}*")}
-    for engine_dir in layout.root(out).glob("deepspeed-step-*"):
-        if keep is not None and engine_dir.name.removeprefix("deepspeed-step-") not in live:
-            shutil.rmtree(engine_dir, ignore_errors=True)
+    for state_dir in layout.root(out).glob(f"{prefix}*"):
+        if keep is not None and state_dir.name.removeprefix(prefix) not in live:
+            shutil.rmtree(state_dir, ignore_errors=True)
 
 
 def load_run_checkpoint(checkpoint: Path, trainable: Trainable, critic=None,
                         layout: CheckpointLayout = GRPO_LAYOUT, reference: torch.nn.Module | None = None) -> dict:
     """Restore weights, optimizer, schedule and RNG from ``checkpoint`` (and PPO's ``critic`` from its
     ``critic/`` folder, a moving ``reference`` from ``reference/`` where it has one); returns its trainer state.
-    Under DeepSpeed the engine restores weights and its partitioned optimizer itself."""
+    Under DeepSpeed the engine restores weights and its partitioned optimizer itself; under FSDP2 every rank reads
+    its shards (at any rank count)."""
     if critic is not None:  # first: a checkpoint without a critic must fail before the policy is overwritten
         load_critic(checkpoint / CRITIC_DIR, critic)
     if reference is not None:  # none saved: the reference never moved, and is the initial weights it holds
         load_saved_reference(checkpoint, reference)
+    if trainable.fsdp:
+        state = load_checkpoint(checkpoint, None, None, trainable.scheduler, state_file=layout.state_file)
+        if not isinstance(state.get("fsdp_dir"), str):
+            raise CheckpointError(f"{checkpoint} was written without train.fsdp and this run is with it; resume it "
+                                  "as it was written")
+        try:
+            load_sharded(checkpoint.parent / state["fsdp_dir"], trainable.policy, trainable.optimizer)
+        except ShardedCheckpointError as err:
+            raise CheckpointError(str(err)) from err
+        return state
+    if _names_shards(checkpoint, layout):
+        raise CheckpointError(f"{checkpoint} was written with train.fsdp (its weights are each rank's shards) and "
+                              "this run is without it; resume it with train.fsdp: true (any rank count), or write "
+                              "its weights as a plain model with grpo export")
     if trainable.deepspeed:
         state = json.loads((checkpoint / layout.state_file).read_text())
         trainable.learner.engine.load_checkpoint(str(checkpoint.parent / state["deepspeed_dir"]))
         return state
     return load_checkpoint(checkpoint, trainable.policy, trainable.optimizer, trainable.scheduler,
                            state_file=layout.state_file)
+
+
+def _names_shards(checkpoint: Path, layout: CheckpointLayout) -> bool:
+    """Whether a checkpoint's loop state names FSDP2 shards (False when it cannot be read: loading says why)."""
+    try:
+        return "fsdp_dir" in json.loads((checkpoint / layout.state_file).read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def resume_checkpoint(out: Path, trainable: Trainable, info: DistInfo, critic=None,

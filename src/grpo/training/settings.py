@@ -123,8 +123,9 @@ def loss_settings(cfg: RunConfig, processing: LogprobProcessing | None, device_t
         sampler_is_cap=cfg.loss.sampler_is_cap, sampler_is_min=cfg.loss.sampler_is_min, processing=processing,
         ptx_coef=cfg.ptx.coef if cfg.ptx.data else 0.0, logprob_pass=logprob_pass(cfg),
         uneven_ranks=ranks_share_unevenly(cfg),
-        # ZeRO-2/3 reduce in every backward: ranks with uneven shares run as many micro-batches as the most
-        equal_micro_batches=ranks_share_unevenly(cfg) and bool(cfg.train.deepspeed),
+        # ZeRO-2/3 reduce in every backward: ranks with uneven shares run as many micro-batches as the most. FSDP2
+        # gathers in every forward: its ranks always do (token budgets and dynamic sampling vary the count too).
+        equal_micro_batches=ranks_share_unevenly(cfg) and bool(cfg.train.deepspeed) or cfg.train.fsdp,
         objective=objective_keywords(cfg), top_entropy_quantile=cfg.loss.top_entropy_quantile,
         off_policy_mask_threshold=cfg.loss.off_policy_mask_threshold, entropy_coef=cfg.loss.entropy_coef,
         adaptive_entropy=cfg.loss.adaptive_entropy, router=router)

@@ -21,8 +21,11 @@ def _is_peft(model: torch.nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
-def state_dict_for_publish(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], Kind, dict[str, Any] | None]:
-    """``(state_dict, kind, adapter_config)`` to pass to ``WeightStore.publish``.
+def state_dict_for_publish(model: torch.nn.Module, full: dict[str, torch.Tensor] | None = None,
+                           ) -> tuple[dict[str, torch.Tensor], Kind, dict[str, Any] | None]:
+    """``(state_dict, kind, adapter_config)`` to pass to ``WeightStore.publish``; ``full``: the model's full
+    tensors gathered from its shards (ZeRO-3, FSDP2: ``grpo.parallel.learners.full_weights``), read in place of
+    its own, which are shards.
 
     A DDP wrapper is unwrapped. A peft model gives its adapter tensors (``get_peft_model_state_dict``)
     and its active LoRA config as a JSON-compatible dict; any other model gives its full state dict
@@ -32,9 +35,11 @@ def state_dict_for_publish(model: torch.nn.Module) -> tuple[dict[str, torch.Tens
     """
     model = _unwrap(model)
     if _is_peft(model):
-        state = get_peft_model_state_dict(model)
+        state = get_peft_model_state_dict(model, state_dict=full)
         adapter_config: dict[str, Any] | None = _json_safe(model.peft_config[model.active_adapter].to_dict())
         kind: Kind = "lora"
+    elif full is not None:  # gathered with each tied weight once
+        state, adapter_config, kind = full, None, "full"
     else:
         state = model.state_dict()
         seen: set[tuple] = set()

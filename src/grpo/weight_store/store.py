@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ from grpo.weight_store.layout import (
     _check_version,
 )
 from grpo.weight_store.leases import held_versions, read_lease
+from grpo.weight_store.streamed import TensorStream, write_stream
 
 
 class WeightStore:
@@ -83,7 +85,7 @@ class WeightStore:
     def publish(
         self,
         version: int,
-        state_dict: dict[str, torch.Tensor],
+        state_dict: dict[str, torch.Tensor] | TensorStream,
         *,
         kind: Kind,
         adapter_config: dict[str, Any] | None = None,
@@ -93,7 +95,8 @@ class WeightStore:
 
         Args:
             state_dict: name -> tensor (any device); written as contiguous CPU tensors. Tensors must
-                not share memory (``state_dict_for_publish`` drops tied duplicates).
+                not share memory (``state_dict_for_publish`` drops tied duplicates). Or a ``TensorStream``:
+                tensors written one at a time as they come (gathered from shards one at a time).
             kind: "full" or "lora" (then ``state_dict`` holds only the adapter tensors).
             adapter_config: the LoRA config as a JSON-compatible dict; required for "lora", refused for "full".
             keep: how many versions to keep, the new one included (>= 1). Older versions a reader holds
@@ -110,8 +113,13 @@ class WeightStore:
             raise ValueError("kind='lora' needs adapter_config (the LoRA config as a dict)")
         if kind == "full" and adapter_config is not None:
             raise ValueError("adapter_config is only for kind='lora'")
-        # Everything that can fail on bad input fails before the disk is touched.
-        tensors = _tensors_for_saving(state_dict)
+        # Everything that can fail on bad input fails before the disk is touched (a stream: its layout).
+        if isinstance(state_dict, TensorStream):
+            if not state_dict.layout:
+                raise ValueError("the tensor stream's layout is empty")
+            write_model = partial(write_stream, stream=state_dict)
+        else:
+            write_model = partial(_save_file, _tensors_for_saving(state_dict))
         config_json = None if adapter_config is None else json.dumps(_json_safe(adapter_config), indent=2)
 
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -121,7 +129,7 @@ class WeightStore:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            safetensors.torch.save_file(tensors, tmp / MODEL_FILE, metadata={"format": "pt"})
+            write_model(tmp / MODEL_FILE)
             if config_json is not None:
                 (tmp / ADAPTER_CONFIG_FILE).write_text(config_json, encoding="utf-8")
             files = {}
@@ -335,6 +343,10 @@ class WeightStore:
                     or isinstance(entry.get("bytes"), bool) or not isinstance(entry.get("bytes"), int)):
                 raise WeightStoreError(f"{path}: entry for {name!r} needs sha256 (str) and bytes (int)")
         return manifest
+
+
+def _save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
 
 
 def _tensors_for_saving(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

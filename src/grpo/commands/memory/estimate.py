@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from grpo.commands.memory.critic import critic_memory
 from grpo.commands.memory.formulas import LORA_BYTES, sampling_copy_bytes
+from grpo.commands.memory.fsdp_states import fsdp_model_states
 from grpo.commands.memory.phases import (
     GIB,
     RunSizing,
@@ -105,9 +106,15 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
     run, source = run_sizing(cfg, gpus=gpus, model_config=model_config, mixed_precision=mixed_precision,
                              device=device)
     shape, p = run.shape, run.p
-    states = model_states(shape, p=4 if run.autocast else p, lora_r=cfg.model.lora_r, targets=run.targets,
-                          mixed_precision=run.mixed_precision, gpus=run.gpus, deepspeed=run.ds,
-                          base_4bit=cfg.model.load_in_4bit, optimizer_8bit=cfg.optim.optimizer == "adamw_8bit")
+    if run.fsdp:
+        states = fsdp_model_states(shape, p=p, lora_r=cfg.model.lora_r, targets=run.targets, gpus=run.gpus,
+                                   cpu_offload=cfg.fsdp.cpu_offload, device=device,
+                                   reshard_after_forward=cfg.fsdp.reshard_after_forward,
+                                   accumulate_unsharded=cfg.fsdp.accumulate_unsharded)
+    else:
+        states = model_states(shape, p=4 if run.autocast else p, lora_r=cfg.model.lora_r, targets=run.targets,
+                              mixed_precision=run.mixed_precision, gpus=run.gpus, deepspeed=run.ds,
+                              base_4bit=cfg.model.load_in_4bit, optimizer_8bit=cfg.optim.optimizer == "adamw_8bit")
     update = update_pass(run, states.trained_params)
     notes, how = [f"model shape from {source}", *update.notes], {**states.how, **update.how}
     if run.autocast:
@@ -117,7 +124,7 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
                                                   ref_model_config=ref_model_config)
     sampler_reference = reference
     engine = resolve_engine_name(cfg.rollout.engine, device, quantized=cfg.model.load_in_4bit,
-                                 sharded=bool(run.ds and run.ds.stage == 3))
+                                 sharded=bool(run.ds and run.ds.stage == 3) or run.fsdp)
     sampling_copy = sampling_copy_bytes(shape, engine=engine, device=device, p=p)
     if sampling_copy and not run.decoupled:
         states = replace(states, weights=states.weights + sampling_copy)
@@ -127,9 +134,14 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
     how["critic"] = critic.how if critic else "none (no critic: algorithm.advantage_estimator is not gae)"
     if run.decoupled:
         reference, how["reference"] = 0, "on the samplers / reference server (decoupled mode)"
+    reference_gather = 0
+    if run.fsdp and reference:  # sharded as the policy; gathered while sampling
+        reference, reference_gather = reference / run.gpus, reference - reference / run.gpus
+        how["reference"] += f" / {run.gpus} (FSDP2 shards; gathered while sampling)"
     vllm = vllm_hold(run, vllm_gpu_memory_utilization, gpu_gb)
     how["kv_cache"] = vllm.how
-    phases, phase_notes = step_phases(run, states, update, reference=reference, critic=critic, vllm=vllm)
+    phases, phase_notes = step_phases(run, states, update, reference=reference, critic=critic, vllm=vllm,
+                                      reference_gather=reference_gather)
     notes += vllm.notes + phase_notes
     peak_phase = max(phases, key=phases.get)
     tensors = phases[peak_phase]
@@ -206,7 +218,8 @@ def assumptions(run: RunSizing, states: ModelStates, update: UpdatePass, allowan
         "dtype": "bf16" if run.p == 2 else "fp32",
         "mode": f"LoRA r={cfg.model.lora_r} {list(run.targets)}" if lora else "full",
         "mixed_precision_adamw": run.mixed_precision, "autocast_weight_copies_gb": gb(update.weight_copies),
-        "zero_stage": run.ds.stage if run.ds else 0, "gpus": run.gpus, "micro_batch_size": update.rows,
+        "zero_stage": run.ds.stage if run.ds else 0, "fsdp": run.fsdp, "gpus": run.gpus,
+        "micro_batch_size": update.rows,
         "prompt_tokens": cfg.data.max_prompt_length, "completion_tokens": cfg.rollout.max_completion_length,
         "attention": update.attention, "gradient_checkpointing": cfg.model.gradient_checkpointing,
         "device": run.device, "allowance": asdict(allowance) if run.device == "cuda" else None,

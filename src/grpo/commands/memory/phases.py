@@ -44,7 +44,8 @@ class RunSizing:
     full fine-tuning); autocast: grpo's torch path trains bf16 full fine-tuning on fp32 master weights under
     bf16 autocast: the weights, gradients and AdamW states are fp32 (16 B/param), the activations mostly bf16
     (a forced mixed_precision estimates the seeds' DeepSpeed-style bf16 weights + fp32 master copy instead);
-    mixed_precision: AdamW with fp32 master weights and m, v; device: "cuda" or "cpu".
+    mixed_precision: AdamW with fp32 master weights and m, v; device: "cuda" or "cpu"; fsdp: ``train.fsdp`` (the
+    policy and reference sharded over ``gpus``: ``grpo.commands.memory.fsdp_states``).
     """
 
     cfg: RunConfig
@@ -56,6 +57,7 @@ class RunSizing:
     autocast: bool
     mixed_precision: bool
     device: str
+    fsdp: bool = False
 
     @property
     def lora(self) -> bool:
@@ -92,11 +94,12 @@ def run_sizing(cfg: RunConfig, *, gpus: int | None, model_config: dict | None, m
     p = 2 if cfg.model.bf16 else 4
     lora = cfg.model.lora_r > 0
     autocast = (mixed_precision is None and cfg.model.bf16 and not lora and ds is None
-                and not cfg.model.load_in_4bit)
+                and not cfg.model.load_in_4bit and not cfg.train.fsdp)  # FSDP2 gathers bf16 units instead
     if mixed_precision is None:
         mixed_precision = ds is not None and p != 4
     targets = lora_targets(cfg.model.lora_target_modules, shape) if lora else None
-    return RunSizing(cfg, shape, gpus, ds, p, targets, autocast, mixed_precision, device), source
+    return RunSizing(cfg, shape, gpus, ds, p, targets, autocast, mixed_precision, device,
+                     cfg.train.fsdp), source
 
 
 @dataclass
@@ -204,9 +207,12 @@ def vllm_hold(run: RunSizing, utilization: float | None, gpu_gb: float | None) -
 
 
 def step_phases(run: RunSizing, states: ModelStates, update: UpdatePass, *, reference: int,
-                critic: CriticMemory | None, vllm: VllmHold) -> tuple[dict[str, float], list[str]]:
+                critic: CriticMemory | None, vllm: VllmHold,
+                reference_gather: float = 0) -> tuple[dict[str, float], list[str]]:
     """({phase: its tensors' bytes}, notes): the phases of a step, whose transients never overlap, so the
-    peak is the largest."""
+    peak is the largest. FSDP2: the units gathered in the update (``states.gathered``, ``unsharded_grads``) are
+    freed for the optimizer step; sampling gathers every unit instead (``sampling_gather``, and the rest of the
+    reference: ``reference_gather``)."""
     cfg, notes = run.cfg, []
     persistent = states.weights + states.optimizer + reference + vllm.during_update + (critic.states if critic else 0)
     phases = {"update": persistent + states.gradients + update.activations + update.logits}
@@ -217,13 +223,14 @@ def step_phases(run: RunSizing, states: ModelStates, update: UpdatePass, *, refe
                                         autocast=run.autocast, device=run.device)
         phases["ptx_update"] = persistent + states.gradients + ptx
         notes.append(f"{ptx_how}: {gb(ptx):.2f} GB in its own phase, after the policy's micro-batches")
-    phases["optimizer_step"] = persistent + states.gradients + optimizer_step_temporaries(run, states)
+    phases["optimizer_step"] = (persistent - states.gathered + states.gradients - states.unsharded_grads
+                                + optimizer_step_temporaries(run, states))
     if not run.decoupled:
         kept_gradients = states.gradients if run.ds else 0  # torch frees gradients after each update
         awake = vllm.reservation if vllm.sleeps else 0  # a sleeping vLLM wakes up to sample
         rows = run.generation_rows
-        phases["rollout"] = (persistent + kept_gradients + awake
-                             + rollout_transient_bytes(run.shape, cfg, rows=rows, p=run.p))
+        phases["rollout"] = (persistent - states.gathered + states.sampling_gather + reference_gather + kept_gradients
+                             + awake + rollout_transient_bytes(run.shape, cfg, rows=rows, p=run.p))
         if not engine_traits(cfg.rollout.engine).own_weights:
             kv = kv_cache_bytes(run.shape, sequences=rows, seq_len=run.seq_len, p=run.p)
             notes.append(f"HF generation KV cache: {rows} x {run.seq_len} tokens = {kv / GIB:.2f} GB while "
@@ -241,7 +248,7 @@ def optimizer_step_temporaries(run: RunSizing, states: ModelStates) -> int:
         return 0
     largest_tensor = (shape.largest_tensor_params() if not run.lora
                       else cfg.model.lora_r * shape.longest_linear_side(run.targets))
-    return largest_tensor * states.state_bytes
+    return largest_tensor * states.state_bytes // (run.gpus if run.fsdp else 1)  # FSDP2: a shard's
 
 
 def reference_bytes(cfg: RunConfig, *, n_params: int, p: int, ref_model_config: dict | None) -> tuple[int, str]:

@@ -43,6 +43,11 @@ class ModelStates:
     state_bytes: int  # bytes of one AdamW moment per trained parameter
     trained_params: int
     how: dict[str, str]
+    # FSDP2 (grpo.commands.memory.fsdp_states): what of weights / gradients the update holds beyond the optimizer
+    # step (gathered units, unsharded gradients), and what sampling gathers instead (every unit)
+    gathered: float = 0.0
+    unsharded_grads: float = 0.0
+    sampling_gather: float = 0.0
 
 
 def model_states(shape: ModelShape, *, p: int, lora_r: int, targets: tuple[str, ...] | None, mixed_precision: bool,
