@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo
-from grpo.step.policy_update import LossSettings
+from grpo.step.update_inputs import LossSettings
 from grpo.rollout.generation import Generation
 from grpo.step.records import RolloutBatch
 

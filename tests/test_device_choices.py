@@ -30,7 +30,8 @@ from grpo.step.logprobs import (
     completion_logprobs,
     pass_choices,
 )
-from grpo.step.policy_update import LossSettings, train_on_batch
+from grpo.step.policy_update import train_on_batch
+from grpo.step.update_inputs import LossSettings
 from grpo.rollout.generation import Generation
 from grpo.step.records import RolloutBatch
 from grpo.parallel.distributed import DistInfo

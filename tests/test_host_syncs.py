@@ -16,7 +16,8 @@ from step_helpers import CountSyncs, grpo_caller, random_batch
 
 from grpo.data.sft_tokens import TokenizedPair
 from grpo.models.tiny import build_qwen2
-from grpo.step.policy_update import LossSettings, train_on_batch
+from grpo.step.policy_update import train_on_batch
+from grpo.step.update_inputs import LossSettings
 from grpo.step.ptx import collate
 from grpo.parallel.distributed import DistInfo
 from grpo.parallel.learners import TorchLearner

@@ -16,7 +16,8 @@ from grpo.config import ConfigError
 from grpo.models.moe import RouterLoss, router_logits_off, router_loss
 from grpo.parallel.distributed import DistInfo
 from grpo.step.logprobs import completion_logprobs
-from grpo.step.policy_update import prepare_batch, train_on_batch
+from grpo.step.policy_update import train_on_batch
+from grpo.step.update_inputs import prepare_batch
 
 # The families whose transformers modules define load_balancing_loss_func (Switch-style routers)
 WITH_AUX = [module for module in ("mixtral", "qwen3_moe", "gpt_oss", "ernie4_5_moe", "qwen2_moe", "olmoe")

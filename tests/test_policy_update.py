@@ -9,7 +9,8 @@ from step_helpers import RecordingLearner, random_batch, settings_with
 
 from grpo.models.tiny import build_qwen2
 from grpo.step.micro_batches import rows_by_length
-from grpo.step.policy_update import LossSettings, train_on_batch
+from grpo.step.policy_update import train_on_batch
+from grpo.step.update_inputs import LossSettings
 from grpo.parallel.distributed import DistInfo
 
 

@@ -17,7 +17,8 @@ from grpo.algorithm import SAMPLER_CORRECTIONS, policy_loss, sampler_importance_
 from grpo.config import ConfigError, load_config
 from grpo.models.tiny import build_qwen2
 from grpo.step.experience import generation_logprobs
-from grpo.step.policy_update import LossSettings, train_on_batch
+from grpo.step.policy_update import train_on_batch
+from grpo.step.update_inputs import LossSettings
 from grpo.parallel.distributed import DistInfo
 
 TOL = 1e-9
@@ -113,7 +114,7 @@ def settings(**extra) -> LossSettings:
 
 def capture_policy_loss(monkeypatch) -> list[dict]:
     """Records the old log-probs and sampler weights train_on_batch hands policy_loss, per micro-batch."""
-    import grpo.step.policy_update as optimization
+    import grpo.step.micro_batch_loss as optimization
 
     real, calls = optimization.policy_loss, []
 

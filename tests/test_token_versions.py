@@ -26,7 +26,8 @@ from grpo.models.tiny import build_qwen2
 from grpo.parallel.distributed import DistInfo
 from grpo.step.batching import concat_batches, select_groups
 from grpo.step.experience import generation_logprobs
-from grpo.step.policy_update import LossSettings, train_on_batch
+from grpo.step.policy_update import train_on_batch
+from grpo.step.update_inputs import LossSettings
 
 META = {"batch_id": "step-1/rank-0", "sampler_id": "s0", "policy_version": 3}
 

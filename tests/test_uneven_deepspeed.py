@@ -18,7 +18,9 @@ from transport_helpers import free_port
 
 from grpo.parallel.distributed import DistInfo
 from grpo.step.batching import rank_group_spans, select_groups
-from grpo.step.policy_update import StepStats, policy_backward, prepare_batch
+from grpo.step.policy_update import policy_backward
+from grpo.step.update_inputs import prepare_batch
+from grpo.step.update_stats import StepStats
 
 TIMEOUT_S = 300  # a bound against a hang only
 STAGES = (2, 3)

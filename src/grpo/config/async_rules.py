@@ -63,7 +63,7 @@ def partial_rollout_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
     vLLM's are its processed log-probs, the trainer's only without top-k/top-p: ``truncated_without_correction``),
     steps of whole but varying numbers of groups (no dynamic sampling, which fills a fixed count; several trainer
     ranks split a step as evenly as whole groups allow, under DeepSpeed each running as many micro-batches as the
-    most: grpo.step.policy_update.LossSettings.equal_micro_batches), a budget that leaves something to carry, and a staleness bound a carried
+    most: grpo.step.update_inputs.LossSettings.equal_micro_batches), a budget that leaves something to carry, and a staleness bound a carried
     token can meet (at 0 every carried token is too old for the next step)."""
     d, r = cfg.decoupled, cfg.rollout
     if not d.partial_rollouts:

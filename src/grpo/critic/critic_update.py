@@ -121,7 +121,7 @@ def critic_backward(learner: Learner, batch: RolloutBatch, s: CriticSettings, su
     starts = list(range(0, N, s.micro_batch_size))
     P = len(batch.prompts)
     order = (rows_by_length(gen.completion_mask, N // P) if len(starts) > 1 and P and N % P == 0
-             else torch.arange(N))  # [N]: the policy update's order (grpo.step.policy_update.prepare_batch)
+             else torch.arange(N))  # [N]: the policy update's order (grpo.step.update_inputs.prepare_batch)
     for index, start in enumerate(starts):
         rows = order[start:start + s.micro_batch_size]
         on_device = rows.to(device)

@@ -251,7 +251,7 @@ class Receiving:
     def rank_part(self, batch) -> tuple[object, float]:
         """This rank's groups of the step's ``batch`` and its rows over the mean rows per rank. With partial
         rollouts a step's group count varies: ranks get as even a split as whole groups allow (the update
-        scales each rank's loss to its share: ``grpo.step.policy_update.LossSettings.uneven_ranks``)."""
+        scales each rank's loss to its share: ``grpo.step.update_inputs.LossSettings.uneven_ranks``)."""
         rank, world = self.info.rank, self.info.world_size
         if not self.settings.partial_rollouts:
             return rank_groups(batch, rank, world), 1.0

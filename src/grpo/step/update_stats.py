@@ -11,8 +11,9 @@ import torch
 from grpo.algorithm import mismatch_sums
 from grpo.step.records import StepUpdate, UpdateStats
 
-if TYPE_CHECKING:  # annotations only: grpo.step.policy_update imports this module
-    from grpo.step.policy_update import LossInputs, MicroBatchLoss
+if TYPE_CHECKING:  # annotations only (a record of each: no logic of theirs is called)
+    from grpo.step.micro_batch_loss import MicroBatchLoss
+    from grpo.step.update_inputs import LossInputs
 
 # Token means within a micro-batch, weighted by its share of the update's loss tokens into the update's.
 TOKEN_MEANS = ("kl", "clip_fraction", "ratio_mean")

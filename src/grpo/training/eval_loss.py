@@ -23,7 +23,9 @@ from grpo.parallel.distributed import DistInfo
 from grpo.step.dynamic_sampling import zero_spread_groups
 from grpo.step.experience import ExperienceSettings, RefLogprobs, finish_experience, sample_and_score
 from grpo.step.metrics import reduce_updates
-from grpo.step.policy_update import LossSettings, StepStats, micro_batch_loss, prepare_batch
+from grpo.step.micro_batch_loss import micro_batch_loss
+from grpo.step.update_inputs import LossSettings, prepare_batch
+from grpo.step.update_stats import StepStats
 from grpo.step.records import RolloutBatch
 
 ROWS = "rows"  # a batch's completions: the loss's weight in the mean over batches

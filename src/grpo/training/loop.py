@@ -25,7 +25,8 @@ from grpo.run.plots import plot_run
 from grpo.run.tracking import MetricsLogger
 from grpo.step.metrics import sample_records, step_metrics, update_metrics
 from grpo.step.entropy_control import EntropyControl
-from grpo.step.policy_update import LossSettings, train_on_batch
+from grpo.step.policy_update import train_on_batch
+from grpo.step.update_inputs import LossSettings
 from grpo.step.records import RolloutBatch, StepUpdate
 from grpo.training.evaluator import eval_metrics
 from grpo.training.guards import DeferredInterrupt, RankAgreedStop, SkipGuard, sigterm_as_interrupt

@@ -20,7 +20,7 @@ from grpo.models.wrappers import eos_token_ids
 from grpo.rollout import SamplingParams
 from grpo.step.experience import ExperienceSettings, GaeSettings
 from grpo.step.logprobs import LogprobPass
-from grpo.step.policy_update import LossSettings
+from grpo.step.update_inputs import LossSettings
 from grpo.tasks import Task, run_system_prompt
 from grpo.training.eval_loss import EvalLossSettings
 from grpo.training.evaluator import eval_sources, primary_metric
