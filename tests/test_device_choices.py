@@ -25,11 +25,8 @@ from grpo.step.experience import (
     generation_logprobs,
 )
 from grpo.config.device_defaults import PASS_DEFAULTS, PassDefaults
-from grpo.step.logprobs import (
-    LogprobPass,
-    completion_logprobs,
-    pass_choices,
-)
+from grpo.step.logprob_pass import LogprobPass, pass_choices
+from grpo.step.logprobs import completion_logprobs
 from grpo.step.policy_update import train_on_batch
 from grpo.step.update_inputs import LossSettings
 from grpo.rollout.generation import Generation

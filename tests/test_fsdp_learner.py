@@ -16,7 +16,7 @@ from transport_helpers import free_port
 from grpo.config import ConfigError, ModelConfig
 from grpo.parallel.fsdp import FsdpSettings, layer_modules
 from grpo.step.batching import rank_group_spans, select_groups
-from grpo.step.logprobs import LogprobPass
+from grpo.step.logprob_pass import LogprobPass
 
 TIMEOUT_S = 600  # a bound against a hang only
 CLIP = 1e-3  # max_grad_norm, below every case's gradient norm

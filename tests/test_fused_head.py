@@ -13,7 +13,8 @@ from grpo.algorithm import token_logprobs
 from grpo.algorithm.head import head_logprobs
 from grpo.models.tiny import build_qwen2
 from grpo.config.device_defaults import pass_defaults
-from grpo.step.logprobs import completion_logprobs, uses_fused_head
+from grpo.step.logprob_pass import uses_fused_head
+from grpo.step.logprobs import completion_logprobs
 
 from test_logprobs import grouped_rows
 

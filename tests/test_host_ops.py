@@ -18,7 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo.step.logprobs
 from grpo.models.tiny import build_qwen2
-from grpo.step.logprobs import LogprobPass, position_ids_from_mask
+from grpo.step.logprob_pass import LogprobPass
+from grpo.step.logprobs import position_ids_from_mask
 from grpo.step.policy_update import train_on_batch
 from grpo.step.update_inputs import LossSettings
 from grpo.parallel.distributed import DistInfo

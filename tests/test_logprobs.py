@@ -10,13 +10,7 @@ import torch
 
 from grpo.models.tiny import build_qwen2
 from grpo.step.checkpointing import checkpointed_layers
-from grpo.step.logprobs import (
-    _shared_prompt_logits,
-    can_share_prompt_cache,
-    checkpointing_paused,
-    completion_logprobs,
-    shared_prompt_index,
-)
+from grpo.step.logprobs import _shared_prompt_logits, can_share_prompt_cache, checkpointing_paused, completion_logprobs, shared_prompt_index
 
 
 def grouped_rows(vocab: int, prompt_lengths: list[int], G: int, Lc: int = 9, seed: int = 0):

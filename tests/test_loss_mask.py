@@ -21,7 +21,8 @@ from grpo.algorithm.ppo import actions_first, ppo_advantages
 from grpo.critic.critic_update import CriticSettings, train_critic
 from grpo.critic.value_model import ValueModel, completion_values
 from grpo.models.tiny import build_qwen2
-from grpo.step.logprobs import LogprobPass, completion_logprobs
+from grpo.step.logprob_pass import LogprobPass
+from grpo.step.logprobs import completion_logprobs
 from grpo.step.policy_update import train_on_batch
 from grpo.rollout.generation import Generation
 from grpo.step.records import RolloutBatch

@@ -250,7 +250,7 @@ def test_the_server_runs_its_passes_as_the_run_configures_them(tiny_model_dir, m
     from transformers import AutoModelForCausalLM
 
     import grpo.decoupled.ref_server.app
-    from grpo.step.logprobs import LogprobPass
+    from grpo.step.logprob_pass import LogprobPass
 
     passes = []
     real = grpo.decoupled.ref_server.app.completion_logprobs

@@ -16,7 +16,7 @@ import grpo.step.policy_update as policy_update
 from grpo.models.tiny import build_qwen2
 from grpo.multiturn.driver import MultiTurnRollout
 from grpo.rollout.engine import SamplingParams
-from grpo.step.logprobs import LogprobPass
+from grpo.step.logprob_pass import LogprobPass
 from grpo.parallel.distributed import DistInfo
 
 

@@ -26,7 +26,8 @@ from grpo.rewards.context import RewardContext, make_trainer_state
 from grpo.rollout import RolloutEngine, SamplingParams
 from grpo.rollout.generation import Generation
 from grpo.step.dynamic_sampling import sample_until_full
-from grpo.step.logprobs import DEVICE_DEFAULT_PASS, LogprobPass, completion_logprobs
+from grpo.step.logprob_pass import DEVICE_DEFAULT_PASS, LogprobPass
+from grpo.step.logprobs import completion_logprobs
 from grpo.step.records import RolloutBatch
 
 

@@ -22,7 +22,8 @@ from torch.nn.utils.rnn import pad_sequence
 from grpo.algorithm import sft_loss
 from grpo.data.prompt_sampler import PromptSampler
 from grpo.data.sft_tokens import TokenizedPair
-from grpo.step.logprobs import DEVICE_DEFAULT_PASS, LogprobPass, _to_device, completion_logprobs
+from grpo.step.logprob_pass import DEVICE_DEFAULT_PASS, LogprobPass
+from grpo.step.logprobs import _to_device, completion_logprobs
 from grpo.step.records import SftBatch
 
 # Added to train.seed for the PTX order: with the same file as data.train and the same seed, the PTX pairs

@@ -13,7 +13,7 @@ from grpo.models.moe import RouterLoss
 from grpo.parallel.distributed import DistInfo, all_reduce_max, all_reduce_sum
 from grpo.rollout.generation import Generation
 from grpo.step.batching import mini_batches
-from grpo.step.logprobs import DEVICE_DEFAULT_PASS, LogprobPass
+from grpo.step.logprob_pass import DEVICE_DEFAULT_PASS, LogprobPass
 from grpo.step.micro_batches import rows_by_length, token_budget_micro_batches
 from grpo.step.records import RolloutBatch
 

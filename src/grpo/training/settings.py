@@ -19,7 +19,7 @@ from grpo.models.moe import RouterLoss
 from grpo.models.wrappers import eos_token_ids
 from grpo.rollout import SamplingParams
 from grpo.step.experience import ExperienceSettings, GaeSettings
-from grpo.step.logprobs import LogprobPass
+from grpo.step.logprob_pass import LogprobPass
 from grpo.step.update_inputs import LossSettings
 from grpo.tasks import Task, run_system_prompt
 from grpo.training.eval_loss import EvalLossSettings

@@ -32,7 +32,8 @@ from grpo.decoupled.ref_server.protocol import (
 )
 from grpo.decoupled.listen import hidden_loopback
 from grpo.models.loading import DTYPES, resolve_device
-from grpo.step.logprobs import DEVICE_DEFAULT_PASS, LogprobPass, completion_logprobs
+from grpo.step.logprob_pass import DEVICE_DEFAULT_PASS, LogprobPass
+from grpo.step.logprobs import completion_logprobs
 
 logger = logging.getLogger("grpo.decoupled.ref_server")  # the package's name: its modules log as one
 
