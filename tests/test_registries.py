@@ -18,7 +18,7 @@ from grpo.algorithm import (
     SAMPLER_CORRECTIONS,
 )
 from grpo.algorithm.schedules import LR_SCHEDULES
-from grpo.api import mapping
+from grpo.api import mapping, trl_fields
 from grpo.api.arguments import GRPOConfig
 from grpo.config import RunConfig, iter_config_keys, load_config
 from grpo.config.device_defaults import AUTO, resolve_engine_name
@@ -124,7 +124,7 @@ def test_the_python_api_accepts_exactly_the_registered_names():
         assert scale == (None if name == "group" else name)
     with pytest.raises(ValueError, match="scale_rewards='std': one of " + ", ".join(ADVANTAGE_SCALES)):
         GRPOConfig(scale_rewards="std", use_cpu=True, max_steps=1).to_run_config()
-    assert set(mapping.SCHEDULES.values()) == set(LR_SCHEDULES)  # TRL's schedules onto ours, each of ours reached
+    assert set(trl_fields.SCHEDULES.values()) == set(LR_SCHEDULES)  # TRL's schedules onto ours, each of ours reached
     # TRL's use_vllm is the engine with its own weights and a context fixed when built, both ways
     assert [n for n, t in ENGINE_TRAITS.items() if t.own_weights or t.fixed_context] == [VLLM_ENGINE]
     cfg = GRPOConfig(use_vllm=True, use_cpu=True, max_steps=1).to_run_config()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from grpo import GRPOConfig
-from grpo.api.arguments import ACCEPTED_AS_IS, UNSUPPORTED
+from grpo.api.trl_fields import ACCEPTED_AS_IS, UNSUPPORTED
 from grpo.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,10 +1,10 @@
 """``GRPOConfig``: TRL 1.16's ``GRPOConfig`` argument names, defaults and meanings, for grpo.
 
-Every field a GRPO script passes to TRL is here with TRL's default (``grpo.api.mapping`` turns them into the
-config tree ``grpo train`` reads). A TRL field grpo does not implement is here too, so that setting it is a
-``ValueError`` naming it and saying why, never a value accepted and ignored; a name TRL does not have is a
-``TypeError``. Fields that cannot change what a run computes (dataloader workers, hub names while
-``push_to_hub`` is off, logging cosmetics) are accepted as they are.
+Every field a GRPO script passes to TRL is here with TRL's default; where each goes is the one table of
+``grpo.api.trl_fields`` (``grpo.api.mapping`` reads it both ways). A TRL field grpo does not implement is refused
+by that table's ``UNSUPPORTED`` (a ``ValueError`` naming it and saying why, never a value accepted and ignored); a
+name TRL does not have is a ``TypeError``. Fields that cannot change what a run computes (dataloader workers, hub
+names while ``push_to_hub`` is off, logging cosmetics) are accepted as they are (``ACCEPTED_AS_IS``).
 """
 
 from __future__ import annotations
@@ -16,64 +16,15 @@ from typing import Any
 
 from grpo.algorithm import LOSS_TYPES
 from grpo.api.mapping import to_run_config, trl_values, untranslated_keys
+from grpo.api.trl_fields import ACCEPTED_AS_IS, UNSUPPORTED
 from grpo.config import load_config, run_config_text
-
-# Fields grpo does not implement: (TRL's default, why). Setting one to anything else is a ValueError.
-UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "cast_lm_head_to_fp32": (False, "grpo computes log-probs in fp32 from the model's own head"),
-    "vllm_mode": ("colocate", (
-        "a vLLM sampler on devices of its own is grpo's decoupled mode, which its launcher starts as processes that "
-        "import the data and rewards by name, not from a script's objects; the same setup: write the recipe "
-        "(args.to_yaml('run.yaml'), with data.train a data source and the rewards as module:function names in "
-        "grpo_overrides) and run `grpo train run.yaml train.mode=decoupled rollout.engine=vllm "
-        "decoupled.sampler_device=cuda:1` (the trainer on cuda:0, vLLM on cuda:1, as trl vllm-serve on its own GPU); "
-        "or keep vllm_mode='colocate'")),
-    "vllm_structured_outputs_regex": (None, "grpo has no constrained decoding"),
-    "vllm_tensor_parallel_size": (1, "grpo's vLLM engine runs on one device"),
-    "log_completions_hub_repo": (None, "grpo writes samples to samples.jsonl, never to the Hub"),
-    "fp16": (False, "grpo trains in fp32 or bf16 (bf16=True)"),
-    "torch_compile": (False, "grpo does not compile the model"),
-    "push_to_hub": (False, "grpo never uploads; save_model() and push the folder yourself"),
-    "neftune_noise_alpha": (None, "grpo adds no embedding noise"),
-    "use_liger_kernel": (False, "grpo uses its own chunked log-prob kernels"),
-    "auto_find_batch_size": (False, "TRL refuses it for GRPO too"),
-    "optim_target_modules": (None, "grpo's optimizers apply to every trainable parameter"),
-    "torch_compile_backend": (None, "grpo does not compile the model"),
-    "torch_compile_mode": (None, "grpo does not compile the model"),
-    "liger_kernel_config": (None, "grpo uses its own chunked log-prob kernels"),
-    "parallelism_config": (None, "grpo runs data-parallel ranks only (torchrun)"),
-    "tf32": (None, "grpo leaves torch's matmul precision as it is"),
-    "vllm_importance_sampling_cap": (None, "TRL's deprecated name: use vllm_importance_sampling_clip_max"),
-    "use_transformers_paged": (None, "TRL's deprecated name of use_transformers_continuous_batching"),
-}
-ACCEPTED_AS_IS = (  # cannot change what a run computes
-    "ds3_gather_for_generation", "pad_to_multiple_of", "cache_implementation", "vllm_model_impl",
-    "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
-    "vllm_max_model_length", "log_multimodal", "num_completions_to_print",
-    "log_unique_prompts", "use_transformers_continuous_batching", "transformers_continuous_batching_config",
-    "gradient_checkpointing_kwargs", "data_seed", "dataloader_drop_last",
-    "dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers", "dataloader_prefetch_factor",
-    "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "run_name", "project", "logging_dir",
-    "logging_nan_inf_filter", "include_num_input_tokens_seen", "save_only_model", "torch_empty_cache_steps",
-    "ddp_find_unused_parameters", "ddp_timeout", "log_level", "overwrite_output_dir", "log_on_each_node",
-    "log_level_replica", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id", "eval_delay",
-    "prediction_loss_only", "eval_do_concat_batches", "eval_use_gather_object", "eval_accumulation_steps",
-    "include_for_metrics", "batch_eval_metrics", "save_on_each_node", "hub_always_push", "hub_revision",
-    "ignore_data_skip", "restore_callback_states_from_checkpoint",
-    "dataloader_multiprocessing_context", "dataloader_in_order", "label_names", "length_column_name",
-    "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_static_graph", "ddp_backend", "skip_memory_metrics",
-    "do_train", "do_eval", "do_predict", "local_rank", "debug", "average_tokens_across_devices", "use_cache",
-    "bf16_full_eval", "fp16_full_eval", "label_smoothing_factor", "train_sampling_strategy", "accelerator_config",
-    "resume_from_checkpoint", "enable_jit_checkpoint", "activation_checkpointing_kwargs",
-)
-
 
 @dataclass
 class GRPOConfig:
     """TRL 1.16's ``GRPOConfig`` (see the module docstring); grpo's own options at the end."""
 
     output_dir: str | None = None  # None: "trainer_output" (TRL's)
-    # -- the batch (TRL's arithmetic, one generation per grpo step: grpo.api.mapping.generation_shape)
+    # -- the batch (TRL's arithmetic, one generation per grpo step: grpo.api.trl_batch.generation_shape)
     per_device_train_batch_size: int = 8
     gradient_accumulation_steps: int = 1
     num_generations: int = 8
@@ -153,6 +104,9 @@ class GRPOConfig:
     router_aux_loss_coef: float | None = None  # None: the MoE model config's own (loss.router_aux_loss_coef)
     multi_objective_aggregation: str = "sum_then_normalize"
     # -- launching
+    cast_lm_head_to_fp32: bool = False
+    neftune_noise_alpha: float | None = None
+    vllm_importance_sampling_cap: float | None = None  # TRL's deprecated name of vllm_importance_sampling_clip_max
     deepspeed: str | dict | None = None  # a DeepSpeed JSON file or its contents: train.deepspeed
     fsdp: bool | str | list | None = None  # TrainingArguments': True, "full_shard offload", a list: train.fsdp (FSDP2)
     fsdp_config: dict | str | None = None  # its settings, a dict or JSON file: the fsdp section (api.fsdp_arguments)

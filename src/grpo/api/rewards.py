@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
 from transformers import AutoTokenizer
 
-from grpo.rewards import RewardFunction
+from grpo.config.resolve import task_provenance
+from grpo.rewards import RewardFunction, reward_gold
 from grpo.rewards.context import CONTEXT_KEYS
 from grpo.rewards.registry import check_call_signature
 from grpo.rewards.reward_model import make_model_reward, model_reward_from
@@ -84,3 +86,19 @@ def _model_reward(model: Any, tokenizer: Any, name: str):
     device = next(model.parameters()).device
     # A copy: scoring pads on the right, and the caller's tokenizer (often the policy's) must not change.
     return model_reward_from(model, copy.deepcopy(tokenizer), device=str(device), name=name)
+
+
+def say_task_rewards(config, columns: list[str] | None) -> None:
+    """The rewards a run without ``reward_funcs`` trains with (its config's: its task's unless ``grpo_overrides``
+    named them), said once by the first rank; a ValueError when a dataset (``columns``: its column names; None: no
+    dataset object, or not known) lacks the ``answer`` column a gold-reading reward needs: it would fail on every
+    sample."""
+    rewards = config.rewards or []
+    reading = [r.name for r in rewards if reward_gold(r.name) is not None and "answer" not in r.columns]
+    if columns is not None and reading and "answer" not in columns:
+        raise ValueError(f"reward_funcs is None, so the run's rewards are its task's ({', '.join(reading)}), which "
+                         f"read the gold answer from the column 'answer'; train_dataset has {sorted(columns)}: "
+                         "pass reward_funcs (TRL's way) or add an answer column")
+    if int(os.environ.get("RANK", "0")) == 0:
+        listed = ", ".join(f"{r.name} {r.weight:g}" for r in rewards) or "none (the environment's)"
+        print(f"grpo: reward_funcs is None: training with {listed} ({task_provenance(config)[0]})")

@@ -25,15 +25,14 @@ from grpo.api.callbacks import CallbackHooks
 from grpo.api.checkpoints import TRAINER_STATE_FILE, resumed_checkpoint
 from grpo.api.datasets import to_examples, verifiers_arguments
 from grpo.api.fsdp_arguments import refuse_shards, with_launcher_fsdp
-from grpo.api.mapping import batch_shape, grpo_steps, to_run_config
+from grpo.api.mapping import to_run_config
+from grpo.api.trl_batch import batch_shape, grpo_steps
 from grpo.api.optimizers import given_optimizers
 from grpo.api.prompt_lengths import check_longest, context_length, explainer, prompt_limit
-from grpo.api.rewards import build_reward_functions, reward_name
+from grpo.api.rewards import build_reward_functions, reward_name, say_task_rewards
 from grpo.compat import save_pretrained
 from grpo.config import run_config_text
-from grpo.config.resolve import task_provenance
 from grpo.config.rules import updates_per_step
-from grpo.rewards import reward_gold
 from grpo.config.kinds import ENGINE_TRAITS, VLLM_ENGINE
 from grpo.data import DataError, PromptTooLong
 from grpo.data.prompts import with_template_variables
@@ -157,7 +156,7 @@ class GRPOTrainer(TrainerAttributes):
                                     rollout=self._turn_keys())
         if config_rewards:
             self.reward_fns, self.reward_weights = build_rewards(self.config)
-            self._say_task_rewards(columns)
+            say_task_rewards(self.config, columns if self.train_set else None)
         sets = {"train_dataset": self.train_set or [], **self.eval_sets}
         check_longest(self._rendering, sets, self._tool_schemas(), self.config.data.max_prompt_length,
                       self._explain)
@@ -220,19 +219,6 @@ class GRPOTrainer(TrainerAttributes):
         if self.environments is not None:
             tools += [m for pool in self.environments.pool.values() for m in environment_methods(pool[0])]
         return [tool_schema(fn) for fn in tools]
-
-    def _say_task_rewards(self, columns: list[str] | None) -> None:
-        """The rewards a run without ``reward_funcs`` trains with, said once; a ValueError when the dataset lacks
-        the ``answer`` column a gold-reading one needs (it would fail on every sample)."""
-        rewards = self.config.rewards or []
-        reading = [r.name for r in rewards if reward_gold(r.name) is not None and "answer" not in r.columns]
-        if self.train_set and columns is not None and reading and "answer" not in columns:
-            raise ValueError(f"reward_funcs is None, so the run's rewards are its task's ({', '.join(reading)}), which "
-                             f"read the gold answer from the column 'answer'; train_dataset has {sorted(columns)}: "
-                             "pass reward_funcs (TRL's way) or add an answer column")
-        if int(os.environ.get("RANK", "0")) == 0:
-            listed = ", ".join(f"{r.name} {r.weight:g}" for r in rewards) or "none (the environment's)"
-            print(f"grpo: reward_funcs is None: training with {listed} ({task_provenance(self.config)[0]})")
 
     def _environment_owns_reward(self) -> bool:
         return self.environments is not None and bool(self.environments.reward_types)

@@ -48,7 +48,7 @@ ENGINE_TRAITS: dict[str, EngineTraits] = {
 # has a sampling copy depends on the device (resolve the name first: ``device_defaults.resolve_engine_name``).
 AUTO_ENGINE_TRAITS = EngineTraits()
 
-VLLM_ENGINE = "vllm"  # the engine TRL's use_vllm=True asks for (grpo.api.mapping)
+VLLM_ENGINE = "vllm"  # the engine TRL's use_vllm=True asks for (grpo.api.trl_fields)
 
 # log.report_to's trackers (grpo.run.tracking starts them).
 TRACKERS = ("tensorboard", "wandb")

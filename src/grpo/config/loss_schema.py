@@ -1,5 +1,5 @@
 """The ``loss`` section of the config tree (``grpo.config.schema``): the policy loss, its clip, KL, masks and
-entropy bonus (TRL 1.16's loss fields, by their grpo names: ``grpo.api.mapping``)."""
+entropy bonus (TRL 1.16's loss fields, by their grpo names: ``grpo.api.trl_fields``)."""
 
 from __future__ import annotations
 

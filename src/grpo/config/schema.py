@@ -49,6 +49,15 @@ class ModelConfig:
         None, "dtype of the reference model (float32, bfloat16, float16); null = as the policy.",
         choices=(None, "float32", "bfloat16", "float16"))
     trust_remote_code: bool = opt(False, "Allow model code from the checkpoint folder.")
+    lm_head_fp32: bool = opt(
+        False, "The LM head in float32, weights and matmul, outside autocast (TRL's cast_lm_head_to_fp32; ScaleRL and "
+        "MiniMax-M1: bf16 logits make the trainer's and the sampler's log-probs drift apart): the policy's, the "
+        "reference's and the hf / hf-static samplers'. Not for a head LoRA adapts (model.lora_target_modules); a "
+        "vLLM sampler keeps its own head (the sampler correction sees the gap).")
+    neftune_noise_alpha: float | None = opt(
+        None, "NEFTune (transformers' neftune_noise_alpha): uniform noise of scale alpha / sqrt(L x H) on the input "
+        "embeddings in the policy's training-mode passes (its log-prob and update passes, not the samplers' "
+        "generation nor the reference); null = off.", gt=0)
     disable_dropout: bool = opt(
         False, "Set the rate of every torch.nn.Dropout of the policy (LoRA's included) and of the reference to 0, as "
         "TRL's disable_dropout: a training pass then gives the same log-probs for the same tokens as the sampling "

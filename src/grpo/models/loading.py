@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from grpo.config import ConfigError, ModelConfig
 from grpo.config.rules import sdpa_backend_names
+from grpo.models.embeddings import add_neftune, head_in_fp32, keep_head_fp32
 from grpo.models.architecture import check_lora_targets
 from grpo.models.moe import router_logits_off
 from grpo.models.wrappers import unwrap_model
@@ -190,6 +191,10 @@ def prepare_policy(model: torch.nn.Module, cfg: ModelConfig, device: torch.devic
         model = get_peft_model(model, lora)
     if cfg.disable_dropout:  # after LoRA: its dropout modules too, as TRL's (peft wraps before it disables)
         disable_dropout(model)
+    if cfg.lm_head_fp32:  # after LoRA: an adapter on the head is refused
+        head_in_fp32(model)
+    if cfg.neftune_noise_alpha:
+        add_neftune(model, cfg.neftune_noise_alpha)
     model.train()
     return model
 
@@ -213,11 +218,14 @@ def load_reference(cfg: ModelConfig, policy: torch.nn.Module, tokenizer, device:
         if cfg.lora_r > 0:
             return None  # same weights with the adapter off: no second copy in memory
         reference = copy.deepcopy(policy).to(dtype)
+        keep_head_fp32(reference)  # a float32 head stays float32 in the copy
     else:
         reference = _load_causal_lm(cfg.ref_name_or_path, dtype, cfg, "model.ref_name_or_path").to(device)
         check_same_vocabulary(cfg, tokenizer, reference)
         if cfg.disable_dropout:  # a copy of the policy has its rates already
             disable_dropout(reference)
+        if cfg.lm_head_fp32:
+            head_in_fp32(reference)
         router_logits_off(reference)
     reference.eval()
     reference.requires_grad_(False)

@@ -20,6 +20,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 from torch import Tensor
 
+from grpo.models.embeddings import keep_head_fp32
 from grpo.models.wrappers import unwrap_model
 
 
@@ -60,6 +61,7 @@ class SamplingCopy:
         model.requires_grad_(False)
         model.eval()
         self.model = model.to(dtype)
+        keep_head_fp32(self.model)  # model.lm_head_fp32: the policy's head is float32, so the sampler's is
         # (destination parameter, source weight, LoRA layer or None), matched by module name once.
         self._pairs: list[tuple[Tensor, Tensor, torch.nn.Module | None]] = []
         copy_params = dict(self.model.named_parameters())
