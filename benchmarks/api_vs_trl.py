@@ -44,6 +44,7 @@ class Case:
     name: str
     script: Path
     steps: int
+    args: tuple[str, ...] = ()  # the script's own options (a recipe)
 
 
 CASES = [  # the short ones first: the JSON is written after each case
@@ -51,6 +52,9 @@ CASES = [  # the short ones first: the JSON is written after each case
     Case("text-prompts", REPO / "benchmarks" / "scripts" / "text_prompts.py", 3),
     Case("tools-lora", REPO / "benchmarks" / "scripts" / "tools_lora.py", 4),  # num_iterations=2: 2 generations
     Case("gsm8k-unsloth", REPO / "examples" / "grpo_gsm8k_unsloth.py", 20),
+    # TRL's loss-variant recipes (issue 58): the fields grpo refused before, at 4 optimizer updates
+    *(Case(recipe, REPO / "benchmarks" / "scripts" / "loss_variants.py", 4, ("--recipe", recipe))
+      for recipe in ("gspo", "dapo-80-20", "cispo", "sapo", "no-save")),
 ]
 
 
@@ -59,7 +63,7 @@ class CaseFailed(Exception):
 
 
 def command(case: Case, side: str, out: str) -> list[str]:
-    return [sys.executable, str(case.script), "--max-steps", str(case.steps), "--output-dir", out,
+    return [sys.executable, str(case.script), "--max-steps", str(case.steps), "--output-dir", out, *case.args,
             *(["--trl"] if side == "trl" else [])]
 
 
