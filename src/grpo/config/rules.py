@@ -16,6 +16,7 @@ import zmq
 from grpo.algorithm import advantage_estimator
 from grpo.config.async_rules import in_flight_problems, partial_rollout_problems
 from grpo.config.kinds import TRACKERS, engine_traits
+from grpo.config.speed_rules import SPEED_RULES
 from grpo.config.task_rules import gold_problems, reward_problems, task_problems
 
 if TYPE_CHECKING:
@@ -345,4 +346,5 @@ def ptx_max_length(cfg: "RunConfig") -> int:
 # In the order the loader reports them: the first violated rule's key is the one located in the recipe.
 RULES = (batch_problems, loss_problems, loss_type_problems, ppo_problems, ptx_problems, memory_saver_problems, token_budget_problems,
          lora_rate_problems, reward_problems, tracker_problems, decoupled_problems, engine_problems, sampler_problems,
-         encryption_problems, sampling_control_problems, eval_problems, sdpa_problems, task_problems, gold_problems)
+         encryption_problems, sampling_control_problems, eval_problems, sdpa_problems, *SPEED_RULES, task_problems,
+         gold_problems)

@@ -35,6 +35,19 @@ class ModelConfig:
         "all-linear", "Modules LoRA adapts: 'all-linear' or a list such as [q_proj, v_proj].")
     gradient_checkpointing: bool = opt(False, "Recompute activations in backward to save memory.")
     bf16: bool = opt(False, "Train in bfloat16 (GPU); fp32 otherwise.")
+    fp16: bool = opt(
+        False, "float16 mixed precision (TRL's fp16, for GPUs without bf16): fp32 weights (a LoRA run's frozen base "
+        "too), float16 compute under torch.autocast, and dynamic loss scaling (torch.amp.GradScaler: the loss is "
+        "scaled up in backward, the gradients unscaled before clipping; an update whose gradients overflow is "
+        "skipped and the scale halved; its state saved in checkpoints as scaler.pt); under train.deepspeed its "
+        "fp16 section (DeepSpeed's own loss scaler). Runs on a CPU too (torch's CPU autocast and GradScaler). "
+        "Logs fp16/loss_scale and fp16/overflow_updates; an overflow skipped while the scale is above 1 (its "
+        "warm-up from 2^16) does not count toward optim.max_skipped_steps. Not with bf16, load_in_4bit, a critic "
+        "(gae) or train.mode decoupled (docs/guides/speed.md).")
+    tf32: bool | None = opt(
+        None, "TF32 matmuls and cuDNN convolutions (TRL's tf32): true sets torch's fp32 precision to tf32 while the "
+        "run trains (transformers' enable_tf32), false to ieee; null leaves torch's setting as it is. Needs an "
+        "Ampere or newer CUDA GPU: true is refused on any other device.")
     load_in_4bit: bool = opt(
         False, "QLoRA: the frozen base in 4-bit NF4 (bitsandbytes; CUDA only, refused on CPU); needs lora_r > 0.")
     attn_implementation: str | None = opt(None, "Passed to from_pretrained (e.g. sdpa, flash_attention_2, eager).")
@@ -201,6 +214,18 @@ class TrainConfig:
         None, "Log-probs from the final hidden states, the LM head chunked and recomputed in backward (no [b, L, V] "
         "logits); null: when a micro-batch's logits would reach 2^26 elements (CUDA's no-grad passes: 2^30). "
         "Same values.")
+    torch_compile: bool = opt(
+        False, "Compile the policy's decoder (embeddings, layers, final norm) with torch.compile for the update's "
+        "forward and backward passes (the loss passes and PTX), dynamic shapes; sampling, the reference and the "
+        "no-grad log-prob passes run it uncompiled. Same values up to float re-association. Each new kind of call "
+        "compiles first (on the 2-core CPU 1-2 min per graph with inductor) and the CPU step is no faster: "
+        "docs/benchmarks.md. It is for CUDA.")
+    torch_compile_backend: str | None = opt(
+        None, "train.torch_compile's backend (torch.compiler.list_backends(); e.g. inductor, aot_eager); null = "
+        "inductor.")
+    torch_compile_mode: str | None = opt(
+        None, "train.torch_compile's mode; null = torch's default.",
+        choices=(None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
     max_steps: int = opt(100, "Optimisation steps to run.", ge=1)
     output_dir: str = opt("runs/demo", "Run folder: config, metrics, samples, plots, checkpoints.")
     seed: int = opt(42, "Seed for data order, sampling and initialisation.", ge=0)

@@ -107,7 +107,7 @@ def train_critic(learner: Learner, batch: RolloutBatch, s: CriticSettings) -> di
             with torch.no_grad():
                 sums += torch.stack([loss.detach() * share, stats["value_clip_fraction"] * share]).double() \
                     / s.num_iterations
-        norm = learner.finish_update()
+        norm = learner.finish_update().grad_norm
         if norm is None:
             skipped += 1
         else:

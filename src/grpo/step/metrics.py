@@ -17,12 +17,12 @@ from grpo.step.records import RolloutBatch, UpdateStats
 
 # Statistics only some runs have, averaged over ranks: grpo.critic.train_critic's (PPO), the PTX loss and
 # the sampler correction's.
-OPTIONAL_PREFIXES = ("critic/", "loss/value", "loss/ptx", "sampler_is/", "mismatch/")
+OPTIONAL_PREFIXES = ("critic/", "loss/value", "loss/ptx", "sampler_is/", "mismatch/", "fp16/")
 # Of those, the maxima: the largest over the ranks, not their mean.
 RANK_MAXIMA = ("mismatch/ratio_max",)
 # Averaged over ranks plainly whatever each rank's share of the step: the policy loss is already the rank's part
 # of the step's (DDP's mean; grpo.step.policy_update scales it), the PTX batch is the same size on every rank.
-RANK_PLAIN_MEANS = ("loss", "loss/ptx")
+RANK_PLAIN_MEANS = ("loss", "loss/ptx", "fp16/loss_scale", "fp16/overflow_updates")  # fp16's: one for every rank
 # A task's answer scorer (grpo.tasks.Task.score): (text, gold, tag_style) -> {"correct", "formatted", ...}
 Scorer = Callable[[str, str, str], dict]
 

@@ -22,7 +22,7 @@ from grpo.algorithm import (
     sampler_importance_weights,
 )
 from grpo.parallel.distributed import DistInfo, all_reduce_max, all_reduce_sum
-from grpo.parallel.learners import Learner
+from grpo.parallel.learners import Learner, UpdateOutcome
 from grpo.rollout.generation import Generation
 from grpo.step.logprobs import DEVICE_DEFAULT_PASS, LogprobPass, completion_logprobs
 from grpo.step.micro_batches import rows_by_length, token_budget_micro_batches
@@ -293,6 +293,8 @@ class StepStats:
         self.grad_norms: list[float | None] = []
         self.learning_rates: list[float] = []
         self.seconds: list[float] = []
+        self.overflows = 0  # updates fp16's loss scaler skipped (UpdateOutcome.overflow)
+        self.loss_scale: float | None = None  # fp16: the scale after the step's last update
 
     @torch.no_grad()
     def add_micro_batch(self, part: MicroBatchLoss, inputs: LossInputs, iteration: int) -> None:
@@ -331,11 +333,15 @@ class StepStats:
     def add_ptx(self, nll: torch.Tensor) -> None:
         self.totals["loss/ptx"] += nll.detach().double() / self.num_iterations
 
-    def end_update(self, grad_norm: float | None, learning_rate: float, seconds: float) -> None:
-        """The update's host values: its gradient norm (None: skipped), rate and wall time."""
-        self.grad_norms.append(grad_norm)
+    def end_update(self, outcome: UpdateOutcome, learning_rate: float, seconds: float) -> None:
+        """The update's host values: what the learner did (its gradient norm, None: skipped; fp16's loss scale),
+        its rate and wall time."""
+        self.grad_norms.append(outcome.grad_norm)
         self.learning_rates.append(learning_rate)
         self.seconds.append(seconds)
+        self.overflows += outcome.overflow
+        if outcome.loss_scale is not None:
+            self.loss_scale = outcome.loss_scale
 
     def result(self, learning_rate: float) -> StepUpdate:
         """The step's ``StepUpdate``; ``learning_rate``: its first update's."""
@@ -348,6 +354,8 @@ class StepStats:
         totals["learning_rate"] = learning_rate
         totals["grad_norm"] = sum(norms) / len(norms) if norms else float("nan")
         totals["skipped_updates"] = float(len(self.grad_norms) - len(norms))
+        if self.loss_scale is not None:  # fp16: the overflow skips among them (not counted by SkipGuard)
+            totals.update({"fp16/loss_scale": self.loss_scale, "fp16/overflow_updates": float(self.overflows)})
         return StepUpdate(totals, [UpdateStats(**row, grad_norm=norm, learning_rate=rate, seconds=seconds)
                                    for row, norm, rate, seconds in zip(rows, self.grad_norms, self.learning_rates,
                                                                        self.seconds)])
@@ -395,7 +403,8 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
     """``num_iterations`` optimizer updates on one rollout batch. Returns the step's training stats (means over
     its updates) and each update's own (``UpdateStats``, this rank's).
 
-    A skipped update (non-finite gradient norm, see the learner) is counted in ``skipped_updates``. With
+    A skipped update (non-finite gradient norm, see the learner) is counted in ``skipped_updates``; under fp16
+    ``fp16/overflow_updates`` counts those the loss scaler skipped, and ``fp16/loss_scale`` is its scale. With
     ``s.sampler_is_mode`` each token's surrogate is weighted by ``sampler_importance_weights`` of the old
     log-probs (the batch's, else the first iteration's own) over ``batch.sampler_logprobs``; the weights'
     token mean, the share of tokens over the cap and the mean |old - sampler| are logged as ``sampler_is/*``.
@@ -423,6 +432,6 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
             ptx_backward(learner, ptx, s, stats)
         if keep_old:
             old = inputs.in_row_order(olds)  # [N, Lc]
-        norm = learner.finish_update()  # the learner's one host sync per update (it decides the skip)
-        stats.end_update(norm, rate, time.perf_counter() - started)
+        outcome = learner.finish_update()  # the learner's one host sync per update (it decides the skip)
+        stats.end_update(outcome, rate, time.perf_counter() - started)
     return stats.result(first_rate)

@@ -21,11 +21,13 @@ from grpo.data import load_sft_pairs
 from grpo.data.prompt_sampler import PromptSampler
 from grpo.data.sft_tokens import tokenize_pairs
 from grpo.evaluation.example_records import EvalRewards
+from grpo.models.compiled import check_compile
 from grpo.models.loading import check_memory_savers, compute_context, load_reference, resolve_device
+from grpo.models.precision import check_precision
 from grpo.models.wrappers import unwrap_model
 from grpo.multiturn.wiring import with_turns
 from grpo.parallel.distributed import DistInfo, all_gather_json, barrier, init_distributed, print0
-from grpo.parallel.trainable import Trainable, build_trainable
+from grpo.parallel.trainable import Trainable, build_trainable, compile_settings
 from grpo.rollout.build import evaluation_engine
 from grpo.run.best import BestMetric
 from grpo.run.checkpoint import CheckpointLayout, checkpoint_layout
@@ -162,7 +164,7 @@ class Prepared:
     inputs: RunInputs  # the task, tokenizer, data and rewards (a decoupled trainer's data: only to evaluate)
     ptx_data: object | None  # grpo.step.ptx.PtxData (ptx.data), None when off
     policy: torch.nn.Module
-    compute: AbstractContextManager  # bf16 autocast over fp32 master weights (grpo.models.loading)
+    compute: AbstractContextManager  # bf16/fp16 autocast over fp32 weights, TF32 (grpo.models.loading)
     processing: LogprobProcessing | None  # the sampling controls every log-prob pass follows
     trainable: Trainable
     run: OpenedRun
@@ -190,9 +192,12 @@ def prepare(cfg: RunConfig, given: GivenInputs, info: DistInfo, device: torch.de
                                        cfg.data.shuffle)
         prompt_sampler.rank_indices(1, info.rank, info.world_size)  # checks P is divisible by the ranks, early
     check_memory_savers(cfg.model, cfg.optim.optimizer, device)
+    check_precision(cfg.model, device)
+    if compile_settings(cfg) is not None:
+        check_compile(compile_settings(cfg))
     deepspeed = bool(cfg.train.deepspeed)
     policy = policy_for(cfg, given, device, deepspeed)
-    compute = compute_context(cfg.model, device, deepspeed)  # bf16 autocast over fp32 master weights
+    compute = compute_context(cfg.model, device, deepspeed)  # half-precision autocast over fp32 weights, TF32
     local_ref = samples and cfg.loss.beta > 0
     reference = load_reference(cfg.model, policy, tokenizer, device) if local_ref else None  # before any update
     processing = logprob_processing(cfg, policy, tokenizer)  # every log-prob pass follows the sampling controls

@@ -44,7 +44,8 @@ def save_run_checkpoint(out: Path, step: int, trainable: Trainable, tokenizer, s
     gathered = zero3_full_state_dict(trainable.learner)  # a collective under ZeRO-3
     if info.is_main:
         save_checkpoint(out, step, trainable.policy, tokenizer, trainable.optimizer, trainable.scheduler, state,
-                        save_total_limit, state_dict=gathered, write_extra=write_critic, layout=layout)
+                        save_total_limit, state_dict=gathered, write_extra=write_critic, layout=layout,
+                        scaler=trainable.scaler)
         if trainable.deepspeed:
             _prune_deepspeed_dirs(out, save_total_limit, layout)
     barrier(info)
@@ -61,8 +62,8 @@ def _prune_deepspeed_dirs(out: Path, keep: int | None, layout: CheckpointLayout)
 
 def load_run_checkpoint(checkpoint: Path, trainable: Trainable, critic=None,
                         layout: CheckpointLayout = GRPO_LAYOUT) -> dict:
-    """Restore weights, optimizer, schedule and RNG from ``checkpoint`` (and PPO's ``critic`` from its
-    ``critic/`` folder); returns its trainer state. Under DeepSpeed the engine restores weights and its
+    """Restore weights, optimizer, schedule, fp16's loss scaler and RNG from ``checkpoint`` (and PPO's ``critic``
+    from its ``critic/`` folder); returns its trainer state. Under DeepSpeed the engine restores weights and its
     partitioned optimizer itself."""
     if critic is not None:  # first: a checkpoint without a critic must fail before the policy is overwritten
         load_critic(checkpoint / CRITIC_DIR, critic)
@@ -71,7 +72,7 @@ def load_run_checkpoint(checkpoint: Path, trainable: Trainable, critic=None,
         trainable.learner.engine.load_checkpoint(str(checkpoint.parent / state["deepspeed_dir"]))
         return state
     return load_checkpoint(checkpoint, trainable.policy, trainable.optimizer, trainable.scheduler,
-                           state_file=layout.state_file)
+                           state_file=layout.state_file, scaler=trainable.scaler)
 
 
 def resume_checkpoint(out: Path, trainable: Trainable, info: DistInfo, critic=None,
