@@ -66,7 +66,7 @@ def test_trl_values_map_to_grpo_keys():
     assert run_config(max_steps=1, grpo_overrides={"rollout.engine": "hf-static"}).rollout.engine == "hf-static"
 
 
-@pytest.mark.parametrize("field, value", [("push_to_hub", True), ("fp16", True), ("loss_type", "ppo"),
+@pytest.mark.parametrize("field, value", [("push_to_hub", True), ("full_determinism", True), ("loss_type", "ppo"),
                                           ("steps_per_generation", 2), ("save_strategy", "no"),
                                           ("generation_kwargs", {"do_sample": False}),
                                           ("use_adaptive_entropy", True)])

@@ -16,6 +16,7 @@ from typing import Any
 from grpo.algorithm import LOSS_TYPES
 from grpo.api.mapping import to_run_config, trl_values, untranslated_keys
 from grpo.config import load_config, run_config_text
+from grpo.models.precision import TF32_UNAVAILABLE, tf32_available
 
 # Fields grpo does not implement: (TRL's default, why). Setting one to anything else is a ValueError.
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
@@ -29,13 +30,10 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "sync_ref_model": (False, "grpo's reference stays fixed (or is a teacher); no TR-DPO refresh"),
     "use_adaptive_entropy": (False, "grpo's entropy bonus has a fixed coefficient (entropy_coef)"),
     "log_completions_hub_repo": (None, "grpo writes samples to samples.jsonl, never to the Hub"),
-    "fp16": (False, "grpo trains in fp32 or bf16 (bf16=True)"),
-    "torch_compile": (False, "grpo does not compile the model"),
     "full_determinism": (False, "grpo seeds everything but does not force deterministic kernels"),
     "push_to_hub": (False, "grpo never uploads; save_model() and push the folder yourself"),
     "load_best_model_at_end": (False, "grpo keeps the last weights"),
     "neftune_noise_alpha": (None, "grpo adds no embedding noise"),
-    "use_liger_kernel": (False, "grpo uses its own chunked log-prob kernels"),
     "auto_find_batch_size": (False, "TRL refuses it for GRPO too"),
     "lr_scheduler_kwargs": (None, "grpo's schedules take no extra arguments"),
     "logging_strategy": ("steps", "grpo logs by steps"),
@@ -43,12 +41,8 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "fsdp": (None, "grpo has no FSDP"),
     "optim_args": (None, "grpo's optimizers take their settings from the fields (adam_beta1, ...)"),
     "optim_target_modules": (None, "grpo's optimizers apply to every trainable parameter"),
-    "torch_compile_backend": (None, "grpo does not compile the model"),
-    "torch_compile_mode": (None, "grpo does not compile the model"),
-    "liger_kernel_config": (None, "grpo uses its own chunked log-prob kernels"),
     "parallelism_config": (None, "grpo runs data-parallel ranks only (torchrun)"),
     "fsdp_config": (None, "grpo has no FSDP"),
-    "tf32": (None, "grpo leaves torch's matmul precision as it is"),
     "vllm_importance_sampling_cap": (None, "TRL's deprecated name: use vllm_importance_sampling_clip_max"),
     "use_transformers_paged": (None, "TRL's deprecated name of use_transformers_continuous_batching"),
 }
@@ -98,7 +92,14 @@ class GRPOConfig:
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
-    bf16: bool | None = None  # None: True where CUDA has bf16, else False (TRL raises without use_cpu there)
+    bf16: bool | None = None  # None: True where CUDA has bf16, unless fp16 (TRL raises without use_cpu there)
+    fp16: bool = False  # model.fp16: fp32 weights, float16 autocast, dynamic loss scaling (a CPU too)
+    tf32: bool | None = None  # model.tf32; None: on with torch_compile on a TF32 GPU (transformers' rule), else as is
+    torch_compile: bool = False  # train.torch_compile (on when a backend or mode is given, as TRL)
+    torch_compile_backend: str | None = None
+    torch_compile_mode: str | None = None
+    use_liger_kernel: bool = False  # train.fused_lm_head: true (grpo's chunked head; Liger's layer kernels: no)
+    liger_kernel_config: dict | None = None  # refused where it asks for a Liger kernel (a key set True)
     gradient_checkpointing: bool = True
     seed: int = 42
     use_cpu: bool = False
@@ -190,6 +191,7 @@ class GRPOConfig:
         for ok, name, why in checks:
             if not ok:
                 raise ValueError(f"GRPOConfig.{name}={getattr(self, name)!r} is not supported: {why}")
+        self._check_precision_and_kernels()
         unknown = set(self.generation_kwargs or {}) - {"min_new_tokens"}
         if unknown:
             raise ValueError(f"GRPOConfig.generation_kwargs {sorted(unknown)} are not supported: grpo reads "
@@ -199,6 +201,18 @@ class GRPOConfig:
         if unknown:
             raise ValueError(f"GRPOConfig.model_init_kwargs {sorted(unknown)} are not supported: grpo reads dtype, "
                              "attn_implementation and trust_remote_code there")
+
+    def _check_precision_and_kernels(self) -> None:
+        """fp16/bf16 and tf32 as TrainingArguments checks them (its words), liger_kernel_config's kernels."""
+        if self.fp16 and self.bf16:
+            raise ValueError("GRPOConfig: at most one of fp16 and bf16 can be True, but not both")
+        if self.tf32 and not tf32_available():
+            raise ValueError(f"GRPOConfig.tf32=True: {TF32_UNAVAILABLE}")
+        asked = sorted(name for name, on in (self.liger_kernel_config or {}).items() if on)
+        if asked:
+            raise ValueError(f"GRPOConfig.liger_kernel_config {asked} is not supported: grpo applies none of Liger's "
+                             "kernels; use_liger_kernel=True runs grpo's chunked LM head (train.fused_lm_head), "
+                             "whose log-probs never build the [B, L, V] logits")
 
     def __getattr__(self, name: str) -> Any:  # TRL's other fields read back as given (or TRL's default)
         extra = self.__dict__.get("extra", {})

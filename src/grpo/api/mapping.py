@@ -22,6 +22,7 @@ import torch
 from grpo.algorithm.advantages import ADVANTAGE_SCALES
 from grpo.config import RunConfig, config_from_dict, config_to_dict
 from grpo.config.kinds import TRACKERS, VLLM_ENGINE
+from grpo.models.precision import tf32_available
 
 if TYPE_CHECKING:
     from grpo.api.arguments import GRPOConfig
@@ -72,13 +73,34 @@ def _per_step(value: float, ni: int, max_updates: int) -> int:
     return max(1, math.ceil(updates / ni))
 
 
-def _bf16(bf16: bool | None, init: dict | None, use_cpu: bool) -> bool:
-    """``model.bf16`` of TRL's ``bf16``, ``model_init_kwargs`` and ``use_cpu``."""
+def _bf16(bf16: bool | None, init: dict | None, use_cpu: bool, fp16: bool = False) -> bool:
+    """``model.bf16`` of TRL's ``bf16``, ``model_init_kwargs``, ``use_cpu`` and ``fp16`` (TRL: bf16 None is
+    ``not fp16``)."""
     dtype = str((init or {}).get("dtype") or (init or {}).get("torch_dtype"))
     if bf16 is not None:
         return bool(bf16) or dtype.endswith("bfloat16")
-    return dtype.endswith("bfloat16") or (not use_cpu and torch.cuda.is_available()
+    return dtype.endswith("bfloat16") or (not fp16 and not use_cpu and torch.cuda.is_available()
                                            and torch.cuda.is_bf16_supported())
+
+
+def _compiling(on: bool, backend: str | None, mode: str | None) -> bool:
+    """TRL's ``torch_compile``: a backend or a mode turns it on."""
+    return bool(on) or backend is not None or mode is not None
+
+
+def _tf32(tf32: bool | None, compiling: bool, fp16: bool) -> bool | None:
+    """``model.tf32`` of TRL's ``tf32``: as given, or (None) on where transformers turns it on for torch.compile
+    (a TF32 GPU, not fp16), else None (torch's own setting)."""
+    if tf32 is not None or not compiling:
+        return tf32
+    return True if tf32_available() and not fp16 else None
+
+
+# Said once by GRPOTrainer when use_liger_kernel=True (TRL 1.16 computes its log-probs with its own fused LM head
+# whatever use_liger_kernel says; that flag adds Liger's Triton layer kernels, which grpo does not have).
+LIGER_NOTE = ("grpo: use_liger_kernel=True: log-probs come from grpo's chunked LM head (train.fused_lm_head: true), "
+              "which never builds the [B, L, V] logits, as TRL's fused LM head; Liger's layer kernels (RoPE, "
+              "RMSNorm, SwiGLU) are not applied")
 
 
 @dataclass(frozen=True)
@@ -144,8 +166,12 @@ def _report_to(value: str | list[str]) -> list[str]:
 
 # In the config tree's order: model, data, rollout, algorithm, loss, ptx, optim, train, log.
 LINKS: tuple[Link, ...] = (
-    Link(("bf16", "model_init_kwargs", "use_cpu"), ("model.bf16",),
-         lambda c, bf16, init, cpu: (_bf16(bf16, init, cpu),), lambda c, bf16: {"bf16": bf16}),
+    Link(("bf16", "model_init_kwargs", "use_cpu", "fp16"), ("model.bf16",),
+         lambda c, bf16, init, cpu, fp16: (_bf16(bf16, init, cpu, fp16),), lambda c, bf16: {"bf16": bf16}),
+    same("fp16", "model.fp16"),
+    Link(("tf32", "torch_compile", "torch_compile_backend", "torch_compile_mode", "fp16"), ("model.tf32",),
+         lambda c, tf32, on, backend, mode, fp16: (_tf32(tf32, _compiling(on, backend, mode), fp16),),
+         lambda c, tf32: {"tf32": tf32}),
     same("gradient_checkpointing", "model.gradient_checkpointing"),
     Link(("trust_remote_code", "model_init_kwargs"), ("model.trust_remote_code",),
          lambda c, trust, init: (bool(trust or (init or {}).get("trust_remote_code")),),
@@ -222,6 +248,12 @@ LINKS: tuple[Link, ...] = (
          lambda c, every: {"save_steps": every * c.ni}),
     same("save_total_limit", "train.save_total_limit"),
     one("use_cpu", "train.device", lambda cpu: "cpu" if cpu else "auto", lambda device: device == "cpu"),
+    Link(("use_liger_kernel",), ("train.fused_lm_head",), lambda c, liger: (True if liger else OMIT,), None),
+    Link(("torch_compile", "torch_compile_backend", "torch_compile_mode"),
+         ("train.torch_compile", "train.torch_compile_backend", "train.torch_compile_mode"),
+         lambda c, on, backend, mode: (_compiling(on, backend, mode), backend, mode),
+         lambda c, on, backend, mode: {"torch_compile": on, "torch_compile_backend": backend,
+                                       "torch_compile_mode": mode}),
     Link(("eval_strategy", "eval_steps", "logging_steps"), ("train.eval_steps",),
          lambda c, strategy, every, logging: (_per_step(every or logging, c.ni, c.updates)
                                               if strategy == "steps" else None,),

@@ -24,7 +24,7 @@ from grpo.api.attributes import TrainerAttributes
 from grpo.api.callbacks import CallbackHooks
 from grpo.api.checkpoints import TRAINER_STATE_FILE, resumed_checkpoint
 from grpo.api.datasets import to_examples, verifiers_arguments
-from grpo.api.mapping import batch_shape, grpo_steps, to_run_config
+from grpo.api.mapping import LIGER_NOTE, batch_shape, grpo_steps, to_run_config
 from grpo.api.prompt_lengths import check_longest, context_length, explainer, prompt_limit
 from grpo.api.rewards import build_reward_functions, reward_name
 from grpo.compat import save_pretrained
@@ -153,6 +153,8 @@ class GRPOTrainer(TrainerAttributes):
         if config_rewards:
             self.reward_fns, self.reward_weights = build_rewards(self.config)
             self._say_task_rewards(columns)
+        if args.use_liger_kernel and int(os.environ.get("RANK", "0")) == 0:
+            print(LIGER_NOTE)
         sets = {"train_dataset": self.train_set or [], **self.eval_sets}
         check_longest(self._rendering, sets, self._tool_schemas(), self.config.data.max_prompt_length,
                       self._explain)
