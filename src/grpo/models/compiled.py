@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch._inductor import list_mode_options  # a mode's options, as torch.compile(mode=m) expands them; loaded by
+# transformers' model classes already (about 1 s on its own), and every process that compiles has loaded those
 
 from grpo.config import ConfigError
 from grpo.models.wrappers import decoder
@@ -53,8 +55,6 @@ def _compiled(forward, settings: CompileSettings, device_type: str):
         # builder): a C++ compile error on the second shape. The check is a debug assertion (the ids and masks
         # index inside their tensors by construction), so the CPU graphs are built without it. A mode is the
         # same as its options (torch.compile takes one or the other).
-        from torch._inductor import list_mode_options  # torch.compile(mode=m) expands a mode the same way
-
         options = {**list_mode_options(settings.mode or "default"), "assert_indirect_indexing": False}
         return torch.compile(forward, backend=backend, dynamic=True, options=options)
     return torch.compile(forward, backend=backend, mode=settings.mode, dynamic=True)
