@@ -65,6 +65,7 @@ def test_torch_compile_turns_tf32_on_where_transformers_does(monkeypatch):
     assert GRPOConfig(torch_compile=True, max_steps=1).to_run_config().model.tf32 is True
     assert GRPOConfig(torch_compile=True, fp16=True, max_steps=1).to_run_config().model.tf32 is None
     assert GRPOConfig(torch_compile=True, tf32=False, max_steps=1).to_run_config().model.tf32 is False
+    assert run_config(torch_compile=True).model.tf32 is None  # use_cpu: nothing to turn on (and no refusal)
     monkeypatch.setattr(grpo.api.mapping, "tf32_available", lambda: False)
     assert GRPOConfig(torch_compile=True, max_steps=1).to_run_config().model.tf32 is None
 

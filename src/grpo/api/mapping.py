@@ -88,12 +88,12 @@ def _compiling(on: bool, backend: str | None, mode: str | None) -> bool:
     return bool(on) or backend is not None or mode is not None
 
 
-def _tf32(tf32: bool | None, compiling: bool, fp16: bool) -> bool | None:
+def _tf32(tf32: bool | None, compiling: bool, fp16: bool, use_cpu: bool) -> bool | None:
     """``model.tf32`` of TRL's ``tf32``: as given, or (None) on where transformers turns it on for torch.compile
-    (a TF32 GPU, not fp16), else None (torch's own setting)."""
+    (a TF32 GPU, not fp16; not for a run on the CPU, where it would change nothing), else None (torch's own)."""
     if tf32 is not None or not compiling:
         return tf32
-    return True if tf32_available() and not fp16 else None
+    return True if tf32_available() and not fp16 and not use_cpu else None
 
 
 # Said once by GRPOTrainer when use_liger_kernel=True (TRL 1.16 computes its log-probs with its own fused LM head
@@ -169,8 +169,9 @@ LINKS: tuple[Link, ...] = (
     Link(("bf16", "model_init_kwargs", "use_cpu", "fp16"), ("model.bf16",),
          lambda c, bf16, init, cpu, fp16: (_bf16(bf16, init, cpu, fp16),), lambda c, bf16: {"bf16": bf16}),
     same("fp16", "model.fp16"),
-    Link(("tf32", "torch_compile", "torch_compile_backend", "torch_compile_mode", "fp16"), ("model.tf32",),
-         lambda c, tf32, on, backend, mode, fp16: (_tf32(tf32, _compiling(on, backend, mode), fp16),),
+    Link(("tf32", "torch_compile", "torch_compile_backend", "torch_compile_mode", "fp16", "use_cpu"),
+         ("model.tf32",),
+         lambda c, tf32, on, backend, mode, fp16, cpu: (_tf32(tf32, _compiling(on, backend, mode), fp16, cpu),),
          lambda c, tf32: {"tf32": tf32}),
     same("gradient_checkpointing", "model.gradient_checkpointing"),
     Link(("trust_remote_code", "model_init_kwargs"), ("model.trust_remote_code",),

@@ -183,7 +183,9 @@ class OptimConfig:
     optimizer: str = opt("adamw", "adamw (torch) or adamw_8bit (bitsandbytes 8-bit states; CUDA only, refused on CPU).",
                          choices=("adamw", "adamw_8bit"))
     max_skipped_steps: int = opt(
-        3, "Abort after this many consecutive steps whose updates were skipped for NaN/inf gradients.", ge=1)
+        3, "Abort after this many consecutive steps whose updates were skipped for NaN/inf gradients (not counting "
+        "model.fp16's overflow skips while its loss scale is above 1 and the loss finite: the scaler's warm-up).",
+        ge=1)
 
 
 @dataclass
