@@ -64,9 +64,11 @@ class _Plain:
     def backward(self, loss) -> None:
         loss.backward()
 
-    def finish_update(self) -> float:
+    def finish_update(self):
+        from grpo.parallel.learners import UpdateOutcome
+
         self.module.zero_grad(set_to_none=True)
-        return 0.0
+        return UpdateOutcome(0.0)
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo
+from grpo.parallel.learners import UpdateOutcome
 from grpo.step.update_inputs import LossSettings
 from grpo.rollout.generation import Generation
 from grpo.step.records import RolloutBatch
@@ -39,7 +40,7 @@ class RecordingLearner:
     def finish_update(self):
         self.grads.append({n: p.grad.clone() for n, p in self.module.named_parameters() if p.grad is not None})
         self.module.zero_grad(set_to_none=True)
-        return 0.0
+        return UpdateOutcome(0.0)
 
     @property
     def lr(self):

@@ -18,6 +18,7 @@ import grpo.step.logprobs
 from grpo.config import ConfigError, load_config
 from grpo.models.loading import compute_context, sdpa_backends
 from grpo.models.tiny import build_qwen2
+from grpo.parallel.learners import UpdateOutcome
 from grpo.rollout import SamplingParams
 from grpo.step.experience import (
     ExperienceSettings,
@@ -185,7 +186,7 @@ def test_old_logprobs_and_the_update_follow_their_settings(tiny_tokenizer, share
 
         def finish_update(self):
             model.zero_grad(set_to_none=True)
-            return 0.0
+            return UpdateOutcome(0.0)
 
     batch = dataclasses.replace(batch, advantages=torch.randn(N))
     base = {"epsilon": 0.2, "epsilon_high": None, "beta": 0.0, "loss_type": "grpo", "max_completion_length": 8,

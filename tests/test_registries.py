@@ -74,11 +74,12 @@ def test_the_schema_allows_exactly_the_registered_names_and_documents_each(key):
     assert SHOWN[key] == "one of " + ", ".join("null" if c is None else c for c in (*extra, *registry))
 
 
-# Keys whose few values pick a branch where they are read, not an entry of a registry (dtypes: torch's names).
+# Keys whose few values pick a branch where they are read, not an entry of a registry (dtypes and compile modes:
+# torch's names).
 SWITCHES = {"algorithm.kl_penalty", "train.mode", "train.best_metric_mode", "train.checkpoint_layout",
             "train.save_strategy", "train.eval_strategy", "log.logging_strategy",
             "decoupled.weight_sync", "decoupled.weight_update", "optim.optimizer", "model.ref_torch_dtype", "rollout.vllm_dtype",
-            "fsdp.reduce_dtype"}
+            "fsdp.reduce_dtype", "train.torch_compile_mode"}
 
 
 def test_every_key_with_choices_reads_a_registry_or_is_a_listed_switch():

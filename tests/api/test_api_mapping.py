@@ -135,7 +135,7 @@ def test_router_aux_loss_coef_maps_both_ways():
     assert GRPOConfig.from_run_config(cfg).to_run_config() == cfg
 
 
-@pytest.mark.parametrize("field, value", [("push_to_hub", True), ("fp16", True), ("loss_type", "ppo"),
+@pytest.mark.parametrize("field, value", [("push_to_hub", True), ("loss_type", "ppo"),
                                           ("save_strategy", "best"),
                                           ("generation_kwargs", {"do_sample": False})])
 def test_a_trl_field_grpo_does_not_implement_is_refused_by_name(field, value):

@@ -18,6 +18,7 @@ from grpo.algorithm import LOSS_TYPES
 from grpo.api.mapping import to_run_config, trl_values, untranslated_keys
 from grpo.api.trl_fields import ACCEPTED_AS_IS, UNSUPPORTED
 from grpo.config import load_config, run_config_text
+from grpo.models.precision import TF32_UNAVAILABLE, tf32_available
 
 @dataclass
 class GRPOConfig:
@@ -45,7 +46,14 @@ class GRPOConfig:
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
-    bf16: bool | None = None  # None: True where CUDA has bf16, else False (TRL raises without use_cpu there)
+    bf16: bool | None = None  # None: True where CUDA has bf16, unless fp16 (TRL raises without use_cpu there)
+    fp16: bool = False  # model.fp16: fp32 weights, float16 autocast, dynamic loss scaling (a CPU too)
+    tf32: bool | None = None  # model.tf32; None: on with torch_compile on a TF32 GPU (transformers' rule), else as is
+    torch_compile: bool = False  # train.torch_compile (on when a backend or mode is given, as TRL)
+    torch_compile_backend: str | None = None
+    torch_compile_mode: str | None = None
+    use_liger_kernel: bool = False  # train.fused_lm_head: true (grpo's chunked head; Liger's layer kernels: no)
+    liger_kernel_config: dict | None = None  # refused where it asks for a Liger kernel (a key set True)
     gradient_checkpointing: bool = True
     seed: int = 42
     full_determinism: bool = False  # transformers' enable_full_determinism (seeds, deterministic kernels)
@@ -162,6 +170,7 @@ class GRPOConfig:
         if self.generation_batch_size is not None and self.steps_per_generation is not None:  # TRL's words
             raise ValueError("GRPOConfig: 'generation_batch_size' and 'steps_per_generation' can not be both "
                              "configured at the same time")
+        self._check_precision_and_kernels()
         unknown = set(self.generation_kwargs or {}) - {"min_new_tokens"}
         if unknown:
             raise ValueError(f"GRPOConfig.generation_kwargs {sorted(unknown)} are not supported: grpo reads "
@@ -171,6 +180,18 @@ class GRPOConfig:
         if unknown:
             raise ValueError(f"GRPOConfig.model_init_kwargs {sorted(unknown)} are not supported: grpo reads dtype, "
                              "attn_implementation and trust_remote_code there")
+
+    def _check_precision_and_kernels(self) -> None:
+        """fp16/bf16 and tf32 as TrainingArguments checks them (its words), liger_kernel_config's kernels."""
+        if self.fp16 and self.bf16:
+            raise ValueError("GRPOConfig: at most one of fp16 and bf16 can be True, but not both")
+        if self.tf32 and not tf32_available():
+            raise ValueError(f"GRPOConfig.tf32=True: {TF32_UNAVAILABLE}")
+        asked = sorted(name for name, on in (self.liger_kernel_config or {}).items() if on)
+        if asked:
+            raise ValueError(f"GRPOConfig.liger_kernel_config {asked} is not supported: grpo applies none of Liger's "
+                             "kernels; use_liger_kernel=True runs grpo's chunked LM head (train.fused_lm_head), "
+                             "whose log-probs never build the [B, L, V] logits")
 
     def __getattr__(self, name: str) -> Any:  # TRL's other fields read back as given (or TRL's default)
         extra = self.__dict__.get("extra", {})

@@ -27,6 +27,7 @@ from grpo.api.datasets import to_examples, verifiers_arguments
 from grpo.api.fsdp_arguments import refuse_shards, with_launcher_fsdp
 from grpo.api.mapping import to_run_config
 from grpo.api.trl_batch import batch_shape, grpo_steps
+from grpo.api.trl_fields import LIGER_NOTE
 from grpo.api.optimizers import given_optimizers
 from grpo.api.prompt_lengths import check_longest, context_length, explainer, prompt_limit
 from grpo.api.rewards import build_reward_functions, reward_name, say_task_rewards
@@ -157,6 +158,8 @@ class GRPOTrainer(TrainerAttributes):
         if config_rewards:
             self.reward_fns, self.reward_weights = build_rewards(self.config)
             say_task_rewards(self.config, columns if self.train_set else None)
+        if args.use_liger_kernel and int(os.environ.get("RANK", "0")) == 0:
+            print(LIGER_NOTE)
         sets = {"train_dataset": self.train_set or [], **self.eval_sets}
         check_longest(self._rendering, sets, self._tool_schemas(), self.config.data.max_prompt_length,
                       self._explain)

@@ -16,6 +16,7 @@ import torch
 from grpo.api.fsdp_arguments import fsdp_arguments, fsdp_keys
 from grpo.api.trl_batch import Counts, generation_shape, per_step_interval
 from grpo.config.kinds import VLLM_ENGINE
+from grpo.models.precision import tf32_available
 
 OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_8bit": "adamw_8bit",
               "adamw_bnb_8bit": "adamw_8bit"}
@@ -24,13 +25,34 @@ SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant", "co
 SCALE_REWARDS = {True: None, False: "none", "group": None, "batch": "batch", "none": "none"}
 
 
-def _bf16(bf16: bool | None, init: dict | None, use_cpu: bool) -> bool:
-    """``model.bf16`` of TRL's ``bf16``, ``model_init_kwargs`` and ``use_cpu``."""
+def _bf16(bf16: bool | None, init: dict | None, use_cpu: bool, fp16: bool = False) -> bool:
+    """``model.bf16`` of TRL's ``bf16``, ``model_init_kwargs``, ``use_cpu`` and ``fp16`` (TRL: bf16 None is
+    ``not fp16``)."""
     dtype = str((init or {}).get("dtype") or (init or {}).get("torch_dtype"))
     if bf16 is not None:
         return bool(bf16) or dtype.endswith("bfloat16")
-    return dtype.endswith("bfloat16") or (not use_cpu and torch.cuda.is_available()
+    return dtype.endswith("bfloat16") or (not fp16 and not use_cpu and torch.cuda.is_available()
                                            and torch.cuda.is_bf16_supported())
+
+
+def _compiling(on: bool, backend: str | None, mode: str | None) -> bool:
+    """TRL's ``torch_compile``: a backend or a mode turns it on."""
+    return bool(on) or backend is not None or mode is not None
+
+
+def _tf32(tf32: bool | None, compiling: bool, fp16: bool, use_cpu: bool) -> bool | None:
+    """``model.tf32`` of TRL's ``tf32``: as given, or (None) on where transformers turns it on for torch.compile
+    (a TF32 GPU, not fp16; not for a run on the CPU, where it would change nothing), else None (torch's own)."""
+    if tf32 is not None or not compiling:
+        return tf32
+    return True if tf32_available() and not fp16 and not use_cpu else None
+
+
+# Said once by GRPOTrainer when use_liger_kernel=True (TRL 1.16 computes its log-probs with its own fused LM head
+# whatever use_liger_kernel says; that flag adds Liger's Triton layer kernels, which grpo does not have).
+LIGER_NOTE = ("grpo: use_liger_kernel=True: log-probs come from grpo's chunked LM head (train.fused_lm_head: true), "
+              "which never builds the [B, L, V] logits, as TRL's fused LM head; Liger's layer kernels (RoPE, "
+              "RMSNorm, SwiGLU) are not applied")
 
 
 OMIT = object()  # a ``Link.to`` value that leaves the key out of the tree (grpo's default then)
@@ -101,8 +123,13 @@ def report_trackers(value: str | list[str]) -> list[str]:
 
 # In the config tree's order: model, data, rollout, algorithm, loss, ptx, optim, train, log.
 LINKS: tuple[Link, ...] = (
-    Link(("bf16", "model_init_kwargs", "use_cpu"), ("model.bf16",),
-         lambda c, bf16, init, cpu: (_bf16(bf16, init, cpu),), lambda c, bf16: {"bf16": bf16}),
+    Link(("bf16", "model_init_kwargs", "use_cpu", "fp16"), ("model.bf16",),
+         lambda c, bf16, init, cpu, fp16: (_bf16(bf16, init, cpu, fp16),), lambda c, bf16: {"bf16": bf16}),
+    same("fp16", "model.fp16"),
+    Link(("tf32", "torch_compile", "torch_compile_backend", "torch_compile_mode", "fp16", "use_cpu"),
+         ("model.tf32",),
+         lambda c, tf32, on, backend, mode, fp16, cpu: (_tf32(tf32, _compiling(on, backend, mode), fp16, cpu),),
+         lambda c, tf32: {"tf32": tf32}),
     same("gradient_checkpointing", "model.gradient_checkpointing"),
     Link(("trust_remote_code", "model_init_kwargs"), ("model.trust_remote_code",),
          lambda c, trust, init: (bool(trust or (init or {}).get("trust_remote_code")),),
@@ -205,6 +232,12 @@ LINKS: tuple[Link, ...] = (
          lambda c, strategy, every: {"save_strategy": strategy, "save_steps": every * c.per_step}),
     same("save_total_limit", "train.save_total_limit"),
     one("use_cpu", "train.device", lambda cpu: "cpu" if cpu else "auto", lambda device: device == "cpu"),
+    Link(("use_liger_kernel",), ("train.fused_lm_head",), lambda c, liger: (True if liger else OMIT,), None),
+    Link(("torch_compile", "torch_compile_backend", "torch_compile_mode"),
+         ("train.torch_compile", "train.torch_compile_backend", "train.torch_compile_mode"),
+         lambda c, on, backend, mode: (_compiling(on, backend, mode), backend, mode),
+         lambda c, on, backend, mode: {"torch_compile": on, "torch_compile_backend": backend,
+                                       "torch_compile_mode": mode}),
     Link(("eval_strategy", "eval_steps", "logging_steps"), ("train.eval_strategy", "train.eval_steps"),
          lambda c, strategy, every, logging: ("epoch" if strategy == "epoch" else "steps",
                                               per_step_interval(every or logging, c.per_step, c.updates)
@@ -247,24 +280,18 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
                                      "is not built); several samplers, one GPU each, are train.mode decoupled with "
                                      "decoupled.num_samplers"),
     "log_completions_hub_repo": (None, "grpo writes samples to samples.jsonl, never to the Hub"),
-    "fp16": (False, "grpo trains in fp32 or bf16 (bf16=True)"),
-    "torch_compile": (False, "grpo does not compile the model"),
     "push_to_hub": (False, "grpo never uploads; save_model() and push the folder yourself"),
-    "use_liger_kernel": (False, "grpo uses its own chunked log-prob kernels"),
     "auto_find_batch_size": (False, "the generation batch must hold whole groups of num_generations, which shrinking "
                                     "it on out-of-memory breaks (TRL refuses it too); lower "
                                     "per_device_train_batch_size"),
-    "torch_compile_backend": (None, "grpo does not compile the model"),
-    "torch_compile_mode": (None, "grpo does not compile the model"),
-    "liger_kernel_config": (None, "grpo uses its own chunked log-prob kernels"),
     "parallelism_config": (None, "accelerate's tensor and context parallelism over several GPUs are not built; shard "
                                  "with fsdp= (FSDP2) or deepspeed= (ZeRO), data-parallel ranks with torchrun or "
                                  "accelerate launch"),
-    "tf32": (None, "grpo leaves torch's matmul precision as it is"),
 }
 # Fields the trainer reads itself, not through a config key: where each goes.
 READ_BY_THE_TRAINER: dict[str, str] = {
     "reward_weights": "the weights of reward_funcs (grpo.api.rewards)",
+    "liger_kernel_config": "refused where it turns one of Liger's kernels on (grpo.api.arguments)",
     "remove_unused_columns": "True: the rewards get no dataset columns (grpo.api.datasets)",
     "chat_template_kwargs": "set in a copy of the tokenizer's chat template (grpo.api.trainer)",
     "log_completions": "the completions table of each logged step (grpo.api.completions)",

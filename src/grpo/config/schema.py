@@ -38,6 +38,19 @@ class ModelConfig:
         "all-linear", "Modules LoRA adapts: 'all-linear' or a list such as [q_proj, v_proj].")
     gradient_checkpointing: bool = opt(False, "Recompute activations in backward to save memory.")
     bf16: bool = opt(False, "Train in bfloat16 (GPU); fp32 otherwise.")
+    fp16: bool = opt(
+        False, "float16 mixed precision (TRL's fp16, for GPUs without bf16): fp32 weights (a LoRA run's frozen base "
+        "too), float16 compute under torch.autocast, and dynamic loss scaling (torch.amp.GradScaler: the loss is "
+        "scaled up in backward, the gradients unscaled before clipping; an update whose gradients overflow is "
+        "skipped and the scale halved; its state saved in checkpoints as scaler.pt); under train.deepspeed its "
+        "fp16 section (DeepSpeed's own loss scaler). Runs on a CPU too (torch's CPU autocast and GradScaler). "
+        "Logs fp16/loss_scale and fp16/overflow_updates; an overflow skipped while the scale is above 1 (its "
+        "warm-up from 2^16) does not count toward optim.max_skipped_steps. Not with bf16, load_in_4bit, a critic "
+        "(gae) or train.mode decoupled (docs/guides/speed.md).")
+    tf32: bool | None = opt(
+        None, "TF32 matmuls and cuDNN convolutions (TRL's tf32): true sets torch's fp32 precision to tf32 while the "
+        "run trains (transformers' enable_tf32), false to ieee; null leaves torch's setting as it is. Needs an "
+        "Ampere or newer CUDA GPU: true is refused on any other device.")
     load_in_4bit: bool = opt(
         False, "QLoRA: the frozen base in 4-bit NF4 (bitsandbytes; CUDA only, refused on CPU); needs lora_r > 0.")
     attn_implementation: str | None = opt(None, "Passed to from_pretrained (e.g. sdpa, flash_attention_2, eager).")
@@ -195,7 +208,9 @@ class OptimConfig:
     optimizer: str = opt("adamw", "adamw (torch) or adamw_8bit (bitsandbytes 8-bit states; CUDA only, refused on CPU).",
                          choices=("adamw", "adamw_8bit"))
     max_skipped_steps: int = opt(
-        3, "Abort after this many consecutive steps whose updates were skipped for NaN/inf gradients.", ge=1)
+        3, "Abort after this many consecutive steps whose updates were skipped for NaN/inf gradients (not counting "
+        "model.fp16's overflow skips while its loss scale is above 1 and the loss finite: the scaler's warm-up).",
+        ge=1)
 
 
 @dataclass

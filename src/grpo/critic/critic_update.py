@@ -94,7 +94,7 @@ def train_critic(learner: Learner, batch: RolloutBatch, s: CriticSettings) -> di
     for _ in range(s.num_iterations):
         for part in parts:
             critic_backward(learner, part, s, sums, updates)
-            norm = learner.finish_update()
+            norm = learner.finish_update().grad_norm
             if norm is None:
                 skipped += 1
             else:

@@ -16,6 +16,7 @@ from grpo.config.rules import sdpa_backend_names
 from grpo.models.embeddings import add_neftune, head_in_fp32, keep_head_fp32
 from grpo.models.architecture import check_lora_targets
 from grpo.models.moe import router_logits_off
+from grpo.models.precision import autocast_dtype, tf32_mode, uses_autocast
 from grpo.models.wrappers import unwrap_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -71,8 +72,9 @@ def _load_4bit(cfg: ModelConfig, device: torch.device):
 
 
 def policy_dtype(cfg: ModelConfig) -> torch.dtype:
-    """bfloat16 when ``model.bf16``, else float32."""
-    return torch.bfloat16 if cfg.bf16 else torch.float32
+    """The half type of ``model.bf16``/``model.fp16``, else float32: the weights' dtype where they are not fp32
+    master weights under autocast (``uses_autocast``), and the frozen reference copy's."""
+    return autocast_dtype(cfg) or torch.float32
 
 
 def check_memory_savers(model_cfg: ModelConfig, optimizer: str, device: torch.device) -> None:
@@ -88,13 +90,6 @@ def check_memory_savers(model_cfg: ModelConfig, optimizer: str, device: torch.de
         import bitsandbytes  # noqa: F401 (optional: 4-bit loading needs it)
     except ImportError as exc:
         raise ConfigError(f"{wanted[0]}: needs the bitsandbytes package ({exc}); pip install bitsandbytes") from exc
-
-
-def uses_autocast(cfg: ModelConfig, deepspeed: bool) -> bool:
-    """bf16 full fine-tuning on grpo's torch path: fp32 master weights (AdamW updates smaller than a
-    bf16 weight's resolution are kept), bf16 compute through ``torch.autocast``. DeepSpeed keeps its
-    own fp32 master copy; LoRA trains fp32 adapters over a bf16 base."""
-    return cfg.bf16 and cfg.lora_r == 0 and not cfg.load_in_4bit and not deepspeed
 
 
 # Attention backends are a device choice: torch's own pick may rebuild an execution plan per new shape
@@ -139,24 +134,24 @@ class _Contexts:
 
 
 def compute_context(cfg: ModelConfig, device: torch.device, deepspeed: bool):
-    """The autocast context of ``uses_autocast`` runs (a no-op context otherwise), with the attention
-    backends of ``model.sdpa_backends`` where they are set."""
-    autocast = uses_autocast(cfg, deepspeed)
+    """The run's compute settings as one re-enterable context: the autocast of ``uses_autocast`` runs (bf16 or
+    fp16), the attention backends of ``model.sdpa_backends`` and the TF32 mode of ``model.tf32``, each where it
+    is set (a no-op context when none is)."""
     backends = sdpa_backends(cfg.sdpa_backends)
+    factories = []
     if backends:
-        factories = [lambda: sdpa_context(backends)]
-        if autocast:
-            factories.append(lambda: torch.autocast(device.type, dtype=torch.bfloat16))
-        return _Contexts(*factories)
-    if autocast:
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return nullcontext()
+        factories.append(lambda: sdpa_context(backends))
+    if uses_autocast(cfg, deepspeed):
+        factories.append(lambda: torch.autocast(device.type, dtype=autocast_dtype(cfg)))
+    if cfg.tf32 is not None:
+        factories.append(lambda: tf32_mode(cfg.tf32))
+    return _Contexts(*factories) if factories else nullcontext()
 
 
 def load_policy(cfg: ModelConfig, device: torch.device, *, master_weights: bool = False):
     """The trainable policy on ``device``: full model, or a peft LoRA wrapper when ``lora_r > 0``
     (over a 4-bit NF4 base with ``load_in_4bit``: QLoRA). ``master_weights``: load in fp32 whatever
-    ``bf16`` says (compute then runs under ``compute_context``)."""
+    ``bf16``/``fp16`` say (compute then runs under ``compute_context``)."""
     if cfg.load_in_4bit:
         model = _load_4bit(cfg, device)
     else:

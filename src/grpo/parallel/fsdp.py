@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from grpo.config import ConfigError
+from grpo.parallel.update_outcome import UpdateOutcome
 
 try:  # a torch built without distributed support has no FSDP2: check_fsdp_available says so by name
     import torch.distributed.fsdp as torch_fsdp
@@ -168,7 +169,7 @@ class FsdpLearner:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def finish_update(self) -> float | None:
+    def finish_update(self) -> UpdateOutcome:
         if self.accumulate_unsharded:
             for unit in _units(self.module):
                 unit.set_reshard_after_forward(_RESHARD[unit], recurse=False)
@@ -186,7 +187,7 @@ class FsdpLearner:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return value if applied else None
+        return UpdateOutcome(value if applied else None)
 
     @property
     def lr(self) -> float:

@@ -3,7 +3,12 @@
 
 ``train_on_batch`` drives either through the same four calls, so the update loop is written once:
 ``accumulating(last)`` (a context for one micro-batch), ``backward(loss)``, ``finish_update()``
-(clip, step, schedule; returns the gradient norm or None when the update was skipped) and ``lr``.
+(clip, step, schedule; returns an ``UpdateOutcome``: the gradient norm, None when the update was skipped) and ``lr``.
+
+fp16 (``model.fp16``) scales the loss in backward and skips an update whose gradients overflowed: torch's
+``GradScaler`` in the torch learner, DeepSpeed's own loss scaler in its engine. Such a skip is the scaler doing
+its work (its first updates find the largest scale that fits float16), so it is told apart from a non-finite
+gradient (``UpdateOutcome.overflow``), which the run's guard counts (``grpo.training.guards.SkipGuard``).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import math
 import re
 import os
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Protocol
 
 import torch
@@ -19,41 +24,62 @@ import torch.distributed as dist
 
 from grpo.config import ConfigError
 from grpo.config.deepspeed_json import read_deepspeed_json
+from grpo.models.compiled import CompiledDecoder
 from grpo.parallel.distributed import keep_until_exit, one_process_group
 from grpo.parallel.fsdp import FsdpLearner
-
+from grpo.parallel.update_outcome import MIN_LOSS_SCALE, UpdateOutcome
 
 class Learner(Protocol):
     module: torch.nn.Module  # what the training forward pass calls (DDP wrapper / DeepSpeed engine)
 
     def accumulating(self, last: bool): ...
     def backward(self, loss: torch.Tensor) -> None: ...
-    def finish_update(self) -> float | None: ...
+    def finish_update(self) -> UpdateOutcome: ...
     @property
     def lr(self) -> float: ...
 
 
 class TorchLearner:
-    """AdamW (or any torch optimizer) + LambdaLR, with DDP's ``no_sync`` on all but the last micro-batch."""
+    """AdamW (or any torch optimizer) + LambdaLR, with DDP's ``no_sync`` on all but the last micro-batch;
+    ``scaler``: fp16's loss scaler (None: none); ``compiled``: the decoder each micro-batch runs compiled
+    (``train.torch_compile``; None: eager)."""
 
-    def __init__(self, module: torch.nn.Module, optimizer, scheduler, max_grad_norm: float | None):
+    def __init__(self, module: torch.nn.Module, optimizer, scheduler, max_grad_norm: float | None,
+                 scaler: torch.amp.GradScaler | None = None, compiled: CompiledDecoder | None = None):
         self.module, self.optimizer, self.scheduler = module, optimizer, scheduler
-        self.max_grad_norm = max_grad_norm
+        self.max_grad_norm, self.scaler, self.compiled = max_grad_norm, scaler, compiled
         self.params = [p for p in module.parameters() if p.requires_grad]
+        self._loss_finite: torch.Tensor | None = None  # fp16: every loss of the update was finite (0-d bool)
 
     def accumulating(self, last: bool):
-        return self.module.no_sync() if not last and hasattr(self.module, "no_sync") else nullcontext()
+        stack = ExitStack()
+        if not last and hasattr(self.module, "no_sync"):
+            stack.enter_context(self.module.no_sync())
+        if self.compiled is not None:
+            stack.enter_context(self.compiled.active())
+        return stack
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        if self.scaler is None:
+            loss.backward()
+            return
+        finite = torch.isfinite(loss.detach())
+        self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
+        self.scaler.scale(loss).backward()
 
-    def finish_update(self) -> float | None:
+    def finish_update(self) -> UpdateOutcome:
         # A non-finite norm skips the update: one bad batch must not poison the weights. Deciding that
         # needs the norm on the host: its one sync per update, read once as a float (not bool() and then
         # float(), two). foreach (torch's default on CUDA and CPU) norms and scales all gradients in a
         # few kernels; foreach=True would raise on devices without those kernels.
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # the true gradients, before clipping reads them
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm or float("inf"))
-        value = float(norm)
+        if self.scaler is None:
+            value, loss_finite = float(norm), True
+        else:  # the loss's finiteness rides along in the same transfer
+            finite = self._loss_finite if self._loss_finite is not None else torch.ones((), dtype=torch.bool)
+            value, loss_finite = torch.stack([norm.float(), finite.to(norm.device).float()]).tolist()
         applied = math.isfinite(value)
         if applied:
             self.optimizer.step()
@@ -62,7 +88,19 @@ class TorchLearner:
             torch.clear_autocast_cache()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return value if applied else None
+        if self.scaler is None:
+            return UpdateOutcome(value if applied else None)
+        return self._scaled_outcome(value if applied else None, bool(loss_finite))
+
+    def _scaled_outcome(self, norm: float | None, loss_finite: bool) -> UpdateOutcome:
+        """fp16: the scaler's update (halve after an overflow, grow after a run of clean updates) and its outcome.
+        The update was skipped by the same test the scaler makes (a non-finite gradient after unscaling; the
+        scaler's ``step`` is not used, so that both learners skip on one rule)."""
+        scale = self.scaler.get_scale()  # the scale this update's gradients carried (no wait: the norm was read)
+        self.scaler.update()
+        self._loss_finite = None
+        overflow = norm is None and loss_finite and scale > MIN_LOSS_SCALE
+        return UpdateOutcome(norm, overflow=overflow, loss_scale=self.scaler.get_scale())
 
     @property
     def lr(self) -> float:
@@ -80,9 +118,10 @@ class DeepSpeedLearner:
     only at that boundary. The engine's ``micro_steps`` counts backwards, ``global_steps`` updates.
     """
 
-    def __init__(self, engine):
+    def __init__(self, engine, fp16: bool = False):
         self.module = engine
         self.engine = engine
+        self.fp16 = fp16  # the engine's fp16 section is on: its loss scaler skips updates that overflow
 
     def accumulating(self, last: bool):
         # Set before the micro-batch's forward, as the engine asks: its backward hooks read it.
@@ -93,9 +132,17 @@ class DeepSpeedLearner:
         self.engine.backward(loss, scale_wrt_gas=False)
         self.engine.step()
 
-    def finish_update(self) -> float | None:
+    def finish_update(self) -> UpdateOutcome:
+        if not self.fp16:
+            norm = self.engine.get_global_grad_norm()
+            return UpdateOutcome(None if norm is None else float(norm))
+        # Every DeepSpeed fp16 optimizer (ZeRO 1-3, fused, unfused) has a loss_scale property; at its floor
+        # (min_loss_scale, 1) DeepSpeed raises and stops the run itself, so every skip above it is an overflow.
+        scale = float(self.engine.optimizer.loss_scale)
+        if not self.engine.was_step_applied():
+            return UpdateOutcome(None, overflow=True, loss_scale=scale)
         norm = self.engine.get_global_grad_norm()
-        return None if norm is None else float(norm)
+        return UpdateOutcome(None if norm is None else float(norm), loss_scale=scale)
 
     @property
     def lr(self) -> float:
@@ -103,12 +150,13 @@ class DeepSpeedLearner:
 
 
 def deepspeed_config(path: str | dict, *, micro_batch_size: int, accumulation_steps: int, world_size: int,
-                     max_grad_norm: float | None, bf16: bool) -> dict:
+                     max_grad_norm: float | None, bf16: bool, fp16: bool = False) -> dict:
     """A DeepSpeed config (a JSON file, or the mapping itself) with the batch fields filled from ours (``"auto"`` or
-    absent).
+    absent), and its bf16/fp16 sections from ``model.bf16``/``model.fp16`` where it has none (fp16: DeepSpeed's
+    dynamic loss scaling with its own defaults, as Trainer leaves them).
 
     Values the user wrote must agree with the run's; a disagreement is a configuration error, not a
-    silently different batch.
+    silently different batch (or precision: the learner's skips depend on the fp16 section).
     """
     config = read_deepspeed_json(path)
     where = path if isinstance(path, str) else "the given mapping"
@@ -125,6 +173,12 @@ def deepspeed_config(path: str | dict, *, micro_batch_size: int, accumulation_st
                               f"(set it to \"auto\" to take it from the grpo config)")
         config[key] = value
     config.setdefault("bf16", {"enabled": bf16})
+    section = config.setdefault("fp16", {"enabled": fp16})
+    if section.get("enabled", "auto") == "auto":
+        section["enabled"] = fp16
+    elif bool(section["enabled"]) != fp16:
+        raise ConfigError(f"train.deepspeed: {where}: fp16.enabled is {section['enabled']} but model.fp16 is {fp16} "
+                          "(set it to \"auto\" to take it from the grpo config)")
     config.setdefault("steps_per_print", 10**9)  # our own metrics; no DeepSpeed step logging
     return config
 
@@ -158,8 +212,10 @@ def local_rank_for_deepspeed():
 
 
 def build_learner(model: torch.nn.Module, optimizer, scheduler, *, ddp: bool, deepspeed_config_dict: dict | None,
-                  max_grad_norm: float | None) -> Learner:
-    """A DeepSpeed learner when a DeepSpeed config is given, else torch (DDP-wrapped when ``ddp``)."""
+                  max_grad_norm: float | None, scaler: torch.amp.GradScaler | None = None,
+                  compiled: CompiledDecoder | None = None) -> Learner:
+    """A DeepSpeed learner when a DeepSpeed config is given, else torch (DDP-wrapped when ``ddp``; ``scaler`` and
+    ``compiled``: ``TorchLearner``'s)."""
     if deepspeed_config_dict is not None:
         import deepspeed  # optional extra (grpo[deepspeed])
 
@@ -168,10 +224,10 @@ def build_learner(model: torch.nn.Module, optimizer, scheduler, *, ddp: bool, de
         with local_rank_for_deepspeed():
             engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                    config=deepspeed_config_dict)
-        return DeepSpeedLearner(engine)
+        return DeepSpeedLearner(engine, fp16=bool(deepspeed_config_dict.get("fp16", {}).get("enabled")))
     # keep_until_exit: tearing a DDP wrapper down can deadlock a rank (see there).
     module = keep_until_exit(torch.nn.parallel.DistributedDataParallel(model)) if ddp else model
-    return TorchLearner(module, optimizer, scheduler, max_grad_norm)
+    return TorchLearner(module, optimizer, scheduler, max_grad_norm, scaler, compiled)
 
 
 def full_weights(learner: Learner) -> dict[str, torch.Tensor] | None:

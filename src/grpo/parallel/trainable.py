@@ -9,6 +9,8 @@ import torch
 
 from grpo.config import ConfigError, RunConfig
 from grpo.config.rules import updates_per_step
+from grpo.models.compiled import CompiledDecoder, CompileSettings
+from grpo.models.precision import loss_scaler
 from grpo.parallel.distributed import DistInfo, one_process_group
 from grpo.parallel.fsdp import FsdpLearner, FsdpSettings, check_fsdp_available, device_mesh, layer_modules, shard
 from grpo.parallel.learners import Learner, build_learner, deepspeed_config
@@ -18,7 +20,8 @@ from grpo.parallel.optim import build_optimizer, build_scheduler
 @dataclass
 class Trainable:
     """The policy and what updates it. ``optimizer``/``scheduler`` are None under DeepSpeed (the engine owns them);
-    under FSDP2 (``fsdp``) the policy's parameters are each rank's shards."""
+    under FSDP2 (``fsdp``) the policy's parameters are each rank's shards. ``scaler``: fp16's loss scaler on the
+    torch path (checkpointed with them), else None."""
 
     policy: torch.nn.Module
     learner: Learner
@@ -26,6 +29,13 @@ class Trainable:
     scheduler: object | None
     deepspeed: bool
     fsdp: bool = False
+    scaler: torch.amp.GradScaler | None = None
+
+
+def compile_settings(cfg: RunConfig) -> CompileSettings | None:
+    """``train.torch_compile``'s settings, None when it is off."""
+    t = cfg.train
+    return CompileSettings(t.torch_compile_backend, t.torch_compile_mode) if t.torch_compile else None
 
 
 def fsdp_settings(cfg: RunConfig) -> FsdpSettings:
@@ -53,8 +63,9 @@ def shard_for_run(cfg: RunConfig, model: torch.nn.Module) -> torch.nn.Module:
 def build_trainable(cfg: RunConfig, policy: torch.nn.Module, info: DistInfo,
                     optimizer: torch.optim.Optimizer | None = None, scheduler: object | None = None) -> Trainable:
     """Optimizer, schedule and learner (DeepSpeed when ``train.deepspeed`` names a config, FSDP2 with ``train.fsdp``,
-    else torch/DDP). ``optimizer``/``scheduler``: a caller's, used as given (None: built from ``optim.*``; a given
-    optimizer without a scheduler gets ``optim.*``'s schedule over it, as transformers' Trainer does)."""
+    else torch/DDP, with fp16's loss scaler and the compiled decoder of ``train.torch_compile``).
+    ``optimizer``/``scheduler``: a caller's, used as given (None: built from ``optim.*``; a given optimizer
+    without a scheduler gets ``optim.*``'s schedule over it, as transformers' Trainer does)."""
     if cfg.train.fsdp and optimizer is not None:
         raise ConfigError("train.fsdp: a given optimizer (GRPOTrainer(optimizers=...)) holds the model's parameters "
                           "as they were before sharding; under FSDP2 the optimizer is built over the shards (drop "
@@ -80,9 +91,14 @@ def build_trainable(cfg: RunConfig, policy: torch.nn.Module, info: DistInfo,
             # PTX: its micro-batch's backward comes before each update too (see train_on_batch), and DeepSpeed
             # steps at its own count of backwards.
             accumulation_steps=max(1, -(-rows // cfg.train.micro_batch_size)) + bool(cfg.ptx.data),
-            world_size=info.world_size, max_grad_norm=cfg.optim.max_grad_norm, bf16=cfg.model.bf16)
+            world_size=info.world_size, max_grad_norm=cfg.optim.max_grad_norm, bf16=cfg.model.bf16,
+            fp16=cfg.model.fp16)
+    device = next(policy.parameters()).device
+    scaler = loss_scaler(cfg.model, device, deepspeed=ds_config is not None)
+    settings = compile_settings(cfg)
+    compiled = CompiledDecoder(policy, settings) if settings is not None else None
     learner = build_learner(policy, optimizer, scheduler, ddp=info.enabled, deepspeed_config_dict=ds_config,
-                            max_grad_norm=cfg.optim.max_grad_norm)
+                            max_grad_norm=cfg.optim.max_grad_norm, scaler=scaler, compiled=compiled)
     if ds_config is not None:
         return Trainable(policy, learner, None, None, deepspeed=True)
-    return Trainable(policy, learner, optimizer, scheduler, deepspeed=False)
+    return Trainable(policy, learner, optimizer, scheduler, deepspeed=False, scaler=scaler)

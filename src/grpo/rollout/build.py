@@ -49,6 +49,14 @@ def _over_policy(engine_class) -> Callable[[RunConfig, torch.nn.Module, object],
     return build
 
 
+def _build_static(cfg: RunConfig, policy: torch.nn.Module, tokenizer) -> RolloutEngine:
+    # fp16 is for GPUs without bf16 (V100, T4): the sampling copy is float16 there too, not the CUDA default bf16.
+    # On a CPU the copy keeps the policy's own dtype (sampling stays exact), as without fp16.
+    on_cuda = next(policy.parameters()).is_cuda
+    return StaticEngine(policy, tokenizer, cfg.rollout.generation_batch_size,
+                        dtype=torch.float16 if cfg.model.fp16 and on_cuda else None)
+
+
 def _check_vllm() -> None:
     try:
         import_vllm()
@@ -72,7 +80,7 @@ def _build_vllm(cfg: RunConfig, policy: torch.nn.Module, tokenizer) -> RolloutEn
 
 ENGINES: dict[str, EngineKind] = {
     "hf": EngineKind(ENGINE_TRAITS["hf"], _over_policy(LeanEngine)),
-    "hf-static": EngineKind(ENGINE_TRAITS["hf-static"], _over_policy(StaticEngine)),
+    "hf-static": EngineKind(ENGINE_TRAITS["hf-static"], _build_static),
     "hf-generate": EngineKind(ENGINE_TRAITS["hf-generate"], _over_policy(HFEngine)),
     "vllm": EngineKind(ENGINE_TRAITS["vllm"], _build_vllm, check=_check_vllm),
 }

@@ -3,7 +3,8 @@
 Layout of a run folder::
 
     output_dir/checkpoints/step-N/   model (HF format) or adapter, tokenizer, optimizer.pt,
-                                     scheduler.pt, rng.pt, trainer_state.json
+                                     scheduler.pt, rng.pt, trainer_state.json; scaler.pt under
+                                     model.fp16 (the loss scaler's state, Trainer's name)
     output_dir/final/                the trained model (or adapter) and tokenizer, HF format
 
 The Python API names its checkpoints as TRL does (``CheckpointLayout``, ``train.checkpoint_layout: trl``):
@@ -48,6 +49,7 @@ TRAINER_STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 RNG_FILE = "rng.pt"
+SCALER_FILE = "scaler.pt"
 MODEL_FILE = "model.safetensors"
 MODEL_INDEX_FILE = "model.safetensors.index.json"
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -112,6 +114,7 @@ def save_checkpoint(
     state_dict: dict[str, torch.Tensor] | None = None,
     write_extra: Callable[[Path], None] | None = None,
     layout: CheckpointLayout = GRPO_LAYOUT,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> Path:
     """Write ``output_dir/checkpoints/step-{step}/`` (``layout``'s folder) atomically, then prune the oldest
     beyond the limit.
@@ -126,6 +129,7 @@ def save_checkpoint(
         save_total_limit: keep at most this many checkpoints (the new one always survives); ``None`` keeps all.
         state_dict: the weights to write instead of ``model.state_dict()`` (e.g. gathered from ZeRO-3 shards).
         write_extra: called with the (temporary) folder to add more state to it, e.g. PPO's critic.
+        scaler: fp16's loss scaler, its ``state_dict()`` to ``scaler.pt``; ``None`` skips it.
     Returns the checkpoint folder.
     """
     if save_total_limit is not None and save_total_limit < 1:
@@ -147,6 +151,8 @@ def save_checkpoint(
             torch.save(optimizer.state_dict(), folder / OPTIMIZER_FILE)
         if scheduler is not None:
             torch.save(scheduler.state_dict(), folder / SCHEDULER_FILE)
+        if scaler is not None:
+            torch.save(scaler.state_dict(), folder / SCALER_FILE)
         torch.save(rng_state.capture_rng(), folder / RNG_FILE)
         if write_extra is not None:
             write_extra(folder)
@@ -277,11 +283,12 @@ def load_checkpoint(
     scheduler: Any = None,
     restore_rng: bool = True,
     state_file: str = TRAINER_STATE_FILE,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> dict:
     """Restore a checkpoint folder in place and return its trainer state (a dict with ``"step"``).
 
     Loads the model weights (full model or LoRA adapter, matching what ``model`` is; None: none), then
-    the optimizer and scheduler state when given, then the RNG states. Raises ``CheckpointError``
+    the optimizer, scheduler and loss-scaler state when given, then the RNG states. Raises ``CheckpointError``
     naming the file when one is missing, torn, corrupt or does not match the model.
     """
     path = Path(path)
@@ -299,6 +306,11 @@ def load_checkpoint(
         _load_state_dict_into(optimizer, path / OPTIMIZER_FILE)
     if scheduler is not None:
         _load_state_dict_into(scheduler, path / SCHEDULER_FILE)
+    if scaler is not None:
+        if not (path / SCALER_FILE).is_file():
+            raise CheckpointError(f"{path / SCALER_FILE} is missing: the checkpoint was saved without model.fp16's "
+                                  "loss scaler (a run in another precision); resume in the precision it was saved in")
+        _load_state_dict_into(scaler, path / SCALER_FILE)
     if restore_rng:
         try:
             rng_state.restore_rng(_torch_load(path / RNG_FILE))

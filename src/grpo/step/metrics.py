@@ -16,15 +16,15 @@ from grpo.rewards import answers_equal, extract_answer, is_well_formatted
 from grpo.step.records import RolloutBatch, UpdateStats
 
 # Statistics only some runs have, averaged over ranks: grpo.critic.train_critic's (PPO), the PTX loss, the sampler
-# correction's, an MoE policy's load-balancing loss, and with an entropy bonus the loss without it and the
-# coefficient (the same on every rank).
-OPTIONAL_PREFIXES = ("critic/", "loss/value", "loss/ptx", "sampler_is/", "mismatch/", "moe/", "policy_loss",
+# correction's, an MoE policy's load-balancing loss, fp16's loss scale and overflow count, and with an entropy
+# bonus the loss without it and the coefficient (the same on every rank).
+OPTIONAL_PREFIXES = ("critic/", "loss/value", "loss/ptx", "sampler_is/", "mismatch/", "moe/", "fp16/", "policy_loss",
                      "entropy_coef")
 # Of those, the maxima: the largest over the ranks, not their mean.
 RANK_MAXIMA = ("mismatch/ratio_max",)
 # Averaged over ranks plainly whatever each rank's share of the step: the policy loss is already the rank's part
 # of the step's (DDP's mean; grpo.step.policy_update scales it), the PTX batch is the same size on every rank.
-RANK_PLAIN_MEANS = ("loss", "loss/ptx")
+RANK_PLAIN_MEANS = ("loss", "loss/ptx", "fp16/loss_scale", "fp16/overflow_updates")  # fp16's: one for every rank
 # A task's answer scorer (grpo.tasks.Task.score): (text, gold, tag_style) -> {"correct", "formatted", ...}
 Scorer = Callable[[str, str, str], dict]
 

@@ -82,7 +82,8 @@ def train_on_batch(learner: Learner, batch: RolloutBatch, s: LossSettings, dist_
     mini-batch (``prepare_mini_batches``), every ratio to the weights that started the step. Returns the step's
     training stats (means over its updates) and each update's own (``UpdateStats``, this rank's).
 
-    A skipped update (non-finite gradient norm, see the learner) is counted in ``skipped_updates``. With
+    A skipped update (non-finite gradient norm, see the learner) is counted in ``skipped_updates``; under fp16
+    ``fp16/overflow_updates`` counts those the loss scaler skipped, and ``fp16/loss_scale`` is its scale. With
     ``s.sampler_is_mode`` each token's surrogate is weighted by ``sampler_importance_weights`` of the old
     log-probs (the batch's, else the step's start) over ``batch.sampler_logprobs``; the weights' token mean, the
     share of tokens over the cap and the mean |old - sampler| are logged as ``sampler_is/*``. When the batch
@@ -131,8 +132,8 @@ def one_update(learner: Learner, inputs: LossInputs, old: torch.Tensor | None, s
         ptx_backward(learner, ptx, s, stats)
     if keep_old:
         old = inputs.in_row_order(kept)  # [N, Lc]
-    norm = learner.finish_update()  # the learner's one host sync per update (it decides the skip)
+    outcome = learner.finish_update()  # the learner's one host sync per update (it decides the skip)
     coef = (entropy.end_update(dist_info) if entropy is not None  # the adaptive bonus's host read, after the sync
             else s.entropy_coef if s.entropy_bonus else None)
-    stats.end_update(norm, rate, time.perf_counter() - started, coef)
+    stats.end_update(outcome, rate, time.perf_counter() - started, coef)
     return old

@@ -12,6 +12,7 @@ from grpo.algorithm import mismatch_sums
 from grpo.step.records import StepUpdate, UpdateStats
 
 if TYPE_CHECKING:  # annotations only (a record of each: no logic of theirs is called)
+    from grpo.parallel.update_outcome import UpdateOutcome
     from grpo.step.micro_batch_loss import MicroBatchLoss
     from grpo.step.update_inputs import LossInputs
 
@@ -62,6 +63,8 @@ class StepStats:
         self.grad_norms: list[float | None] = []
         self.learning_rates: list[float] = []
         self.seconds: list[float] = []
+        self.overflows = 0  # updates fp16's loss scaler skipped (UpdateOutcome.overflow)
+        self.loss_scale: float | None = None  # fp16: the scale after the step's last update
 
     @torch.no_grad()
     def add_micro_batch(self, part: MicroBatchLoss, inputs: LossInputs, update: int) -> None:
@@ -108,14 +111,17 @@ class StepStats:
     def add_ptx(self, nll: torch.Tensor) -> None:
         self.totals["loss/ptx"] += nll.detach().double() / self.num_updates
 
-    def end_update(self, grad_norm: float | None, learning_rate: float, seconds: float,
+    def end_update(self, outcome: UpdateOutcome, learning_rate: float, seconds: float,
                    entropy_coef: float | None = None) -> None:
-        """The update's host values: its gradient norm (None: skipped), rate, wall time and entropy coefficient
-        (None: no bonus)."""
+        """The update's host values: what the learner did (its gradient norm, None: skipped; fp16's loss scale),
+        its rate, wall time and entropy coefficient (None: no bonus)."""
         self.entropy_coefs.append(entropy_coef)
-        self.grad_norms.append(grad_norm)
+        self.grad_norms.append(outcome.grad_norm)
         self.learning_rates.append(learning_rate)
         self.seconds.append(seconds)
+        self.overflows += outcome.overflow
+        if outcome.loss_scale is not None:
+            self.loss_scale = outcome.loss_scale
 
     def result(self, learning_rate: float) -> StepUpdate:
         """The step's ``StepUpdate``; ``learning_rate``: its first update's."""
@@ -128,6 +134,8 @@ class StepStats:
         totals["learning_rate"] = learning_rate
         totals["grad_norm"] = sum(norms) / len(norms) if norms else float("nan")
         totals["skipped_updates"] = float(len(self.grad_norms) - len(norms))
+        if self.loss_scale is not None:  # fp16: the overflow skips among them (not counted by SkipGuard)
+            totals.update({"fp16/loss_scale": self.loss_scale, "fp16/overflow_updates": float(self.overflows)})
         if self.entropy_coefs and self.entropy_coefs[-1] is not None:  # the bonus's: the loss without it, the coef
             totals["policy_loss"] = sum(row["policy_loss"] for row in rows) / len(rows)
             totals["entropy_coef"] = self.entropy_coefs[-1]

@@ -20,6 +20,7 @@ import torch
 from grpo.data import Example
 from grpo.data.prompt_sampler import step_seed
 from grpo.parallel.distributed import DistInfo
+from grpo.parallel.learners import UpdateOutcome
 from grpo.step.dynamic_sampling import zero_spread_groups
 from grpo.step.experience import ExperienceSettings, RefLogprobs, finish_experience, sample_and_score
 from grpo.step.metrics import reduce_updates
@@ -58,7 +59,7 @@ def batch_loss_metrics(policy: torch.nn.Module, batch: RolloutBatch, s: LossSett
     stats = StepStats(1, device, inputs.sampler_logprobs is not None, ptx=False)
     for rows, on_device in inputs.micro_batches:
         stats.add_micro_batch(micro_batch_loss(policy, inputs, rows, on_device, None, s), inputs, 0)
-    stats.end_update(None, 0.0, 0.0)
+    stats.end_update(UpdateOutcome(None), 0.0, 0.0)  # no optimizer step: no norm
     update = reduce_updates([[asdict(stats.result(0.0).updates[0])]])[0]
     group_size = batch.rewards.shape[0] // max(len(batch.prompts), 1)
     metrics = {name: update[name] for name in ("loss", "entropy", *CLIP_RATIOS)}

@@ -14,14 +14,20 @@ from grpo.errors import TrainingAborted
 
 class SkipGuard:
     """Counts steps whose updates were all skipped (non-finite gradients); too many in a row aborts
-    the run, leaving the last good checkpoint as it is, instead of training on garbage for hours."""
+    the run, leaving the last good checkpoint as it is, instead of training on garbage for hours.
+
+    fp16's overflow skips (``fp16/overflow_updates``: the loss scale above 1, the loss finite) are not counted:
+    they are the loss scaler at work, which halves its scale after each (from 2^16 it may take several at the
+    start, the scaler's warm-up) until the scaled gradients fit float16. A non-finite loss, or an overflow at a
+    scale of 1 or below (gradients too large for float16 unscaled), counts as any non-finite update does."""
 
     def __init__(self, max_consecutive: int, updates_per_step: int):
         self.max_consecutive, self.updates_per_step = max_consecutive, updates_per_step
         self.consecutive = 0
 
     def record(self, step: int, train_stats: dict) -> None:
-        all_skipped = train_stats["skipped_updates"] >= self.updates_per_step
+        non_finite = train_stats["skipped_updates"] - train_stats.get("fp16/overflow_updates", 0.0)
+        all_skipped = non_finite >= self.updates_per_step
         self.consecutive = self.consecutive + 1 if all_skipped else 0
         if self.consecutive >= self.max_consecutive:
             raise TrainingAborted(

@@ -24,13 +24,15 @@ from grpo.data import load_sft_pairs
 from grpo.data.prompt_sampler import PromptSampler
 from grpo.data.sft_tokens import tokenize_pairs
 from grpo.evaluation.example_records import EvalRewards
+from grpo.models.compiled import check_compile
 from grpo.models.loading import check_memory_savers, compute_context, load_reference, resolve_device
 from grpo.models.moe import router_loss
+from grpo.models.precision import check_precision
 from grpo.models.wrappers import unwrap_model
 from grpo.multiturn.wiring import with_turns
 from grpo.parallel.distributed import DistInfo, all_gather_json, barrier, init_distributed, print0
 from grpo.parallel.fsdp import gathering
-from grpo.parallel.trainable import Trainable, build_trainable, shard_for_run
+from grpo.parallel.trainable import Trainable, build_trainable, compile_settings, shard_for_run
 from grpo.rollout.build import evaluation_engine
 from grpo.run.best import BestMetric
 from grpo.run.checkpoint import CheckpointLayout, checkpoint_layout
@@ -182,7 +184,7 @@ class Prepared:
     inputs: RunInputs  # the task, tokenizer, data and rewards (a decoupled trainer's data: only to evaluate)
     ptx_data: object | None  # grpo.step.ptx.PtxData (ptx.data), None when off
     policy: torch.nn.Module
-    compute: AbstractContextManager  # bf16 autocast over fp32 master weights (grpo.models.loading)
+    compute: AbstractContextManager  # bf16/fp16 autocast over fp32 weights, TF32 (grpo.models.loading)
     processing: LogprobProcessing | None  # the sampling controls every log-prob pass follows
     trainable: Trainable
     run: OpenedRun
@@ -222,10 +224,13 @@ def prepare(cfg: RunConfig, given: GivenInputs, info: DistInfo, device: torch.de
                               f"prompts (train.prompts_per_step {cfg.train.prompts_per_step} over {info.world_size} "
                               "ranks): each rank splits its own share into whole-group mini-batches")
     check_memory_savers(cfg.model, cfg.optim.optimizer, device)
+    check_precision(cfg.model, device)
+    if compile_settings(cfg) is not None:
+        check_compile(compile_settings(cfg))
     deepspeed = bool(cfg.train.deepspeed)
     policy = policy_for(cfg, given, device, deepspeed)
-    # bf16 autocast over fp32 master weights; DeepSpeed and FSDP2 (bf16 units gathered from fp32 shards) cast
-    # themselves
+    # half-precision autocast over fp32 master weights, TF32; DeepSpeed and FSDP2 (bf16 units gathered from fp32
+    # shards) cast themselves
     compute = compute_context(cfg.model, device, deepspeed or cfg.train.fsdp)
     local_ref = samples and cfg.loss.beta > 0
     reference = load_reference(cfg.model, policy, tokenizer, device) if local_ref else None  # before any update

@@ -81,7 +81,8 @@ def save_run_checkpoint(out: Path, step: int, trainable: Trainable, tokenizer, s
     if info.is_main:
         model, optimizer = (None, None) if trainable.fsdp else (trainable.policy, trainable.optimizer)
         save_checkpoint(out, step, model, tokenizer, optimizer, trainable.scheduler, state,
-                        save_total_limit, state_dict=gathered, write_extra=write_extra, layout=layout)
+                        save_total_limit, state_dict=gathered, write_extra=write_extra, layout=layout,
+                        scaler=trainable.scaler)
         if trainable.deepspeed or trainable.fsdp:
             prefix = DEEPSPEED_PREFIX if trainable.deepspeed else SHARDED_PREFIX
             _prune_state_dirs(out, save_total_limit, layout, prefix)
@@ -99,10 +100,10 @@ def _prune_state_dirs(out: Path, keep: int | None, layout: CheckpointLayout, pre
 
 def load_run_checkpoint(checkpoint: Path, trainable: Trainable, critic=None,
                         layout: CheckpointLayout = GRPO_LAYOUT, reference: torch.nn.Module | None = None) -> dict:
-    """Restore weights, optimizer, schedule and RNG from ``checkpoint`` (and PPO's ``critic`` from its
-    ``critic/`` folder, a moving ``reference`` from ``reference/`` where it has one); returns its trainer state.
-    Under DeepSpeed the engine restores weights and its partitioned optimizer itself; under FSDP2 every rank reads
-    its shards (at any rank count)."""
+    """Restore weights, optimizer, schedule, fp16's loss scaler and RNG from ``checkpoint`` (and PPO's ``critic``
+    from its ``critic/`` folder, a moving ``reference`` from ``reference/`` where it has one); returns its trainer
+    state. Under DeepSpeed the engine restores weights and its partitioned optimizer itself; under FSDP2 every rank
+    reads its shards (at any rank count)."""
     if critic is not None:  # first: a checkpoint without a critic must fail before the policy is overwritten
         load_critic(checkpoint / CRITIC_DIR, critic)
     if reference is not None:  # none saved: the reference never moved, and is the initial weights it holds
@@ -126,7 +127,7 @@ def load_run_checkpoint(checkpoint: Path, trainable: Trainable, critic=None,
         trainable.learner.engine.load_checkpoint(str(checkpoint.parent / state["deepspeed_dir"]))
         return state
     return load_checkpoint(checkpoint, trainable.policy, trainable.optimizer, trainable.scheduler,
-                           state_file=layout.state_file)
+                           state_file=layout.state_file, scaler=trainable.scaler)
 
 
 def _names_shards(checkpoint: Path, layout: CheckpointLayout) -> bool:
