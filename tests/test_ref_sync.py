@@ -52,9 +52,39 @@ def test_the_reference_moves_only_on_sync_steps_and_round_trips_a_checkpoint(tin
     assert not load_saved_reference(tmp_path / "elsewhere", fresh)  # none saved: the reference stays
 
 
+def test_under_lora_the_base_copy_moves_toward_the_merged_policy(tiny_tokenizer):
+    """A LoRA run's moving reference starts as the base without the adapter (load_reference(moving=True): the values
+    of the adapter switched off) and is mixed toward the policy's effective weights, base + B @ A x scale, as
+    TR-DPO mixes a full copy toward the policy: the same as mixing toward peft's merged model."""
+    from peft import LoraConfig, get_peft_model
+
+    from grpo.config import ModelConfig
+    from grpo.models.loading import load_reference, reference_context
+
+    base = build_qwen2(tiny_tokenizer, hidden_size=32, num_layers=1, seed=0)
+    policy = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"]))
+    reference = load_reference(ModelConfig(lora_r=4), policy, tiny_tokenizer, torch.device("cpu"), moving=True)
+    ids = torch.tensor([[3, 5, 7, 9]])
+    with reference_context(policy, None) as switched_off:  # the frozen reference a LoRA run has without sync
+        assert torch.equal(reference(ids).logits, switched_off(ids).logits)
+    with torch.no_grad():  # the adapter has trained: B is no longer 0
+        for name, param in policy.named_parameters():
+            if "lora_" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    before = {k: v.clone() for k, v in reference.state_dict().items()}
+    merged = copy.deepcopy(policy).merge_and_unload().state_dict()
+    mix_into_reference(reference, policy, 0.3)
+    after = reference.state_dict()
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.up_proj.weight",
+                 "model.layers.0.self_attn.q_proj.bias", "model.layers.0.mlp.down_proj.weight"):
+        assert torch.allclose(after[name], 0.3 * merged[name] + 0.7 * before[name], atol=1e-6), name
+    assert not torch.allclose(after["model.layers.0.mlp.up_proj.weight"], before["model.layers.0.mlp.up_proj.weight"])
+    assert not any("lora_" in name for name in after)
+
+
 @pytest.mark.parametrize("overrides, match", [
     (["loss.beta=0"], "loss.beta is 0"),
-    (["model.lora_r=4"], "model.lora_r > 0: .*TRL refuses sync_ref_model with PEFT"),
+    (["model.lora_r=4", "model.load_in_4bit=true"], "model.load_in_4bit is set: the moving reference"),
     (["model.ref_name_or_path=teacher"], "model.ref_name_or_path names a teacher"),
     (["train.mode=decoupled"], "train.mode is decoupled: the samplers .* hold the reference"),
     (["train.deepspeed=ds.json"], "train.deepspeed is set: under ZeRO-3"),

@@ -40,6 +40,29 @@ def test_the_reference_moves_at_sync_steps_as_trls_callback_moves_it(tiny_model_
     assert any(e.get("kl", 0) > 0 for e in trainer.state.log_history)  # the reference is in the loss
 
 
+def test_under_peft_the_reference_moves_toward_the_merged_policy(tiny_model_dir, tmp_path):
+    """TRL refuses sync_ref_model with PEFT (its reference is the adapter switched off); grpo keeps a copy of the
+    base for it and mixes it toward the policy's merged weights (base + the adapter's delta) at each sync step."""
+    from peft import LoraConfig, PeftModel
+
+    out = tmp_path / "run"
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(load(tiny_model_dir), length_reward, args_for(out, **SYNC, max_steps=2),
+                          train_dataset=rows(), peft_config=lora)
+    assert trainer.config.model.lora_r == 4 and trainer.config.loss.ref_sync_steps == 2
+    trainer.train()
+    first = _model_with(load_file(str(out / "checkpoint-1" / "reference" / "model.safetensors")), load(tiny_model_dir))
+    assert all(torch.equal(a, b) for a, b in zip(first.parameters(), load(tiny_model_dir).parameters()))  # not synced
+    merged = PeftModel.from_pretrained(load(tiny_model_dir), str(out / "checkpoint-2")).merge_and_unload()
+    expected = load(tiny_model_dir)
+    from trl.trainer.callbacks import SyncRefModelCallback
+
+    SyncRefModelCallback._sync_target_model(merged, expected, 0.5)  # TRL's mix, toward the merged policy
+    saved = _model_with(load_file(str(out / "checkpoint-2" / "reference" / "model.safetensors")), expected)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(saved.parameters(), expected.parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(saved.parameters(), load(tiny_model_dir).parameters()))
+
+
 def test_a_resumed_run_continues_the_moved_reference(tiny_model_dir, tmp_path):
     straight = GRPOTrainer(load(tiny_model_dir), length_reward, args_for(tmp_path / "a", **SYNC), train_dataset=rows())
     straight.train()
@@ -54,14 +77,8 @@ def test_a_resumed_run_continues_the_moved_reference(tiny_model_dir, tmp_path):
 
 
 def test_sync_ref_model_is_refused_where_trl_refuses_it(tiny_model_dir, tmp_path):
-    from peft import LoraConfig
-
     with pytest.raises(ValueError, match="loss.beta is 0: there is no reference to move"):
         args_for(tmp_path / "run", sync_ref_model=True).to_run_config()
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    with pytest.raises(ValueError, match="TRL refuses sync_ref_model with PEFT"):
-        GRPOTrainer(load(tiny_model_dir), length_reward, args_for(tmp_path / "run", **SYNC), train_dataset=rows(),
-                    peft_config=lora)
     with pytest.raises(ValueError, match="ref_model_sync_steps=3 is not a multiple of the updates per generation 2"):
         args_for(tmp_path / "run", **{**SYNC, "ref_model_sync_steps": 3}, num_iterations=2).to_run_config()
     # alpha alone changes nothing under TRL: accepted, and not a key of the run

@@ -84,8 +84,9 @@ def ref_sync_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
                 ] if moved else []
     why = [  # (refused, reason), the first that holds is reported
         (loss.beta == 0, "loss.beta is 0: there is no reference to move (TRL refuses sync_ref_model with beta 0)"),
-        (cfg.model.lora_r > 0, "model.lora_r > 0: a LoRA run's reference is the base with the adapter off, no model "
-                               "of its own to move (TRL refuses sync_ref_model with PEFT for the same reason)"),
+        (cfg.model.load_in_4bit, "model.load_in_4bit is set: the moving reference is a copy of the base mixed "
+                                 "toward the policy's effective weights, which a 4-bit base cannot hold; use a "
+                                 "bf16 base"),
         (cfg.model.ref_name_or_path is not None, "model.ref_name_or_path names a teacher: TR-DPO moves a copy of the "
                                                  "policy toward it, which another model's parameters cannot follow"),
         (cfg.train.mode == "decoupled", "train.mode is decoupled: the samplers (or decoupled.ref_server) hold the "

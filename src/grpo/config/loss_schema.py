@@ -17,9 +17,11 @@ class LossConfig:
     ref_sync_steps: int | None = opt(
         None, "TR-DPO's moving reference (TRL's sync_ref_model): every N steps, after the step's update, the "
         "reference becomes loss.ref_mixup_alpha x policy + (1 - alpha) x reference, parameter by parameter (kept in "
-        "checkpoints); null = a fixed reference. Colocated full fine-tuning with loss.beta > 0 only: not for LoRA "
-        "(its reference is the base with the adapter off, nothing to move), a teacher (model.ref_name_or_path) or "
-        "train.mode decoupled (the samplers' reference sees only the weights they load).", ge=1)
+        "checkpoints); null = a fixed reference. Under LoRA the reference is then a copy of the base (a second "
+        "model in memory, not the adapter switched off) mixed toward the policy's merged weights (base + the "
+        "adapter's delta). Colocated with loss.beta > 0 only: not with a teacher (model.ref_name_or_path), a 4-bit "
+        "base, train.mode decoupled (the samplers' reference sees only the weights they load), deepspeed or fsdp.",
+        ge=1)
     ref_mixup_alpha: float = opt(
         0.6, "loss.ref_sync_steps: the policy's share in the moved reference (TRL's ref_model_mixup_alpha; 1: the "
         "reference becomes the policy).", ge=0, le=1)

@@ -202,17 +202,21 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.p = 0
 
 
-def load_reference(cfg: ModelConfig, policy: torch.nn.Module, tokenizer, device: torch.device):
+def load_reference(cfg: ModelConfig, policy: torch.nn.Module, tokenizer, device: torch.device,
+                   moving: bool = False):
     """The frozen reference, or None when it is the LoRA policy with its adapter disabled.
 
     ``ref_name_or_path`` null: the policy's initial weights (a frozen copy, made before any update);
-    otherwise another checkpoint that must share the tokenizer (a larger teacher), checked here.
+    otherwise another checkpoint that must share the tokenizer (a larger teacher), checked here. ``moving``
+    (``loss.ref_sync_steps``): the reference gets weights of its own to move even under LoRA, where it is then a
+    copy of the base without the adapter (the same values as the adapter switched off).
     """
     dtype = DTYPES[cfg.ref_torch_dtype] if cfg.ref_torch_dtype else policy_dtype(cfg)
     if cfg.ref_name_or_path is None:
-        if cfg.lora_r > 0:
+        if cfg.lora_r > 0 and not moving:
             return None  # same weights with the adapter off: no second copy in memory
-        reference = copy.deepcopy(policy).to(dtype)
+        copied = copy.deepcopy(unwrap_model(policy))
+        reference = (copied.unload() if cfg.lora_r > 0 else copied).to(dtype)  # unload: the base, adapter dropped
         keep_head_fp32(reference)  # a float32 head stays float32 in the copy
     else:
         reference = _load_causal_lm(cfg.ref_name_or_path, dtype, cfg, "model.ref_name_or_path").to(device)

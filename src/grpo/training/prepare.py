@@ -233,7 +233,8 @@ def prepare(cfg: RunConfig, given: GivenInputs, info: DistInfo, device: torch.de
     # shards) cast themselves
     compute = compute_context(cfg.model, device, deepspeed or cfg.train.fsdp)
     local_ref = samples and cfg.loss.beta > 0
-    reference = load_reference(cfg.model, policy, tokenizer, device) if local_ref else None  # before any update
+    reference = (load_reference(cfg.model, policy, tokenizer, device, moving=cfg.loss.ref_sync_steps is not None)
+                 if local_ref else None)  # before any update
     processing = logprob_processing(cfg, policy, tokenizer)  # every log-prob pass follows the sampling controls
     ref_logprobs = (local_reference(policy, reference, cfg.rollout.temperature, cfg.train.micro_batch_size,
                                     processing, logprob_pass(cfg)) if local_ref else None)
@@ -241,7 +242,7 @@ def prepare(cfg: RunConfig, given: GivenInputs, info: DistInfo, device: torch.de
     if trainable.fsdp and reference is not None:
         shard_for_run(cfg, reference)  # as the policy, no optimizer: 1/N of it on each rank between samplings
     critic = build_critic(cfg, info, device) if needs_critic(cfg) else None
-    moving = reference if cfg.loss.ref_sync_steps else None  # a full copy: the rules refuse LoRA and teachers
+    moving = reference if cfg.loss.ref_sync_steps else None  # a copy of the policy (or its base): not a teacher
     run = open_run(cfg, trainable, info, critic, moving)
     return Prepared(info, device, inputs, ptx_data, policy, compute, processing, trainable, run, schedule,
                     prompt_sampler, ref_logprobs, critic, moving, partial(gathering, policy, reference))
