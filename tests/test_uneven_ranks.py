@@ -5,6 +5,7 @@ and 2 groups (so 3 and 2 micro-batches) whose update equals one process's on the
 
 from __future__ import annotations
 
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from transport_helpers import free_port
 from grpo.algorithm import loss_aggregation, policy_loss
 from grpo.step.batching import rank_group_spans, select_groups
 from grpo.step.metrics import reduce_updates
+from grpo.step.records import UpdateStats
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 TIMEOUT_S = 300  # a bound against a hang only
@@ -95,13 +97,15 @@ def test_the_mean_of_the_scaled_rank_gradients_is_the_whole_batch_gradient(loss_
 
 def test_update_metrics_weigh_each_rank_by_its_share_but_the_scaled_loss():
     def update(loss, kl, share):
-        return {"loss": loss, "kl": kl, "entropy": kl, "ratio_mean": kl, "clip_low": 0, "clip_high": 0,
-                "clip_region": 0, "clip_units": 1, "clip_low_row_min": 0.0, "clip_high_row_max": 0.0,
-                "grad_norm": 1.0, "learning_rate": 0.1, "seconds": 1.0, "rank_share": share}
+        stats = UpdateStats(loss=loss, policy_loss=loss, clip_fraction=kl, vespo_phi_mean=0.0, kl=kl, entropy=kl,
+                            ratio_mean=kl, clip_low=0, clip_high=0, clip_region=0, clip_units=1, clip_low_row_min=0.0,
+                            clip_high_row_max=0.0, grad_norm=1.0, learning_rate=0.1, seconds=1.0)
+        return {**asdict(stats), "rank_share": share}
 
     (row,) = reduce_updates([[update(0.6, 1.0, 1.2)], [update(0.2, 2.0, 0.8)]])
     assert row["kl"] == pytest.approx((6 * 1.0 + 4 * 2.0) / 10) and row["entropy"] == row["kl"]
-    assert row["loss"] == pytest.approx(0.4)  # each rank's loss is already its part of the step's: a plain mean
+    assert row["clip_fraction"] == row["kl"]
+    assert row["loss"] == row["policy_loss"] == pytest.approx(0.4)  # each rank's loss is already its part of the step's: a plain mean
     (plain,) = reduce_updates([[{k: v for k, v in update(0.6, 1.0, 1.0).items() if k != "rank_share"}],
                                [update(0.2, 2.0, 1.0)]])
     assert plain["kl"] == 1.5

@@ -6,18 +6,22 @@ from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import asdict
 
 import pytest
 
 from grpo.step.metrics import reduce_updates, spread_metrics
+from grpo.step.records import UpdateStats
 from grpo.evaluation.example_records import length_metrics
 from grpo.evaluation.sample_metrics import sample_std
 
 
 def rank_update(loss, low, high, region, units, low_min, high_max, norm=1.0):
-    return {"loss": loss, "kl": 0.1, "entropy": 2.0, "ratio_mean": 1.0, "clip_low": low, "clip_high": high,
-            "clip_region": region, "clip_units": units, "clip_low_row_min": low_min, "clip_high_row_max": high_max,
-            "grad_norm": norm, "learning_rate": 0.5, "seconds": loss}
+    # built from UpdateStats, so that a field the trainer adds reaches this test too
+    return asdict(UpdateStats(loss=loss, policy_loss=loss, clip_fraction=0.0, vespo_phi_mean=0.0, kl=0.1, entropy=2.0,
+                              ratio_mean=1.0, clip_low=low, clip_high=high, clip_region=region, clip_units=units,
+                              clip_low_row_min=low_min, clip_high_row_max=high_max, grad_norm=norm,
+                              learning_rate=0.5, seconds=loss))
 
 
 def test_updates_reduce_over_ranks_as_trl_gathers_them():

@@ -21,7 +21,6 @@ def _dropout_rates(model: torch.nn.Module) -> dict[str, float]:
 
 def test_disable_dropout_zeroes_the_modules_trls_does_on_the_policy_and_a_teacher(tiny_model_dir, tiny_tokenizer,
                                                                                    tmp_path):
-    from peft import LoraConfig
     from transformers import GPT2Config, GPT2LMHeadModel
     from trl.trainer.utils import disable_dropout_in_model
 

@@ -59,8 +59,8 @@ def test_bad_input_is_an_exception_naming_it_before_anything_is_written(tiny_mod
         with pytest.raises(error, match=match):
             GRPOTrainer(**kwargs)
         assert not out.exists(), match
-    with pytest.raises(ValueError, match="GRPOConfig.full_determinism=True is not supported"):
-        GRPOConfig(output_dir=str(out), full_determinism=True)
+    with pytest.raises(ValueError, match="GRPOConfig.push_to_hub=True is not supported by grpo: grpo never uploads"):
+        GRPOConfig(output_dir=str(out), push_to_hub=True)
     with pytest.raises(ValueError, match=r"GRPOConfig: loss.delta: 0.5 is out of range: must be > 1"):
         GRPOTrainer(str(tiny_model_dir), reward_funcs=digit_reward, args=args_for(out, delta=0.5), train_dataset=rows())
     assert not out.exists()

@@ -25,7 +25,6 @@ from run_helpers import (
     decoupled_overrides,
     free_port,
     grpo_cmd,
-    read_metrics,
     train_rows,
     wait_until,
 )

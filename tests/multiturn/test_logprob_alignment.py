@@ -12,6 +12,7 @@ from step_helpers import RecordingLearner, settings_with
 from test_driver import ScriptedEngine, calculator, call, example, qwen25_template
 
 import grpo.step.experience as experience
+import grpo.step.micro_batch_loss as micro_batch_loss
 import grpo.step.policy_update as policy_update
 from grpo.models.tiny import build_qwen2
 from grpo.multiturn.driver import MultiTurnRollout
@@ -33,7 +34,7 @@ class RecordingEngine(ScriptedEngine):
 def spy_passes(monkeypatch) -> list[tuple[str, object, tuple]]:
     """Every completion_logprobs call as (who, model, (prompt_ids, prompt_mask, completion_ids, completion_mask))."""
     seen = []
-    for module, who in ((experience, "rollout"), (policy_update, "train")):
+    for module, who in ((experience, "rollout"), (micro_batch_loss, "train")):
         real = module.completion_logprobs
 
         def spy(model, *tensors, _real=real, _who=who, **kwargs):

@@ -17,7 +17,7 @@ import grpo.run.checkpoint as checkpoint_module
 import grpo.training.loop as trainer_module
 from grpo.cli import main
 from grpo.run.checkpoint import complete_checkpoints, latest_checkpoint, load_checkpoint
-from grpo.step import policy_update as optimization
+from grpo.step import micro_batch_loss as optimization
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
