@@ -54,7 +54,7 @@ CASES = [  # the short ones first: the JSON is written after each case
     Case("gsm8k-unsloth", REPO / "examples" / "grpo_gsm8k_unsloth.py", 20),
     # TRL's loss-variant recipes (issue 58): the fields grpo refused before, at 4 optimizer updates
     *(Case(recipe, REPO / "benchmarks" / "scripts" / "loss_variants.py", 4, ("--recipe", recipe))
-      for recipe in ("gspo", "dapo-80-20", "cispo", "sapo", "no-save")),
+      for recipe in ("gspo", "dapo-80-20", "cispo", "sapo", "no-save", "sync-ref", "optimizers")),
 ]
 
 
@@ -91,7 +91,8 @@ def run(case: Case, side: str, threads: int) -> dict:
     # (a tool call or not) can give one side more to train on; train() per token compares like with like.
     lengths = [float(e["completions/mean_length"]) for e in entries  # log_history's (TRL also prints its logs)
                if "completions/mean_length" in e and "step" in e]
-    return {"wall_s": wall, "train_s": float(summary["train_runtime"]), "mean_length_sum": sum(lengths)}
+    keys = sorted({k for e in entries if "step" in e for k in e})  # every key log_history holds
+    return {"wall_s": wall, "train_s": float(summary["train_runtime"]), "mean_length_sum": sum(lengths), "keys": keys}
 
 
 def time_case(case: Case, repeats: int, threads: int) -> dict:
@@ -101,22 +102,25 @@ def time_case(case: Case, repeats: int, threads: int) -> dict:
         for repeat in range(repeats):
             for side in SIDES if repeat % 2 == 0 else SIDES[::-1]:
                 runs[side].append(run(case, side, threads))
-                print(f"  {case.name} {case.steps} steps, {side} run {repeat + 1}: {runs[side][-1]}", file=sys.stderr)
+                shown = {k: v for k, v in runs[side][-1].items() if k != "keys"}
+                print(f"  {case.name} {case.steps} steps, {side} run {repeat + 1}: {shown}", file=sys.stderr)
     except CaseFailed as failure:
         print(f"  {case.name} {case.steps} steps: {failure}", file=sys.stderr)
         return {"runs": runs, "error": str(failure)}
     median = {side: {k: statistics.median(r[k] for r in rs) for k in TIMES} for side, rs in runs.items()}
     per_token = {side: statistics.median(r["train_s"] / r["mean_length_sum"] for r in rs if r["mean_length_sum"])
                  for side, rs in runs.items()}
-    return {"runs": runs, "median": median, "median_train_s_per_length": per_token,
+    # TRL's log keys grpo's log_history lacks (a field grpo maps but does not report shows here)
+    missing = sorted(set().union(*(r["keys"] for r in runs["trl"])) - set().union(*(r["keys"] for r in runs["grpo"])))
+    return {"runs": runs, "median": median, "median_train_s_per_length": per_token, "trl_keys_grpo_lacks": missing,
             "trl_over_grpo": {**{k: median["trl"][k] / median["grpo"][k] for k in TIMES},
                               "train_s_per_length": per_token["trl"] / per_token["grpo"]}}
 
 
 def table(results: list[dict]) -> str:
     lines = ["| script | steps | TRL process (s) | grpo process (s) | TRL / grpo | TRL train() (s) | grpo train() (s) "
-             "| TRL / grpo | sampled tokens TRL / grpo | train() per token TRL / grpo |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| TRL / grpo | sampled tokens TRL / grpo | train() per token TRL / grpo | TRL keys grpo lacks |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['case']} | {r['steps']} | failed: {r['error']} |")
@@ -124,7 +128,8 @@ def table(results: list[dict]) -> str:
         m, ratio = r["median"], r["trl_over_grpo"]
         lines.append(f"| {r['case']} | {r['steps']} | {m['trl']['wall_s']:.1f} | {m['grpo']['wall_s']:.1f} | "
                      f"{ratio['wall_s']:.2f}x | {m['trl']['train_s']:.1f} | {m['grpo']['train_s']:.1f} | "
-                     f"{ratio['train_s']:.2f}x | {_length_ratio(r):.2f} | {ratio['train_s_per_length']:.2f}x |")
+                     f"{ratio['train_s']:.2f}x | {_length_ratio(r):.2f} | {ratio['train_s_per_length']:.2f}x | "
+                     f"{', '.join(r.get('trl_keys_grpo_lacks', [])) or 'none'} |")
     return "\n".join(lines)
 
 

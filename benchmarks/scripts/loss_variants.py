@@ -7,7 +7,9 @@
 - dapo-80-20: DAPO's loss with clip-higher and the 80/20 high-entropy mask (top_entropy_quantile=0.2);
 - cispo: CISPO's capped ratio (epsilon_high=5.0) with the adaptive entropy bonus and the off-policy mask;
 - sapo: SAPO's soft gate over two rewards aggregated as GDPO (normalize_then_sum), with a KL term;
-- no-save: save_strategy="no" (no checkpoint) and logging every step, TRL's quickstart defaults otherwise.
+- no-save: save_strategy="no" (no checkpoint) and logging every step, TRL's quickstart defaults otherwise;
+- sync-ref: TR-DPO's moving reference (sync_ref_model, mixed 0.6 toward the policy every 2 steps) with a KL term;
+- optimizers: GRPOTrainer(optimizers=(AdamW, LambdaLR)) built by the script on the model it loads.
 
 Chat prompts from grpo's synthetic word problems (no download); timed by benchmarks/api_vs_trl.py.
 """
@@ -26,6 +28,8 @@ RECIPES = {
                   off_policy_mask_threshold=0.5, num_iterations=2),
     "sapo": dict(loss_type="sapo", beta=0.04, multi_objective_aggregation="normalize_then_sum"),
     "no-save": dict(save_strategy="no"),
+    "sync-ref": dict(beta=0.04, sync_ref_model=True, ref_model_mixup_alpha=0.6, ref_model_sync_steps=2),
+    "optimizers": dict(),
 }
 
 
@@ -65,10 +69,19 @@ def main() -> None:
                                max_completion_length=32, max_steps=args.max_steps, logging_steps=1, use_cpu=True,
                                report_to="none", **RECIPES[args.recipe])
     rewards = [reward_len, reward_answer] if args.recipe == "sapo" else [reward_answer, reward_len]
-    trainer = GRPOTrainer(model=args.model, reward_funcs=rewards, args=training_args, train_dataset=make_dataset(256))
+    model, optimizers = args.model, (None, None)
+    if args.recipe == "optimizers":  # the optimizer must hold the model's parameters: the script loads the model
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-5, weight_decay=0.0)
+        optimizers = (optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / 100))
+    trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=training_args, train_dataset=make_dataset(256),
+                          optimizers=optimizers)
     trainer.train()
     for entry in trainer.state.log_history:
-        print({k: round(v, 4) if isinstance(v, float) else v for k, v in entry.items()})
+        print({k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in entry.items()})
 
 
 if __name__ == "__main__":

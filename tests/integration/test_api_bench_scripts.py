@@ -57,7 +57,7 @@ def test_the_tools_lora_script_runs_under_grpo(tmp_path):
 
 # what each recipe adds to TRL's log (TRL's own keys), so a recipe's field that grpo dropped shows here
 RECIPE_KEYS = {"gspo": set(), "dapo-80-20": set(), "cispo": {"cispo_clip_ratio", "entropy_coef", "policy_loss"},
-               "sapo": {"kl"}, "no-save": set()}
+               "sapo": {"kl"}, "no-save": set(), "sync-ref": {"kl"}, "optimizers": {"learning_rate"}}
 
 
 @pytest.mark.slow
