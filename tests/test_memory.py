@@ -35,7 +35,9 @@ def estimate(*overrides: str, **kwargs):
 @pytest.mark.parametrize("name, params", [
     # Published parameter counts of Qwen2.5 (tied embeddings counted once for 0.5B-3B).
     ("Qwen/Qwen2.5-0.5B-Instruct", 494_032_768), ("Qwen/Qwen2.5-1.5B-Instruct", 1_543_714_304),
-    ("Qwen/Qwen2.5-3B-Instruct", 3_085_938_688), ("Qwen/Qwen2.5-7B-Instruct", 7_615_616_512)])
+    ("Qwen/Qwen2.5-3B-Instruct", 3_085_938_688), ("Qwen/Qwen2.5-7B-Instruct", 7_615_616_512),
+    # Qwen3-30B-A3B ("30.5B") and Llama 3.1 70B ("70.6B"), counted on their model classes / the Llama formula
+    ("Qwen/Qwen3-30B-A3B", 30_532_122_624), ("meta-llama/Llama-3.1-70B-Instruct", 70_553_706_496)])
 def test_builtin_table_gives_the_published_parameter_counts(name, params):
     assert ModelShape.from_config(BUILTIN_CONFIGS[name], name).num_params() == params
 

@@ -24,7 +24,8 @@ class ArchitectureCounts:
 
     total: every parameter (a tied LM head once); embedding: the input embedding's; largest_layer: the most any
     one decoder layer holds; largest_tensor: the largest parameter (an MoE layer's experts are one); linears: ``(name, in_features, out_features)`` of every linear layer of the decoder
-    layers, every layer (the LM head is not one: peft's ``all-linear`` leaves it out too).
+    layers, every layer (the LM head is not one: peft's ``all-linear`` leaves it out too); layers_total: the decoder
+    layers' parameters together (DeepSeek-V3's first layers are dense, the rest MoE: not num_layers x the largest).
     """
 
     total: int
@@ -32,6 +33,7 @@ class ArchitectureCounts:
     largest_layer: int
     largest_tensor: int
     linears: tuple[tuple[str, int, int], ...]
+    layers_total: int = 0
 
     def linear_names(self) -> tuple[str, ...]:
         """The distinct names ``model.lora_target_modules`` can list, sorted."""
@@ -59,8 +61,9 @@ def _counts(config_json: str) -> ArchitectureCounts | None:
     linears = tuple((name.rsplit(".", 1)[-1], module.in_features, module.out_features)
                     for layer in layers for name, module in layer.named_modules()
                     if isinstance(module, torch.nn.Linear) and module is not head)
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     return ArchitectureCounts(
         total=sum(p.numel() for p in model.parameters()),
         embedding=model.get_input_embeddings().weight.numel(),
-        largest_layer=max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0),
-        largest_tensor=max(p.numel() for p in model.parameters()), linears=linears)
+        largest_layer=max(per_layer, default=0),
+        largest_tensor=max(p.numel() for p in model.parameters()), linears=linears, layers_total=sum(per_layer))

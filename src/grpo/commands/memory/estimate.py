@@ -65,6 +65,7 @@ class MemoryEstimate:
     total_gb: the largest phase plus overhead. fits: total_gb <= gpu_gb, None when gpu_gb is unknown.
     phases_gb: each phase's tensors (rollout, update, optimizer_step), without overhead.
     how: one line per component saying how it was counted. assumptions: the numbers it rests on.
+    sampler_gb: decoupled mode, the tensors of one sampler device (weights, reference, KV cache); None otherwise.
     """
 
     per_device_gb: dict[str, float]
@@ -77,12 +78,14 @@ class MemoryEstimate:
     how: dict[str, str] = field(default_factory=dict)
     gpus: int = 1
     gpu_gb: float | None = None
+    sampler_gb: float | None = None
 
     def to_json(self) -> dict:
         """The ``grpo memory --json`` object."""
         return {"per_device_gb": self.per_device_gb, "total_gb": self.total_gb, "fits": self.fits,
                 "gpus": self.gpus, "gpu_gb": self.gpu_gb, "peak_phase": self.peak_phase,
-                "phases_gb": self.phases_gb, "notes": self.notes, "assumptions": self.assumptions}
+                "phases_gb": self.phases_gb, "sampler_gb": self.sampler_gb, "notes": self.notes,
+                "assumptions": self.assumptions}
 
 
 def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | None = None,
@@ -157,7 +160,7 @@ def estimate_memory(cfg: RunConfig, *, gpus: int | None = None, gpu_gb: float | 
                           fits=None if gpu_gb is None else total_gb <= gpu_gb, notes=notes,
                           assumptions=assumptions(run, states, update, allowance),
                           phases_gb={k: gb(v) for k, v in phases.items()}, peak_phase=peak_phase, how=how,
-                          gpus=run.gpus, gpu_gb=gpu_gb)
+                          gpus=run.gpus, gpu_gb=gpu_gb, sampler_gb=gb(sampler) if run.decoupled else None)
 
 
 def _check_arguments(gpus: int | None, gpu_gb: float | None, vllm_gpu_memory_utilization: float | None) -> None:

@@ -31,7 +31,7 @@ def fsdp_model_states(shape: ModelShape, *, p: int, lora_r: int, targets: tuple[
     lora = targets is not None
     n_train = lora_params(shape, lora_r, targets) if lora else n_params
     stored = n_params * p + n_train * LORA_BYTES if lora else n_params * 4  # LoRA: base in p, adapters fp32
-    root = n_params - shape.num_layers * shape.layer_params()  # embeddings, final norm, untied head
+    root = shape.root_params()  # embeddings, final norm, untied head
     layers_held = 2 if device == "cuda" else 1  # FSDP2 prefetches the next layer on CUDA streams
     how = {}
     gathered = (root + layers_held * shape.layer_params()) * p

@@ -40,8 +40,22 @@ _QWEN25 = {
     "3B": _qwen25(2048, 36, 16, 2, 11008, 151936, True),    # 3.09B
     "7B": _qwen25(3584, 28, 28, 4, 18944, 152064, False),   # 7.62B
 }
+# The two models the scale page (docs/guides/scale.md) sizes, from their public config.json files: a 30B MoE with
+# 3B active (48 layers of 128 experts, 8 routed per token) and a 70B dense Llama.
+_QWEN3_30B_A3B = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
+                  "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                  "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                  "mlp_only_layers": [], "vocab_size": 151936, "tie_word_embeddings": False,
+                  "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                  "router_aux_loss_coef": 0.001}
+_LLAMA31_70B = {"model_type": "llama", "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
+                "num_key_value_heads": 8, "intermediate_size": 28672, "vocab_size": 128256,
+                "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+                "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0}
 BUILTIN_CONFIGS: dict[str, dict] = {
-    f"Qwen/Qwen2.5-{size}{suffix}": config for size, config in _QWEN25.items() for suffix in ("", "-Instruct")
+    **{f"Qwen/Qwen2.5-{size}{suffix}": config for size, config in _QWEN25.items() for suffix in ("", "-Instruct")},
+    "Qwen/Qwen3-30B-A3B": _QWEN3_30B_A3B,
+    **{f"meta-llama/Llama-3.1-70B{suffix}": _LLAMA31_70B for suffix in ("", "-Instruct")},
 }
 
 
@@ -113,7 +127,10 @@ class ModelShape:
         return self.num_layers * sum(a * b for a, b in self.linear_shapes().values())
 
     def layer_params(self) -> int:
-        """Parameters of one decoder layer (linears, their biases, two RMSNorm weights)."""
+        """Parameters of one decoder layer (linears, their biases, two RMSNorm weights); counted on the model class,
+        the largest layer (an MoE layer's experts and router included)."""
+        if self.counts:
+            return self.counts.largest_layer
         shapes = self.linear_shapes()
         weights = sum(a * b for a, b in shapes.values())
         bias = sum(shapes[n][1] for n in ("q_proj", "k_proj", "v_proj")) if self.attention_bias else 0
@@ -131,9 +148,15 @@ class ModelShape:
         head = 0 if self.tie_word_embeddings else self.embedding_params()
         return self.embedding_params() + self.num_layers * self.layer_params() + self.hidden_size + head
 
+    def root_params(self) -> int:
+        """What is outside the decoder layers: embeddings, final norm, an untied LM head (FSDP2's root unit)."""
+        if self.counts:
+            return self.counts.total - self.counts.layers_total
+        return self.num_params() - self.num_layers * self.layer_params()
+
     def largest_module_params(self) -> int:
         """The most parameters one module holds at once (what ZeRO-3 gathers to compute it)."""
-        return max(self.embedding_params(), self.counts.largest_layer if self.counts else self.layer_params())
+        return max(self.embedding_params(), self.layer_params())
 
 
 def lora_targets(target_modules: str | list[str], shape: ModelShape | None = None) -> tuple[str, ...]:
