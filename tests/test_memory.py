@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from memory_helpers import saved_bytes
 
 from grpo.config import ConfigError, load_config
 from grpo.commands.memory import BUILTIN_CONFIGS, ModelShape, estimate_memory, format_table, run_memory_command
@@ -242,21 +243,6 @@ def _batch(vocab: int, b: int = 4, prompt: int = 48, completion: int = 32):
             torch.randint(0, vocab, (b, completion), generator=g), torch.ones(b, completion, dtype=torch.long))
 
 
-def _saved_bytes(model, forward) -> int:
-    """Bytes of every tensor autograd keeps for backward while ``forward()`` runs (storages counted
-    once, the model's parameters left out)."""
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        forward()
-    return sum(n for ptr, n in saved.items() if ptr not in params)
-
-
 def _backward_peak_bytes(model, rows) -> int:
     """Peak live CPU tensor bytes (the profiler's allocation events) over one micro-batch's forward and
     backward through grpo's own log-prob path, after a first one so that gradients already exist."""
@@ -288,7 +274,7 @@ def test_saved_activations_match_autograd(tiny_tokenizer, dtype, lora, targets):
     model, shape = _tiny(tiny_tokenizer, dtype, lora, targets)
     prompt_ids, prompt_mask, completion_ids, completion_mask = _batch(shape.vocab_size)
     ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
-    kept = _saved_bytes(model, lambda: model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1))
+    kept = saved_bytes(model, lambda: model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1))
     p = 2 if dtype == torch.bfloat16 else 4
     expected = activation_bytes(shape, micro_batch=4, seq_len=80, p=p, lora_targets=lora_targets(targets) if lora
                                 else None, lora_r=8, attention="sdpa", gradient_checkpointing=False,
@@ -349,7 +335,7 @@ def test_shared_prompt_saved_activations_match_autograd(tiny_tokenizer, dtype, l
 
     model, shape = _tiny(tiny_tokenizer, dtype, lora, "all-linear")
     prompt_ids, prompt_mask, completion_ids, completion_mask = _grouped_batch(shape.vocab_size)
-    kept = _saved_bytes(model, lambda: _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids,
+    kept = saved_bytes(model, lambda: _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids,
                                                              completion_mask, *shared_prompt_index(prompt_ids, prompt_mask)))
     p = 2 if dtype == torch.bfloat16 else 4
     expected = shared_prompt_activation_bytes(shape, **_shared_kwargs(shape, p, lora), logits=10**12)

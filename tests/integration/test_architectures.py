@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from architectures import ACTIVATION_GAP, FAMILIES, LORA_ALL_LINEAR, MEMORY_SIZES, expected
+from memory_helpers import saved_bytes
 from run_helpers import as_overrides, read_metrics
 from safetensors.torch import load_file
 
@@ -248,21 +249,6 @@ def test_grpo_memory_counts_the_familys_parameters(runs):
     lora = estimate_memory(cfg_of(runs, **{"model.lora_r": 4}), device="cpu")
     peft_model = get_peft_model(copy.deepcopy(runs.model), LoraConfig(r=4, target_modules="all-linear"))
     assert lora.assumptions["trained_params"] == sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-
-
-def saved_bytes(model, forward) -> int:
-    """Bytes of every tensor autograd keeps for backward while ``forward()`` runs, storages counted once, the
-    parameters left out (tests/test_memory.py's measure of the activation formulas)."""
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        forward()
-    return sum(n for ptr, n in saved.items() if ptr not in params)
 
 
 @pytest.mark.parametrize("name", AVAILABLE)
