@@ -163,3 +163,99 @@ def test_a_checkpointed_replayed_pass_has_the_plain_replayed_gradients(moe):
 def test_a_dense_model_has_no_routers_to_replay(tiny_tokenizer):
     with pytest.raises(ValueError, match="has no Mixture-of-Experts router"):
         Recording(FAMILIES["llama"].build(tiny_tokenizer))
+
+
+# ---------------------------------------------------------------- the rollout's recording and the log-prob passes
+
+
+def _sampled(model, tokenizer, seed: int = 1):
+    from grpo.rollout.engine import SamplingParams
+    from grpo.rollout.lean import LeanEngine
+
+    prompts = [tokenizer(text)["input_ids"] for text in ("What is 2+3? Answer", "Hi", "Tell me a long story")]
+    engine = LeanEngine(model, tokenizer, batch_size=4, record_routing=True)  # two calls: 2 prompts, then 1
+    return engine.generate_ids(prompts, SamplingParams(n=2, max_tokens=8, temperature=1.0), seed=seed)
+
+
+PASSES = {"plain": dict(share_prompts=False), "shared prompts": dict(share_prompts=True), "packed": dict(pack=True),
+          "micro-batches": dict(share_prompts=True, micro_batch_size=2, column_bucket=1)}
+
+
+def test_the_rollout_records_every_fed_token_and_each_pass_shape_replays_it(moe, tiny_tokenizer):
+    from grpo.step.logprobs import completion_logprobs
+
+    name, model = moe
+    g = _sampled(model, tiny_tokenizer)
+    layers, k = len(replay_routers(model)), model.config.num_experts_per_tok
+    assert g.routing.shape == (6, g.prompt_ids.shape[1] + g.completion_ids.shape[1], layers, k)
+    recorded = (g.routing >= 0).all(-1).all(-1)  # [N, T]
+    real = torch.cat([g.prompt_mask, g.completion_mask], 1).bool()
+    # every real token but each row's last sampled one (drawn, never fed back), nothing else
+    last = g.prompt_ids.shape[1] + g.completion_mask.sum(1) - 1
+    want = real.clone()
+    want[torch.arange(6), last] = False
+    assert torch.equal(recorded, want)
+
+    # a sampler whose routers drifted: its recorded experts replayed by the trainer's passes, whatever their shape
+    import copy
+
+    drifted = copy.deepcopy(model)
+    with torch.no_grad():
+        for router in replay_routers(drifted):
+            router.weight.add_(torch.randn(router.weight.shape, generator=torch.Generator().manual_seed(3)))
+    g = _sampled(drifted, tiny_tokenizer)
+    batch = (g.prompt_ids, g.prompt_mask, g.completion_ids, g.completion_mask, 1.0)
+    mask = g.completion_mask.bool()
+    free = completion_logprobs(model, *batch)[mask]
+    got = {}
+    from grpo.models.architecture import packing_keeps_rows_apart
+
+    for shape, kwargs in PASSES.items():
+        if shape == "packed" and not packing_keeps_rows_apart(model):  # refused for it (GPT-OSS)
+            continue
+        replaying = Replaying(model)
+        with torch.no_grad(), replaying.hooks():
+            got[shape] = completion_logprobs(model, *batch, routing=g.routing, replaying=replaying, **kwargs)[mask]
+        assert replaying.mismatch_fraction() > 0.05 and replaying.unfed == 0, (name, shape)
+    for shape, values in got.items():
+        torch.testing.assert_close(values, got["plain"], rtol=0, atol=1e-5, msg=(name, shape))
+    assert (got["plain"] - free).abs().max() > 1e-3  # replay changed what the trainer computes
+
+
+def test_joined_and_split_batches_keep_each_rows_routing(tiny_tokenizer):
+    from grpo.step.batching import concat_batches, select_groups
+    from step_helpers import random_batch
+
+    a, b = random_batch(len(tiny_tokenizer), N=4), random_batch(len(tiny_tokenizer), N=4)
+    b.generation.prompt_ids, b.generation.prompt_mask = b.generation.prompt_ids[:, 1:], b.generation.prompt_mask[:, 1:]
+    for batch, seed in ((a, 0), (b, 1)):
+        g = batch.generation
+        T = g.prompt_ids.shape[1] + g.completion_ids.shape[1]
+        g.routing = torch.randint(0, 4, (4, T, 2, 2), generator=torch.Generator().manual_seed(seed)).to(torch.int16)
+    joined = concat_batches([a, b], pad_id=0)
+    assert torch.equal(joined.generation.routing[:4], a.generation.routing)  # a's prompts are the widest
+    assert (joined.generation.routing[4:, 0] == -1).all()  # b's prompts left-padded by one column
+    assert torch.equal(joined.generation.routing[4:, 1:], b.generation.routing)
+    part = select_groups(joined, [1])
+    assert torch.equal(part.generation.routing, joined.generation.routing[2:4])  # group 1: rows 2, 3 (G = 2)
+
+
+def test_routing_replay_is_refused_where_the_routing_is_not_recorded_or_carried():
+    from grpo.config import ConfigError, load_config
+
+    for overrides, words in ((["rollout.engine=vllm"], "rollout.engine hf"),
+                             (["rollout.engine=hf-static"], "rollout.engine hf"),
+                             (["train.mode=decoupled"], "decoupled wire"),
+                             (["rollout.tools=[calculator]"], "multi-turn"),
+                             (["train.fsdp=true"], "train.fsdp")):
+        with pytest.raises(ConfigError, match=f"loss.routing_replay .*{words}"):
+            load_config(None, ["loss.routing_replay=true", *overrides])
+    load_config(None, ["loss.routing_replay=true", "rollout.engine=auto"])  # auto picks hf
+
+
+def test_a_dense_policy_with_routing_replay_fails_at_load_naming_the_key(tiny_tokenizer):
+    from grpo.config import ConfigError, load_config
+    from grpo.models.architecture import check_architecture
+
+    with pytest.raises(ConfigError, match="loss.routing_replay: .*has no Mixture-of-Experts router"):
+        check_architecture(load_config(None, ["loss.routing_replay=true"]), FAMILIES["llama"].build(tiny_tokenizer))

@@ -98,3 +98,22 @@ def ref_sync_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
                          "sync reads whole parameters (not implemented)"),
     ]
     return [(sync, f"is set but {reason}") for refused, reason in why if refused][:1]
+
+
+def routing_replay_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
+    """Routing replay needs an engine that records each token's experts and a path that carries them to the update
+    (the model being an MoE one is checked when it loads: grpo.models.architecture)."""
+    if not cfg.loss.routing_replay:
+        return []
+    why = None
+    if cfg.rollout.engine not in ("hf", "auto"):
+        why = (f"needs rollout.engine hf (or auto, which then picks hf): {cfg.rollout.engine} does not record which "
+               "experts it routed each token to")
+    elif cfg.train.mode == "decoupled":
+        why = "is not carried over the decoupled wire yet: train colocated (train.mode: colocated)"
+    elif cfg.rollout.tools or cfg.rollout.environment or cfg.rollout.rollout_func:
+        why = ("does not follow multi-turn rollouts yet (rollout.tools, rollout.environment, rollout.rollout_func): "
+               "their later turns are prefilled from a cache whose routing is not recorded")
+    elif cfg.train.deepspeed or cfg.train.fsdp:
+        why = "is tested on one process's model and DDP only: drop train.deepspeed / train.fsdp"
+    return [("loss.routing_replay", why)] if why else []

@@ -107,3 +107,10 @@ class LossConfig:
         "moe/aux_loss. null: the model config's router_aux_loss_coef (Mixtral, Qwen3-MoE, GPT-OSS, ERNIE-4.5-MoE: "
         "0.001 as shipped; a dense model: none); 0: off. A non-zero value for a model without router logits "
         "(dense, DeepSeek-V3, GLM-4-MoE) is refused. TRL's router_aux_loss_coef.", ge=0)
+    routing_replay: bool = opt(
+        False, "Mixture-of-Experts policies: routing replay (R3). The rollout records the experts every router chose "
+        "for each token, and the update's passes (old and new log-probs) route each token to them, each router's "
+        "weights recomputed from the pass's own logits (so the router still learns): the ratio no longer moves "
+        "because the update picked other experts than the sampler. Logs moe/routing_mismatch, the share of "
+        "(token, layer) routings the update would have chosen otherwise. The hf engine, colocated, single-turn: "
+        "the other engines, decoupled mode and tools do not record the routing yet and are refused.")

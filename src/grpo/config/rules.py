@@ -18,7 +18,7 @@ from grpo.algorithm.schedules import decay_arguments
 from grpo.config.async_rules import in_flight_problems, partial_rollout_problems
 from grpo.config.fsdp_rules import fsdp_problems
 from grpo.config.kinds import TRACKERS, engine_traits
-from grpo.config.loss_rules import loss_problems, loss_type_problems
+from grpo.config.loss_rules import loss_problems, loss_type_problems, routing_replay_problems
 from grpo.config.speed_rules import SPEED_RULES
 from grpo.config.task_rules import gold_problems, reward_problems, task_problems
 
@@ -341,7 +341,7 @@ def ptx_max_length(cfg: "RunConfig") -> int:
 
 
 # In the order the loader reports them: the first violated rule's key is the one located in the recipe.
-RULES = (batch_problems, mini_batch_problems, loss_problems, loss_type_problems, ppo_problems, ptx_problems,
-         memory_saver_problems, fsdp_problems, token_budget_problems, lora_rate_problems, schedule_problems,
+RULES = (batch_problems, mini_batch_problems, loss_problems, loss_type_problems, routing_replay_problems,
+         ppo_problems, ptx_problems, memory_saver_problems, fsdp_problems, token_budget_problems, lora_rate_problems, schedule_problems,
          reward_problems, tracker_problems, decoupled_problems, engine_problems, sampler_problems, encryption_problems,
          sampling_control_problems, eval_problems, sdpa_problems, *SPEED_RULES, task_problems, gold_problems)

@@ -24,6 +24,7 @@ from transformers.cache_utils import DynamicLayer
 from grpo.config import ConfigError, RunConfig
 from grpo.models.logits_head import head_reproduces_forward
 from grpo.models.moe import router_loss
+from grpo.models.routing_replay import replay_routers
 from grpo.models.wrappers import inner_model
 
 _PACKING_PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> packing_keeps_rows_apart
@@ -97,3 +98,8 @@ def check_architecture(cfg: RunConfig, model: torch.nn.Module) -> None:
                           "in a way the fused head does not reproduce: its log-probs would be wrong; set it to null "
                           "or false")
     router_loss(model, cfg.loss.router_aux_loss_coef)
+    if cfg.loss.routing_replay:
+        try:
+            replay_routers(model)
+        except ValueError as error:
+            raise ConfigError(f"loss.routing_replay: {error}; set it to false") from None

@@ -110,7 +110,8 @@ def _in_backward() -> bool:
 
 class Replaying:
     """Each forward while open routes its tokens to the experts ``feed(indices)`` gave for it ([n, layers, k] long,
-    -1: the token's own choice), before that forward. ``mismatch`` counts the (token, layer) pairs whose own choice
+    -1: the token's own choice), before that forward; a forward with nothing fed routes itself (``unfed`` counts
+    them). ``mismatch`` counts the (token, layer) pairs whose own choice
     was another set of experts, over ``routed`` recorded pairs (``moe/routing_mismatch``).
 
     Under gradient checkpointing the backward recomputes each layer's forward, last forward first: a router hook
@@ -121,8 +122,9 @@ class Replaying:
         self.routers = replay_routers(model)
         self.pending: Tensor | None = None
         self.used: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self.routers]  # (chosen, known) per forward
-        self.mismatch = 0
-        self.routed = 0
+        self._mismatch: Tensor | int = 0  # device tensors, summed without a host sync per router
+        self._routed: Tensor | int = 0
+        self.unfed = 0  # forwards that ran with nothing fed (routed by themselves)
 
     def feed(self, indices: Tensor) -> None:
         """The next forward's recorded experts, [n, layers, k] (its tokens row-major over its input)."""
@@ -138,17 +140,18 @@ class Replaying:
                 if _in_backward() and self.used[layer]:  # a checkpointed layer recomputed
                     chosen, known = self.used[layer].pop()
                 else:
-                    if self.pending is None:
-                        raise RuntimeError("routing replay: a forward ran without recorded experts (feed() first)")
-                    recorded = self.pending[:, layer].to(own.device)  # [n, k]
+                    if self.pending is None:  # a forward nobody fed (a probe): it routes itself
+                        self.unfed += layer == 0
+                        return output
+                    recorded = self.pending[:, layer].to(own.device, own.dtype)  # [n, k]
                     if recorded.shape != own.shape:
                         raise ValueError(f"routing replay: {tuple(recorded.shape)} recorded choices for a forward "
                                          f"routing {tuple(own.shape)}")
                     known = (recorded >= 0).all(-1, keepdim=True)  # [n, 1]
                     chosen = torch.where(known, recorded, own)
                     differs = (own.sort(-1).values != chosen.sort(-1).values).any(-1) & known.squeeze(-1)
-                    self.mismatch += int(differs.sum())
-                    self.routed += int(known.sum())
+                    self._mismatch = self._mismatch + differs.sum()
+                    self._routed = self._routed + known.sum()
                     if torch.is_grad_enabled():
                         self.used[layer].append((chosen, known))
                     if layer == len(self.routers) - 1:
@@ -166,6 +169,15 @@ class Replaying:
             self.pending = None
             self.used = [[] for _ in self.routers]
 
+    @property
+    def mismatch(self) -> int:
+        return int(self._mismatch)
+
+    @property
+    def routed(self) -> int:
+        return int(self._routed)
+
     def mismatch_fraction(self) -> float:
         """The share of recorded (token, layer) routings the pass would have chosen differently (0 when none)."""
-        return self.mismatch / self.routed if self.routed else 0.0
+        routed = self.routed
+        return self.mismatch / routed if routed else 0.0

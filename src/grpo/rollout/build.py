@@ -49,6 +49,10 @@ def _over_policy(engine_class) -> Callable[[RunConfig, torch.nn.Module, object],
     return build
 
 
+def _build_lean(cfg: RunConfig, policy: torch.nn.Module, tokenizer) -> RolloutEngine:
+    return LeanEngine(policy, tokenizer, cfg.rollout.generation_batch_size, record_routing=cfg.loss.routing_replay)
+
+
 def _build_static(cfg: RunConfig, policy: torch.nn.Module, tokenizer) -> RolloutEngine:
     # fp16 is for GPUs without bf16 (V100, T4): the sampling copy is float16 there too, not the CUDA default bf16.
     # On a CPU the copy keeps the policy's own dtype (sampling stays exact), as without fp16.
@@ -79,7 +83,7 @@ def _build_vllm(cfg: RunConfig, policy: torch.nn.Module, tokenizer) -> RolloutEn
 
 
 ENGINES: dict[str, EngineKind] = {
-    "hf": EngineKind(ENGINE_TRAITS["hf"], _over_policy(LeanEngine)),
+    "hf": EngineKind(ENGINE_TRAITS["hf"], _build_lean),
     "hf-static": EngineKind(ENGINE_TRAITS["hf-static"], _build_static),
     "hf-generate": EngineKind(ENGINE_TRAITS["hf-generate"], _over_policy(HFEngine)),
     "vllm": EngineKind(ENGINE_TRAITS["vllm"], _build_vllm, check=_check_vllm),
@@ -89,7 +93,10 @@ ENGINES: dict[str, EngineKind] = {
 def policy_engine_name(cfg: RunConfig, policy: torch.nn.Module, name: str | None = None) -> str:
     """``resolve_engine_name`` of ``name`` (None: ``rollout.engine``) for the engine that samples from
     ``policy`` (its device, its layers)."""
-    return resolve_engine_name(name or cfg.rollout.engine, next(policy.parameters()).device.type,
+    name = name or cfg.rollout.engine
+    if cfg.loss.routing_replay and name == "auto":
+        return "hf"  # the engine that records each token's experts (grpo.config.loss_rules)
+    return resolve_engine_name(name, next(policy.parameters()).device.type,
                                quantized=cfg.model.load_in_4bit, full_attention=full_attention_only(policy),
                                # ZeRO-3's mark on a parameter, or FSDP2's record of the root
                                sharded=is_sharded(policy) or any(hasattr(p, "ds_id") for p in policy.parameters()))

@@ -36,6 +36,10 @@ class Generation:
     messages:        N completions as chat messages (assistant turns with their ``tool_calls``, ``tool``
                      messages), as TRL passes multi-turn completions to rewards; None for single-turn rows.
     rollout_metrics: name -> mean over the rows, from the multi-turn driver (``tools/calls_per_completion``...).
+    routing:         [N, Lp + Lc, layers, k] int16, the experts each router of an MoE policy chose for each token
+                     while sampling, over the columns of prompt_ids then completion_ids (-1: not recorded, the
+                     pass routes it itself: padding, each row's last sampled token, which was never fed back); for
+                     ``loss.routing_replay`` (``grpo.models.routing_replay``). None when not recorded.
     """
 
     prompt_ids: Tensor
@@ -49,6 +53,7 @@ class Generation:
     token_versions: Tensor | None = None
     messages: list[list[dict]] | None = None
     rollout_metrics: dict[str, float] = field(default_factory=dict)
+    routing: Tensor | None = None
 
     @property
     def sampled_mask(self) -> Tensor:

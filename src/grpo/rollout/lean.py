@@ -24,6 +24,7 @@ from transformers.cache_utils import DynamicLayer
 
 from grpo.algorithm.processing import eos_mask, min_p_removed, penalize_repeats, prompt_presence
 from grpo.compat import cache_argument
+from grpo.models.routing_replay import Recording
 from grpo.models.wrappers import eos_token_ids, unwrap_model
 from grpo.rollout.engine import SamplingParams, completion_mask_from_ids
 from grpo.rollout.folded_lora import FoldedLora
@@ -146,11 +147,31 @@ def assemble_generation(chunks: list[Tensor], encoded: list[list[int]], n: int, 
         completions=tokenizer.batch_decode(completion_ids, skip_special_tokens=True))
 
 
-class LeanEngine:
-    """``RolloutEngine`` with the lean loop; same constructor and output as ``HFEngine``."""
+def assemble_routing(parts: list[tuple[list[Tensor], Tensor]], n: int, prompt_width: int,
+                     completion_width: int) -> Tensor:
+    """The calls' recorded routing -> ``Generation.routing`` [N, Lp + Lc, layers, k] int16: each call's prompts'
+    (one [len_i, layers, k] per prompt, its real tokens) left-padded to ``prompt_width`` and repeated for their
+    ``n`` rows, its completions' [b, t, layers, k] right-padded to ``completion_width``; -1 where none was
+    recorded."""
+    prompts = [p for prompt_parts, _ in parts for p in prompt_parts]
+    layers_k = prompts[0].shape[1:]
+    padded = torch.full((len(prompts), prompt_width, *layers_k), -1, dtype=torch.int16)
+    for row, p in enumerate(prompts):
+        padded[row, prompt_width - p.shape[0]:] = p
+    completions = torch.cat([torch.nn.functional.pad(c, (0, 0, 0, 0, 0, completion_width - c.shape[1]), value=-1)
+                             for _, c in parts])
+    return torch.cat([padded.repeat_interleave(n, dim=0), completions], dim=1)
 
-    def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int | None = None):
+
+class LeanEngine:
+    """``RolloutEngine`` with the lean loop; same constructor and output as ``HFEngine``. ``record_routing``: an
+    MoE policy's routing of every token it feeds is kept in ``Generation.routing`` (``loss.routing_replay``;
+    the prompts are then prefilled in one padded pass, which the recording lines up with)."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int | None = None,
+                 record_routing: bool = False):
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        self.record_routing = record_routing
         if tokenizer.pad_token_id is None:
             raise ValueError(f"tokenizer of {tokenizer.name_or_path!r} has no pad token; set one (e.g. the EOS)")
 
@@ -176,11 +197,18 @@ class LeanEngine:
             lora = FoldedLora.of(model, in_flight)
             if lora is not None and in_flight is not None:
                 in_flight = lora.following()
-            with lora.swapped() if lora is not None else nullcontext():
+            recording = Recording(model) if self.record_routing else None
+            routing: list[tuple[list[Tensor], Tensor]] = []
+            with lora.swapped() if lora is not None else nullcontext(), \
+                    recording.hooks() if recording is not None else nullcontext():
                 chunks, records = sample_in_calls(
                     encoded, per_call, params, in_flight, next(model.parameters()).device, lambda prompts, record: (
-                        self._sample(model, model, prompts, params, eos_ids, pad_id, generator, prefix_cache, record)))
+                        self._sample(model, model, prompts, params, eos_ids, pad_id, generator, prefix_cache, record,
+                                     recording, routing)))
         generation = assemble_generation(chunks, encoded, params.n, eos_ids, pad_id, self.tokenizer)
+        if recording is not None:
+            generation.routing = assemble_routing(routing, params.n, generation.prompt_ids.shape[1],
+                                                  generation.completion_ids.shape[1])
         return with_records(generation, records) if records else generation
 
     def generate_in_flight(self, prompt_ids: Sequence[list[int]], params: SamplingParams, seed: int | None,
@@ -195,11 +223,18 @@ class LeanEngine:
     @staticmethod
     def _sample(forward, model, encoded: list[list[int]], params: SamplingParams, eos_ids: list[int], pad_id: int,
                 generator: torch.Generator, prefix_cache: PrefixCache | None = None,
-                record: TokenRecord | None = None) -> Tensor:
+                record: TokenRecord | None = None, recording: Recording | None = None,
+                routing: list[tuple[list[Tensor], Tensor]] | None = None) -> Tensor:
+        """One call's samples [B, t]; with ``recording`` (its hooks open), the call's routing is appended to
+        ``routing``: (each prompt's [len_i, layers, k], the completions' [B, t, layers, k], -1 where not fed)."""
         device = next(model.parameters()).device
-        first = prefill(forward, encoded, pad_id, device, prefix_cache)
+        first = prefill(forward, encoded, pad_id, device, prefix_cache, plain=recording is not None)
         cache, width = first.cache, first.key_mask.shape[1]
         n = params.n
+        if recording is not None:  # the padded prompts' [U, W] tokens, row-major
+            taken = recording.take().to(torch.int16)
+            prompt_routing = taken.view(*first.prompt_ids.shape, *taken.shape[1:]).cpu()  # [U, W, layers, k]
+            fed = torch.full((len(encoded) * n, params.max_tokens, *taken.shape[1:]), -1, dtype=torch.int16)
         # One prefill per prompt, its cache repeated for the G samples with room for their tokens. Other
         # layer kinds (sliding windows drop old positions) keep their own semantics, repeated as they are.
         cache.layers = [PreallocatedLayer(layer.keys, layer.values, n, width + params.max_tokens)
@@ -252,8 +287,13 @@ class LeanEngine:
                 record.before_next(t)  # newer weights, if any, make the next token's logits
             out = forward(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos,
                           **cache_argument(cache), use_cache=True)
+            if recording is not None:  # token t of the active rows, fed
+                fed[active.cpu(), t] = recording.take().to(torch.int16).cpu()
             logits = out.logits[:, -1]
             next_pos = next_pos + 1
+        if recording is not None:
+            mask_rows = first.prompt_mask.bool().cpu()
+            routing.append(([prompt_routing[i][mask_rows[i]] for i in range(len(encoded))], fed[:, : t + 1]))
         return result[:, : t + 1].cpu()
 
 

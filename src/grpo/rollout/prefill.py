@@ -48,19 +48,21 @@ class Prefill:
     prompt_mask: Tensor
 
 
-def prefill(model, encoded: list[list[int]], pad_id: int, device, prefix_cache: PrefixCache | None) -> Prefill:
+def prefill(model, encoded: list[list[int]], pad_id: int, device, prefix_cache: PrefixCache | None,
+            plain: bool = False) -> Prefill:
     """One prefill of the prompts ``encoded`` (true positions): from their cached prefixes when a multi-turn
     ``prefix_cache`` holds them, else sharing their common prefix and grouping them by length where that
-    saves positions, else one padded pass."""
+    saves positions, else one padded pass. ``plain``: always the one padded pass (its forward's tokens are the
+    left-padded ``[U, W]`` prompts, row-major: what a routing recording lines up with)."""
     ids, mask = left_pad(encoded, pad_id)
     ids, mask = ids.to(device), mask.to(device)
-    hits = prefix_cache.take(encoded) if prefix_cache is not None else [None] * len(encoded)
+    hits = prefix_cache.take(encoded) if prefix_cache is not None and not plain else [None] * len(encoded)
     if any(hit is not None for hit in hits):
         return _from_cached_prefixes(model, encoded, hits, pad_id, device, prefix_cache, ids, mask)
     shared = common_prefix_length(encoded)
     shared = shared if shared >= MIN_SHARED_PREFIX else 0
     passes = rest_passes([len(p) - shared for p in encoded])
-    if prefix_cache is None and (shared or len(passes) > 1):
+    if prefix_cache is None and not plain and (shared or len(passes) > 1):
         result = _shared_and_grouped(model, encoded, shared, passes, pad_id, device, ids, mask)
         if result is not None:
             return result

@@ -19,6 +19,18 @@ def _pad(tensors: list[Tensor], width: int, value, left: bool) -> Tensor:
     return torch.cat(padded)
 
 
+def _concat_routing(gens: list[Generation], lp: int, lc: int) -> Tensor | None:
+    """The parts' ``routing`` [n_i, Lp_i + Lc_i, layers, k] re-padded as their prompts (left) and completions
+    (right) are, with -1 (not recorded); None unless every part has one."""
+    if any(g.routing is None for g in gens):
+        return None
+    parts = []
+    for g in gens:
+        p, c = g.prompt_ids.shape[1], g.completion_ids.shape[1]
+        parts.append(torch.nn.functional.pad(g.routing, (0, 0, 0, 0, lp - p, lc - c), value=-1))
+    return torch.cat(parts)
+
+
 def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
     """Stack batches row-wise: prompts re-padded on the left, completions (and their log-probs) on the
     right, to the widest. Padding is masked, so every row's values are unchanged."""
@@ -53,7 +65,8 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
                             else _pad([g.token_versions for g in gens], lc, 0, left=False)),
             messages=_concat_messages(gens),
             rollout_metrics=mean_of_present([g.rollout_metrics for g in gens],
-                                             [g.completion_ids.shape[0] for g in gens])),
+                                             [g.completion_ids.shape[0] for g in gens]),
+            routing=_concat_routing(gens, lp, lc)),
         rewards=torch.cat([b.rewards for b in batches]),
         reward_parts=torch.cat([b.reward_parts for b in batches]),
         reward_names=batches[0].reward_names,
@@ -158,7 +171,7 @@ def select_groups(batch: RolloutBatch, groups: Sequence[int]) -> RolloutBatch:
                               sampler_logprobs=cut(g.sampler_logprobs), loss_mask=cut(g.loss_mask),
                               token_versions=cut(g.token_versions),
                               messages=None if g.messages is None else [g.messages[r] for r in rows],
-                              rollout_metrics=dict(g.rollout_metrics)),
+                              rollout_metrics=dict(g.rollout_metrics), routing=cut(g.routing)),
         rewards=cut(batch.rewards), reward_parts=cut(batch.reward_parts), reward_names=batch.reward_names,
         reward_weights=batch.reward_weights, advantages=cut(batch.advantages), old_logprobs=cut(batch.old_logprobs), ref_logprobs=cut(batch.ref_logprobs),
         prompts=[batch.prompts[i] for i in groups], columns={k: [v[r] for r in rows] for k, v in batch.columns.items()},

@@ -10,6 +10,7 @@ logging here.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
@@ -20,6 +21,7 @@ from grpo.algorithm.ppo import ppo_advantages
 from grpo.data import Example, PromptTooLong, build_prompt_messages, render_example
 from grpo.data.prompt_sampler import PromptSampler, step_seed
 from grpo.models.loading import reference_context
+from grpo.models.routing_replay import Replaying
 from grpo.multiturn.driver import ExampleRollout
 from grpo.rewards import score
 from grpo.rewards.context import RewardContext, make_trainer_state
@@ -55,6 +57,7 @@ class ExperienceSettings:
     max_steps: int = 0  # the run's length, for the rewards' trainer_state
     processing: LogprobProcessing | None = None  # the sampling controls the old log-probs follow (None: off)
     logprob_pass: LogprobPass = DEVICE_DEFAULT_PASS  # how the old log-prob pass runs (None fields: the device's default)
+    routing_replay: bool = False  # loss.routing_replay: the old log-prob pass routes to the rollout's experts
     gae: GaeSettings | None = None  # set: token-level advantages from the critic's values (rank_experience's values_fn)
     # several rewards: "sum_then_normalize" (the estimator on the weighted total) or "normalize_then_sum" (GDPO)
     multi_objective_aggregation: str = "sum_then_normalize"
@@ -90,16 +93,19 @@ def local_reference(policy: torch.nn.Module, reference: torch.nn.Module | None, 
 
 def generation_logprobs(model: torch.nn.Module, generation: Generation, temperature: float,
                         batch_size: int, processing: LogprobProcessing | None = None,
-                        logprob_pass: LogprobPass = DEVICE_DEFAULT_PASS) -> torch.Tensor:
+                        logprob_pass: LogprobPass = DEVICE_DEFAULT_PASS, replay_routing: bool = False) -> torch.Tensor:
     """[N, Lc] log-probs of a generation's completion tokens under ``model``, without gradients (of the
     distribution the sampling controls in ``processing`` define; None: the tempered logits), the pass run
-    as ``logprob_pass`` says."""
-    with torch.no_grad():
+    as ``logprob_pass`` says; ``replay_routing``: routed to the generation's recorded experts (the policy's
+    old log-probs under ``loss.routing_replay``)."""
+    replaying = Replaying(model) if replay_routing and generation.routing is not None else None
+    with torch.no_grad(), replaying.hooks() if replaying is not None else nullcontext():
         return completion_logprobs(model, generation.prompt_ids, generation.prompt_mask,
                                    generation.completion_ids, generation.completion_mask, temperature, batch_size,
                                    share_prompts=logprob_pass.share_prompts,
                                    column_bucket=logprob_pass.column_bucket, processing=processing,
-                                   fused_head=logprob_pass.fused_head, pack=logprob_pass.pack)
+                                   fused_head=logprob_pass.fused_head, pack=logprob_pass.pack,
+                                   routing=generation.routing, replaying=replaying)
 
 
 def rank_experience(
@@ -251,7 +257,8 @@ def finish_experience(scored: RolloutBatch, policy: torch.nn.Module, ref_logprob
     old_logprobs = None
     if settings.need_old_logprobs:
         old_logprobs = generation_logprobs(policy, generation, settings.sampling.temperature,
-                                           settings.logprob_batch_size, settings.processing, settings.logprob_pass)
+                                           settings.logprob_batch_size, settings.processing, settings.logprob_pass,
+                                           replay_routing=settings.routing_replay)
     ref_logprobs = ref_logprobs_fn(generation) if ref_logprobs_fn is not None else None
     values = returns = None
     if settings.gae is not None:

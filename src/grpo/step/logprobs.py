@@ -10,11 +10,10 @@ prompt compute (and prompt activation memory). That is the CPU's default; on CUD
 row's prompt + completion as one sequence) is, since there the host's dispatch, not compute, bounds the
 pass (``grpo.config.device_defaults.PASS_DEFAULTS``).
 
-Gradient checkpointing: Hugging Face drops the KV cache of a checkpointing model in training mode
-(the backward's recompute would append to it twice). Under grad, grpo runs the prompt pass without
-checkpointing and checkpoints the completion pass itself over a read-only cache (``grpo.step.checkpointing``);
-a model it cannot do that for runs the plain pass. A pass without gradients (reference and old log-probs)
-has no backward to save memory for: it runs with checkpointing switched off (``checkpointing_paused``).
+Gradient checkpointing: Hugging Face drops the KV cache of a checkpointing model in training mode (the backward's
+recompute would append to it twice). Under grad, grpo runs the prompt pass without checkpointing and checkpoints the
+completion pass itself over a read-only cache (``grpo.step.checkpointing``), or runs the plain pass. A pass without
+gradients (reference and old log-probs) runs with checkpointing switched off (``checkpointing_paused``).
 """
 
 from __future__ import annotations
@@ -45,9 +44,12 @@ from grpo.step.checkpointing import (
     read_only,
 )
 from grpo.models.logits_head import head_reproduces_forward, logits_head
+from grpo.models.routing_replay import Replaying
 from grpo.models.wrappers import decoder, inner_model
 from grpo.step.logprob_pass import pass_choices, uses_fused_head
 from grpo.step.router_logits import RoutedTokens, shared_prompt_weights
+
+Replay = tuple[Replaying, Tensor]  # an open Replaying and a forward's recorded experts [b, T, layers, k]
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -113,11 +115,13 @@ def can_share_prompt_cache(model: torch.nn.Module) -> bool:
 
 
 def _forward(model, fused: bool, keep: int | None, routed: RoutedTokens | None = None,
-             route_weights: Tensor | None = None, **inputs):
+             route_weights: Tensor | None = None, replay: Replay | None = None, **inputs):
     """``(scores, KV cache)``: the last ``keep`` positions' (all when None) logits [b, keep, V], or
     with ``fused`` their final hidden states [b, keep, H], the LM head skipped (``logits_to_keep`` of no
     position: transformers slices the hidden states with it before the head). ``routed``: the forward's router
-    logits are added to it, its tokens weighted by ``route_weights`` [b, T]."""
+    logits are added to it, its tokens weighted by ``route_weights`` [b, T]. ``replay``: fed before it runs."""
+    if replay is not None:
+        replay[0].feed(replay[1].flatten(0, 1))
     if not fused:
         out = model(**inputs, **({} if keep is None else {"logits_to_keep": keep}))
         scores = out.logits
@@ -131,15 +135,15 @@ def _forward(model, fused: bool, keep: int | None, routed: RoutedTokens | None =
 
 
 def _full_logits(model, ids: Tensor, mask: Tensor, Lc: int, fused: bool = False,
-                 routed: RoutedTokens | None = None) -> Tensor:
+                 routed: RoutedTokens | None = None, replay: Replay | None = None) -> Tensor:
     # [b, Lc + 1, V] (fused: [b, Lc + 1, H]): positions Lp-1 .. T-1, each predicting the next token
-    return _forward(model, fused, Lc + 1, routed, mask, input_ids=ids, attention_mask=mask,
+    return _forward(model, fused, Lc + 1, routed, mask, replay, input_ids=ids, attention_mask=mask,
                     position_ids=position_ids_from_mask(mask), use_cache=False)[0]
 
 
 def _shared_prompt_logits(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                           completion_mask: Tensor, first: Tensor, index: Tensor, fused: bool = False,
-                          routed: RoutedTokens | None = None) -> Tensor:
+                          routed: RoutedTokens | None = None, replay: Replay | None = None) -> Tensor:
     """[b, Lc + 1, V] (fused: [b, Lc + 1, H]): the same as ``_full_logits`` on the concatenation, from one
     pass over the distinct prompts (keeping only their last position) and one over the completions. A model
     that checkpoints, under gradients: grpo checkpoints the completion pass (``grpo.step.checkpointing``), or
@@ -147,8 +151,9 @@ def _shared_prompt_logits(model, prompt_ids: Tensor, prompt_mask: Tensor, comple
     takeover = torch.is_grad_enabled() and model.training and bool(checkpointing_modules(model))
     prompts, prompts_mask = prompt_ids[first], prompt_mask[first]  # [U, Lp]
     with checkpointing_paused(model) if takeover else nullcontext():
+        prompt_replay = None if replay is None else (replay[0], replay[1][first, :prompt_ids.shape[1]])
         prompt_scores, cache = _forward(model, fused, 1, routed, shared_prompt_weights(prompts_mask, index),
-                                        input_ids=prompts, attention_mask=prompts_mask,
+                                        prompt_replay, input_ids=prompts, attention_mask=prompts_mask,
                                         position_ids=position_ids_from_mask(prompts_mask), use_cache=True)
     if cache is None:  # a model that ignores use_cache=True: sharing would read no prompt at all
         raise RuntimeError(
@@ -163,7 +168,9 @@ def _shared_prompt_logits(model, prompt_ids: Tensor, prompt_mask: Tensor, comple
     Lc = completion_ids.shape[1]
     positions = prompts_mask.sum(-1)[index, None] + torch.arange(Lc, device=completion_ids.device)  # [b, Lc]
     with grpo_checkpointing(model) if takeover else nullcontext():
-        completion_scores, _ = _forward(model, fused, None, routed, completion_mask, input_ids=completion_ids,
+        completion_replay = None if replay is None else (replay[0], replay[1][:, prompt_ids.shape[1]:])
+        completion_scores, _ = _forward(model, fused, None, routed, completion_mask, completion_replay,
+                                        input_ids=completion_ids,
                                         attention_mask=torch.cat([prompt_mask, completion_mask], 1),
                                         position_ids=positions, **cache_argument(cache), use_cache=True)  # [b, Lc, *]
     return torch.cat([prompt_scores.index_select(0, index), completion_scores], dim=1)
@@ -187,7 +194,7 @@ def packed_layout(prompt_mask: Tensor, completion_mask: Tensor, width: int) -> t
 
 
 def _packed_scores(model, ids: Tensor, layout: tuple[Tensor, Tensor, Tensor], fused: bool,
-                   routed: RoutedTokens | None = None) -> Tensor:
+                   routed: RoutedTokens | None = None, replay: Replay | None = None) -> Tensor:
     """[b, W + 1, V] logits (fused: [b, W + 1, H] hidden states) of the padded pass's scored positions, from
     one forward over the rows' real tokens packed into one sequence: position ids restart at each row and
     no attention mask is given, so transformers attends within each row only (its packed-sequence
@@ -195,6 +202,8 @@ def _packed_scores(model, ids: Tensor, layout: tuple[Tensor, Tensor, Tensor], fu
     on the model's device; ``layout``: ``packed_layout``'s, on that device."""
     real, positions, scored = layout
     packed, positions = ids[real][None], positions[None]  # [1, S]
+    if replay is not None:  # the packed tokens are the real ones, row-major
+        replay[0].feed(replay[1][real.to(replay[1].device)])
     if not fused:
         logits = model(input_ids=packed, position_ids=positions, logits_to_keep=scored.flatten(),
                        use_cache=False).logits  # [1, b (W + 1), V]
@@ -225,6 +234,8 @@ def completion_logprobs(
     fused_head: bool | None = None,
     pack: bool = False,
     router_top_k: int | None = None,
+    routing: Tensor | None = None,
+    replaying: Replaying | None = None,
 ) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, Tensor | None, Tensor]:
     """Log-probs of each completion token given its prompt and the completion prefix.
 
@@ -254,11 +265,12 @@ def completion_logprobs(
         router_top_k: a Mixture-of-Experts model's experts per token: the forwards' router logits are read off
             its routers, and the call returns the load-balancing loss of every real token of the rows, prompts
             and completions, as one plain pass over them would route them (``grpo.step.router_logits``).
+        routing, replaying: routing replay: the rows' recorded experts (``Generation.routing``) fed to a
+            ``Replaying`` whose hooks the caller holds open (through the backward: checkpointing re-routes there).
 
     Returns:
         [N, Lc] float32 (padding positions hold finite values, 0 past a micro-batch's longest completion,
-        that the loss masks out). Gradients flow
-        when called with grad enabled. Only the completion positions' logits (and each prompt's last)
+        that the loss masks out). Gradients flow when called with grad enabled. Only the completion positions' logits (and each prompt's last)
         are computed, never the prompt's [Lp, V] logits. Without grad, gradient checkpointing is paused
         for the call (see the module docstring). With ``with_entropy``: ``(logprobs, entropy)``, both
         [N, Lc] float32 (entropy 0 past a micro-batch's longest completion). With ``router_top_k``:
@@ -273,7 +285,8 @@ def completion_logprobs(
             logprobs, entropy = _micro_batched_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                                         temperature, micro_batch_size, share_prompts, column_bucket,
                                                         with_entropy or entropy_grad, processing, fused_head, pack,
-                                                        entropy_grad, routed)
+                                                        entropy_grad, routed,
+                                                        None if replaying is None else (replaying, routing))
     if routed is not None:
         return logprobs, entropy, routed.loss()
     return (logprobs, entropy) if with_entropy or entropy_grad else logprobs
@@ -284,9 +297,11 @@ def _micro_batched_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, comp
                             share_prompts: bool, bucket: int, with_entropy: bool,
                             processing: LogprobProcessing | None,
                             fused_head: bool | None = None, pack: bool = False,
-                            entropy_grad: bool = False, routed: RoutedTokens | None = None) -> tuple[Tensor, Tensor | None]:
+                            entropy_grad: bool = False, routed: RoutedTokens | None = None,
+                            replay: Replay | None = None) -> tuple[Tensor, Tensor | None]:
     """``completion_logprobs``' loop over micro-batches, ``share_prompts`` and ``bucket`` already chosen:
-    ([N, Lc] log-probs, [N, Lc] entropy or None); every forward's router logits go to ``routed`` (None: none)."""
+    ([N, Lc] log-probs, [N, Lc] entropy or None); every forward's router logits go to ``routed`` (None: none), its
+    recorded experts (``replay``'s [N, Lp + Lc, layers, k]) to ``replay``'s ``Replaying``."""
     Lc, Lp = completion_ids.shape[1], prompt_ids.shape[1]
     step = micro_batch_size or prompt_ids.shape[0]
     device = next(model.parameters()).device
@@ -313,19 +328,22 @@ def _micro_batched_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, comp
         c_ids, c_mask = _to_device(completion_ids[rows, :width], device), _to_device(completion_mask[rows, :width], device)
         fused = uses_fused_head(fused_head, c_ids.shape[0], width + 1, vocab_size, device.type,
                                 torch.is_grad_enabled()) and _fusable(model, fused_head)
+        mb_replay = None if replay is None else (replay[0], _to_device(torch.cat(  # [b, Lp - first + width, L, k]
+            [replay[1][rows, first:Lp], replay[1][rows, Lp:Lp + width]], 1), device))
         if pack:
             layout = tuple(_to_device(t, device) for t in packed_layout(prompt_mask[rows, first:],
                                                                         completion_mask[rows, :width], width))
-            scores = _packed_scores(model, torch.cat([p_ids, c_ids], 1), layout, fused, routed)
+            scores = _packed_scores(model, torch.cat([p_ids, c_ids], 1), layout, fused, routed, mb_replay)
         elif shared is None:
             scores = _full_logits(model, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), width, fused,
-                                  routed)
+                                  routed, mb_replay)
         else:
             first_rows, index = (_to_device(t, device) for t in shared)
-            scores = _shared_prompt_logits(model, p_ids, p_mask, c_ids, c_mask, first_rows, index, fused, routed)
+            scores = _shared_prompt_logits(model, p_ids, p_mask, c_ids, c_mask, first_rows, index, fused, routed,
+                                           mb_replay)
             if scores is None:  # a checkpointing model whose cache grpo cannot read without extending it
                 scores = _full_logits(model, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), width,
-                                      fused, routed)
+                                      fused, routed, mb_replay)
         if fused:  # scores: [b, width + 1, H] hidden states; position t predicts c_ids[:, t]
             seen = prompt_presence(p_ids, p_mask, vocab_size) if processing is not None else None  # [b, V] bool
             if head is None:  # built once per call, on the first fused micro-batch

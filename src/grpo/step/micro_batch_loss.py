@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo.algorithm import entropy_bonus, high_entropy_mask, off_policy_mask, policy_loss, sampler_importance_weights
+from grpo.models.routing_replay import Replaying
 from grpo.step.logprobs import completion_logprobs
 from grpo.step.update_inputs import LossInputs, LossSettings
 
@@ -69,11 +70,12 @@ def loss_token_masks(entropy: torch.Tensor, mask: torch.Tensor, advantages: torc
 
 def micro_batch_loss(module: torch.nn.Module, inputs: LossInputs, rows: torch.Tensor, on_device: torch.Tensor,
                      old_logprobs: torch.Tensor | None, s: LossSettings,
-                     entropy_coef: float | None = None) -> MicroBatchLoss:
+                     entropy_coef: float | None = None, replaying: Replaying | None = None) -> MicroBatchLoss:
     """The clipped-surrogate loss of the batch's ``rows`` (CPU indices; ``on_device``: the same on the
     policy's device) under ``module``. ``old_logprobs`` [N, Lc], or None: the pass's own, detached (the
     first iteration's weights are still the ones that sampled). ``entropy_coef``: the bonus's coefficient for this
-    update (an adaptive controller's); None: ``s.entropy_coef``."""
+    update (an adaptive controller's); None: ``s.entropy_coef``. ``replaying``: routing replay's open hooks (the
+    rows' recorded experts are fed to them)."""
     coef = s.entropy_coef if entropy_coef is None else entropy_coef
     gen = inputs.generation
     lp = s.logprob_pass
@@ -83,7 +85,8 @@ def micro_batch_loss(module: torch.nn.Module, inputs: LossInputs, rows: torch.Te
                                  share_prompts=lp.share_prompts, column_bucket=lp.column_bucket,
                                  fused_head=lp.fused_head, pack=lp.pack, with_entropy=True,
                                  processing=s.processing, entropy_grad=coef > 0,
-                                 router_top_k=s.router.top_k if s.router is not None else None)
+                                 router_top_k=s.router.top_k if s.router is not None else None,
+                                 routing=None if replaying is None else gen.routing[rows], replaying=replaying)
     logprobs, entropy = scored[:2]  # [b, Lc] each
     old = old_logprobs[on_device] if old_logprobs is not None else logprobs.detach()
     ref = inputs.ref_logprobs[on_device] if inputs.ref_logprobs is not None else None

@@ -7,10 +7,12 @@ the statistics ``grpo.step.update_stats``'."""
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 import torch
 
 from grpo.algorithm import entropy_sums
+from grpo.models.routing_replay import Replaying
 from grpo.parallel.distributed import DistInfo
 from grpo.parallel.learners import Learner
 from grpo.step.entropy_control import EntropyControl
@@ -26,11 +28,22 @@ def start_logprobs(module: torch.nn.Module, inputs: LossInputs, s: LossSettings)
     """[N, Lc] the mini-batch's log-probs under ``module`` as it is, without gradients: its old log-probs when it
     has none and an update of the step comes before its first pass (the weights must be the step's start)."""
     gen, lp = inputs.generation, s.logprob_pass
-    with torch.no_grad():
+    replaying = replaying_for(module, inputs, s)
+    with torch.no_grad(), replaying.hooks() if replaying is not None else nullcontext():
         return completion_logprobs(module, gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask,
                                    s.temperature, s.micro_batch_size, share_prompts=lp.share_prompts,
                                    column_bucket=lp.column_bucket, processing=s.processing, fused_head=lp.fused_head,
-                                   pack=lp.pack)
+                                   pack=lp.pack, routing=gen.routing, replaying=replaying)
+
+
+def replaying_for(module: torch.nn.Module, inputs: LossInputs, s: LossSettings) -> Replaying | None:
+    """Routing replay's hooks for ``module``'s passes over ``inputs`` (``loss.routing_replay`` with the rollout's
+    recorded experts), else None."""
+    if not s.routing_replay:
+        return None
+    if inputs.generation.routing is None:
+        raise RuntimeError("loss.routing_replay: the batch carries no recorded routing (its engine did not record)")
+    return Replaying(module)
 
 
 def policy_backward(learner: Learner, inputs: LossInputs, old_logprobs: torch.Tensor | None, s: LossSettings,
@@ -47,23 +60,28 @@ def policy_backward(learner: Learner, inputs: LossInputs, old_logprobs: torch.Te
     reduce in every backward, a rank with fewer then runs ``inputs.padding`` micro-batches of zero gradient
     (tests/test_uneven_deepspeed.py)."""
     olds, count = [], len(inputs.micro_batches) + inputs.padding
-    for index, (rows, on_device) in enumerate(inputs.micro_batches):
-        with learner.accumulating(last=closes_update and index == count - 1):
-            part = micro_batch_loss(learner.module, inputs, rows, on_device, old_logprobs, s,
-                                    entropy.coef() if entropy is not None else None)
-            learner.backward(part.objective)
-        stats.add_micro_batch(part, inputs, update)
-        if entropy is not None:
-            entropy.add(entropy_sums(part.entropy, part.bonus_mask))
-        if keep_old:
-            olds.append(part.old)
-    for index in range(len(inputs.micro_batches), count):
-        with learner.accumulating(last=closes_update and index == count - 1):
-            # one row's loss with weight 0: the forward and backward (and ZeRO's collectives) without a gradient
-            rows, on_device = inputs.micro_batches[0]
-            part = micro_batch_loss(learner.module, inputs, rows[:1], on_device[:1], old_logprobs, s,
-                                    entropy.coef() if entropy is not None else None)
-            learner.backward(part.objective * 0.0)
+    replaying = replaying_for(learner.module, inputs, s)
+    # routing replay's hooks stay open through each backward: gradient checkpointing re-routes the layers there
+    with replaying.hooks() if replaying is not None else nullcontext():
+        for index, (rows, on_device) in enumerate(inputs.micro_batches):
+            with learner.accumulating(last=closes_update and index == count - 1):
+                part = micro_batch_loss(learner.module, inputs, rows, on_device, old_logprobs, s,
+                                        entropy.coef() if entropy is not None else None, replaying)
+                learner.backward(part.objective)
+            stats.add_micro_batch(part, inputs, update)
+            if entropy is not None:
+                entropy.add(entropy_sums(part.entropy, part.bonus_mask))
+            if keep_old:
+                olds.append(part.old)
+        for index in range(len(inputs.micro_batches), count):
+            with learner.accumulating(last=closes_update and index == count - 1):
+                # one row's loss with weight 0: the forward and backward (and ZeRO's collectives) without a gradient
+                rows, on_device = inputs.micro_batches[0]
+                part = micro_batch_loss(learner.module, inputs, rows[:1], on_device[:1], old_logprobs, s,
+                                        entropy.coef() if entropy is not None else None, replaying)
+                learner.backward(part.objective * 0.0)
+    if replaying is not None:
+        stats.add_routing(replaying)
     return olds
 
 

@@ -55,6 +55,7 @@ class LossSettings:
     entropy_coef: float = 0.0  # loss.entropy_coef: the entropy bonus (its gradient through the tempered logits)
     adaptive_entropy: bool = False  # loss.adaptive_entropy: the coefficient is an EntropyControl's (train_on_batch)
     router: RouterLoss | None = None  # an MoE policy's load-balancing loss (loss.router_aux_loss_coef; None: none)
+    routing_replay: bool = False  # loss.routing_replay: the passes route to the rollout's recorded experts
 
     @property
     def entropy_bonus(self) -> bool:

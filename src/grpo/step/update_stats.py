@@ -12,6 +12,7 @@ from grpo.algorithm import mismatch_sums
 from grpo.step.records import StepUpdate, UpdateStats
 
 if TYPE_CHECKING:  # annotations only (a record of each: no logic of theirs is called)
+    from grpo.models.routing_replay import Replaying
     from grpo.parallel.update_outcome import UpdateOutcome
     from grpo.step.micro_batch_loss import MicroBatchLoss
     from grpo.step.update_inputs import LossInputs
@@ -63,6 +64,7 @@ class StepStats:
         self.grad_norms: list[float | None] = []
         self.learning_rates: list[float] = []
         self.seconds: list[float] = []
+        self.routing: list[Replaying] = []  # routing replay's counts, one per update pass
         self.overflows = 0  # updates fp16's loss scaler skipped (UpdateOutcome.overflow)
         self.loss_scale: float | None = None  # fp16: the scale after the step's last update
 
@@ -123,6 +125,10 @@ class StepStats:
         if outcome.loss_scale is not None:
             self.loss_scale = outcome.loss_scale
 
+    def add_routing(self, replaying: Replaying) -> None:
+        """An update pass's routing replay: its routings the pass would have chosen otherwise, over its recorded."""
+        self.routing.append(replaying)
+
     def result(self, learning_rate: float) -> StepUpdate:
         """The step's ``StepUpdate``; ``learning_rate``: its first update's."""
         named = [*self.totals.values(), *(value for update in self.updates for value in update.values())]
@@ -134,6 +140,9 @@ class StepStats:
         totals["learning_rate"] = learning_rate
         totals["grad_norm"] = sum(norms) / len(norms) if norms else float("nan")
         totals["skipped_updates"] = float(len(self.grad_norms) - len(norms))
+        routed = sum(r.routed for r in self.routing)
+        if routed:  # the update passes' share of recorded (token, layer) routings they would have chosen otherwise
+            totals["moe/routing_mismatch"] = sum(r.mismatch for r in self.routing) / routed
         if self.loss_scale is not None:  # fp16: the overflow skips among them (not counted by SkipGuard)
             totals.update({"fp16/loss_scale": self.loss_scale, "fp16/overflow_updates": float(self.overflows)})
         if self.entropy_coefs and self.entropy_coefs[-1] is not None:  # the bonus's: the loss without it, the coef

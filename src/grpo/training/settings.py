@@ -90,7 +90,7 @@ def experience_settings(cfg: RunConfig, processing: LogprobProcessing | None, *,
         need_old_logprobs=old_logprobs_after_sampling(cfg, decoupled_sampler=decoupled_sampler,
                                                       engine_holds_weights=engine_holds_weights),
         logprob_batch_size=cfg.train.micro_batch_size, max_steps=cfg.train.max_steps, gae=gae, processing=processing,
-        logprob_pass=logprob_pass(cfg))
+        logprob_pass=logprob_pass(cfg), routing_replay=cfg.loss.routing_replay)
 
 
 def micro_batch_tokens(cfg: RunConfig, device_type: str) -> int | str | None:
@@ -128,7 +128,7 @@ def loss_settings(cfg: RunConfig, processing: LogprobProcessing | None, device_t
         equal_micro_batches=ranks_share_unevenly(cfg) and bool(cfg.train.deepspeed) or cfg.train.fsdp,
         objective=objective_keywords(cfg), top_entropy_quantile=cfg.loss.top_entropy_quantile,
         off_policy_mask_threshold=cfg.loss.off_policy_mask_threshold, entropy_coef=cfg.loss.entropy_coef,
-        adaptive_entropy=cfg.loss.adaptive_entropy, router=router)
+        adaptive_entropy=cfg.loss.adaptive_entropy, router=router, routing_replay=cfg.loss.routing_replay)
 
 
 def objective_keywords(cfg: RunConfig) -> dict:
