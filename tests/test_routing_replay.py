@@ -131,6 +131,28 @@ def test_a_decode_replayed_in_the_full_pass_gives_the_samplers_logprobs_and_a_pe
     assert replaying.mismatch_fraction() > 0.05, name
 
 
+def test_measuring_without_replay_counts_the_same_mismatch_and_changes_nothing(moe):
+    name, model = moe
+    ids = _ids(model.config.vocab_size, seed=5)
+    with torch.no_grad():
+        free = model(input_ids=ids).logits
+    E = next(r for r in replay_routers(model)).weight.shape[0]
+    layers, k = len(replay_routers(model)), model.config.num_experts_per_tok
+    forced = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(20 + i))[:k]
+                          for i in range(ids.numel() * layers)]).view(ids.numel(), layers, k)
+    measuring = Replaying(model, apply=False)
+    with torch.no_grad(), measuring.hooks():
+        measuring.feed(forced)
+        got = model(input_ids=ids).logits
+    torch.testing.assert_close(got, free, rtol=0, atol=0)  # every forward routed itself
+    recording = Recording(model)
+    with torch.no_grad(), recording.hooks():
+        model(input_ids=ids)
+    own = recording.take()
+    assert measuring.mismatch == int((own.sort(-1).values != forced.sort(-1).values).any(-1).sum())
+    assert measuring.routed == ids.numel() * layers
+
+
 def test_a_checkpointed_replayed_pass_has_the_plain_replayed_gradients(moe):
     name, model = moe
     ids = _ids(model.config.vocab_size, seed=4)
@@ -250,6 +272,8 @@ def test_routing_replay_is_refused_where_the_routing_is_not_recorded_or_carried(
                              (["train.fsdp=true"], "train.fsdp")):
         with pytest.raises(ConfigError, match=f"loss.routing_replay .*{words}"):
             load_config(None, ["loss.routing_replay=true", *overrides])
+    with pytest.raises(ConfigError, match="log.routing_mismatch needs rollout.engine hf"):
+        load_config(None, ["log.routing_mismatch=true", "rollout.engine=vllm"])
     load_config(None, ["loss.routing_replay=true", "rollout.engine=auto"])  # auto picks hf
 
 

@@ -1,6 +1,7 @@
 """`grpo train` with loss.routing_replay on a tiny Qwen3-MoE policy: the rollout records its routing, the old-policy
 pass of a later mini-batch and every update pass replay it (under gradient checkpointing, whose recompute routes
-as the forward did), and moe/routing_mismatch says how often the update would have routed otherwise."""
+as the forward did), and moe/routing_mismatch says how often the update would have routed otherwise; with
+log.routing_mismatch the same is measured without replaying."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from grpo.cli import main
 pytestmark = pytest.mark.integration
 
 
-def test_a_replayed_run_trains_and_logs_how_often_the_update_would_have_routed_otherwise(tiny_tokenizer, tmp_path):
+@pytest.mark.parametrize("key", ["loss.routing_replay", "log.routing_mismatch"])
+def test_a_replayed_run_trains_and_logs_how_often_the_update_would_have_routed_otherwise(tiny_tokenizer, tmp_path, key):
     FAMILIES["qwen3_moe"].build(tiny_tokenizer).save_pretrained(tmp_path / "model")
     tiny_tokenizer.save_pretrained(tmp_path / "model")
     out = tmp_path / "run"
@@ -24,7 +26,7 @@ def test_a_replayed_run_trains_and_logs_how_often_the_update_would_have_routed_o
         "rollout.num_generations": 4, "rollout.max_completion_length": 6, "train.prompts_per_step": 2,
         "train.micro_batch_size": 2, "train.max_steps": 2, "train.save_steps": 100, "train.output_dir": str(out),
         "optim.learning_rate": 1e-2, "log.report_to": "[]", "log.progress_bar": False, "log.plots": False,
-        "rewards": "[{name: 'rewards_for_tests:letters'}]", "loss.routing_replay": True, "loss.num_iterations": 2,
+        "rewards": "[{name: 'rewards_for_tests:letters'}]", key: True, "loss.num_iterations": 2,
         "train.mini_batches": 2, "model.gradient_checkpointing": True})]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     mismatch = [row["moe/routing_mismatch"] for row in rows if "moe/routing_mismatch" in row]

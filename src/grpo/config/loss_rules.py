@@ -100,11 +100,17 @@ def ref_sync_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
     return [(sync, f"is set but {reason}") for refused, reason in why if refused][:1]
 
 
+def records_routing(cfg: "RunConfig") -> bool:
+    """Whether the rollout records each token's experts: routing replay, or its mismatch measured without it."""
+    return cfg.loss.routing_replay or cfg.log.routing_mismatch
+
+
 def routing_replay_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
-    """Routing replay needs an engine that records each token's experts and a path that carries them to the update
-    (the model being an MoE one is checked when it loads: grpo.models.architecture)."""
-    if not cfg.loss.routing_replay:
+    """Routing replay (or its measure, log.routing_mismatch) needs an engine that records each token's experts and a
+    path that carries them to the update (the model being an MoE one is checked when it loads)."""
+    if not (cfg.loss.routing_replay or cfg.log.routing_mismatch):
         return []
+    key = "loss.routing_replay" if cfg.loss.routing_replay else "log.routing_mismatch"
     why = None
     if cfg.rollout.engine not in ("hf", "auto"):
         why = (f"needs rollout.engine hf (or auto, which then picks hf): {cfg.rollout.engine} does not record which "
@@ -116,4 +122,4 @@ def routing_replay_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
                "their later turns are prefilled from a cache whose routing is not recorded")
     elif cfg.train.deepspeed or cfg.train.fsdp:
         why = "is tested on one process's model and DDP only: drop train.deepspeed / train.fsdp"
-    return [("loss.routing_replay", why)] if why else []
+    return [(key, why)] if why else []

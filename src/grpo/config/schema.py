@@ -221,6 +221,10 @@ class LogConfig:
         "last step) or no (never; metrics.jsonl still gets every step). transformers' logging_strategy.",
         choices=("steps", "epoch", "no"))
     logging_steps: int = opt(1, "Write sample completions every N steps (metrics every step).", ge=1)
+    routing_mismatch: bool = opt(
+        False, "Mixture-of-Experts policies: record the rollout's routing (as loss.routing_replay does) and log "
+        "moe/routing_mismatch, the share of (token, layer) routings the update passes choose otherwise, without "
+        "replaying it: the measure of what replay would fix. Same engines and modes as loss.routing_replay.")
     num_samples: int = opt(4, "Completions written to samples.jsonl per logged step.", ge=0)
     report_to: list[str] = opt(["tensorboard"], "Trackers: tensorboard, wandb (optional extra), or [] for none.")
     wandb_project: str = opt("grpo", "W&B project when report_to has wandb.")

@@ -22,6 +22,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from grpo.config import ConfigError, RunConfig
+from grpo.config.loss_rules import records_routing
 from grpo.models.logits_head import head_reproduces_forward
 from grpo.models.moe import router_loss
 from grpo.models.routing_replay import replay_routers
@@ -98,8 +99,9 @@ def check_architecture(cfg: RunConfig, model: torch.nn.Module) -> None:
                           "in a way the fused head does not reproduce: its log-probs would be wrong; set it to null "
                           "or false")
     router_loss(model, cfg.loss.router_aux_loss_coef)
-    if cfg.loss.routing_replay:
+    if records_routing(cfg):
+        key = "loss.routing_replay" if cfg.loss.routing_replay else "log.routing_mismatch"
         try:
             replay_routers(model)
         except ValueError as error:
-            raise ConfigError(f"loss.routing_replay: {error}; set it to false") from None
+            raise ConfigError(f"{key}: {error}; set it to false") from None

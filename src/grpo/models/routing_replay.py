@@ -111,15 +111,17 @@ def _in_backward() -> bool:
 class Replaying:
     """Each forward while open routes its tokens to the experts ``feed(indices)`` gave for it ([n, layers, k] long,
     -1: the token's own choice), before that forward; a forward with nothing fed routes itself (``unfed`` counts
-    them). ``mismatch`` counts the (token, layer) pairs whose own choice
+    them). ``apply=False``: every forward routes itself and only the mismatch is counted (the measure without
+    replay). ``mismatch`` counts the (token, layer) pairs whose own choice
     was another set of experts, over ``routed`` recorded pairs (``moe/routing_mismatch``).
 
     Under gradient checkpointing the backward recomputes each layer's forward, last forward first: a router hook
     that runs inside a backward takes that layer's most recent replayed choice back (so the recompute routes as
     the forward did)."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, apply: bool = True):
         self.routers = replay_routers(model)
+        self.apply = apply  # False: each forward routes itself; the mismatch with the fed experts is only counted
         self.pending: Tensor | None = None
         self.used: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self.routers]  # (chosen, known) per forward
         self._mismatch: Tensor | int = 0  # device tensors, summed without a host sync per router
@@ -152,6 +154,10 @@ class Replaying:
                     differs = (own.sort(-1).values != chosen.sort(-1).values).any(-1) & known.squeeze(-1)
                     self._mismatch = self._mismatch + differs.sum()
                     self._routed = self._routed + known.sum()
+                    if not self.apply:
+                        if layer == len(self.routers) - 1:
+                            self.pending = None
+                        return output
                     if torch.is_grad_enabled():
                         self.used[layer].append((chosen, known))
                     if layer == len(self.routers) - 1:

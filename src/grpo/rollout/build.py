@@ -18,6 +18,7 @@ from grpo.algorithm.lookup import lookup
 from grpo.config import ConfigError, RunConfig
 from grpo.config.device_defaults import AUTO, resolve_engine_name
 from grpo.config.kinds import ENGINE_TRAITS, EngineTraits
+from grpo.config.loss_rules import records_routing
 from grpo.models.architecture import full_attention_only
 from grpo.parallel.fsdp import is_sharded
 from grpo.rollout.engine import OwnWeightsEngine, RolloutEngine
@@ -50,7 +51,7 @@ def _over_policy(engine_class) -> Callable[[RunConfig, torch.nn.Module, object],
 
 
 def _build_lean(cfg: RunConfig, policy: torch.nn.Module, tokenizer) -> RolloutEngine:
-    return LeanEngine(policy, tokenizer, cfg.rollout.generation_batch_size, record_routing=cfg.loss.routing_replay)
+    return LeanEngine(policy, tokenizer, cfg.rollout.generation_batch_size, record_routing=records_routing(cfg))
 
 
 def _build_static(cfg: RunConfig, policy: torch.nn.Module, tokenizer) -> RolloutEngine:
@@ -94,7 +95,7 @@ def policy_engine_name(cfg: RunConfig, policy: torch.nn.Module, name: str | None
     """``resolve_engine_name`` of ``name`` (None: ``rollout.engine``) for the engine that samples from
     ``policy`` (its device, its layers)."""
     name = name or cfg.rollout.engine
-    if cfg.loss.routing_replay and name == "auto":
+    if records_routing(cfg) and name == "auto":
         return "hf"  # the engine that records each token's experts (grpo.config.loss_rules)
     return resolve_engine_name(name, next(policy.parameters()).device.type,
                                quantized=cfg.model.load_in_4bit, full_attention=full_attention_only(policy),

@@ -38,12 +38,13 @@ def start_logprobs(module: torch.nn.Module, inputs: LossInputs, s: LossSettings)
 
 def replaying_for(module: torch.nn.Module, inputs: LossInputs, s: LossSettings) -> Replaying | None:
     """Routing replay's hooks for ``module``'s passes over ``inputs`` (``loss.routing_replay`` with the rollout's
-    recorded experts), else None."""
-    if not s.routing_replay:
+    recorded experts; ``log.routing_mismatch``: hooks that only count), else None."""
+    if not (s.routing_replay or s.routing_mismatch):
         return None
     if inputs.generation.routing is None:
-        raise RuntimeError("loss.routing_replay: the batch carries no recorded routing (its engine did not record)")
-    return Replaying(module)
+        raise RuntimeError("loss.routing_replay / log.routing_mismatch: the batch carries no recorded routing (its "
+                           "engine did not record it)")
+    return Replaying(module, apply=s.routing_replay)
 
 
 def policy_backward(learner: Learner, inputs: LossInputs, old_logprobs: torch.Tensor | None, s: LossSettings,

@@ -56,6 +56,7 @@ class LossSettings:
     adaptive_entropy: bool = False  # loss.adaptive_entropy: the coefficient is an EntropyControl's (train_on_batch)
     router: RouterLoss | None = None  # an MoE policy's load-balancing loss (loss.router_aux_loss_coef; None: none)
     routing_replay: bool = False  # loss.routing_replay: the passes route to the rollout's recorded experts
+    routing_mismatch: bool = False  # log.routing_mismatch: the passes count where they route otherwise, no replay
 
     @property
     def entropy_bonus(self) -> bool:

@@ -128,7 +128,8 @@ def loss_settings(cfg: RunConfig, processing: LogprobProcessing | None, device_t
         equal_micro_batches=ranks_share_unevenly(cfg) and bool(cfg.train.deepspeed) or cfg.train.fsdp,
         objective=objective_keywords(cfg), top_entropy_quantile=cfg.loss.top_entropy_quantile,
         off_policy_mask_threshold=cfg.loss.off_policy_mask_threshold, entropy_coef=cfg.loss.entropy_coef,
-        adaptive_entropy=cfg.loss.adaptive_entropy, router=router, routing_replay=cfg.loss.routing_replay)
+        adaptive_entropy=cfg.loss.adaptive_entropy, router=router, routing_replay=cfg.loss.routing_replay,
+        routing_mismatch=cfg.log.routing_mismatch)
 
 
 def objective_keywords(cfg: RunConfig) -> dict:
