@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_memory import _saved_bytes, _tiny
+from memory_helpers import saved_bytes
+from test_memory import _tiny
 
 from grpo.commands.memory.formulas import activation_bytes, fused_logits_bytes, sdpa_mask_keys
 
 
 def _kept_and_counts(model, shape, dtype, ids, position_ids, micro_batch, seq_len, packed):
     """(bytes autograd keeps, the count with ``sdpa_mask_keys``, the count taking the rows as padded)."""
-    kept = _saved_bytes(model, lambda: model(input_ids=ids, position_ids=position_ids, use_cache=False, logits_to_keep=1))
+    kept = saved_bytes(model, lambda: model(input_ids=ids, position_ids=position_ids, use_cache=False, logits_to_keep=1))
     p = 2 if dtype == torch.bfloat16 else 4
     common = dict(micro_batch=micro_batch, seq_len=seq_len, p=p, lora_targets=None, lora_r=8, attention="sdpa",
                   gradient_checkpointing=False, logits=10**12)  # huge logits: the saved tensors alone
