@@ -35,7 +35,25 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO / "configs").glob("*.yaml"))
-TINY_BUILDERS = {"qwen2": build_qwen2}  # config.json model_type -> builder of a tiny random model
+def build_qwen2_moe(tokenizer, *, hidden_size: int, num_layers: int, tie_word_embeddings: bool, seed: int):
+    """A tiny random Qwen2-MoE (configs/moe-demo-cpu.yaml's family: 4 experts, 2 per token)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers,
+                            num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=2 * hidden_size,
+                            shared_expert_intermediate_size=hidden_size, num_experts=4, num_experts_per_tok=2,
+                            norm_topk_prob=True, tie_word_embeddings=tie_word_embeddings, max_position_embeddings=512,
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    rng = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        return Qwen2MoeForCausalLM(config)
+    finally:
+        torch.random.set_rng_state(rng)
+
+
+# config.json model_type -> builder of a tiny random model
+TINY_BUILDERS = {"qwen2": build_qwen2, "qwen2_moe": build_qwen2_moe}
 STEPS = 2
 EVAL_PROMPTS = 4
 
