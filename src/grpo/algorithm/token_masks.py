@@ -27,8 +27,9 @@ def high_entropy_mask(entropy: Tensor, mask: Tensor, top_quantile: float, pooled
             the loss tokens of every rank's micro-batch (a gather): pass them here to do the same.
 
     Returns:
-        ``[N, L]`` bool; all False when there is no entropy to pool. The quantile is taken in float32 or wider
-        (``torch.quantile`` takes no half precision; TRL takes it in float32 whatever the dtype).
+        ``[N, L]`` bool; all False when there is no entropy to pool. The quantile is taken in float32 whatever the
+        dtype, as TRL takes it: torch's float32 interpolation can land a hair above a token sitting exactly on the
+        quantile (torch 2.15 does), and only the same arithmetic keeps or drops that token as TRL does.
     """
     if not 0.0 <= top_quantile <= 1.0:
         raise ValueError(f"top_quantile must be in [0, 1], got {top_quantile}")
@@ -39,7 +40,7 @@ def high_entropy_mask(entropy: Tensor, mask: Tensor, top_quantile: float, pooled
     values = entropy[keep] if pooled is None else pooled.detach().reshape(-1)  # [M]
     if values.numel() == 0:
         return torch.zeros_like(keep)
-    threshold = torch.quantile(values.to(torch.promote_types(values.dtype, torch.float32)), 1.0 - top_quantile)
+    threshold = torch.quantile(values.float(), 1.0 - top_quantile)
     return (entropy >= threshold) & keep
 
 

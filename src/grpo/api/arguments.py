@@ -55,6 +55,7 @@ class GRPOConfig:
     use_liger_kernel: bool = False  # train.fused_lm_head: true (grpo's chunked head; Liger's layer kernels: no)
     liger_kernel_config: dict | None = None  # refused where it asks for a Liger kernel (a key set True)
     gradient_checkpointing: bool = True
+    activation_checkpointing: bool | None = None  # transformers >= 5.24's name of it: wins where given; mirrors it
     seed: int = 42
     full_determinism: bool = False  # transformers' enable_full_determinism (seeds, deterministic kernels)
     use_cpu: bool = False
@@ -164,6 +165,9 @@ class GRPOConfig:
         for ok, name, why in checks:
             if not ok:
                 raise ValueError(f"GRPOConfig.{name}={getattr(self, name)!r} is not supported: {why}")
+        if self.activation_checkpointing is not None:  # the new name wins, and the old one mirrors it, as there
+            self.gradient_checkpointing = self.activation_checkpointing
+        self.activation_checkpointing = self.gradient_checkpointing
         self.lr_scheduler_kwargs = scheduler_kwargs(self.lr_scheduler_kwargs)
         best_model_arguments(self)
         optimizer_arguments(self.optim_args)
@@ -302,8 +306,6 @@ _generated_init = GRPOConfig.__init__
 def _init(self, *args, **kwargs) -> None:
     """TRL's keyword names: known fields, then TRL's unsupported / inert ones into ``extra``."""
     extra = dict(kwargs.pop("extra", None) or {})
-    if "activation_checkpointing" in kwargs:  # transformers 5's name of gradient_checkpointing
-        kwargs.setdefault("gradient_checkpointing", kwargs.pop("activation_checkpointing"))
     for name in list(kwargs):
         if name not in _FIELDS:
             if name not in _OTHER:

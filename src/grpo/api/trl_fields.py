@@ -130,7 +130,10 @@ LINKS: tuple[Link, ...] = (
          ("model.tf32",),
          lambda c, tf32, on, backend, mode, fp16, cpu: (_tf32(tf32, _compiling(on, backend, mode), fp16, cpu),),
          lambda c, tf32: {"tf32": tf32}),
-    same("gradient_checkpointing", "model.gradient_checkpointing"),
+    # transformers >= 5.24 names it activation_checkpointing (gradient_checkpointing its deprecated alias)
+    Link(("gradient_checkpointing", "activation_checkpointing"), ("model.gradient_checkpointing",),
+         lambda c, old, new: (old if new is None else new,),
+         lambda c, on: {"gradient_checkpointing": on, "activation_checkpointing": on}),
     Link(("trust_remote_code", "model_init_kwargs"), ("model.trust_remote_code",),
          lambda c, trust, init: (bool(trust or (init or {}).get("trust_remote_code")),),
          lambda c, trust: {"trust_remote_code": trust}),
