@@ -267,7 +267,6 @@ def test_routing_replay_is_refused_where_the_routing_is_not_recorded_or_carried(
 
     for overrides, words in ((["rollout.engine=vllm"], "rollout.engine hf"),
                              (["rollout.engine=hf-static"], "rollout.engine hf"),
-                             (["train.mode=decoupled"], "decoupled wire"),
                              (["rollout.tools=[calculator]"], "multi-turn"),
                              (["train.fsdp=true"], "train.fsdp")):
         with pytest.raises(ConfigError, match=f"loss.routing_replay .*{words}"):
@@ -275,6 +274,8 @@ def test_routing_replay_is_refused_where_the_routing_is_not_recorded_or_carried(
     with pytest.raises(ConfigError, match="log.routing_mismatch needs rollout.engine hf"):
         load_config(None, ["log.routing_mismatch=true", "rollout.engine=vllm"])
     load_config(None, ["loss.routing_replay=true", "rollout.engine=auto"])  # auto picks hf
+    load_config(None, ["loss.routing_replay=true", "train.mode=decoupled", "decoupled.partial_rollouts=true",
+                       "train.max_staleness=1"])  # the wire and the carry-over carry it
 
 
 def test_a_dense_policy_with_routing_replay_fails_at_load_naming_the_key(tiny_tokenizer):

@@ -128,18 +128,19 @@ def test_the_wire_refuses_negative_versions():
         batch_to_message(bad, META)
 
 
-@pytest.mark.parametrize("old", [3, 4])
+@pytest.mark.parametrize("old", [3, 4, 5])
 def test_a_sampler_of_an_older_protocol_is_refused_by_name(old):
     # Protocol 3 sent no token versions: its chunks would be judged stale or fresh by their header alone; protocol 4
-    # knows no adopted groups (a dead sampler's groups handed to it would be lost: tests/test_orphan_groups.py).
-    assert PROTOCOL_VERSION == 5
+    # knows no adopted groups (a dead sampler's groups handed to it would be lost: tests/test_orphan_groups.py);
+    # protocol 5 carries no recorded routing (a trainer replaying it would find none: tests/test_routing_replay.py).
+    assert PROTOCOL_VERSION == 6
     with RolloutReceiver(ANY_PORT, queue_size=4) as receiver:
         with raw_dealer(receiver.address, b"sampler-7") as raw:
             raw.send_multipart([b"", json.dumps({"v": old, "kind": "hello", "sampler_id": "sampler-7",
                                                  "incarnation": 1}).encode(), b""])
             reply = decode(raw.recv_multipart(), max_bytes=1 << 20)
         assert reply.kind == "error"
-        assert (f"sampler 'sampler-7' speaks protocol version {old}, not this endpoint's version 5"
+        assert (f"sampler 'sampler-7' speaks protocol version {old}, not this endpoint's version {PROTOCOL_VERSION}"
                 in reply.header["reason"])
         assert receiver.peers() == {} and receiver.stats["rejected"] == 1
 

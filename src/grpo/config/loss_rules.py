@@ -115,8 +115,6 @@ def routing_replay_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
     if cfg.rollout.engine not in ("hf", "auto"):
         why = (f"needs rollout.engine hf (or auto, which then picks hf): {cfg.rollout.engine} does not record which "
                "experts it routed each token to")
-    elif cfg.train.mode == "decoupled":
-        why = "is not carried over the decoupled wire yet: train colocated (train.mode: colocated)"
     elif cfg.rollout.tools or cfg.rollout.environment or cfg.rollout.rollout_func:
         why = ("does not follow multi-turn rollouts yet (rollout.tools, rollout.environment, rollout.rollout_func): "
                "their later turns are prefilled from a cache whose routing is not recorded")

@@ -112,5 +112,6 @@ class LossConfig:
         "for each token, and the update's passes (old and new log-probs) route each token to them, each router's "
         "weights recomputed from the pass's own logits (so the router still learns): the ratio no longer moves "
         "because the update picked other experts than the sampler. Logs moe/routing_mismatch, the share of "
-        "(token, layer) routings the update would have chosen otherwise. The hf engine, colocated, single-turn: "
-        "the other engines, decoupled mode and tools do not record the routing yet and are refused.")
+        "(token, layer) routings the update would have chosen otherwise. The hf engine, single-turn, colocated "
+        "or decoupled (the wire and partial rollouts carry the routing): the other engines and tools do not "
+        "record the routing yet and are refused.")

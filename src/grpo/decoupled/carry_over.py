@@ -8,12 +8,16 @@ prompts it belongs to and its place there (``step-3/rank-0#2``): the trainer tra
 (it keeps the trained ids in its checkpoints), so a group made twice (its chunk made again) is never trained
 twice; a sent group is kept until its chunk is trained and checkpointed, and starts over if the trainer drops the
 chunk instead. A group whose oldest token is too old for the chunk being made is started over: the staleness rule
-(``train.max_staleness``) holds per token. Pure bookkeeping: no engine, no clock.
+(``train.max_staleness``) holds per token. An MoE policy's recorded routing (routing replay) is carried per row the same
+way. Pure bookkeeping: no engine, no clock.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
 
 
 # The trainer's reason for dropping a chunk whose every group it trained already (from another copy): the chunk is
@@ -36,13 +40,15 @@ def group_place(gid: str) -> tuple[str, int]:
 
 @dataclass
 class OpenRow:
-    """One completion so far: its tokens, each token's weights version and sampler log-prob (same length)."""
+    """One completion so far: its tokens, each token's weights version and sampler log-prob (same length), and,
+    when the engine records an MoE policy's routing, the experts each position of prompt + tokens was routed to."""
 
     tokens: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     ended: bool = False
     eos: bool = False  # ended with an EOS (else cut at rollout.max_completion_length: truncated)
+    routing: Tensor | None = None  # [prompt + tokens, layers, k] int16, -1 where no pass fed the position yet
 
 
 @dataclass
@@ -142,9 +148,12 @@ class CarryOver:
         return min(max(0, self.min_new_tokens - drawn), self.budget)
 
     def extend(self, group: OpenGroup, j: int, tokens: list[int], versions: list[int], logprobs: list[float],
-               eos: bool) -> None:
+               eos: bool, routing: Tensor | None = None) -> None:
         """Row ``j`` of ``group`` drew ``tokens`` (with their versions and log-probs); it ends at an EOS (the
-        last token) or at ``max_tokens`` tokens in all (tokens past that are cut off)."""
+        last token) or at ``max_tokens`` tokens in all (tokens past that are cut off). ``routing``: the call's
+        recording of the row, [prompt + tokens so far + ``tokens``, layers, k]; a position routed in an earlier
+        round keeps that round's experts (those of the weights that drew the token after it), the rest take
+        this call's."""
         max_tokens = self.max_tokens
         if not len(tokens) == len(versions) == len(logprobs):
             raise ValueError(f"{len(tokens)} tokens, {len(versions)} versions, {len(logprobs)} log-probs")
@@ -154,6 +163,10 @@ class CarryOver:
         room = max_tokens - len(row.tokens)
         if len(tokens) > room:  # drawn past the completion's end: what follows was never part of it
             tokens, versions, logprobs, eos = tokens[:room], versions[:room], logprobs[:room], False
+        if routing is not None:
+            row.routing = joined_routing(row.routing, routing[:len(group.prompt_ids) + len(row.tokens) + len(tokens)])
+        elif row.routing is not None:
+            raise ValueError(f"row {j} of group {group.group_id} has recorded routing but this call recorded none")
         row.tokens += tokens
         row.versions += versions
         row.logprobs += logprobs
@@ -186,3 +199,17 @@ class CarryOver:
         done = [g for g in self.groups if g.finished]
         self.groups = [g for g in self.groups if not g.finished]
         return done
+
+
+def joined_routing(earlier: Tensor | None, now: Tensor) -> Tensor:
+    """A row's routing after one more call: ``now`` [T, layers, k] (the call's, over the row's positions so far),
+    where ``earlier`` [t <= T, ...] recorded nothing (-1) or does not reach, else ``earlier``'s."""
+    if earlier is None:
+        return now.clone()
+    if earlier.shape[0] > now.shape[0] or earlier.shape[1:] != now.shape[1:]:
+        raise ValueError(f"a row's routing {tuple(earlier.shape)} does not line up with the call's {tuple(now.shape)}")
+    joined = now.clone()
+    head = joined[:earlier.shape[0]]
+    kept = (earlier >= 0).all(-1, keepdim=True)  # [t, layers, 1]: positions a pass fed (every layer at once)
+    joined[:earlier.shape[0]] = torch.where(kept, earlier, head)
+    return joined

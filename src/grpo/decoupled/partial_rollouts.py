@@ -57,10 +57,13 @@ def advance(engine, carry: CarryOver, params, seed: int, kept: PrefixCache | Non
         call_params = replace(params, n=call.per_prompt, max_tokens=call.max_tokens, min_new_tokens=call.min_new_tokens)
         ids = [group.prompt_ids + group.rows[j].tokens for group, j in call.rows[::call.per_prompt]]
         gen = engine.generate_ids(ids, call_params, seed=seed + k, prefix_cache=kept)
+        Lp = gen.prompt_ids.shape[1]
         for i, (group, j) in enumerate(call.rows):
             mask = gen.completion_mask[i].bool()  # [Lc]: up to and including the EOS
+            fed = len(group.prompt_ids) + len(group.rows[j].tokens)  # the row's prompt in this call, left-padded
             carry.extend(group, j, gen.completion_ids[i][mask].tolist(), gen.token_versions[i][mask].tolist(),
-                         gen.sampler_logprobs[i][mask].tolist(), eos=not bool(gen.truncated[i]))
+                         gen.sampler_logprobs[i][mask].tolist(), eos=not bool(gen.truncated[i]),
+                         routing=None if gen.routing is None else gen.routing[i, Lp - fed:])
     if kept is not None:  # a row's entry holds its prompt and every token but the last (drawn, never fed)
         kept.retain({tuple(g.prompt_ids + r.tokens[:-1]) for g in carry.groups for r in g.rows
                      if r.tokens and not r.ended})
@@ -84,7 +87,23 @@ def groups_generation(groups: list[OpenGroup], tokenizer, eos_ids: Sequence[int]
                       completion_mask=mask, truncated=truncated,
                       completions=tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
                       token_versions=padded([r.versions for r in rows], 0, torch.long) * mask,
-                      sampler_logprobs=padded([r.logprobs for r in rows], 0.0, torch.float32) * mask)
+                      sampler_logprobs=padded([r.logprobs for r in rows], 0.0, torch.float32) * mask,
+                      routing=groups_routing(groups, prompt_ids.shape[1], width))
+
+
+def groups_routing(groups: list[OpenGroup], prompt_width: int, width: int) -> torch.Tensor | None:
+    """The rows' carried routing as ``Generation.routing`` [N, prompt_width + width, layers, k]: each prompt
+    left-padded, each completion right-padded, with -1; None when the engine recorded none."""
+    rows = [(len(g.prompt_ids), row) for g in groups for row in g.rows]
+    if all(row.routing is None for _, row in rows):
+        return None
+    if any(row.routing is None for _, row in rows):
+        raise ValueError("some finished rows carry recorded routing and others none")
+    layers_k = rows[0][1].routing.shape[1:]
+    out = torch.full((len(rows), prompt_width + width, *layers_k), -1, dtype=torch.int16)
+    for i, (p, row) in enumerate(rows):
+        out[i, prompt_width - p: prompt_width - p + row.routing.shape[0]] = row.routing
+    return out
 
 
 def open_groups(carry: CarryOver, inputs: PartialInputs, group_ids: Sequence[str], world_size: int) -> int:

@@ -20,6 +20,7 @@ import time
 from dataclasses import replace
 
 from grpo.config import RunConfig
+from grpo.config.loss_rules import records_routing
 from grpo.data.prompt_sampler import PromptSampler
 from grpo.decoupled.carry_over import ALL_GROUPS_TRAINED, CarryOver
 from grpo.decoupled.link_settings import config_fingerprint, max_message_bytes, sampler_curve_key
@@ -117,8 +118,9 @@ def run_sampler(cfg: RunConfig) -> int:
                                   setting="decoupled.partial_rollouts is true")
     carry = (CarryOver(cfg.rollout.num_generations, cfg.rollout.max_completion_length, d.partial_token_budget,
                        cfg.rollout.min_new_tokens) if d.partial_rollouts else None)
-    # carried rows' keys/values, from chunk to chunk (vLLM keeps them in its own prefix cache)
-    kept = PrefixCache() if carry is not None and not own_weights else None
+    # carried rows' keys/values, from chunk to chunk (vLLM keeps them in its own prefix cache); a routing recording
+    # prefills each row whole (the pass it lines up with), so it keeps none
+    kept = PrefixCache() if carry is not None and not own_weights and not records_routing(cfg) else None
     partial_inputs = PartialInputs(tokenizer, train_set, prompt_sampler, inputs.reward_fns, inputs.reward_weights,
                                    settings, cfg.train.seed)
     seen = Settlements()

@@ -30,9 +30,12 @@ BATCH_TENSORS: dict[str, tuple[str, frozenset, tuple[str, ...]]] = {
     "sampler_logprobs": ("floating", _FLOAT, ("N", "Lc")),  # for loss.sampler_is_correction
     "loss_mask": ("integer or bool", _INTEGER | {torch.bool}, ("N", "Lc")),  # multi-turn: the sampled tokens
     "token_versions": ("integer", _INTEGER, ("N", "Lc")),  # the policy version that sampled each token
+    # an MoE policy's recorded experts per prompt and completion position (routing replay); T = Lp + Lc
+    "routing": ("integer", _INTEGER, ("N", "T", "R", "K")),
 }
-OPTIONAL_BATCH_TENSORS = ("old_logprobs", "ref_logprobs", "sampler_logprobs", "loss_mask", "token_versions")
-_GENERATION_TENSORS = ("loss_mask", "token_versions")  # on the batch's Generation, not the RolloutBatch
+OPTIONAL_BATCH_TENSORS = ("old_logprobs", "ref_logprobs", "sampler_logprobs", "loss_mask", "token_versions", "routing")
+# on the batch's Generation, not the RolloutBatch
+_GENERATION_TENSORS = ("loss_mask", "token_versions", "routing")
 META_FIELDS = {"batch_id": "str", "sampler_id": "str", "policy_version": "int"}
 
 
@@ -66,6 +69,12 @@ def _check_batch(tensors: Mapping[str, Tensor], completions: list, prompts: list
                         "completion token")
     if "token_versions" in tensors and bool((tensors["token_versions"].long() < 0).any()):
         raise WireError("batch tensor token_versions holds a negative policy version")
+    if "routing" in tensors:
+        routing, T = tensors["routing"], dims.get("Lp", 0) + dims.get("Lc", 0)
+        if routing.shape[1] != T:
+            raise WireError(f"batch tensor routing has {routing.shape[1]} positions per row, not Lp + Lc = {T}")
+        if routing.numel() and int(routing.min()) < -1:
+            raise WireError("batch tensor routing holds an expert index below -1 (-1: a position not recorded)")
     n = dims["N"]
     if len(completions) != n:
         raise WireError(f"batch has {len(completions)} completion texts for N={n} rows")
@@ -149,6 +158,7 @@ def message_to_batch(message: Message) -> tuple[RolloutBatch, dict]:
             completion_ids=tensors["completion_ids"], completion_mask=tensors["completion_mask"],
             truncated=tensors["truncated"], completions=list(header["completions"]),
             loss_mask=tensors.get("loss_mask"), token_versions=tensors.get("token_versions"),
+            routing=tensors.get("routing"),
             messages=header.get("messages"),
             rollout_metrics=dict(header.get("rollout_metrics", {}))),
         rewards=tensors["rewards"], reward_parts=tensors["reward_parts"], reward_names=list(header["reward_names"]),

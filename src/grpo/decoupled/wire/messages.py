@@ -18,7 +18,8 @@ from torch import Tensor
 # (loss_mask, messages, rollout_metrics): a version-2 trainer would train on environment tokens. 4: a batch
 # carries each token's policy version (token_versions): a version-3 trainer would judge staleness per chunk.
 # 5: work carries ``adopt`` (a dead sampler's unsent partial-rollout groups): a version-4 sampler would drop them.
-PROTOCOL_VERSION = 5
+# 6: a batch carries an MoE policy's recorded routing (``routing``): a version-5 trainer would refuse the tensor.
+PROTOCOL_VERSION = 6
 
 # The header holds a batch's texts (prompts, completions, dataset columns), so it is allowed to be
 # larger than a control message needs: a 1 MiB cap would refuse a batch of 512 completions of 1k
