@@ -127,14 +127,14 @@ PATHS = ("train full", "train LoRA", "LoRA [q_proj, v_proj]", "checkpointing + s
          "hf", "hf-static", "packed sequences", "load-balancing loss", "grpo memory")
 
 
-# grpo memory's activation formulas (the Llama/Qwen2 decoder's) against what autograd keeps for backward in each
-# family at MEMORY_SIZES (fp32, full fine-tuning, 4 rows x 80 tokens), (estimate - kept) / kept. What they miss:
-# query/key norms (Qwen3, OLMo 2, Gemma 3), extra layer norms (Gemma 3, GLM-4, OLMo 2's post-norms), fused
-# projections split in the forward (Phi-3, GLM-4), MoE routing and the experts' gathered inputs, latent attention.
+# grpo memory's activation estimate against what autograd keeps for backward in each family at MEMORY_SIZES (fp32,
+# full fine-tuning, 4 rows x 80 tokens), (estimate - kept) / kept: the Llama/Qwen2 formulas with each family's norms,
+# query/key norms, fused projections, latent attention and experts (grpo.commands.memory.counts.LayerTraits). What
+# remains: GPT-OSS's expert activation (clamp, sigmoid GLU) keeps a little more than a gated MLP's.
 ACTIVATION_GAP: dict[str, float] = {
-    "llama": -0.007, "mistral": -0.007, "qwen3": -0.155, "gemma3": -0.347, "phi3": -0.185, "olmo2": -0.232,
-    "glm4": -0.284, "ernie4_5": -0.010, "qwen3_moe": -0.314, "mixtral": -0.283, "gpt_oss": -0.317,
-    "deepseek_v3": -0.326, "glm4_moe": -0.208, "ernie4_5_moe": -0.182,
+    "llama": -0.007, "mistral": -0.007, "qwen3": -0.004, "gemma3": 0.030, "phi3": -0.005, "olmo2": -0.005,
+    "glm4": -0.004, "ernie4_5": -0.009, "qwen3_moe": -0.010, "mixtral": -0.011, "gpt_oss": -0.029,
+    "deepseek_v3": -0.009, "glm4_moe": -0.008, "ernie4_5_moe": -0.013,
 }
 
 

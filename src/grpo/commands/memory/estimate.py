@@ -206,10 +206,11 @@ def closing_notes(run: RunSizing, phases: dict[str, float], peak_phase: str, sam
                      f"{sampler / GIB:.2f} GB of tensors (weights, reference, KV cache)")
     if run.ds and run.ds.stage in (1, 2):
         notes.append("DeepSpeed's reduce/all-gather buckets (reduce_bucket_size) are not counted")
-    if run.shape.counts is not None:  # the activation formulas are the Llama/Qwen2 decoder's
-        notes.append("parameters counted on this family's own model class; activations as a Llama/Qwen2 decoder's, "
-                     "which falls short for families with extra norms, query/key norms or MoE routing (measured on tiny "
-                     "models: docs/guides/models.md)")
+    if run.shape.counts is not None:
+        notes.append("parameters counted on this family's own model class; activations from a Llama/Qwen2 "
+                     "decoder's formulas with the family's norms, query/key norms, fused projections, latent attention "
+                     "and experts read off that class, and its norms' and router's saved tensors measured on a CPU "
+                     "copy (within 3% of autograd on tiny models in fp32 and bf16: docs/guides/models.md)")
     return notes
 
 

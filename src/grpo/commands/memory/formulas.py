@@ -35,6 +35,10 @@ from grpo.config.device_defaults import fused_head_by_size
 from grpo.config.kinds import engine_traits
 
 LORA_BYTES = 4  # peft's get_peft_model(autocast_adapter_dtype=True) keeps bf16/fp16 adapters in fp32
+# The linears that read a layer's normed hidden state, by the names families give them (fused: Phi-3, GLM-4;
+# latent: DeepSeek-V3): a LoRA adapter on one keeps that input.
+ATTENTION_INPUTS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "q_a_proj", "kv_a_proj_with_mqa")
+MLP_INPUTS = ("gate_proj", "up_proj", "gate_up_proj")
 
 
 def sdpa_mask_keys(*, micro_batch: int, seq_len: int, packed: bool = False) -> int:
@@ -77,15 +81,19 @@ def layer_activation_bytes(shape: ModelShape, *, tokens: int, seq_len: int, p: i
         return LORA_BYTES * width * len(hits) if cast else p * width
 
     per_token = 0
-    per_token += (4 * h if input_requires_grad else 0) + (p * h if full else 0)  # input_layernorm
-    per_token += kept_input(h, ("q_proj", "k_proj", "v_proj"))
+    t = shape.traits
+    norm = t.kept_per_element("norm", p, full)  # one RMSNorm over the hidden width, per element (Llama: 4 + p)
+    per_token += (norm if input_requires_grad else (p if full else 0)) * h  # input_layernorm
+    per_token += kept_input(h, ATTENTION_INPUTS)
     # q, k, v need no gradient when nothing before them trains (first layer over frozen embeddings).
-    attention_trains = input_requires_grad or any(t in lora_targets for t in ("q_proj", "k_proj", "v_proj"))
+    attention_trains = input_requires_grad or any(t in lora_targets for t in ATTENTION_INPUTS)
     mask_keys = seq_len if mask_keys is None else mask_keys
     # transformers hands GQA to SDPA only without a mask and for head_dim <= 256 (``use_gqa_in_sdpa``)
     sdpa_gqa = attention == "sdpa" and mask_keys == 0 and shape.head_dim <= 256
     if attention_trains:
-        if attention == "flash_attention_2" or sdpa_gqa:
+        if t.latent_attention is not None:
+            per_token += latent_attention_bytes(t.latent_attention, shape.num_heads, p)
+        elif attention == "flash_attention_2" or sdpa_gqa:
             per_token += p * (2 * qd + 2 * kvd)  # q, out at full width; k, v at kv width (no repeat)
         else:
             per_token += 4 * p * qd  # q, repeated k, repeated v, output (o_proj's input is the same storage)
@@ -97,11 +105,42 @@ def layer_activation_bytes(shape: ModelShape, *, tokens: int, seq_len: int, p: i
         per_token += p * qd  # only o_proj's adapter keeps the attention output
     if cast and "o_proj" in lora_targets:
         per_token += LORA_BYTES * qd
-    per_token += 4 * h + (p * h if full else 0) + kept_input(h, ("gate_proj", "up_proj"))  # post-attn norm
-    per_token += 3 * p * i + kept_input(i, ("down_proj",))  # gate, silu(gate), up; their product
+    per_token += norm * h + kept_input(h, MLP_INPUTS)  # post-attn norm
+    per_token += (t.hidden_norms - 2) * norm * h  # post-norms (Gemma 3, GLM-4)
+    if attention_trains and t.qk_norm:  # the q and k norms' input and normalised value
+        per_token += t.kept_per_element("qk_norm", p, full) * (qd + kvd)
+    if attention_trains and t.fused_qkv:  # v is a view of the fused output: attention keeps all of it
+        per_token += p * (qd + kvd)
+    if t.attention_output_copied and (full or "o_proj" in lora_targets):  # o_proj's own copy of its input
+        per_token += p * qd
+
+    def gated(width: int) -> int:  # gate, act(gate), up; their product when down_proj keeps it
+        return 3 * p * width + kept_input(width, ("down_proj",))
+
+    if t.moe_layers:
+        # each routed copy of a token: its gathered input and expert output (h each) and gate_up, act, product
+        # (4 x expert width) when the experts train, else gate_up, act and output; the router's own (an fp32 copy of
+        # its input in some families, its probabilities)
+        k, width = t.experts_per_token, t.expert_width
+        routed = k * p * ((2 * h + 4 * width) if full else (h + 3 * width)) + t.kept_per_element("router", p, full) * h
+        moe = routed + (gated(t.shared_width) if t.shared_width else 0)
+        dense = gated(t.dense_width or i)
+        per_token += (t.moe_layers * moe + (shape.num_layers - t.moe_layers) * dense) // shape.num_layers
+    else:
+        per_token += gated(i)
     if not full:
         per_token += LORA_BYTES * lora_r * len(lora_targets)  # lora_A outputs, kept by lora_B
     return per_token * tokens
+
+
+def latent_attention_bytes(ranks: tuple[int, int, int, int, int], heads: int, p: int) -> int:
+    """Bytes per token one multi-head latent attention (DeepSeek-V3's MLA) keeps when it trains, ``ranks`` = (q
+    LoRA rank or 0, kv LoRA rank, q/k no-rope and rope head dims, v head dim): the latents' norms (fp32 input, their
+    normalised value and output, which q_b/kv_b keep; the kv norm's input is a view of kv_a's whole output), kv_b's
+    output (v is a view of it), q and k concatenated from their parts, the output and o_proj's copy of it."""
+    q_rank, kv_rank, nope, rope, v = ranks
+    latents = (4 + 2 * p) * q_rank + 4 * (kv_rank + rope) + 2 * p * kv_rank
+    return latents + p * heads * (nope + v) + 2 * p * heads * (nope + rope) + 2 * p * heads * v
 
 
 def final_norm_bytes(shape: ModelShape, *, tokens: int, p: int, full: bool) -> int:
@@ -191,7 +230,7 @@ def shared_prompt_activation_bytes(shape: ModelShape, *, micro_batch: int, promp
                                       mask_keys=sdpa_mask_keys(micro_batch=prompts, seq_len=prompt_len), **common)
 
     def completion_pass(input_requires_grad: bool) -> int:  # a mask always: the queries start past the prompt
-        attention_trains = input_requires_grad or any(t in lora_targets for t in ("q_proj", "k_proj", "v_proj"))
+        attention_trains = input_requires_grad or any(t in lora_targets for t in ATTENTION_INPUTS)
         return (layer_activation_bytes(tokens=completion_tokens, seq_len=prompt_len + completion_len,
                                        input_requires_grad=input_requires_grad, **common)
                 + (2 * p * width * micro_batch * prompt_len if attention_trains else 0))

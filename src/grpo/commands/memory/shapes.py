@@ -16,7 +16,7 @@ from pathlib import Path
 
 from huggingface_hub import try_to_load_from_cache
 
-from grpo.commands.memory.counts import ArchitectureCounts, architecture_counts
+from grpo.commands.memory.counts import ArchitectureCounts, LayerTraits, architecture_counts
 from grpo.config import ConfigError
 
 # The linear layers of one Llama/Qwen2-style decoder layer; ``all-linear`` LoRA targets all of them.
@@ -94,6 +94,11 @@ class ModelShape:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
             mlp_bias=bool(config.get("mlp_bias", False)), counts=counts)
+
+    @property
+    def traits(self) -> LayerTraits:
+        """What the layers keep beyond a Llama/Qwen2 layer's (read off the model class; Llama-style: nothing)."""
+        return self.counts.traits if self.counts else LayerTraits()
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of each linear layer of one decoder layer."""
