@@ -129,3 +129,5 @@ VLLM_VENVS := .venv-vllm .venv-vllm-0.24
 test-vllm: $(addsuffix /.installed,$(VLLM_VENVS))
 	for venv in $(VLLM_VENVS); do $$venv/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_engine.py \
 		tests/integration/test_in_flight_run.py -k vllm || exit 1; done
+	# the architecture matrix's vLLM column, on the newest release (~7 min: one vLLM process per family)
+	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_families.py

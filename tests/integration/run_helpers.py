@@ -171,6 +171,27 @@ def each_batch_once(out: Path, steps: int) -> list[dict]:
     return rows
 
 
+# The shipped model on one- to three-step problems (completions of spread lengths, so groups are carried from chunk to
+# chunk), decoupled with in-flight updates and partial rollouts of 8 tokens a round
+PARTIAL_IN_FLIGHT = {
+    "data.train": "synthetic:seed=1,n=64,difficulty=demo", "rollout.max_completion_length": 64, "train.mode": "decoupled",
+    "train.max_staleness": 1, "decoupled.weight_update": "in_flight", "decoupled.partial_rollouts": True,
+    "decoupled.partial_token_budget": 8}
+
+
+def partial_in_flight_run(model_dir: Path, out: Path, steps: int, **settings) -> list[dict]:
+    """The step rows of a decoupled `grpo train` (PARTIAL_IN_FLIGHT and ``settings``) that exited 0, checked: each
+    batch and each group trained once."""
+    args = decoupled_overrides(model_dir, out, **{**PARTIAL_IN_FLIGHT, "train.max_steps": steps, **settings})
+    result = subprocess.run(grpo_cmd("train", SMOKE, *args), env=cli_env(), capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = each_batch_once(out, steps)
+    groups = [g for r in rows for g in r["groups"].split()]
+    assert len(groups) == len(set(groups)), f"a group was trained twice: {groups}"
+    return rows
+
+
 def wait_until(condition, what: str, timeout: float = 180.0, proc=None) -> None:
     """Poll ``condition()`` every 50 ms; fail naming ``what`` after ``timeout`` s, or as soon as ``proc`` has
     exited with the condition still false (nothing will make it true then)."""

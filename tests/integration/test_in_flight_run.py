@@ -10,7 +10,7 @@ import math
 import subprocess
 
 import pytest
-from run_helpers import REPO, SMOKE, cli_env, decoupled_overrides, each_batch_once, grpo_cmd
+from run_helpers import REPO, SMOKE, cli_env, decoupled_overrides, each_batch_once, grpo_cmd, partial_in_flight_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -40,18 +40,9 @@ def test_a_lora_run_with_in_flight_updates_and_partial_rollouts_trains_each_grou
     # on one- to three-step problems, so completions end at different lengths and groups are carried over.
     from grpo.weight_store import WeightStore
 
-    out, steps = tmp_path / "run", 4
-    args = decoupled_overrides(REPO / "assets" / "tiny-math", out, **{
-        "data.train": "synthetic:seed=1,n=64,difficulty=demo", "rollout.max_completion_length": 64,
-        "train.max_steps": steps, "train.mode": "decoupled", "train.max_staleness": 1, "rollout.engine": "hf",
-        "model.lora_r": 8, "decoupled.weight_update": "in_flight", "decoupled.inflight_check_tokens": 2,
-        "decoupled.partial_rollouts": True, "decoupled.partial_token_budget": 8, "optim.learning_rate": 1e-4})
-    result = subprocess.run(grpo_cmd("train", SMOKE, *args), env=cli_env(), capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = each_batch_once(out, steps)
-    groups = [g for r in rows for g in r["groups"].split()]
-    assert len(groups) == len(set(groups)), f"a group was trained twice: {groups}"
+    out = tmp_path / "run"
+    rows = partial_in_flight_run(REPO / "assets" / "tiny-math", out, 4, **{
+        "rollout.engine": "hf", "model.lora_r": 8, "decoupled.inflight_check_tokens": 2, "optim.learning_rate": 1e-4})
     for row in rows:
         assert 0.0 <= row["staleness/token_mean"] <= row["staleness/token_max"] <= 1.0
         assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])
@@ -62,18 +53,8 @@ def test_a_lora_run_with_in_flight_updates_and_partial_rollouts_trains_each_grou
 def test_an_hf_static_run_with_in_flight_updates_and_partial_rollouts_trains_each_group_once(tmp_path):
     # The GPU engine (here its eager step on the CPU): the sampler rewrites its sampling copy whenever a check
     # loads a newer version, and the step's per-token records let groups be carried over.
-    out, steps = tmp_path / "run", 4
-    args = decoupled_overrides(REPO / "assets" / "tiny-math", out, **{
-        "data.train": "synthetic:seed=1,n=64,difficulty=demo", "rollout.max_completion_length": 64,
-        "train.max_steps": steps, "train.mode": "decoupled", "train.max_staleness": 1, "rollout.engine": "hf-static",
-        "decoupled.weight_update": "in_flight", "decoupled.inflight_check_tokens": 2,
-        "decoupled.partial_rollouts": True, "decoupled.partial_token_budget": 8, "optim.learning_rate": 1e-5})
-    result = subprocess.run(grpo_cmd("train", SMOKE, *args), env=cli_env(), capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = each_batch_once(out, steps)
-    groups = [g for r in rows for g in r["groups"].split()]
-    assert len(groups) == len(set(groups)), f"a group was trained twice: {groups}"
+    rows = partial_in_flight_run(REPO / "assets" / "tiny-math", tmp_path / "run", 4, **{
+        "rollout.engine": "hf-static", "decoupled.inflight_check_tokens": 2, "optim.learning_rate": 1e-5})
     for row in rows:
         assert 0.0 <= row["staleness/token_mean"] <= row["staleness/token_max"] <= 1.0
         assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])
