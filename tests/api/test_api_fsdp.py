@@ -109,9 +109,10 @@ def _quick_start(output_dir: Path) -> str:
                               f'output_dir="{output_dir}", max_steps=2, per_device_train_batch_size=8')
     snippet = snippet.replace("max_completion_length=64", "max_completion_length=16, save_steps=1")
     assert "max_steps=2" in snippet and "save_steps=1" in snippet
-    return snippet + ("\nimport os, json\nif os.environ['RANK'] == '0':\n    print('RAN', json.dumps({'fsdp': "
-                      "trainer.config.train.fsdp, 'ranks': trainer.num_processes, "
-                      "'layers': trainer.config.fsdp.layer_classes}))\n")
+    # A file, not stdout: under torchrun the ranks' unbuffered prints interleave mid-line in the one pipe
+    return snippet + ("\nimport os, json\nif os.environ['RANK'] == '0':\n    open(os.path.join(args.output_dir, "
+                      "'ran.json'), 'w').write(json.dumps({'fsdp': trainer.config.train.fsdp, 'ranks': "
+                      "trainer.num_processes, 'layers': trainer.config.fsdp.layer_classes}))\n")
 
 
 @pytest.mark.slow
@@ -129,9 +130,8 @@ def test_the_trl_quick_start_under_accelerate_launch_with_an_fsdp2_config_file(t
                              "--main_process_port", str(_free_port()), str(tmp_path / "quick.py")], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    ran = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RAN "))[4:])
-    assert ran == {"fsdp": True, "ranks": 2, "layers": ["Qwen2DecoderLayer"]}
     out = tmp_path / "out"
+    assert json.loads((out / "ran.json").read_text()) == {"fsdp": True, "ranks": 2, "layers": ["Qwen2DecoderLayer"]}
     assert {p.name for p in out.iterdir()} >= {"checkpoint-1", "checkpoint-2", "fsdp-step-1", "fsdp-step-2"}
     assert sorted(p.name for p in (out / "fsdp-step-2").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 

@@ -20,14 +20,17 @@ REWARDS = ("xmlcount_reward_func", "soft_format_reward_func", "strict_format_rew
            "correctness_reward_func")
 
 
-def run_script(out: Path, *extra: str, launcher: tuple[str, ...] = ()) -> list[dict]:
-    """The script's printed log_history (one dict per line; TRL's own console dicts have no step)."""
+def run_script(out: Path, *extra: str, launcher: tuple[str, ...] = (), logs: Path | None = None) -> list[dict]:
+    """The script's printed log_history (one dict per line; TRL's own console dicts have no step); under a
+    launcher whose ranks write their output to ``logs`` (one stdout.log per rank), read rank by rank there: the
+    ranks' prints share one pipe otherwise, and an unbuffered print may land in the middle of another's line."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     result = subprocess.run([*(launcher or (sys.executable,)), str(SCRIPT), "--max-steps", "2",
                              "--output-dir", str(out), *extra],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    entries = [ast.literal_eval(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    outputs = [f.read_text() for f in sorted(logs.rglob("stdout.log"))] if logs else [result.stdout]
+    entries = [ast.literal_eval(line) for text in outputs for line in text.splitlines() if line.startswith("{")]
     return [e for e in entries if "step" in e]
 
 
@@ -56,7 +59,8 @@ def test_the_unsloth_script_runs_with_only_the_import_changed(tmp_path):
 
 @pytest.mark.slow
 def test_the_same_script_trains_data_parallel_under_torchrun(tmp_path):
-    history = run_script(tmp_path / "ddp", launcher=(sys.executable, "-m", "torch.distributed.run",
-                                                     "--nproc_per_node", "2"))
+    history = run_script(tmp_path / "ddp", launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                                                     "2", "--log-dir", str(tmp_path / "logs"), "--redirects", "1"),
+                         logs=tmp_path / "logs")
     assert [e["step"] for e in history if "loss" in e] == [1, 2, 1, 2]  # each rank prints its log_history
     check_adapter(tmp_path / "ddp" / "final")
