@@ -39,17 +39,18 @@ class LayerTraits:
     shared_width: int = 0
     dense_width: int = 0
     # ((module, bytes per value, trains), bytes kept per input element): the family's own hidden norm, q/k norm and
-    # router measured on a CPU copy (measure_kept); absent: a Llama RMSNorm's 4 + p (p when frozen), a router's 4E/h
+    # router measured on a CPU copy (measure_kept)
     kept: tuple[tuple[tuple[str, int, bool], float], ...] = ()
 
     def kept_per_element(self, module: str, p: int, trains: bool) -> float:
-        """Bytes ``module`` ("norm", "qk_norm", "router") keeps per element of its input, in a ``p``-byte dtype."""
-        table = dict(self.kept)
-        if (module, p, trains) in table:
-            return table[module, p, trains]
-        if module == "router":
-            return 4 * self.experts / 1024  # fp32 probabilities of E experts, per element of a ~1k-wide input
-        return 4 + (p if trains else 0)  # fp32 input, and the normalised value when the weight trains
+        """Bytes ``module`` ("norm", "qk_norm") keeps per element of its input, in a ``p``-byte dtype; not measured:
+        a Llama RMSNorm's fp32 input, and its normalised value when the weight trains."""
+        return dict(self.kept).get((module, p, trains), 4 + (p if trains else 0))
+
+    def router_bytes(self, p: int, trains: bool, hidden: int) -> float:
+        """Bytes the router keeps per token; not measured: fp32 probabilities over the E experts."""
+        measured = dict(self.kept).get(("router", p, trains))
+        return 4 * self.experts if measured is None else measured * hidden
 
 
 @dataclass(frozen=True)
@@ -118,13 +119,14 @@ def layer_traits(config, layers: list[torch.nn.Module]) -> LayerTraits:
     norms = [name for name, m in first.items() if "Norm" in type(m).__name__ and name]
     hidden_norms = sum(1 for name in norms if name.rsplit(".", 1)[-1] not in QK_NORMS + MLA_NORMS
                        and getattr(first[name], "weight", None) is not None and first[name].weight.numel() == h)
-    moe = [layer for layer in layers if _routed_experts(layer) is not None]
-    dense = [layer for layer in layers if _routed_experts(layer) is None]
-    experts = _routed_experts(moe[0]) if moe else None
+    routed = [_routed_experts(layer) for layer in layers]
+    moe = [layer for layer, experts in zip(layers, routed) if experts is not None]
+    dense = [layer for layer, experts in zip(layers, routed) if experts is None]
+    experts = next((e for e in routed if e is not None), None)
     E = width = 0
     if experts is not None:
-        weight = dict(experts.named_parameters())["down_proj"] if "down_proj" in dict(experts.named_parameters()) \
-            else next(p for p in experts.parameters() if p.dim() == 3)
+        weights = dict(experts.named_parameters())
+        weight = weights.get("down_proj", next(p for p in weights.values() if p.dim() == 3))
         E, sides = weight.shape[0], [d for d in weight.shape[1:] if d != h]
         width = sides[0] if sides else h
     fused_qkv = any(name.endswith("qkv_proj") for name in first)

@@ -122,7 +122,7 @@ def layer_activation_bytes(shape: ModelShape, *, tokens: int, seq_len: int, p: i
         # (4 x expert width) when the experts train, else gate_up, act and output; the router's own (an fp32 copy of
         # its input in some families, its probabilities)
         k, width = t.experts_per_token, t.expert_width
-        routed = k * p * ((2 * h + 4 * width) if full else (h + 3 * width)) + t.kept_per_element("router", p, full) * h
+        routed = k * p * ((2 * h + 4 * width) if full else (h + 3 * width)) + t.router_bytes(p, full, h)
         moe = routed + (gated(t.shared_width) if t.shared_width else 0)
         dense = gated(t.dense_width or i)
         per_token += (t.moe_layers * moe + (shape.num_layers - t.moe_layers) * dense) // shape.num_layers
