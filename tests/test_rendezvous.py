@@ -13,8 +13,11 @@ from grpo.config import ConfigError
 from grpo.decoupled.rendezvous import (
     ADDRESS_FILE,
     advertised_address,
+    clear_trainer_finished,
+    finished_run,
     is_wildcard,
     publish_trainer_address,
+    publish_trainer_finished,
     read_trainer_address,
 )
 
@@ -67,3 +70,50 @@ def test_a_sampler_waits_for_the_address_and_reads_it(tmp_path):
 def test_no_address_is_a_timeout_naming_the_file(tmp_path):
     with pytest.raises(TimeoutError, match=r"trainer_address.json after 0 s.*same shared folder"):
         read_trainer_address(tmp_path, timeout_s=0.1, poll_s=0.05)
+
+
+
+def test_a_finished_trainer_marks_its_address_for_its_own_config_only(tmp_path):
+    assert finished_run(tmp_path, "abc") is None  # no file yet
+    clear_trainer_finished(tmp_path)  # nothing to clear
+    publish_trainer_address(tmp_path, "tcp://10.0.0.9:5555", "t1")
+    assert finished_run(tmp_path, "abc") is None
+    publish_trainer_finished(tmp_path, 8, "abc")
+    assert finished_run(tmp_path, "abc") == 8
+    assert finished_run(tmp_path, "other") is None  # e.g. the same run resumed with more steps
+    assert read_trainer_address(tmp_path, timeout_s=1) == "tcp://10.0.0.9:5555"  # the address stays
+    clear_trainer_finished(tmp_path)  # a trainer overwriting or resuming the folder, as it starts
+    assert finished_run(tmp_path, "abc") is None
+    assert json.loads((tmp_path / ADDRESS_FILE).read_text())["trainer_id"] == "t1"
+    publish_trainer_finished(tmp_path, 8, "abc")
+    publish_trainer_address(tmp_path, "tcp://10.0.0.9:5555", "t2")  # a trainer publishing again clears it too
+    assert finished_run(tmp_path, "abc") is None
+    (tmp_path / ADDRESS_FILE).write_text('{"address": "tcp://10.0.0.9:55')  # a torn read: not finished
+    assert finished_run(tmp_path, "abc") is None
+    assert not list((tmp_path / ADDRESS_FILE).parent.glob("*.tmp*"))
+
+
+@pytest.mark.parametrize("wildcard", [True, False])
+def test_a_sampler_that_finds_no_trainer_stops_once_the_run_is_marked_finished(tmp_path, monkeypatch, caplog,
+                                                                               wildcard):
+    # No trainer answers (it finished before this sampler started, or as it did): after each try the sampler
+    # reads the run folder, and exits 0 once it says this config's trainer finished, where it would otherwise
+    # try for decoupled.peer_timeout_s (10 minutes by default) and fail.
+    from grpo.config.resolve import load_config
+    from grpo.decoupled import sampler_role
+    from grpo.decoupled.link_settings import config_fingerprint
+    from transport_helpers import free_port
+
+    monkeypatch.setattr(sampler_role, "RECONNECT_S", 0.3)
+    gone = f"tcp://127.0.0.1:{free_port()}"
+    cfg = load_config(None, [f"train.output_dir={tmp_path}", "train.mode=decoupled", "decoupled.peer_timeout_s=600",
+                             f"decoupled.address={'tcp://0.0.0.0:5555' if wildcard else gone}"])
+    publish_trainer_address(tmp_path, gone, "t1")
+    timer = threading.Timer(1.0, publish_trainer_finished, (tmp_path, 2, config_fingerprint(cfg)))
+    timer.start()
+    started = time.monotonic()
+    with pytest.raises(sampler_role.TrainerFinished, match="finished at step 2"):
+        sampler_role.connect_to_trainer(cfg, "sampler-0", "t" * 32)
+    timer.join()
+    assert time.monotonic() - started < 10
+    assert "no trainer answers at" in caplog.text  # it tried, and logged each try

@@ -157,7 +157,7 @@ def test_sampler_killed_and_restarted(tiny_model_dir, tmp_path):
     each_batch_once(out, 8)
 
 
-def test_one_of_two_samplers_killed_the_other_finishes_the_run(tiny_model_dir, tmp_path):
+def test_one_of_two_samplers_killed_the_other_finishes_the_run(tiny_model_dir, tmp_path, monkeypatch):
     # The killed sampler's chunk (if it held one) goes to the other once it has been silent for LOST_AFTER_S;
     # every step is trained once, from chunks of that step.
     # Two trainer ranks, as every failure row of docs/guides/reliability.md is tested: each step is two chunks.
@@ -181,6 +181,14 @@ def test_one_of_two_samplers_killed_the_other_finishes_the_run(tiny_model_dir, t
     rows = each_batch_once(out, 6)
     assert [r["batch_id"] for r in rows] == [f"step-{s}/rank-0,step-{s}/rank-1" for s in range(1, 7)]
     assert rows[-1]["sampler_id"] == "sampler-1"
+    # The killed sampler started again after the run (here, in this process): the trainer marked the run folder
+    # finished, so once no trainer answers it exits 0, instead of trying for decoupled.peer_timeout_s and failing.
+    from grpo.config.resolve import load_config
+    from grpo.decoupled import sampler_role
+
+    assert json.loads((out / "decoupled" / "trainer_address.json").read_text())["finished"]["step"] == 6
+    monkeypatch.setattr(sampler_role, "RECONNECT_S", 1.0)
+    assert sampler_role.run_sampler(load_config(SMOKE, [*map(str, args), "decoupled.sampler_index=0"])) == 0
 
 
 @pytest.mark.parametrize("save_steps", [1, 3])

@@ -5,7 +5,10 @@ binds every interface (``decoupled.address: tcp://0.0.0.0:5555``) and writes the
 (``decoupled.advertise_host``, else the host's name when it resolves to a network address) to
 ``<output_dir>/decoupled/trainer_address.json``; a sampler given a wildcard address reads it there (the run
 folder is shared by every host already). A trainer restarted elsewhere rewrites it, and a sampler that gets
-no answer at the old address reads it again.
+no answer at the old address reads it again. A trainer that trained its last step marks the file finished (with
+its config's fingerprint): a sampler of that config that finds no trainer answering then exits instead of waiting
+out the peer timeout; a resumed run with more steps is another config, and a trainer that overwrites or resumes the
+folder clears the mark as it starts.
 """
 
 from __future__ import annotations
@@ -80,6 +83,40 @@ def publish_trainer_address(run_dir: str | os.PathLike, address: str, trainer_id
                                 "pid": os.getpid(), "time": time.time()}))
     os.replace(temp, path)
     return path
+
+
+def publish_trainer_finished(run_dir: str | os.PathLike, step: int, config_hash: str) -> None:
+    """Mark the published address finished: rank 0 trained up to ``step`` the run whose config hashes to
+    ``config_hash`` (``grpo.decoupled.link_settings.config_fingerprint``)."""
+    path = Path(run_dir) / ADDRESS_FILE
+    record = json.loads(path.read_text())
+    record["finished"] = {"step": step, "config_hash": config_hash, "time": time.time()}
+    temp = path.with_suffix(f".tmp{os.getpid()}")
+    temp.write_text(json.dumps(record))
+    os.replace(temp, path)
+
+
+def clear_trainer_finished(run_dir: str | os.PathLike) -> None:
+    """Drop the finished mark of the run the folder held (a trainer about to overwrite or resume it), so that a
+    sampler of the same config does not take the new run for the old one; nothing when there is none."""
+    path = Path(run_dir) / ADDRESS_FILE
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return
+    if isinstance(record, dict) and record.pop("finished", None) is not None:
+        temp = path.with_suffix(f".tmp{os.getpid()}")
+        temp.write_text(json.dumps(record))
+        os.replace(temp, path)
+
+
+def finished_run(run_dir: str | os.PathLike, config_hash: str) -> int | None:
+    """The last step of the finished trainer of this config (None: no trainer of it has finished)."""
+    try:
+        finished = json.loads((Path(run_dir) / ADDRESS_FILE).read_text()).get("finished") or {}
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None  # no file yet, or a torn read on a network filesystem
+    return finished.get("step") if finished.get("config_hash") == config_hash else None
 
 
 def read_trainer_address(run_dir: str | os.PathLike, timeout_s: float, poll_s: float = 0.5) -> str:

@@ -27,7 +27,7 @@ from grpo.decoupled.link_settings import config_fingerprint, max_message_bytes, 
 from grpo.decoupled.listen import shared_token
 from grpo.decoupled.partial_rollouts import PartialInputs, partial_experience
 from grpo.decoupled.ref_server import RefServerClient
-from grpo.decoupled.rendezvous import is_wildcard, read_trainer_address, split_tcp
+from grpo.decoupled.rendezvous import finished_run, is_wildcard, read_trainer_address, split_tcp
 from grpo.decoupled.token_versions import stamped
 from grpo.decoupled.transport import PeerClosed, PeerTimeout, RolloutSender
 from grpo.decoupled.weight_sync import ReceivedWeights, is_broadcast
@@ -49,6 +49,24 @@ from grpo.weight_store import WeightStore, apply_to_model
 from grpo.weight_store.broadcast import WeightBroadcast
 
 logger = logging.getLogger(__name__)
+RECONNECT_S = 30.0  # how long a sampler waits for a welcome before it reads the run folder again
+
+
+class TrainerFinished(Exception):
+    """The trainer of this sampler's config already trained its last step (the run folder says so)."""
+
+    def __init__(self, step: int):
+        super().__init__(f"the trainer of this config finished at step {step}")
+        self.step = step
+
+
+def check_not_finished(cfg: RunConfig) -> None:
+    """TrainerFinished when the run folder says this config's trainer is done: nothing is left to sample. Asked
+    only once no trainer answered: a trainer starting over the folder of a finished run of this config
+    (``--overwrite``) clears the mark first, but a sampler may read the folder before that."""
+    step = finished_run(cfg.train.output_dir, config_fingerprint(cfg))
+    if step is not None:
+        raise TrainerFinished(step)
 
 
 def reference_logprobs_fn(cfg: RunConfig, policy, tokenizer, device, token: str, processing=None):
@@ -90,6 +108,15 @@ def run_sampler(cfg: RunConfig) -> int:
     W = d.trainer_ranks
     sampler_id = f"sampler-{d.sampler_index}"
     token = shared_token(cfg)
+    try:
+        return _sample(cfg, W, sampler_id, token)
+    except TrainerFinished as done:
+        logger.info("%s: %s (%s); nothing to sample, exiting", sampler_id, done, cfg.train.output_dir)
+        return 0
+
+
+def _sample(cfg: RunConfig, W: int, sampler_id: str, token: str) -> int:
+    d = cfg.decoupled
     device = resolve_device(d.sampler_device)
     inputs = tokenizer_and_data(cfg, GivenInputs())  # the trainers' task, data and rewards, as they load them
     tokenizer, train_set = inputs.tokenizer, inputs.train_set
@@ -169,7 +196,8 @@ class Settlements:
 def connect_to_trainer(cfg: RunConfig, sampler_id: str, token: str) -> tuple[RolloutSender, dict]:
     """A sender welcomed by the trainer, and the welcome. With a wildcard ``decoupled.address`` the trainer's
     address comes from the run folder; when no trainer answers there within a while, the file is read again
-    (a trainer restarted on another host rewrites it) until the peer timeout."""
+    (a trainer restarted on another host rewrites it) until the peer timeout. TrainerFinished when, after a try
+    that no trainer answered, the run folder says this config's trainer finished (whatever the address)."""
     d = cfg.decoupled
     find = is_wildcard(d.address)
     deadline = time.monotonic() + d.peer_timeout_s
@@ -183,11 +211,14 @@ def connect_to_trainer(cfg: RunConfig, sampler_id: str, token: str) -> tuple[Rol
                                timeout_s=d.peer_timeout_s, config_hash=config_fingerprint(cfg),
                                curve_server_key=curve_key, curve_key_file=curve_key_file)
         try:
-            return sender, sender.connect(incarnation=secrets.randbits(52), timeout_s=min(left, 30.0) if find else None)
-        except PeerTimeout:
-            if not find or time.monotonic() >= deadline:
-                raise
-            logger.warning("%s: no trainer answers at %s; reading its address again", sampler_id, address)
+            return sender, sender.connect(incarnation=secrets.randbits(52), timeout_s=min(left, RECONNECT_S))
+        except PeerTimeout as err:
+            check_not_finished(cfg)
+            if time.monotonic() >= deadline:
+                raise PeerTimeout(f"{err} (the last of its tries: {d.peer_timeout_s:.0f} s in all, "
+                                  "decoupled.peer_timeout_s)") from None
+            logger.warning("%s: no trainer answers at %s; %s", sampler_id, address,
+                           "reading its address again" if find else "trying again")
 
 
 def join_broadcast(cfg: RunConfig, trainer_address: str) -> ReceivedWeights | None:

@@ -31,7 +31,12 @@ from grpo.decoupled.link_settings import (
     trainer_curve_key,
 )
 from grpo.decoupled.listen import shared_token
-from grpo.decoupled.rendezvous import advertised_address, publish_trainer_address
+from grpo.decoupled.rendezvous import (
+    advertised_address,
+    clear_trainer_finished,
+    publish_trainer_address,
+    publish_trainer_finished,
+)
 from grpo.decoupled.token_versions import chunk_version, stamped, staleness_metrics
 from grpo.decoupled.transport import IncomingBatch, PeerTimeout, RolloutReceiver
 from grpo.decoupled.weight_sync import BroadcastPublisher
@@ -41,6 +46,7 @@ from grpo.parallel.distributed import DistInfo, barrier, shutdown
 from grpo.parallel.fsdp import full_tensor_layout, full_tensors
 from grpo.parallel.learners import full_weights
 from grpo.run.progress import LineProgress
+from grpo.run.run_dir import continues_own_run
 from grpo.step.batching import concat_batches, rank_group_spans, rank_groups, select_groups
 from grpo.training.inputs import GivenInputs
 from grpo.training.loop import Collected, run_loop
@@ -332,6 +338,8 @@ def run_trainer(cfg: RunConfig) -> int:
                              "ranks were launched; samplers cut batches by trainer_ranks")
         if info.is_main:
             advertised_address(cfg.decoupled.address, cfg.decoupled.advertise_host)  # a bad one fails before a write
+            if cfg.train.overwrite or continues_own_run(cfg):  # the old run's finished mark is not this run's
+                clear_trainer_finished(cfg.train.output_dir)
         p = prepare(cfg, GivenInputs(), info, device, samples=False)
         run, trainable = p.run, p.trainable
         store = WeightStore(run.out)
@@ -350,8 +358,10 @@ def run_trainer(cfg: RunConfig) -> int:
                               trained_groups=set((run.resumed_state or {}).get("trained_group_ids", [])))
         # The samplers run on other weights: the ranks evaluate the newest ones themselves, each a slice.
         evaluate = build_evaluator(cfg, p.inputs, p.policy, info, run.out)
-        run_loop(make_loop(cfg, p, LineProgress(enabled=info.is_main), evaluate), receiving, run.start_step,
-                 run.eval_before)
+        loop = make_loop(cfg, p, LineProgress(enabled=info.is_main), evaluate)
+        result = run_loop(loop, receiving, run.start_step, run.eval_before)
+        if info.is_main and result.last_step >= loop.schedule.max_steps:  # a sampler started now exits at once
+            publish_trainer_finished(run.out, result.last_step, config_fingerprint(cfg))
         return 0
     except BaseException as err:
         failed = err
