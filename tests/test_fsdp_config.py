@@ -17,6 +17,8 @@ BASE = ["train.fsdp=true", "log.report_to=[]"]
     (["model.lora_r=4", "model.load_in_4bit=true"], "train.fsdp", "bitsandbytes' packed weights"),
     (["optim.optimizer=adamw_8bit"], "train.fsdp", "bitsandbytes' packed weights"),
     (["rollout.engine=vllm"], "train.fsdp", "rollout.engine vllm in colocated mode yet"),
+    # its sampling copy was a deepcopy of FSDP2's modules: "FSDP does not support deepcopy" as the run started
+    (["rollout.engine=hf-static"], "train.fsdp", "rollout.engine hf-static in colocated mode: its sampling copy"),
 ])
 def test_combinations_fsdp2_cannot_run_name_the_key(overrides, key, why):
     with pytest.raises(ConfigError, match=rf"{key}.*{why}"):
@@ -28,6 +30,24 @@ def test_fsdp_keys_without_train_fsdp_are_refused():
         load_config(None, ["fsdp.cpu_offload=true"])
     with pytest.raises(ConfigError, match=r"fsdp.reduce_dtype"):
         load_config(None, BASE + ["fsdp.reduce_dtype=float16"])
+
+
+def test_a_sharded_trainer_rank_evaluates_with_the_engine_auto_picks_for_it(tiny_tokenizer, monkeypatch):
+    # decoupled trainer ranks evaluate over their own (FSDP2-sharded) policy: hf-static's sampling copy cannot be
+    # made of it, so they evaluate with hf, as auto picks under FSDP2; the samplers keep hf-static
+    from grpo.models.tiny import build_qwen2
+    from grpo.rollout import build
+
+    tiny_model = build_qwen2(tiny_tokenizer)
+    cfg = load_config(None, BASE + ["train.mode=decoupled", "rollout.engine=hf-static"])
+    assert type(build.evaluation_engine(cfg, tiny_model, tiny_tokenizer)).__name__ == "StaticEngine"
+    monkeypatch.setattr(build, "is_sharded", lambda model: True)
+    assert type(build.evaluation_engine(cfg, tiny_model, tiny_tokenizer)).__name__ == "LeanEngine"
+    # where a sharded policy samples itself (ZeRO-3 colocated: the config cannot tell the stage), hf-static is
+    # refused by name, not a deepcopy's failure deep in the first rollout
+    colocated = load_config(None, ["log.report_to=[]", "rollout.engine=hf-static"])
+    with pytest.raises(ConfigError, match="rollout.engine: hf-static samples from a copy.*use rollout.engine hf"):
+        build.build_engine(colocated, tiny_model, tiny_tokenizer)
 
 
 def test_decoupled_vllm_samplers_and_dynamic_sampling_are_allowed():

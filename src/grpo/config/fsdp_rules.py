@@ -27,6 +27,11 @@ def fsdp_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
         problems.append(("train.fsdp", "cannot be combined with model.load_in_4bit or optim.optimizer adamw_8bit: "
                                        "bitsandbytes' packed weights and 8-bit states are not tensors FSDP2 can "
                                        "shard; use full precision (or train.deepspeed: false, no FSDP2)"))
+    if cfg.train.mode == "colocated" and engine_traits(cfg.rollout.engine).sampling_copy:
+        problems.append(("train.fsdp", (
+            f"cannot be combined with rollout.engine {cfg.rollout.engine} in colocated mode: its sampling copy is "
+            "made from the policy's modules, which FSDP2 shards over the ranks; use rollout.engine hf (auto picks "
+            "it under FSDP2) or train.mode decoupled (samplers load the published weights)")))
     if cfg.train.mode == "colocated" and engine_traits(cfg.rollout.engine).own_weights:
         problems.append(("train.fsdp", (
             f"cannot be combined with rollout.engine {cfg.rollout.engine} in colocated mode yet: that engine keeps "

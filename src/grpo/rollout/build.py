@@ -99,8 +99,13 @@ def policy_engine_name(cfg: RunConfig, policy: torch.nn.Module, name: str | None
         return "hf"  # the engine that records each token's experts (grpo.config.loss_rules)
     return resolve_engine_name(name, next(policy.parameters()).device.type,
                                quantized=cfg.model.load_in_4bit, full_attention=full_attention_only(policy),
-                               # ZeRO-3's mark on a parameter, or FSDP2's record of the root
-                               sharded=is_sharded(policy) or any(hasattr(p, "ds_id") for p in policy.parameters()))
+                               sharded=sharded_over_ranks(policy))
+
+
+def sharded_over_ranks(policy: torch.nn.Module) -> bool:
+    """Whether each rank holds only a shard of ``policy``: ZeRO-3's mark on a parameter, or FSDP2's record of the
+    root (what a rank holds is then no whole model to copy)."""
+    return is_sharded(policy) or any(hasattr(p, "ds_id") for p in policy.parameters())
 
 
 def engine_kind(name: str) -> EngineKind:
@@ -122,15 +127,27 @@ def build_engine(cfg: RunConfig, policy: torch.nn.Module, tokenizer) -> RolloutE
     """The engine ``rollout.engine`` names (``auto``: the policy's device's), over ``policy`` or (vLLM) over
     its own copy of ``model.name_or_path``."""
     check_engine_available(cfg)
+    check_engine_for_policy(cfg, policy)
     return engine_kind(policy_engine_name(cfg, policy)).build(cfg, policy, tokenizer)
+
+
+def check_engine_for_policy(cfg: RunConfig, policy: torch.nn.Module) -> None:
+    """ConfigError when the engine cannot sample from ``policy`` as the learner left it (a run checks this before it
+    claims its folder): a sampling copy of a policy ZeRO-3 or FSDP2 sharded would hold no weights."""
+    name = policy_engine_name(cfg, policy)
+    if engine_kind(name).traits.sampling_copy and sharded_over_ranks(policy):
+        raise ConfigError(f"rollout.engine: {name} samples from a copy of the policy's modules, but ZeRO-3 or FSDP2 "
+                          "shards them over the ranks (a copy would hold no weights); use rollout.engine hf, which "
+                          "auto picks for a sharded policy")
 
 
 def evaluation_engine(cfg: RunConfig, policy: torch.nn.Module, tokenizer) -> RolloutEngine:
     """An engine over ``policy`` itself, for a process that evaluates but does not sample (a decoupled trainer
     rank): ``rollout.engine`` when it samples from the policy, else ``auto``'s choice for the policy's device
-    (a vLLM copy of the weights lives with the samplers)."""
+    (a vLLM copy of the weights lives with the samplers; a sampling copy cannot be made of an FSDP2 shard)."""
     name = cfg.rollout.engine
-    if name != AUTO and engine_kind(name).traits.own_weights:
+    if name != AUTO and (engine_kind(name).traits.own_weights
+                         or (engine_kind(name).traits.sampling_copy and sharded_over_ranks(policy))):
         name = AUTO
     return engine_kind(policy_engine_name(cfg, policy, name)).build(cfg, policy, tokenizer)
 

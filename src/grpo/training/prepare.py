@@ -33,7 +33,7 @@ from grpo.multiturn.wiring import with_turns
 from grpo.parallel.distributed import DistInfo, all_gather_json, barrier, init_distributed, print0
 from grpo.parallel.fsdp import gathering
 from grpo.parallel.trainable import Trainable, build_trainable, compile_settings, shard_for_run
-from grpo.rollout.build import evaluation_engine
+from grpo.rollout.build import check_engine_for_policy, evaluation_engine
 from grpo.run.best import BestMetric
 from grpo.run.checkpoint import CheckpointLayout, checkpoint_layout
 from grpo.run.run_dir import check_output_dir, claim_output_dir
@@ -239,6 +239,8 @@ def prepare(cfg: RunConfig, given: GivenInputs, info: DistInfo, device: torch.de
     ref_logprobs = (local_reference(policy, reference, cfg.rollout.temperature, cfg.train.micro_batch_size,
                                     processing, logprob_pass(cfg)) if local_ref else None)
     trainable = build_trainable(cfg, policy, info, given.optimizer, given.scheduler)
+    if samples:
+        check_engine_for_policy(cfg, policy)  # as the learner sharded it, before the folder is claimed
     if trainable.fsdp and reference is not None:
         shard_for_run(cfg, reference)  # as the policy, no optimizer: 1/N of it on each rank between samplings
     critic = build_critic(cfg, info, device) if needs_critic(cfg) else None
