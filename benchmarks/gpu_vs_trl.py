@@ -83,6 +83,13 @@ SHAPES = {
     # --tiny: the same code on a CPU in seconds; the vocabulary is larger than the tokenizer's, as above
     "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
                  vocab_size=8448, tie_word_embeddings=True),
+    # A Qwen3-MoE of Qwen3-30B-A3B's make (64 experts of which 8 per token, q/k norms, head_dim 64 here), scaled to
+    # be fully fine-tuned on one 80 GB GPU: 1.81B parameters, 0.40B of them (the embedding's 0.16B included) used
+    # per token; routing replay's cost is measured on it (scripts/gpu_session.sh since). "tiny-moe": its --tiny form.
+    "moe": dict(family="qwen3_moe", hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=4,
+                moe_intermediate_size=512, num_experts=64, top_k=8, vocab_size=151936, tie_word_embeddings=True),
+    "tiny-moe": dict(family="qwen3_moe", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                     moe_intermediate_size=64, num_experts=4, top_k=2, vocab_size=8448, tie_word_embeddings=True),
 }
 CASES = {"full": dict(lora_r=0, gradient_checkpointing=False), "full-gc": dict(lora_r=0, gradient_checkpointing=True),
          "lora": dict(lora_r=16, gradient_checkpointing=False), "lora-gc": dict(lora_r=16, gradient_checkpointing=True)}
@@ -121,22 +128,58 @@ def gsm8k_tokenizer(gsm8k: Path):
 
 
 def build_model(shape: str, tokenizer, path: Path) -> Path:
-    """A random-weight Qwen2 of ``shape`` with ``tokenizer``, saved in bf16 (both sides load it as fp32)."""
+    """A random-weight Qwen2 (or, for a shape with a family, Qwen3-MoE) of ``shape`` with ``tokenizer``, saved in
+    bf16 (both sides load it as fp32)."""
     import torch
 
     from grpo.models.tiny import build_qwen2
 
-    model = build_qwen2(tokenizer, seed=0, rope_theta=1e6, max_position_embeddings=32768, **SHAPES[shape])
+    dims = dict(SHAPES[shape])
+    if dims.pop("family", None) == "qwen3_moe":
+        model = build_qwen3_moe(tokenizer, **dims)
+    else:
+        model = build_qwen2(tokenizer, seed=0, rope_theta=1e6, max_position_embeddings=32768, **dims)
     model.to(torch.bfloat16).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def build_qwen3_moe(tokenizer, *, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                    moe_intermediate_size: int, num_experts: int, top_k: int, vocab_size: int,
+                    tie_word_embeddings: bool):
+    """A random-weight Qwen3MoeForCausalLM: every layer sparse, top-k weights renormalised, Qwen3's aux-loss
+    coefficient (the router loss is logged, not trained, unless a run asks for it); seed 0."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, head_dim=hidden_size // num_heads, intermediate_size=4 * hidden_size,
+        moe_intermediate_size=moe_intermediate_size, num_experts=num_experts, num_experts_per_tok=top_k,
+        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, router_aux_loss_coef=0.001,
+        max_position_embeddings=32768, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        tie_word_embeddings=tie_word_embeddings, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)
+    rng_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(0)
+        model = Qwen3MoeForCausalLM(config)
+    finally:
+        torch.random.set_rng_state(rng_state)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def model_name(shape: str) -> str:
+    return f"qwen3-{shape}" if "family" in SHAPES[shape] else f"qwen2.5-{shape}"
 
 
 def cached_model(shape: str, gsm8k: Path, folder: Path) -> Path:
     """``build_model``'s model in ``folder``, built there unless a finished build is already there: a build
     goes to a temporary folder renamed into place once written, so a run cut short leaves none half-built,
     and of two processes building at once the second to finish keeps the first's (the same weights)."""
-    path = folder / f"qwen2.5-{shape}-random"
+    path = folder / f"{model_name(shape)}-random"
     if (path / "config.json").is_file():
         return path
     folder.mkdir(parents=True, exist_ok=True)
@@ -166,8 +209,11 @@ def matmul_params(model: Path) -> tuple[int, int]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model)
+    # a token passes through k of a sparse layer's E routed experts: only those count (MoE shapes)
+    active = getattr(config, "num_experts_per_tok", 1) / getattr(config, "num_experts", 1)
     with torch.device("meta"):  # shapes only, no memory
-        total = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())  # tied: once
+        total = sum(p.numel() * (active if ".experts." in name else 1)
+                    for name, p in AutoModelForCausalLM.from_config(config).named_parameters())  # tied: once
     head = config.vocab_size * config.hidden_size
     return total - head * (1 if config.tie_word_embeddings else 2), head
 
@@ -231,8 +277,8 @@ def save(report: dict, out: Path) -> str:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", choices=[s for s in SHAPES if s != "tiny"], default="1.5b",
-                        help="Qwen2.5 model shape (random weights)")
+    parser.add_argument("--shape", choices=[s for s in SHAPES if not s.startswith("tiny")], default="1.5b",
+                        help="Qwen2.5 model shape, or moe: a Qwen3-MoE (random weights; with --tiny, its tiny form)")
     parser.add_argument("--tiny", action="store_true",
                         help="the same code path on a CPU: tiny shape, P=2, G=4, 8 tokens, 3 steps (a smoke test)")
     parser.add_argument("--full-size", action="store_true", help="a full-size step: 64 prompts x 8 x 512 tokens")
@@ -331,7 +377,7 @@ def main() -> None:
     device = "cpu" if args.tiny else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU is visible: this benchmark is for a GPU; --tiny runs its code path on a CPU")
-    shape = "tiny" if args.tiny else args.shape
+    shape = ("tiny-moe" if "family" in SHAPES[args.shape] else "tiny") if args.tiny else args.shape
     gsm8k = find_gsm8k(args.gsm8k)
     workdir = Path(tempfile.mkdtemp(prefix="grpo-bench-gpu-"))
     try:
@@ -363,7 +409,7 @@ def main() -> None:
                   "settings": settings, "matmul_peak_tflops": peak["matmul_peak_tflops"],
                   "matmul_dtype": peak["matmul_dtype"], "cases": rows}
         for key in args.case_keys:
-            case = make_case(f"qwen2.5-{shape}", model, prompts, num_iterations=1, steps=args.steps,
+            case = make_case(model_name(shape), model, prompts, num_iterations=1, steps=args.steps,
                              threads=args.threads, prompts_per_step=args.prompts, num_generations=args.generations,
                              max_completion_length=args.max_new_tokens, micro_batch_size=args.micro_batch,
                              device=device, bf16=device == "cuda", attn_implementation="sdpa", lr=1e-6,

@@ -184,7 +184,9 @@ def run_ours(case: dict) -> dict:
     logged = [json.loads(line) for line in lines]
     rows = [row for line, row in zip(lines, logged) if "loss" in line][:case["steps"]]
     evaluations = [r["time/eval_s"] for r in logged if "time/eval_s" in r]  # with data.eval: start, end
-    return {**profile, **({"eval_s": evaluations} if evaluations else {}),
+    moe = {key.replace("/", "_"): [r[key] for r in rows] for key in ("moe/aux_loss", "moe/routing_mismatch")
+           if rows and all(key in r for r in rows)}  # a MoE policy's router loss; with routing replay, the mismatch
+    return {**profile, **moe, **({"eval_s": evaluations} if evaluations else {}),
         "step_s": [r["time/step_s"] for r in rows],
         "generate_s": [r["time/generate_s"] for r in rows],
         "ref_logprobs_s": [r["time/rollout_s"] - r["time/generate_s"] - r["time/rewards_s"] for r in rows],

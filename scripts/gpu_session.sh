@@ -29,6 +29,9 @@
 #                                              #   multiturn, eval, the update with the fused head off at steady
 #                                              #   state, train.column_bucket=1 against the CUDA default 64, then
 #                                              #   full-gc and lora-gc with the shared prompt pass on
+#   run: bash scripts/gpu_session.sh since     # after lease3 (issue 61 step 3; GPU_SESSION_SECONDS likewise): the
+#                                              #   -m gpu tests, FSDP2 at the 1.5B shape beside lease3's full, a
+#                                              #   Qwen3-MoE (--shape moe) without and with routing replay
 #   run: bash scripts/gpu_session.sh lease3    # the next lease (GPU_SESSION_SECONDS likewise): the CUDA defaults the
 #                                              #   second decided (plain pass, fixed rows, no-grad plain logits)
 #                                              #   against TRL and the plain loop, full and LoRA, with GPU busy;
@@ -49,7 +52,7 @@
 # python3), to check the script itself (tests/test_bench_gpu_script.py does); memory has no tiny form.
 set -euo pipefail
 
-part="${1:?usage: gpu_session.sh gen|full|lora|choices|memory|jump|fullsize|head|sweep|multiturn|eval|lease|lease2|lease3|lease4}"
+part="${1:?usage: gpu_session.sh gen|full|lora|choices|memory|jump|fullsize|head|sweep|multiturn|eval|lease|lease2|lease3|lease4|since}"
 out="${OUT:-gpu-out}"
 python="${PYTHON:-python3}"
 mkdir -p "$out"
@@ -233,9 +236,36 @@ print(f"k={sys.argv[2]}: evaluations", " ".join(f"{x:.2f}" for x in s["eval_s"])
         --out "$out/gc-shared.json" || echo "lease4: gc shared ended $?"
     fi
     ;;
+  since)  # issue 61 step 3: what was built since the H200 leases, never run on a GPU, each part cut at the deadline
+    deadline=$((SECONDS + ${GPU_SESSION_SECONDS:-540}))
+    left() { echo $((deadline - SECONDS)); }
+    # the -m gpu tests: hf-static's CUDA graphs with in-flight weights, fp16 loss scaling, tf32, compile, 8-bit
+    # optimizers, chunked log-probs (on a CPU each skips, saying it needs CUDA)
+    timeout "$(left)" "$python" -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_in_flight_static.py \
+      tests/test_static_engine.py tests/test_fp16.py tests/test_tf32.py tests/test_torch_compile.py tests/test_optim.py \
+      tests/test_token_logprobs_chunked.py tests/test_algorithm_losses.py tests/test_memory_savers.py \
+      > "$out/gpu-tests.txt" 2>&1 || echo "since: gpu tests ended $? (see gpu-tests.txt)"
+    tail -n 15 "$out/gpu-tests.txt"
+    # FSDP2 (one rank: its sharding is then the wrapping alone) against lease3's full.json, the plain learner: the
+    # update and the peak (generation differs: a sharded policy samples with hf, as auto picks, not hf-static)
+    if [ "$(left)" -gt 150 ]; then
+      timeout "$(left)" $bench --engine auto --steps 3 --cases full --sides grpo --no-busy --grpo-set train.fsdp=true \
+        --out "$out/fsdp2.json" || echo "since: fsdp2 ended $?"
+    fi
+    # a Qwen3-MoE (64 experts, 8 a token) without and with routing replay, on the hf engine (the one that records
+    # routing); the plain loop beside the first
+    if [ "$(left)" -gt 200 ]; then
+      timeout "$(left)" $bench --shape moe --engine hf --steps 3 --cases full --sides grpo,plain --no-busy \
+        --out "$out/moe.json" || echo "since: moe ended $?"
+    fi
+    if [ "$(left)" -gt 150 ]; then
+      timeout "$(left)" $bench --shape moe --engine hf --steps 3 --cases full --sides grpo --no-busy \
+        --grpo-set loss.routing_replay=true --out "$out/moe-replay.json" || echo "since: moe replay ended $?"
+    fi
+    ;;
   *)
     echo "gpu_session.sh: unknown part $part (gen, full, lora, choices, memory, fullsize, jump, head, sweep, multiturn," \
-      "eval, lease, lease2, lease3 or lease4)" >&2
+      "eval, lease, lease2, lease3, lease4 or since)" >&2
     exit 2
     ;;
 esac

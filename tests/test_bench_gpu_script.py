@@ -177,6 +177,21 @@ def test_shapes_have_the_published_qwen25_parameter_counts(tiny_tokenizer):
         assert sum(p.numel() for p in model.parameters()) == total, shape
 
 
+def test_the_moe_shape_is_a_qwen3_moe_of_the_stated_size_and_its_matmuls_count_the_routed_experts_used(
+        tiny_tokenizer, tmp_path):
+    dims = {k: v for k, v in gpu_vs_trl.SHAPES["moe"].items() if k != "family"}
+    with torch.device("meta"):
+        model = gpu_vs_trl.build_qwen3_moe(tiny_tokenizer, **dims)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM" and model.config.head_dim == 64
+    assert sum(p.numel() for p in model.parameters()) == 1_809_222_656
+    path = gpu_vs_trl.build_model("tiny-moe", tiny_tokenizer, tmp_path / "tiny-moe")  # its CPU form, saved
+    body, head = gpu_vs_trl.matmul_params(path)
+    experts = 2 * 3 * 64 * 64 * 4  # 2 layers x (gate, up, down) x hidden x expert width x 4 experts, k = 2 of them
+    total = 664_448
+    assert head == 8448 * 64 and body == total - head - experts // 2
+    assert gpu_vs_trl.model_name("tiny-moe") == "qwen3-tiny-moe" and gpu_vs_trl.model_name("tiny") == "qwen2.5-tiny"
+
+
 def report(cases: list[dict], **settings) -> dict:
     return {"device_name": "NVIDIA H100 80GB HBM3", "versions": {"torch": "2.11.0", "transformers": "5.23.0",
             "trl": "1.16.0"}, "grpo_commit": "d7b4874", "shape_name": "1.5b", "shape": gpu_vs_trl.SHAPES["1.5b"],
@@ -276,8 +291,9 @@ def test_memory_check_gpu_takes_each_phase_peak_at_its_boundaries(tmp_path, tiny
 
 @pytest.mark.slow
 def test_gpu_session_script_parts_run_in_tiny_form(tmp_path, gsm8k_dir):
-    """scripts/gpu_session.sh's next two leases (issue 49: lease3, then lease4) with GPU_SESSION_TINY=1: the same
-    commands and flags with --tiny on the CPU, so a renamed flag fails here, not in a lent GPU's few minutes. The
+    """scripts/gpu_session.sh's next leases (issue 49: lease3, then lease4; issue 61: since) with GPU_SESSION_TINY=1:
+    the same commands and flags with --tiny on the CPU, so a renamed flag fails here, not in a lent GPU's few minutes
+    (since's FSDP2 run found hf-static's copy of a sharded policy crashing that way). The
     bench parts read GSM8K's prompts (skipped without the shared files, like every GSM8K test). The parts the H200
     leases already measured (gen, choices, jump: docs/device-choices.md) are not run here (the five parts took 12
     minutes of a loaded 2-core CI machine); their flags reach the config as
@@ -292,7 +308,7 @@ def test_gpu_session_script_parts_run_in_tiny_form(tmp_path, gsm8k_dir):
 
     # Both at once: each is mostly single-threaded process start-ups, their files differ, and the model cache takes
     # concurrent builds.
-    parts = ("lease3", "lease4")
+    parts = ("lease3", "lease4", "since")
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         for part, proc in zip(parts, pool.map(run_part, parts)):
             assert proc.returncode == 0, (part, proc.stderr[-4000:])
@@ -324,6 +340,14 @@ def test_gpu_session_script_parts_run_in_tiny_form(tmp_path, gsm8k_dir):
     gc_shared = json.loads((tmp_path / "gc-shared.json").read_text())
     assert gc_shared["settings"]["grpo_shared_prompt_pass"] == "on"
     assert [case["name"].split("/")[1] for case in gc_shared["cases"]] == ["full+gc", "lora16+gc"]
+    # since (issue 61 step 3): the -m gpu tests (skipping here), FSDP2, the MoE shape without and with replay
+    assert "skipped" in (tmp_path / "gpu-tests.txt").read_text()
+    since = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("fsdp2", "moe", "moe-replay")}
+    assert since["fsdp2"]["settings"]["grpo_set"] == {"train.fsdp": "true"}
+    assert "error" not in since["fsdp2"]["cases"][0]["grpo"]  # hf-static's copy of the sharded policy crashed it
+    moe, replay = (since[name]["cases"][0] for name in ("moe", "moe-replay"))
+    assert since["moe"]["shape_name"] == "tiny-moe" and moe["plain"] and "moe_routing_mismatch" not in moe["grpo"]
+    assert moe["grpo"]["moe_aux_loss"][0] > 0 and set(replay["grpo"]["moe_routing_mismatch"]) == {0.0}  # replayed
     proc = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "gpu_session.sh"), "nonsense"], cwd=REPO_ROOT,
                           env=env, capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown part nonsense" in proc.stderr
