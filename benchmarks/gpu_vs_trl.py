@@ -132,7 +132,7 @@ def build_model(shape: str, tokenizer, path: Path) -> Path:
     bf16 (both sides load it as fp32)."""
     import torch
 
-    from grpo.models.tiny import build_qwen2
+    from grpo.models.tiny import build_qwen2, build_qwen3_moe
 
     dims = dict(SHAPES[shape])
     if dims.pop("family", None) == "qwen3_moe":
@@ -142,33 +142,6 @@ def build_model(shape: str, tokenizer, path: Path) -> Path:
     model.to(torch.bfloat16).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
-
-
-def build_qwen3_moe(tokenizer, *, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
-                    moe_intermediate_size: int, num_experts: int, top_k: int, vocab_size: int,
-                    tie_word_embeddings: bool):
-    """A random-weight Qwen3MoeForCausalLM: every layer sparse, top-k weights renormalised, Qwen3's aux-loss
-    coefficient (the router loss is logged, not trained, unless a run asks for it); seed 0."""
-    import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads, head_dim=hidden_size // num_heads, intermediate_size=4 * hidden_size,
-        moe_intermediate_size=moe_intermediate_size, num_experts=num_experts, num_experts_per_tok=top_k,
-        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, router_aux_loss_coef=0.001,
-        max_position_embeddings=32768, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-        tie_word_embeddings=tie_word_embeddings, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id)
-    rng_state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(0)
-        model = Qwen3MoeForCausalLM(config)
-    finally:
-        torch.random.set_rng_state(rng_state)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model
 
 
 def model_name(shape: str) -> str:

@@ -179,9 +179,11 @@ def test_shapes_have_the_published_qwen25_parameter_counts(tiny_tokenizer):
 
 def test_the_moe_shape_is_a_qwen3_moe_of_the_stated_size_and_its_matmuls_count_the_routed_experts_used(
         tiny_tokenizer, tmp_path):
+    from grpo.models.tiny import build_qwen3_moe
+
     dims = {k: v for k, v in gpu_vs_trl.SHAPES["moe"].items() if k != "family"}
     with torch.device("meta"):
-        model = gpu_vs_trl.build_qwen3_moe(tiny_tokenizer, **dims)
+        model = build_qwen3_moe(tiny_tokenizer, **dims)
     assert type(model).__name__ == "Qwen3MoeForCausalLM" and model.config.head_dim == 64
     assert sum(p.numel() for p in model.parameters()) == 1_809_222_656
     path = gpu_vs_trl.build_model("tiny-moe", tiny_tokenizer, tmp_path / "tiny-moe")  # its CPU form, saved

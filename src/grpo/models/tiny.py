@@ -1,4 +1,4 @@
-"""Build small Qwen2-architecture models and their tokenizers in-process, with no hub access.
+"""Build small Qwen2-architecture models (and Qwen3-MoE ones) and their tokenizers in-process, with no hub access.
 
 Used by the tests (random tiny models) and by the script that builds the shipped default model.
 The tokenizer is byte-level BPE like Qwen's, with digits split one per token (so arithmetic is
@@ -106,10 +106,35 @@ def build_qwen2(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    return _seeded(Qwen2ForCausalLM, config, tokenizer, seed)
+
+
+def build_qwen3_moe(tokenizer, *, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                    moe_intermediate_size: int, num_experts: int, top_k: int, vocab_size: int,
+                    tie_word_embeddings: bool = True, max_position_embeddings: int = 32768, seed: int = 0):
+    """A randomly initialised ``Qwen3MoeForCausalLM`` (Qwen3-30B-A3B's make at any size): every layer sparse,
+    ``top_k`` of ``num_experts`` experts a token with their weights renormalised, q/k norms, head_dim
+    hidden / heads, rope theta 1e6, Qwen3's router aux-loss coefficient."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, head_dim=hidden_size // num_heads, intermediate_size=4 * hidden_size,
+        moe_intermediate_size=moe_intermediate_size, num_experts=num_experts, num_experts_per_tok=top_k,
+        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, router_aux_loss_coef=0.001,
+        max_position_embeddings=max_position_embeddings, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        tie_word_embeddings=tie_word_embeddings, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)
+    return _seeded(Qwen3MoeForCausalLM, config, tokenizer, seed)
+
+
+def _seeded(model_class, config, tokenizer, seed: int):
+    """``model_class(config)`` initialised from ``seed`` without touching the global RNG's later use, generating
+    until the tokenizer's EOS."""
     rng_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = model_class(config)
     finally:
         torch.random.set_rng_state(rng_state)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
