@@ -90,6 +90,9 @@ def test_a_finished_trainer_marks_its_address_for_its_own_config_only(tmp_path):
     assert finished_run(tmp_path, "abc") is None
     (tmp_path / ADDRESS_FILE).write_text('{"address": "tcp://10.0.0.9:55')  # a torn read: not finished
     assert finished_run(tmp_path, "abc") is None
+    publish_trainer_finished(tmp_path, 8, "abc")  # an unreadable file: a warning, the trained run does not fail
+    (tmp_path / ADDRESS_FILE).unlink()
+    publish_trainer_finished(tmp_path / "elsewhere", 8, "abc")
     assert not list((tmp_path / ADDRESS_FILE).parent.glob("*.tmp*"))
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import logging
 import os
 import socket
 import time
@@ -24,6 +25,7 @@ from grpo.config import ConfigError
 from grpo.decoupled.listen import WILDCARD_HOSTS
 
 ADDRESS_FILE = Path("decoupled") / "trainer_address.json"
+logger = logging.getLogger(__name__)
 
 
 def split_tcp(address: str) -> tuple[str, str] | None:
@@ -87,13 +89,17 @@ def publish_trainer_address(run_dir: str | os.PathLike, address: str, trainer_id
 
 def publish_trainer_finished(run_dir: str | os.PathLike, step: int, config_hash: str) -> None:
     """Mark the published address finished: rank 0 trained up to ``step`` the run whose config hashes to
-    ``config_hash`` (``grpo.decoupled.link_settings.config_fingerprint``)."""
+    ``config_hash`` (``grpo.decoupled.link_settings.config_fingerprint``). A file that cannot be read or written
+    is a warning, not an error: the run is trained and saved, and without the mark a late sampler only waits."""
     path = Path(run_dir) / ADDRESS_FILE
-    record = json.loads(path.read_text())
-    record["finished"] = {"step": step, "config_hash": config_hash, "time": time.time()}
-    temp = path.with_suffix(f".tmp{os.getpid()}")
-    temp.write_text(json.dumps(record))
-    os.replace(temp, path)
+    try:
+        record = json.loads(path.read_text())
+        record["finished"] = {"step": step, "config_hash": config_hash, "time": time.time()}
+        temp = path.with_suffix(f".tmp{os.getpid()}")
+        temp.write_text(json.dumps(record))
+        os.replace(temp, path)
+    except (OSError, ValueError, TypeError) as err:
+        logger.warning("could not mark %s finished (%s): a sampler started now waits for its peer timeout", path, err)
 
 
 def clear_trainer_finished(run_dir: str | os.PathLike) -> None:
