@@ -11,7 +11,7 @@ from typing import Iterable
 
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 # The Qwen2.5 chat format: <|im_start|>role\ncontent<|im_end|>\n ..., generation prompt "<|im_start|>assistant\n".
 QWEN_CHAT_TEMPLATE = (
@@ -115,8 +115,6 @@ def build_qwen3_moe(tokenizer, *, hidden_size: int, num_layers: int, num_heads: 
     """A randomly initialised ``Qwen3MoeForCausalLM`` (Qwen3-30B-A3B's make at any size): every layer sparse,
     ``top_k`` of ``num_experts`` experts a token with their weights renormalised, q/k norms, head_dim
     hidden / heads, rope theta 1e6, Qwen3's router aux-loss coefficient."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
     config = Qwen3MoeConfig(
         vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads, head_dim=hidden_size // num_heads, intermediate_size=4 * hidden_size,
