@@ -88,9 +88,6 @@ def plain_summary(result: dict, case: dict, params: tuple[int, int]) -> dict:
     summary.update(profile_keys(result))
     if "peak_gpu_mb" in result:
         summary["peak_gpu_gb"] = result["peak_gpu_mb"] / 1024
-    for key in ("moe_aux_loss", "moe_routing_mismatch"):  # a MoE policy's router loss, replay's mismatch: per step
-        if key in result:
-            summary[key] = result[key]
     return summary
 
 
@@ -164,9 +161,10 @@ def markdown_table(report: dict) -> str:
     peak, settings, versions = report["matmul_peak_tflops"], report["settings"], report["versions"]
     on_gpu = settings["device"].startswith("cuda")
     memory, mem_key = ("peak GPU GB", "peak_gpu_gb") if on_gpu else ("peak RSS GB", "peak_rss_gb")
+    family = "Qwen3-MoE" if report["shape"].get("family") == "qwen3_moe" else "Qwen2.5"
     lines = [
         f"{report['device_name']}; torch {versions['torch']}, transformers {versions['transformers']}, "
-        f"TRL {versions['trl']}, grpo {report['grpo_commit']}; {'Qwen3-MoE' if report['shape'].get('family') == 'qwen3_moe' else 'Qwen2.5'}-{report['shape_name']} shape, random "
+        f"TRL {versions['trl']}, grpo {report['grpo_commit']}; {family}-{report['shape_name']} shape, random "
         f"weights; P={settings['P']} x G={settings['G']}, {settings['max_new_tokens']} new tokens, micro-batch "
         f"{settings['micro_batch_size']}, median of steps 2-{settings['steps']}; {report['matmul_dtype']} "
         f"matmul peak {peak:.3g} TFLOP/s",
